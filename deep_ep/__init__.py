@@ -1,0 +1,1 @@
+"""deep_ep: expert-parallel (MoE) dispatch/combine communication for PyTorch."""

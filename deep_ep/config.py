@@ -1,0 +1,225 @@
+"""Topology and tuning configuration shared by ``deep_ep``, ``reference`` and ``simulator``.
+
+Standard library only: importing this module loads neither torch nor the CUDA extension.
+
+* :class:`Config` is DeepEP V1's tuning config for the normal (high-throughput) kernels, with the same
+  constructor (positional or keyword) and the same validation rules, as a frozen dataclass whose
+  fields can be read back.
+* :class:`Topology` says how global ranks map onto scale-up (NVLink) domains ("nodes").
+* :func:`get_dispatch_config` / :func:`get_combine_config` hold the tuned default tables, keyed by rank
+  count and built with keyword arguments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deep_ep import envs
+
+# Largest scale-up (NVLink) domain a node may have; DeepEP's NUM_MAX_NVL_PEERS.
+NUM_MAX_SCALEUP_RANKS = 8
+# Largest number of scale-out peers (nodes) a normal internode kernel talks to.
+NUM_MAX_SCALEOUT_RANKS = 20
+# Most local experts per rank that the host layer accepts (DeepEP's host limit).
+NUM_MAX_LOCAL_EXPERTS = 1024
+# Largest top-k the normal kernels carry per token (DeepEP's device limit).
+NUM_MAX_TOPK = 32
+# Largest top-k of the low-latency path.
+NUM_MAX_LL_TOPK = 16
+# Normal-mode buffer-size hints assume at most this many top-k entries and scales per token.
+NUM_HINT_MAX_TOPK = 128
+NUM_HINT_MAX_SCALES = 128
+# Bytes of the internode per-token source-meta record (source node index + local-GPU mask).
+SOURCE_META_BYTES = 8
+# Channels per block width of the per-token FP8 scale (one float32 scale per 128 channels).
+FP8_BLOCK = 128
+# Largest finite float8_e4m3fn value.
+FP8_E4M3_MAX = 448.0
+# Every buffer byte count and region is a multiple of this.
+BUFFER_ALIGNMENT = 128
+# Ring sequence sentinel used by combine's rewrite of skipped send-head entries.
+SEND_HEAD_SENTINEL = 1 << 25
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def align_up(a: int, b: int) -> int:
+    return ceil_div(a, b) * b
+
+
+def _check_int(name: str, value: object, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tuning of the normal dispatch/combine kernels (DeepEP V1 ``Config``).
+
+    Args (DeepEP's positional order):
+        num_sms: SMs (thread blocks) per kernel; even, because a channel is a pair of SMs.
+        num_max_nvl_chunked_send_tokens: tokens moved per step over the scale-up link before a tail publish (``Sn``).
+        num_max_nvl_chunked_recv_tokens: scale-up ring capacity per (channel, peer), in tokens (``Nn``).
+        num_max_rdma_chunked_send_tokens: tokens per scale-out put (``Sr``).
+        num_max_rdma_chunked_recv_tokens: scale-out ring capacity per (channel, node) (``Nr``); rounded up to a
+            multiple of ``Sr``, as DeepEP does.
+
+    Raises:
+        TypeError / ValueError naming the field, the rule and the value.
+    """
+
+    num_sms: int = 20
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        _check_int("num_sms", self.num_sms, 0)
+        _check_int("num_max_nvl_chunked_send_tokens", self.num_max_nvl_chunked_send_tokens, 1)
+        _check_int("num_max_nvl_chunked_recv_tokens", self.num_max_nvl_chunked_recv_tokens, 1)
+        _check_int("num_max_rdma_chunked_send_tokens", self.num_max_rdma_chunked_send_tokens, 1)
+        _check_int("num_max_rdma_chunked_recv_tokens", self.num_max_rdma_chunked_recv_tokens, 1)
+        if self.num_max_nvl_chunked_send_tokens >= self.num_max_nvl_chunked_recv_tokens:
+            raise ValueError(
+                "num_max_nvl_chunked_send_tokens must be < num_max_nvl_chunked_recv_tokens, got "
+                f"{self.num_max_nvl_chunked_send_tokens} >= {self.num_max_nvl_chunked_recv_tokens}")
+        send_r = self.num_max_rdma_chunked_send_tokens
+        recv_r = align_up(self.num_max_rdma_chunked_recv_tokens, send_r)
+        object.__setattr__(self, "num_max_rdma_chunked_recv_tokens", recv_r)
+        if send_r > recv_r // 2:
+            raise ValueError(
+                "num_max_rdma_chunked_send_tokens must be <= num_max_rdma_chunked_recv_tokens // 2 (after rounding "
+                f"the latter up to a multiple of the former), got {send_r} > {recv_r} // 2")
+
+    @property
+    def num_channels(self) -> int:
+        """Channels (pairs of SMs) of the normal kernels: ``num_sms // 2``."""
+        return self.num_sms // 2
+
+    def describe(self) -> str:
+        return (f"Config(num_sms={self.num_sms}, nvl_send={self.num_max_nvl_chunked_send_tokens}, "
+                f"nvl_recv={self.num_max_nvl_chunked_recv_tokens}, rdma_send={self.num_max_rdma_chunked_send_tokens}, "
+                f"rdma_recv={self.num_max_rdma_chunked_recv_tokens})")
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of scale-up buffer the normal kernels need (DeepEP's formula; see ``deep_ep.layout``)."""
+        from deep_ep import layout
+        return layout.nvl_buffer_size_hint(self, hidden_bytes, num_ranks)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of scale-out buffer the normal internode kernels need; 0 within one node."""
+        from deep_ep import layout
+        return layout.rdma_buffer_size_hint(self, hidden_bytes, num_ranks)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How ``num_ranks`` global ranks map onto scale-up domains.
+
+    Rank ``r`` sits in node ``r // num_scaleup_ranks`` at local index ``r % num_scaleup_ranks``. With the
+    default of 8 this is DeepEP's mapping. ``DEEP_EP_GPUS_PER_NODE`` lowers it so that one host acts as
+    several virtual nodes.
+    """
+
+    num_ranks: int
+    num_scaleup_ranks: int = field(default=NUM_MAX_SCALEUP_RANKS)
+
+    def __post_init__(self) -> None:
+        _check_int("num_ranks", self.num_ranks, 1)
+        _check_int("num_scaleup_ranks", self.num_scaleup_ranks, 1)
+        if self.num_scaleup_ranks > NUM_MAX_SCALEUP_RANKS:
+            raise ValueError(f"num_scaleup_ranks must be <= {NUM_MAX_SCALEUP_RANKS}, got {self.num_scaleup_ranks}")
+        # A group smaller than one node is one (partial) node.
+        object.__setattr__(self, "num_scaleup_ranks", min(self.num_scaleup_ranks, self.num_ranks))
+        if self.num_ranks % self.num_scaleup_ranks != 0:
+            raise ValueError(f"num_ranks ({self.num_ranks}) must be a multiple of the ranks per node "
+                             f"({self.num_scaleup_ranks}) when the group spans several nodes")
+
+    @classmethod
+    def from_env(cls, num_ranks: int) -> "Topology":
+        return cls(num_ranks, envs.GPUS_PER_NODE.get())
+
+    @property
+    def num_scaleout_ranks(self) -> int:
+        """Number of nodes (DeepEP's ``num_rdma_ranks``)."""
+        return self.num_ranks // self.num_scaleup_ranks
+
+    @property
+    def is_internode(self) -> bool:
+        return self.num_scaleout_ranks > 1
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.num_scaleup_ranks
+
+    def local_of(self, rank: int) -> int:
+        return rank % self.num_scaleup_ranks
+
+
+def num_local_experts(num_experts: int, num_ranks: int) -> int:
+    """Experts per rank; raises ``ValueError`` unless ``num_experts`` divides by ``num_ranks``."""
+    _check_int("num_experts", num_experts, 1)
+    if num_experts % num_ranks != 0:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks ({num_ranks})")
+    return num_experts // num_ranks
+
+
+# Tuned defaults per rank count: (dispatch, combine) chunk settings, keyed by DeepEP's rank counts. Rank counts
+# below 8 that DeepEP does not list take the row of the next listed count.
+_DEFAULT_CHUNKS: dict[int, tuple[dict[str, int], dict[str, int]]] = {
+    2: (dict(nvl_send=24, nvl_recv=256, rdma_send=6, rdma_recv=128),
+        dict(nvl_send=10, nvl_recv=256, rdma_send=6, rdma_recv=128)),
+    4: (dict(nvl_send=6, nvl_recv=256, rdma_send=6, rdma_recv=128),
+        dict(nvl_send=9, nvl_recv=256, rdma_send=6, rdma_recv=128)),
+    8: (dict(nvl_send=6, nvl_recv=256, rdma_send=6, rdma_recv=128),
+        dict(nvl_send=4, nvl_recv=256, rdma_send=6, rdma_recv=128)),
+    16: (dict(nvl_send=36, nvl_recv=288, rdma_send=20, rdma_recv=128),
+         dict(nvl_send=4, nvl_recv=288, rdma_send=12, rdma_recv=128)),
+    24: (dict(nvl_send=32, nvl_recv=288, rdma_send=8, rdma_recv=128),
+         dict(nvl_send=1, nvl_recv=288, rdma_send=8, rdma_recv=128)),
+    32: (dict(nvl_send=32, nvl_recv=288, rdma_send=8, rdma_recv=128),
+         dict(nvl_send=1, nvl_recv=288, rdma_send=8, rdma_recv=128)),
+    48: (dict(nvl_send=32, nvl_recv=288, rdma_send=8, rdma_recv=128),
+         dict(nvl_send=1, nvl_recv=288, rdma_send=8, rdma_recv=128)),
+    64: (dict(nvl_send=32, nvl_recv=288, rdma_send=8, rdma_recv=128),
+         dict(nvl_send=1, nvl_recv=288, rdma_send=8, rdma_recv=128)),
+    96: (dict(nvl_send=20, nvl_recv=480, rdma_send=12, rdma_recv=128),
+         dict(nvl_send=1, nvl_recv=480, rdma_send=8, rdma_recv=128)),
+    128: (dict(nvl_send=20, nvl_recv=560, rdma_send=12, rdma_recv=128),
+          dict(nvl_send=1, nvl_recv=560, rdma_send=8, rdma_recv=128)),
+    144: (dict(nvl_send=32, nvl_recv=720, rdma_send=12, rdma_recv=128),
+          dict(nvl_send=2, nvl_recv=720, rdma_send=8, rdma_recv=128)),
+    160: (dict(nvl_send=28, nvl_recv=720, rdma_send=12, rdma_recv=128),
+          dict(nvl_send=2, nvl_recv=720, rdma_send=8, rdma_recv=128)),
+}
+SUPPORTED_NORMAL_RANKS: tuple[int, ...] = tuple(range(1, 9)) + tuple(r for r in _DEFAULT_CHUNKS if r > 8)
+
+
+def _table_row(num_ranks: int) -> tuple[dict[str, int], dict[str, int]]:
+    _check_int("num_ranks", num_ranks, 1)
+    if num_ranks <= 8:
+        return _DEFAULT_CHUNKS[next(r for r in (2, 4, 8) if r >= num_ranks)]
+    if num_ranks not in _DEFAULT_CHUNKS:
+        raise ValueError(f"Unsupported number of EP ranks: {num_ranks} (supported: {SUPPORTED_NORMAL_RANKS})")
+    return _DEFAULT_CHUNKS[num_ranks]
+
+
+def _make(num_sms: int, row: dict[str, int]) -> Config:
+    return Config(num_sms=num_sms,
+                  num_max_nvl_chunked_send_tokens=row["nvl_send"],
+                  num_max_nvl_chunked_recv_tokens=row["nvl_recv"],
+                  num_max_rdma_chunked_send_tokens=row["rdma_send"],
+                  num_max_rdma_chunked_recv_tokens=row["rdma_recv"])
+
+
+def get_dispatch_config(num_ranks: int, num_sms: int = 20) -> Config:
+    """Tuned default dispatch config for ``num_ranks`` ranks and ``num_sms`` SMs."""
+    return _make(num_sms, _table_row(num_ranks)[0])
+
+
+def get_combine_config(num_ranks: int, num_sms: int = 20) -> Config:
+    """Tuned default combine config for ``num_ranks`` ranks and ``num_sms`` SMs."""
+    return _make(num_sms, _table_row(num_ranks)[1])
