@@ -1,1 +1,46 @@
-"""deep_ep: expert-parallel (MoE) dispatch/combine communication for PyTorch."""
+"""deep_ep: expert-parallel (MoE) dispatch/combine communication for PyTorch.
+
+A drop-in for DeepEP V1's ``deep_ep.Buffer`` API. Public names:
+
+* ``Buffer``: the communication buffer (normal and low-latency dispatch/combine).
+* ``EventOverlap``: completion event wrapper returned by every call.
+* ``Config``: tuning config of the normal kernels.
+* ``topk_idx_t``: dtype of expert indices (``torch.int64``; ``torch.int32`` with ``DEEP_EP_TOPK_IDX_BITS=32``).
+* ``per_token_cast_to_fp8``, ``per_token_cast_back``, ``logfmt_roundtrip``: numerics helpers.
+
+Importing this package loads neither torch nor CUDA: ``deep_ep.config``, ``deep_ep.layout`` and ``deep_ep.envs`` are
+standard-library only, and the torch-dependent names above are resolved lazily on first access.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from deep_ep.config import Config
+
+_LAZY = {
+    "Buffer": ("deep_ep.buffer", "Buffer"),
+    "EventOverlap": ("deep_ep.event", "EventOverlap"),
+    "per_token_cast_to_fp8": ("deep_ep.numerics", "per_token_cast_to_fp8"),
+    "per_token_cast_back": ("deep_ep.numerics", "per_token_cast_back"),
+    "logfmt_roundtrip": ("deep_ep.numerics", "logfmt_roundtrip"),
+}
+
+__all__ = ["Buffer", "EventOverlap", "Config", "topk_idx_t", "per_token_cast_to_fp8", "per_token_cast_back",
+           "logfmt_roundtrip"]
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+    if name == "topk_idx_t":
+        from deep_ep.validate import topk_idx_dtype
+        return topk_idx_dtype()
+    if name in _LAZY:
+        module_name, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module_name), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'deep_ep' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -156,12 +156,151 @@ def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: in
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Normal intranode buffer (the receiver owns the rings; senders write into them over NVLink).
+# Normal intranode buffer (csrc/kernels/layout.cuh mirrors every number of this section).
+#
+# The receiver owns the rings; senders write into them over NVLink. Ring positions are monotonic 32-bit sequence
+# numbers that never reset: the sender keeps its tail in a private workspace and publishes it into the receiver's
+# control region, the receiver keeps its head in its workspace and publishes it into the sender's control region.
 # ---------------------------------------------------------------------------------------------------------------
+
+INTRANODE_MAX_RANKS = 8
+INTRANODE_MAX_CHANNELS = 160
+INTRANODE_MAX_TOPK = 16
+INTRANODE_MAX_LOCAL_EXPERTS = 1024
+# int32 per (parity, source) notify slot: [R totals][L expert counts][C channel counts], at fixed positions.
+INTRANODE_NOTIFY_INTS = INTRANODE_MAX_RANKS + INTRANODE_MAX_LOCAL_EXPERTS + INTRANODE_MAX_CHANNELS
+# Bytes of the private device workspace the kernels keep their ring shadows and epochs in.
+INTRANODE_WORKSPACE_BYTES = 1 << 20
+_COUNTER_BYTES = INTRANODE_MAX_CHANNELS * INTRANODE_MAX_RANKS * INT32_BYTES
+
+
+def intranode_control_layout() -> Layout:
+    """Fixed control region at the start of every rank's scale-up buffer (independent of the call).
+
+    * ``abort``: int32, 0 or ``code << 8 | (aborting rank + 1)``; any rank's failure raises it on every rank.
+    * ``barrier``: int32 ``[8]``, slot ``s`` counts barrier arrivals of rank ``s`` (monotonic).
+    * ``notify_flags``: uint32 ``[2][8]``, per (parity, source) the epoch of the notify data that source wrote here.
+    * ``notify_data``: int32 ``[2][8][INTRANODE_NOTIFY_INTS]``.
+    * ``dispatch_tail`` / ``combine_tail``: uint32 ``[160][8]``, index ``channel * 8 + source``, written by the source.
+    * ``dispatch_head`` / ``combine_head``: uint32 ``[160][8]``, index ``channel * 8 + destination``, written by
+      the destination (the receiver) and polled here by this rank as a sender.
+    """
+    notify_data = 2 * INTRANODE_MAX_RANKS * INTRANODE_NOTIFY_INTS * INT32_BYTES
+    return chain(("abort", INT32_BYTES),
+                 ("barrier", INTRANODE_MAX_RANKS * INT32_BYTES),
+                 ("notify_flags", 2 * INTRANODE_MAX_RANKS * INT32_BYTES),
+                 ("notify_data", notify_data),
+                 ("dispatch_tail", _COUNTER_BYTES),
+                 ("dispatch_head", _COUNTER_BYTES),
+                 ("combine_tail", _COUNTER_BYTES),
+                 ("combine_head", _COUNTER_BYTES))
+
+
+def intranode_control_bytes() -> int:
+    """Bytes of the control region, rounded up to ``BUFFER_ALIGNMENT``."""
+    return align_up(intranode_control_layout().total_bytes, BUFFER_ALIGNMENT)
+
+
+def intranode_workspace_layout() -> Layout:
+    """Private (never shared) device workspace of one rank, zeroed at creation and by ``reset``.
+
+    ``notify_epoch`` and ``barrier_epoch`` are uint32 call counters; ``dispatch_max_channels`` /
+    ``combine_max_channels`` the largest channel count any call of that direction used (the rings a sender checks
+    for leftovers before writing); ``error_claim`` is 0 until the first failing thread of this rank claims the
+    host-mapped error record; the four shadows are uint32 ``[160][8]``: the sender's last published tail per
+    (channel, destination) and the receiver's consumed head per (channel, source), for dispatch and combine.
+    """
+    return chain(("notify_epoch", INT32_BYTES),
+                 ("barrier_epoch", INT32_BYTES),
+                 ("dispatch_max_channels", INT32_BYTES),
+                 ("combine_max_channels", INT32_BYTES),
+                 ("error_claim", INT32_BYTES),
+                 ("dispatch_tail_shadow", _COUNTER_BYTES),
+                 ("dispatch_head_shadow", _COUNTER_BYTES),
+                 ("combine_tail_shadow", _COUNTER_BYTES),
+                 ("combine_head_shadow", _COUNTER_BYTES))
+
+
+def intranode_dispatch_record_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
+    """Bytes of one dispatch ring slot: ``[hidden bytes][num_scales x 4-byte scales][src_idx int32, K int32 global
+    top-k ids, K float32 weights]``, each part padded to 16 bytes."""
+    return align_up(hidden_bytes, 16) + align_up(num_scales * FLOAT32_BYTES, 16) + align_up((1 + 2 * num_topk) * 4, 16)
+
+
+def intranode_combine_record_bytes(hidden: int, num_topk: int) -> int:
+    """Bytes of one combine ring slot: ``[hidden BF16][K float32 weights]``, each part padded to 16 bytes."""
+    return align_up(hidden * BF16_BYTES, 16) + align_up(num_topk * FLOAT32_BYTES, 16)
+
+
+@dataclass(frozen=True)
+class RingGeometry:
+    """Where the rings of one direction (dispatch or combine) lie for one call.
+
+    The bytes after the control region are split into a dispatch half and a combine half; each half into one
+    sub-region per source rank (``source_bytes``); ring (channel c, source s) holds ``capacity`` records at
+    ``half_offset + s * source_bytes + c * capacity * record_bytes``.
+    """
+
+    half_offset: int
+    source_bytes: int
+    record_bytes: int
+    capacity: int
+
+    def slot_offset(self, channel: int, source: int, slot: int) -> int:
+        return self.half_offset + source * self.source_bytes + (channel * self.capacity + slot) * self.record_bytes
+
+
+def intranode_ring_half_bytes(num_nvl_bytes: int) -> int:
+    left = num_nvl_bytes - intranode_control_bytes()
+    return (left // 2) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT if left > 0 else 0
+
+
+def intranode_ring_geometry(num_nvl_bytes: int, num_ranks: int, num_channels: int, record_bytes: int,
+                            max_capacity: int, is_combine: bool) -> RingGeometry:
+    """Ring geometry of a call: ``capacity = min(max_capacity, source_bytes // (num_channels * record_bytes))``.
+
+    ``max_capacity`` is ``Config.num_max_nvl_chunked_recv_tokens``; the kernels need ``capacity >= 2 * Sn``
+    (``Config.num_max_nvl_chunked_send_tokens``) when ``num_ranks > 1``.
+    """
+    half = intranode_ring_half_bytes(num_nvl_bytes)
+    source_bytes = (half // num_ranks) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT if num_ranks > 0 else 0
+    fit = source_bytes // (num_channels * record_bytes) if num_channels > 0 and record_bytes > 0 else 0
+    return RingGeometry(intranode_control_bytes() + (half if is_combine else 0), source_bytes, record_bytes,
+                        min(fit, max_capacity))
+
+
+def intranode_dispatch_ring_layout(num_nvl_bytes: int, num_ranks: int, num_channels: int, hidden_bytes: int,
+                              num_topk: int, num_scales: int, max_capacity: int) -> Layout:
+    """Regions of one rank's scale-up buffer during one of our intranode dispatches: the control regions, then one
+    ``dispatch_rings_src{s}`` region per source rank (``num_channels`` rings of ``capacity`` records each)."""
+    geometry = intranode_ring_geometry(num_nvl_bytes, num_ranks, num_channels,
+                                       intranode_dispatch_record_bytes(hidden_bytes, num_scales, num_topk),
+                                       max_capacity, is_combine=False)
+    return _with_rings(geometry, num_ranks, num_channels, "dispatch")
+
+
+def intranode_combine_ring_layout(num_nvl_bytes: int, num_ranks: int, num_channels: int, hidden: int, num_topk: int,
+                             max_capacity: int) -> Layout:
+    """Regions of one rank's scale-up buffer during one of our intranode combines: the control regions, then one
+    ``combine_rings_src{s}`` region per source rank, in the second half of the ring bytes."""
+    geometry = intranode_ring_geometry(num_nvl_bytes, num_ranks, num_channels,
+                                       intranode_combine_record_bytes(hidden, num_topk), max_capacity,
+                                       is_combine=True)
+    return _with_rings(geometry, num_ranks, num_channels, "combine")
+
+
+def _with_rings(geometry: RingGeometry, num_ranks: int, num_channels: int, name: str) -> Layout:
+    rings = tuple(Region(f"{name}_rings_src{s}", geometry.half_offset + s * geometry.source_bytes,
+                         num_channels * geometry.capacity * geometry.record_bytes) for s in range(num_ranks))
+    return Layout(intranode_control_layout().regions + rings)
+
 
 def intranode_dispatch_layout(num_ranks: int, num_channels: int, num_recv_tokens: int, hidden_bytes: int,
                               num_topk: int, num_scales: int, topk_idx_bytes: int = 8) -> Layout:
-    """Regions of one rank's scale-up buffer during an intranode dispatch (DeepEP §13.1 shape).
+    """DeepEP V1's regions of one rank's scale-up buffer during an intranode dispatch (spec §13.1 shape).
+
+    Our kernels carve the buffer differently (:func:`intranode_dispatch_ring_layout`); this function documents
+    the shape DeepEP's size hints were derived from.
 
     ``num_recv_tokens`` is the ring capacity per (channel, source rank); ring index = ``channel * R + src``.
     """
@@ -181,7 +320,9 @@ def intranode_dispatch_layout(num_ranks: int, num_channels: int, num_recv_tokens
 
 def intranode_combine_layout(num_ranks: int, num_channels: int, num_recv_tokens: int, hidden: int,
                              num_topk: int) -> Layout:
-    """Regions of one rank's scale-up buffer during an intranode combine (DeepEP §13.2 shape)."""
+    """DeepEP V1's regions of one rank's scale-up buffer during an intranode combine (spec §13.2 shape).
+
+    Our kernels use :func:`intranode_combine_ring_layout`."""
     rings = num_channels * num_ranks
     slots = rings * num_recv_tokens
     return chain(("channel_head", rings * INT32_BYTES),

@@ -1,0 +1,273 @@
+"""Intranode normal-mode benchmark: deep_ep's CUDA kernels against the NCCL all-to-all baseline.
+
+Workload (DeepEP's intranode test, ../shared/spec/tests_and_perf.md §2): ``--num-tokens`` tokens per rank (4096),
+hidden 7168, top-8 of 256 experts, uniform random routing (``topk(|randn| + 1)``), one process per GPU.
+
+Timing, as DeepEP's ``bench``: 50 warm-up calls, one L2 flush (a 256 MB tensor zeroed), then 50 calls, each between
+two CUDA events on the calling stream; the first sample is dropped. The *wall time* is that event interval (it
+covers everything the call enqueues, the CPU launch included); the *kernel time* is the mean duration of the
+``dispatch``/``combine`` kernels in a torch-profiler trace. Dispatch is timed as DeepEP times it: the cached dispatch
+(``handle=``), which is what a training step repeats.
+
+Bytes (DeepEP's "logical" count): rows received by this rank (its own included) × hidden × 2 bytes for BF16, times
+``(1 + 4/128) / 2`` for FP8; combine counts the same rows. "Remote" GB/s counts only the rows that cross NVLink
+(rows from / to other ranks) with their real wire bytes (FP8: hidden + 4 × hidden/128).
+
+Output: a table on stdout (rank 0) and JSON (``--json``) with every point of the SM sweep, the chunk-size sweep and
+the NCCL baseline. Run on the 2-GPU machine::
+
+    python benchmarks/bench_intranode.py --num-processes 2 --json out/bench.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+FP8_FACTOR = (1 + 4 / 128) / 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Timing helpers
+# ----------------------------------------------------------------------------------------------------------------
+def bench(fn, num_warmups: int = 50, num_tests: int = 50) -> dict:
+    """DeepEP's timing: warm-ups, one L2 flush, CUDA events around each call; first sample dropped (seconds)."""
+    torch.cuda.synchronize()
+    cache = torch.empty(int(256e6 // 4), dtype=torch.int32, device="cuda")
+    for _ in range(num_warmups):
+        fn()
+    cache.zero_()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(num_tests)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(num_tests)]
+    for i in range(num_tests):
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)][1:]
+    return {"mean": statistics.fmean(times), "median": statistics.median(times), "min": min(times), "max": max(times)}
+
+
+def kernel_time(fn, keyword: str, num_tests: int = 20) -> float | None:
+    """Mean duration (s) of the one CUDA kernel whose name contains ``keyword`` (None if not exactly one)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_tests):
+            fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if keyword in e.key and e.device_type.name == "CUDA"]
+    names = {e.key for e in rows}
+    if len(names) != 1:
+        return None
+    row = rows[0]
+    total_us = getattr(row, "device_time_total", None)
+    if total_us is None:
+        total_us = row.cuda_time_total
+    return total_us / max(row.count, 1) / 1e6
+
+
+def per_token_cast_to_fp8(x: torch.Tensor):
+    """FP8 e4m3 with one float32 scale per 128 channels (DeepEP's test helper, column-major scales)."""
+    m, n = x.shape
+    view = x.float().view(m, n // 128, 128)
+    amax = view.abs().amax(dim=2).clamp(min=1e-4)
+    fp8 = (view * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, n)
+    scales = (amax / 448.0).t().contiguous().t()  # column-major, as DeepEP's test passes them
+    return fp8, scales
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One rank
+# ----------------------------------------------------------------------------------------------------------------
+def run_rank(rank: int, args, port: int, result_path: str) -> None:
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=args.num_processes, device_id=torch.device("cuda", torch.cuda.current_device()))
+    group = dist.group.WORLD
+    num_ranks = args.num_processes
+    import deep_ep
+    torch.manual_seed(rank)
+    n, h, k, e = args.num_tokens, args.hidden, args.num_topk, args.num_experts
+    x = torch.randn(n, h, dtype=torch.bfloat16, device="cuda")
+    x_fp8 = per_token_cast_to_fp8(x)
+    scores = torch.randn(n, e, dtype=torch.float32, device="cuda").abs() + 1
+    topk_idx = torch.topk(scores, k, dim=-1, sorted=False).indices.to(deep_ep.topk_idx_t)
+    topk_weights = torch.ones(n, k, dtype=torch.float32, device="cuda")
+
+    buffer = deep_ep.Buffer(group, num_nvl_bytes=args.num_nvl_bytes, explicitly_destroy=True)
+    report: dict = {"rank": rank, "backend": type(getattr(buffer, "_cuda", None)).__name__, "points": [],
+                    "errors": []}
+
+    layout = buffer.get_dispatch_layout(topk_idx, e)
+    torch.cuda.synchronize()
+    # The first profiler session pays CUPTI's start-up inside the first kernel it sees: spend it on a dummy.
+    kernel_time(lambda: torch.ones(1024, device="cuda").sum(), "reduce", num_tests=2)
+    layout_t = bench(lambda: buffer.get_dispatch_layout(topk_idx, e))
+    report["layout_us"] = layout_t["mean"] * 1e6
+
+    def safe(label, fn):
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001 - a failing point is reported, the sweep goes on
+            report["errors"].append(f"{label}: {traceback.format_exc()}")
+            return None
+
+    for num_sms in args.sms:
+        base = deep_ep.Config(num_sms, 8, 256)
+        first = buffer.dispatch(x, num_tokens_per_rank=layout.num_tokens_per_rank,
+                                is_token_in_rank=layout.is_token_in_rank,
+                                num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=topk_idx,
+                                topk_weights=topk_weights, config=base)
+        handle = first.handle
+        recv_rows = first.recv_x.size(0)
+        prefix = handle.rank_prefix_matrix[:, rank].tolist()
+        local_rows = prefix[rank] - (prefix[rank - 1] if rank > 0 else 0)
+        remote_rows = recv_rows - local_rows
+        bf16_bytes = recv_rows * h * 2
+        fp8_wire_row = h + 4 * (h // 128)
+        for label, cur_x, logical_bytes, remote_bytes in (
+                ("dispatch_fp8", x_fp8, bf16_bytes * FP8_FACTOR, remote_rows * fp8_wire_row),
+                ("dispatch_bf16", x, bf16_bytes, remote_rows * h * 2)):
+            best = None
+            for chunk in args.dispatch_chunks:
+                cfg = deep_ep.Config(num_sms, chunk, 256)
+                fn = (lambda c=cfg, cx=cur_x: buffer.dispatch(cx, handle=handle, config=c))
+                t = safe(f"{label} sms={num_sms} chunk={chunk}", lambda: bench(fn))
+                if t is not None and (best is None or t["mean"] < best[1]["mean"]):
+                    best = (chunk, t, fn)
+            if best is None:
+                continue
+            kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "dispatch"))
+            report["points"].append(_point(label, num_sms, best[0], best[1], kt, logical_bytes, remote_bytes))
+        combine_x = first.recv_x
+        best = None
+        for chunk in args.combine_chunks:
+            cfg = deep_ep.Config(num_sms, chunk, 256)
+            fn = (lambda c=cfg: buffer.combine(combine_x, handle, config=c))
+            t = safe(f"combine sms={num_sms} chunk={chunk}", lambda: bench(fn))
+            if t is not None and (best is None or t["mean"] < best[1]["mean"]):
+                best = (chunk, t, fn)
+        if best is not None:
+            kt = safe("combine kernel time", lambda: kernel_time(best[2], "combine"))
+            report["points"].append(_point("combine_bf16", num_sms, best[0], best[1], kt, bf16_bytes,
+                                           remote_rows * h * 2))
+
+    # NCCL baseline: index_select by destination + all_to_all_single; back with all_to_all_single + index_add_.
+    in_rank = layout.is_token_in_rank
+    send_counts = in_rank.sum(0).tolist()
+    order = torch.cat([in_rank[:, d].nonzero().squeeze(1) for d in range(num_ranks)])
+    counts = torch.tensor(send_counts, dtype=torch.int64, device="cuda")
+    recv_counts_t = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts_t, counts)
+    recv_counts = recv_counts_t.tolist()
+    recv_buf = torch.empty(sum(recv_counts), h, dtype=torch.bfloat16, device="cuda")
+    back_buf = torch.empty(order.numel(), h, dtype=torch.bfloat16, device="cuda")
+    acc = torch.empty(n, h, dtype=torch.float32, device="cuda")
+
+    def nccl_dispatch():
+        send = x.index_select(0, order)
+        dist.all_to_all_single(recv_buf, send, recv_counts, send_counts)
+
+    def nccl_combine():
+        dist.all_to_all_single(back_buf, recv_buf, send_counts, recv_counts)
+        acc.zero_()
+        acc.index_add_(0, order, back_buf.float())
+        return acc.to(torch.bfloat16)
+
+    rows = sum(recv_counts)
+    nccl_local = recv_counts[rank]
+    for label, fn in (("nccl_dispatch_bf16", nccl_dispatch), ("nccl_combine_bf16", nccl_combine)):
+        t = safe(label, lambda: bench(fn))
+        if t is not None:
+            report["points"].append(_point(label, 0, 0, t, None, rows * h * 2, (rows - nccl_local) * h * 2))
+
+    with open(f"{result_path}.rank{rank}", "w") as f:
+        json.dump(report, f)
+    buffer.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _point(op: str, num_sms: int, chunk: int, t: dict, kernel_s, logical_bytes: float, remote_bytes: float) -> dict:
+    return {"op": op, "num_sms": num_sms, "chunk": chunk, "wall_us_mean": t["mean"] * 1e6,
+            "wall_us_median": t["median"] * 1e6, "wall_us_min": t["min"] * 1e6,
+            "kernel_us": kernel_s * 1e6 if kernel_s else None,
+            "logical_GBps": logical_bytes / 1e9 / t["mean"], "remote_GBps": remote_bytes / 1e9 / t["mean"],
+            "logical_GBps_kernel": logical_bytes / 1e9 / kernel_s if kernel_s else None}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------------------------------------------
+DEEPEP_V1 = {  # ../shared/hardware.md, same machine: (op, SMs) -> GB/s
+    ("dispatch_fp8", 8): 92, ("dispatch_bf16", 8): 120, ("combine_bf16", 8): 116,
+    ("dispatch_fp8", 16): 172, ("dispatch_bf16", 16): 233, ("combine_bf16", 16): 218,
+    ("dispatch_fp8", 24): 245, ("dispatch_bf16", 24): 338, ("combine_bf16", 24): 300,
+    ("dispatch_fp8", 32): 309, ("dispatch_bf16", 32): 394, ("combine_bf16", 32): 367,
+    ("dispatch_fp8", 48): 406, ("dispatch_bf16", 48): 502, ("combine_bf16", 48): 451,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-processes", type=int, default=2)
+    parser.add_argument("--num-tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--num-topk", type=int, default=8)
+    parser.add_argument("--num-experts", type=int, default=256)
+    parser.add_argument("--num-nvl-bytes", type=int, default=int(2e9) // 128 * 128)
+    parser.add_argument("--sms", type=int, nargs="+", default=[8, 16, 24, 32, 48])
+    parser.add_argument("--dispatch-chunks", type=int, nargs="+", default=[8, 16, 24])
+    parser.add_argument("--combine-chunks", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--json", type=str, default="bench_intranode.json")
+    args = parser.parse_args()
+    os.environ.setdefault("DEEP_EP_TIMEOUT_S", "30")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(run_rank, args=(args, port, args.json), nprocs=args.num_processes)
+    reports = []
+    for r in range(args.num_processes):
+        path = Path(f"{args.json}.rank{r}")
+        reports.append(json.loads(path.read_text()))
+        path.unlink()
+    summary = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "machine": torch.cuda.get_device_name(0) + f" x{torch.cuda.device_count()}",
+               "torch": torch.__version__, "args": vars(args), "ranks": reports}
+    Path(args.json).write_text(json.dumps(summary, indent=1))
+    print_table(summary)
+
+
+def print_table(summary: dict) -> None:
+    rep = summary["ranks"][0]
+    print(f"\n# {summary['date']}  {summary['machine']}  backend={rep['backend']}  layout {rep['layout_us']:.1f} us")
+    print(f"{'op':<20}{'SMs':>5}{'chunk':>6}{'wall us':>10}{'kern us':>10}{'GB/s':>9}{'GB/s kern':>10}"
+          f"{'remote':>8}{'DeepEP':>8}{'ratio':>7}")
+    for p in rep["points"]:
+        ref = DEEPEP_V1.get((p["op"], p["num_sms"]))
+        kern = f"{p['kernel_us']:.1f}" if p["kernel_us"] else "-"
+        kern_bw = f"{p['logical_GBps_kernel']:.0f}" if p["logical_GBps_kernel"] else "-"
+        print(f"{p['op']:<20}{p['num_sms']:>5}{p['chunk']:>6}{p['wall_us_mean']:>10.1f}{kern:>10}"
+              f"{p['logical_GBps']:>9.0f}{kern_bw:>10}{p['remote_GBps']:>8.0f}{ref or '-':>8}"
+              f"{(p['logical_GBps'] / ref if ref else 0):>7.2f}")
+    for r in summary["ranks"]:
+        for err in r["errors"]:
+            print(f"rank {r['rank']} ERROR {err.splitlines()[0]} ... {err.splitlines()[-1]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,445 @@
+// Host runtime of the intranode normal-mode kernels: allocation, IPC exchange, error record, tensors -> pointers.
+#include "buffer.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+namespace deep_ep {
+
+namespace {
+
+// Throws std::runtime_error naming the CUDA call, the error and the location.
+void cuda_check(cudaError_t status, const char* call, const char* file, int line) {
+    if (status != cudaSuccess) {
+        char text[512];
+        std::snprintf(text, sizeof(text), "CUDA error %s (%d) in %s at %s:%d", cudaGetErrorString(status),
+                      static_cast<int>(status), call, file, line);
+        throw std::runtime_error(text);
+    }
+}
+#define DEEP_EP_CUDA_CHECK(call) cuda_check((call), #call, __FILE__, __LINE__)
+
+// Throws std::invalid_argument (Python ValueError) with a printf-style message.
+template <typename... Args>
+[[noreturn]] void invalid(const char* format, Args... args) {
+    char text[512];
+    std::snprintf(text, sizeof(text), format, args...);
+    throw std::invalid_argument(text);
+}
+
+cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+// Device address of a tensor's data. An empty tensor may have a null data pointer, which the launchers read as
+// "argument absent"; it gets `dummy` (valid, 16-byte aligned device memory that is never accessed for 0 rows).
+template <typename T = void>
+T* data_of(const at::Tensor& tensor, void* dummy) {
+    void* ptr = tensor.data_ptr();
+    return static_cast<T*>(ptr != nullptr ? ptr : dummy);
+}
+
+// Like data_of, and nullptr when the optional tensor is absent.
+template <typename T = void>
+T* ptr_or_null(const std::optional<at::Tensor>& tensor, void* dummy) {
+    return tensor.has_value() ? data_of<T>(*tensor, dummy) : nullptr;
+}
+
+// Every tensor handed to a launcher must live on this runtime's device.
+void check_device(const char* name, const at::Tensor& tensor, int device_id) {
+    if (!tensor.is_cuda() || tensor.get_device() != device_id)
+        invalid("%s must be a CUDA tensor on device %d, got %s", name, device_id, tensor.device().str().c_str());
+}
+
+void check_device(const char* name, const std::optional<at::Tensor>& tensor, int device_id) {
+    if (tensor.has_value()) check_device(name, *tensor, device_id);
+}
+
+// Row data is copied in 16-byte words: the base of every row tensor must be 16-byte aligned.
+void check_aligned(const char* name, const at::Tensor& tensor) {
+    if (tensor.numel() > 0 && reinterpret_cast<uintptr_t>(tensor.data_ptr()) % 16 != 0)
+        invalid("%s must start at a 16-byte aligned address (rows are copied in 16-byte words), got a view at "
+                "offset %lld elements", name, static_cast<long long>(tensor.storage_offset()));
+}
+
+void check_aligned(const char* name, const std::optional<at::Tensor>& tensor) {
+    if (tensor.has_value()) check_aligned(name, *tensor);
+}
+
+const char* kernel_name(int32_t kernel) {
+    switch (kernel) {
+        case kernels::kKernelNotify: return "notify";
+        case kernels::kKernelDispatch: return "dispatch";
+        case kernels::kKernelCombine: return "combine";
+        case kernels::kKernelBarrier: return "barrier";
+        default: return "kernel";
+    }
+}
+
+}  // namespace
+
+std::string format_error(const kernels::ErrorRecord& r) {
+    char text[512];
+    // Phase names start with their kernel's name ("dispatch recv wait tail"); an unknown phase gets the kernel's.
+    const char* phase = kernels::phase_name(r.phase);
+    const bool known_phase = std::strcmp(phase, "unknown phase") != 0;
+    std::snprintf(text, sizeof(text),
+                  "%s%s%s: rank %d peer %d channel %d expected %lld observed %lld after %.3f s (%s; block %d, "
+                  "call %lld)",
+                  known_phase ? "" : kernel_name(r.kernel), known_phase ? "" : " ", phase, r.rank, r.peer, r.channel,
+                  static_cast<long long>(r.expected), static_cast<long long>(r.observed), r.elapsed_ns * 1e-9,
+                  kernels::error_code_name(r.code), r.block, static_cast<long long>(r.call_seq));
+    return text;
+}
+
+Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s)
+    : rank_(rank), num_ranks_(num_ranks), num_nvl_bytes_(num_nvl_bytes), timeout_s_(timeout_s) {
+    if (num_ranks < 1 || num_ranks > kernels::kMaxRanks)
+        invalid("num_ranks must be in [1, %d] for the intranode runtime, got %d", kernels::kMaxRanks, num_ranks);
+    if (rank < 0 || rank >= num_ranks) invalid("rank must be in [0, %d), got %d", num_ranks, rank);
+    if (num_nvl_bytes <= kernels::kControlBytes || num_nvl_bytes % kernels::kBufferAlignment != 0)
+        invalid("num_nvl_bytes must be a multiple of %lld larger than the %lld-byte control region, got %lld",
+                static_cast<long long>(kernels::kBufferAlignment), static_cast<long long>(kernels::kControlBytes),
+                static_cast<long long>(num_nvl_bytes));
+    if (!(timeout_s > 0)) invalid("timeout_s (DEEP_EP_TIMEOUT_S) must be > 0, got %f", timeout_s);
+
+    DEEP_EP_CUDA_CHECK(cudaGetDevice(&device_id_));
+    DEEP_EP_CUDA_CHECK(cudaDeviceGetAttribute(&num_device_sms_, cudaDevAttrMultiProcessorCount, device_id_));
+
+    // Scale-up buffer: zeroed once; the kernels keep it consistent from then on (monotonic counters, epochs).
+    DEEP_EP_CUDA_CHECK(cudaMalloc(&local_buffer_, num_nvl_bytes_));
+    DEEP_EP_CUDA_CHECK(cudaMemset(local_buffer_, 0, num_nvl_bytes_));
+    DEEP_EP_CUDA_CHECK(cudaIpcGetMemHandle(&local_handle_, local_buffer_));
+
+    DEEP_EP_CUDA_CHECK(cudaMalloc(&workspace_, kernels::kWorkspaceBytes));
+    DEEP_EP_CUDA_CHECK(cudaMemset(workspace_, 0, kernels::kWorkspaceBytes));
+
+    DEEP_EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_error_), sizeof(kernels::ErrorRecord),
+                                     cudaHostAllocMapped));
+    std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
+    DEEP_EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_error_), host_error_, 0));
+
+    const size_t counter_bytes = sizeof(int) * (1 + kernels::kMaxLocalExperts);
+    DEEP_EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_counters_), counter_bytes, cudaHostAllocMapped));
+    for (int i = 0; i <= kernels::kMaxLocalExperts; ++i) host_counters_[i] = -1;
+    DEEP_EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_counters_), host_counters_, 0));
+    DEEP_EP_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+Runtime::~Runtime() {
+    // Without an explicit destroy() the IPC mappings and memory are released here, without a barrier (a peer that
+    // still writes into our buffer would then fault). deep_ep.Buffer calls destroy() on every rank instead.
+    if (!destroyed_) {
+        try {
+            destroy();
+        } catch (...) {
+        }
+    }
+}
+
+std::string Runtime::get_local_ipc_handle() const {
+    return std::string(reinterpret_cast<const char*>(&local_handle_), sizeof(local_handle_));
+}
+
+void Runtime::sync(const std::vector<int>& device_ids, const std::vector<std::string>& ipc_handles) {
+    if (available_) throw std::runtime_error("Runtime::sync called twice");
+    if (static_cast<int>(device_ids.size()) != num_ranks_ || static_cast<int>(ipc_handles.size()) != num_ranks_)
+        invalid("sync needs one device id and one IPC handle per rank (%d), got %d and %d", num_ranks_,
+                static_cast<int>(device_ids.size()), static_cast<int>(ipc_handles.size()));
+    peer_buffers_.assign(num_ranks_, nullptr);
+    for (int r = 0; r < num_ranks_; ++r) {
+        if (ipc_handles[r].size() != sizeof(cudaIpcMemHandle_t))
+            invalid("IPC handle of rank %d has %d bytes, expected %d", r, static_cast<int>(ipc_handles[r].size()),
+                    static_cast<int>(sizeof(cudaIpcMemHandle_t)));
+        if (r == rank_) {
+            if (std::memcmp(ipc_handles[r].data(), &local_handle_, sizeof(local_handle_)) != 0)
+                invalid("IPC handle of my own rank %d differs from the one exchanged (ranks out of order?)", r);
+            peer_buffers_[r] = local_buffer_;
+            continue;
+        }
+        cudaIpcMemHandle_t handle;
+        std::memcpy(&handle, ipc_handles[r].data(), sizeof(handle));
+        void* mapped = nullptr;
+        cudaError_t status = cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess);
+        if (status != cudaSuccess) {
+            char text[256];
+            std::snprintf(text, sizeof(text),
+                          "rank %d (device %d) cannot map the buffer of rank %d (device %d): %s; the ranks must share "
+                          "one NVLink domain",
+                          rank_, device_id_, r, device_ids[r], cudaGetErrorString(status));
+            throw std::runtime_error(text);
+        }
+        peer_buffers_[r] = mapped;
+    }
+    available_ = true;
+}
+
+void Runtime::destroy() {
+    if (destroyed_) return;
+    destroyed_ = true;
+    available_ = false;
+    cudaDeviceSynchronize();
+    for (int r = 0; r < static_cast<int>(peer_buffers_.size()); ++r)
+        if (r != rank_ && peer_buffers_[r] != nullptr) cudaIpcCloseMemHandle(peer_buffers_[r]);
+    peer_buffers_.clear();
+    if (local_buffer_) cudaFree(local_buffer_);
+    if (workspace_) cudaFree(workspace_);
+    if (host_error_) cudaFreeHost(host_error_);
+    if (host_counters_) cudaFreeHost(host_counters_);
+    local_buffer_ = workspace_ = nullptr;
+    host_error_ = device_error_ = nullptr;
+    host_counters_ = device_counters_ = nullptr;
+}
+
+void Runtime::require_available(const char* what) const {
+    if (destroyed_) invalid("%s: this Buffer was destroyed", what);
+    if (!available_) invalid("%s: the Buffer runtime is not synchronised with its peers yet", what);
+}
+
+kernels::KernelContext Runtime::next_context() {
+    kernels::KernelContext ctx{};
+    for (int r = 0; r < kernels::kMaxRanks; ++r) ctx.buffers[r] = r < num_ranks_ ? peer_buffers_[r] : nullptr;
+    ctx.workspace = workspace_;
+    ctx.error = device_error_;
+    ctx.num_nvl_bytes = num_nvl_bytes_;
+    ctx.timeout_ns = static_cast<uint64_t>(timeout_s_ * 1e9);
+    ctx.call_seq = ++call_seq_;
+    ctx.rank = rank_;
+    ctx.num_ranks = num_ranks_;
+    ctx.skip_sends = (fault_call_seq_ > 0 && ctx.call_seq >= fault_call_seq_) ? 1 : 0;
+    return ctx;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------------------------------
+
+std::optional<kernels::ErrorRecord> Runtime::read_error() const {
+    if (host_error_ == nullptr) return std::nullopt;
+    const volatile kernels::ErrorRecord* record = host_error_;
+    if (record->code == kernels::kErrorNone) return std::nullopt;
+    // The writer sets `ready` last; give it a moment if we caught it mid-way.
+    for (int spin = 0; spin < 1000000 && record->ready == 0; ++spin) std::this_thread::yield();
+    std::atomic_thread_fence(std::memory_order_acquire);
+    kernels::ErrorRecord copy;
+    std::memcpy(&copy, const_cast<const kernels::ErrorRecord*>(host_error_), sizeof(copy));
+    return copy;
+}
+
+void Runtime::check_error() const {
+    auto record = read_error();
+    if (record.has_value()) throw DeviceError(format_error(*record));
+}
+
+void Runtime::reset(uintptr_t stream) {
+    require_available("reset");
+    auto ctx = next_context();
+    kernels::intranode_reset(ctx, as_stream(stream));
+    DEEP_EP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
+    std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
+    for (int i = 0; i <= kernels::kMaxLocalExperts; ++i) host_counters_[i] = -1;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+void Runtime::signal_abort(uintptr_t stream) {
+    require_available("signal_abort");
+    auto ctx = next_context();
+    kernels::intranode_signal_abort(ctx, as_stream(stream));
+}
+
+at::Tensor Runtime::get_local_buffer_tensor(at::ScalarType dtype, int64_t offset) const {
+    require_available("get_local_buffer_tensor");
+    if (offset < 0 || offset > num_nvl_bytes_)
+        invalid("offset must be in [0, num_nvl_bytes=%lld], got %lld", static_cast<long long>(num_nvl_bytes_),
+                static_cast<long long>(offset));
+    const int64_t itemsize = static_cast<int64_t>(c10::elementSize(dtype));
+    if (offset % itemsize != 0)
+        invalid("offset must be a multiple of the dtype size %lld, got %lld", static_cast<long long>(itemsize),
+                static_cast<long long>(offset));
+    auto options = at::TensorOptions().dtype(dtype).device(at::kCUDA, device_id_);
+    return at::from_blob(static_cast<char*>(local_buffer_) + offset, {(num_nvl_bytes_ - offset) / itemsize},
+                         options);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------------------------------------------
+
+void Runtime::get_dispatch_layout(const at::Tensor& topk_idx, int num_experts, const at::Tensor& num_tokens_per_rank,
+                                  const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank,
+                                  uintptr_t stream) {
+    require_available("get_dispatch_layout");
+    check_device("topk_idx", topk_idx, device_id_);
+    const int topk_idx_bytes = static_cast<int>(topk_idx.element_size());
+    kernels::get_dispatch_layout(data_of(topk_idx, workspace_), topk_idx_bytes, static_cast<int>(topk_idx.size(0)),
+                                 static_cast<int>(topk_idx.size(1)), num_ranks_, num_experts, num_ranks_,
+                                 data_of<int>(num_tokens_per_rank, workspace_), nullptr,
+                                 data_of<int>(num_tokens_per_expert, workspace_),
+                                 data_of<bool>(is_token_in_rank, workspace_), as_stream(stream));
+}
+
+void Runtime::notify_dispatch(const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_expert,
+                              const at::Tensor& is_token_in_rank, int num_experts, int num_channels,
+                              int expert_alignment, bool worst_token_mode, const at::Tensor& rank_prefix_matrix,
+                              const at::Tensor& channel_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
+                              uintptr_t stream) {
+    require_available("dispatch");
+    check_device("is_token_in_rank", is_token_in_rank, device_id_);
+    check_device("num_tokens_per_rank", num_tokens_per_rank, device_id_);
+    check_device("num_tokens_per_expert", num_tokens_per_expert, device_id_);
+    kernels::NotifyArgs args{};
+    args.num_tokens_per_rank = data_of<int>(num_tokens_per_rank, workspace_);
+    args.num_tokens_per_expert = data_of<int>(num_tokens_per_expert, workspace_);
+    args.is_token_in_rank = data_of<bool>(is_token_in_rank, workspace_);
+    args.num_tokens = static_cast<int>(is_token_in_rank.size(0));
+    args.num_experts = num_experts;
+    args.num_channels = num_channels;
+    args.expert_alignment = expert_alignment;
+    args.rank_prefix_matrix = data_of<int>(rank_prefix_matrix, workspace_);
+    args.channel_prefix_matrix = data_of<int>(channel_prefix_matrix, workspace_);
+    args.recv_channel_prefix_matrix = data_of<int>(recv_channel_prefix_matrix, workspace_);
+    args.host_counters = nullptr;
+    if (!worst_token_mode) {
+        // The previous non-worst notify was waited for before its call returned, so nothing writes here now.
+        host_counters_[0] = -1;
+        std::atomic_thread_fence(std::memory_order_seq_cst);
+        args.host_counters = device_counters_;
+    }
+    auto ctx = next_context();
+    kernels::intranode_notify(ctx, args, as_stream(stream));
+}
+
+std::pair<int, std::vector<int>> Runtime::wait_recv_counts(int num_local_experts) {
+    require_available("dispatch");
+    if (num_local_experts < 0 || num_local_experts > kernels::kMaxLocalExperts)
+        invalid("num_local_experts must be in [0, %d], got %d", kernels::kMaxLocalExperts, num_local_experts);
+    // The kernels' own waits use the same budget; wait a little longer so that a device-side report (which names
+    // the missing peer) wins over this host-side one.
+    const double budget_s = timeout_s_ * 1.05 + 2.0;
+    const auto start = std::chrono::steady_clock::now();
+    const volatile int* rows = host_counters_;
+    int64_t spins = 0;
+    while (true) {
+        if (*rows >= 0) break;
+        if ((++spins & 1023) == 0) {
+            check_error();
+            const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            if (waited > budget_s) {
+                check_error();
+                char text[256];
+                std::snprintf(text, sizeof(text),
+                              "dispatch CPU wait for notify counts: rank %d peer -1 channel -1 expected >= 0 rows "
+                              "observed %d after %.1f s (timeout; DEEP_EP_TIMEOUT_S=%g)",
+                              rank_, *rows, waited, timeout_s_);
+                throw HostTimeout(text);
+            }
+            if (spins > (1 << 20)) std::this_thread::yield();
+        }
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+    check_error();
+    const int num_recv_tokens = *rows;
+    std::vector<int> per_expert(num_local_experts);
+    for (int i = 0; i < num_local_experts; ++i) per_expert[i] = static_cast<const volatile int*>(host_counters_)[1 + i];
+    return {num_recv_tokens, per_expert};
+}
+
+void Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                       const std::optional<at::Tensor>& topk_idx, const std::optional<at::Tensor>& topk_weights,
+                       int num_experts, const at::Tensor& is_token_in_rank, const at::Tensor& rank_prefix_matrix,
+                       const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head,
+                       const at::Tensor& recv_x, const std::optional<at::Tensor>& recv_x_scales,
+                       const at::Tensor& recv_src_idx, const std::optional<at::Tensor>& recv_topk_idx,
+                       const std::optional<at::Tensor>& recv_topk_weights, bool worst_token_mode, int num_channels,
+                       int num_max_send_tokens, int num_max_recv_tokens, uintptr_t stream) {
+    require_available("dispatch");
+    check_device("x", x, device_id_);
+    check_device("x_scales", x_scales, device_id_);
+    check_device("topk_idx", topk_idx, device_id_);
+    check_device("topk_weights", topk_weights, device_id_);
+    check_device("is_token_in_rank", is_token_in_rank, device_id_);
+    check_device("handle.rank_prefix_matrix", rank_prefix_matrix, device_id_);
+    check_device("handle.recv_channel_prefix_matrix", recv_channel_prefix_matrix, device_id_);
+    check_device("handle.send_head", send_head, device_id_);
+    check_aligned("x", x);
+    check_aligned("recv_x", recv_x);
+    kernels::DispatchArgs args{};
+    args.x = data_of(x, workspace_);
+    args.hidden_bytes = x.size(1) * static_cast<int64_t>(x.element_size());
+    args.x_scales = ptr_or_null<const void>(x_scales, workspace_);
+    args.num_scales = x_scales.has_value() ? static_cast<int>(x_scales->size(1)) : 0;
+    args.scale_token_stride = x_scales.has_value() ? x_scales->stride(0) : 0;
+    args.scale_hidden_stride = x_scales.has_value() ? x_scales->stride(1) : 0;
+    args.topk_idx = ptr_or_null<const void>(topk_idx, workspace_);
+    args.topk_weights = ptr_or_null<const float>(topk_weights, workspace_);
+    args.num_topk = topk_idx.has_value() ? static_cast<int>(topk_idx->size(1)) : 0;
+    args.topk_idx_bytes = topk_idx.has_value() ? static_cast<int>(topk_idx->element_size())
+                                               : (recv_topk_idx.has_value() ? static_cast<int>(recv_topk_idx->element_size()) : 8);
+    args.num_experts = num_experts;
+    args.is_token_in_rank = data_of<bool>(is_token_in_rank, workspace_);
+    args.num_tokens = static_cast<int>(x.size(0));
+    args.rank_prefix_matrix = data_of<int>(rank_prefix_matrix, workspace_);
+    args.recv_channel_prefix_matrix = data_of<int>(recv_channel_prefix_matrix, workspace_);
+    args.send_head = data_of<int>(send_head, workspace_);
+    args.recv_x = data_of(recv_x, workspace_);
+    args.recv_x_scales = ptr_or_null(recv_x_scales, workspace_);
+    args.recv_src_idx = data_of<int>(recv_src_idx, workspace_);
+    args.recv_topk_idx = ptr_or_null(recv_topk_idx, workspace_);
+    args.recv_topk_weights = ptr_or_null<float>(recv_topk_weights, workspace_);
+    args.num_recv_rows = static_cast<int>(recv_x.size(0));
+    args.worst_token_mode = worst_token_mode ? 1 : 0;
+    args.num_channels = num_channels;
+    args.num_max_send_tokens = num_max_send_tokens;
+    args.num_max_recv_tokens = num_max_recv_tokens;
+    auto ctx = next_context();
+    kernels::intranode_dispatch(ctx, args, as_stream(stream));
+}
+
+void Runtime::combine(const at::Tensor& x, const std::optional<at::Tensor>& topk_weights,
+                      const std::optional<at::Tensor>& bias_0, const std::optional<at::Tensor>& bias_1,
+                      const at::Tensor& rank_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
+                      const at::Tensor& send_head, const at::Tensor& combined_x,
+                      const std::optional<at::Tensor>& combined_topk_weights, int num_channels,
+                      int num_max_send_tokens, int num_max_recv_tokens, uintptr_t stream) {
+    require_available("combine");
+    check_device("x", x, device_id_);
+    check_device("topk_weights", topk_weights, device_id_);
+    check_device("bias[0]", bias_0, device_id_);
+    check_device("bias[1]", bias_1, device_id_);
+    check_device("handle.rank_prefix_matrix", rank_prefix_matrix, device_id_);
+    check_device("handle.recv_channel_prefix_matrix", recv_channel_prefix_matrix, device_id_);
+    check_device("handle.send_head", send_head, device_id_);
+    check_aligned("x", x);
+    check_aligned("bias[0]", bias_0);
+    check_aligned("bias[1]", bias_1);
+    check_aligned("combined_x", combined_x);
+    if (x.scalar_type() != at::kBFloat16) invalid("combine x must be torch.bfloat16, got %s", c10::toString(x.scalar_type()));
+    kernels::CombineArgs args{};
+    args.x = data_of(x, workspace_);
+    args.hidden = static_cast<int>(x.size(1));
+    args.num_recv_tokens = static_cast<int>(x.size(0));
+    args.topk_weights = ptr_or_null<const float>(topk_weights, workspace_);
+    args.num_topk = topk_weights.has_value() ? static_cast<int>(topk_weights->size(1)) : 0;
+    args.bias_0 = ptr_or_null<const void>(bias_0, workspace_);
+    args.bias_1 = ptr_or_null<const void>(bias_1, workspace_);
+    args.rank_prefix_matrix = data_of<int>(rank_prefix_matrix, workspace_);
+    args.recv_channel_prefix_matrix = data_of<int>(recv_channel_prefix_matrix, workspace_);
+    args.send_head = data_of<int>(send_head, workspace_);
+    args.num_tokens = static_cast<int>(send_head.size(0));
+    args.combined_x = data_of(combined_x, workspace_);
+    args.combined_topk_weights = ptr_or_null<float>(combined_topk_weights, workspace_);
+    args.num_channels = num_channels;
+    args.num_max_send_tokens = num_max_send_tokens;
+    args.num_max_recv_tokens = num_max_recv_tokens;
+    auto ctx = next_context();
+    kernels::intranode_combine(ctx, args, as_stream(stream));
+}
+
+void Runtime::barrier(uintptr_t stream) {
+    require_available("barrier");
+    auto ctx = next_context();
+    kernels::intranode_barrier(ctx, as_stream(stream));
+}
+
+}  // namespace deep_ep

@@ -1,0 +1,262 @@
+// Launchers of the intranode normal-mode kernels: raw pointers, sizes and a cudaStream_t; no torch.
+//
+// CONTRACT between the kernels (engineer E1) and the host runtime (engineer E2). Changes are announced here:
+//   v1 (03:20 UTC): first version.
+//   v2 (03:31 UTC): the error record is claimed through a device-memory word (workspace), not a CAS on host memory;
+//                   `code` is now written by the claimer (still first, before `ready`). No signature changed.
+//
+// Host obligations (beyond the arguments):
+//   * Zero the whole scale-up buffer (or at least kControlBytes of it) and the workspace before the first call;
+//     zero the ErrorRecord and call intranode_reset on every rank (between two host barriers) after any failure.
+//   * Pointers to x / recv_x / biases / combined_x must be 16-byte aligned (rows are copied in 16-byte words).
+//   * combine: pass num_topk = 0 when topk_weights is None (the ring record size depends on it on every rank).
+//   * config.num_sms <= device SMs (one resident 1024-thread CTA per channel); checked by the launchers.
+//
+// Conventions
+//   * Every pointer is device memory of the current device unless it says "host-mapped" (the device alias of a
+//     cudaHostAlloc(cudaHostAllocMapped) allocation).
+//   * Launchers validate kernel limits and throw std::invalid_argument with a message naming the argument, the rule
+//     and the value (python_api maps it to ValueError); CUDA launch failures throw std::runtime_error.
+//   * Kernels never trap. Every spin is bounded by KernelContext::timeout_ns; on timeout, on a peer's abort, or on
+//     inconsistent counts the kernel fills the host-mapped ErrorRecord (first writer wins), sets the abort word of
+//     every rank, and every CTA runs to its end (outputs of that call are garbage). The host reads the record and
+//     raises; the Buffer must then be reset collectively (intranode_reset on every rank between two host barriers).
+//   * Kernel names contain "layout", "notify", "dispatch", "combine" or "barrier", exactly one of them each:
+//     layout_count_kernel, notify_counts_kernel, dispatch_kernel, combine_kernel, barrier_kernel,
+//     reset_state_kernel, signal_abort_kernel.
+//   * No per-call state travels in host arguments (ring positions and epochs live in the device workspace and the
+//     buffer), so dispatch / combine / notify are CUDA-graph capturable and may be replayed.
+//   * Every call is collective: all ranks launch the same kernels with the same geometry (num_channels, chunk sizes,
+//     hidden, num_scales, num_topk) in the same order. num_nvl_bytes must be equal on all ranks (check it at sync).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "constants.cuh"
+#include "layout.cuh"
+
+namespace deep_ep {
+namespace kernels {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------------------------------
+
+enum ErrorCode : int32_t {
+    kErrorNone = 0,
+    kErrorTimeout = 1,        // a bounded wait ran out of time
+    kErrorPeerAborted = 2,    // another rank (ErrorRecord::peer) reported an error first
+    kErrorBadRouting = 3,     // routing inconsistent with the outputs (e.g. more rows than num_worst_tokens)
+    kErrorCountMismatch = 4,  // num_tokens_per_rank disagrees with is_token_in_rank
+};
+
+enum KernelId : int32_t {
+    kKernelNone = 0,
+    kKernelNotify = 1,
+    kKernelDispatch = 2,
+    kKernelCombine = 3,
+    kKernelBarrier = 4,
+};
+
+enum Phase : int32_t {
+    kPhaseNone = 0,
+    kPhaseNotifyCheckCounts = 1,     // peer = destination rank, expected = num_tokens_per_rank[d], observed = count
+    kPhaseNotifyWaitCounts = 2,      // peer = source rank, expected = epoch, observed = flag seen
+    kPhaseDispatchSendDrain = 3,     // sender waits until its previous call's data in the peer's ring is consumed
+    kPhaseDispatchSendWaitHead = 4,  // sender waits for ring space (expected = head needed, observed = head)
+    kPhaseDispatchRecvWaitTail = 5,  // receiver waits for data (expected = tail needed, observed = tail)
+    kPhaseDispatchWorstOverflow = 6, // received rows exceed num_worst_tokens (expected = rows allocated)
+    kPhaseCombineSendDrain = 7,
+    kPhaseCombineSendWaitHead = 8,
+    kPhaseCombineRecvWaitTail = 9,
+    kPhaseBarrierWait = 10,          // peer = rank whose arrival is missing
+};
+
+inline const char* phase_name(int32_t phase) {
+    switch (phase) {
+        case kPhaseNotifyCheckCounts: return "notify check counts";
+        case kPhaseNotifyWaitCounts: return "notify wait counts";
+        case kPhaseDispatchSendDrain: return "dispatch send wait drain";
+        case kPhaseDispatchSendWaitHead: return "dispatch send wait head";
+        case kPhaseDispatchRecvWaitTail: return "dispatch recv wait tail";
+        case kPhaseDispatchWorstOverflow: return "dispatch worst-token overflow";
+        case kPhaseCombineSendDrain: return "combine send wait drain";
+        case kPhaseCombineSendWaitHead: return "combine send wait head";
+        case kPhaseCombineRecvWaitTail: return "combine recv wait tail";
+        case kPhaseBarrierWait: return "barrier wait";
+        default: return "unknown phase";
+    }
+}
+
+inline const char* error_code_name(int32_t code) {
+    switch (code) {
+        case kErrorNone: return "none";
+        case kErrorTimeout: return "timeout";
+        case kErrorPeerAborted: return "peer aborted";
+        case kErrorBadRouting: return "bad routing";
+        case kErrorCountMismatch: return "count mismatch";
+        default: return "unknown error";
+    }
+}
+
+// Host-mapped, one per Buffer, zero-initialised. The first failing thread of the rank (decided by a claim word in
+// the device workspace) fills every field, fences, then sets `ready` = 1. The host reads the fields only once
+// `ready` is 1 (`code` may be visible slightly earlier). Zero it again together with intranode_reset.
+struct ErrorRecord {
+    int32_t code;        // ErrorCode
+    int32_t ready;       // 1 once every field is written
+    int32_t kernel;      // KernelId
+    int32_t phase;       // Phase
+    int32_t rank;        // the reporting rank
+    int32_t peer;        // the rank waited for (-1 if none)
+    int32_t channel;     // channel (-1 if none)
+    int32_t block;       // CTA index
+    int64_t call_seq;    // KernelContext::call_seq of the failing call
+    int64_t expected;    // value awaited
+    int64_t observed;    // value last seen
+    int64_t elapsed_ns;  // time spent waiting
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Context shared by every launcher
+// ---------------------------------------------------------------------------------------------------------------
+
+struct KernelContext {
+    void* buffers[kMaxRanks];  // scale-up buffer base of every rank of the node (own = local), IPC-mapped
+    void* workspace;           // this rank's private zeroed workspace (kWorkspaceBytes), see layout.cuh
+    ErrorRecord* error;        // device alias of the host-mapped error record
+    int64_t num_nvl_bytes;     // size of every rank's buffer (equal on all ranks)
+    uint64_t timeout_ns;       // budget of every wait (DEEP_EP_TIMEOUT_S * 1e9)
+    int64_t call_seq;          // host call counter, only reported in the error record
+    int32_t rank;              // 0 <= rank < num_ranks
+    int32_t num_ranks;         // 1..kMaxRanks
+    int32_t skip_sends;        // fault injection (tests): 1 = this rank writes no ring data and publishes no tails
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// get_dispatch_layout (no communication)
+// ---------------------------------------------------------------------------------------------------------------
+
+// topk_idx                  [num_tokens, num_topk] int32 (topk_idx_bytes 4) or int64 (8); -1 = none; ids >= E ignored
+// num_tokens_per_rank       [num_ranks] int32 out: tokens with at least one expert on rank r
+// num_tokens_per_rdma_rank  [num_ranks / ranks_per_node] int32 out, or nullptr
+// num_tokens_per_expert     [num_experts] int32 out: (token, k) pairs selecting e
+// is_token_in_rank          [num_tokens, num_ranks] bool out
+// Limits: 1 <= num_ranks, num_experts % num_ranks == 0, num_experts <= kMaxExperts, num_topk <= 32.
+void get_dispatch_layout(const void* topk_idx, int topk_idx_bytes, int num_tokens, int num_topk, int num_ranks,
+                         int num_experts, int ranks_per_node, int* num_tokens_per_rank,
+                         int* num_tokens_per_rdma_rank, int* num_tokens_per_expert, bool* is_token_in_rank,
+                         cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Notify (non-cached dispatch only): exchange counts, build the handle's prefix matrices
+// ---------------------------------------------------------------------------------------------------------------
+
+struct NotifyArgs {
+    const int* num_tokens_per_rank;    // [R] int32: checked against is_token_in_rank (kErrorCountMismatch)
+    const int* num_tokens_per_expert;  // [E] int32: forwarded to the experts' ranks
+    const bool* is_token_in_rank;      // [N, R] bool, contiguous
+    int num_tokens;                    // N
+    int num_experts;                   // E (E % R == 0, E / R <= kMaxLocalExperts)
+    int num_channels;                  // C = config.num_sms (1..kMaxChannels)
+    int expert_alignment;              // >= 1: per-expert host counts are rounded up to a multiple of it
+    int* rank_prefix_matrix;           // [R, R] int32 out: P[s][d] = sum_{s' <= s} count(s' -> d)
+    int* channel_prefix_matrix;        // [R, C] int32 out: for dst d, inclusive prefix over channels of my tokens to d
+    int* recv_channel_prefix_matrix;   // [R, C] int32 out: for src s, exclusive prefix over channels of s -> me
+    // Host-mapped int32 [1 + L], or nullptr (worst-token mode). The host writes -1 to [0] before the launch; the
+    // kernel writes [1 + i] = aligned count of local expert i, fences, then [0] = rows received (>= 0).
+    int* host_counters;
+};
+
+// One CTA (kNotifyThreads). No barrier and no zeroing: the counts carry a per-call epoch (two parities).
+void intranode_notify(const KernelContext& ctx, const NotifyArgs& args, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dispatch (cached or not: the same kernel; the non-cached call runs intranode_notify first on the same stream)
+// ---------------------------------------------------------------------------------------------------------------
+
+struct DispatchArgs {
+    // Inputs
+    const void* x;                     // [N, hidden_bytes] raw bytes, contiguous (BF16, FP8, any dtype)
+    int64_t hidden_bytes;              // multiple of 16
+    const void* x_scales;              // 4-byte elements (float32 or int32), or nullptr
+    int num_scales;                    // S (0 without scales)
+    int64_t scale_token_stride;        // in elements: x_scales[t * token_stride + s * hidden_stride]
+    int64_t scale_hidden_stride;
+    const void* topk_idx;              // [N, K] global expert ids (int32 or int64), -1 = none; or nullptr
+    const float* topk_weights;         // [N, K] float32, or nullptr (both or neither)
+    int num_topk;                      // K (0 without top-k), <= kMaxTopk
+    int topk_idx_bytes;                // 4 or 8: element size of topk_idx and recv_topk_idx
+    int num_experts;                   // E, to compute this rank's local id range (E / R per rank)
+    const bool* is_token_in_rank;      // [N, R] bool: decides routing
+    int num_tokens;                    // N
+    const int* rank_prefix_matrix;     // [R, R] (notify output, or handle[0])
+    const int* recv_channel_prefix_matrix;  // [R, C] (notify output, or handle[2])
+    // Outputs
+    int* send_head;                    // [N, R] int32: index j of token t among channel(t)'s tokens to d, or -1
+    void* recv_x;                      // [num_recv_rows, hidden_bytes]
+    void* recv_x_scales;               // [num_recv_rows, S] contiguous 4-byte, or nullptr
+    int* recv_src_idx;                 // [num_recv_rows] int32: token index in the source's x
+    void* recv_topk_idx;               // [num_recv_rows, K] local ids (e - rank * L) or -1, or nullptr
+    float* recv_topk_weights;          // [num_recv_rows, K] weight where the local id >= 0, else 0; or nullptr
+    int num_recv_rows;                 // rows allocated in the outputs (M, or num_worst_tokens)
+    int worst_token_mode;              // 1: rows [M_real, num_recv_rows) of recv_topk_idx get -1
+    // Tuning (Config)
+    int num_channels;                  // C = config.num_sms (one CTA of kChannelThreads per channel)
+    int num_max_send_tokens;           // Sn: tokens per published chunk
+    int num_max_recv_tokens;           // Nn: upper bound of the ring capacity (slots per (channel, source))
+};
+
+void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Combine (reverse of the dispatch that produced the handle; one kernel, no preparatory kernel)
+// ---------------------------------------------------------------------------------------------------------------
+
+struct CombineArgs {
+    const void* x;                     // [num_recv_tokens, hidden] BF16, rows aligned with the dispatch's recv_x
+    int hidden;                        // elements; hidden * 2 % 16 == 0
+    int num_recv_tokens;               // rows of x (extra rows beyond the real M are ignored)
+    const float* topk_weights;         // [num_recv_tokens, K] float32 or nullptr
+    int num_topk;                      // K (0 without weights), <= kMaxTopk
+    const void* bias_0;                // [N, hidden] BF16 or nullptr
+    const void* bias_1;                // [N, hidden] BF16 or nullptr
+    const int* rank_prefix_matrix;     // [R, R] handle[0]
+    const int* recv_channel_prefix_matrix;  // [R, C] handle[2] (DeepEP's combine calls it channel_prefix_matrix)
+    const int* send_head;              // [N, R] handle[5] (never rewritten by this implementation)
+    int num_tokens;                    // N
+    void* combined_x;                  // [N, hidden] BF16 out
+    float* combined_topk_weights;      // [N, K] float32 out, or nullptr
+    int num_channels;                  // must equal the dispatch's (the matrices are [*, C])
+    int num_max_send_tokens;           // Sn
+    int num_max_recv_tokens;           // Nn (ring capacity bound)
+};
+
+void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Collective utilities
+// ---------------------------------------------------------------------------------------------------------------
+
+// Bounded barrier over all ranks of the node (monotonic counters; no reset needed).
+void intranode_barrier(const KernelContext& ctx, cudaStream_t stream);
+
+// Zeroes this rank's control region (abort word, barrier signals, notify flags, ring counters) and its workspace.
+// Collective: every rank calls it between two host-side barriers, with no kernel of the Buffer in flight.
+void intranode_reset(const KernelContext& ctx, cudaStream_t stream);
+
+// Sets the abort word of every rank (a host-side failure before launching, so peers stop waiting).
+void intranode_signal_abort(const KernelContext& ctx, cudaStream_t stream);
+
+// Ring capacity (slots per (channel, source)) that a dispatch (is_combine = false) or combine call will use;
+// the launchers throw std::invalid_argument if it is below 2 * num_max_send_tokens. Mirrors deep_ep/layout.py.
+inline int intranode_ring_capacity(int64_t num_nvl_bytes, int num_ranks, int num_channels, int64_t record_bytes,
+                                   int num_max_recv_tokens, bool is_combine) {
+    return ring_geometry(num_nvl_bytes, num_ranks, num_channels, record_bytes, num_max_recv_tokens, is_combine)
+        .capacity;
+}
+
+}  // namespace kernels
+}  // namespace deep_ep

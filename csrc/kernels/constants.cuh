@@ -1,0 +1,37 @@
+// Compile-time limits of the intranode normal-mode kernels. Plain C++ (no device code): host files include it too.
+//
+// The matching Python constants live in deep_ep/layout.py (INTRANODE_*); keep both in step.
+#pragma once
+
+#include <cstdint>
+
+namespace deep_ep {
+namespace kernels {
+
+// Largest NVLink domain the intranode kernels serve (ranks 1..8, any count).
+constexpr int kMaxRanks = 8;
+// Largest number of channels (one CTA each) of a dispatch or combine kernel; Config.num_sms must not exceed it.
+constexpr int kMaxChannels = 160;
+// Largest top-k the intranode kernels carry per token.
+constexpr int kMaxTopk = 16;
+// Largest number of local experts per rank (per-expert counts exchanged by the notify kernel).
+constexpr int kMaxLocalExperts = 1024;
+// Largest number of experts in total (get_dispatch_layout).
+constexpr int kMaxExperts = 8 * 1024;
+
+// Threads of the dispatch and combine kernels (one CTA per channel): 32 warps.
+constexpr int kChannelThreads = 1024;
+constexpr int kChannelWarps = kChannelThreads / 32;
+// Threads of the single-CTA notify kernel.
+constexpr int kNotifyThreads = 1024;
+// Threads per block of the layout kernel.
+constexpr int kLayoutThreads = 256;
+
+// Every region of the scale-up buffer starts at a multiple of this (deep_ep.config.BUFFER_ALIGNMENT).
+constexpr int64_t kBufferAlignment = 128;
+
+// Bytes of the zeroed device workspace that holds the kernels' private state (see layout.cuh, Workspace).
+constexpr int64_t kWorkspaceBytes = 1 << 20;
+
+}  // namespace kernels
+}  // namespace deep_ep

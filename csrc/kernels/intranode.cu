@@ -1,0 +1,1045 @@
+// Intranode normal-mode kernels over CUDA-IPC-shared NVLink buffers: notify, dispatch, combine, barrier, reset.
+//
+// Design (csrc/kernels/layout.cuh has the byte layout, ../shared design/kernels.md §2 the reasoning):
+// * One CTA of 1024 threads per channel; channel c owns the contiguous token range channel_token_range(N, C, c).
+// * Each (channel, source) pair has a ring in the receiver's buffer. Ring positions are monotonic uint32 sequence
+//   numbers that never reset; the sender keeps its tail in the workspace and publishes it into the receiver's buffer,
+//   the receiver keeps its head in the workspace and publishes it into the sender's buffer. Every wait is local.
+// * Dispatch sender warps load every token row once (16 B per lane, several loads in flight) and store it to each
+//   destination: straight into recv_x for the own rank (local bypass), into the peer's ring otherwise. Sender warps
+//   form two groups that take alternate chunks of Sn tokens, so one group publishes a tail (system fence + release
+//   store) while the other copies. Receiver warps, grouped per source, copy ready slots into recv_x and return heads.
+// * send_head[t][d] is the index j of token t among its channel's tokens to d (-1 if not sent). The row of a
+//   received token is rank_prefix(s -> me) + recv_channel_prefix[s][c] + j on both sides, which yields the spec's
+//   order (source rank, then source token). Combine reuses j to find each contribution: no handle rewriting.
+// * Combine sender warps push rows of the receive blocks back to their owners' rings; reducer warps add, per owned
+//   token, the own contribution (read straight from x) and the ring slots in ascending rank order in float32, plus the
+//   biases, and round to BF16 once.
+// * Failures never trap: sync.cuh's wait_geq reports to the error record and every role falls through to the end.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "api.cuh"
+#include "exception.cuh"
+#include "layout.cuh"
+#include "sync.cuh"
+
+namespace deep_ep {
+namespace kernels {
+
+namespace {
+
+// ---- warp roles of the dispatch / combine CTA ----
+constexpr int kSendGroups = 2;           // sender warp groups that alternate chunks
+constexpr int kSendWarpsMultiRank = 16;  // sender (dispatch) or ring-sender (combine) warps when R > 1
+constexpr int kUnroll = 4;               // 16-byte loads in flight per lane in row copies
+constexpr int kReduceUnroll = 2;         // 16-byte chunks per lane accumulated together in the combine reducer
+// Named barrier ids (0 is __syncthreads).
+constexpr int kBarrierAllSenders = 1;
+constexpr int kBarrierSendGroup0 = 2;    // + group
+constexpr int kBarrierRecvGroup0 = 2 + kSendGroups;  // + source index (up to kMaxRanks - 1 groups)
+static_assert(kBarrierRecvGroup0 + kMaxRanks - 1 <= 16, "too many named barriers");
+// Combine: reducer barrier, then one barrier per sender subgroup (two per destination rank).
+constexpr int kCombineReduceBarrier = 1;
+constexpr int kCombineSendBarrier0 = 2;
+constexpr int kCombineSubgroups = 2 * (kMaxRanks - 1);
+static_assert(kCombineSendBarrier0 + kCombineSubgroups <= 16, "too many named barriers");
+static_assert(kSendWarpsMultiRank >= kCombineSubgroups, "every combine sender subgroup needs a warp");
+
+__device__ __forceinline__ uint32_t* buffer_u32(void* buffer, int64_t offset) {
+    return reinterpret_cast<uint32_t*>(static_cast<char*>(buffer) + offset);
+}
+
+__device__ __forceinline__ uint32_t* workspace_u32(const KernelContext& ctx, int64_t offset) {
+    return reinterpret_cast<uint32_t*>(static_cast<char*>(ctx.workspace) + offset);
+}
+
+__device__ __forceinline__ int counter_index(int channel, int peer) { return channel * kMaxRanks + peer; }
+
+__device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int channel, int* begin, int* end) {
+    const int per_channel = (num_tokens + num_channels - 1) / num_channels;
+    const int64_t b = static_cast<int64_t>(per_channel) * channel;
+    *begin = static_cast<int>(b < num_tokens ? b : num_tokens);
+    const int64_t e = static_cast<int64_t>(*begin) + per_channel;
+    *end = static_cast<int>(e < num_tokens ? e : num_tokens);
+}
+
+__device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x & 31); }
+
+__device__ __forceinline__ int warp_max(int v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+// Copies one row of `num_int4` 16-byte words from `src` to every pointer of `dsts[0..num_dsts)` (a warp).
+// kSrcIsRing selects the coherent load for ring data written by peers; inputs use the non-coherent path.
+template <bool kSrcIsRing>
+__device__ __forceinline__ void warp_copy_row(const int4* src, int64_t num_int4, int4* const* dsts, int num_dsts) {
+    const int lane = lane_id();
+    for (int64_t base = lane; base < num_int4; base += 32 * kUnroll) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int64_t i = base + u * 32;
+            if (i < num_int4) v[u] = kSrcIsRing ? ld_ring_int4(src + i) : ld_nc_int4(src + i);
+        }
+        for (int d = 0; d < num_dsts; ++d) {
+            int4* dst = dsts[d];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int64_t i = base + u * 32;
+                if (i < num_int4) st_na_int4(dst + i, v[u]);
+            }
+        }
+    }
+}
+
+// =============================================================================================================
+// Notify: exchange per-destination, per-expert and per-channel counts; build the handle's prefix matrices.
+// =============================================================================================================
+
+__global__ void __launch_bounds__(kNotifyThreads, 1) notify_counts_kernel(KernelContext ctx, NotifyArgs args) {
+    __shared__ int channel_counts[kMaxRanks][kMaxChannels];  // my tokens to d in channel c
+    __shared__ int rank_totals[kMaxRanks];
+    __shared__ int all_counts[kMaxRanks][kMaxRanks];           // count(s -> d) gathered from every source
+
+    const int num_ranks = ctx.num_ranks, rank = ctx.rank, num_channels = args.num_channels;
+    const int num_local_experts = args.num_experts / num_ranks;
+    const int warp = static_cast<int>(threadIdx.x) / 32, lane = lane_id();
+    const int num_warps = static_cast<int>(blockDim.x) / 32;
+
+    // 1. My per-(destination, channel) token counts from is_token_in_rank.
+    for (int pair = warp; pair < num_ranks * num_channels; pair += num_warps) {
+        const int d = pair / num_channels, c = pair % num_channels;
+        int begin, end;
+        channel_range(args.num_tokens, num_channels, c, &begin, &end);
+        int count = 0;
+        for (int t = begin + lane; t < end; t += 32)
+            count += args.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d] ? 1 : 0;
+        count = warp_sum(count);
+        if (lane == 0) channel_counts[d][c] = count;
+    }
+    __syncthreads();
+
+    // 2. Totals, sender-side channel prefix, and the check against the caller's num_tokens_per_rank.
+    if (threadIdx.x < num_ranks) {
+        const int d = static_cast<int>(threadIdx.x);
+        int total = 0;
+        for (int c = 0; c < num_channels; ++c) {
+            total += channel_counts[d][c];
+            args.channel_prefix_matrix[d * num_channels + c] = total;
+        }
+        rank_totals[d] = total;
+        const int claimed = args.num_tokens_per_rank[d];
+        if (claimed != total) {
+            report_error(ctx, kErrorCountMismatch, Site{kKernelNotify, kPhaseNotifyCheckCounts, d, -1}, claimed,
+                         total, 0);
+        }
+    }
+    const uint32_t epoch = *workspace_u32(ctx, kWsNotifyEpochOffset) + 1;
+    const int parity = static_cast<int>(epoch & 1u);
+    __syncthreads();
+
+    // 3. Write my counts into every rank's notify slot [parity][me]: [R totals][L expert counts of d][C channels].
+    const int slot_ints = kNotifyInts;
+    const int per_dst = num_ranks + num_local_experts + num_channels;
+    for (int i = static_cast<int>(threadIdx.x); i < num_ranks * per_dst; i += static_cast<int>(blockDim.x)) {
+        const int d = i / per_dst, k = i % per_dst;
+        int* slot = reinterpret_cast<int*>(buffer_u32(ctx.buffers[d], kNotifyDataOffset)) +
+                    (static_cast<int64_t>(parity) * kMaxRanks + rank) * slot_ints;
+        int value, pos;
+        if (k < num_ranks) {
+            value = rank_totals[k];
+            pos = k;
+        } else if (k < num_ranks + num_local_experts) {
+            value = args.num_tokens_per_expert[d * num_local_experts + (k - num_ranks)];
+            pos = kMaxRanks + (k - num_ranks);
+        } else {
+            value = channel_counts[d][k - num_ranks - num_local_experts];
+            pos = kMaxRanks + kMaxLocalExperts + (k - num_ranks - num_local_experts);
+        }
+        reinterpret_cast<volatile int*>(slot)[pos] = value;
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x < num_ranks) {
+        const int d = static_cast<int>(threadIdx.x);
+        fence_acq_rel_sys();
+        st_release_sys(buffer_u32(ctx.buffers[d], kNotifyFlagOffset) + parity * kMaxRanks + rank, epoch);
+    }
+
+    // 4. Wait until every source's counts of this epoch are here.
+    if (threadIdx.x < num_ranks) {
+        const int s = static_cast<int>(threadIdx.x);
+        uint32_t seen;
+        // On failure the error is reported; the outputs below are then garbage but every write stays in bounds.
+        wait_geq(ctx, buffer_u32(ctx.buffers[rank], kNotifyFlagOffset) + parity * kMaxRanks + s, epoch,
+                 Site{kKernelNotify, kPhaseNotifyWaitCounts, s, -1}, &seen);
+    }
+    __syncthreads();
+
+    // 5. Prefix matrices and received counts (garbage, but bounded, if a wait failed).
+    const volatile int* data = reinterpret_cast<const volatile int*>(buffer_u32(ctx.buffers[rank], kNotifyDataOffset)) +
+                               static_cast<int64_t>(parity) * kMaxRanks * slot_ints;
+    for (int i = static_cast<int>(threadIdx.x); i < num_ranks * num_ranks; i += static_cast<int>(blockDim.x))
+        all_counts[i / num_ranks][i % num_ranks] = data[(i / num_ranks) * slot_ints + (i % num_ranks)];
+    __syncthreads();
+    if (threadIdx.x < num_ranks) {
+        const int d = static_cast<int>(threadIdx.x);
+        int prefix = 0;
+        for (int s = 0; s < num_ranks; ++s) {
+            prefix += all_counts[s][d];
+            args.rank_prefix_matrix[s * num_ranks + d] = prefix;
+        }
+    }
+    for (int i = static_cast<int>(threadIdx.x); i < num_ranks; i += static_cast<int>(blockDim.x)) {
+        const int s = i;
+        int prefix = 0;
+        for (int c = 0; c < num_channels; ++c) {
+            args.recv_channel_prefix_matrix[s * num_channels + c] = prefix;
+            prefix += data[s * slot_ints + kMaxRanks + kMaxLocalExperts + c];
+        }
+    }
+    if (args.host_counters != nullptr) {
+        for (int e = static_cast<int>(threadIdx.x); e < num_local_experts; e += static_cast<int>(blockDim.x)) {
+            int64_t sum = 0;
+            for (int s = 0; s < num_ranks; ++s) sum += data[s * slot_ints + kMaxRanks + e];
+            const int64_t align = args.expert_alignment;
+            sum = (sum + align - 1) / align * align;
+            reinterpret_cast<volatile int*>(args.host_counters)[1 + e] = static_cast<int>(sum);
+        }
+        __threadfence_system();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (args.host_counters != nullptr) {
+            int total = 0;
+            for (int s = 0; s < num_ranks; ++s) total += all_counts[s][rank];
+            reinterpret_cast<volatile int*>(args.host_counters)[0] = total;
+            __threadfence_system();
+        }
+        *workspace_u32(ctx, kWsNotifyEpochOffset) = epoch;
+    }
+}
+
+// =============================================================================================================
+// Shared pieces of dispatch and combine
+// =============================================================================================================
+
+// Whole warp: waits until the previous calls' data this rank wrote into the rings of this direction of every
+// destination in `dst_mask` has been consumed, i.e. head[c'][d] >= tail_shadow[c'][d] for every channel c' that any
+// call used (`num_checked` channels). Needed because the ring geometry may change between calls. Fast path: relaxed
+// loads in parallel over lanes, then one system fence (acquire pattern). Returns false on failure (reported).
+__device__ bool warp_wait_drained(const KernelContext& ctx, uint32_t dst_mask, int num_checked, int64_t head_offset,
+                                  int64_t shadow_offset, int kernel, int phase, int channel) {
+    const uint32_t* heads = buffer_u32(ctx.buffers[ctx.rank], head_offset);
+    const uint32_t* shadows = workspace_u32(ctx, shadow_offset);
+    bool ok = true;
+    for (int i = lane_id(); i < ctx.num_ranks * num_checked && ok; i += 32) {
+        const int d = i % ctx.num_ranks, c = i / ctx.num_ranks;
+        if (((dst_mask >> d) & 1u) == 0) continue;
+        const uint32_t target = shadows[counter_index(c, d)];
+        if (seq_geq(ld_relaxed_sys(heads + counter_index(c, d)), target)) continue;
+        uint32_t seen;
+        ok = wait_geq(ctx, heads + counter_index(c, d), target, Site{kernel, phase, d, channel}, &seen);
+    }
+    fence_acq_rel_sys();
+    return __all_sync(0xffffffffu, ok);
+}
+
+// Number of channels whose rings a drain check must cover: the largest channel count of any call of this direction
+// since the last reset (raised here to include the current call).
+__device__ __forceinline__ int raise_max_channels(const KernelContext& ctx, int64_t offset, int num_channels) {
+    const unsigned int old = atomicMax(workspace_u32(ctx, offset), static_cast<unsigned int>(num_channels));
+    return max(static_cast<int>(old), num_channels);
+}
+
+// Per-CTA state of the alternating sender groups (dispatch and combine).
+struct SenderShared {
+    uint32_t tail_base[kMaxRanks];       // tail shadow at kernel entry, per destination
+    uint32_t head_cache[kMaxRanks];      // last head seen, per destination
+    int total[kMaxRanks];                // tokens of this channel to each destination
+    int chunk_end[kSendGroups][kMaxRanks];  // per group: j end of its current chunk per destination (0 = none)
+    int decision[kSendGroups];           // per group: 1 = copy this chunk, 0 = stop
+    volatile int published;              // index of the last chunk whose tails are published
+};
+
+// Space check for one chunk, by the leader warp's lane d. Returns false on failure.
+__device__ __forceinline__ bool wait_space(const KernelContext& ctx, SenderShared& sh, int dst, int channel,
+                                           uint32_t needed_end, int capacity, int64_t head_offset, int kernel,
+                                           int phase) {
+    const uint32_t needed_head = needed_end - static_cast<uint32_t>(capacity);
+    if (seq_geq(sh.head_cache[dst], needed_head)) return true;
+    uint32_t seen;
+    const bool ok = wait_geq(ctx, buffer_u32(ctx.buffers[ctx.rank], head_offset) + counter_index(channel, dst),
+                             needed_head, Site{kernel, phase, dst, channel}, &seen);
+    sh.head_cache[dst] = seen;
+    return ok;
+}
+
+// Leader thread of a sender group: publishes the tails of chunk `k` once chunk k-1 is published, in order.
+__device__ __forceinline__ void publish_chunk(const KernelContext& ctx, SenderShared& sh, volatile int* cta_failed,
+                                              int k, int group, int channel, int64_t tail_offset) {
+    while (sh.published != k - 1 && *cta_failed == 0) {
+    }
+    if (*cta_failed != 0) return;  // an earlier chunk may be incomplete: publish nothing more
+    fence_acq_rel_sys();
+    if (!ctx.skip_sends) {
+        for (int d = 0; d < ctx.num_ranks; ++d) {
+            const int end = sh.chunk_end[group][d];
+            if (d == ctx.rank || end <= 0) continue;
+            st_release_sys(buffer_u32(ctx.buffers[d], tail_offset) + counter_index(channel, ctx.rank),
+                           sh.tail_base[d] + static_cast<uint32_t>(end));
+        }
+    }
+    __threadfence_block();
+    sh.published = k;
+}
+
+// =============================================================================================================
+// Dispatch
+// =============================================================================================================
+
+struct DispatchGeometry {
+    RingGeometry ring;
+    int64_t scales_offset;  // in the record
+    int64_t meta_offset;    // in the record
+};
+
+template <typename IdxT>
+__device__ __forceinline__ void write_local_topk(const DispatchArgs& args, const IdxT* src_idx_row,
+                                                 const float* src_weight_row, int64_t row, int rank,
+                                                 int num_local_experts) {
+    const int lane = lane_id();
+    if (lane < args.num_topk) {
+        const int64_t e = static_cast<int64_t>(src_idx_row[lane]);
+        const int64_t first = static_cast<int64_t>(rank) * num_local_experts;
+        const bool mine = e >= first && e < first + num_local_experts;
+        if (args.recv_topk_idx != nullptr)
+            static_cast<IdxT*>(args.recv_topk_idx)[row * args.num_topk + lane] = static_cast<IdxT>(mine ? e - first : -1);
+        if (args.recv_topk_weights != nullptr)
+            args.recv_topk_weights[row * args.num_topk + lane] = mine ? src_weight_row[lane] : 0.0f;
+    }
+}
+
+template <typename IdxT>
+__global__ void __launch_bounds__(kChannelThreads, 1)
+    dispatch_kernel(KernelContext ctx, DispatchArgs args, DispatchGeometry geo) {
+    __shared__ SenderShared sh;
+    __shared__ int4* warp_dsts[kChannelWarps][kMaxRanks];
+    __shared__ int recv_avail[kMaxRanks];
+    __shared__ int local_row_base;
+    __shared__ volatile int cta_failed;
+
+    const int rank = ctx.rank, num_ranks = ctx.num_ranks, channel = static_cast<int>(blockIdx.x);
+    const int num_channels = args.num_channels, capacity = geo.ring.capacity;
+    const int warp = static_cast<int>(threadIdx.x) / 32, lane = lane_id();
+    const int num_send_warps = num_ranks > 1 ? kSendWarpsMultiRank : kChannelWarps;
+    const int num_local_experts = args.num_topk > 0 ? args.num_experts / num_ranks : 0;
+    const int64_t hidden_int4 = args.hidden_bytes / 16;
+    const int* P = args.rank_prefix_matrix;
+    const int* recv_cpm = args.recv_channel_prefix_matrix;
+    int begin, end;
+    channel_range(args.num_tokens, num_channels, channel, &begin, &end);
+
+    // Real number of rows this rank receives; more than allocated means the routing broke a promise.
+    const int num_real_rows = P[(num_ranks - 1) * num_ranks + rank];
+    if (threadIdx.x == 0) {
+        cta_failed = 0;
+        sh.published = -1;
+        local_row_base = (rank > 0 ? P[(rank - 1) * num_ranks + rank] : 0) + recv_cpm[rank * num_channels + channel];
+        if (num_real_rows > args.num_recv_rows) {
+            report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchWorstOverflow, -1, channel},
+                         args.num_recv_rows, num_real_rows, 0);
+            cta_failed = 1;
+        }
+    }
+    if (threadIdx.x < kMaxRanks) {
+        const int d = static_cast<int>(threadIdx.x);
+        sh.tail_base[d] = *workspace_u32(ctx, kWsDispatchTailShadowOffset + 4 * counter_index(channel, d));
+        sh.head_cache[d] = sh.tail_base[d];  // the ring is empty between calls once drained
+        sh.total[d] = 0;
+    }
+    __syncthreads();
+    const bool overflow = cta_failed != 0;
+
+    if (warp < num_send_warps) {
+        // ------------------------------------------------------------------ sender
+        // Phase A: send_head (index j among the channel's tokens to d) by ballot prefix, one warp per destination;
+        // warp num_ranks checks the previous call's data is drained (one lane per destination).
+        if (warp < num_ranks) {
+            const int d = warp;
+            int running = 0;
+            for (int t0 = begin; t0 < end; t0 += 32) {
+                const int t = t0 + lane;
+                const bool in = t < end && args.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
+                const uint32_t ballot = __ballot_sync(0xffffffffu, in);
+                const int j = running + __popc(ballot & ((1u << lane) - 1u));
+                if (t < end) args.send_head[static_cast<int64_t>(t) * num_ranks + d] = in ? j : -1;
+                running += __popc(ballot);
+            }
+            if (lane == 0) sh.total[d] = running;
+        } else if (warp == num_ranks && !overflow) {
+            const uint32_t peers = ((1u << num_ranks) - 1u) & ~(1u << rank);
+            const int num_checked = raise_max_channels(ctx, kWsDispatchMaxChannelsOffset, num_channels);
+            if (!warp_wait_drained(ctx, peers, num_checked, kDispatchHeadOffset, kWsDispatchTailShadowOffset,
+                                   kKernelDispatch, kPhaseDispatchSendDrain, channel) && lane == 0)
+                cta_failed = 1;
+        }
+        named_barrier(kBarrierAllSenders, num_send_warps * 32);
+
+        // Phase B: chunks of Sn tokens, alternating between the sender groups.
+        const int warps_per_group = num_send_warps / kSendGroups;
+        const int group = warp / warps_per_group, warp_in_group = warp % warps_per_group;
+        const int chunk = args.num_max_send_tokens;
+        const int num_chunks = (end - begin + chunk - 1) / chunk;
+        for (int k = group; k < num_chunks && !overflow; k += kSendGroups) {
+            const int chunk_begin = begin + k * chunk;
+            const int chunk_stop = min(chunk_begin + chunk, end);
+            if (warp_in_group == 0) {
+                // Per destination: one past the largest j of the chunk (0 if the chunk sends nothing there).
+                for (int d = 0; d < num_ranks; ++d) {
+                    int j_end = 0;
+                    for (int t = chunk_begin + lane; t < chunk_stop; t += 32)
+                        j_end = max(j_end, args.send_head[static_cast<int64_t>(t) * num_ranks + d] + 1);
+                    j_end = warp_max(j_end);
+                    if (lane == 0) sh.chunk_end[group][d] = j_end;
+                }
+                __syncwarp();
+                bool ok = true;
+                if (lane < num_ranks && lane != rank && sh.chunk_end[group][lane] > 0 && !ctx.skip_sends)
+                    ok = wait_space(ctx, sh, lane, channel, sh.tail_base[lane] + sh.chunk_end[group][lane],
+                                    capacity, kDispatchHeadOffset, kKernelDispatch, kPhaseDispatchSendWaitHead);
+                const bool all_ok = __all_sync(0xffffffffu, ok);
+                if (lane == 0) {
+                    if (!all_ok) cta_failed = 1;
+                    sh.decision[group] = cta_failed == 0 && !is_aborted(ctx);
+                    if (!sh.decision[group]) cta_failed = 1;
+                }
+            }
+            named_barrier(kBarrierSendGroup0 + group, warps_per_group * 32);
+            if (!sh.decision[group]) break;
+
+            for (int t = chunk_begin + warp_in_group; t < chunk_stop; t += warps_per_group) {
+                const int* head_row = args.send_head + static_cast<int64_t>(t) * num_ranks;
+                // Destinations of this token: the local recv_x row first (if any), then the peers' ring slots.
+                int4** dsts = warp_dsts[warp];
+                int num_dsts = 0;
+                int64_t local_row = -1;
+                const int local_j = head_row[rank];
+                if (local_j >= 0) {
+                    local_row = local_row_base + static_cast<int64_t>(local_j);
+                    if (lane == 0)
+                        dsts[0] = reinterpret_cast<int4*>(static_cast<char*>(args.recv_x) + local_row * args.hidden_bytes);
+                    num_dsts = 1;
+                }
+                const int first_remote = num_dsts;
+                if (!ctx.skip_sends) {
+                    for (int d = 0; d < num_ranks; ++d) {
+                        const int j = head_row[d];
+                        if (j < 0 || d == rank) continue;
+                        const uint32_t slot = (sh.tail_base[d] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
+                        if (lane == 0)
+                            dsts[num_dsts] = reinterpret_cast<int4*>(static_cast<char*>(ctx.buffers[d]) +
+                                                                     geo.ring.slot_offset(channel, rank, static_cast<int>(slot)));
+                        ++num_dsts;
+                    }
+                }
+                __syncwarp();
+                const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) +
+                                                                static_cast<int64_t>(t) * args.hidden_bytes);
+                warp_copy_row<false>(src, hidden_int4, dsts, num_dsts);
+
+                // Scales: each loaded once (any strides), stored to every destination.
+                for (int s = lane; s < args.num_scales; s += 32) {
+                    const uint32_t value = static_cast<const uint32_t*>(args.x_scales)[
+                        static_cast<int64_t>(t) * args.scale_token_stride + static_cast<int64_t>(s) * args.scale_hidden_stride];
+                    if (local_row >= 0) static_cast<uint32_t*>(args.recv_x_scales)[local_row * args.num_scales + s] = value;
+                    for (int i = first_remote; i < num_dsts; ++i)
+                        reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(dsts[i]) + geo.scales_offset)[s] = value;
+                }
+                // Source index, top-k ids and weights: raw into ring records, transformed for the local row.
+                const IdxT* idx_row = args.num_topk > 0
+                    ? static_cast<const IdxT*>(args.topk_idx) + static_cast<int64_t>(t) * args.num_topk : nullptr;
+                const float* weight_row = args.num_topk > 0 ? args.topk_weights + static_cast<int64_t>(t) * args.num_topk
+                                                            : nullptr;
+                if (local_row >= 0) {
+                    if (lane == 0) args.recv_src_idx[local_row] = t;
+                    if (args.num_topk > 0) write_local_topk<IdxT>(args, idx_row, weight_row, local_row, rank, num_local_experts);
+                }
+                if (num_dsts > first_remote) {
+                    int id = 0;
+                    float weight = 0.0f;
+                    if (lane < args.num_topk) {
+                        id = static_cast<int>(idx_row[lane]);
+                        weight = weight_row[lane];
+                    }
+                    for (int i = first_remote; i < num_dsts; ++i) {
+                        int* meta = reinterpret_cast<int*>(reinterpret_cast<char*>(dsts[i]) + geo.meta_offset);
+                        if (lane == 0) meta[0] = t;
+                        if (lane < args.num_topk) {
+                            meta[1 + lane] = id;
+                            reinterpret_cast<float*>(meta)[1 + args.num_topk + lane] = weight;
+                        }
+                    }
+                }
+                __syncwarp();
+            }
+            named_barrier(kBarrierSendGroup0 + group, warps_per_group * 32);
+            if (warp_in_group == 0 && lane == 0)
+                publish_chunk(ctx, sh, &cta_failed, k, group, channel, kDispatchTailOffset);
+        }
+        // Exit: record the tails this call published (ring positions for the next call).
+        named_barrier(kBarrierAllSenders, num_send_warps * 32);
+        if (warp == 0 && lane < num_ranks && lane != rank && !ctx.skip_sends)
+            *workspace_u32(ctx, kWsDispatchTailShadowOffset + 4 * counter_index(channel, lane)) =
+                sh.tail_base[lane] + static_cast<uint32_t>(sh.total[lane]);
+    } else {
+        // ------------------------------------------------------------------ receiver (R > 1)
+        const int num_sources = num_ranks - 1;
+        const int recv_warp = warp - num_send_warps;
+        const int num_recv_warps = kChannelWarps - num_send_warps;
+        const int source_index = recv_warp % num_sources;
+        const int src = source_index < rank ? source_index : source_index + 1;
+        const int warp_in_group = recv_warp / num_sources;
+        const int group_warps = (num_recv_warps - source_index + num_sources - 1) / num_sources;
+        const int barrier_id = kBarrierRecvGroup0 + source_index;
+
+        const int src_block = src > 0 ? P[(src - 1) * num_ranks + rank] : 0;
+        const int src_rows = P[src * num_ranks + rank] - src_block;
+        const int channel_first = recv_cpm[src * num_channels + channel];
+        const int channel_next = channel + 1 < num_channels ? recv_cpm[src * num_channels + channel + 1] : src_rows;
+        const int num_slots = channel_next - channel_first;
+        const int64_t row_base = static_cast<int64_t>(src_block) + channel_first;
+        uint32_t* head_shadow = workspace_u32(ctx, kWsDispatchHeadShadowOffset + 4 * counter_index(channel, src));
+        const uint32_t base = *head_shadow;
+        const uint32_t* tail_word = buffer_u32(ctx.buffers[rank], kDispatchTailOffset) + counter_index(channel, src);
+        uint32_t* remote_head = buffer_u32(ctx.buffers[src], kDispatchHeadOffset) + counter_index(channel, rank);
+
+        int done = 0;
+        while (done < num_slots && !overflow) {
+            if (warp_in_group == 0 && lane == 0) {
+                uint32_t seen;
+                int avail = -1;
+                if (wait_geq(ctx, tail_word, base + static_cast<uint32_t>(done) + 1u,
+                             Site{kKernelDispatch, kPhaseDispatchRecvWaitTail, src, channel}, &seen)) {
+                    avail = static_cast<int>(seen - base);
+                    avail = avail < num_slots ? avail : num_slots;
+                } else {
+                    cta_failed = 1;
+                }
+                recv_avail[source_index] = avail;
+            }
+            named_barrier(barrier_id, group_warps * 32);
+            const int avail = recv_avail[source_index];
+            if (avail < 0) break;
+            for (int j = done + warp_in_group; j < avail; j += group_warps) {
+                const uint32_t seq = base + static_cast<uint32_t>(j);
+                const char* rec = static_cast<const char*>(ctx.buffers[rank]) +
+                                  geo.ring.slot_offset(channel, src, static_cast<int>(seq % static_cast<uint32_t>(capacity)));
+                const int64_t row = row_base + j;
+                int4* dst = reinterpret_cast<int4*>(static_cast<char*>(args.recv_x) + row * args.hidden_bytes);
+                warp_copy_row<true>(reinterpret_cast<const int4*>(rec), hidden_int4, &dst, 1);
+                for (int s = lane; s < args.num_scales; s += 32)
+                    static_cast<uint32_t*>(args.recv_x_scales)[row * args.num_scales + s] =
+                        reinterpret_cast<const volatile uint32_t*>(rec + geo.scales_offset)[s];
+                const volatile int* meta = reinterpret_cast<const volatile int*>(rec + geo.meta_offset);
+                if (lane == 0) args.recv_src_idx[row] = meta[0];
+                if (lane < args.num_topk) {
+                    const int64_t e = meta[1 + lane];
+                    const float w = reinterpret_cast<const volatile float*>(meta)[1 + args.num_topk + lane];
+                    const int64_t first = static_cast<int64_t>(rank) * num_local_experts;
+                    const bool mine = e >= first && e < first + num_local_experts;
+                    if (args.recv_topk_idx != nullptr)
+                        static_cast<IdxT*>(args.recv_topk_idx)[row * args.num_topk + lane] = static_cast<IdxT>(mine ? e - first : -1);
+                    if (args.recv_topk_weights != nullptr)
+                        args.recv_topk_weights[row * args.num_topk + lane] = mine ? w : 0.0f;
+                }
+            }
+            named_barrier(barrier_id, group_warps * 32);
+            if (warp_in_group == 0 && lane == 0) st_release_sys(remote_head, base + static_cast<uint32_t>(avail));
+            done = avail;
+        }
+        if (warp_in_group == 0 && lane == 0 && !overflow) *head_shadow = base + static_cast<uint32_t>(num_slots);
+    }
+
+    // Worst-token mode: rows past the real ones get -1 top-k ids (spread over the channels' CTAs).
+    if (args.worst_token_mode && args.recv_topk_idx != nullptr && !overflow) {
+        const int64_t first = static_cast<int64_t>(num_real_rows) * args.num_topk;
+        const int64_t last = static_cast<int64_t>(args.num_recv_rows) * args.num_topk;
+        for (int64_t i = first + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < last;
+             i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+            static_cast<IdxT*>(args.recv_topk_idx)[i] = static_cast<IdxT>(-1);
+    }
+}
+
+// =============================================================================================================
+// Combine
+// =============================================================================================================
+
+struct CombineGeometry {
+    RingGeometry ring;
+    int64_t weights_offset;  // in the record
+    int reduce_round;        // tokens per reducer round (<= capacity - Sn + 1)
+};
+
+__device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
+    const uint32_t words[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                               static_cast<uint32_t>(v.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc[2 * i] += __uint_as_float(words[i] << 16);
+        acc[2 * i + 1] += __uint_as_float(words[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
+    uint32_t words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+        words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+    return make_int4(static_cast<int>(words[0]), static_cast<int>(words[1]), static_cast<int>(words[2]),
+                     static_cast<int>(words[3]));
+}
+
+__global__ void __launch_bounds__(kChannelThreads, 1)
+    combine_kernel(KernelContext ctx, CombineArgs args, CombineGeometry geo) {
+    // Ring senders: one independent stream per destination (owner) rank, each served by two warp subgroups that
+    // take alternate chunks and publish tails in chunk order. Streams never wait on each other, so a reducer only
+    // depends on the streams into its own rank: no cross-rank wait cycle for any R.
+    __shared__ uint32_t tail_base[kMaxRanks];     // sender: tail shadow at kernel entry, per destination
+    __shared__ uint32_t head_cache[kMaxRanks];    // sender: last head seen, per destination
+    __shared__ volatile int published[kMaxRanks]; // sender: last chunk of the stream whose tail is published
+    __shared__ int send_decision[kCombineSubgroups];
+    __shared__ int round_end[kMaxRanks];     // reducer: j end needed from each rank in the current round
+    __shared__ int consumed[kMaxRanks];      // reducer: j end consumed so far from each rank
+    __shared__ uint32_t head_base[kMaxRanks];  // reducer: head shadow at kernel entry, per sending rank
+    __shared__ int reduce_decision;
+    __shared__ volatile int cta_failed;
+
+    const int rank = ctx.rank, num_ranks = ctx.num_ranks, channel = static_cast<int>(blockIdx.x);
+    const int num_channels = args.num_channels, capacity = geo.ring.capacity;
+    const int warp = static_cast<int>(threadIdx.x) / 32, lane = lane_id();
+    const int num_send_warps = num_ranks > 1 ? kSendWarpsMultiRank : 0;
+    const int64_t row_int4 = static_cast<int64_t>(args.hidden) * 2 / 16;
+    const int* P = args.rank_prefix_matrix;
+    const int* recv_cpm = args.recv_channel_prefix_matrix;
+
+    if (threadIdx.x == 0) cta_failed = 0;
+    if (threadIdx.x < kMaxRanks) {
+        const int d = static_cast<int>(threadIdx.x);
+        tail_base[d] = *workspace_u32(ctx, kWsCombineTailShadowOffset + 4 * counter_index(channel, d));
+        head_cache[d] = tail_base[d];
+        published[d] = -1;
+        consumed[d] = 0;
+        head_base[d] = *workspace_u32(ctx, kWsCombineHeadShadowOffset + 4 * counter_index(channel, d));
+    }
+    __syncthreads();
+
+    // Rows of my receive block (source s, this channel): [first, first + count) of x.
+    auto block_rows = [&](int s, int64_t* first, int* count) {
+        const int src_block = s > 0 ? P[(s - 1) * num_ranks + rank] : 0;
+        const int src_rows = P[s * num_ranks + rank] - src_block;
+        const int channel_first = recv_cpm[s * num_channels + channel];
+        const int channel_next = channel + 1 < num_channels ? recv_cpm[s * num_channels + channel + 1] : src_rows;
+        *first = static_cast<int64_t>(src_block) + channel_first;
+        *count = channel_next - channel_first;
+    };
+
+    if (warp < num_send_warps) {
+        // ------------------------------------------------------------------ ring sender: rows back to their owners
+        const int num_dests = num_ranks - 1;
+        const int num_subgroups = 2 * num_dests;
+        const int subgroup = warp % num_subgroups;
+        const int sub_warps = (num_send_warps - subgroup + num_subgroups - 1) / num_subgroups;
+        const int warp_in_sub = warp / num_subgroups;
+        const int parity = subgroup % 2;
+        const int dest_index = subgroup / 2;
+        const int dst = dest_index < rank ? dest_index : dest_index + 1;
+        const int barrier_id = kCombineSendBarrier0 + subgroup;
+        const bool leader = warp_in_sub == 0 && lane == 0;
+        int64_t first;
+        int count;
+        block_rows(dst, &first, &count);
+        uint32_t* head_word = buffer_u32(ctx.buffers[rank], kCombineHeadOffset) + counter_index(channel, dst);
+        uint32_t* tail_word = buffer_u32(ctx.buffers[dst], kCombineTailOffset) + counter_index(channel, rank);
+
+        // The previous call's data to dst must be consumed before this stream writes (geometry may differ).
+        if (warp_in_sub == 0 && !ctx.skip_sends) {
+            const int num_checked = raise_max_channels(ctx, kWsCombineMaxChannelsOffset, num_channels);
+            if (!warp_wait_drained(ctx, 1u << dst, num_checked, kCombineHeadOffset, kWsCombineTailShadowOffset,
+                                   kKernelCombine, kPhaseCombineSendDrain, channel) && lane == 0)
+                cta_failed = 1;
+        }
+
+        const int chunk = args.num_max_send_tokens;
+        const int num_chunks = (count + chunk - 1) / chunk;
+        for (int k = parity; k < num_chunks; k += 2) {
+            const int j0 = k * chunk, j1 = min(j0 + chunk, count);
+            if (leader) {
+                bool ok = true;
+                const uint32_t needed_head = tail_base[dst] + static_cast<uint32_t>(j1) - static_cast<uint32_t>(capacity);
+                if (!ctx.skip_sends && !seq_geq(head_cache[dst], needed_head)) {
+                    uint32_t seen;
+                    ok = wait_geq(ctx, head_word, needed_head,
+                                  Site{kKernelCombine, kPhaseCombineSendWaitHead, dst, channel}, &seen);
+                    head_cache[dst] = seen;
+                }
+                if (!ok) cta_failed = 1;
+                send_decision[subgroup] = cta_failed == 0 && !is_aborted(ctx);
+                if (!send_decision[subgroup]) cta_failed = 1;
+            }
+            named_barrier(barrier_id, sub_warps * 32);
+            if (!send_decision[subgroup]) break;
+            if (!ctx.skip_sends) {
+                for (int j = j0 + warp_in_sub; j < j1; j += sub_warps) {
+                    const int64_t row = first + j;
+                    const uint32_t slot = (tail_base[dst] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
+                    char* rec = static_cast<char*>(ctx.buffers[dst]) + geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
+                    int4* rec_row = reinterpret_cast<int4*>(rec);
+                    warp_copy_row<false>(reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2),
+                                         row_int4, &rec_row, 1);
+                    if (lane < args.num_topk)
+                        reinterpret_cast<float*>(rec + geo.weights_offset)[lane] = args.topk_weights[row * args.num_topk + lane];
+                }
+            }
+            named_barrier(barrier_id, sub_warps * 32);
+            if (leader) {
+                // Publish in chunk order: the other subgroup's previous chunk first.
+                while (published[dst] != k - 1 && cta_failed == 0) {
+                }
+                if (cta_failed == 0) {
+                    fence_acq_rel_sys();
+                    if (!ctx.skip_sends) st_release_sys(tail_word, tail_base[dst] + static_cast<uint32_t>(j1));
+                    __threadfence_block();
+                    published[dst] = k;
+                }
+            }
+        }
+        if (leader && parity == 0 && !ctx.skip_sends && cta_failed == 0)
+            *workspace_u32(ctx, kWsCombineTailShadowOffset + 4 * counter_index(channel, dst)) =
+                tail_base[dst] + static_cast<uint32_t>(count);
+    } else {
+        // ------------------------------------------------------------------ reducer: my tokens of this channel
+        const int reduce_warp = warp - num_send_warps;
+        const int num_reduce_warps = kChannelWarps - num_send_warps;
+        const int reduce_threads = num_reduce_warps * 32;
+        const int barrier_id = kCombineReduceBarrier;
+        int begin, end;
+        channel_range(args.num_tokens, num_channels, channel, &begin, &end);
+        int64_t own_first;
+        int own_count;
+        block_rows(rank, &own_first, &own_count);
+
+        for (int r0 = begin; r0 < end; r0 += geo.reduce_round) {
+            const int r1 = min(r0 + geo.reduce_round, end);
+            if (reduce_warp == 0) {
+                for (int d = 0; d < num_ranks; ++d) {
+                    int j_end = 0;
+                    for (int t = r0 + lane; t < r1; t += 32)
+                        j_end = max(j_end, args.send_head[static_cast<int64_t>(t) * num_ranks + d] + 1);
+                    j_end = warp_max(j_end);
+                    if (lane == 0) round_end[d] = j_end;
+                }
+                __syncwarp();
+                bool ok = true;
+                if (lane < num_ranks && lane != rank && round_end[lane] > consumed[lane]) {
+                    uint32_t seen;
+                    ok = wait_geq(ctx, buffer_u32(ctx.buffers[rank], kCombineTailOffset) + counter_index(channel, lane),
+                                  head_base[lane] + static_cast<uint32_t>(round_end[lane]),
+                                  Site{kKernelCombine, kPhaseCombineRecvWaitTail, lane, channel}, &seen);
+                }
+                const bool all_ok = __all_sync(0xffffffffu, ok);
+                if (lane == 0) {
+                    if (!all_ok) cta_failed = 1;
+                    reduce_decision = cta_failed == 0;
+                }
+            }
+            named_barrier(barrier_id, reduce_threads);
+            if (!reduce_decision) break;
+
+            for (int t = r0 + reduce_warp; t < r1; t += num_reduce_warps) {
+                const int* head_row = args.send_head + static_cast<int64_t>(t) * num_ranks;
+                // Contribution sources in ascending rank order; `own` is the index of my own row (-1 if none).
+                const int4* srcs[kMaxRanks];
+                const float* wsrcs[kMaxRanks];
+                int num_srcs = 0, own = -1;
+                for (int d = 0; d < num_ranks; ++d) {
+                    const int j = head_row[d];
+                    if (j < 0) continue;
+                    if (d == rank) {
+                        const int64_t row = own_first + j;
+                        own = num_srcs;
+                        srcs[num_srcs] = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2);
+                        wsrcs[num_srcs] = args.num_topk > 0 ? args.topk_weights + row * args.num_topk : nullptr;
+                    } else {
+                        const uint32_t seq = head_base[d] + static_cast<uint32_t>(j);
+                        const char* rec = static_cast<const char*>(ctx.buffers[rank]) +
+                                          geo.ring.slot_offset(channel, d, static_cast<int>(seq % static_cast<uint32_t>(capacity)));
+                        srcs[num_srcs] = reinterpret_cast<const int4*>(rec);
+                        wsrcs[num_srcs] = reinterpret_cast<const float*>(rec + geo.weights_offset);
+                    }
+                    ++num_srcs;
+                }
+                const int4* bias0 = args.bias_0 != nullptr
+                    ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_0) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
+                const int4* bias1 = args.bias_1 != nullptr
+                    ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_1) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
+                int4* out = reinterpret_cast<int4*>(static_cast<char*>(args.combined_x) + static_cast<int64_t>(t) * args.hidden * 2);
+                for (int64_t base_i = lane; base_i < row_int4; base_i += 32 * kReduceUnroll) {
+                    float acc[kReduceUnroll][8];
+#pragma unroll
+                    for (int u = 0; u < kReduceUnroll; ++u) {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
+                        const int64_t i = base_i + u * 32;
+                        if (i < row_int4) {
+                            if (bias0 != nullptr) add_bf16x8(acc[u], ld_nc_int4(bias0 + i));
+                            if (bias1 != nullptr) add_bf16x8(acc[u], ld_nc_int4(bias1 + i));
+                        }
+                    }
+                    // Two contributions in flight at a time; additions stay in ascending rank order.
+                    for (int n = 0; n < num_srcs; n += 2) {
+                        const bool has_second = n + 1 < num_srcs;
+                        int4 v[2][kReduceUnroll];
+#pragma unroll
+                        for (int u = 0; u < kReduceUnroll; ++u) {
+                            const int64_t i = base_i + u * 32;
+                            if (i < row_int4) {
+                                v[0][u] = n == own ? ld_nc_int4(srcs[n] + i) : ld_ring_int4(srcs[n] + i);
+                                if (has_second)
+                                    v[1][u] = n + 1 == own ? ld_nc_int4(srcs[n + 1] + i) : ld_ring_int4(srcs[n + 1] + i);
+                            }
+                        }
+#pragma unroll
+                        for (int u = 0; u < kReduceUnroll; ++u) {
+                            if (base_i + u * 32 >= row_int4) continue;
+                            add_bf16x8(acc[u], v[0][u]);
+                            if (has_second) add_bf16x8(acc[u], v[1][u]);
+                        }
+                    }
+#pragma unroll
+                    for (int u = 0; u < kReduceUnroll; ++u) {
+                        const int64_t i = base_i + u * 32;
+                        if (i < row_int4) st_na_int4(out + i, pack_bf16x8(acc[u]));
+                    }
+                }
+                if (args.combined_topk_weights != nullptr && lane < args.num_topk) {
+                    float w = 0.0f;
+                    for (int n = 0; n < num_srcs; ++n) {
+                        const bool is_own = n == own;
+                        w += is_own ? wsrcs[n][lane] : reinterpret_cast<const volatile float*>(wsrcs[n])[lane];
+                    }
+                    args.combined_topk_weights[static_cast<int64_t>(t) * args.num_topk + lane] = w;
+                }
+            }
+            named_barrier(barrier_id, reduce_threads);
+            // Free the slots of this round in every sender's ring (consumed in order).
+            if (reduce_warp == 0 && lane < num_ranks && lane != rank && round_end[lane] > consumed[lane]) {
+                consumed[lane] = round_end[lane];
+                st_release_sys(buffer_u32(ctx.buffers[lane], kCombineHeadOffset) + counter_index(channel, rank),
+                               head_base[lane] + static_cast<uint32_t>(round_end[lane]));
+            }
+        }
+        named_barrier(barrier_id, reduce_threads);
+        if (reduce_warp == 0 && lane < num_ranks && lane != rank && cta_failed == 0) {
+            // Everything of this call from `lane` in this channel is consumed: the count of my tokens sent there.
+            *workspace_u32(ctx, kWsCombineHeadShadowOffset + 4 * counter_index(channel, lane)) =
+                head_base[lane] + static_cast<uint32_t>(consumed[lane]);
+        }
+    }
+}
+
+// =============================================================================================================
+// Barrier, reset, abort
+// =============================================================================================================
+
+__global__ void barrier_kernel(KernelContext ctx) {
+    const int lane = lane_id();
+    const uint32_t epoch = *workspace_u32(ctx, kWsBarrierEpochOffset) + 1;
+    if (lane < ctx.num_ranks)
+        red_add_release_sys(buffer_u32(ctx.buffers[lane], kBarrierOffset) + ctx.rank, 1u);
+    if (lane < ctx.num_ranks) {
+        uint32_t seen;
+        wait_geq(ctx, buffer_u32(ctx.buffers[ctx.rank], kBarrierOffset) + lane, epoch,
+                 Site{kKernelBarrier, kPhaseBarrierWait, lane, -1}, &seen);
+    }
+    __syncwarp();
+    if (lane == 0) *workspace_u32(ctx, kWsBarrierEpochOffset) = epoch;
+}
+
+__global__ void reset_state_kernel(KernelContext ctx) {
+    uint32_t* control = buffer_u32(ctx.buffers[ctx.rank], 0);
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < kControlBytes / 4;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+        control[i] = 0;
+    uint32_t* ws = workspace_u32(ctx, 0);
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < kWsUsedBytes / 4;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+        ws[i] = 0;
+}
+
+__global__ void signal_abort_kernel(KernelContext ctx) {
+    const uint32_t word = (static_cast<uint32_t>(kErrorPeerAborted) << 8) | static_cast<uint32_t>(ctx.rank + 1);
+    const int r = static_cast<int>(threadIdx.x);
+    if (r < ctx.num_ranks) atomicCAS_system(reinterpret_cast<unsigned int*>(abort_word(ctx.buffers[r])), 0u, word);
+}
+
+// ---- host-side checks ----
+
+void check_context(const KernelContext& ctx, const char* what) {
+    DEEP_EP_CHECK_ARG(ctx.num_ranks >= 1 && ctx.num_ranks <= kMaxRanks, what, ": num_ranks must be in [1, ", kMaxRanks,
+                      "], got ", ctx.num_ranks);
+    DEEP_EP_CHECK_ARG(ctx.rank >= 0 && ctx.rank < ctx.num_ranks, what, ": rank must be in [0, num_ranks), got ",
+                      ctx.rank);
+    for (int r = 0; r < ctx.num_ranks; ++r)
+        DEEP_EP_CHECK_ARG(ctx.buffers[r] != nullptr, what, ": the buffer of rank ", r, " is not mapped");
+    DEEP_EP_CHECK_ARG(ctx.workspace != nullptr, what, ": workspace must not be null");
+    DEEP_EP_CHECK_ARG(ctx.num_nvl_bytes >= kControlBytes, what, ": num_nvl_bytes must be >= ", kControlBytes,
+                      ", got ", ctx.num_nvl_bytes);
+}
+
+// Every CTA of a dispatch / combine grid must be resident at once (CTAs wait for peers' CTAs): one per SM.
+void check_resident(const char* what, int num_channels) {
+    int device = 0, num_sms = 0;
+    DEEP_EP_CUDA_CHECK(cudaGetDevice(&device));
+    DEEP_EP_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+    DEEP_EP_CHECK_ARG(num_channels <= num_sms, what, ": config.num_sms must be <= the device's ", num_sms,
+                      " SMs (one resident CTA per channel), got ", num_channels);
+}
+
+void check_channels(const char* what, int num_channels, int num_max_send_tokens, int capacity,
+                    int64_t record_bytes, int64_t num_nvl_bytes) {
+    DEEP_EP_CHECK_ARG(num_channels >= 1 && num_channels <= kMaxChannels, what, ": config.num_sms must be in [1, ",
+                      kMaxChannels, "], got ", num_channels);
+    DEEP_EP_CHECK_ARG(num_max_send_tokens >= 1, what, ": num_max_nvl_chunked_send_tokens must be >= 1, got ",
+                      num_max_send_tokens);
+    DEEP_EP_CHECK_ARG(capacity >= 2 * num_max_send_tokens, what, ": ring capacity ", capacity,
+                      " slots per (channel, rank) must be >= 2 * num_max_nvl_chunked_send_tokens = ",
+                      2 * num_max_send_tokens, " (records of ", record_bytes, " bytes, ", num_channels,
+                      " channels, num_nvl_bytes ", num_nvl_bytes,
+                      "); raise num_nvl_bytes or num_max_nvl_chunked_recv_tokens, or lower num_sms");
+}
+
+}  // namespace
+
+// =============================================================================================================
+// Launchers
+// =============================================================================================================
+
+void intranode_notify(const KernelContext& ctx, const NotifyArgs& args, cudaStream_t stream) {
+    check_context(ctx, "notify");
+    DEEP_EP_CHECK_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
+                      "notify: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
+    DEEP_EP_CHECK_ARG(args.num_experts >= ctx.num_ranks && args.num_experts % ctx.num_ranks == 0,
+                      "notify: num_experts must be a positive multiple of num_ranks, got ", args.num_experts);
+    DEEP_EP_CHECK_ARG(args.num_experts / ctx.num_ranks <= kMaxLocalExperts, "notify: num_experts / num_ranks must be <= ",
+                      kMaxLocalExperts, ", got ", args.num_experts / ctx.num_ranks);
+    DEEP_EP_CHECK_ARG(args.expert_alignment >= 1, "notify: expert_alignment must be >= 1, got ", args.expert_alignment);
+    DEEP_EP_CHECK_ARG(args.num_tokens >= 0, "notify: num_tokens must be >= 0, got ", args.num_tokens);
+    notify_counts_kernel<<<1, kNotifyThreads, 0, stream>>>(ctx, args);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cudaStream_t stream) {
+    check_context(ctx, "dispatch");
+    DEEP_EP_CHECK_ARG(args.hidden_bytes > 0 && args.hidden_bytes % 16 == 0,
+                      "dispatch: hidden bytes per token must be a positive multiple of 16, got ", args.hidden_bytes);
+    DEEP_EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "dispatch: num_topk must be in [0, ", kMaxTopk,
+                      "], got ", args.num_topk);
+    DEEP_EP_CHECK_ARG(args.num_topk == 0 || (args.topk_idx != nullptr && args.topk_weights != nullptr),
+                      "dispatch: topk_idx and topk_weights must both be given when num_topk > 0");
+    DEEP_EP_CHECK_ARG(args.topk_idx_bytes == 4 || args.topk_idx_bytes == 8,
+                      "dispatch: topk_idx element size must be 4 or 8 bytes, got ", args.topk_idx_bytes);
+    DEEP_EP_CHECK_ARG(args.num_topk == 0 || (args.num_experts >= ctx.num_ranks && args.num_experts % ctx.num_ranks == 0),
+                      "dispatch: num_experts must be a positive multiple of num_ranks, got ", args.num_experts);
+    DEEP_EP_CHECK_ARG(args.num_scales >= 0, "dispatch: num_scales must be >= 0, got ", args.num_scales);
+    DEEP_EP_CHECK_ARG(args.num_scales == 0 || (args.x_scales != nullptr && args.recv_x_scales != nullptr),
+                      "dispatch: x_scales and recv_x_scales must be given when num_scales > 0");
+    DEEP_EP_CHECK_ARG(args.num_tokens >= 0, "dispatch: num_tokens must be >= 0, got ", args.num_tokens);
+    DEEP_EP_CHECK_ARG(args.num_recv_rows >= 0, "dispatch: num_recv_rows must be >= 0, got ", args.num_recv_rows);
+
+    DispatchGeometry geo;
+    const int64_t record = dispatch_record_bytes(args.hidden_bytes, args.num_scales, args.num_topk);
+    geo.ring = ring_geometry(ctx.num_nvl_bytes, ctx.num_ranks, args.num_channels, record, args.num_max_recv_tokens,
+                             false);
+    geo.scales_offset = dispatch_scales_offset(args.hidden_bytes);
+    geo.meta_offset = dispatch_meta_offset(args.hidden_bytes, args.num_scales);
+    if (ctx.num_ranks > 1)
+        check_channels("dispatch", args.num_channels, args.num_max_send_tokens, geo.ring.capacity, record,
+                       ctx.num_nvl_bytes);
+    else
+        DEEP_EP_CHECK_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
+                          "dispatch: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
+    if (ctx.num_ranks == 1 && geo.ring.capacity < 1) geo.ring.capacity = 1;  // no ring is used with one rank
+
+    check_resident("dispatch", args.num_channels);
+    if (args.topk_idx_bytes == 8)
+        dispatch_kernel<int64_t><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    else
+        dispatch_kernel<int32_t><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaStream_t stream) {
+    check_context(ctx, "combine");
+    DEEP_EP_CHECK_ARG(args.hidden > 0 && (args.hidden * 2) % 16 == 0,
+                      "combine: hidden * 2 bytes must be a positive multiple of 16, got hidden ", args.hidden);
+    DEEP_EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "combine: num_topk must be in [0, ", kMaxTopk,
+                      "], got ", args.num_topk);
+    DEEP_EP_CHECK_ARG(args.num_topk == 0 || args.topk_weights != nullptr,
+                      "combine: topk_weights must be given when num_topk > 0");
+    DEEP_EP_CHECK_ARG(args.num_tokens >= 0, "combine: num_tokens must be >= 0, got ", args.num_tokens);
+
+    CombineGeometry geo;
+    const int64_t record = combine_record_bytes(args.hidden, args.num_topk);
+    geo.ring = ring_geometry(ctx.num_nvl_bytes, ctx.num_ranks, args.num_channels, record, args.num_max_recv_tokens,
+                             true);
+    geo.weights_offset = combine_weights_offset(args.hidden);
+    if (ctx.num_ranks > 1) {
+        check_channels("combine", args.num_channels, args.num_max_send_tokens, geo.ring.capacity, record,
+                       ctx.num_nvl_bytes);
+        // A reducer round may need slots up to round + Sn - 1 past the consumed head: keep it within capacity.
+        const int limit = geo.ring.capacity - args.num_max_send_tokens + 1;
+        geo.reduce_round = limit < 64 ? limit : 64;
+    } else {
+        DEEP_EP_CHECK_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
+                          "combine: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
+        if (geo.ring.capacity < 1) geo.ring.capacity = 1;
+        geo.reduce_round = 64;
+    }
+    check_resident("combine", args.num_channels);
+    combine_kernel<<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void intranode_barrier(const KernelContext& ctx, cudaStream_t stream) {
+    check_context(ctx, "barrier");
+    barrier_kernel<<<1, 32, 0, stream>>>(ctx);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void intranode_reset(const KernelContext& ctx, cudaStream_t stream) {
+    check_context(ctx, "reset");
+    reset_state_kernel<<<16, 256, 0, stream>>>(ctx);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void intranode_signal_abort(const KernelContext& ctx, cudaStream_t stream) {
+    check_context(ctx, "signal_abort");
+    signal_abort_kernel<<<1, 32, 0, stream>>>(ctx);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace kernels
+}  // namespace deep_ep

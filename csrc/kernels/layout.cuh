@@ -1,0 +1,127 @@
+// Byte layout of the intranode scale-up (NVLink) buffer and of the private device workspace.
+//
+// This file mirrors deep_ep/layout.py (intranode_control_layout, intranode_workspace_layout,
+// intranode_ring_geometry, ...): the same regions at the same offsets. Change both together.
+// Plain C++ usable from host files (.cpp) and device code (.cu).
+//
+// Scale-up buffer of one rank (the receiver owns the rings; peers write into them over NVLink):
+//
+//   [control, kControlBytes]
+//     abort word        int32                       0, or (code << 8 | aborting rank + 1), set by any rank on failure
+//     barrier signals   int32 [kMaxRanks]           slot s counts barrier arrivals of rank s (monotonic)
+//     notify flags      uint32 [2][kMaxRanks]       parity p, source s: epoch of the last notify data s wrote here
+//     notify data       int32 [2][kMaxRanks][kNotifyInts]
+//                                                   per (parity, source s): [R counts s->d][L expert counts of my
+//                                                   experts][C channel counts s->me]
+//     dispatch tails    uint32 [kMaxChannels][kMaxRanks]   index c*8+src: written by src (sequence numbers)
+//     dispatch heads    uint32 [kMaxChannels][kMaxRanks]   index c*8+dst: written by dst, polled here by me
+//     combine tails     uint32 [kMaxChannels][kMaxRanks]
+//     combine heads     uint32 [kMaxChannels][kMaxRanks]
+//   [dispatch half: per source s a sub-region of src_bytes; ring (c, s) = capacity records at c*capacity*record]
+//   [combine half:  same shape with combine records]
+//
+// Ring sequence numbers are monotonic uint32 that never reset (compare by wrap-safe difference); the slot of
+// sequence q is q % capacity. Every ring is empty between calls, so geometry may change from call to call; a
+// sender waits until its old data is drained (head == its tail shadow for every channel) before writing.
+#pragma once
+
+#include <cstdint>
+
+#include "constants.cuh"
+
+#if defined(__CUDACC__)
+#define DEEP_EP_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define DEEP_EP_HOST_DEVICE inline
+#endif
+
+namespace deep_ep {
+namespace kernels {
+
+DEEP_EP_HOST_DEVICE int64_t align_up64(int64_t value, int64_t alignment) {
+    return (value + alignment - 1) / alignment * alignment;
+}
+
+DEEP_EP_HOST_DEVICE int64_t align_down64(int64_t value, int64_t alignment) { return value / alignment * alignment; }
+
+// ---- control region (fixed offsets, independent of the call) ----
+constexpr int kNotifyInts = kMaxRanks + kMaxLocalExperts + kMaxChannels;
+constexpr int64_t kAbortOffset = 0;
+constexpr int64_t kBarrierOffset = 128;
+constexpr int64_t kNotifyFlagOffset = 256;
+constexpr int64_t kNotifyDataOffset = 384;
+constexpr int64_t kNotifyDataBytes = 2LL * kMaxRanks * kNotifyInts * 4;
+constexpr int64_t kCounterBytes = (int64_t)kMaxChannels * kMaxRanks * 4;
+constexpr int64_t kDispatchTailOffset = kNotifyDataOffset + kNotifyDataBytes;
+constexpr int64_t kDispatchHeadOffset = kDispatchTailOffset + kCounterBytes;
+constexpr int64_t kCombineTailOffset = kDispatchHeadOffset + kCounterBytes;
+constexpr int64_t kCombineHeadOffset = kCombineTailOffset + kCounterBytes;
+constexpr int64_t kControlBytes = (kCombineHeadOffset + kCounterBytes + kBufferAlignment - 1) / kBufferAlignment *
+                                  kBufferAlignment;
+
+// ---- private workspace (zeroed device memory, never shared) ----
+// All uint32, each region 128-byte aligned: notify epoch, barrier epoch, the largest channel count any dispatch
+// (resp. combine) call used since the last reset, the error-record claim word (0 = unclaimed; the first failing
+// thread of this rank takes it and fills the host-mapped record), then four [kMaxChannels][kMaxRanks] shadows.
+constexpr int64_t kWsNotifyEpochOffset = 0;
+constexpr int64_t kWsBarrierEpochOffset = 128;
+constexpr int64_t kWsDispatchMaxChannelsOffset = 256;
+constexpr int64_t kWsCombineMaxChannelsOffset = 384;
+constexpr int64_t kWsErrorClaimOffset = 512;
+constexpr int64_t kWsDispatchTailShadowOffset = 640;  // sender: last tail published per (c, dst)
+constexpr int64_t kWsDispatchHeadShadowOffset = kWsDispatchTailShadowOffset + kCounterBytes;  // receiver, (c, src)
+constexpr int64_t kWsCombineTailShadowOffset = kWsDispatchHeadShadowOffset + kCounterBytes;
+constexpr int64_t kWsCombineHeadShadowOffset = kWsCombineTailShadowOffset + kCounterBytes;
+constexpr int64_t kWsUsedBytes = kWsCombineHeadShadowOffset + kCounterBytes;
+static_assert(kWsUsedBytes <= kWorkspaceBytes, "workspace too small");
+
+// ---- ring records ----
+// Dispatch record: [hidden bytes, padded to 16][num_scales float32, padded to 16][src_idx int32, K int32 global
+// top-k ids, K float32 weights, padded to 16]. Identical for every destination.
+DEEP_EP_HOST_DEVICE int64_t dispatch_scales_offset(int64_t hidden_bytes) { return align_up64(hidden_bytes, 16); }
+DEEP_EP_HOST_DEVICE int64_t dispatch_meta_offset(int64_t hidden_bytes, int num_scales) {
+    return dispatch_scales_offset(hidden_bytes) + align_up64((int64_t)num_scales * 4, 16);
+}
+DEEP_EP_HOST_DEVICE int64_t dispatch_record_bytes(int64_t hidden_bytes, int num_scales, int num_topk) {
+    return dispatch_meta_offset(hidden_bytes, num_scales) + align_up64((1 + 2 * (int64_t)num_topk) * 4, 16);
+}
+// Combine record: [hidden BF16][K float32 weights, padded to 16].
+DEEP_EP_HOST_DEVICE int64_t combine_weights_offset(int64_t hidden) { return align_up64(hidden * 2, 16); }
+DEEP_EP_HOST_DEVICE int64_t combine_record_bytes(int64_t hidden, int num_topk) {
+    return combine_weights_offset(hidden) + align_up64((int64_t)num_topk * 4, 16);
+}
+
+// Geometry of one direction's rings (dispatch or combine) for one call.
+struct RingGeometry {
+    int64_t half_offset;    // byte offset of this direction's half of the buffer
+    int64_t source_bytes;   // bytes of each source's sub-region inside the half
+    int64_t record_bytes;   // bytes per slot
+    int capacity;           // slots per ring (channel, source); 0 if nothing fits
+
+    // Byte offset (from the buffer base) of slot `slot` of ring (channel, source).
+    DEEP_EP_HOST_DEVICE int64_t slot_offset(int channel, int source, int slot) const {
+        return half_offset + source * source_bytes + ((int64_t)channel * capacity + slot) * record_bytes;
+    }
+};
+
+// Bytes of each direction's half: what is left after the control region, split in two.
+DEEP_EP_HOST_DEVICE int64_t ring_half_bytes(int64_t num_nvl_bytes) {
+    int64_t left = num_nvl_bytes - kControlBytes;
+    return left > 0 ? align_down64(left / 2, kBufferAlignment) : 0;
+}
+
+// is_combine selects the second half. capacity = min(max_capacity, source_bytes / (num_channels * record_bytes)).
+DEEP_EP_HOST_DEVICE RingGeometry ring_geometry(int64_t num_nvl_bytes, int num_ranks, int num_channels,
+                                               int64_t record_bytes, int max_capacity, bool is_combine) {
+    RingGeometry g;
+    int64_t half = ring_half_bytes(num_nvl_bytes);
+    g.half_offset = kControlBytes + (is_combine ? half : 0);
+    g.source_bytes = num_ranks > 0 ? align_down64(half / num_ranks, kBufferAlignment) : 0;
+    g.record_bytes = record_bytes;
+    int64_t fit = (num_channels > 0 && record_bytes > 0) ? g.source_bytes / ((int64_t)num_channels * record_bytes) : 0;
+    g.capacity = (int)(fit < max_capacity ? fit : max_capacity);
+    return g;
+}
+
+}  // namespace kernels
+}  // namespace deep_ep

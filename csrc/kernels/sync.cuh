@@ -1,0 +1,183 @@
+// Device-side synchronisation: memory-ordering primitives, the ONE bounded wait helper, and error reporting.
+//
+// Every spin in the intranode kernels goes through wait_geq(). It polls a local 32-bit monotonic counter with
+// ld.acquire.sys until it reaches a target (wrap-safe), checks this rank's abort word every 64 spins, reads
+// %globaltimer (ns) to bound the wait by KernelContext::timeout_ns, and backs off with nanosleep after a while.
+// On failure it fills the host-mapped ErrorRecord (first writer wins), raises the abort word of every rank, and
+// returns false; the caller then falls through to the common exit of its CTA (no trap, no early return past a
+// barrier).
+#pragma once
+
+#include <cstdint>
+
+#include "api.cuh"
+#include "layout.cuh"
+
+namespace deep_ep {
+namespace kernels {
+
+// ---- clocks and ordering ----
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* ptr) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* ptr) {
+    uint32_t v;
+    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint32_t* ptr, uint32_t v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_relaxed_sys(uint32_t* ptr, uint32_t v) {
+    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add_release_sys(uint32_t* ptr, uint32_t v) {
+    asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// Named barrier over `num_threads` threads (a multiple of 32) of the CTA; id 0 is __syncthreads.
+__device__ __forceinline__ void named_barrier(int id, int num_threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
+}
+
+// ---- 16-byte copies ----
+
+// Input that nothing writes during the kernel (x, handle tensors): non-coherent path, no L1 allocation.
+__device__ __forceinline__ int4 ld_nc_int4(const int4* ptr) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(ptr));
+    return v;
+}
+
+// Ring data written by peers: coherent load, no L1 allocation (never .nc).
+__device__ __forceinline__ int4 ld_ring_int4(const int4* ptr) {
+    int4 v;
+    asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(ptr)
+                 : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_na_int4(int4* ptr, const int4& v) {
+    asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y),
+                 "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+// ---- error reporting ----
+
+// Where a wait or check happens; copied into the error record.
+struct Site {
+    int32_t kernel;   // KernelId
+    int32_t phase;    // Phase
+    int32_t peer;     // -1 if none
+    int32_t channel;  // -1 if none
+};
+
+__device__ __forceinline__ uint32_t* abort_word(void* buffer) {
+    return reinterpret_cast<uint32_t*>(static_cast<char*>(buffer) + kAbortOffset);
+}
+
+// Fills the error record if nobody of this rank did before (first writer wins, decided by a device-memory claim
+// word: system atomics on host-mapped memory are not available on every PCIe host), then raises every rank's
+// abort word.
+__device__ __noinline__ void report_error(const KernelContext& ctx, int32_t code, const Site& site, int64_t expected,
+                                          int64_t observed, int64_t elapsed_ns) {
+    ErrorRecord* rec = ctx.error;
+    unsigned int* claim = reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsErrorClaimOffset);
+    if (rec != nullptr && atomicCAS(claim, 0u, 1u) == 0u) {
+        volatile ErrorRecord* v = rec;
+        v->code = code;
+        v->kernel = site.kernel;
+        v->phase = site.phase;
+        v->rank = ctx.rank;
+        v->peer = site.peer;
+        v->channel = site.channel;
+        v->block = static_cast<int32_t>(blockIdx.x);
+        v->call_seq = ctx.call_seq;
+        v->expected = expected;
+        v->observed = observed;
+        v->elapsed_ns = elapsed_ns;
+        __threadfence_system();
+        v->ready = 1;
+        __threadfence_system();
+    }
+    // Tell every rank (own included) to stop waiting. The word names the code and the first aborting rank.
+    const uint32_t word = (static_cast<uint32_t>(code) << 8) | static_cast<uint32_t>(ctx.rank + 1);
+    for (int r = 0; r < ctx.num_ranks; ++r) atomicCAS_system(reinterpret_cast<unsigned int*>(abort_word(ctx.buffers[r])), 0u, word);
+    __threadfence_system();
+}
+
+// Reports PEER_ABORTED for an abort word set by someone else (a no-op on the record if this rank already failed).
+__device__ __forceinline__ void report_abort_seen(const KernelContext& ctx, uint32_t word, const Site& site,
+                                                  int64_t expected, int64_t observed, int64_t elapsed_ns) {
+    Site s = site;
+    s.peer = static_cast<int32_t>(word & 0xffu) - 1;
+    report_error(ctx, kErrorPeerAborted, s, expected, observed, elapsed_ns);
+}
+
+// True once some rank raised the abort word of this rank.
+__device__ __forceinline__ bool is_aborted(const KernelContext& ctx) {
+    return ld_relaxed_sys(abort_word(ctx.buffers[ctx.rank])) != 0;
+}
+
+// ---- the bounded wait ----
+
+// Wrap-safe "a >= b" for monotonic 32-bit sequence numbers.
+__device__ __forceinline__ bool seq_geq(uint32_t a, uint32_t b) { return static_cast<int32_t>(a - b) >= 0; }
+
+// Spins until *addr >= target (wrap-safe) with acquire semantics. Returns the value seen (>= target) through
+// `observed` and true; or, after a timeout or an abort, reports and returns false. Call from one thread.
+__device__ __noinline__ bool wait_geq(const KernelContext& ctx, const uint32_t* addr, uint32_t target, const Site& site,
+                                      uint32_t* observed) {
+    uint32_t value = ld_acquire_sys(addr);
+    if (seq_geq(value, target)) {
+        *observed = value;
+        return true;
+    }
+    const uint32_t* abort = abort_word(ctx.buffers[ctx.rank]);
+    const uint64_t start = global_timer_ns();
+    for (uint64_t spins = 1;; ++spins) {
+        value = ld_acquire_sys(addr);
+        if (seq_geq(value, target)) {
+            *observed = value;
+            return true;
+        }
+        if ((spins & 63) == 0) {
+            const uint32_t word = ld_relaxed_sys(abort);
+            const uint64_t elapsed = global_timer_ns() - start;
+            if (word != 0) {
+                report_abort_seen(ctx, word, site, target, value, static_cast<int64_t>(elapsed));
+                *observed = value;
+                return false;
+            }
+            if (elapsed > ctx.timeout_ns) {
+                report_error(ctx, kErrorTimeout, site, target, value, static_cast<int64_t>(elapsed));
+                *observed = value;
+                return false;
+            }
+            if (spins > 4096) __nanosleep(128);
+        }
+    }
+}
+
+}  // namespace kernels
+}  // namespace deep_ep

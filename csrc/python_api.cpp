@@ -1,0 +1,87 @@
+// deep_ep._C: Python bindings of the intranode runtime. Registration only; the logic lives in buffer.cpp.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/python.h>
+
+#include "buffer.hpp"
+#include "event.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+// The error record as a dict for deep_ep/cuda_backend.py (which picks the exception type), or None.
+py::object error_dict(const deep_ep::Runtime& runtime) {
+    auto record = runtime.read_error();
+    if (!record.has_value()) return py::none();
+    static const char* codes[] = {"none", "timeout", "peer_aborted", "bad_routing", "count_mismatch"};
+    const int code = record->code;
+    py::dict out;
+    out["code"] = (code >= 0 && code <= 4) ? codes[code] : "unknown";
+    out["message"] = deep_ep::format_error(*record);
+    out["rank"] = record->rank;
+    out["peer"] = record->peer;
+    out["channel"] = record->channel;
+    out["phase"] = deep_ep::kernels::phase_name(record->phase);
+    out["expected"] = record->expected;
+    out["observed"] = record->observed;
+    out["elapsed_s"] = record->elapsed_ns * 1e-9;
+    out["call_seq"] = record->call_seq;
+    return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "deep_ep CUDA extension: intranode normal-mode kernels over CUDA IPC buffers";
+
+    py::register_exception<deep_ep::HostTimeout>(m, "HostTimeout", PyExc_TimeoutError);
+    py::register_exception<deep_ep::DeviceError>(m, "DeviceError", PyExc_RuntimeError);
+
+    m.attr("MAX_RANKS") = deep_ep::kernels::kMaxRanks;
+    m.attr("MAX_CHANNELS") = deep_ep::kernels::kMaxChannels;
+    m.attr("MAX_TOPK") = deep_ep::kernels::kMaxTopk;
+    m.attr("MAX_LOCAL_EXPERTS") = deep_ep::kernels::kMaxLocalExperts;
+    m.attr("CONTROL_BYTES") = deep_ep::kernels::kControlBytes;
+    m.attr("WORKSPACE_BYTES") = deep_ep::kernels::kWorkspaceBytes;
+    m.def("num_channels_for_sms", [](int num_sms) {
+        if (num_sms < 1 || num_sms > deep_ep::kernels::kMaxChannels)
+            throw std::invalid_argument("config.num_sms must be in [1, " +
+                                        std::to_string(deep_ep::kernels::kMaxChannels) + "], got " +
+                                        std::to_string(num_sms));
+        return num_sms;  // one CTA per channel
+    });
+    m.def("ring_capacity", &deep_ep::kernels::intranode_ring_capacity, py::arg("num_nvl_bytes"),
+          py::arg("num_ranks"), py::arg("num_channels"), py::arg("record_bytes"), py::arg("num_max_recv_tokens"),
+          py::arg("is_combine"));
+    m.def("dispatch_record_bytes", &deep_ep::kernels::dispatch_record_bytes);
+    m.def("combine_record_bytes", &deep_ep::kernels::combine_record_bytes);
+
+    py::class_<deep_ep::EventHandle>(m, "EventHandle")
+        .def(py::init<>())
+        .def("current_stream_wait", &deep_ep::EventHandle::current_stream_wait)
+        .def("query", &deep_ep::EventHandle::query);
+
+    py::class_<deep_ep::Runtime>(m, "Runtime")
+        .def(py::init<int, int, int64_t, double>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_nvl_bytes"),
+             py::arg("timeout_s"))
+        .def("get_local_device_id", &deep_ep::Runtime::get_local_device_id)
+        .def("get_num_device_sms", &deep_ep::Runtime::get_num_device_sms)
+        .def("get_local_ipc_handle", [](const deep_ep::Runtime& r) { return py::bytes(r.get_local_ipc_handle()); })
+        .def("sync", &deep_ep::Runtime::sync)
+        .def("is_available", &deep_ep::Runtime::is_available)
+        .def("destroy", &deep_ep::Runtime::destroy)
+        .def("read_error", &error_dict)
+        .def("check_error", &deep_ep::Runtime::check_error)
+        .def("reset", &deep_ep::Runtime::reset)
+        .def("signal_abort", &deep_ep::Runtime::signal_abort)
+        .def("set_fault_injection", &deep_ep::Runtime::set_fault_injection)
+        .def("get_call_seq", &deep_ep::Runtime::get_call_seq)
+        .def("get_local_buffer_tensor", &deep_ep::Runtime::get_local_buffer_tensor)
+        .def("get_dispatch_layout", &deep_ep::Runtime::get_dispatch_layout)
+        .def("notify_dispatch", &deep_ep::Runtime::notify_dispatch)
+        .def("wait_recv_counts", &deep_ep::Runtime::wait_recv_counts, py::call_guard<py::gil_scoped_release>())
+        .def("dispatch", &deep_ep::Runtime::dispatch)
+        .def("combine", &deep_ep::Runtime::combine)
+        .def("barrier", &deep_ep::Runtime::barrier);
+}

@@ -1,0 +1,391 @@
+"""Dispatch handles and the bookkeeping math behind every handle field.
+
+Torch only; no extension, no ``reference``. The functions here are pure (tensors in, tensors out) and are split
+the way a distributed implementation runs them:
+
+* **sender side** (:func:`intranode_sender`, :func:`internode_sender`): computed locally from this rank's
+  ``is_token_in_rank`` and the channel count;
+* **exchange**: the caller moves per-destination counts, per-channel prefixes and per-row metadata between ranks;
+* **receiver side** (:func:`rank_prefix_matrix`, :func:`recv_channel_prefix_matrix`, :func:`recv_gbl_rank_prefix_sum`,
+  :func:`recv_gbl_channel_prefix_matrix`, :func:`recv_rdma_channel_prefix_matrix`,
+  :func:`recv_rdma_rank_prefix_sum`, :func:`encode_src_meta`, :func:`forwarder_send_nvl_head`): computed from
+  what the receiver learned.
+
+Channels: a sender splits its ``N`` tokens into ``C`` contiguous chunks of ``ceil(N / C)`` tokens
+(:func:`deep_ep.layout.channel_token_range`); token ``t`` is in channel ``t // ceil(N / C)``. A "ring sequence
+number" of a token is its position among the earlier tokens of the same ring (same channel and destination),
+counted from 0 and never reduced modulo the ring capacity.
+
+All integer handle tensors are int32, as in DeepEP; ``recv_src_meta`` is uint8 and ``is_token_in_rank`` bool.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Topology, ceil_div, num_local_experts
+from deep_ep.numerics import dense_copy
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Handle and result types (tuple positions are DeepEP's).
+# ---------------------------------------------------------------------------------------------------------------
+
+class IntranodeHandle(NamedTuple):
+    """Handle of an intranode normal dispatch (DeepEP's 6-tuple).
+
+    Fields (``R`` ranks, ``C`` channels, ``N`` tokens sent by this rank, ``M`` rows received by this rank):
+        rank_prefix_matrix: ``[R, R]`` int32. ``[s, d]`` = tokens sent to ``d`` by ranks ``0..s`` (inclusive prefix
+            over the source axis); identical on every rank; ``[R-1, d]`` = rows received by ``d``.
+        channel_prefix_matrix: ``[R, C]`` int32, sender side. ``[d, c]`` = this rank's tokens to ``d`` in channels
+            ``0..c`` (inclusive).
+        recv_channel_prefix_matrix: ``[R, C]`` int32, receiver side. ``[s, c]`` = start of source ``s``'s channel
+            ``c`` inside the block of rows from ``s`` (exclusive prefix, rank offset not included).
+        recv_src_idx: ``[M]`` int32: row index of each received token in its source rank's ``x``.
+        is_token_in_rank: ``[N, R]`` bool: the routing mask this rank dispatched with.
+        send_head: ``[N, R]`` int32: ring sequence number of token ``t`` in ring (channel of ``t``, ``d``), or -1 if
+            ``t`` was not sent to ``d``.
+    """
+
+    rank_prefix_matrix: torch.Tensor
+    channel_prefix_matrix: torch.Tensor
+    recv_channel_prefix_matrix: torch.Tensor
+    recv_src_idx: torch.Tensor
+    is_token_in_rank: torch.Tensor
+    send_head: torch.Tensor
+
+
+class InternodeHandle(NamedTuple):
+    """Handle of an internode normal dispatch (DeepEP's 10-tuple).
+
+    ``R_so`` = nodes (scale-out ranks), ``P`` = ranks per node; this rank is ``(my_node, my_local)``.
+
+    Fields:
+        is_token_in_rank: ``[N, R]`` bool, sender-side mask.
+        rdma_channel_prefix_matrix: ``[R_so, C]`` int32, sender: inclusive channel prefix of tokens that need node
+            ``n`` (a token counts once per node).
+        gbl_channel_prefix_matrix: ``[R, C]`` int32, sender: inclusive channel prefix of tokens sent to rank ``d``.
+        recv_rdma_channel_prefix_matrix: ``[R_so, C]`` int32, forwarder: for source node ``n``, the inclusive channel
+            prefix of tokens arriving from rank ``(n, my_local)`` (i.e. that rank's
+            ``rdma_channel_prefix_matrix[my_node]``).
+        recv_rdma_rank_prefix_sum: ``[R_so]`` int32, forwarder: inclusive prefix over source nodes of tokens arriving
+            from ``(n, my_local)``; the last entry is the number of forwarded tokens ``F``.
+        recv_gbl_channel_prefix_matrix: ``[R, C]`` int32, receiver: absolute first row in ``recv_x`` of source
+            ``s``'s channel ``c``.
+        recv_gbl_rank_prefix_sum: ``[R]`` int32, receiver: inclusive prefix over sources of rows received.
+        recv_src_meta: ``[M, 8]`` uint8: per row two little-endian int32 words, the source node and the bit mask of
+            the local ranks of this rank's node that receive the token (see :func:`encode_src_meta`).
+        send_rdma_head: ``[N, R_so]`` int32, sender: ring sequence number per (channel, node), or -1.
+        send_nvl_head: ``[F, 8]`` int32, forwarder: per forwarded token (source node asc, then token asc) and local
+            destination ``j``, the ring sequence number per (source node, channel, ``j``), or -1; columns
+            ``j >= P`` are -1.
+    """
+
+    is_token_in_rank: torch.Tensor
+    rdma_channel_prefix_matrix: torch.Tensor
+    gbl_channel_prefix_matrix: torch.Tensor
+    recv_rdma_channel_prefix_matrix: torch.Tensor
+    recv_rdma_rank_prefix_sum: torch.Tensor
+    recv_gbl_channel_prefix_matrix: torch.Tensor
+    recv_gbl_rank_prefix_sum: torch.Tensor
+    recv_src_meta: torch.Tensor
+    send_rdma_head: torch.Tensor
+    send_nvl_head: torch.Tensor
+
+
+class LowLatencyHandle(NamedTuple):
+    """Handle of a low-latency dispatch (DeepEP's 5-tuple).
+
+    Fields (``L`` local experts, ``R`` ranks, ``T`` = num_max_dispatch_tokens_per_rank):
+        packed_recv_src_info: ``[L, R*T]`` int32: for each valid packed row, the token's row in its source's ``x``.
+        packed_recv_layout_range: ``[L, R]`` int64: ``(begin << 32) | count`` of the contiguous rows of expert
+            ``j`` that came from source ``s``.
+        num_max_dispatch_tokens_per_rank: ``T`` (int).
+        hidden: ``H`` (int).
+        num_experts: ``E`` (int).
+    """
+
+    packed_recv_src_info: torch.Tensor
+    packed_recv_layout_range: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+
+
+class LayoutResult(NamedTuple):
+    """What ``get_dispatch_layout`` computes (without the event).
+
+    Fields:
+        num_tokens_per_rank: ``[R]`` int32: tokens with at least one expert on rank ``r``.
+        num_tokens_per_rdma_rank: ``[R_so]`` int32: tokens with at least one expert on node ``n``; ``None`` unless
+            the topology spans several nodes.
+        num_tokens_per_expert: ``[E]`` int32: ``(token, k)`` pairs selecting expert ``e`` (duplicates count twice).
+        is_token_in_rank: ``[N, R]`` bool.
+    """
+
+    num_tokens_per_rank: torch.Tensor
+    num_tokens_per_rdma_rank: Optional[torch.Tensor]
+    num_tokens_per_expert: torch.Tensor
+    is_token_in_rank: torch.Tensor
+
+
+class IntranodeSender(NamedTuple):
+    """Sender-side part of an intranode handle: ``channel_prefix_matrix [R, C]`` and ``send_head [N, R]``."""
+
+    channel_prefix_matrix: torch.Tensor
+    send_head: torch.Tensor
+
+
+class InternodeSender(NamedTuple):
+    """Sender-side part of an internode handle (see :class:`InternodeHandle` for shapes)."""
+
+    rdma_channel_prefix_matrix: torch.Tensor
+    gbl_channel_prefix_matrix: torch.Tensor
+    send_rdma_head: torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout.
+# ---------------------------------------------------------------------------------------------------------------
+
+def layout_from_topk(topk_idx: torch.Tensor, num_experts: int, topology: Topology) -> LayoutResult:
+    """``get_dispatch_layout`` semantics for one rank's routing.
+
+    Args:
+        topk_idx: ``[N, K]`` int32/int64 global expert ids in ``[0, E)`` or -1 (ignored).
+        num_experts: ``E``, divisible by ``topology.num_ranks``.
+        topology: rank/node mapping.
+    Returns:
+        :class:`LayoutResult` (all int32 counts, bool mask), on ``topk_idx``'s device.
+    """
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx must be a 2-D tensor [num_tokens, num_topk], got {topk_idx!r:.80}")
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
+    num_ranks = topology.num_ranks
+    experts_per_rank = num_local_experts(num_experts, num_ranks)
+    idx = topk_idx.to(torch.int64)
+    if idx.numel() and (int(idx.max()) >= num_experts or int(idx.min()) < -1):
+        raise ValueError(f"topk_idx entries must be -1 or in [0, {num_experts}), got range "
+                         f"[{int(idx.min())}, {int(idx.max())}]")
+    valid = idx >= 0
+    num_tokens = idx.size(0)
+    num_tokens_per_expert = torch.bincount(idx[valid], minlength=num_experts).to(torch.int32)
+    owner = torch.where(valid, idx // experts_per_rank, torch.full_like(idx, num_ranks))
+    hits = torch.zeros(num_tokens, num_ranks + 1, dtype=torch.bool, device=idx.device)
+    hits.scatter_(1, owner, True)
+    is_token_in_rank = hits[:, :num_ranks].contiguous()
+    num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+    num_tokens_per_rdma_rank = None
+    if topology.is_internode:
+        per_node = node_mask(is_token_in_rank, topology)
+        num_tokens_per_rdma_rank = per_node.sum(0, dtype=torch.int32)
+    return LayoutResult(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank)
+
+
+def node_mask(is_token_in_rank: torch.Tensor, topology: Topology) -> torch.Tensor:
+    """``[N, R]`` bool -> ``[N, R_so]`` bool: does the token need any rank of node ``n``."""
+    num_tokens = is_token_in_rank.size(0)
+    return is_token_in_rank.reshape(num_tokens, topology.num_scaleout_ranks, topology.num_scaleup_ranks).any(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sender side.
+# ---------------------------------------------------------------------------------------------------------------
+
+def token_channels(num_tokens: int, num_channels: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[N]`` int64: channel of every token (``t // ceil(N / C)``)."""
+    if num_channels < 1:
+        raise ValueError(f"num_channels must be >= 1, got {num_channels}")
+    per_channel = max(ceil_div(num_tokens, num_channels), 1)
+    return torch.arange(num_tokens, device=device) // per_channel
+
+
+def channel_counts(mask: torch.Tensor, num_channels: int) -> torch.Tensor:
+    """Per-destination, per-channel token counts.
+
+    Args:
+        mask: ``[N, D]`` bool, ``mask[t, d]`` = token ``t`` goes to destination ``d``.
+        num_channels: ``C``.
+    Returns:
+        ``[D, C]`` int32: ``[d, c]`` = tokens of channel ``c`` that go to ``d`` (not cumulative).
+    """
+    num_tokens, num_dst = mask.shape
+    channel = token_channels(num_tokens, num_channels, mask.device)
+    counts = torch.zeros(num_channels, num_dst, dtype=torch.int64, device=mask.device)
+    counts.index_add_(0, channel, mask.to(torch.int64))
+    return counts.t().contiguous().to(torch.int32)
+
+
+def ring_sequence(group: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Ring sequence numbers: for each row and column, how many earlier rows of the same group have the column set.
+
+    Args:
+        group: ``[N]`` int64, non-decreasing (rows of one group are contiguous), e.g. the channel of each token.
+        mask: ``[N, D]`` bool.
+    Returns:
+        ``[N, D]`` int32: the count of rows ``r' < r`` with ``group[r'] == group[r]`` and ``mask[r', d]``, where
+        ``mask[r, d]``; -1 elsewhere.
+    """
+    num_rows, num_dst = mask.shape
+    if num_rows == 0:
+        return torch.empty(0, num_dst, dtype=torch.int32, device=mask.device)
+    inclusive = mask.to(torch.int64).cumsum(0)
+    exclusive = inclusive - mask.to(torch.int64)
+    # Rows before a group's first row: subtract the running count there.
+    is_first = torch.ones(num_rows, dtype=torch.bool, device=mask.device)
+    is_first[1:] = group[1:] != group[:-1]
+    first_row = torch.cummax(torch.where(is_first, torch.arange(num_rows, device=mask.device), 0), 0).values
+    seq = exclusive - exclusive[first_row]
+    return torch.where(mask, seq, torch.full_like(seq, -1)).to(torch.int32)
+
+
+def _check_mask(is_token_in_rank: torch.Tensor, num_ranks: Optional[int] = None) -> None:
+    if not isinstance(is_token_in_rank, torch.Tensor) or is_token_in_rank.dtype != torch.bool \
+            or is_token_in_rank.dim() != 2:
+        raise ValueError("is_token_in_rank must be a 2-D bool tensor [num_tokens, num_ranks], got "
+                         f"{getattr(is_token_in_rank, 'dtype', type(is_token_in_rank))} "
+                         f"{tuple(getattr(is_token_in_rank, 'shape', ()))}")
+    if num_ranks is not None and is_token_in_rank.size(1) != num_ranks:
+        raise ValueError(f"is_token_in_rank must have {num_ranks} columns (num_ranks), got {is_token_in_rank.size(1)}")
+
+
+def intranode_sender(is_token_in_rank: torch.Tensor, num_channels: int) -> IntranodeSender:
+    """Sender-side handle fields of an intranode dispatch.
+
+    Args:
+        is_token_in_rank: ``[N, R]`` bool.
+        num_channels: ``C``.
+    Returns:
+        :class:`IntranodeSender`: ``channel_prefix_matrix [R, C]`` int32 (inclusive over channels) and
+        ``send_head [N, R]`` int32 (ring sequence number per (channel, destination), -1 if not sent).
+    """
+    _check_mask(is_token_in_rank)
+    prefix = channel_counts(is_token_in_rank, num_channels).cumsum(1, dtype=torch.int32)
+    channel = token_channels(is_token_in_rank.size(0), num_channels, is_token_in_rank.device)
+    return IntranodeSender(prefix, ring_sequence(channel, is_token_in_rank))
+
+
+def internode_sender(is_token_in_rank: torch.Tensor, num_channels: int, topology: Topology) -> InternodeSender:
+    """Sender-side handle fields of an internode dispatch.
+
+    Args:
+        is_token_in_rank: ``[N, R]`` bool.
+        num_channels: ``C``.
+        topology: ``R = R_so * P``.
+    Returns:
+        :class:`InternodeSender`: ``rdma_channel_prefix_matrix [R_so, C]``, ``gbl_channel_prefix_matrix [R, C]``
+        (inclusive over channels, int32) and ``send_rdma_head [N, R_so]`` int32.
+    """
+    _check_mask(is_token_in_rank, topology.num_ranks)
+    nodes = node_mask(is_token_in_rank, topology)
+    channel = token_channels(is_token_in_rank.size(0), num_channels, is_token_in_rank.device)
+    return InternodeSender(channel_counts(nodes, num_channels).cumsum(1, dtype=torch.int32),
+                           channel_counts(is_token_in_rank, num_channels).cumsum(1, dtype=torch.int32),
+                           ring_sequence(channel, nodes))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Receiver side.
+# ---------------------------------------------------------------------------------------------------------------
+
+def rank_prefix_matrix(count_matrix: torch.Tensor) -> torch.Tensor:
+    """``[R, R]`` counts ``[s, d]`` = tokens ``s`` sends to ``d`` -> ``[R, R]`` int32 inclusive prefix over ``s``."""
+    return count_matrix.to(torch.int64).cumsum(0).to(torch.int32)
+
+
+def recv_channel_prefix_matrix(src_channel_prefix: torch.Tensor) -> torch.Tensor:
+    """Intranode receiver's channel starts.
+
+    Args:
+        src_channel_prefix: ``[R, C]``: row ``s`` = source ``s``'s ``channel_prefix_matrix[d]`` (inclusive).
+    Returns:
+        ``[R, C]`` int32: exclusive prefix (start of each channel inside source ``s``'s block).
+    """
+    prefix = src_channel_prefix.to(torch.int32)
+    out = torch.zeros_like(prefix)
+    out[:, 1:] = prefix[:, :-1]
+    return out
+
+
+def recv_gbl_rank_prefix_sum(counts_from_sources: torch.Tensor) -> torch.Tensor:
+    """``[R]`` rows received from each source -> ``[R]`` int32 inclusive prefix over sources."""
+    return counts_from_sources.to(torch.int64).cumsum(0).to(torch.int32)
+
+
+def recv_gbl_channel_prefix_matrix(src_channel_prefix: torch.Tensor, rank_prefix_sum: torch.Tensor) -> torch.Tensor:
+    """Internode receiver's absolute channel starts.
+
+    Args:
+        src_channel_prefix: ``[R, C]``: row ``s`` = source ``s``'s ``gbl_channel_prefix_matrix[d]`` (inclusive).
+        rank_prefix_sum: ``[R]``: this receiver's ``recv_gbl_rank_prefix_sum``.
+    Returns:
+        ``[R, C]`` int32: first row in ``recv_x`` of each (source, channel).
+    """
+    rank_start = rank_prefix_sum.to(torch.int32) - src_channel_prefix[:, -1].to(torch.int32) \
+        if src_channel_prefix.size(1) else rank_prefix_sum.to(torch.int32)
+    return recv_channel_prefix_matrix(src_channel_prefix) + rank_start.unsqueeze(1)
+
+
+def recv_rdma_channel_prefix_matrix(src_rdma_channel_prefix: torch.Tensor) -> torch.Tensor:
+    """Forwarder's per-source-node channel prefix.
+
+    Args:
+        src_rdma_channel_prefix: ``[R_so, C]``: row ``n`` = rank ``(n, my_local)``'s
+            ``rdma_channel_prefix_matrix[my_node]``.
+    Returns:
+        ``[R_so, C]`` int32 (inclusive, relative to each source node's block).
+    """
+    return src_rdma_channel_prefix.to(torch.int32).contiguous()
+
+
+def recv_rdma_rank_prefix_sum(src_rdma_channel_prefix: torch.Tensor) -> torch.Tensor:
+    """``[R_so, C]`` as in :func:`recv_rdma_channel_prefix_matrix` -> ``[R_so]`` int32 inclusive prefix of the
+    per-node totals (last entry = tokens this rank forwards)."""
+    totals = src_rdma_channel_prefix[:, -1].to(torch.int64) if src_rdma_channel_prefix.size(1) else \
+        torch.zeros(src_rdma_channel_prefix.size(0), dtype=torch.int64, device=src_rdma_channel_prefix.device)
+    return totals.cumsum(0).to(torch.int32)
+
+
+def encode_src_meta(src_node: torch.Tensor, local_mask: torch.Tensor) -> torch.Tensor:
+    """Internode source-meta records.
+
+    Args:
+        src_node: ``[M]`` integer source node of each received row.
+        local_mask: ``[M, P]`` bool, ``P <= 8``: which local ranks of the receiving node get the token.
+    Returns:
+        ``[M, 8]`` uint8: int32 word 0 = ``src_node``, word 1 = ``sum_j local_mask[:, j] << j`` (little-endian).
+    """
+    num_rows = src_node.size(0)
+    if local_mask.dim() != 2 or local_mask.size(0) != num_rows or local_mask.size(1) > NUM_MAX_SCALEUP_RANKS:
+        raise ValueError(f"local_mask must be [M, <=8] bool matching src_node [M], got {tuple(local_mask.shape)}")
+    weights = torch.tensor([1 << j for j in range(local_mask.size(1))], dtype=torch.int32, device=src_node.device)
+    bits = (local_mask.to(torch.int32) * weights).sum(1, dtype=torch.int32)
+    words = dense_copy(torch.stack([src_node.to(torch.int32), bits], dim=1))
+    return words.view(torch.uint8).reshape(num_rows, 8)
+
+
+def decode_src_meta(recv_src_meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`encode_src_meta`: ``[M, 8]`` uint8 -> (``[M]`` int64 source node, ``[M, 8]`` bool mask)."""
+    words = dense_copy(recv_src_meta).view(torch.int32).reshape(-1, 2)
+    bits = torch.tensor([1 << j for j in range(NUM_MAX_SCALEUP_RANKS)], dtype=torch.int32, device=words.device)
+    return words[:, 0].to(torch.int64), (words[:, 1:2] & bits) != 0
+
+
+def forwarder_send_nvl_head(src_node: torch.Tensor, channel: torch.Tensor, local_mask: torch.Tensor) -> torch.Tensor:
+    """Forwarder's ``send_nvl_head``.
+
+    Args:
+        src_node: ``[F]`` int64 source node of every forwarded token, non-decreasing.
+        channel: ``[F]`` int64 channel of the token on its source rank (non-decreasing within a node).
+        local_mask: ``[F, P]`` bool: local destination ranks of the token in this node.
+    Returns:
+        ``[F, 8]`` int32: ring sequence number per (source node, channel, local destination), -1 where the token
+        does not go to that local rank (and in columns ``>= P``).
+    """
+    num_rows, num_local = local_mask.shape
+    num_channels = int(channel.max()) + 1 if num_rows else 1
+    mask = torch.zeros(num_rows, NUM_MAX_SCALEUP_RANKS, dtype=torch.bool, device=local_mask.device)
+    mask[:, :num_local] = local_mask
+    return ring_sequence(src_node.to(torch.int64) * num_channels + channel.to(torch.int64), mask)

@@ -1,0 +1,913 @@
+"""Torch backend of ``deep_ep.Buffer``: real communication over any ``torch.distributed`` process group.
+
+Works with gloo (CPU tensors) and NCCL (CUDA tensors, including PCIe-only GPUs without NVLink or NVSHMEM). The
+results are bit-identical to ``reference`` (the global-view oracle); see ``docs/torch_backend.md``.
+
+How data moves:
+
+* counts (tokens per destination, per-channel prefixes, per-expert counts) are exchanged with one ``all_gather``
+  of a small int64 vector per call;
+* token rows travel point-to-point (``batch_isend_irecv``): rank ``s`` sends to ``d`` exactly the rows ``d``
+  needs, packed as byte records (payload, scales, top-k, source index); nothing is all-gathered;
+* low-latency calls use a real symmetric buffer of ``num_rdma_bytes`` bytes laid out by
+  :func:`deep_ep.layout.low_latency_layout` (``signal_i``, ``send_i``, ``recv_i`` for halves ``i = 0, 1``). Each
+  call stages its outgoing messages in ``send_i``, receives into ``recv_i`` and flips the parity, so the zero-copy
+  combine buffer (:meth:`TorchBackend.get_next_low_latency_combine_buffer`) is a view of the next ``send_i``.
+
+Every wait is bounded by ``DEEP_EP_TIMEOUT_S``; a timeout raises :class:`CommTimeoutError` naming this rank, the
+peer, the phase and what was awaited. A timed-out gloo group is unusable afterwards (gloo closes the pair), so
+treat it as fatal.
+
+Arguments reach this module already validated by ``deep_ep.buffer.Buffer``, with ``config`` resolved.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from deep_ep import envs, handle as hd, numerics
+from deep_ep.config import Config, Topology, align_up
+from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
+from deep_ep.layout import low_latency_layout, low_latency_message_bytes
+from deep_ep.results import (CombineResult, DispatchLayout, DispatchResult, LowLatencyCombineResult,
+                             LowLatencyDispatchResult)
+
+# Point-to-point tags, one per kind of message, so that messages of different phases never match each other
+# (gloo honours tags; NCCL matches in issue order, which the collective call sequence keeps consistent).
+_TAG_DISPATCH = 11
+_TAG_FORWARD_META = 12
+_TAG_COMBINE = 13
+_TAG_LL_COUNT = 21
+_TAG_LL_DISPATCH = 22
+_TAG_LL_COMBINE = 23
+# Tags are ``kind + _NUM_TAG_KINDS * (batch number mod _NUM_TAG_SEQUENCES)``.
+_NUM_TAG_KINDS = 32
+_NUM_TAG_SEQUENCES = 1 << 20
+
+
+class CommTimeoutError(TimeoutError):
+    """A bounded wait of the torch backend ran out of ``DEEP_EP_TIMEOUT_S``."""
+
+
+class CommError(RuntimeError):
+    """A communication operation of the torch backend failed (e.g. a peer process died)."""
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``[rows, ...]`` tensor -> ``[rows, row_bytes]`` uint8 (contiguous copy if needed)."""
+    t = t.contiguous()
+    rows = t.size(0)
+    row_bytes = t.element_size()
+    for size in t.shape[1:]:
+        row_bytes *= size
+    if t.numel() == 0:
+        return torch.empty(rows, row_bytes, dtype=torch.uint8, device=t.device)
+    return t.view(rows, -1).view(torch.uint8).view(rows, row_bytes)
+
+
+def _from_bytes(raw: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
+    """``[rows, cols * itemsize]`` uint8 (any slice) -> ``[rows, cols]`` of ``dtype`` (contiguous)."""
+    rows = raw.size(0)
+    if rows == 0 or cols == 0:
+        return torch.empty(rows, cols, dtype=dtype, device=raw.device)
+    # A fresh row-major copy: a column slice (even a single row of one) keeps the record's row stride.
+    packed = torch.empty(raw.shape, dtype=torch.uint8, device=raw.device).copy_(raw)
+    return packed.view(dtype).view(rows, cols)
+
+
+class _Pending:
+    """Posted point-to-point operations of one phase; :meth:`wait` bounds every wait."""
+
+    def __init__(self, comm: "_Comm", works: list, peers: list, phase: str, what: str) -> None:
+        self.comm, self.works, self.peers, self.phase, self.what = comm, works, peers, phase, what
+        self.wait_ns = [0] * comm.num_ranks  # time spent waiting on each peer's operations
+
+    def wait(self) -> None:
+        for work, (peer, direction) in zip(self.works, self.peers):
+            start = time.perf_counter_ns()
+            self.comm.wait_work(work, self.phase, f"{direction} of {self.what}", peer)
+            self.wait_ns[peer] += time.perf_counter_ns() - start
+        self.works = []
+
+
+class _Comm:
+    """Bounded collective and point-to-point helpers over one process group (ranks are group ranks)."""
+
+    def __init__(self, group: Any, rank: int, num_ranks: int) -> None:
+        self.group, self.rank, self.num_ranks = group, rank, num_ranks
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(num_ranks)]
+        self.is_nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.is_nccl else torch.device("cpu")
+        # Every rank posts the same sequence of batches; numbering them in the tag keeps a message of one call from
+        # ever matching a receive of another call (e.g. while a receive hook is still outstanding).
+        self.num_posts = 0
+
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=envs.TIMEOUT_S.get())
+
+    def wait_work(self, work: Any, phase: str, what: str, peer: Optional[int]) -> None:
+        """Wait for one ``torch.distributed`` work handle within ``DEEP_EP_TIMEOUT_S``."""
+        who = "all ranks" if peer is None else f"peer {peer}"
+        try:
+            work.wait(timeout=self.timeout())
+        except RuntimeError as exc:
+            text = str(exc)
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                raise CommTimeoutError(
+                    f"deep_ep torch backend: rank {self.rank} timed out after {envs.TIMEOUT_S.get()} s "
+                    f"(DEEP_EP_TIMEOUT_S) in phase '{phase}' waiting for {what} from {who}: {text}") from exc
+            raise CommError(f"deep_ep torch backend: rank {self.rank} failed in phase '{phase}' waiting for {what} "
+                            f"from {who}: {text}") from exc
+
+    def all_gather(self, tensor: torch.Tensor, phase: str, what: str) -> torch.Tensor:
+        """``[*]`` -> ``[R, *]``: every rank's ``tensor`` (same shape and dtype on all ranks)."""
+        local = tensor.to(self.device).contiguous()
+        out = [torch.empty_like(local) for _ in range(self.num_ranks)]
+        work = dist.all_gather(out, local, group=self.group, async_op=True)
+        self.wait_work(work, phase, what, None)
+        return torch.stack(out).to(tensor.device)
+
+    def barrier(self, phase: str) -> None:
+        token = torch.zeros(1, dtype=torch.int32, device=self.device)
+        work = dist.all_reduce(token, group=self.group, async_op=True)
+        self.wait_work(work, phase, "a barrier", None)
+
+    def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+             tag: int, phase: str, what: str) -> _Pending:
+        """Post ``isend``/``irecv`` of contiguous comm-device tensors as one batch (peers are group ranks)."""
+        tag += _NUM_TAG_KINDS * (self.num_posts % _NUM_TAG_SEQUENCES)
+        self.num_posts += 1
+        ops, peers = [], []
+        for peer, tensor in sends:
+            ops.append(dist.P2POp(dist.isend, tensor, self.global_ranks[peer], self.group, tag))
+            peers.append((peer, "send"))
+        for peer, tensor in recvs:
+            ops.append(dist.P2POp(dist.irecv, tensor, self.global_ranks[peer], self.group, tag))
+            peers.append((peer, "receive"))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if len(works) != len(ops):  # some torch versions return one coalesced work for the whole batch
+            peers = [(self.rank if not peers else peers[0][0], "batch")] * len(works)
+        return _Pending(self, list(works), peers, phase, what)
+
+
+class _StreamScope:
+    """Spec §6.2 stream protocol. On CPU every call completes synchronously and this is a no-op."""
+
+    def __init__(self, comm_stream: Optional["torch.cuda.Stream"], previous_event: Any, async_finish: bool,
+                 allocate_on_comm_stream: bool = False) -> None:
+        self.comm_stream = comm_stream
+        self.async_finish = async_finish
+        self.allocate_on_comm_stream = allocate_on_comm_stream
+        self.previous_event = previous_event
+
+    @contextlib.contextmanager
+    def run(self) -> Iterator[None]:
+        if self.comm_stream is None:
+            yield
+            return
+        compute = torch.cuda.current_stream()
+        inner = getattr(self.previous_event, "event", None)
+        if inner is not None:
+            with torch.cuda.stream(self.comm_stream):
+                inner.current_stream_wait()
+        else:
+            self.comm_stream.wait_stream(compute)
+        self._compute = compute
+        with torch.cuda.stream(self.comm_stream):
+            yield
+
+    def finish(self, tensors: Sequence[Any]) -> EventOverlap:
+        if self.comm_stream is None:
+            return EventOverlap(COMPLETED if self.async_finish else None)
+        compute = self._compute
+        if not self.async_finish:
+            compute.wait_stream(self.comm_stream)
+            return EventOverlap(None)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(self.comm_stream)
+                if self.allocate_on_comm_stream:
+                    t.record_stream(compute)
+        return EventOverlap(CudaEventHandle(self.comm_stream))
+
+
+def _local_topk(topk_idx: torch.Tensor, topk_weights: torch.Tensor, rank: int,
+                num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global top-k rows -> this rank's local expert ids (-1 elsewhere) and weights (0 where -1)."""
+    begin = rank * num_local_experts
+    mine = (topk_idx >= begin) & (topk_idx < begin + num_local_experts)
+    local = torch.where(mine, topk_idx - begin, torch.full_like(topk_idx, -1))
+    return local, torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
+
+
+class TorchBackend:
+    """One rank's torch.distributed implementation of every ``Buffer`` communication method.
+
+    Args:
+        group: the process group (gloo for CPU tensors, NCCL for CUDA tensors).
+        rank / num_ranks: this rank and the group size.
+        topology: node structure (decides intranode vs internode handles).
+        num_nvl_bytes / num_rdma_bytes: sizes of the local buffers (``get_local_buffer_tensor``; the RDMA buffer
+            is the low-latency symmetric buffer).
+        enable_shrink: keep a per-rank mask; low-latency calls skip masked ranks.
+    """
+
+    def __init__(self, group: Any, rank: int, num_ranks: int, topology: Topology, num_nvl_bytes: int,
+                 num_rdma_bytes: int, enable_shrink: bool) -> None:
+        self.comm = _Comm(group, rank, num_ranks)
+        self.rank, self.num_ranks, self.topology = rank, num_ranks, topology
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.device = self.comm.device
+        self.comm_stream = torch.cuda.Stream(priority=-1) if self.device.type == "cuda" else None
+        self._nvl_buffer: Optional[torch.Tensor] = None
+        self._rdma_buffer: Optional[torch.Tensor] = None
+        self.ll_parity = 0
+        self.mask = torch.zeros(num_ranks, dtype=torch.int32) if enable_shrink else None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Buffers
+    # ------------------------------------------------------------------------------------------------------------
+    def nvl_buffer(self) -> torch.Tensor:
+        """``[num_nvl_bytes]`` uint8, allocated on first use (uninitialised, as DeepEP's)."""
+        if self._nvl_buffer is None:
+            self._nvl_buffer = torch.empty(self.num_nvl_bytes, dtype=torch.uint8, device=self.device)
+        return self._nvl_buffer
+
+    def rdma_buffer(self) -> torch.Tensor:
+        """``[num_rdma_bytes]`` uint8 symmetric low-latency buffer, zeroed, allocated on first use."""
+        if self._rdma_buffer is None:
+            self._rdma_buffer = torch.zeros(self.num_rdma_bytes, dtype=torch.uint8, device=self.device)
+        return self._rdma_buffer
+
+    def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
+        return self.comm_stream
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        raw = self.rdma_buffer() if use_rdma_buffer else self.nvl_buffer()
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        # DeepEP's length ignores the offset (it could read past the end); a real view must stay inside.
+        count = (raw.numel() - offset) // itemsize
+        view = raw[offset:offset + count * itemsize].view(dtype)
+        if size is None:
+            return view
+        return view[:size.numel()].view(size)
+
+    def destroy(self) -> None:
+        self._nvl_buffer = None
+        self._rdma_buffer = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Normal mode
+    # ------------------------------------------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False) -> DispatchLayout:
+        """Local computation from ``topk_idx [N, K]``; see ``Buffer.get_dispatch_layout``."""
+        scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
+        with scope.run():
+            layout = hd.layout_from_topk(topk_idx, num_experts, self.topology)
+        return DispatchLayout(*layout, scope.finish([topk_idx, *[t for t in layout if t is not None]]))
+
+    def _recv_counts_from_handle(self, handle: Any) -> torch.Tensor:
+        """``[R]`` int64 rows this rank received from each source in the dispatch that made ``handle``."""
+        if isinstance(handle, hd.IntranodeHandle):
+            prefix = handle.rank_prefix_matrix[:, self.rank].to(torch.int64).cpu()
+        else:
+            prefix = handle.recv_gbl_rank_prefix_sum.to(torch.int64).cpu()
+        return torch.diff(prefix, prepend=torch.zeros(1, dtype=torch.int64))
+
+    def _exchange_rows(self, send_rows: list[torch.Tensor], recv_counts: Sequence[int], row_bytes: int, tag: int,
+                       phase: str, what: str) -> list[torch.Tensor]:
+        """Send ``send_rows[d]`` (``[n_d, row_bytes]`` uint8) to every ``d`` and receive ``[recv_counts[s],
+        row_bytes]`` from every ``s``; the own block is copied locally. Returns the received blocks by source."""
+        recv = [torch.empty(int(n), row_bytes, dtype=torch.uint8, device=self.device) for n in recv_counts]
+        sends = [(d, rows.to(self.device).contiguous()) for d, rows in enumerate(send_rows)
+                 if d != self.rank and rows.size(0) > 0]
+        recvs = [(s, buf) for s, buf in enumerate(recv) if s != self.rank and buf.size(0) > 0]
+        pending = self.comm.post(sends, recvs, tag, phase, what)
+        recv[self.rank].copy_(send_rows[self.rank])
+        pending.wait()
+        return recv
+
+    def dispatch(self, x: Any, handle: Any = None, num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None, topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Optional[Config] = None, previous_event: Any = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> DispatchResult:
+        """Normal dispatch; see ``Buffer.dispatch`` for shapes. Routing comes only from ``is_token_in_rank``."""
+        assert config is not None, "config is resolved by the Buffer front"
+        scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
+        with scope.run():
+            if handle is not None:
+                result = self._cached_dispatch(x, handle)
+            else:
+                result = self._dispatch(x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                        expert_alignment, num_worst_tokens, config)
+        recv_x = result[0]
+        flat = [*recv_x] if isinstance(recv_x, tuple) else [recv_x]
+        event = scope.finish([*flat, *[t for t in result[1:3] if t is not None],
+                              *(x if isinstance(x, tuple) else (x,))])
+        return DispatchResult(*result, event)
+
+    def _cached_dispatch(self, x: Any, handle: Any) -> tuple:
+        data, scales = x if isinstance(x, tuple) else (x, None)
+        mask = handle.is_token_in_rank
+        parts = [_as_bytes(data)]
+        if scales is not None:
+            parts.append(_as_bytes(scales.contiguous()))
+        record = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        send_rows = [record[mask[:, d]] for d in range(self.num_ranks)]
+        recv_counts = self._recv_counts_from_handle(handle).tolist()
+        blocks = self._exchange_rows(send_rows, recv_counts, record.size(1), _TAG_DISPATCH, "cached dispatch",
+                                     "token rows")
+        rows = torch.cat(blocks, dim=0).to(data.device)
+        hidden_bytes = data.size(1) * data.element_size()
+        recv_data = _from_bytes(rows[:, :hidden_bytes], data.dtype, data.size(1))
+        if scales is None:
+            return recv_data, None, None, None, None
+        recv_scales = _from_bytes(rows[:, hidden_bytes:], scales.dtype, scales.size(1))
+        return (recv_data, recv_scales), None, None, None, None
+
+    def _dispatch(self, x: Any, is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                  topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], expert_alignment: int,
+                  num_worst_tokens: int, config: Config) -> tuple:
+        data, scales = x if isinstance(x, tuple) else (x, None)
+        num_ranks, rank, topo = self.num_ranks, self.rank, self.topology
+        num_tokens, hidden = data.shape
+        num_channels = config.num_channels
+        num_experts = num_tokens_per_expert.numel()
+        num_local_experts = num_experts // num_ranks
+        internode = topo.is_internode
+        mask = is_token_in_rank.to(torch.bool)
+
+        # Sender-side handle fields and the counts every receiver needs.
+        if internode:
+            sender = hd.internode_sender(mask, num_channels, topo)
+            chan_prefix = sender.gbl_channel_prefix_matrix
+            extra = sender.rdma_channel_prefix_matrix.flatten()
+        else:
+            sender = hd.intranode_sender(mask, num_channels)
+            chan_prefix = sender.channel_prefix_matrix
+            extra = torch.zeros(0, dtype=torch.int32, device=mask.device)
+        send_counts = mask.sum(0)
+        info = torch.cat([send_counts.to(torch.int64), chan_prefix.flatten().to(torch.int64),
+                          num_tokens_per_expert.to(torch.int64), extra.to(torch.int64),
+                          torch.tensor([num_tokens], dtype=torch.int64, device=mask.device)])
+        gathered = self.comm.all_gather(info.cpu(), "dispatch notify", "per-rank token counts").to(torch.int64)
+        offsets = [0, num_ranks, num_ranks * num_channels, num_experts, extra.numel(), 1]
+        begin = [sum(offsets[:i + 1]) for i in range(len(offsets))]
+        count_matrix = gathered[:, begin[0]:begin[1]]                                     # [src, dst]
+        src_chan_prefix = gathered[:, begin[1]:begin[2]].view(num_ranks, num_ranks, num_channels)[:, rank]
+        expert_counts = gathered[:, begin[2]:begin[3]]                                    # [src, E]
+        recv_counts = count_matrix[:, rank]
+        num_recv = int(recv_counts.sum())
+        per_expert = expert_counts[:, rank * num_local_experts:(rank + 1) * num_local_experts].sum(0)
+        if num_worst_tokens > 0:
+            num_recv_list: list = []
+        else:
+            num_recv_list = [align_up(int(c), expert_alignment) for c in per_expert.tolist()]
+
+        # Per-row records: payload | scales | top-k ids | top-k weights | source token index | local-rank mask.
+        parts = [_as_bytes(data)]
+        if scales is not None:
+            parts.append(_as_bytes(scales.contiguous()))
+        if topk_idx is not None:
+            parts += [_as_bytes(topk_idx), _as_bytes(topk_weights)]
+        parts.append(_as_bytes(torch.arange(num_tokens, dtype=torch.int32, device=data.device)))
+        if internode:
+            parts.append(_as_bytes(mask.to(torch.uint8)))
+        widths = [p.size(1) for p in parts]
+        record = torch.cat(parts, dim=1)
+        send_rows = [record[mask[:, d]] for d in range(num_ranks)]
+        blocks = self._exchange_rows(send_rows, recv_counts.tolist(), record.size(1), _TAG_DISPATCH, "dispatch",
+                                     "token rows")
+        rows = torch.cat(blocks, dim=0).to(data.device)
+        cols = []
+        at = 0
+        for w in widths:
+            cols.append(rows[:, at:at + w])
+            at += w
+        cols.reverse()
+        recv_data = _from_bytes(cols.pop(), data.dtype, hidden)
+        recv_scales = _from_bytes(cols.pop(), scales.dtype, scales.size(1)) if scales is not None else None
+        recv_topk_idx = recv_topk_weights = None
+        if topk_idx is not None:
+            num_topk = topk_idx.size(1)
+            global_idx = _from_bytes(cols.pop(), topk_idx.dtype, num_topk)
+            weights = _from_bytes(cols.pop(), torch.float32, num_topk)
+            recv_topk_idx, recv_topk_weights = _local_topk(global_idx, weights, rank, num_local_experts)
+        recv_src_idx = _from_bytes(cols.pop(), torch.int32, 1).view(-1)
+
+        if num_worst_tokens > 0:
+            if num_recv > num_worst_tokens:
+                raise ValueError(f"num_worst_tokens must be >= the number of tokens rank {rank} receives, got "
+                                 f"{num_worst_tokens} < {num_recv}")
+            pad = num_worst_tokens - num_recv
+
+            def padded(t: Optional[torch.Tensor], fill: float = 0) -> Optional[torch.Tensor]:
+                if t is None:
+                    return None
+                extra_rows = torch.full((pad, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+                return torch.cat([t, extra_rows], dim=0)
+
+            recv_data, recv_scales = padded(recv_data), padded(recv_scales)
+            recv_topk_idx, recv_topk_weights = padded(recv_topk_idx, -1), padded(recv_topk_weights)
+            recv_src_idx = padded(recv_src_idx)
+
+        dev = data.device
+        if internode:
+            new_handle = self._internode_handle(mask, sender, gathered, begin, recv_counts, src_chan_prefix,
+                                                rows, cols, num_channels, recv_src_idx, num_recv)
+        else:
+            new_handle = hd.IntranodeHandle(
+                hd.rank_prefix_matrix(count_matrix).to(dev), sender.channel_prefix_matrix,
+                hd.recv_channel_prefix_matrix(src_chan_prefix).to(dev), recv_src_idx, is_token_in_rank,
+                sender.send_head)
+        recv_x = (recv_data, recv_scales) if scales is not None else recv_data
+        return recv_x, recv_topk_idx, recv_topk_weights, num_recv_list, new_handle
+
+    def _internode_handle(self, mask: torch.Tensor, sender: hd.InternodeSender, gathered: torch.Tensor,
+                          begin: list[int], recv_counts: torch.Tensor, src_chan_prefix: torch.Tensor,
+                          rows: torch.Tensor, cols: list[torch.Tensor], num_channels: int,
+                          recv_src_idx: torch.Tensor, num_recv: int) -> hd.InternodeHandle:
+        """Receiver-side internode fields; the forwarder fields need one extra metadata exchange.
+
+        As forwarder, this rank ``(my_node, my_local)`` is responsible for every token of a rank
+        ``(n, my_local)`` that needs ``my_node``; that rank sends the token's index and its local-rank mask for
+        ``my_node`` (the data itself travels directly to the final receivers).
+        """
+        topo, rank, dev = self.topology, self.rank, mask.device
+        num_nodes, per_node = topo.num_scaleout_ranks, topo.num_scaleup_ranks
+        my_node, my_local = topo.node_of(rank), topo.local_of(rank)
+        num_tokens = mask.size(0)
+        rdma_prefix = gathered[:, begin[3]:begin[4]].view(self.num_ranks, num_nodes, num_channels)
+        peers = [n * per_node + my_local for n in range(num_nodes)]
+        src_rdma_prefix = torch.stack([rdma_prefix[p, my_node] for p in peers])            # [R_so, C]
+        recv_rdma_prefix = hd.recv_rdma_channel_prefix_matrix(src_rdma_prefix)
+        recv_rdma_rank_prefix = hd.recv_rdma_rank_prefix_sum(src_rdma_prefix)
+        recv_gbl_rank_prefix = hd.recv_gbl_rank_prefix_sum(recv_counts)
+        recv_gbl_chan_prefix = hd.recv_gbl_channel_prefix_matrix(src_chan_prefix, recv_gbl_rank_prefix)
+
+        # recv_src_meta: source node and this node's local-rank mask of every received row.
+        source_of_row = torch.repeat_interleave(torch.arange(self.num_ranks), recv_counts)
+        local_masks = _from_bytes(cols.pop(), torch.uint8, num_nodes * per_node).view(num_recv, num_nodes, per_node)
+        local_masks = local_masks[:, my_node].to(torch.bool)
+        src_meta = hd.encode_src_meta((source_of_row // per_node).to(dev), local_masks[:num_recv])
+        if recv_src_idx.size(0) > num_recv:  # worst-token padding rows carry no meta
+            src_meta = torch.cat([src_meta, torch.zeros(recv_src_idx.size(0) - num_recv, 8, dtype=torch.uint8,
+                                                        device=src_meta.device)])
+
+        # Forwarder bookkeeping: tokens of (n, my_local) that need my node, with their local masks.
+        nodes_needed = hd.node_mask(mask, topo)
+        token_ids = torch.arange(num_tokens, dtype=torch.int32, device=dev)
+        meta_record = torch.cat([token_ids.view(-1, 1),
+                                 mask.view(num_tokens, num_nodes, per_node).to(torch.int32)
+                                 .mul(torch.tensor([1 << j for j in range(per_node)], dtype=torch.int32,
+                                                   device=dev)).sum(2, dtype=torch.int32)], dim=1)
+        # meta_record[t] = [t, bits of node 0, bits of node 1, ...]; send column (1 + n) rows to (n, my_local).
+        forward_counts = [int(v) for v in src_rdma_prefix[:, -1].tolist()] if num_channels else [0] * num_nodes
+        send = [torch.empty(0, 8, dtype=torch.uint8, device=dev) for _ in range(self.num_ranks)]
+        for n in range(num_nodes):
+            sel = nodes_needed[:, n]
+            send[n * per_node + my_local] = _as_bytes(meta_record[sel][:, [0, 1 + n]].contiguous())
+        recv_counts_meta = [0] * self.num_ranks
+        for n, p in enumerate(peers):
+            recv_counts_meta[p] = forward_counts[n]
+        blocks = self._exchange_rows(send, recv_counts_meta, 8, _TAG_FORWARD_META, "dispatch forward meta",
+                                     "forwarded-token metadata")
+        src_node, channel, fwd_mask = [], [], []
+        gathered_num_tokens = gathered[:, begin[4]]
+        for n, p in enumerate(peers):
+            meta = _from_bytes(blocks[p], torch.int32, 2).to(dev)
+            per_channel = max(-(-int(gathered_num_tokens[p]) // num_channels), 1)
+            src_node.append(torch.full((meta.size(0),), n, dtype=torch.int64, device=dev))
+            channel.append(meta[:, 0].to(torch.int64) // per_channel)
+            bits = meta[:, 1:2]
+            fwd_mask.append((bits & torch.tensor([1 << j for j in range(per_node)], dtype=torch.int32,
+                                                 device=dev)) != 0)
+        send_nvl_head = hd.forwarder_send_nvl_head(torch.cat(src_node), torch.cat(channel), torch.cat(fwd_mask))
+        return hd.InternodeHandle(mask, sender.rdma_channel_prefix_matrix, sender.gbl_channel_prefix_matrix,
+                                  recv_rdma_prefix.to(dev), recv_rdma_rank_prefix.to(dev),
+                                  recv_gbl_chan_prefix.to(dev), recv_gbl_rank_prefix.to(dev), src_meta,
+                                  sender.send_rdma_head, send_nvl_head)
+
+    def combine(self, x: torch.Tensor, handle: Any, topk_weights: Optional[torch.Tensor] = None, bias: Any = None,
+                config: Optional[Config] = None, previous_event: Any = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> CombineResult:
+        """Normal combine: per original token, the float32 sum of its holders' rows (plus biases), in BF16."""
+        scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
+        with scope.run():
+            combined_x, combined_w = self._combine(x, handle, topk_weights, bias)
+        event = scope.finish([x, topk_weights, combined_x, combined_w])
+        return CombineResult(combined_x, combined_w, event)
+
+    def _combine(self, x: torch.Tensor, handle: Any, topk_weights: Optional[torch.Tensor],
+                 bias: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        mask = handle.is_token_in_rank.to(torch.bool)
+        num_tokens, hidden = mask.size(0), x.size(1)
+        recv_counts = self._recv_counts_from_handle(handle)
+        starts = torch.cumsum(recv_counts, 0) - recv_counts
+        parts = [_as_bytes(x)]
+        if topk_weights is not None:
+            parts.append(_as_bytes(topk_weights))
+        record = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        send_rows = [record[int(starts[s]):int(starts[s] + recv_counts[s])] for s in range(self.num_ranks)]
+        back_counts = mask.sum(0).tolist()
+        blocks = self._exchange_rows(send_rows, back_counts, record.size(1), _TAG_COMBINE, "combine",
+                                     "expert output rows")
+        hidden_bytes = hidden * x.element_size()
+        ys = [_from_bytes(b[:, :hidden_bytes].to(x.device), x.dtype, hidden) for b in blocks]
+        ws = None
+        if topk_weights is not None:
+            ws = [_from_bytes(b[:, hidden_bytes:].to(x.device), torch.float32, topk_weights.size(1)) for b in blocks]
+        biases = bias if isinstance(bias, tuple) else ((bias,) if bias is not None else ())
+        return reduce_combine(mask, ys, ws, biases, self.topology, num_tokens, hidden, x.device)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Low-latency mode
+    # ------------------------------------------------------------------------------------------------------------
+    def _ll_regions(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> Any:
+        layout = low_latency_layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if layout.total_bytes > self.num_rdma_bytes:
+            raise ValueError(f"num_rdma_bytes ({self.num_rdma_bytes}) is too small for low-latency kernels with "
+                             f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}, hidden={hidden}, "
+                             f"num_experts={num_experts}: they need {layout.total_bytes} bytes "
+                             "(Buffer.get_low_latency_rdma_size_hint)")
+        return layout
+
+    def _region(self, layout: Any, name: str) -> torch.Tensor:
+        region = layout[name]
+        return self.rdma_buffer()[region.offset:region.end]
+
+    def _active_peers(self) -> list[int]:
+        if self.mask is None:
+            return list(range(self.num_ranks))
+        return [r for r in range(self.num_ranks) if int(self.mask[r]) == 0]
+
+    def _combine_send_view(self, layout: Any, half: int, num_local_experts: int, tokens: int,
+                           hidden: int) -> torch.Tensor:
+        """BF16 ``[L, R*T, H]`` view of ``send_{half}`` with row stride ``H + H/64`` elements (spec §11.4)."""
+        region = layout[f"send_{half}"]
+        _, combine_msg = low_latency_message_bytes(hidden)
+        slot = combine_msg // 2
+        rows = self.num_ranks * tokens
+        as_bf16 = self.rdma_buffer().view(torch.bfloat16)
+        return as_bf16.as_strided((num_local_experts, rows, hidden), (rows * slot, slot, 1), region.offset // 2)
+
+    def get_next_low_latency_combine_buffer(self, handle: hd.LowLatencyHandle) -> torch.Tensor:
+        tokens, hidden, num_experts = handle[2], handle[3], handle[4]
+        layout = self._ll_regions(tokens, hidden, num_experts)
+        return self._combine_send_view(layout, self.ll_parity, num_experts // self.num_ranks, tokens, hidden)
+
+    def _flip(self, layout: Any) -> int:
+        """Take the current half, clear the other half's signals for the next call, flip the parity."""
+        half = self.ll_parity
+        self._region(layout, f"signal_{1 - half}").zero_()
+        self.ll_parity = 1 - half
+        return half
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False) -> LowLatencyDispatchResult:
+        """Send every token once per valid top-k entry to the expert's owner; pack per local expert.
+
+        Packed order (one valid order of the spec): per local expert, source ranks ascending, and within one
+        source, tokens ascending then top-k slot ascending.
+        """
+        tokens, num_ranks, rank = num_max_dispatch_tokens_per_rank, self.num_ranks, self.rank
+        num_tokens, hidden = x.shape
+        num_local = num_experts // num_ranks
+        layout = self._ll_regions(tokens, hidden, num_experts)
+        dispatch_msg, _ = low_latency_message_bytes(hidden)
+        num_scales = hidden // 128
+        scale_cols = num_scales // 4 if use_ue8m0 else num_scales
+        scale_dtype = torch.int32 if use_ue8m0 else torch.float32
+        payload = hidden + num_scales * 4 if use_fp8 else hidden * 2
+        # With a receive hook the send phase runs on the caller's stream (spec §6.3).
+        scope = _StreamScope(None if return_recv_hook else self.comm_stream, None, async_finish)
+        active = self._active_peers()
+        device = x.device
+
+        with scope.run():
+            half = self._flip(layout)
+            # Stage one message per token in send_{half}: [int32 source token index | 12 B pad | payload].
+            staging = self._region(layout, f"send_{half}")[:num_tokens * dispatch_msg].view(num_tokens, dispatch_msg)
+            staging[:, :4] = _as_bytes(torch.arange(num_tokens, dtype=torch.int32)).to(self.device)
+            if use_fp8:
+                q, scales = numerics.per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
+                staging[:, 16:16 + hidden] = _as_bytes(q).to(self.device)
+                staging[:, 16 + hidden:16 + hidden + scale_cols * 4] = _as_bytes(scales).to(self.device)
+            else:
+                staging[:, 16:16 + 2 * hidden] = _as_bytes(x).to(self.device)
+
+            # Rows per (destination, local expert), ordered by (token, k).
+            idx = topk_idx.to(torch.int64).cpu()
+            flat = idx.flatten()
+            token_of = torch.arange(num_tokens).repeat_interleave(idx.size(1))
+            valid = flat >= 0
+            flat, token_of = flat[valid], token_of[valid]
+            send_counts = torch.bincount(flat, minlength=num_experts).view(num_ranks, num_local).to(torch.int32)
+
+            # Counts first (fixed size, so every receiver can post its receives), then the rows.
+            recv_counts = torch.zeros(num_ranks, num_local, dtype=torch.int32)
+            recv_counts[rank] = send_counts[rank]
+            count_bufs = {s: torch.empty(num_local, dtype=torch.int32, device=self.device) for s in active
+                          if s != rank}
+            sends = [(d, send_counts[d].to(self.device)) for d in active if d != rank]
+            count_wait = self.comm.post(sends, list(count_bufs.items()), _TAG_LL_COUNT, "low-latency dispatch",
+                                        "per-expert token counts")
+            count_wait.wait()
+            signal = self._region(layout, f"signal_{half}").view(torch.int32)[:num_experts].view(num_local, num_ranks)
+            for s, buf in count_bufs.items():
+                recv_counts[s] = buf.cpu()
+            for s in active:
+                signal[:, s] = -(recv_counts[s].to(self.device) + 1)
+
+            recv_area = self._region(layout, f"recv_{half}")[:num_experts * tokens * dispatch_msg]
+            recv_area = recv_area.view(num_local, num_ranks, tokens, dispatch_msg)
+            data_sends, data_recvs = [], []
+            order = torch.argsort(flat, stable=True)
+            sorted_tokens = token_of[order]
+            expert_start = torch.cumsum(send_counts.flatten().to(torch.int64), 0) - send_counts.flatten()
+            for d in active:
+                for j in range(num_local):
+                    n = int(send_counts[d, j])
+                    if n == 0:
+                        continue
+                    start = int(expert_start[d * num_local + j])
+                    rows = staging[sorted_tokens[start:start + n].to(self.device)]
+                    if d == rank:
+                        recv_area[j, rank, :n] = rows
+                    else:
+                        data_sends.append((d, rows))
+            for s in active:
+                if s == rank:
+                    continue
+                for j in range(num_local):
+                    n = int(recv_counts[s, j])
+                    if n:
+                        data_recvs.append((s, recv_area[j, s, :n]))
+            data_wait = self.comm.post(data_sends, data_recvs, _TAG_LL_DISPATCH, "low-latency dispatch",
+                                       "token messages")
+
+            # Outputs (filled by the receive phase).
+            rows_per_expert = num_ranks * tokens
+            if use_fp8:
+                recv_data = torch.empty(num_local, rows_per_expert, hidden, dtype=torch.float8_e4m3fn, device=device)
+                recv_scales = torch.empty(num_local, scale_cols, rows_per_expert, dtype=scale_dtype,
+                                          device=device).transpose(1, 2)
+                recv_x: Any = (recv_data, recv_scales)
+            else:
+                recv_data = torch.empty(num_local, rows_per_expert, hidden, dtype=torch.bfloat16, device=device)
+                recv_x = recv_data
+            packed_recv_count = torch.zeros(num_local, dtype=torch.int32, device=device)
+            src_info = torch.zeros(num_local, rows_per_expert, dtype=torch.int32, device=device)
+            layout_range = torch.zeros(num_local, num_ranks, dtype=torch.int64, device=device)
+
+        def receive() -> None:
+            data_wait.wait()
+            for j in range(num_local):
+                begin = 0
+                for s in active:
+                    n = int(recv_counts[s, j])
+                    if n:
+                        msgs = recv_area[j, s, :n].to(device)
+                        src_info[j, begin:begin + n] = _from_bytes(msgs[:, :4], torch.int32, 1).view(-1)
+                        if use_fp8:
+                            recv_data[j, begin:begin + n] = _from_bytes(msgs[:, 16:16 + hidden],
+                                                                        torch.float8_e4m3fn, hidden)
+                            recv_scales[j, begin:begin + n] = _from_bytes(
+                                msgs[:, 16 + hidden:16 + hidden + scale_cols * 4], scale_dtype, scale_cols)
+                        else:
+                            recv_data[j, begin:begin + n] = _from_bytes(msgs[:, 16:16 + 2 * hidden],
+                                                                        torch.bfloat16, hidden)
+                    layout_range[j, s] = (begin << 32) | n
+                    begin += n
+                packed_recv_count[j] = begin
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(packed_recv_count.to(cumulative_local_expert_recv_stats.device))
+            if dispatch_wait_recv_cost_stats is not None:
+                waited = torch.tensor([a + b for a, b in zip(count_wait.wait_ns, data_wait.wait_ns)],
+                                      dtype=torch.int64)
+                dispatch_wait_recv_cost_stats.add_(waited.to(dispatch_wait_recv_cost_stats.device))
+
+        new_handle = hd.LowLatencyHandle(src_info, layout_range, tokens, hidden, num_experts)
+        outputs = [*(recv_x if use_fp8 else (recv_x,)), packed_recv_count, src_info, layout_range]
+        if return_recv_hook:
+            return LowLatencyDispatchResult(recv_x, packed_recv_count, new_handle, EventOverlap(None),
+                                            _Hook(receive, "low_latency_dispatch"))
+        with scope.run():
+            receive()
+        event = scope.finish([x, topk_idx, *outputs])
+        if async_finish:
+            event.extra_tensors = (x, topk_idx, *outputs)
+        return LowLatencyDispatchResult(recv_x, packed_recv_count, new_handle, event, None)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: hd.LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> LowLatencyCombineResult:
+        """Return expert outputs to the token owners and reduce ``sum_k w[t, k] * y(e_k, t)`` in float32."""
+        src_info, layout_range, tokens, hidden, num_experts = handle
+        num_ranks, rank = self.num_ranks, self.rank
+        num_local = num_experts // num_ranks
+        num_tokens = topk_idx.size(0)
+        layout = self._ll_regions(tokens, hidden, num_experts)
+        _, combine_msg = low_latency_message_bytes(hidden)
+        header = combine_msg - 2 * hidden
+        scope = _StreamScope(None if return_recv_hook else self.comm_stream, None, async_finish)
+        active = self._active_peers()
+        device = x.device
+
+        with scope.run():
+            half = self._flip(layout)
+            send_view = self._combine_send_view(layout, half, num_local, tokens, hidden)
+            ranges = layout_range.cpu()
+            sends = []
+            for j in range(num_local):
+                for s in active:
+                    begin, count = int(ranges[j, s]) >> 32, int(ranges[j, s]) & 0xFFFFFFFF
+                    if count == 0:
+                        continue
+                    if not zero_copy:
+                        send_view[j, begin:begin + count] = x[j, begin:begin + count].to(self.device)
+                    rows = send_view[j, begin:begin + count]
+                    if use_logfmt:
+                        rows = numerics.logfmt_roundtrip(rows)
+                    message = torch.cat([_as_bytes(src_info[j, begin:begin + count].to(self.device)),
+                                         _as_bytes(rows)], dim=1)
+                    sends.append((s, message))
+
+            # Receive: one block per (owner rank, expert) this rank selected, sized from its own routing.
+            idx = topk_idx.to(torch.int64).cpu()
+            owner_ok = torch.zeros(num_ranks, dtype=torch.bool)
+            owner_ok[active] = True
+            flat = idx[idx >= 0]
+            flat = flat[owner_ok[flat // num_local]]
+            expected = torch.bincount(flat, minlength=num_experts)
+            recvs, recv_keys = [], []
+            # Own experts' rows never leave this rank.
+            local_msgs = [m for s, m in sends if s == rank]
+            sends = [(s, m) for s, m in sends if s != rank]
+            for e in range(num_experts):
+                n = int(expected[e])
+                owner = e // num_local
+                if n == 0 or owner == rank:
+                    continue
+                buf = torch.empty(n, 4 + 2 * hidden, dtype=torch.uint8, device=self.device)
+                recvs.append((owner, buf))
+                recv_keys.append(e)
+            pending = self.comm.post(sends, recvs, _TAG_LL_COMBINE, "low-latency combine", "expert output rows")
+            recv_area = self._region(layout, f"recv_{half}")[:num_experts * tokens * combine_msg]
+            recv_area = recv_area.view(num_experts, tokens, combine_msg)
+            signal = self._region(layout, f"signal_{half}").view(torch.int32)[:num_experts]
+            combined = out if out is not None else torch.empty(num_tokens, hidden, dtype=torch.bfloat16,
+                                                               device=device)
+            own = [rank * num_local + j for j in range(num_local)
+                   if rank in active and int(ranges[j, rank]) & 0xFFFFFFFF]
+
+        def receive() -> None:
+            pending.wait()
+            arrived = list(zip(own, local_msgs)) + [(e, buf) for e, (_, buf) in zip(recv_keys, recvs)]
+            for e, message in arrived:
+                token_idx = _from_bytes(message[:, :4], torch.int32, 1).view(-1).to(torch.int64)
+                first = _first_occurrence(token_idx)  # a token that chose e twice: its first row counts
+                recv_area[e, token_idx[first], header:] = message[first, 4:]
+                signal[e] = 1
+            slots = _from_bytes(recv_area.reshape(num_experts * tokens, combine_msg)[:, header:], torch.bfloat16,
+                                hidden).view(num_experts, tokens, hidden)
+            masked_owner = ~owner_ok
+            combined.copy_(reduce_low_latency_combine(slots, topk_idx.to(self.device), topk_weights.to(self.device),
+                                                      num_local, masked_owner.to(self.device)).to(device))
+            if combine_wait_recv_cost_stats is not None:
+                combine_wait_recv_cost_stats.add_(torch.tensor(pending.wait_ns, dtype=torch.int64).to(
+                    combine_wait_recv_cost_stats.device))
+
+        if return_recv_hook:
+            return LowLatencyCombineResult(combined, EventOverlap(None), _Hook(receive, "low_latency_combine"))
+        with scope.run():
+            receive()
+        event = scope.finish([x, topk_idx, topk_weights, combined])
+        if async_finish:
+            event.extra_tensors = (x, topk_idx, topk_weights, combined)
+        return LowLatencyCombineResult(combined, event, None)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        layout = self._ll_regions(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self.comm.barrier("clean_low_latency_buffer (before)")
+        self._region(layout, "signal_0").zero_()
+        self._region(layout, "signal_1").zero_()
+        self.comm.barrier("clean_low_latency_buffer (after)")
+
+    # Shrink masks (enable_shrink=True).
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        self.mask[rank_to_mask] = 1 if mask else 0
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        mask_status.copy_(self.mask.to(mask_status.device))
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        self.mask.zero_()
+
+
+def _first_occurrence(values: torch.Tensor) -> torch.Tensor:
+    """``[n]`` int64 -> positions of the first occurrence of each distinct value."""
+    if values.numel() == 0:
+        return values
+    _, inverse = torch.unique(values, return_inverse=True)
+    positions = torch.arange(values.numel(), device=values.device)
+    first = torch.full((int(inverse.max()) + 1,), values.numel(), dtype=torch.int64, device=values.device)
+    return first.scatter_reduce(0, inverse, positions, reduce="amin")
+
+
+class _Hook:
+    """``hook()`` of a low-latency call: completes the receive exactly once."""
+
+    def __init__(self, fn: Callable[[], None], name: str) -> None:
+        self._fn, self._name, self._done = fn, name, False
+
+    def __call__(self) -> None:
+        if self._done:
+            raise RuntimeError(f"the receive hook of {self._name} was already called")
+        self._done = True
+        self._fn()
+
+
+def reduce_combine(mask: torch.Tensor, ys: list[torch.Tensor], ws: Optional[list[torch.Tensor]],
+                   biases: Sequence[torch.Tensor], topology: Topology, num_tokens: int, hidden: int,
+                   device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Normal-combine reduction on the token owner.
+
+    Args:
+        mask: ``[N, R]`` bool, the dispatch's ``is_token_in_rank``.
+        ys: per holder rank ``d``, ``[count_d, H]`` rows for the tokens with ``mask[:, d]`` (token order).
+        ws: per holder rank, ``[count_d, K]`` float32 weights, or ``None``.
+        biases: up to two ``[N, H]`` tensors.
+    Returns:
+        ``combined_x [N, H]`` BF16 and ``combined_topk_weights [N, K]`` float32 (or ``None``). Intranode: one
+        float32 sum over holders in ascending rank order starting from the biases, one BF16 rounding. Internode:
+        a float32 sum per node rounded to BF16, then the biases plus the node partials in ascending node order.
+    """
+    acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
+    for b in biases:
+        acc = acc + b.to(torch.float32)
+    weights = None
+    if ws is not None:
+        weights = torch.zeros(num_tokens, ws[0].size(1), dtype=torch.float32, device=device)
+    mask = mask.to(device)
+    if not topology.is_internode:
+        for d, y in enumerate(ys):
+            rows = mask[:, d]
+            acc[rows] += y.to(torch.float32)
+            if ws is not None:
+                weights[rows] += ws[d]
+        return acc.to(torch.bfloat16), weights
+    per_node = topology.num_scaleup_ranks
+    for n in range(topology.num_scaleout_ranks):
+        partial = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
+        partial_w = torch.zeros_like(weights) if ws is not None else None
+        for d in range(n * per_node, (n + 1) * per_node):
+            rows = mask[:, d]
+            partial[rows] += ys[d].to(torch.float32)
+            if ws is not None:
+                partial_w[rows] += ws[d]
+        # Only nodes that hold the token contribute a (BF16-rounded) partial.
+        touched = mask[:, n * per_node:(n + 1) * per_node].any(1)
+        acc[touched] += partial[touched].to(torch.bfloat16).to(torch.float32)
+        if ws is not None:
+            weights[touched] += partial_w[touched]
+    return acc.to(torch.bfloat16), weights
+
+
+def reduce_low_latency_combine(slots: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                               num_local_experts: int, masked_owner: torch.Tensor) -> torch.Tensor:
+    """Low-latency combine reduction.
+
+    Args:
+        slots: ``[E, T, H]`` BF16: ``slots[e, t]`` = expert ``e``'s output for this rank's token ``t``.
+        topk_idx: ``[N, K]`` global expert ids or -1; topk_weights: ``[N, K]`` float32.
+        masked_owner: ``[R]`` bool, owners whose experts are dropped.
+    Returns:
+        ``[N, H]`` BF16: ``bf16(sum_k w[t, k] * f32(slots[e_k, t]))`` over valid, unmasked ``k`` ascending.
+    """
+    num_tokens, hidden = topk_idx.size(0), slots.size(2)
+    acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=slots.device)
+    tokens = torch.arange(num_tokens, device=slots.device)
+    for k in range(topk_idx.size(1)):
+        e = topk_idx[:, k].to(torch.int64)
+        use = e >= 0
+        use &= ~masked_owner[torch.where(use, e, torch.zeros_like(e)) // num_local_experts]
+        rows = slots[torch.where(use, e, torch.zeros_like(e)), tokens].to(torch.float32)
+        w = torch.where(use, topk_weights[:, k], torch.zeros_like(topk_weights[:, k]))
+        acc = torch.where(use.unsqueeze(1), acc + w.unsqueeze(1) * rows, acc)
+    return acc.to(torch.bfloat16)

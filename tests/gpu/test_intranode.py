@@ -1,0 +1,708 @@
+"""GPU property tests of the intranode CUDA kernels against ``reference`` (run on the device machine).
+
+Layout of the suite:
+
+* A *pool* is a set of worker processes, one per rank, that live for the whole module: each sets its CUDA device,
+  joins a gloo process group (gloo allows several ranks per GPU; NCCL does not) and builds one
+  ``deep_ep.Buffer`` whose CUDA backend serves every example. Pools: 1 rank on GPU 0; 2, 3 and 4 ranks sharing
+  GPU 0; 2 ranks on 2 GPUs (``multi_gpu``).
+* Hypothesis draws a small frozen :class:`Case` in the pytest driver; every rank regenerates *all* ranks' inputs from
+  the case's seed, runs the Buffer on its own part, computes the global expectation with ``reference`` on the CPU
+  and checks its own outputs. A rank answers "ok" or a failure text that starts with ``case.describe()``.
+* Outputs are poisoned first (the caching allocator hands the next ``torch.empty`` the memory of a freed tensor
+  full of 0x7f bytes), so rows a kernel forgets to write fail the comparison.
+
+Every wait of the driver is bounded; a dead or hung worker fails the test with its traceback.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+# Examples share long-lived worker pools; one test may run several minutes on the GPU machine.
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+
+# Seconds the driver waits for one example on every rank (several ranks time-slice one GPU, so be generous).
+EXAMPLE_TIMEOUT_S = 240.0
+# Kernel/host wait budget inside the workers: short, so a hang shows up as an exception quickly.
+WORKER_TIMEOUT_S = "20"
+NUM_NVL_BYTES = 256 * 1024 * 1024
+# Device of the tensors; "cpu" lets the task functions be dry-run against the torch backend without a GPU.
+DEVICE = os.environ.get("DEEP_EP_TEST_DEVICE", "cuda")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cases
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """One drawn example; every rank rebuilds all ranks' tensors from it."""
+
+    num_ranks: int
+    seed: int
+    num_tokens: tuple  # tokens per rank (may differ, may be 0)
+    hidden: int
+    num_topk: int
+    num_experts: int
+    use_fp8: bool
+    with_topk: bool
+    num_sms: int
+    expert_alignment: int
+    mask_prob: float  # probability of a -1 entry in topk_idx
+    empty_rank: int  # a rank no token selects (-1: none)
+    async_mode: bool
+    previous_mode: bool
+    num_bias: int  # 0, 1 or 2 combine biases
+    scales_col_major: bool
+    alloc_on_comm: bool = False  # allocate_on_comm_stream (only used with async_mode and previous_mode)
+
+    def describe(self) -> str:
+        return "Case(" + ", ".join(f"{k}={v!r}" for k, v in asdict(self).items()) + ")"
+
+
+def case_strategy(num_ranks: int, max_tokens: int = 300):
+    """Cases for ``num_ranks`` ranks: BF16/FP8, top-k on/off, -1 masks, empty ranks, alignment, modes."""
+    def build(draw):
+        use_fp8 = draw(st.booleans())
+        hidden = draw(st.sampled_from([128, 256, 512, 1024, 2048, 7168] if use_fp8 else
+                                      [8, 64, 136, 256, 1000, 2048, 7168]))
+        local = draw(st.integers(1, 8))
+        num_experts = local * num_ranks
+        num_topk = draw(st.integers(1, min(16, num_experts)))
+        tokens = tuple(draw(st.lists(st.integers(0, max_tokens), min_size=num_ranks, max_size=num_ranks)))
+        return Case(num_ranks=num_ranks, seed=draw(st.integers(0, 2**31 - 1)), num_tokens=tokens, hidden=hidden,
+                    num_topk=num_topk, num_experts=num_experts, use_fp8=use_fp8, with_topk=draw(st.booleans()),
+                    num_sms=draw(st.sampled_from([2, 4, 8, 24])),
+                    expert_alignment=draw(st.sampled_from([1, 1, 4, 128])),
+                    mask_prob=draw(st.sampled_from([0.0, 0.0, 0.1, 0.5])),
+                    empty_rank=draw(st.integers(-1, num_ranks - 1)) if num_ranks > 1 else -1,
+                    async_mode=draw(st.booleans()), previous_mode=draw(st.booleans()),
+                    num_bias=draw(st.integers(0, 2)), scales_col_major=draw(st.booleans()),
+                    alloc_on_comm=draw(st.booleans()))
+    return st.composite(lambda draw: build(draw))()
+
+
+def make_inputs(case: Case, rank: int) -> dict:
+    """CPU tensors of ``rank`` for ``case``: x (BF16 or FP8 tuple), topk_idx/weights, combine input, biases."""
+    from deep_ep.numerics import per_token_cast_to_fp8
+    from deep_ep.validate import topk_idx_dtype
+    gen = torch.Generator().manual_seed(case.seed * 131 + rank)
+    n, h, k, e = case.num_tokens[rank], case.hidden, case.num_topk, case.num_experts
+    num_local = e // case.num_ranks
+    # Small integers are exact in BF16, so sums over up to 8 ranks stay exact too.
+    x = torch.randint(-8, 9, (n, h), generator=gen).to(torch.bfloat16)
+    allowed = torch.ones(e, dtype=torch.bool)
+    if case.empty_rank >= 0:
+        allowed[case.empty_rank * num_local:(case.empty_rank + 1) * num_local] = False
+    scores = torch.rand(n, e, generator=gen) + 0.01
+    scores[:, ~allowed] = -1.0
+    num_allowed = int(allowed.sum())
+    topk_idx = scores.topk(min(k, num_allowed), dim=1, sorted=False).indices if n > 0 else \
+        torch.empty(0, min(k, num_allowed), dtype=torch.int64)
+    if topk_idx.size(1) < k:  # fewer allowed experts than k: pad with -1
+        topk_idx = torch.cat([topk_idx, torch.full((n, k - topk_idx.size(1)), -1, dtype=torch.int64)], dim=1)
+    if case.mask_prob > 0:
+        topk_idx[torch.rand(n, k, generator=gen) < case.mask_prob] = -1
+    topk_idx = topk_idx.to(topk_idx_dtype())
+    topk_weights = torch.randn(n, k, generator=gen, dtype=torch.float32)
+    out = {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights}
+    if case.use_fp8:
+        fp8, scales = per_token_cast_to_fp8(torch.randn(n, h, generator=gen).to(torch.bfloat16))
+        if case.scales_col_major:
+            scales = scales.t().contiguous().t()
+        out["x"] = (fp8, scales)
+    biases = tuple(torch.randint(-4, 5, (n, h), generator=gen).to(torch.bfloat16) for _ in range(case.num_bias))
+    out["bias"] = biases
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Worker pool
+# ----------------------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, device: int, port: int, env: dict, tasks, results) -> None:
+    os.environ.update(env)
+    try:
+        import torch.distributed as dist
+        if DEVICE == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        import deep_ep
+        buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES, explicitly_destroy=True)
+        results.put((rank, "ready", _backend_name(buffer)))
+    except Exception:  # noqa: BLE001 - reported to the driver
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        name, payload = tasks.get()
+        if name == "stop":
+            try:
+                buffer.destroy()
+                dist.destroy_process_group()
+            finally:
+                results.put((rank, "stopped", ""))
+            return
+        try:
+            dist.barrier()  # every example starts on all ranks together
+            message = TASKS[name](buffer, rank, payload)
+            results.put((rank, "ok", message))
+        except Exception:  # noqa: BLE001 - reported to the driver
+            text = f"{getattr(payload, 'describe', lambda: payload)()}\n{traceback.format_exc()}"
+            _abort_peers(buffer)
+            results.put((rank, "fail", text))
+
+
+def _abort_peers(buffer) -> None:
+    """After a failure in this rank, set every rank's abort word so peers blocked in a kernel stop at once instead
+    of at their timeout (the driver then resets all ranks)."""
+    backend = getattr(buffer, "runtime", None)
+    runtime = getattr(backend, "runtime", None)
+    if runtime is None or not hasattr(runtime, "signal_abort"):
+        return
+    try:
+        runtime.signal_abort(torch.cuda.current_stream().cuda_stream)  # not comm: it may be blocked
+    except Exception:  # noqa: BLE001 - best effort; the peers' timeouts remain
+        pass
+
+
+def _backend_name(buffer) -> str:
+    """Name of the backend object the Buffer uses for CUDA tensors (``Buffer.runtime``: the CUDA backend if any)."""
+    return type(getattr(buffer, "runtime", None)).__name__
+
+
+class Pool:
+    """``world`` worker processes on ``devices[rank]``, fed one task at a time."""
+
+    def __init__(self, devices: list[int], env: Optional[dict] = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = len(devices)
+        self.tasks = [ctx.Queue() for _ in devices]
+        self.results = ctx.Queue()
+        port = _free_port()
+        full_env = {"DEEP_EP_TIMEOUT_S": WORKER_TIMEOUT_S, "DEEP_EP_BACKEND": "cuda" if DEVICE == "cuda" else "torch",
+                    "DEEP_EP_TEST_DEVICE": DEVICE, **(env or {})}
+        self.procs = [ctx.Process(target=_worker, args=(r, self.world, d, port, full_env, self.tasks[r],
+                                                         self.results), daemon=True)
+                      for r, d in enumerate(devices)]
+        for p in self.procs:
+            p.start()
+        replies = self._collect(EXAMPLE_TIMEOUT_S)
+        bad = [msg for _, status, msg in replies if status != "ready"]
+        if bad:
+            self.close()
+            raise RuntimeError("worker start failed:\n" + "\n".join(bad))
+        self.backends = {msg for _, _, msg in replies}
+        self.broken = False
+
+    def _collect(self, timeout: float) -> list:
+        replies = []
+        import time
+        deadline = time.monotonic() + timeout
+        while len(replies) < self.world:
+            left = deadline - time.monotonic()
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+            if left <= 0 or (dead and len(replies) + len(dead) < self.world and left < timeout - 5):
+                got = sorted(r for r, _, _ in replies)
+                raise TimeoutError(f"workers answered {got} of {self.world} within {timeout} s; dead: {dead}; "
+                                   f"replies: {replies}")
+            try:
+                replies.append(self.results.get(timeout=min(left, 1.0)))
+            except queue.Empty:
+                continue
+        return replies
+
+    def run(self, name: str, payload, timeout: float = EXAMPLE_TIMEOUT_S) -> list:
+        for q in self.tasks:
+            q.put((name, payload))
+        try:
+            replies = self._collect(timeout)
+        except TimeoutError:
+            self.broken = True
+            raise
+        failures = [f"rank {r}: {msg}" for r, status, msg in sorted(replies) if status != "ok"]
+        if failures:
+            if name != "reset":
+                try:  # leave the pool usable for the next example
+                    self.run("reset", None, timeout=float(WORKER_TIMEOUT_S) * 2 + 60)
+                except (AssertionError, TimeoutError):
+                    self.broken = True
+            raise AssertionError("\n".join(failures))
+        return [msg for _, _, msg in sorted(replies)]
+
+    def kill(self) -> None:
+        for p in self.procs:
+            p.kill()
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(("stop", None))
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+def _devices(world: int, spread: bool) -> list[int]:
+    return [r % torch.cuda.device_count() if spread else 0 for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def pools():
+    opened: dict = {}
+
+    def get(world: int, spread: bool = False) -> Pool:
+        key = (world, spread)
+        if key in opened and opened[key].broken:
+            opened.pop(key).kill()
+        if key not in opened:
+            opened[key] = Pool(_devices(world, spread))
+            assert opened[key].backends == {"CudaBackend"}, f"Buffer did not pick the CUDA backend: {opened[key].backends}"
+        return opened[key]
+
+    yield get
+    for pool in opened.values():
+        pool.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checks that run inside a rank
+# ----------------------------------------------------------------------------------------------------------------
+def _poison_allocator(num_bytes: int = 64 << 20) -> None:
+    """Fill freed caching-allocator blocks with 0x7f so unwritten outputs hold garbage, not zeros."""
+    if DEVICE != "cuda":
+        return
+    block = torch.full((num_bytes,), 0x7F, dtype=torch.uint8, device=DEVICE)
+    del block
+
+
+def _eq(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    got = got.cpu()
+    want = want.cpu()
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise AssertionError(f"{name}: shape/dtype {tuple(got.shape)} {got.dtype} != {tuple(want.shape)} {want.dtype}")
+    if got.dtype.is_floating_point and got.dtype.itemsize == 1:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    if not torch.equal(got, want):
+        diff = (got != want) if not got.is_floating_point() else ~((got == want) | (got.isnan() & want.isnan()))
+        where = diff.nonzero()[:5].tolist()
+        raise AssertionError(f"{name}: {int(diff.sum())} mismatching elements, first at {where}; "
+                             f"got {got[tuple(where[0])] if where else '?'} want {want[tuple(where[0])] if where else '?'}")
+
+
+def _wait(event, async_mode: bool) -> None:
+    if async_mode:
+        event.current_stream_wait()
+
+
+def _to_cuda(obj):
+    if isinstance(obj, tuple):
+        return tuple(_to_cuda(o) for o in obj)
+    return obj.to(DEVICE) if isinstance(obj, torch.Tensor) else obj
+
+
+def _global_reference(case: Case, inputs: list, num_channels: int):
+    """Run ``reference`` over every rank's inputs; returns (layouts, dispatch results)."""
+    import reference
+    from deep_ep.config import Topology
+    topo = Topology(case.num_ranks, case.num_ranks)
+    layouts = [reference.get_dispatch_layout(inp["topk_idx"], case.num_experts, topo) for inp in inputs]
+    kwargs = {}
+    if case.with_topk:
+        kwargs = dict(topk_idx=[inp["topk_idx"] for inp in inputs], topk_weights=[inp["topk_weights"] for inp in inputs])
+    dispatched = reference.dispatch([inp["x"] for inp in inputs], [lay.is_token_in_rank for lay in layouts], topo,
+                                    num_experts=case.num_experts, expert_alignment=case.expert_alignment,
+                                    num_channels=num_channels, **kwargs)
+    return topo, layouts, dispatched
+
+
+def task_roundtrip(buffer, rank: int, case: Case) -> str:
+    """Layout, dispatch (all modes), cached dispatch, worst-token dispatch and combine against the reference."""
+    import reference
+    import deep_ep
+    from deep_ep.numerics import per_token_cast_back  # noqa: F401 (documented helper; FP8 compared bytewise)
+    inputs = [make_inputs(case, r) for r in range(case.num_ranks)]
+    mine = inputs[rank]
+    config = deep_ep.Config(case.num_sms, 8, 256)
+
+    # ---- layout ----
+    _poison_allocator()
+    topk_idx = mine["topk_idx"].to(DEVICE)
+    on_comm = case.alloc_on_comm and case.async_mode and case.previous_mode
+    layout = buffer.get_dispatch_layout(topk_idx, case.num_experts,
+                                        previous_event=buffer.capture() if case.previous_mode else None,
+                                        async_finish=case.async_mode, allocate_on_comm_stream=on_comm)
+    _wait(layout.event, case.async_mode)
+
+    # ---- dispatch ----
+    _poison_allocator()
+    x = _to_cuda(mine["x"])
+    kwargs = dict(num_tokens_per_rank=layout.num_tokens_per_rank, is_token_in_rank=layout.is_token_in_rank,
+                  num_tokens_per_expert=layout.num_tokens_per_expert, expert_alignment=case.expert_alignment,
+                  config=config, async_finish=case.async_mode, allocate_on_comm_stream=on_comm)
+    if case.with_topk:
+        kwargs.update(topk_idx=topk_idx, topk_weights=mine["topk_weights"].to(DEVICE))
+    if case.previous_mode:
+        kwargs["previous_event"] = buffer.capture()
+    out = buffer.dispatch(x, **kwargs)
+    _wait(out.event, case.async_mode)
+    handle = out.handle
+    num_channels = handle.channel_prefix_matrix.size(1)
+
+    topo, layouts, dispatched = _global_reference(case, inputs, num_channels)
+    ref_layout, ref = layouts[rank], dispatched[rank]
+    _eq("num_tokens_per_rank", layout.num_tokens_per_rank, ref_layout.num_tokens_per_rank)
+    _eq("num_tokens_per_expert", layout.num_tokens_per_expert, ref_layout.num_tokens_per_expert)
+    _eq("is_token_in_rank", layout.is_token_in_rank, ref_layout.is_token_in_rank)
+
+    if case.use_fp8:
+        _eq("recv_x fp8", out.recv_x[0], ref.recv_x[0])
+        _eq("recv_x scales", out.recv_x[1], ref.recv_x[1].contiguous())
+        assert out.recv_x[1].is_contiguous(), "recv scales must be row-major contiguous"
+    else:
+        _eq("recv_x", out.recv_x, ref.recv_x)
+    if case.with_topk:
+        _eq("recv_topk_idx", out.recv_topk_idx, ref.recv_topk_idx)
+        _eq("recv_topk_weights", out.recv_topk_weights, ref.recv_topk_weights)
+    else:
+        assert out.recv_topk_idx is None and out.recv_topk_weights is None
+    # DeepEP's definition (from num_tokens_per_expert, so defined with and without top-k); with top-k it is the
+    # reference's list too.
+    num_local = case.num_experts // case.num_ranks
+    want_list = [-(-sum(int(lay.num_tokens_per_expert[rank * num_local + j]) for lay in layouts)
+                   // case.expert_alignment) * case.expert_alignment for j in range(num_local)]
+    if ref.num_recv_tokens_per_expert_list is not None:
+        assert want_list == list(ref.num_recv_tokens_per_expert_list)
+    assert list(out.num_recv_tokens_per_expert_list) == want_list, \
+        f"per-expert list {out.num_recv_tokens_per_expert_list} != {want_list}"
+    for field in ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+                  "is_token_in_rank"):
+        _eq(f"handle.{field}", getattr(handle, field), getattr(ref.handle, field))
+    _eq("handle.send_head >= 0", handle.send_head >= 0, ref.handle.send_head >= 0)
+    _eq("handle.send_head", handle.send_head, ref.handle.send_head)
+
+    # ---- cached dispatch ----
+    _poison_allocator()
+    cached = buffer.dispatch(x, handle=handle, config=config, async_finish=case.async_mode,
+                             previous_event=buffer.capture() if case.previous_mode else None,
+                             allocate_on_comm_stream=on_comm)
+    _wait(cached.event, case.async_mode)
+    if case.use_fp8:
+        _eq("cached recv_x fp8", cached.recv_x[0], ref.recv_x[0])
+        _eq("cached recv_x scales", cached.recv_x[1], ref.recv_x[1].contiguous())
+    else:
+        _eq("cached recv_x", cached.recv_x, ref.recv_x)
+
+    # ---- worst-token dispatch ----
+    if case.with_topk:
+        worst = sum(case.num_tokens) + 3
+        _poison_allocator()
+        wout = buffer.dispatch(x, **{**kwargs, "num_worst_tokens": worst,
+                                     "previous_event": buffer.capture() if case.previous_mode else None})
+        _wait(wout.event, case.async_mode)
+        m = handle.recv_src_idx.size(0)
+        assert wout.num_recv_tokens_per_expert_list == [], "worst-token mode returns an empty per-expert list"
+        recv = wout.recv_x[0] if case.use_fp8 else wout.recv_x
+        assert recv.size(0) == worst and wout.recv_topk_idx.size(0) == worst
+        _eq("worst recv_x", recv[:m], ref.recv_x[0] if case.use_fp8 else ref.recv_x)
+        _eq("worst recv_topk_idx", wout.recv_topk_idx[:m], ref.recv_topk_idx)
+        _eq("worst recv_topk_weights", wout.recv_topk_weights[:m], ref.recv_topk_weights)
+        assert bool((wout.recv_topk_idx[m:] == -1).all()), "worst-token rows past M must have recv_topk_idx == -1"
+
+    # ---- combine ----
+    gen = torch.Generator().manual_seed(case.seed * 7 + 1)
+    ys = [torch.randint(-8, 9, (dispatched[r].handle.recv_src_idx.size(0), case.hidden), generator=gen)
+          .to(torch.bfloat16) for r in range(case.num_ranks)]
+    bias = [inp["bias"] for inp in inputs]
+    bias_arg = None
+    if case.num_bias:
+        bias_arg = _to_cuda(bias[rank]) if case.num_bias == 2 else _to_cuda(bias[rank][0])
+    ref_kwargs = {}
+    if case.num_bias:
+        ref_kwargs["bias"] = [b if case.num_bias == 2 else b[0] for b in bias]
+    if case.with_topk:
+        ref_kwargs["topk_weights"] = [d.recv_topk_weights for d in dispatched]
+    ref_comb = reference.combine(ys, [d.handle for d in dispatched], topo, **ref_kwargs)[rank]
+    _poison_allocator()
+    comb = buffer.combine(ys[rank].to(DEVICE), handle, topk_weights=out.recv_topk_weights if case.with_topk else None,
+                          bias=bias_arg, config=config, async_finish=case.async_mode,
+                          previous_event=buffer.capture() if case.previous_mode else None,
+                          allocate_on_comm_stream=on_comm)
+    _wait(comb.event, case.async_mode)
+    _eq("combined_x", comb.combined_x, ref_comb[0])
+    if case.with_topk:
+        _eq("combined_topk_weights", comb.combined_topk_weights, ref_comb[1])
+    else:
+        assert comb.combined_topk_weights is None
+    # Combine must leave the handle usable: a second combine gives the same bits.
+    again = buffer.combine(ys[rank].to(DEVICE), handle, bias=bias_arg, config=config)
+    _eq("second combined_x", again.combined_x, ref_comb[0])
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return "ok"
+
+
+def task_graph(buffer, rank: int, case: Case) -> str:
+    """Worst-token dispatch -> toy expert (x * 2) -> combine captured in one CUDA graph, replayed on fresh inputs,
+    interleaved with eager calls; every replay is compared with the reference."""
+    import reference
+    import deep_ep
+    config = deep_ep.Config(case.num_sms, 8, 256)
+    worst = sum(case.num_tokens) + 1
+    n, h, k = case.num_tokens[rank], case.hidden, case.num_topk
+    static_x = torch.zeros(n, h, dtype=torch.bfloat16, device=DEVICE)
+    static_idx = torch.full((n, k), -1, dtype=make_inputs(case, rank)["topk_idx"].dtype, device=DEVICE)
+    static_w = torch.zeros(n, k, dtype=torch.float32, device=DEVICE)
+    static_rank = torch.zeros(case.num_ranks, dtype=torch.int32, device=DEVICE)
+    static_expert = torch.zeros(case.num_experts, dtype=torch.int32, device=DEVICE)
+    static_in_rank = torch.zeros(n, case.num_ranks, dtype=torch.bool, device=DEVICE)
+
+    def step():
+        d = buffer.dispatch(static_x, num_tokens_per_rank=static_rank, is_token_in_rank=static_in_rank,
+                            num_tokens_per_expert=static_expert, topk_idx=static_idx, topk_weights=static_w,
+                            num_worst_tokens=worst, config=config)
+        y = d.recv_x * 2
+        c = buffer.combine(y, d.handle, topk_weights=d.recv_topk_weights, config=config)
+        return d, c
+
+    def load(seed_offset: int) -> list:
+        sub = Case(**{**asdict(case), "seed": case.seed + seed_offset, "use_fp8": False, "with_topk": True})
+        inputs = [make_inputs(sub, r) for r in range(case.num_ranks)]
+        from deep_ep.config import Topology
+        lay = reference.get_dispatch_layout(inputs[rank]["topk_idx"], case.num_experts,
+                                            Topology(case.num_ranks, case.num_ranks))
+        static_x.copy_(inputs[rank]["x"])
+        static_idx.copy_(inputs[rank]["topk_idx"])
+        static_w.copy_(inputs[rank]["topk_weights"])
+        static_rank.copy_(lay.num_tokens_per_rank)
+        static_expert.copy_(lay.num_tokens_per_expert)
+        static_in_rank.copy_(lay.is_token_in_rank)
+        return inputs
+
+    def check(inputs, d, c, label: str) -> None:
+        from deep_ep.config import Topology
+        topo = Topology(case.num_ranks, case.num_ranks)
+        layouts = [reference.get_dispatch_layout(i["topk_idx"], case.num_experts, topo) for i in inputs]
+        refs = reference.dispatch([i["x"] for i in inputs], [lay.is_token_in_rank for lay in layouts], topo,
+                                  topk_idx=[i["topk_idx"] for i in inputs],
+                                  topk_weights=[i["topk_weights"] for i in inputs], num_experts=case.num_experts,
+                                  num_channels=d.handle.channel_prefix_matrix.size(1))
+        m = refs[rank].recv_x.size(0)
+        _eq(f"{label} recv_x", d.recv_x[:m], refs[rank].recv_x)
+        _eq(f"{label} recv_topk_idx", d.recv_topk_idx[:m], refs[rank].recv_topk_idx)
+        assert bool((d.recv_topk_idx[m:] == -1).all())
+        ys = [(r.recv_x.float() * 2).to(torch.bfloat16) for r in refs]
+        want = reference.combine(ys, [r.handle for r in refs], topo,
+                                 topk_weights=[r.recv_topk_weights for r in refs])[rank]
+        _eq(f"{label} combined_x", c.combined_x, want[0])
+        _eq(f"{label} combined_topk_weights", c.combined_topk_weights, want[1])
+
+    inputs = load(0)
+    d, c = step()  # eager warm-up (allocator pools, lazy init)
+    torch.cuda.synchronize()
+    check(inputs, d, c, "eager")
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        gd, gc = step()
+    for replay in range(3):
+        inputs = load(100 + replay)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(inputs, gd, gc, f"replay {replay}")
+        inputs = load(200 + replay)  # an eager call between replays keeps the device sequence words in step
+        d, c = step()
+        torch.cuda.synchronize()
+        check(inputs, d, c, f"eager after replay {replay}")
+    return "ok"
+
+
+def task_stall(buffer, rank: int, payload: dict) -> str:
+    """Rank ``payload['stalled']`` skips a dispatch; the others must get a timeout exception naming the peer, and
+    a usable CUDA context afterwards."""
+    import time
+    import deep_ep
+    stalled = payload["stalled"]
+    n, h = 4096, 1024
+    x = torch.ones(n, h, dtype=torch.bfloat16, device=DEVICE)
+    config = deep_ep.Config(4, 8, 256)
+    in_rank = torch.ones(n, buffer.group_size, dtype=torch.bool, device=DEVICE)
+    per_rank = torch.full((buffer.group_size,), n, dtype=torch.int32, device=DEVICE)
+    per_expert = torch.zeros(buffer.group_size, dtype=torch.int32, device=DEVICE)
+    per_expert[:] = n
+    if rank == stalled:
+        return "stalled"
+    start = time.monotonic()
+    try:
+        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        config=config)
+        torch.cuda.synchronize()
+        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        config=config)  # the error record is read at the next call at the latest
+    except TimeoutError as exc:
+        elapsed = time.monotonic() - start
+        text = str(exc)
+        assert f"rank {rank}" in text and f"peer {stalled}" in text, f"timeout message lacks rank/peer: {text}"
+        assert elapsed < float(payload["timeout_s"]) * 3 + 30, f"timeout took {elapsed:.1f} s"
+        # The CUDA context must still work.
+        assert float((torch.ones(4, device=DEVICE) * 2).sum()) == 8.0
+        return f"timeout after {elapsed:.1f} s: {text}"
+    raise AssertionError("dispatch with a stalled peer did not raise a timeout")
+
+
+def task_bad_routing(buffer, rank: int, payload: dict) -> str:
+    """Inconsistent inputs that make DeepEP hang must raise here instead, on every rank, and leave a usable Buffer
+    after a collective reset: (a) rank 0's num_tokens_per_rank disagrees with its is_token_in_rank; (b) more rows
+    arrive than num_worst_tokens allows."""
+    import deep_ep
+    from deep_ep.cuda_backend import CommError
+    n, h, world = 64, 256, buffer.group_size
+    config = deep_ep.Config(4, 8, 256)
+    x = torch.ones(n, h, dtype=torch.bfloat16, device=DEVICE)
+    in_rank = torch.ones(n, world, dtype=torch.bool, device=DEVICE)
+    per_rank = torch.full((world,), n, dtype=torch.int32, device=DEVICE)
+    per_expert = torch.full((world,), n, dtype=torch.int32, device=DEVICE)
+    if rank == 0:
+        per_rank[world - 1] += 1  # the lie
+    seen = []
+    try:
+        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        config=config)
+        torch.cuda.synchronize()
+        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        config=config)
+    except CommError as exc:
+        seen.append(f"counts: {type(exc).__name__}: {exc}")
+    else:
+        raise AssertionError("num_tokens_per_rank inconsistent with is_token_in_rank did not raise")
+    if rank == 0:
+        assert "count mismatch" in seen[0], seen[0]
+    buffer.runtime.reset()
+
+    # (b) worst-token mode with too few rows: every rank receives n * world rows but allows n.
+    per_rank[:] = n
+    topk_idx = torch.arange(world, device=DEVICE).repeat(n, 1).to(deep_ep.topk_idx_t)
+    weights = torch.ones(n, world, dtype=torch.float32, device=DEVICE)
+    try:
+        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=topk_idx, topk_weights=weights, num_worst_tokens=n, config=config)
+        torch.cuda.synchronize()
+        buffer.runtime.check_errors()
+    except CommError as exc:
+        seen.append(f"worst: {type(exc).__name__}: {exc}")
+    else:
+        raise AssertionError("num_worst_tokens smaller than the received rows did not raise")
+    buffer.runtime.reset()
+    # The Buffer works again.
+    out = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                          num_tokens_per_expert=per_expert, config=config)
+    assert out.recv_x.size(0) == n * world and bool((out.recv_x == 1).all())
+    return " | ".join(seen)
+
+
+def task_sequence(buffer, rank: int, cases: list) -> str:
+    """Several examples back to back with no host barrier in between (one rank may run a call ahead of its peers,
+    and the ring geometry changes from call to call: SM count, hidden size, top-k)."""
+    for i, case in enumerate(cases):
+        try:
+            task_roundtrip(buffer, rank, case)
+        except Exception as exc:
+            raise AssertionError(f"example {i} of {len(cases)} in the sequence failed: {case.describe()}") from exc
+    return "ok"
+
+
+def task_reset(buffer, rank: int, payload) -> str:
+    """Collective recovery after a failed example: wait for the GPU (failed kernels end at their timeout), clear
+    the error record and the kernels' private state on every rank."""
+    buffer.runtime.reset()
+    return "reset"
+
+
+TASKS: dict[str, Callable] = {"roundtrip": task_roundtrip, "graph": task_graph, "stall": task_stall,
+                              "sequence": task_sequence, "bad_routing": task_bad_routing, "reset": task_reset}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------------------------
+def gpu_settings(max_examples: int) -> settings:
+    """Few examples (each launches real kernels on every rank), no deadline, fixtures shared across examples."""
+    # No shrinking: every example costs GPU time, and the first failing example is the informative one.
+    return settings(max_examples=max_examples, deadline=None, database=None, print_blob=True,
+                    phases=[Phase.explicit, Phase.reuse, Phase.generate], report_multiple_bugs=False,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_1", "12")))
+@given(case=case_strategy(1, max_tokens=600))
+def test_one_rank(pools, case):
+    pools(1).run("roundtrip", case)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_SHARED", "6")))
+@given(data=st.data())
+def test_ranks_sharing_one_gpu(pools, world, data):
+    case = data.draw(case_strategy(world, max_tokens=200))
+    pools(world).run("roundtrip", case)
+
+
+@pytest.mark.multi_gpu
+@gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_2GPU", "15")))
+@given(case=case_strategy(2, max_tokens=1200))
+def test_two_gpus(pools, case):
+    pools(2, spread=True).run("roundtrip", case)
+
+
+@pytest.mark.multi_gpu
+@gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_SEQ", "3")))
+@given(cases=st.lists(case_strategy(2, max_tokens=600), min_size=3, max_size=5))
+def test_two_gpus_back_to_back(pools, cases):
+    pools(2, spread=True).run("sequence", cases)
+
+
+@pytest.mark.parametrize("world,spread", [(1, False), (2, True)])
+@gpu_settings(2)
+@given(data=st.data())
+def test_cuda_graph_worst_token(pools, world, spread, data):
+    if spread and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    case = data.draw(case_strategy(world, max_tokens=256))
+    pools(world, spread).run("graph", case)
+
+
+@pytest.mark.parametrize("world,spread", [(2, True), (3, False)])
+def test_bad_routing_raises(pools, world, spread):
+    if spread and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    replies = pools(world, spread).run("bad_routing", None)
+    print(replies)
+
+
+def test_stalled_peer_times_out():
+    """Rank 1 never joins the dispatch: rank 0 gets a timeout exception within the budget, no hang, no exit."""
+    timeout_s = 5
+    world = 2
+    pool = Pool(_devices(world, torch.cuda.device_count() >= 2), env={"DEEP_EP_TIMEOUT_S": str(timeout_s)})
+    try:
+        replies = pool.run("stall", {"stalled": 1, "timeout_s": timeout_s}, timeout=timeout_s * 6 + 60)
+        assert "timeout" in replies[0], replies
+    finally:
+        # Rank 0's buffer is in the failed state; the pool is discarded (destroy may itself time out).
+        for p in pool.procs:
+            p.kill()

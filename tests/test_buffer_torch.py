@@ -1,0 +1,416 @@
+"""``deep_ep.Buffer`` on the torch backend over real gloo process groups, checked against ``reference``.
+
+The driver (hypothesis) draws a small frozen case; a persistent pool of ranks (``tests/dist.py``) runs it. Every
+rank regenerates all ranks' inputs from the case's seed, runs ``Buffer`` on its own part, computes the global
+reference and compares its own outputs bit for bit (``torch.equal`` on exact bit patterns).
+
+Views covered: intranode (one node) and internode (``DEEP_EP_GPUS_PER_NODE`` makes virtual nodes), world sizes
+2, 3, 4 and 8; BF16 and FP8 (column-major scales), with/without top-k, -1 slots, empty ranks, expert alignment,
+worst-token mode, cached dispatch, biases, async events; low-latency BF16/FP8, round_scale, UE8M0, LogFMT,
+zero-copy, ``out=``, receive hooks, both buffer halves back to back, and shrink masks.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings, strategies as st
+
+import dist
+import strategies
+
+# Low-latency cases: one T and H for all (H must be a DeepEP LL size; R*T must be a multiple of 4).
+LL_TOKENS = 8
+LL_HIDDEN = 2048
+LL_MAX_LOCAL_EXPERTS = 2
+# Examples per world size; the 8-rank pool is the slowest, so it gets fewer.
+EXAMPLES = {2: 40, 3: 30, 4: 30, 8: 12}
+
+
+# No shrinking: a failing case restarts the whole pool, so shrinking would cost minutes; the failure message
+# already carries case.describe() and every rank's report.
+PHASES = (Phase.explicit, Phase.reuse, Phase.generate)
+
+
+def _examples(world_size: int) -> int:
+    scale = float(os.environ.get("DEEP_EP_TEST_EXAMPLE_SCALE", "1"))
+    return max(1, int(EXAMPLES[world_size] * scale))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cases (drawn in the driver, frozen, shipped to every rank).
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NormalCase:
+    """A normal-mode case: routing plus the dispatch/combine options."""
+
+    routing: strategies.Case
+    use_fp8: bool
+    with_topk: bool
+    expert_alignment: int
+    worst_tokens: bool
+    num_bias: int
+    async_finish: bool
+    previous_event: bool
+
+    def describe(self) -> str:
+        return (f"NormalCase({self.routing.describe()}, use_fp8={self.use_fp8}, with_topk={self.with_topk}, "
+                f"expert_alignment={self.expert_alignment}, worst_tokens={self.worst_tokens}, "
+                f"num_bias={self.num_bias}, async_finish={self.async_finish}, previous_event={self.previous_event})")
+
+
+@dataclass(frozen=True)
+class LowLatencyCase:
+    """A low-latency case: routing (hidden ``LL_HIDDEN``, ``N <= LL_TOKENS``) plus the LL options."""
+
+    routing: strategies.Case
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+    use_logfmt: bool
+    zero_copy: bool
+    use_out: bool
+    return_recv_hook: bool
+    back_to_back: bool
+    masked_rank: int  # -1: none
+
+    def describe(self) -> str:
+        return (f"LowLatencyCase({self.routing.describe()}, use_fp8={self.use_fp8}, round_scale={self.round_scale}, "
+                f"use_ue8m0={self.use_ue8m0}, use_logfmt={self.use_logfmt}, zero_copy={self.zero_copy}, "
+                f"use_out={self.use_out}, return_recv_hook={self.return_recv_hook}, "
+                f"back_to_back={self.back_to_back}, masked_rank={self.masked_rank})")
+
+
+@st.composite
+def routing_cases(draw: st.DrawFn, num_ranks: int, num_scaleup_ranks: int, max_tokens: int, hidden: tuple,
+                  max_local_experts: int = 3, allow_duplicates: bool = True) -> strategies.Case:
+    num_experts = num_ranks * draw(st.integers(1, max_local_experts))
+    duplicates = draw(st.booleans()) if allow_duplicates else False
+    num_topk = draw(st.integers(1, 4 if duplicates else min(4, num_experts)))
+    num_tokens = tuple(draw(st.lists(st.integers(0, max_tokens), min_size=num_ranks, max_size=num_ranks)))
+    return strategies.Case(num_ranks=num_ranks, num_scaleup_ranks=num_scaleup_ranks, num_tokens=num_tokens,
+                           hidden=draw(st.sampled_from(hidden)), num_topk=num_topk, num_experts=num_experts,
+                           mask_percent=draw(st.sampled_from([0, 0, 20, 60, 100])), allow_duplicates=duplicates,
+                           num_channels=draw(st.integers(1, 4)), seed=draw(st.integers(0, 2 ** 20)))
+
+
+@st.composite
+def normal_cases(draw: st.DrawFn, num_ranks: int, num_scaleup_ranks: int) -> NormalCase:
+    routing = draw(routing_cases(num_ranks, num_scaleup_ranks, max_tokens=10, hidden=(128, 256)))
+    with_topk = draw(st.booleans())
+    return NormalCase(routing=routing, use_fp8=draw(st.booleans()), with_topk=with_topk,
+                      expert_alignment=draw(st.sampled_from([1, 1, 2, 4])),
+                      worst_tokens=with_topk and draw(st.booleans()), num_bias=draw(st.integers(0, 2)),
+                      async_finish=draw(st.booleans()), previous_event=draw(st.booleans()))
+
+
+@st.composite
+def low_latency_cases(draw: st.DrawFn, num_ranks: int, num_scaleup_ranks: int) -> LowLatencyCase:
+    routing = draw(routing_cases(num_ranks, num_scaleup_ranks, max_tokens=LL_TOKENS, hidden=(LL_HIDDEN,),
+                                 max_local_experts=LL_MAX_LOCAL_EXPERTS, allow_duplicates=False))
+    use_fp8 = draw(st.booleans())
+    round_scale = use_fp8 and draw(st.booleans())
+    use_logfmt = draw(st.booleans())
+    return LowLatencyCase(routing=routing, use_fp8=use_fp8, round_scale=round_scale,
+                          use_ue8m0=round_scale and draw(st.booleans()), use_logfmt=use_logfmt,
+                          zero_copy=not use_logfmt and draw(st.booleans()), use_out=draw(st.booleans()),
+                          return_recv_hook=draw(st.booleans()), back_to_back=draw(st.booleans()),
+                          masked_rank=draw(st.sampled_from([-1, -1, -1, num_ranks - 1])))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worker side (runs in the pool processes).
+# ---------------------------------------------------------------------------------------------------------------
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Exact bit pattern view for bitwise comparison (float8/bf16/f32 -> integer views)."""
+    t = t.contiguous()
+    if t.dtype.is_floating_point:
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def _same(name: str, got: Any, want: Any) -> Optional[str]:
+    """``None`` if equal bit for bit (tensors) or by value; else a message."""
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"{name}: expected a tensor, got {type(got).__name__}"
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return f"{name}: shape/dtype {tuple(got.shape)} {got.dtype} != expected {tuple(want.shape)} {want.dtype}"
+        if not torch.equal(_bits(got), _bits(want)):
+            diff = (_bits(got) != _bits(want)).nonzero()[:5].tolist()
+            return f"{name}: values differ (first differing indices {diff})"
+        return None
+    if got != want:
+        return f"{name}: {got!r} != expected {want!r}"
+    return None
+
+
+def _expect(errors: list, name: str, got: Any, want: Any) -> None:
+    message = _same(name, got, want)
+    if message is not None:
+        errors.append(message)
+
+
+def _buffer(ctx: dist.WorkerContext, key: str, **kwargs: Any) -> Any:
+    """A Buffer cached in the worker across cases (construction is collective; all ranks build the same key)."""
+    import deep_ep
+    if key not in ctx.cache:
+        ctx.cache[key] = deep_ep.Buffer(ctx.group, **kwargs)
+    return ctx.cache[key]
+
+
+def _fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 tuple with column-major scales (as DeepEP's intranode test passes them)."""
+    from deep_ep import numerics
+    q, scales = numerics.per_token_cast_to_fp8(x)
+    return q, scales.t().contiguous().t()
+
+
+def _randint_bf16(seed: int, shape: tuple) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, shape, generator=gen).to(torch.bfloat16)
+
+
+def run_normal(ctx: dist.WorkerContext, case: NormalCase) -> Optional[str]:
+    """Layout, dispatch, cached dispatch and combine on this rank vs the global reference."""
+    import deep_ep
+    import reference
+    from deep_ep.config import Config
+
+    routing, rank = case.routing, ctx.rank
+    topo = routing.topology
+    num_experts, num_channels = routing.num_experts, routing.num_channels
+    inputs = routing.all_inputs()
+    mine = inputs[rank]
+    buf = _buffer(ctx, "normal", num_nvl_bytes=1 << 20)
+    errors: list[str] = []
+
+    layout = buf.get_dispatch_layout(mine.topk_idx, num_experts)
+    ref_layouts = [reference.get_dispatch_layout(i.topk_idx, num_experts, topo) for i in inputs]
+    for field in ("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert", "is_token_in_rank"):
+        want = getattr(ref_layouts[rank], field)
+        got = getattr(layout, field)
+        if want is None:
+            if got is not None:
+                errors.append(f"layout.{field}: expected None, got {got}")
+        else:
+            _expect(errors, f"layout.{field}", got, want)
+
+    xs = [_fp8(i.x) if case.use_fp8 else i.x for i in inputs]
+    config = Config(num_sms=2 * num_channels)
+    num_worst = sum(routing.num_tokens) if case.worst_tokens else 0
+    topk = dict(topk_idx=mine.topk_idx, topk_weights=mine.topk_weights) if case.with_topk else {}
+    previous = buf.capture() if case.previous_event else None
+    result = buf.dispatch(xs[rank], num_tokens_per_rank=layout.num_tokens_per_rank,
+                          num_tokens_per_rdma_rank=layout.num_tokens_per_rdma_rank,
+                          is_token_in_rank=layout.is_token_in_rank, num_tokens_per_expert=layout.num_tokens_per_expert,
+                          expert_alignment=case.expert_alignment, num_worst_tokens=num_worst, config=config,
+                          previous_event=previous, async_finish=case.async_finish, **topk)
+    if case.async_finish:
+        result.event.current_stream_wait()
+    recv_x, recv_topk_idx, recv_topk_weights, num_list, handle, _ = result  # DeepEP's tuple positions
+    ref_topk = dict(topk_idx=[i.topk_idx for i in inputs], topk_weights=[i.topk_weights for i in inputs],
+                    num_experts=num_experts) if case.with_topk else {}
+    refs = reference.dispatch(xs, [r.is_token_in_rank for r in ref_layouts], topo,
+                              expert_alignment=case.expert_alignment, num_worst_tokens=num_worst,
+                              num_channels=num_channels, **ref_topk)
+    ref = refs[rank]
+    if case.use_fp8:
+        _expect(errors, "recv_x[0] (fp8)", recv_x[0], ref.recv_x[0])
+        _expect(errors, "recv_x[1] (scales)", recv_x[1], ref.recv_x[1])
+        if not recv_x[1].is_contiguous():
+            errors.append(f"recv scales must be row-major contiguous, got strides {recv_x[1].stride()}")
+    else:
+        _expect(errors, "recv_x", recv_x, ref.recv_x)
+    if case.with_topk:
+        _expect(errors, "recv_topk_idx", recv_topk_idx, ref.recv_topk_idx)
+        _expect(errors, "recv_topk_weights", recv_topk_weights, ref.recv_topk_weights)
+        _expect(errors, "num_recv_tokens_per_expert_list", num_list, ref.num_recv_tokens_per_expert_list)
+    elif recv_topk_idx is not None or recv_topk_weights is not None:
+        errors.append("recv_topk_idx/recv_topk_weights must be None without top-k")
+    expected_type = deep_ep_handle_type(topo)
+    if type(handle) is not expected_type:
+        errors.append(f"handle type {type(handle).__name__} != {expected_type.__name__}")
+    for field, want in zip(ref.handle._fields, ref.handle):
+        _expect(errors, f"handle.{field}", getattr(handle, field), want)
+
+    # Cached dispatch reproduces recv_x exactly (no top-k, no counts).
+    cached = buf.dispatch(xs[rank], handle=handle, config=config)
+    if cached[1:5] != (None, None, None, None):
+        errors.append(f"cached dispatch must return None for fields 1..4, got {cached[1:5]}")
+    num_real = int(handle[0][-1, rank]) if not topo.is_internode else int(handle[6][-1])
+    if case.use_fp8:
+        _expect(errors, "cached recv_x[0]", cached.recv_x[0], recv_x[0][:num_real])
+        _expect(errors, "cached recv_x[1]", cached.recv_x[1], recv_x[1][:num_real])
+    else:
+        _expect(errors, "cached recv_x", cached.recv_x, recv_x[:num_real])
+
+    # Combine: every rank returns deterministic pseudo expert outputs; biases per original token.
+    rows = [(r.recv_x[0] if case.use_fp8 else r.recv_x).size(0) for r in refs]
+    ys = [_randint_bf16(routing.seed * 31 + d, (rows[d], routing.hidden)) for d in range(routing.num_ranks)]
+    biases = [tuple(_randint_bf16(routing.seed * 97 + s * 7 + b, (routing.num_tokens[s], routing.hidden))
+                    for b in range(case.num_bias)) for s in range(routing.num_ranks)]
+    bias_arg = [None if not b else (b[0] if len(b) == 1 else b) for b in biases]
+    weights = [r.recv_topk_weights for r in refs] if case.with_topk else None
+    combined = buf.combine(ys[rank], handle, topk_weights=recv_topk_weights if case.with_topk else None,
+                           bias=bias_arg[rank], config=Config(num_sms=2 * num_channels),
+                           async_finish=case.async_finish)
+    if case.async_finish:
+        combined.event.current_stream_wait()
+    ref_c = reference.combine(ys, [r.handle for r in refs], topo, topk_weights=weights, bias=bias_arg)[rank]
+    _expect(errors, "combined_x", combined[0], ref_c.combined_x)
+    if case.with_topk:
+        _expect(errors, "combined_topk_weights", combined[1], ref_c.combined_topk_weights)
+    elif combined[1] is not None:
+        errors.append("combined_topk_weights must be None without topk_weights")
+    return "\n".join(errors) or None
+
+
+def deep_ep_handle_type(topology: Any) -> type:
+    from deep_ep import handle as hd
+    return hd.InternodeHandle if topology.is_internode else hd.IntranodeHandle
+
+
+def run_low_latency(ctx: dist.WorkerContext, case: LowLatencyCase) -> Optional[str]:
+    """Low-latency dispatch and combine on this rank vs the global reference."""
+    import deep_ep
+    import reference
+
+    routing, rank, num_ranks = case.routing, ctx.rank, ctx.world_size
+    num_experts, num_local = routing.num_experts, routing.num_local_experts
+    tokens, hidden = LL_TOKENS, LL_HIDDEN
+    shrink = case.masked_rank >= 0
+    num_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks,
+                                                              num_ranks * LL_MAX_LOCAL_EXPERTS)
+    buf = _buffer(ctx, f"ll-shrink={shrink}", num_rdma_bytes=num_bytes, low_latency_mode=True,
+                  num_qps_per_rank=LL_MAX_LOCAL_EXPERTS, enable_shrink=shrink)
+    if rank == case.masked_rank:  # a "dead" rank takes part in nothing
+        return None
+    errors: list[str] = []
+    masked = [case.masked_rank] if shrink else []
+    if shrink:
+        buf.low_latency_update_mask_buffer(case.masked_rank, True)
+        status = torch.zeros(num_ranks, dtype=torch.int32)
+        buf.low_latency_query_mask_buffer(status)
+        _expect(errors, "mask status", status.tolist(), [int(r == case.masked_rank) for r in range(num_ranks)])
+    inputs = routing.all_inputs()
+    mine = inputs[rank]
+    stats = torch.zeros(num_local, dtype=torch.int32)
+    wait_stats = torch.zeros(num_ranks, dtype=torch.int64)
+    mode = dict(use_fp8=case.use_fp8, round_scale=case.round_scale, use_ue8m0=case.use_ue8m0,
+                async_finish=not case.return_recv_hook, return_recv_hook=case.return_recv_hook)
+    issues = 2 if case.back_to_back else 1
+    results = [buf.low_latency_dispatch(mine.x, mine.topk_idx, tokens, num_experts,
+                                        cumulative_local_expert_recv_stats=stats,
+                                        dispatch_wait_recv_cost_stats=wait_stats, **mode) for _ in range(issues)]
+    for res in results:  # both halves in flight before either receive completes
+        res.hook() if case.return_recv_hook else res.event.current_stream_wait()
+    refs = reference.low_latency_dispatch([i.x for i in inputs], [i.topk_idx for i in inputs], tokens, num_experts,
+                                          use_fp8=case.use_fp8, round_scale=case.round_scale,
+                                          use_ue8m0=case.use_ue8m0, masked_ranks=masked)
+    ref = refs[rank]
+    for n, res in enumerate(results):
+        recv_x, count, handle, _event, _hook = res  # DeepEP's tuple positions
+        _expect(errors, f"[{n}] packed_recv_count", count, ref.packed_recv_count)
+        _expect(errors, f"[{n}] layout_range", handle[1], ref.handle.packed_recv_layout_range)
+        _expect(errors, f"[{n}] handle ints", tuple(handle[2:]), (tokens, hidden, num_experts))
+        for j in range(num_local):
+            valid = int(ref.packed_recv_count[j])
+            _expect(errors, f"[{n}] src_info[{j}]", handle[0][j, :valid], ref.handle.packed_recv_src_info[j, :valid])
+            if case.use_fp8:
+                _expect(errors, f"[{n}] recv fp8[{j}]", recv_x[0][j, :valid], ref.recv_x[0][j, :valid])
+                _expect(errors, f"[{n}] recv scales[{j}]", recv_x[1][j, :valid], ref.recv_x[1][j, :valid])
+            else:
+                _expect(errors, f"[{n}] recv_x[{j}]", recv_x[j, :valid], ref.recv_x[j, :valid])
+        if case.use_fp8:
+            scales = recv_x[1]
+            cols = hidden // 512 if case.use_ue8m0 else hidden // 128
+            rows = num_ranks * tokens
+            want_stride = (cols * rows, 1, rows)
+            if tuple(scales.shape) != (num_local, rows, cols) or scales.stride() != want_stride:
+                errors.append(f"scales shape/stride {tuple(scales.shape)} {scales.stride()} != "
+                              f"{(num_local, rows, cols)} {want_stride}")
+    _expect(errors, "cumulative_local_expert_recv_stats", stats, ref.packed_recv_count * issues)
+    if int(wait_stats.min()) < 0:
+        errors.append(f"dispatch_wait_recv_cost_stats must stay >= 0, got {wait_stats.tolist()}")
+
+    # Combine each dispatch (back to back when two are in flight).
+    ys = [_randint_bf16(routing.seed * 13 + d, (num_local, num_ranks * tokens, hidden)) for d in range(num_ranks)]
+    ref_out = reference.low_latency_combine(ys, [i.topk_idx for i in inputs], [i.topk_weights for i in inputs],
+                                            [r.handle for r in refs], use_logfmt=case.use_logfmt,
+                                            masked_ranks=masked)[rank]
+    combines = []
+    for res in results:
+        if case.zero_copy:
+            buf.get_next_low_latency_combine_buffer(res.handle)[:, :, :] = ys[rank]
+        out = torch.empty(mine.x.size(0), hidden, dtype=torch.bfloat16) if case.use_out else None
+        combined = buf.low_latency_combine(ys[rank], mine.topk_idx, mine.topk_weights, res.handle,
+                                           use_logfmt=case.use_logfmt, zero_copy=case.zero_copy,
+                                           async_finish=not case.return_recv_hook,
+                                           return_recv_hook=case.return_recv_hook, out=out)
+        combines.append((combined, out))
+        if case.zero_copy:  # the zero-copy staging area is reused by the next call: finish this one first
+            combined.hook() if case.return_recv_hook else combined.event.current_stream_wait()
+    for n, (combined, out) in enumerate(combines):
+        if not case.zero_copy:
+            combined.hook() if case.return_recv_hook else combined.event.current_stream_wait()
+        _expect(errors, f"[{n}] combined_x", combined.combined_x, ref_out)
+        if out is not None and combined.combined_x.data_ptr() != out.data_ptr():
+            errors.append("low_latency_combine(out=...) must return `out`")
+    if shrink:
+        buf.low_latency_clean_mask_buffer()
+    return "\n".join(errors) or None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver side.
+# ---------------------------------------------------------------------------------------------------------------
+
+# (world size, ranks per node): intranode views and internode views through DEEP_EP_GPUS_PER_NODE.
+TOPOLOGIES = [(2, 2), (3, 3), (4, 4), (4, 2), (2, 1), (8, 8), (8, 4)]
+
+
+@pytest.fixture(scope="module")
+def pools():
+    with dist.PoolManager() as manager:
+        yield manager
+
+
+def _pool(pools: dist.PoolManager, world_size: int, per_node: int) -> dist.RankPool:
+    return pools.get(world_size, {"DEEP_EP_GPUS_PER_NODE": str(per_node)})
+
+
+def _topology_id(topology: tuple) -> str:
+    world, per_node = topology
+    return f"{world}ranks-{world // per_node}x{per_node}"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=_topology_id)
+def test_normal_dispatch_combine(pools, topology):
+    world, per_node = topology
+
+    @settings(max_examples=_examples(world), phases=PHASES)
+    @given(case=normal_cases(world, per_node))
+    def check(case: NormalCase) -> None:
+        _pool(pools, world, per_node).check("test_buffer_torch", "run_normal", case)
+
+    check()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("topology", [(2, 2), (3, 3), (4, 2), (8, 8)], ids=_topology_id)
+def test_low_latency_dispatch_combine(pools, topology):
+    world, per_node = topology
+
+    @settings(max_examples=_examples(world), phases=PHASES)
+    @given(case=low_latency_cases(world, per_node))
+    def check(case: LowLatencyCase) -> None:
+        _pool(pools, world, per_node).check("test_buffer_torch", "run_low_latency", case)
+
+    check()

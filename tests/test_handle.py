@@ -1,0 +1,147 @@
+"""Handle bookkeeping math (deep_ep.handle): literal examples, then properties against naive loops."""
+from __future__ import annotations
+
+import pytest
+import strategies
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import reference
+from deep_ep import handle as hd
+from deep_ep.config import Topology
+from deep_ep.layout import channel_token_range
+
+
+def _mask(rows: list[list[int]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Literal examples (computed by hand).
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_intranode_sender_literal():
+    # 5 tokens, 2 destinations, 2 channels of ceil(5/2) = 3 tokens: channel 0 = tokens 0..2, channel 1 = 3..4.
+    m = _mask([[1, 0], [1, 1], [0, 1], [1, 1], [1, 0]])
+    sender = hd.intranode_sender(m, 2)
+    assert sender.channel_prefix_matrix.tolist() == [[2, 4], [2, 3]]
+    assert sender.send_head.tolist() == [[0, -1], [1, 0], [-1, 1], [0, 0], [1, -1]]
+    assert sender.channel_prefix_matrix.dtype == torch.int32 and sender.send_head.dtype == torch.int32
+
+
+def test_layout_literal():
+    # R = 4 ranks in 2 nodes of 2, E = 8 (2 experts per rank).
+    topk = torch.tensor([[0, 3, -1], [5, 5, 1], [-1, -1, -1]])
+    lay = hd.layout_from_topk(topk, 8, Topology(4, 2))
+    assert lay.num_tokens_per_rank.tolist() == [2, 1, 1, 0]
+    assert lay.num_tokens_per_rdma_rank.tolist() == [2, 1]
+    assert lay.num_tokens_per_expert.tolist() == [1, 1, 0, 1, 0, 2, 0, 0]  # duplicate 5 counts twice
+    assert lay.is_token_in_rank.tolist() == [[True, True, False, False], [True, False, True, False],
+                                             [False, False, False, False]]
+    assert hd.layout_from_topk(topk, 8, Topology(4, 8)).num_tokens_per_rdma_rank is None
+
+
+def test_src_meta_literal():
+    meta = hd.encode_src_meta(torch.tensor([1, 0]), _mask([[1, 0], [1, 1]]))
+    assert meta.dtype == torch.uint8 and meta.tolist() == [[1, 0, 0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 3, 0, 0, 0]]
+    node, mask = hd.decode_src_meta(meta)
+    assert node.tolist() == [1, 0]
+    assert mask[:, :2].tolist() == [[True, False], [True, True]] and not mask[:, 2:].any()
+
+
+def test_forwarder_send_nvl_head_literal():
+    # Rows: (node 0, ch 0), (node 0, ch 1), (node 1, ch 0), (node 1, ch 0); two local ranks.
+    head = hd.forwarder_send_nvl_head(torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 0]),
+                                      _mask([[1, 0], [1, 1], [1, 1], [0, 1]]))
+    assert head.shape == (4, 8)
+    assert head[:, :2].tolist() == [[0, -1], [0, 0], [0, 0], [-1, 1]]
+    assert (head[:, 2:] == -1).all()
+
+
+def test_receiver_prefix_literals():
+    counts = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)  # [s, d]
+    assert hd.rank_prefix_matrix(counts).tolist() == [[1, 2], [4, 2]]
+    src_prefix = torch.tensor([[1, 3, 3], [0, 2, 5]], dtype=torch.int32)  # per source, inclusive over channels
+    assert hd.recv_channel_prefix_matrix(src_prefix).tolist() == [[0, 1, 3], [0, 0, 2]]
+    rank_sum = hd.recv_gbl_rank_prefix_sum(torch.tensor([3, 5]))
+    assert rank_sum.tolist() == [3, 8]
+    assert hd.recv_gbl_channel_prefix_matrix(src_prefix, rank_sum).tolist() == [[0, 1, 3], [3, 3, 5]]
+    assert hd.recv_rdma_rank_prefix_sum(src_prefix).tolist() == [3, 8]
+
+
+def test_bad_mask_rejected():
+    with pytest.raises(ValueError, match="is_token_in_rank"):
+        hd.intranode_sender(torch.zeros(3, 2, dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="num_channels"):
+        hd.intranode_sender(torch.zeros(3, 2, dtype=torch.bool), 0)
+    with pytest.raises(ValueError, match="topk_idx"):
+        hd.layout_from_topk(torch.tensor([[9]]), 8, Topology(2))
+    with pytest.raises(ValueError, match="num_experts"):
+        hd.layout_from_topk(torch.tensor([[1]]), 7, Topology(2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Properties against naive loops.
+# ---------------------------------------------------------------------------------------------------------------
+
+def _naive_send_head(mask: torch.Tensor, num_channels: int) -> list[list[int]]:
+    n, r = mask.shape
+    out = [[-1] * r for _ in range(n)]
+    for c in range(num_channels):
+        begin, end = channel_token_range(n, num_channels, c)
+        for d in range(r):
+            seq = 0
+            for t in range(begin, end):
+                if mask[t, d]:
+                    out[t][d] = seq
+                    seq += 1
+    return out
+
+
+@settings(deadline=None)
+@given(n=st.integers(0, 20), r=st.integers(1, 6), c=st.integers(1, 5), seed=st.integers(0, 1000))
+def test_sender_matches_naive(n, r, c, seed):
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(n, r, generator=gen) < 0.5
+    sender = hd.intranode_sender(mask, c)
+    assert sender.send_head.tolist() == _naive_send_head(mask, c)
+    prefix = sender.channel_prefix_matrix
+    assert prefix.shape == (r, c)
+    assert (prefix[:, 1:] >= prefix[:, :-1]).all()                       # monotone over channels
+    assert prefix[:, -1].tolist() == mask.sum(0).tolist()                # last column = tokens per destination
+    assert ((sender.send_head >= 0) == mask).all()                      # -1 exactly where not routed
+    for ch in range(c):
+        begin, end = channel_token_range(n, c, ch)
+        before = prefix[:, ch - 1] if ch else torch.zeros(r, dtype=torch.int32)
+        assert (prefix[:, ch] - before).tolist() == mask[begin:end].sum(0).tolist()
+
+
+@settings(deadline=None)
+@given(case=strategies.cases(max_ranks=8, max_tokens=10))
+def test_layout_matches_reference_loops(case):
+    for rank in range(case.num_ranks):
+        topk = case.make_inputs(rank).topk_idx
+        fast = hd.layout_from_topk(topk, case.num_experts, case.topology)
+        slow = reference.get_dispatch_layout(topk, case.num_experts, case.topology)
+        assert torch.equal(fast.num_tokens_per_rank, slow.num_tokens_per_rank), case.describe()
+        assert torch.equal(fast.num_tokens_per_expert, slow.num_tokens_per_expert), case.describe()
+        assert torch.equal(fast.is_token_in_rank, slow.is_token_in_rank), case.describe()
+        if case.topology.is_internode:
+            assert torch.equal(fast.num_tokens_per_rdma_rank, slow.num_tokens_per_rdma_rank), case.describe()
+        else:
+            assert fast.num_tokens_per_rdma_rank is None and slow.num_tokens_per_rdma_rank is None
+
+
+@settings(deadline=None)
+@given(case=strategies.cases(max_ranks=8, max_tokens=10, internode=True))
+def test_internode_sender_consistent(case):
+    topo = case.topology
+    for rank in range(case.num_ranks):
+        mask = hd.layout_from_topk(case.make_inputs(rank).topk_idx, case.num_experts, topo).is_token_in_rank
+        sender = hd.internode_sender(mask, case.num_channels, topo)
+        nodes = hd.node_mask(mask, topo)
+        assert sender.rdma_channel_prefix_matrix[:, -1].tolist() == nodes.sum(0).tolist()
+        assert torch.equal(sender.gbl_channel_prefix_matrix,
+                           hd.intranode_sender(mask, case.num_channels).channel_prefix_matrix)
+        assert sender.send_rdma_head.tolist() == _naive_send_head(nodes, case.num_channels)

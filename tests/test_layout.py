@@ -1,0 +1,253 @@
+"""deep_ep.layout: region tables (disjoint, ordered, aligned), size hints (spec §7.2/§13.4 worked numbers,
+independent re-derivations, monotonicity) and channel_token_range."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from deep_ep import layout
+from deep_ep.config import BUFFER_ALIGNMENT, Config, get_combine_config, get_dispatch_config
+
+H_BF16 = 7168 * 2  # hidden_bytes of the spec's worked examples (BF16, H=7168)
+LL_HIDDENS = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+
+
+def normal_hints(num_ranks: int, num_sms: int = 20) -> tuple[int, int]:
+    """(NVL, RDMA) bytes: the max over the default dispatch and combine configs, as in the spec's examples."""
+    configs = (get_dispatch_config(num_ranks, num_sms), get_combine_config(num_ranks, num_sms))
+    return (max(c.get_nvl_buffer_size_hint(H_BF16, num_ranks) for c in configs),
+            max(c.get_rdma_buffer_size_hint(H_BF16, num_ranks) for c in configs))
+
+
+def assert_well_formed(lay: layout.Layout, alignment: int) -> None:
+    """Regions are in order, disjoint, each starts at a multiple of ``alignment`` right after its predecessor
+    (padding < alignment), and names are unique."""
+    names = [r.name for r in lay.regions]
+    assert len(names) == len(set(names)), names
+    position = 0
+    for region in lay.regions:
+        assert region.num_bytes >= 0
+        assert region.offset % alignment == 0, (region, alignment)
+        assert position <= region.offset < position + alignment or region.offset == position, (region, position)
+        position = region.end
+    assert lay.total_bytes == position
+    for a, b in zip(lay.regions, lay.regions[1:]):
+        assert a.end <= b.offset
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worked numbers from spec/buffer_api.md
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_ranks, nvl_mb, rdma_mb", [
+    (8, 335.7, 0.0), (16, 377.7, 91.9), (32, 377.7, 168.0), (64, 377.7, 336.0), (128, 734.4, 693.1)])
+def test_normal_hints_match_spec_worked_numbers(num_ranks, nvl_mb, rdma_mb):
+    nvl, rdma = normal_hints(num_ranks)
+    assert round(nvl / 1e6, 1) == nvl_mb
+    assert round(rdma / 1e6, 1) == rdma_mb
+    assert nvl % BUFFER_ALIGNMENT == 0 and rdma % BUFFER_ALIGNMENT == 0
+
+
+@pytest.mark.parametrize("tokens, hidden, experts, expected", [
+    (128, 7168, 288, 2_146_961_792), (128, 7168, 256, 1_908_410_496), (16, 5120, 256, 170_395_776)])
+def test_low_latency_hint_matches_spec_examples(tokens, hidden, experts, expected):
+    for num_ranks in (1, 8, 64):  # accepted and unused, as in DeepEP
+        assert layout.low_latency_rdma_size_hint(tokens, hidden, num_ranks, experts) == expected
+
+
+def test_low_latency_message_sizes_at_7168():
+    dispatch_msg, combine_msg = layout.low_latency_message_bytes(7168)
+    assert dispatch_msg == 16 + 7168 * 2  # BF16 payload is the larger one
+    assert combine_msg == 56 * 4 + 7168 * 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Independent re-derivations of the formulas (written from the spec text, not from layout.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+def spec_nvl_hint(c: Config, hidden_bytes: int, num_ranks: int) -> int:
+    channels, rn, rr = c.num_sms // 2, min(num_ranks, 8), max(num_ranks // 8, 1)
+    slots = channels * rn * c.num_max_nvl_chunked_recv_tokens
+    total = channels * rn * (2 * rr + 3) * 4 + slots * (hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4)
+    return -(-total // 128) * 128
+
+
+def spec_rdma_hint(c: Config, hidden_bytes: int, num_ranks: int) -> int:
+    if num_ranks <= 8:
+        return 0
+    channels, rr = c.num_sms // 2, num_ranks // 8
+    record = hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4 + 16
+    total = channels * rr * 18 * 2 * 4 + 2 * channels * rr * c.num_max_rdma_chunked_recv_tokens * record
+    return -(-total // 128) * 128
+
+
+def spec_ll_hint(tokens: int, hidden: int, experts: int) -> int:
+    scales = hidden // 128
+    dmsg, cmsg = 16 + max(hidden * 2, hidden + scales * 4), scales * 4 + hidden * 2
+    send = max(tokens * dmsg, experts * tokens * cmsg)
+    recv = max(experts * tokens * dmsg, experts * tokens * cmsg)
+    signal = -(-experts * 4 // 128) * 128
+    return (2 * (send + recv + signal) // 128 + 1) * 128
+
+
+configs = st.builds(
+    lambda sms, sn, extra_n, sr, nr: Config(sms, sn, sn + extra_n, sr, max(nr, 2 * sr)),
+    st.integers(1, 66).map(lambda x: 2 * x), st.integers(1, 64), st.integers(1, 700), st.integers(1, 32),
+    st.integers(1, 1024))
+normal_ranks = st.sampled_from((1, 2, 3, 4, 6, 8, 16, 24, 32, 64, 128, 160))
+hidden_bytes = st.integers(1, 128).map(lambda x: 128 * x)
+
+
+@given(configs, hidden_bytes, normal_ranks)
+def test_normal_hints_equal_spec_formula(config, hbytes, num_ranks):
+    assert layout.nvl_buffer_size_hint(config, hbytes, num_ranks) == spec_nvl_hint(config, hbytes, num_ranks)
+    assert config.get_nvl_buffer_size_hint(hbytes, num_ranks) == spec_nvl_hint(config, hbytes, num_ranks)
+    assert config.get_rdma_buffer_size_hint(hbytes, num_ranks) == spec_rdma_hint(config, hbytes, num_ranks)
+
+
+@given(st.integers(1, 512), st.sampled_from(LL_HIDDENS), st.integers(1, 64).map(lambda x: 8 * x))
+def test_low_latency_hint_equals_spec_formula(tokens, hidden, experts):
+    assert layout.low_latency_rdma_size_hint(tokens, hidden, 8, experts) == spec_ll_hint(tokens, hidden, experts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Region tables
+# ---------------------------------------------------------------------------------------------------------------
+
+@given(st.sampled_from((1, 2, 4, 8)), st.integers(1, 16), st.integers(1, 300), st.integers(1, 64),
+       st.integers(0, 32), st.integers(0, 128), st.sampled_from((4, 8)))
+def test_intranode_dispatch_layout(num_ranks, channels, recv_tokens, hidden_units, topk, scales, idx_bytes):
+    hbytes = 16 * hidden_units
+    lay = layout.intranode_dispatch_layout(num_ranks, channels, recv_tokens, hbytes, topk, scales, idx_bytes)
+    assert_well_formed(lay, BUFFER_ALIGNMENT)
+    assert [r.name for r in lay.regions] == ["rank_prefix_matrix", "channel_start_offset", "channel_end_offset",
+                                             "channel_head", "channel_tail", "token_data", "src_idx", "topk_idx",
+                                             "topk_weights", "scales"]
+    rings, slots = channels * num_ranks, channels * num_ranks * recv_tokens
+    assert lay["rank_prefix_matrix"].num_bytes == num_ranks * num_ranks * 4
+    assert lay["channel_tail"].num_bytes == rings * 4
+    assert lay["token_data"].num_bytes == slots * hbytes
+    assert lay["topk_idx"].num_bytes == slots * topk * idx_bytes
+    assert lay["scales"].num_bytes == slots * scales * 4
+    # The spec's host-side requirement (§13.1) is a lower bound of the padded total.
+    need = num_ranks * num_ranks * 4 + 4 * rings * 4 + slots * (hbytes + 4 + topk * idx_bytes + topk * 4 + scales * 4)
+    assert need <= lay.total_bytes < need + len(lay.regions) * BUFFER_ALIGNMENT
+
+
+@given(st.sampled_from((1, 2, 4, 8)), st.integers(1, 16), st.integers(1, 300),
+       st.integers(1, 64).map(lambda x: 128 * x), st.integers(0, 32))
+def test_intranode_combine_layout(num_ranks, channels, recv_tokens, hidden, topk):
+    lay = layout.intranode_combine_layout(num_ranks, channels, recv_tokens, hidden, topk)
+    assert_well_formed(lay, BUFFER_ALIGNMENT)
+    rings = channels * num_ranks
+    need = 2 * rings * 4 + rings * recv_tokens * (hidden * 2 + 4 + topk * 4)
+    assert need <= lay.total_bytes < need + len(lay.regions) * BUFFER_ALIGNMENT
+
+
+@given(st.integers(1, 256), st.sampled_from(LL_HIDDENS), st.integers(1, 48).map(lambda x: 8 * x))
+def test_low_latency_layout(tokens, hidden, experts):
+    lay = layout.low_latency_layout(tokens, hidden, experts)
+    assert [r.name for r in lay.regions] == ["signal_0", "signal_1", "send_0", "send_1", "recv_0", "recv_1"]
+    assert_well_formed(lay, 1)  # packed back to back
+    assert lay["signal_0"].offset == 0 and lay["signal_0"].num_bytes % BUFFER_ALIGNMENT == 0
+    # The two halves are the same size.
+    for kind in ("signal", "send", "recv"):
+        assert lay[f"{kind}_0"].num_bytes == lay[f"{kind}_1"].num_bytes
+    dispatch_msg, combine_msg = layout.low_latency_message_bytes(hidden)
+    # recv holds [local_expert][src_rank][slot < T] dispatch messages for every (expert, token) pair, and
+    # [global_expert][src_token < T] combine slots.
+    assert lay["recv_0"].num_bytes >= experts * tokens * max(dispatch_msg, combine_msg)
+    assert lay["send_0"].num_bytes >= tokens * dispatch_msg
+    hint = layout.low_latency_rdma_size_hint(tokens, hidden, 8, experts)
+    assert hint % BUFFER_ALIGNMENT == 0 and lay.total_bytes < hint <= lay.total_bytes + BUFFER_ALIGNMENT
+
+
+def test_chain_places_regions_and_rejects_negative_sizes():
+    lay = layout.chain(("a", 1), ("b", 200), ("c", 0), ("d", 5))
+    assert [(r.offset, r.num_bytes) for r in lay.regions] == [(0, 1), (128, 200), (384, 0), (384, 5)]
+    assert lay.total_bytes == 389
+    assert "total" in lay.describe() and "b" in lay.describe()
+    with pytest.raises(KeyError):
+        lay["missing"]
+    with pytest.raises(ValueError, match="region bad has negative size -1"):
+        layout.chain(("ok", 4), ("bad", -1))
+    assert layout.Layout(()).total_bytes == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Monotonicity: more of anything never needs fewer bytes
+# ---------------------------------------------------------------------------------------------------------------
+
+@given(configs, hidden_bytes, normal_ranks, st.integers(0, 8), st.integers(0, 64), st.integers(0, 256))
+def test_normal_hints_are_monotone(config, hbytes, num_ranks, more_sms, more_recv, more_hidden):
+    nvl = config.get_nvl_buffer_size_hint(hbytes, num_ranks)
+    rdma = config.get_rdma_buffer_size_hint(hbytes, num_ranks)
+    bigger = Config(config.num_sms + 2 * more_sms, config.num_max_nvl_chunked_send_tokens,
+                    config.num_max_nvl_chunked_recv_tokens + more_recv, config.num_max_rdma_chunked_send_tokens,
+                    config.num_max_rdma_chunked_recv_tokens + more_recv)
+    assert bigger.get_nvl_buffer_size_hint(hbytes + 16 * more_hidden, num_ranks) >= nvl
+    assert bigger.get_rdma_buffer_size_hint(hbytes + 16 * more_hidden, num_ranks) >= rdma
+
+
+@given(configs, hidden_bytes, st.integers(1, 19), st.integers(1, 4))
+def test_hints_grow_with_node_count(config, hbytes, nodes, more_nodes):
+    r, bigger = 8 * nodes, 8 * (nodes + more_nodes)
+    assert config.get_nvl_buffer_size_hint(hbytes, bigger) >= config.get_nvl_buffer_size_hint(hbytes, r)
+    assert config.get_rdma_buffer_size_hint(hbytes, bigger) > config.get_rdma_buffer_size_hint(hbytes, r)
+
+
+@given(st.integers(1, 256), st.integers(0, 64), st.sampled_from(LL_HIDDENS), st.sampled_from(LL_HIDDENS),
+       st.integers(1, 40), st.integers(0, 8))
+def test_low_latency_hint_is_monotone(tokens, more_tokens, h1, h2, experts8, more_experts8):
+    hidden, bigger_hidden = min(h1, h2), max(h1, h2)
+    experts, bigger_experts = 8 * experts8, 8 * (experts8 + more_experts8)
+    base = layout.low_latency_rdma_size_hint(tokens, hidden, 8, experts)
+    assert layout.low_latency_rdma_size_hint(tokens + more_tokens, bigger_hidden, 8, bigger_experts) >= base
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rejections
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_ranks", [9, 12, 20, 100])
+def test_hints_reject_rank_counts_that_are_not_whole_nodes(num_ranks):
+    with pytest.raises(ValueError, match=rf"num_ranks must be < 8 or a multiple of 8, got {num_ranks}"):
+        Config().get_nvl_buffer_size_hint(H_BF16, num_ranks)
+    with pytest.raises(ValueError, match=f"got {num_ranks}"):
+        Config().get_rdma_buffer_size_hint(H_BF16, num_ranks)
+
+
+def test_hints_reject_odd_sms_only_across_nodes():
+    odd = Config(num_sms=21)
+    assert odd.get_nvl_buffer_size_hint(H_BF16, 8) > 0  # intranode: evenness not asserted, as in DeepEP
+    assert odd.get_rdma_buffer_size_hint(H_BF16, 8) == 0
+    with pytest.raises(ValueError, match="num_sms must be even, got 21"):
+        odd.get_nvl_buffer_size_hint(H_BF16, 16)
+    with pytest.raises(ValueError, match="num_sms must be even, got 21"):
+        odd.get_rdma_buffer_size_hint(H_BF16, 16)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# channel_token_range
+# ---------------------------------------------------------------------------------------------------------------
+
+@given(st.integers(0, 5000), st.integers(1, 80))
+def test_channel_token_ranges_partition_tokens_in_order(num_tokens, num_channels):
+    ranges = [layout.channel_token_range(num_tokens, num_channels, c) for c in range(num_channels)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == num_tokens
+    per_channel = -(-num_tokens // num_channels)
+    for (_, e0), (b1, _) in zip(ranges, ranges[1:]):
+        assert e0 == b1
+    for begin, end in ranges:
+        assert 0 <= begin <= end <= num_tokens and end - begin <= per_channel
+    # Full channels first, then at most one partial one, then empty ones.
+    sizes = [end - begin for begin, end in ranges]
+    assert sizes == sorted(sizes, reverse=True)
+    assert sum(1 for size in sizes if 0 < size < per_channel) <= 1
+
+
+def test_channel_token_range_examples():
+    assert [layout.channel_token_range(10, 4, c) for c in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [layout.channel_token_range(2, 4, c) for c in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    assert layout.channel_token_range(5, 0, 0) == (0, 0)
