@@ -48,11 +48,15 @@ def align_up(a: int, b: int) -> int:
     return ceil_div(a, b) * b
 
 
-def _check_int(name: str, value: object, minimum: int | None = None) -> None:
+def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` must be a Python int (not bool) within ``[minimum, maximum]``; ``deep_ep.validate`` re-exports it."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,11 @@ class Config:
     num_max_rdma_chunked_recv_tokens: int = 256
 
     def __post_init__(self) -> None:
-        _check_int("num_sms", self.num_sms, 0)
-        _check_int("num_max_nvl_chunked_send_tokens", self.num_max_nvl_chunked_send_tokens, 1)
-        _check_int("num_max_nvl_chunked_recv_tokens", self.num_max_nvl_chunked_recv_tokens, 1)
-        _check_int("num_max_rdma_chunked_send_tokens", self.num_max_rdma_chunked_send_tokens, 1)
-        _check_int("num_max_rdma_chunked_recv_tokens", self.num_max_rdma_chunked_recv_tokens, 1)
+        check_int("num_sms", self.num_sms, 0)
+        check_int("num_max_nvl_chunked_send_tokens", self.num_max_nvl_chunked_send_tokens, 1)
+        check_int("num_max_nvl_chunked_recv_tokens", self.num_max_nvl_chunked_recv_tokens, 1)
+        check_int("num_max_rdma_chunked_send_tokens", self.num_max_rdma_chunked_send_tokens, 1)
+        check_int("num_max_rdma_chunked_recv_tokens", self.num_max_rdma_chunked_recv_tokens, 1)
         if self.num_max_nvl_chunked_send_tokens >= self.num_max_nvl_chunked_recv_tokens:
             raise ValueError(
                 "num_max_nvl_chunked_send_tokens must be < num_max_nvl_chunked_recv_tokens, got "
@@ -129,8 +133,8 @@ class Topology:
     num_scaleup_ranks: int = field(default=NUM_MAX_SCALEUP_RANKS)
 
     def __post_init__(self) -> None:
-        _check_int("num_ranks", self.num_ranks, 1)
-        _check_int("num_scaleup_ranks", self.num_scaleup_ranks, 1)
+        check_int("num_ranks", self.num_ranks, 1)
+        check_int("num_scaleup_ranks", self.num_scaleup_ranks, 1)
         if self.num_scaleup_ranks > NUM_MAX_SCALEUP_RANKS:
             raise ValueError(f"num_scaleup_ranks must be <= {NUM_MAX_SCALEUP_RANKS}, got {self.num_scaleup_ranks}")
         # A group smaller than one node is one (partial) node.
@@ -161,7 +165,7 @@ class Topology:
 
 def num_local_experts(num_experts: int, num_ranks: int) -> int:
     """Experts per rank; raises ``ValueError`` unless ``num_experts`` divides by ``num_ranks``."""
-    _check_int("num_experts", num_experts, 1)
+    check_int("num_experts", num_experts, 1)
     if num_experts % num_ranks != 0:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by the number of ranks ({num_ranks})")
     return num_experts // num_ranks
@@ -199,7 +203,7 @@ SUPPORTED_NORMAL_RANKS: tuple[int, ...] = tuple(range(1, 9)) + tuple(r for r in 
 
 
 def _table_row(num_ranks: int) -> tuple[dict[str, int], dict[str, int]]:
-    _check_int("num_ranks", num_ranks, 1)
+    check_int("num_ranks", num_ranks, 1)
     if num_ranks <= 8:
         return _DEFAULT_CHUNKS[next(r for r in (2, 4, 8) if r >= num_ranks)]
     if num_ranks not in _DEFAULT_CHUNKS:

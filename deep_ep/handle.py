@@ -26,6 +26,7 @@ import torch
 
 from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Topology, ceil_div, num_local_experts
 from deep_ep.numerics import dense_copy
+from deep_ep.validate import check_expert_range
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -166,9 +167,7 @@ def layout_from_topk(topk_idx: torch.Tensor, num_experts: int, topology: Topolog
     num_ranks = topology.num_ranks
     experts_per_rank = num_local_experts(num_experts, num_ranks)
     idx = topk_idx.to(torch.int64)
-    if idx.numel() and (int(idx.max()) >= num_experts or int(idx.min()) < -1):
-        raise ValueError(f"topk_idx entries must be -1 or in [0, {num_experts}), got range "
-                         f"[{int(idx.min())}, {int(idx.max())}]")
+    check_expert_range("topk_idx", idx, num_experts)
     valid = idx >= 0
     num_tokens = idx.size(0)
     num_tokens_per_expert = torch.bincount(idx[valid], minlength=num_experts).to(torch.int32)
@@ -290,6 +289,31 @@ def internode_sender(is_token_in_rank: torch.Tensor, num_channels: int, topology
 # Receiver side.
 # ---------------------------------------------------------------------------------------------------------------
 
+def local_topk(topk_idx: torch.Tensor, topk_weights: torch.Tensor, rank: int,
+               num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sender's global top-k rows as receiver ``rank`` sees them (``recv_topk_idx`` / ``recv_topk_weights``).
+
+    Args:
+        topk_idx: ``[M, K]`` global expert ids or -1.
+        topk_weights: ``[M, K]`` float32.
+        rank: the receiver, owner of experts ``[rank * L, (rank + 1) * L)``.
+        num_local_experts: ``L``.
+    Returns:
+        ``[M, K]`` local expert ids (dtype of ``topk_idx``), -1 where the expert lives elsewhere, and ``[M, K]``
+        float32 weights, 0 where the id is -1.
+    """
+    begin = rank * num_local_experts
+    mine = (topk_idx >= begin) & (topk_idx < begin + num_local_experts)
+    local = torch.where(mine, topk_idx - begin, torch.full_like(topk_idx, -1))
+    weights = topk_weights.to(torch.float32)
+    return local, torch.where(mine, weights, torch.zeros_like(weights))
+
+
+def unpack_layout_range(layout_range: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[L, R]`` int64 ``(begin << 32) | count`` -> (``begin`` ``[L, R]`` int64, ``count`` ``[L, R]`` int64)."""
+    return layout_range >> 32, layout_range & 0xFFFFFFFF
+
+
 def rank_prefix_matrix(count_matrix: torch.Tensor) -> torch.Tensor:
     """``[R, R]`` counts ``[s, d]`` = tokens ``s`` sends to ``d`` -> ``[R, R]`` int32 inclusive prefix over ``s``."""
     return count_matrix.to(torch.int64).cumsum(0).to(torch.int32)
@@ -348,6 +372,18 @@ def recv_rdma_rank_prefix_sum(src_rdma_channel_prefix: torch.Tensor) -> torch.Te
     return totals.cumsum(0).to(torch.int32)
 
 
+def pack_rank_bits(mask: torch.Tensor) -> torch.Tensor:
+    """``[..., P]`` bool -> ``[...]`` int32 bit mask ``sum_j mask[..., j] << j`` (local ranks of one node)."""
+    weights = torch.tensor([1 << j for j in range(mask.size(-1))], dtype=torch.int32, device=mask.device)
+    return (mask.to(torch.int32) * weights).sum(-1, dtype=torch.int32)
+
+
+def unpack_rank_bits(bits: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_rank_bits`: ``[...]`` int32 -> ``[..., num_bits]`` bool."""
+    weights = torch.tensor([1 << j for j in range(num_bits)], dtype=torch.int32, device=bits.device)
+    return (bits.unsqueeze(-1) & weights) != 0
+
+
 def encode_src_meta(src_node: torch.Tensor, local_mask: torch.Tensor) -> torch.Tensor:
     """Internode source-meta records.
 
@@ -360,17 +396,14 @@ def encode_src_meta(src_node: torch.Tensor, local_mask: torch.Tensor) -> torch.T
     num_rows = src_node.size(0)
     if local_mask.dim() != 2 or local_mask.size(0) != num_rows or local_mask.size(1) > NUM_MAX_SCALEUP_RANKS:
         raise ValueError(f"local_mask must be [M, <=8] bool matching src_node [M], got {tuple(local_mask.shape)}")
-    weights = torch.tensor([1 << j for j in range(local_mask.size(1))], dtype=torch.int32, device=src_node.device)
-    bits = (local_mask.to(torch.int32) * weights).sum(1, dtype=torch.int32)
-    words = dense_copy(torch.stack([src_node.to(torch.int32), bits], dim=1))
+    words = dense_copy(torch.stack([src_node.to(torch.int32), pack_rank_bits(local_mask)], dim=1))
     return words.view(torch.uint8).reshape(num_rows, 8)
 
 
 def decode_src_meta(recv_src_meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`encode_src_meta`: ``[M, 8]`` uint8 -> (``[M]`` int64 source node, ``[M, 8]`` bool mask)."""
     words = dense_copy(recv_src_meta).view(torch.int32).reshape(-1, 2)
-    bits = torch.tensor([1 << j for j in range(NUM_MAX_SCALEUP_RANKS)], dtype=torch.int32, device=words.device)
-    return words[:, 0].to(torch.int64), (words[:, 1:2] & bits) != 0
+    return words[:, 0].to(torch.int64), unpack_rank_bits(words[:, 1], NUM_MAX_SCALEUP_RANKS)
 
 
 def forwarder_send_nvl_head(src_node: torch.Tensor, channel: torch.Tensor, local_mask: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deep_ep.config import FP8_BLOCK, Topology, get_combine_config, get_dispatch_config
+from deep_ep.numerics import per_token_cast_back, per_token_cast_to_fp8
+from deep_ep.validate import topk_idx_dtype
 
 __all__ = [
     "DispatchState",
@@ -48,13 +50,6 @@ __all__ = [
 
 # Communication dtype of combine and of all gradients (DeepEP's normal combine is BF16 only).
 COMM_DTYPE = torch.bfloat16
-
-
-def topk_idx_dtype() -> torch.dtype:
-    """``deep_ep.topk_idx_t``: ``torch.int64`` by default, ``torch.int32`` with ``DEEP_EP_TOPK_IDX_BITS=32``."""
-    import deep_ep
-
-    return deep_ep.topk_idx_t
 
 
 def _group_rank_and_size(buffer: Any) -> tuple[int, int]:
@@ -142,8 +137,6 @@ class _Dispatch(torch.autograd.Function):
         num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = \
             buffer.get_dispatch_layout(topk_idx, num_experts)
         if use_fp8:
-            from deep_ep.numerics import per_token_cast_to_fp8
-
             send_x: Any = per_token_cast_to_fp8(x)
         else:
             send_x = _as_comm(x)
@@ -152,8 +145,6 @@ class _Dispatch(torch.autograd.Function):
             is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
             topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=1, config=config)
         if use_fp8:
-            from deep_ep.numerics import per_token_cast_back
-
             recv_x = per_token_cast_back(*recv_x)
         state.handle = handle
         state.recv_topk_idx = recv_topk_idx

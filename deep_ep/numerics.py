@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from deep_ep.config import FP8_BLOCK, FP8_E4M3_MAX
+from deep_ep.config import FP8_BLOCK, FP8_E4M3_MAX, ceil_div
 
 # Lower clamp of the per-block absolute maximum (keeps scales finite for all-zero blocks).
 AMAX_MIN = 1e-4
@@ -210,7 +210,7 @@ def logfmt_roundtrip(x: torch.Tensor) -> torch.Tensor:
 
     # A chunk is encoded only if all its blocks qualify; pad the block axis to whole chunks with "ok".
     blocks_per_chunk = logfmt_chunk_channels(hidden) // FP8_BLOCK
-    num_chunks = -(-num_blocks // blocks_per_chunk)
+    num_chunks = ceil_div(num_blocks, blocks_per_chunk)
     padded = torch.ones(num_tokens, num_chunks * blocks_per_chunk, dtype=torch.bool, device=x.device)
     padded[:, :num_blocks] = block_ok
     chunk_ok = padded.view(num_tokens, num_chunks, blocks_per_chunk).all(dim=-1)

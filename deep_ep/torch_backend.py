@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from deep_ep import envs, handle as hd, numerics
-from deep_ep.config import Config, Topology, align_up
+from deep_ep.config import FP8_BLOCK, Config, Topology, align_up
 from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
 from deep_ep.layout import low_latency_layout, low_latency_message_bytes
 from deep_ep.results import (CombineResult, DispatchLayout, DispatchResult, LowLatencyCombineResult,
@@ -76,8 +76,7 @@ def _from_bytes(raw: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tenso
     if rows == 0 or cols == 0:
         return torch.empty(rows, cols, dtype=dtype, device=raw.device)
     # A fresh row-major copy: a column slice (even a single row of one) keeps the record's row stride.
-    packed = torch.empty(raw.shape, dtype=torch.uint8, device=raw.device).copy_(raw)
-    return packed.view(dtype).view(rows, cols)
+    return numerics.dense_copy(raw).view(dtype).view(rows, cols)
 
 
 class _Pending:
@@ -194,15 +193,6 @@ class _StreamScope:
                 if self.allocate_on_comm_stream:
                     t.record_stream(compute)
         return EventOverlap(CudaEventHandle(self.comm_stream))
-
-
-def _local_topk(topk_idx: torch.Tensor, topk_weights: torch.Tensor, rank: int,
-                num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global top-k rows -> this rank's local expert ids (-1 elsewhere) and weights (0 where -1)."""
-    begin = rank * num_local_experts
-    mine = (topk_idx >= begin) & (topk_idx < begin + num_local_experts)
-    local = torch.where(mine, topk_idx - begin, torch.full_like(topk_idx, -1))
-    return local, torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
 
 
 class TorchBackend:
@@ -389,21 +379,16 @@ class TorchBackend:
         blocks = self._exchange_rows(send_rows, recv_counts.tolist(), record.size(1), _TAG_DISPATCH, "dispatch",
                                      "token rows")
         rows = torch.cat(blocks, dim=0).to(data.device)
-        cols = []
-        at = 0
-        for w in widths:
-            cols.append(rows[:, at:at + w])
-            at += w
-        cols.reverse()
-        recv_data = _from_bytes(cols.pop(), data.dtype, hidden)
-        recv_scales = _from_bytes(cols.pop(), scales.dtype, scales.size(1)) if scales is not None else None
+        cols = iter(torch.split(rows, widths, dim=1))  # the record's parts, in the order above
+        recv_data = _from_bytes(next(cols), data.dtype, hidden)
+        recv_scales = _from_bytes(next(cols), scales.dtype, scales.size(1)) if scales is not None else None
         recv_topk_idx = recv_topk_weights = None
         if topk_idx is not None:
             num_topk = topk_idx.size(1)
-            global_idx = _from_bytes(cols.pop(), topk_idx.dtype, num_topk)
-            weights = _from_bytes(cols.pop(), torch.float32, num_topk)
-            recv_topk_idx, recv_topk_weights = _local_topk(global_idx, weights, rank, num_local_experts)
-        recv_src_idx = _from_bytes(cols.pop(), torch.int32, 1).view(-1)
+            global_idx = _from_bytes(next(cols), topk_idx.dtype, num_topk)
+            weights = _from_bytes(next(cols), torch.float32, num_topk)
+            recv_topk_idx, recv_topk_weights = hd.local_topk(global_idx, weights, rank, num_local_experts)
+        recv_src_idx = _from_bytes(next(cols), torch.int32, 1).view(-1)
 
         if num_worst_tokens > 0:
             if num_recv > num_worst_tokens:
@@ -424,7 +409,7 @@ class TorchBackend:
         dev = data.device
         if internode:
             new_handle = self._internode_handle(mask, sender, gathered, begin, recv_counts, src_chan_prefix,
-                                                rows, cols, num_channels, recv_src_idx, num_recv)
+                                                next(cols), num_channels, recv_src_idx, num_recv)
         else:
             new_handle = hd.IntranodeHandle(
                 hd.rank_prefix_matrix(count_matrix).to(dev), sender.channel_prefix_matrix,
@@ -435,13 +420,14 @@ class TorchBackend:
 
     def _internode_handle(self, mask: torch.Tensor, sender: hd.InternodeSender, gathered: torch.Tensor,
                           begin: list[int], recv_counts: torch.Tensor, src_chan_prefix: torch.Tensor,
-                          rows: torch.Tensor, cols: list[torch.Tensor], num_channels: int,
+                          recv_mask_bytes: torch.Tensor, num_channels: int,
                           recv_src_idx: torch.Tensor, num_recv: int) -> hd.InternodeHandle:
         """Receiver-side internode fields; the forwarder fields need one extra metadata exchange.
 
         As forwarder, this rank ``(my_node, my_local)`` is responsible for every token of a rank
         ``(n, my_local)`` that needs ``my_node``; that rank sends the token's index and its local-rank mask for
-        ``my_node`` (the data itself travels directly to the final receivers).
+        ``my_node`` (the data itself travels directly to the final receivers). ``recv_mask_bytes`` is the
+        ``[num_recv, R]`` uint8 part of the received records: each row's ``is_token_in_rank`` on its source.
         """
         topo, rank, dev = self.topology, self.rank, mask.device
         num_nodes, per_node = topo.num_scaleout_ranks, topo.num_scaleup_ranks
@@ -457,8 +443,8 @@ class TorchBackend:
 
         # recv_src_meta: source node and this node's local-rank mask of every received row.
         source_of_row = torch.repeat_interleave(torch.arange(self.num_ranks), recv_counts)
-        local_masks = _from_bytes(cols.pop(), torch.uint8, num_nodes * per_node).view(num_recv, num_nodes, per_node)
-        local_masks = local_masks[:, my_node].to(torch.bool)
+        local_masks = _from_bytes(recv_mask_bytes, torch.uint8, num_nodes * per_node)
+        local_masks = local_masks.view(num_recv, num_nodes, per_node)[:, my_node].to(torch.bool)
         src_meta = hd.encode_src_meta((source_of_row // per_node).to(dev), local_masks[:num_recv])
         if recv_src_idx.size(0) > num_recv:  # worst-token padding rows carry no meta
             src_meta = torch.cat([src_meta, torch.zeros(recv_src_idx.size(0) - num_recv, 8, dtype=torch.uint8,
@@ -468,9 +454,7 @@ class TorchBackend:
         nodes_needed = hd.node_mask(mask, topo)
         token_ids = torch.arange(num_tokens, dtype=torch.int32, device=dev)
         meta_record = torch.cat([token_ids.view(-1, 1),
-                                 mask.view(num_tokens, num_nodes, per_node).to(torch.int32)
-                                 .mul(torch.tensor([1 << j for j in range(per_node)], dtype=torch.int32,
-                                                   device=dev)).sum(2, dtype=torch.int32)], dim=1)
+                                 hd.pack_rank_bits(mask.view(num_tokens, num_nodes, per_node))], dim=1)
         # meta_record[t] = [t, bits of node 0, bits of node 1, ...]; send column (1 + n) rows to (n, my_local).
         forward_counts = [int(v) for v in src_rdma_prefix[:, -1].tolist()] if num_channels else [0] * num_nodes
         send = [torch.empty(0, 8, dtype=torch.uint8, device=dev) for _ in range(self.num_ranks)]
@@ -486,12 +470,10 @@ class TorchBackend:
         gathered_num_tokens = gathered[:, begin[4]]
         for n, p in enumerate(peers):
             meta = _from_bytes(blocks[p], torch.int32, 2).to(dev)
-            per_channel = max(-(-int(gathered_num_tokens[p]) // num_channels), 1)
             src_node.append(torch.full((meta.size(0),), n, dtype=torch.int64, device=dev))
-            channel.append(meta[:, 0].to(torch.int64) // per_channel)
-            bits = meta[:, 1:2]
-            fwd_mask.append((bits & torch.tensor([1 << j for j in range(per_node)], dtype=torch.int32,
-                                                 device=dev)) != 0)
+            channels_of_source = hd.token_channels(int(gathered_num_tokens[p]), num_channels, dev)
+            channel.append(channels_of_source[meta[:, 0].to(torch.int64)])
+            fwd_mask.append(hd.unpack_rank_bits(meta[:, 1], per_node))
         send_nvl_head = hd.forwarder_send_nvl_head(torch.cat(src_node), torch.cat(channel), torch.cat(fwd_mask))
         return hd.InternodeHandle(mask, sender.rdma_channel_prefix_matrix, sender.gbl_channel_prefix_matrix,
                                   recv_rdma_prefix.to(dev), recv_rdma_rank_prefix.to(dev),
@@ -588,10 +570,9 @@ class TorchBackend:
         num_local = num_experts // num_ranks
         layout = self._ll_regions(tokens, hidden, num_experts)
         dispatch_msg, _ = low_latency_message_bytes(hidden)
-        num_scales = hidden // 128
-        scale_cols = num_scales // 4 if use_ue8m0 else num_scales
+        num_scales = hidden // FP8_BLOCK
+        scale_cols = num_scales // numerics.UE8M0_PER_INT32 if use_ue8m0 else num_scales
         scale_dtype = torch.int32 if use_ue8m0 else torch.float32
-        payload = hidden + num_scales * 4 if use_fp8 else hidden * 2
         # With a receive hook the send phase runs on the caller's stream (spec §6.3).
         scope = _StreamScope(None if return_recv_hook else self.comm_stream, None, async_finish)
         active = self._active_peers()
@@ -732,11 +713,11 @@ class TorchBackend:
         with scope.run():
             half = self._flip(layout)
             send_view = self._combine_send_view(layout, half, num_local, tokens, hidden)
-            ranges = layout_range.cpu()
+            begins, counts = hd.unpack_layout_range(layout_range.cpu())
             sends = []
             for j in range(num_local):
                 for s in active:
-                    begin, count = int(ranges[j, s]) >> 32, int(ranges[j, s]) & 0xFFFFFFFF
+                    begin, count = int(begins[j, s]), int(counts[j, s])
                     if count == 0:
                         continue
                     if not zero_copy:
@@ -774,7 +755,7 @@ class TorchBackend:
             combined = out if out is not None else torch.empty(num_tokens, hidden, dtype=torch.bfloat16,
                                                                device=device)
             own = [rank * num_local + j for j in range(num_local)
-                   if rank in active and int(ranges[j, rank]) & 0xFFFFFFFF]
+                   if rank in active and int(counts[j, rank])]
 
         def receive() -> None:
             pending.wait()

@@ -15,7 +15,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from deep_ep import envs
-from deep_ep.config import NUM_MAX_LL_TOPK, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK
+# check_int lives in the stdlib-only deep_ep.config (its dataclasses use it) and is part of this module's API.
+from deep_ep.config import NUM_MAX_LL_TOPK, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK, check_int
 
 # Hidden sizes the low-latency kernels are compiled for (DeepEP V1).
 LL_SUPPORTED_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
@@ -29,17 +30,6 @@ def topk_idx_dtype() -> torch.dtype:
     if bits not in (32, 64):
         raise ValueError(f"DEEP_EP_TOPK_IDX_BITS must be 32 or 64, got {bits}")
     return torch.int32 if bits == 32 else torch.int64
-
-
-def check_int(name: str, value: object, minimum: Optional[int] = None, maximum: Optional[int] = None) -> int:
-    """``value`` must be a Python int (not bool) within ``[minimum, maximum]``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
-    return value
 
 
 def check_bool(name: str, value: object) -> bool:

@@ -4,7 +4,7 @@ Global view: every function takes the inputs of all ranks (lists indexed by rank
 ranks. ``reference.distributed`` runs the same semantics inside a ``torch.distributed`` group. The contract, with
 worked examples and the order guarantees, is in ``docs/semantics.md``.
 
-Imports torch and the torch-free / torch-only parts of ``deep_ep`` (config, layout, numerics, handle); never
+Imports torch and the torch-free / torch-only parts of ``deep_ep`` (config, layout, numerics, handle, validate); never
 ``deep_ep.buffer`` or the CUDA extension.
 """
 from deep_ep.handle import InternodeHandle, IntranodeHandle, LayoutResult, LowLatencyHandle

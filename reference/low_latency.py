@@ -14,8 +14,9 @@ import torch
 
 from deep_ep import numerics
 from deep_ep.config import FP8_BLOCK, num_local_experts
-from deep_ep.handle import LowLatencyHandle
-from reference._checks import check_masked_ranks, check_per_rank, check_positive_int, check_tensor
+from deep_ep.handle import LowLatencyHandle, unpack_layout_range
+from deep_ep.validate import check_expert_range, check_int, check_tensor
+from reference._checks import check_masked_ranks, check_per_rank
 
 RecvX = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
@@ -68,14 +69,14 @@ def low_latency_dispatch(x: Sequence[torch.Tensor], topk_idx: Sequence[torch.Ten
     """
     num_ranks = len(check_per_rank("x", x, len(x)))
     check_per_rank("topk_idx", topk_idx, num_ranks)
-    tokens_cap = check_positive_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+    tokens_cap = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
     experts_per_rank = num_local_experts(num_experts, num_ranks)
     masked = check_masked_ranks(masked_ranks, num_ranks)
     if use_ue8m0 and not round_scale:
         raise ValueError("use_ue8m0=True requires round_scale=True")
     hidden = None
     for s in range(num_ranks):
-        check_tensor(f"x[{s}]", x[s], 2, (torch.bfloat16,))
+        check_tensor(f"x[{s}]", x[s], dtype=torch.bfloat16, ndim=2, contiguous=False)
         hidden = x[s].size(1) if hidden is None else hidden
         if x[s].size(1) != hidden or hidden % FP8_BLOCK != 0:
             raise ValueError(f"x[{s}] must have the common hidden size, a multiple of {FP8_BLOCK}; got "
@@ -83,9 +84,9 @@ def low_latency_dispatch(x: Sequence[torch.Tensor], topk_idx: Sequence[torch.Ten
         if x[s].size(0) > tokens_cap:
             raise ValueError(f"x[{s}] has {x[s].size(0)} tokens, more than num_max_dispatch_tokens_per_rank "
                              f"({tokens_cap})")
-        check_tensor(f"topk_idx[{s}]", topk_idx[s], 2, (torch.int32, torch.int64), rows=x[s].size(0))
-        if topk_idx[s].numel() and (int(topk_idx[s].max()) >= num_experts or int(topk_idx[s].min()) < -1):
-            raise ValueError(f"topk_idx[{s}] entries must be -1 or in [0, {num_experts})")
+        check_tensor(f"topk_idx[{s}]", topk_idx[s], dtype=(torch.int32, torch.int64), shape=(x[s].size(0), None),
+                     contiguous=False)
+        check_expert_range(f"topk_idx[{s}]", topk_idx[s], num_experts)
     assert hidden is not None
 
     casts: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [
@@ -132,11 +133,6 @@ def low_latency_dispatch(x: Sequence[torch.Tensor], topk_idx: Sequence[torch.Ten
     return results
 
 
-def unpack_layout_range(layout_range: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[L, R]`` int64 ``(begin << 32) | count`` -> (``begin`` ``[L, R]`` int64, ``count`` ``[L, R]`` int64)."""
-    return layout_range >> 32, layout_range & 0xFFFFFFFF
-
-
 def low_latency_combine(y: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tensor],
                         topk_weights: Sequence[torch.Tensor], handles: Sequence[LowLatencyHandle], *,
                         use_logfmt: bool = False, zero_copy: bool = False,
@@ -174,16 +170,15 @@ def low_latency_combine(y: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tens
     experts_per_rank = num_local_experts(num_experts, num_ranks)
     tokens_cap, hidden = handles[0].num_max_dispatch_tokens_per_rank, handles[0].hidden
     for d in range(num_ranks):
-        check_tensor(f"y[{d}]", y[d], 3, (torch.bfloat16,))
+        check_tensor(f"y[{d}]", y[d], dtype=torch.bfloat16, ndim=3, contiguous=False)
         if tuple(y[d].shape) != (experts_per_rank, num_ranks * tokens_cap, hidden):
             raise ValueError(f"y[{d}] must have shape {(experts_per_rank, num_ranks * tokens_cap, hidden)}, got "
                              f"{tuple(y[d].shape)}")
         if not zero_copy and not y[d].is_contiguous():
             raise ValueError(f"y[{d}] must be contiguous unless zero_copy=True")
-        check_tensor(f"topk_idx[{d}]", topk_idx[d], 2, (torch.int32, torch.int64))
-        check_tensor(f"topk_weights[{d}]", topk_weights[d], 2, (torch.float32,), rows=topk_idx[d].size(0))
-        if topk_weights[d].shape != topk_idx[d].shape:
-            raise ValueError(f"topk_weights[{d}] must have the shape of topk_idx[{d}] {tuple(topk_idx[d].shape)}")
+        check_tensor(f"topk_idx[{d}]", topk_idx[d], dtype=(torch.int32, torch.int64), ndim=2, contiguous=False)
+        check_tensor(f"topk_weights[{d}]", topk_weights[d], dtype=torch.float32, shape=tuple(topk_idx[d].shape),
+                     contiguous=False)
         if topk_idx[d].size(0) > tokens_cap:
             raise ValueError(f"topk_idx[{d}] has {topk_idx[d].size(0)} rows, more than T = {tokens_cap}")
 

@@ -11,7 +11,8 @@ import torch
 
 from deep_ep import handle as hd
 from deep_ep.config import Config, Topology, align_up, num_local_experts
-from reference._checks import check_per_rank, check_positive_int, check_tensor
+from deep_ep.validate import check_int, check_tensor
+from reference._checks import check_per_rank
 
 # Channels used when the caller does not say: DeepEP's default ``Buffer.num_sms = 20`` -> 10 channels.
 DEFAULT_NUM_CHANNELS = Config().num_channels
@@ -71,7 +72,7 @@ def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, topology: Topo
         ``num_tokens_per_expert [E]`` int32 (``(t, k)`` pairs; a duplicated expert in a row counts twice),
         ``is_token_in_rank [N, R]`` bool. All set-free, fully defined.
     """
-    check_tensor("topk_idx", topk_idx, 2, (torch.int32, torch.int64))
+    check_tensor("topk_idx", topk_idx, dtype=(torch.int32, torch.int64), ndim=2, contiguous=False)
     num_ranks = topology.num_ranks
     experts_per_rank = num_local_experts(num_experts, num_ranks)
     rows = topk_idx.tolist()
@@ -103,26 +104,13 @@ def _split_x(name: str, x: XInput) -> tuple[torch.Tensor, Optional[torch.Tensor]
         if len(x) != 2:
             raise ValueError(f"{name} as a tuple must be (x_fp8, x_scales), got {len(x)} items")
         data, scales = x
-        check_tensor(name + "[0]", data, 2)
+        check_tensor(name + "[0]", data, ndim=2, contiguous=False)
         if data.element_size() != 1:
             raise ValueError(f"{name}[0] must be a 1-byte (FP8) tensor when scales are given, got {data.dtype}")
-        check_tensor(name + "[1]", scales, 2, (torch.float32, torch.int32), rows=data.size(0))
+        check_tensor(name + "[1]", scales, dtype=(torch.float32, torch.int32), shape=(data.size(0), None),
+                     contiguous=False)
         return data, scales
-    return check_tensor(name, x, 2), None
-
-
-def _handle_is_token_in_rank(h: Handle) -> torch.Tensor:
-    return h.is_token_in_rank
-
-
-def _local_topk(idx: torch.Tensor, weights: torch.Tensor, rank: int,
-                experts_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sender's global top-k rows -> receiver ``rank``'s local ids (-1 if foreign) and weights (0 if foreign)."""
-    lo = rank * experts_per_rank
-    local = (idx >= lo) & (idx < lo + experts_per_rank)
-    new_idx = torch.where(local, idx - lo, torch.full_like(idx, -1))
-    new_weights = torch.where(local, weights.to(torch.float32), torch.zeros((), dtype=torch.float32))
-    return new_idx, new_weights
+    return check_tensor(name, x, ndim=2, contiguous=False), None
 
 
 def _intranode_handle(d: int, masks: Sequence[torch.Tensor], num_channels: int,
@@ -220,28 +208,28 @@ def dispatch(x: Sequence[XInput], is_token_in_rank: Optional[Sequence[torch.Tens
     """
     num_ranks = topology.num_ranks
     check_per_rank("x", x, num_ranks)
-    check_positive_int("expert_alignment", expert_alignment)
-    check_positive_int("num_worst_tokens", num_worst_tokens, 0)
-    check_positive_int("num_channels", num_channels)
+    check_int("expert_alignment", expert_alignment, 1)
+    check_int("num_worst_tokens", num_worst_tokens, 0)
+    check_int("num_channels", num_channels, 1)
     cached = handles is not None
     if cached:
         check_per_rank("handles", handles, num_ranks)
         if topk_idx is not None or topk_weights is not None:
             raise ValueError("cached dispatch (handles given) must not pass topk_idx/topk_weights")
-        masks = [_handle_is_token_in_rank(h) for h in handles]
+        masks = [h.is_token_in_rank for h in handles]
     else:
         masks = list(check_per_rank("is_token_in_rank", is_token_in_rank, num_ranks))
-    first_data, first_scales = _split_x("x[0]", x[0])
+    datas, scaless = [], []
     for s in range(num_ranks):
         data, scales = _split_x(f"x[{s}]", x[s])
-        if data.size(1) != first_data.size(1) or (scales is None) != (first_scales is None) or \
-                (scales is not None and scales.shape[1:] != first_scales.shape[1:]):
+        datas.append(data)
+        scaless.append(scales)
+        if data.size(1) != datas[0].size(1) or (scales is None) != (scaless[0] is None) or \
+                (scales is not None and scales.shape[1:] != scaless[0].shape[1:]):
             raise ValueError(f"x[{s}] must have the same form (tensor or (fp8, scales)), hidden size and scale "
                              f"count as x[0]")
-        rows = data.size(0)
-        check_tensor(f"is_token_in_rank[{s}]", masks[s], 2, (torch.bool,), rows=rows)
-        if masks[s].size(1) != num_ranks:
-            raise ValueError(f"is_token_in_rank[{s}] must have {num_ranks} columns, got {masks[s].size(1)}")
+        check_tensor(f"is_token_in_rank[{s}]", masks[s], dtype=torch.bool, shape=(data.size(0), num_ranks),
+                     contiguous=False)
     if (topk_idx is None) != (topk_weights is None):
         raise ValueError("topk_idx and topk_weights must be given together or not at all")
     has_topk = topk_idx is not None
@@ -255,12 +243,10 @@ def dispatch(x: Sequence[XInput], is_token_in_rank: Optional[Sequence[torch.Tens
             raise ValueError("num_experts is required when topk_idx is given")
         experts_per_rank = num_local_experts(num_experts, num_ranks)
         for s in range(num_ranks):
-            n = masks[s].size(0)
-            check_tensor(f"topk_idx[{s}]", topk_idx[s], 2, (torch.int32, torch.int64), rows=n)
-            check_tensor(f"topk_weights[{s}]", topk_weights[s], 2, (torch.float32,), rows=n)
-            if topk_weights[s].shape != topk_idx[s].shape:
-                raise ValueError(f"topk_weights[{s}] shape {tuple(topk_weights[s].shape)} must equal topk_idx "
-                                 f"shape {tuple(topk_idx[s].shape)}")
+            check_tensor(f"topk_idx[{s}]", topk_idx[s], dtype=(torch.int32, torch.int64),
+                         shape=(masks[s].size(0), None), contiguous=False)
+            check_tensor(f"topk_weights[{s}]", topk_weights[s], dtype=torch.float32, shape=tuple(topk_idx[s].shape),
+                         contiguous=False)
 
     results = []
     for d in range(num_ranks):
@@ -270,7 +256,6 @@ def dispatch(x: Sequence[XInput], is_token_in_rank: Optional[Sequence[torch.Tens
             raise ValueError(f"num_worst_tokens ({num_worst_tokens}) is smaller than the {num_recv} rows rank {d} "
                              f"receives")
         num_rows = num_worst_tokens or num_recv
-        datas, scaless = zip(*(_split_x(f"x[{s}]", x[s]) for s in range(num_ranks)))
         recv_data = _pad_rows(torch.cat([datas[s][recv_rows[s]] for s in range(num_ranks)]), num_rows)
         if scaless[0] is not None:
             recv_scales = _pad_rows(torch.cat([scaless[s][recv_rows[s]] for s in range(num_ranks)]), num_rows)
@@ -290,7 +275,7 @@ def dispatch(x: Sequence[XInput], is_token_in_rank: Optional[Sequence[torch.Tens
         recv_idx = recv_weights = None
         per_expert: Optional[list[int]] = None
         if has_topk:
-            pairs = [_local_topk(topk_idx[s][recv_rows[s]], topk_weights[s][recv_rows[s]], d, experts_per_rank)
+            pairs = [hd.local_topk(topk_idx[s][recv_rows[s]], topk_weights[s][recv_rows[s]], d, experts_per_rank)
                      for s in range(num_ranks)]
             recv_idx = _pad_rows(torch.cat([p[0] for p in pairs]), num_rows, -1)
             recv_weights = _pad_rows(torch.cat([p[1] for p in pairs]), num_rows)
@@ -349,9 +334,9 @@ def combine(y: Sequence[torch.Tensor], handles: Sequence[Handle], topology: Topo
     num_ranks = topology.num_ranks
     check_per_rank("y", y, num_ranks)
     check_per_rank("handles", handles, num_ranks)
-    masks = [_handle_is_token_in_rank(h) for h in handles]
+    masks = [h.is_token_in_rank for h in handles]
     for d in range(num_ranks):
-        check_tensor(f"y[{d}]", y[d], 2, (torch.bfloat16,))
+        check_tensor(f"y[{d}]", y[d], dtype=torch.bfloat16, ndim=2, contiguous=False)
         needed = sum(int(masks[s][:, d].sum()) for s in range(num_ranks))
         if y[d].size(0) < needed:
             raise ValueError(f"y[{d}] must have at least {needed} rows (rank {d}'s received tokens), got "
@@ -359,7 +344,8 @@ def combine(y: Sequence[torch.Tensor], handles: Sequence[Handle], topology: Topo
     if topk_weights is not None:
         check_per_rank("topk_weights", topk_weights, num_ranks)
         for d in range(num_ranks):
-            check_tensor(f"topk_weights[{d}]", topk_weights[d], 2, (torch.float32,), rows=y[d].size(0))
+            check_tensor(f"topk_weights[{d}]", topk_weights[d], dtype=torch.float32, shape=(y[d].size(0), None),
+                         contiguous=False)
     if bias is not None:
         check_per_rank("bias", bias, num_ranks)
     hidden = y[0].size(1)
@@ -373,9 +359,7 @@ def combine(y: Sequence[torch.Tensor], handles: Sequence[Handle], topology: Topo
         if len(biases) > 2:
             raise ValueError(f"bias[{s}] must be a tensor or a 2-tuple of tensors, got {len(biases)} items")
         for i, b in enumerate(biases):
-            check_tensor(f"bias[{s}][{i}]", b, 2, (torch.bfloat16,), rows=num_tokens)
-            if b.size(1) != hidden:
-                raise ValueError(f"bias[{s}][{i}] must have {hidden} columns, got {b.size(1)}")
+            check_tensor(f"bias[{s}][{i}]", b, dtype=torch.bfloat16, shape=(num_tokens, hidden), contiguous=False)
             acc = acc + b.to(torch.float32)
         num_topk = topk_weights[0].size(1) if topk_weights is not None else 0
         w_acc = torch.zeros(num_tokens, num_topk, dtype=torch.float32)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from deep_ep.config import FP8_BLOCK, SOURCE_META_BYTES, Config
+from deep_ep.config import FP8_BLOCK, SOURCE_META_BYTES, Config, ceil_div
 from simulator.hardware import GpuProfile, NicProfile
 from simulator.links import GBPS, FluidNetwork
 from simulator.workload import SourceTraffic
@@ -373,8 +373,8 @@ def _normal_flows(spec: OpSpec, traffic: list[SourceTraffic], ports: _Ports, row
 
 def ll_num_blocks(num_experts: int, num_device_sms: int) -> int:
     """Blocks of the LL kernels: ``ceil(E / G)`` with ``G = ceil(E / device SMs)`` warp groups per block."""
-    groups = -(-num_experts // num_device_sms)
-    return -(-num_experts // groups)
+    groups = ceil_div(num_experts, num_device_sms)
+    return ceil_div(num_experts, groups)
 
 
 def simulate_low_latency(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,

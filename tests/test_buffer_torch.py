@@ -178,7 +178,6 @@ def _randint_bf16(seed: int, shape: tuple) -> torch.Tensor:
 
 def run_normal(ctx: dist.WorkerContext, case: NormalCase) -> Optional[str]:
     """Layout, dispatch, cached dispatch and combine on this rank vs the global reference."""
-    import deep_ep
     import reference
     from deep_ep.config import Config
 
