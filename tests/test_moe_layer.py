@@ -386,8 +386,8 @@ def example_training_worker(ctx: Any, case: ExampleCase) -> str | None:
     if not losses[-1] < losses[0] - 0.5:
         problems.append(f"the loss did not fall by 0.5 in {len(losses)} steps: {[round(v, 3) for v in losses]}")
     expert_params = model.expert_parameters()
-    replicated = torch.cat([p.detach().float().flatten().cpu() for p in model.parameters()
-                            if p not in expert_params])
+    # Stays on the parameters' device: an NCCL group cannot all-gather CPU tensors.
+    replicated = torch.cat([p.detach().float().flatten() for p in model.parameters() if p not in expert_params])
     everyone = [torch.empty_like(replicated) for _ in range(ctx.world_size)]
     torch.distributed.all_gather(everyone, replicated, group=ctx.group)
     if not all(torch.equal(everyone[0], other) for other in everyone[1:]):
