@@ -138,6 +138,11 @@ def cuda_extension_spec(cuda_home: str) -> ExtensionSpec:
     if not spec.sources:
         spec.skip_reason = "every source in csrc/ needs NVSHMEM, which is absent"
         return spec
+    if spec.nvshmem is not None and not any(_is_nvshmem_only(ROOT / rel) for rel in spec.sources):
+        # Relocatable device code and the device link cost build time and change code generation; take them
+        # only when a source actually uses NVSHMEM.
+        spec.nvshmem_note = f"found at {spec.nvshmem.root}, but no source in csrc/ needs it yet: not linked"
+        spec.nvshmem = None
 
     spec.arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCH_LIST
     spec.include_dirs = [str(ROOT / "csrc"), str(ROOT / "csrc" / "kernels")]

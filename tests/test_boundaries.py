@@ -233,6 +233,17 @@ def test_setup_finds_nvshmem_wheel(fake_tree):
     assert spec.arch_list == "9.0a"
 
 
+def test_setup_does_not_link_nvshmem_without_nvshmem_sources(fake_tree):
+    module, root = fake_tree
+    for rel in ("csrc/kernels/internode.cu", "csrc/kernels/internode_ll.cu", "csrc/kernels/barrier_nvshmem.cu"):
+        (root / rel).unlink()
+    spec = module.cuda_extension_spec(str(root / "cuda"))
+    assert spec.sources == ["csrc/buffer.cpp", "csrc/kernels/intranode.cu"]
+    assert spec.nvshmem is None and "not linked" in spec.nvshmem_note
+    assert ("DEEP_EP_DISABLE_NVSHMEM", None) in spec.define_macros
+    assert spec.link_flags == [] and "-rdc=true" not in spec.nvcc_flags
+
+
 def test_setup_without_nvshmem_builds_intranode_only(fake_tree, monkeypatch):
     module, root = fake_tree
     monkeypatch.setenv("DEEP_EP_DISABLE_NVSHMEM", "1")
