@@ -516,12 +516,9 @@ class TorchBackend:
     # Low-latency mode
     # ------------------------------------------------------------------------------------------------------------
     def _ll_regions(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> Any:
+        """The low-latency layout; ``Buffer._check_low_latency`` has already checked that it fits the buffer."""
         layout = low_latency_layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if layout.total_bytes > self.num_rdma_bytes:
-            raise ValueError(f"num_rdma_bytes ({self.num_rdma_bytes}) is too small for low-latency kernels with "
-                             f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}, hidden={hidden}, "
-                             f"num_experts={num_experts}: they need {layout.total_bytes} bytes "
-                             "(Buffer.get_low_latency_rdma_size_hint)")
+        assert layout.total_bytes <= self.num_rdma_bytes, "the Buffer front checks the low-latency buffer size"
         return layout
 
     def _region(self, layout: Any, name: str) -> torch.Tensor:
