@@ -35,7 +35,7 @@ from torch import nn
 
 from deep_ep.config import FP8_BLOCK, Topology, get_combine_config, get_dispatch_config
 from deep_ep.numerics import per_token_cast_back, per_token_cast_to_fp8
-from deep_ep.validate import topk_idx_dtype
+from deep_ep.validate import check_tensor, topk_idx_dtype
 
 __all__ = [
     "DispatchState",
@@ -187,16 +187,6 @@ class _Combine(torch.autograd.Function):
         return grad_y.to(ctx.y_dtype), None
 
 
-def _check_tensor(name: str, t: object, dims: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    return t
-
-
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, buffer: Any, num_experts: int,
              *, use_fp8: bool = False, config: Any = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchState]:
@@ -221,9 +211,9 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         ``grad_x = combine(grad_recv_x, handle)`` (sum over holding ranks) and
         ``grad_topk_weights = combine(..., topk_weights=grad_recv_topk_weights masked to local slots)``.
     """
-    _check_tensor("x", x, 2, (torch.bfloat16, torch.float32))
-    _check_tensor("topk_idx", topk_idx, 2, (torch.int32, torch.int64))
-    _check_tensor("topk_weights", topk_weights, 2, (torch.float32,))
+    check_tensor("x", x, dtype=(torch.bfloat16, torch.float32), ndim=2, contiguous=False)
+    check_tensor("topk_idx", topk_idx, dtype=(torch.int32, torch.int64), ndim=2, contiguous=False)
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2, contiguous=False)
     if topk_idx.shape != topk_weights.shape or topk_idx.size(0) != x.size(0):
         raise ValueError(f"topk_idx {tuple(topk_idx.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
                          f"be [N, K] with N = x.size(0) = {x.size(0)}")
@@ -248,7 +238,7 @@ def combine(y: torch.Tensor, state: DispatchState) -> torch.Tensor:
     Backward:
         ``grad_y = dispatch(grad_out, handle=state.handle)`` (cached dispatch, BF16): every holder gets the row.
     """
-    _check_tensor("y", y, 2, (torch.bfloat16, torch.float32, torch.float16))
+    check_tensor("y", y, dtype=(torch.bfloat16, torch.float32, torch.float16), ndim=2, contiguous=False)
     if state.handle is None:
         raise ValueError("state must come from a completed deep_ep.moe.dispatch (its handle is None)")
     return _Combine.apply(y, state)

@@ -499,7 +499,7 @@ def test_dispatch_argument_validation() -> None:
     fake = SimpleNamespace(rank=0, group_size=2)
     idx = torch.zeros(4, 2, dtype=torch.int64)
     w = torch.ones(4, 2)
-    with pytest.raises(TypeError, match="x must have dtype in"):
+    with pytest.raises(TypeError, match="x must have dtype torch.bfloat16 or torch.float32"):
         moe.dispatch(torch.zeros(4, 8, dtype=torch.int32), idx, w, fake, 4)
     with pytest.raises(TypeError, match="topk_weights must have dtype"):
         moe.dispatch(torch.zeros(4, 8), idx, w.double(), fake, 4)
