@@ -12,6 +12,10 @@ Check the model against every published DeepEP row and the H200 measurements::
 
     python -m simulator validate [--json] [--set normal-h800,ll-h800,...]
 
+Predictions for deep_ep's own kernels (docs/simulator.md, "Predictions for deep_ep's kernels")::
+
+    python -m simulator predict [--json] [--calibration FILE.json]
+
 Exit status: 0 on success; 2 on bad arguments (the message names the argument, the rule and the value);
 ``validate`` exits 1 when a row is outside its tolerance or the mean error exceeds 5 %.
 """
@@ -122,10 +126,30 @@ def run_plan(argv: list[str]) -> int:
     return 0
 
 
+def run_predict(argv: list[str]) -> int:
+    from simulator import predictions
+    parser = argparse.ArgumentParser(prog="python -m simulator predict",
+                                     description="Predictions for deep_ep's kernels on H200 (intranode EP2/4/8, "
+                                                 "low-latency EP2/4/8, internode on 2 virtual nodes x 1/2/4 GPUs), "
+                                                 "to be checked by measurement.")
+    parser.add_argument("--calibration", default=None, metavar="FILE.json",
+                        help="deep_ep calibration to use (default simulator/calibration_deep_ep.json)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = parser.parse_args(argv)
+    try:
+        rows = predictions.predict(args.calibration)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(predictions.to_json(rows) if args.json else predictions.to_markdown(rows), end="\n" if args.json else "")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "validate":
         return run_validate(argv[1:])
+    if argv and argv[0] == "predict":
+        return run_predict(argv[1:])
     return run_plan(argv)
 
 

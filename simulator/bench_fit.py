@@ -97,7 +97,8 @@ def _read_intranode(data: dict, path: str) -> BenchRun:
                                  f"wall_us_mean, got {t!r}")
             samples.setdefault((p["op"], int(p["num_sms"])), []).append((int(p.get("chunk", 0)), float(t)))
     points = []
-    for (op_name, sms), values in sorted(samples.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    order = list(_INTRANODE_OPS)
+    for (op_name, sms), values in sorted(samples.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))):
         op, dtype = _INTRANODE_OPS[op_name]
         chunks = [c for c, _ in values]
         chunk = max(set(chunks), key=chunks.count)  # ranks pick their best chunk; take the most common

@@ -156,6 +156,14 @@ def profile() -> DeepEpProfile:
     return _PROFILE
 
 
+def use_profile(prof: DeepEpProfile | None) -> DeepEpProfile | None:
+    """Make ``prof`` the profile of the ``deep_ep`` family (``None``: reload the file on next use); returns the
+    previous one."""
+    global _PROFILE
+    previous, _PROFILE = _PROFILE, prof
+    return previous
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Byte sizes
 # ---------------------------------------------------------------------------------------------------------------

@@ -239,3 +239,21 @@ def test_cli_calibrate_from_bench_prints_points(tmp_path):
     data = json.loads(out.read_text())
     assert data["hold_out_sms"] == [16, 32] and data["mape_hold_out"] < 0.05
     assert set(data["params"]) == set(dek.INTRANODE_FIT_PARAMS)
+
+
+def test_cli_predict_lists_every_case(tmp_path):
+    data = json.loads(_cli("simulator", "predict", "--json").stdout)
+    cases = {(r["case"], r["op"], r["dtype"]) for r in data["rows"]}
+    for case in ("intranode EP2", "intranode EP4", "intranode EP8", "internode 2x1 virtual",
+                 "internode 2x2 virtual", "internode 2x4 virtual"):
+        assert {(case, "dispatch", "fp8"), (case, "dispatch", "bf16"), (case, "combine", "bf16")} <= cases
+    for ep in (2, 4, 8):
+        assert {(f"low-latency EP{ep}", "dispatch", "fp8"), (f"low-latency EP{ep}", "combine", "bf16")} <= cases
+    assert all(r["time_us"] > 0 for r in data["rows"])
+    measured = [r for r in data["rows"] if r["measured_us"] is not None]
+    assert len(measured) == 3 and all(abs(r["time_us"] / r["measured_us"] - 1) < 0.1 for r in measured)
+    # Another calibration file changes the predictions.
+    alt = tmp_path / "alt.json"
+    alt.write_text(json.dumps({"params": {"sm_push_gbps": {"value": 5.0, "source": "test"}}}))
+    slow = json.loads(_cli("simulator", "predict", "--json", "--calibration", str(alt)).stdout)
+    assert slow["rows"][0]["time_us"] > data["rows"][0]["time_us"]
