@@ -259,7 +259,7 @@ def fit(run: BenchRun, hold_out: list[int] | tuple[int, ...] = (16, 32), start: 
     source = f"fit: {Path(run.path).name} ({run.date}, {run.machine}), least squares on {len(fit_points)} points, " \
              f"SM counts {[s for s in sms_all if s not in hold_out]} (held out {list(hold_out)}), fitted {stamp}"
     sources = dict(base.sources)
-    sources.update({n: source for n in names})
+    sources.update(dict.fromkeys(names, source))
     prof = replace(make(x), sources=tuple(sources.items()))
     predicted = [predict_point(run, p, prof, traffic) for p in run.points]
     return FitResult(run, prof, names, tuple(hold_out), predicted, iterations)

@@ -31,7 +31,6 @@ Parameters come from :data:`DEFAULTS` (design-guide estimates, labelled ``assume
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -53,7 +52,7 @@ class DeepEpProfile:
     """Costs of deep_ep's kernels on one SM90 GPU (link rates come from the GPU / NIC profile).
 
     Attributes:
-        sm_push_gbps: bytes per µs... per SM of remote stores (pushes over NVLink), GB/s per SM; overlaps the link.
+        sm_push_gbps: per-SM rate of remote stores (pushes over NVLink or P2P puts), GB/s per SM; overlaps the link.
         sm_local_gbps: per-SM rate of local copies (local bypass x -> recv_x, ring -> recv_x), GB/s per SM.
         row_ns: SM cost per row a sender stores (planner, metadata, send_head), ns of SM-time.
         chunk_sync_us: SM-time per published chunk (group barrier, system fence, tail store), µs.

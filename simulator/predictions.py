@@ -29,13 +29,15 @@ class Prediction:
     tokens: int
     time_us: float
     logical_gbps: float
+    nvl_logical_gbps: float
     bottleneck: str
     measured_us: float | None
 
     def as_dict(self) -> dict:
         return {"case": self.case, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node, "mode": self.mode,
                 "op": self.op, "dtype": self.dtype, "tokens": self.tokens, "time_us": round(self.time_us, 1),
-                "logical_gbps": round(self.logical_gbps, 1), "bottleneck": self.bottleneck,
+                "logical_gbps": round(self.logical_gbps, 1), "nvl_logical_gbps": round(self.nvl_logical_gbps, 1),
+                "bottleneck": self.bottleneck,
                 "measured_us": None if self.measured_us is None else round(self.measured_us, 1)}
 
 
@@ -87,7 +89,7 @@ def predict(calibration: Path | None = None) -> list[Prediction]:
                 seen.add(key)
                 ref = measured.get((r.op, r.dtype)) if case == "intranode EP2" else None
                 rows.append(Prediction(case, sc.nodes, sc.gpus_per_node, r.mode, r.op, r.dtype, r.tokens,
-                                       r.time_us, r.logical_gbps, r.bottleneck, ref))
+                                       r.time_us, r.logical_gbps, r.nvl_logical_gbps, r.bottleneck, ref))
         order = {case: i for i, (case, _) in enumerate(cases())}
         return sorted(rows, key=lambda r: (order[r.case], r.op != "dispatch", r.dtype != "fp8"))
     finally:
