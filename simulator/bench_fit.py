@@ -126,13 +126,7 @@ FIT_PARAMS: dict[str, tuple[str, ...]] = {"intranode": dek.INTRANODE_FIT_PARAMS}
 def read_bench(path: str | Path) -> BenchRun:
     """Read a bench JSON with the first matching reader of :data:`BENCH_READERS`."""
     path = str(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"--from-bench {path}: cannot read file ({exc.strerror})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--from-bench {path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    data = workload.read_json(path, f"--from-bench {path}")
     if isinstance(data, dict):
         for _name, detect, read in BENCH_READERS:
             if detect(data):

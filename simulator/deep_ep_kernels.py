@@ -41,7 +41,18 @@ from deep_ep.config import FP8_BLOCK, ceil_div
 from deep_ep.layout import intranode_combine_record_bytes, intranode_dispatch_record_bytes
 from simulator.hardware import GpuProfile, NicProfile
 from simulator.links import GBPS, FluidNetwork
-from simulator.rank import FlowSpec, OpResult, OpSpec, _arrival_times, _finish, _Ports, _Usage, ll_send_recv, nic_rate
+from simulator.rank import (
+    FlowSpec,
+    OpResult,
+    OpSpec,
+    _arrival_times,
+    _finish,
+    _Ports,
+    _Usage,
+    ll_send_recv,
+    nic_rate,
+    normal_logical_bytes,
+)
 from simulator.workload import SourceTraffic
 
 CALIBRATION_PATH = Path(__file__).with_name("calibration_deep_ep.json")
@@ -374,12 +385,7 @@ def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
     env.run()
     net.check_idle()
     finish = _arrival_times(work.flows, num_ranks, rank_time)
-    if spec.op == "dispatch":
-        recv_rows = [sum(t.rows_to_rank[d] for t in traffic) for d in range(num_ranks)]
-    else:
-        recv_rows = [t.num_rows for t in traffic]
-    nvl_logical = [float(n * spec.logical_bytes) for n in recv_rows]
-    logical = ([float(t.num_records * spec.logical_bytes) for t in traffic] if spec.num_nodes > 1 else nvl_logical)
+    logical, nvl_logical = normal_logical_bytes(spec, traffic)
     data_us = max(finish) - work.fixed_us
     res = _finish(net, ports, finish, logical, nvl_logical, work.fixed_us, data_us,
                   extra={"serial_us": float(work.serial_sm_us.max()) / max(num_sms, 1)})

@@ -304,17 +304,22 @@ def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
     net.check_idle()
     # A rank finishes when its last incoming data has landed: the max over the flows that touch its ports.
     finish = _arrival_times(model.flows, num_ranks, rank_time)
+    logical, nvl_logical = normal_logical_bytes(spec, traffic)
+    data_us = max(finish) - model.fixed_us
+    return _finish(net, ports, finish, logical, nvl_logical, model.fixed_us, data_us, extra={"fill_us": model.fill_us})
+
+
+def normal_logical_bytes(spec: OpSpec, traffic: list[SourceTraffic]) -> tuple[list[float], list[float]]:
+    """Per rank, DeepEP's byte counts of a normal op: ``(logical, nvl_logical)``; logical is the RDMA figure
+    ((token, node) records) internode and the received rows intranode."""
     if spec.op == "dispatch":
-        recv_rows = [sum(t.rows_to_rank[d] for t in traffic) for d in range(num_ranks)]
+        recv_rows = [sum(t.rows_to_rank[d] for t in traffic) for d in range(spec.num_ranks)]
     else:
         recv_rows = [t.num_rows for t in traffic]
     nvl_logical = [float(n * spec.logical_bytes) for n in recv_rows]
     if spec.num_nodes > 1:
-        logical = [float(t.num_records * spec.logical_bytes) for t in traffic]
-    else:
-        logical = nvl_logical
-    data_us = max(finish) - model.fixed_us
-    return _finish(net, ports, finish, logical, nvl_logical, model.fixed_us, data_us, extra={"fill_us": model.fill_us})
+        return [float(t.num_records * spec.logical_bytes) for t in traffic], nvl_logical
+    return nvl_logical, nvl_logical
 
 
 def _normal_flows(spec: OpSpec, traffic: list[SourceTraffic], ports: _Ports, row: float) -> list[FlowSpec]:

@@ -246,6 +246,19 @@ def _traffic(sc: Scenario, router: workload.Router, tokens: int, mask_ll: bool) 
     return _TRAFFIC_CACHE[key]
 
 
+def _ll_specs(sc: Scenario) -> tuple[int, list[workload.SourceTraffic], int, list[tuple[rank.OpSpec, str]]]:
+    """LL workload of ``sc``: ``(tokens, traffic, physical experts, [(spec, dtype)] for dispatch and combine)``."""
+    tokens = sc.low_latency_tokens
+    # A fresh router, so that LL draws do not depend on whether normal mode ran first.
+    traffic = _traffic(sc, _router(sc, sc.experts), tokens, mask_ll=sc.ll_mask)
+    # Message bytes as DeepEP's LL test counts them: 16-byte header + payload (+ FP8 scales); BF16 combine.
+    ll_msgs = {"dispatch": 16 + rank.token_bytes(sc.hidden, sc.dispatch_dtype), "combine": 2 * sc.hidden}
+    specs = [(rank.OpSpec("low-latency", op, sc.hidden, sc.topk, ll_msgs[op], ll_msgs[op], sc.nodes,
+                          sc.gpus_per_node, None, allow_nvlink=sc.ll_allow_nvlink),
+              sc.dispatch_dtype if op == "dispatch" else "bf16") for op in ("dispatch", "combine")]
+    return tokens, traffic, sc.experts + sc.num_redundant_experts, specs
+
+
 def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfile) -> Report:
     """``run`` for the ``deep_ep`` kernel family (``simulator.deep_ep_kernels``)."""
     prof = deep_ep_kernels.profile()
@@ -282,17 +295,10 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
                 notes.append(f"no DeepEP buffer size hint for EP{num_ranks}: {exc}")
         rec_sms = max(recommended)
     if sc.mode in ("low-latency", "both"):
-        tokens = sc.low_latency_tokens
-        traffic = _traffic(sc, _router(sc, sc.experts), tokens, mask_ll=sc.ll_mask)
-        num_physical = sc.experts + sc.num_redundant_experts
-        # Logical bytes as DeepEP's LL test counts them (comparable with the deepep family's rows).
-        ll_logical = {"dispatch": 16 + rank.token_bytes(sc.hidden, sc.dispatch_dtype), "combine": 2 * sc.hidden}
-        for op in ("dispatch", "combine"):
-            dtype = sc.dispatch_dtype if op == "dispatch" else "bf16"
-            spec = rank.OpSpec("low-latency", op, sc.hidden, sc.topk, ll_logical[op], ll_logical[op], sc.nodes,
-                               per_node, None, allow_nvlink=sc.ll_allow_nvlink)
+        tokens, traffic, num_physical, specs = _ll_specs(sc)
+        for spec, dtype in specs:
             res = deep_ep_kernels.simulate_low_latency(spec, traffic, gpu, nic, prof, dtype)
-            ops.append(OpRow.from_result(sc.nodes, num_ranks, "low-latency", op, dtype, tokens, res))
+            ops.append(OpRow.from_result(sc.nodes, num_ranks, "low-latency", spec.op, dtype, tokens, res))
         ll_bytes = layout.low_latency_rdma_size_hint(tokens, sc.hidden, num_ranks, num_physical)
         rec_qps = num_physical // num_ranks
     scale = ScaleRow(nodes=sc.nodes, ep_size=num_ranks, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes,
@@ -347,19 +353,10 @@ def run(sc: Scenario) -> Report:
         rec_qps = max(sc.num_sms // 2, 1) if sc.nodes > 1 else None
 
     if sc.mode in ("low-latency", "both"):
-        tokens = sc.low_latency_tokens
-        # A fresh router, so that LL draws do not depend on whether normal mode ran first.
-        traffic = _traffic(sc, _router(sc, sc.experts), tokens, mask_ll=sc.ll_mask)
-        num_physical = sc.experts + sc.num_redundant_experts
-        # Message bytes as DeepEP's LL test counts them: 16-byte header + payload (+ FP8 scales); BF16 combine.
-        ll_msgs = {"dispatch": 16 + rank.token_bytes(sc.hidden, sc.dispatch_dtype), "combine": 2 * sc.hidden}
-        for op in ("dispatch", "combine"):
-            msg = ll_msgs[op]
-            spec = rank.OpSpec("low-latency", op, sc.hidden, sc.topk, msg, msg, sc.nodes, per_node, None,
-                               allow_nvlink=sc.ll_allow_nvlink)
+        tokens, traffic, num_physical, specs = _ll_specs(sc)
+        for spec, dtype in specs:
             res = rank.simulate_low_latency(spec, traffic, gpu, nic, num_physical)
-            dtype = sc.dispatch_dtype if op == "dispatch" else "bf16"
-            ops.append(OpRow.from_result(sc.nodes, num_ranks, "low-latency", op, dtype, tokens, res))
+            ops.append(OpRow.from_result(sc.nodes, num_ranks, "low-latency", spec.op, dtype, tokens, res))
         ll_bytes = layout.low_latency_rdma_size_hint(tokens, sc.hidden, num_ranks, num_physical)
         rec_qps_ll = num_physical // num_ranks
         rec_qps = max(rec_qps or 0, rec_qps_ll)
