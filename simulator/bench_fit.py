@@ -150,7 +150,7 @@ def predict_point(run: BenchRun, point: BenchPoint, prof: DeepEpProfile,
                   traffic: list[workload.SourceTraffic]) -> float:
     """Predicted time of ``point`` (µs, mean over ranks) by the closed form of the deep_ep family."""
     gpu = hardware.get_gpu(run.gpu)
-    payload = dek.payload_bytes(run.hidden, point.dtype)
+    payload = rank.token_bytes(run.hidden, point.dtype)
     spec = rank.OpSpec("intranode", point.op, run.hidden, run.topk, payload, payload, 1, run.num_ranks, None)
     work = dek.normal_work(spec, traffic, gpu, hardware.CX7, prof, point.num_sms, point.chunk, point.dtype)
     return float(dek.closed_form_times(work, point.num_sms, run.num_ranks).mean())

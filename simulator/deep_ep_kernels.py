@@ -30,7 +30,6 @@ Parameters come from :data:`DEFAULTS` (design-guide estimates, labelled ``assume
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -52,8 +51,9 @@ from simulator.rank import (
     ll_send_recv,
     nic_rate,
     normal_logical_bytes,
+    token_bytes,
 )
-from simulator.workload import SourceTraffic
+from simulator.workload import SourceTraffic, read_json
 
 CALIBRATION_PATH = Path(__file__).with_name("calibration_deep_ep.json")
 
@@ -135,10 +135,7 @@ def load_profile(path: Path | str | None = None) -> DeepEpProfile:
     path = Path(path) if path is not None else CALIBRATION_PATH
     if not path.exists():
         return DEFAULTS
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"deep_ep calibration {path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    data = read_json(str(path), f"deep_ep calibration {path}")
     params = data.get("params") if isinstance(data, dict) else None
     if not isinstance(params, dict):
         raise ValueError(f"deep_ep calibration {path}: needs an object 'params' of {{name: {{value, source}}}}")
@@ -178,11 +175,6 @@ def use_profile(prof: DeepEpProfile | None) -> DeepEpProfile | None:
 # Byte sizes
 # ---------------------------------------------------------------------------------------------------------------
 
-def payload_bytes(hidden: int, dtype: str) -> int:
-    """Row payload: FP8 ``H + H/128*4`` (data + float32 scales) or BF16 ``2H``."""
-    return hidden + hidden // FP8_BLOCK * 4 if dtype == "fp8" else 2 * hidden
-
-
 def dispatch_record_bytes(hidden: int, dtype: str, topk: int) -> int:
     """One intranode dispatch ring record (``deep_ep.layout``): hidden, scales, source index, top-k ids/weights."""
     hidden_bytes = hidden if dtype == "fp8" else 2 * hidden
@@ -193,7 +185,7 @@ def dispatch_record_bytes(hidden: int, dtype: str, topk: int) -> int:
 def ll_dispatch_message_bytes(hidden: int, dtype: str, topk: int, prof: DeepEpProfile) -> int:
     """One LL dispatch message per (token, destination rank): header (source token + K pairs, 16-B padded) + row."""
     header = ceil_div(4 + topk * prof.ll_header_bytes_per_topk, 16) * 16
-    return header + payload_bytes(hidden, dtype)
+    return header + token_bytes(hidden, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -243,7 +235,7 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     channels = max(num_sms, 1)
     internode = num_nodes > 1
     p2p = internode and nic.shares_nvlink  # network puts are SM stores over NVLink (virtual nodes)
-    payload = payload_bytes(spec.hidden, dtype)
+    payload = token_bytes(spec.hidden, dtype)
     record = (dispatch_record_bytes(spec.hidden, dtype, spec.topk) if dispatch
               else intranode_combine_record_bytes(spec.hidden, spec.topk))
     local_us = 1e-3 / prof.sm_local_gbps   # SM-µs per locally copied byte
@@ -426,7 +418,7 @@ def simulate_low_latency(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuPro
     if dispatch:
         msg = ll_dispatch_message_bytes(spec.hidden, dtype, spec.topk, prof)
         sent = np.asarray([t.rows_to_rank for t in traffic], dtype=float) * msg  # [src, dst] bytes
-        recv_work = selections * payload_bytes(spec.hidden, dtype) * 1e-3 / prof.sm_local_gbps  # SM-µs [src, dst]
+        recv_work = selections * token_bytes(spec.hidden, dtype) * 1e-3 / prof.sm_local_gbps  # SM-µs [src, dst]
         efficiency = nic.ll_dispatch_efficiency
     else:
         sent = selections.T * (2 * spec.hidden)  # [holder, owner] bytes

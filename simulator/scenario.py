@@ -279,7 +279,7 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
         max_sms = min(gpu.num_device_sms, 64) // 2 * 2
         for op, chunk in (("dispatch", prof.dispatch_chunk), ("combine", prof.combine_chunk)):
             dtype = sc.dispatch_dtype if op == "dispatch" else "bf16"
-            payload = deep_ep_kernels.payload_bytes(sc.hidden, dtype)
+            payload = rank.token_bytes(sc.hidden, dtype)
             spec = rank.OpSpec("internode" if sc.nodes > 1 else "intranode", op, sc.hidden, sc.topk, payload,
                                payload, sc.nodes, per_node, None)
             res = deep_ep_kernels.simulate_normal(spec, traffic, gpu, nic, prof, sc.num_sms, chunk, dtype)

@@ -33,7 +33,7 @@ def _traffic(nodes: int, per_node: int, tokens: int = 1024, seed: int = 0, exper
 
 
 def _spec(nodes: int, per_node: int, op: str, dtype: str) -> rank.OpSpec:
-    payload = dek.payload_bytes(7168, dtype)
+    payload = rank.token_bytes(7168, dtype)
     return rank.OpSpec("internode" if nodes > 1 else "intranode", op, 7168, 8, payload, payload, nodes, per_node,
                        None)
 
