@@ -278,11 +278,18 @@ def to_text(result: FitResult) -> str:
 
 
 def write_calibration(result: FitResult, path: str | Path = CALIBRATION_PATH) -> None:
-    """Write every parameter that is not at its default assumption (value + source), plus the fit summary."""
-    prof = result.profile
+    """Write the fitted (and ``--fix``-ed) parameters with their sources, plus the fit summary and its points.
+
+    Parameters an existing file holds that this fit does not touch (e.g. those of another bench kind) are kept.
+    """
+    path = Path(path)
     params = {}
-    for name, value, source in prof.describe():
-        if not source.startswith("assumed") and not source.startswith("design"):
+    if path.exists():
+        old = workload.read_json(str(path), f"deep_ep calibration {path}")
+        params = {k: v for k, v in (old.get("params", {}) if isinstance(old, dict) else {}).items()
+                  if k not in FIT_PARAMS[result.run.kind]}
+    for name, value, source in result.profile.describe():
+        if name in FIT_PARAMS[result.run.kind]:
             params[name] = {"value": round(float(value), 4), "source": source}
     data = {"family": "deep_ep", "bench": result.run.path, "bench_date": result.run.date,
             "machine": result.run.machine, "fitted": datetime.date.today().isoformat(),

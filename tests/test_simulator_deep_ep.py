@@ -72,11 +72,15 @@ def test_calibration_round_trip_recovers_parameters(tmp_path, monkeypatch):
         assert getattr(result.profile, name) == pytest.approx(getattr(truth, name), rel=0.02), name
     assert result.mape(False) < 1e-3 and result.mape(True) < 1e-3
     out = tmp_path / "calibration.json"
-    bench_fit.write_calibration(result, out)
+    out.write_text(json.dumps({"params": {"ll_fixed_us": {"value": 9.0, "source": "fit: an LL bench"},
+                                          "row_ns": {"value": 1.0, "source": "old fit"}}}))
+    bench_fit.write_calibration(result, out)  # keeps the parameters this fit does not touch
     loaded = dek.load_profile(out)
     assert loaded.sm_push_gbps == pytest.approx(truth.sm_push_gbps, rel=0.02)
     assert loaded.source_of("sm_push_gbps").startswith("fit: bench.json")
-    assert loaded.source_of("ll_fixed_us").startswith("assumed")
+    assert loaded.ll_fixed_us == 9.0 and loaded.source_of("ll_fixed_us") == "fit: an LL bench"
+    assert loaded.row_ns == pytest.approx(truth.row_ns, rel=0.02)
+    assert loaded.source_of("chunk_sync_us").startswith("assumed")
 
 
 def test_repo_calibration_predicts_held_out_points():
