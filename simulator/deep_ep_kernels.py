@@ -34,23 +34,22 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
-import simpy
 
 from deep_ep.config import FP8_BLOCK, ceil_div
 from deep_ep.layout import intranode_combine_record_bytes, intranode_dispatch_record_bytes
 from simulator.hardware import GpuProfile, NicProfile
-from simulator.links import GBPS, FluidNetwork
+from simulator.links import GBPS
 from simulator.rank import (
     FlowSpec,
     OpResult,
     OpSpec,
-    _arrival_times,
     _finish,
     _Ports,
     _Usage,
     ll_send_recv,
     nic_rate,
     normal_logical_bytes,
+    run_rank_flows,
     token_bytes,
 )
 from simulator.workload import SourceTraffic, read_json
@@ -361,22 +360,9 @@ def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
     flow into its ports have drained."""
     work = normal_work(spec, traffic, gpu, nic, prof, num_sms, chunk, dtype)
     num_ranks = spec.num_ranks
-    env = simpy.Environment()
     ports = _Ports(work.kinds, work.caps, num_ranks, work.alias)
-    net = FluidNetwork(env, ports.caps, ports.names)
-    rank_time = [0.0] * num_ranks
-
-    def rank_proc(rank: int, flow: FlowSpec):
-        yield env.timeout(work.fixed_us)
-        yield env.timeout(float(work.serial_sm_us[rank]) / max(num_sms, 1))
-        yield net.transfer(f"deep_ep_{spec.op}[{rank}]", *flow)
-        rank_time[rank] = env.now
-
-    for rank, flow in enumerate(work.flows):
-        env.process(rank_proc(rank, flow))
-    env.run()
-    net.check_idle()
-    finish = _arrival_times(work.flows, num_ranks, rank_time)
+    net, finish = run_rank_flows(f"deep_ep_{spec.op}", ports, work.flows,
+                                 list(work.fixed_us + work.serial_sm_us / max(num_sms, 1)))
     logical, nvl_logical = normal_logical_bytes(spec, traffic)
     data_us = max(finish) - work.fixed_us
     res = _finish(net, ports, finish, logical, nvl_logical, work.fixed_us, data_us,

@@ -282,31 +282,40 @@ def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
     """Simulate one normal-mode dispatch or combine over all ranks (intranode when one node)."""
     model = normal_model(spec, traffic, gpu, nic, flows)
     num_ranks = spec.num_ranks
-    env = simpy.Environment()
     ports = _Ports(model.kinds, model.caps, num_ranks)
-    net = FluidNetwork(env, ports.caps, ports.names)
-    rank_time = [0.0] * num_ranks
-
-    def rank_proc(rank: int, flow: FlowSpec):
-        # launch: cooperative kernel start and the intra-node barrier
-        yield env.timeout(gpu.launch_us)
-        # pipeline fill: the first chunk crosses every stage
-        yield env.timeout(model.fill_us)
-        # steady state: all stages stream at the max-min fair rate
-        yield net.transfer(f"{spec.op}[{rank}]", *flow, cap=model.window_cap)
-        # combine: the last reductions and the ring reset
-        yield env.timeout(model.tail_us)
-        rank_time[rank] = env.now
-
-    for rank, flow in enumerate(model.flows):
-        env.process(rank_proc(rank, flow))
-    env.run()
-    net.check_idle()
-    # A rank finishes when its last incoming data has landed: the max over the flows that touch its ports.
-    finish = _arrival_times(model.flows, num_ranks, rank_time)
+    # Per rank: launch (cooperative kernel start, intra-node barrier) and pipeline fill (the first chunk crosses
+    # every stage), then all stages stream at the max-min fair rate, then the combine tail (last reductions, ring
+    # reset).
+    net, finish = run_rank_flows(spec.op, ports, model.flows, [gpu.launch_us + model.fill_us] * num_ranks,
+                                 model.tail_us, model.window_cap)
     logical, nvl_logical = normal_logical_bytes(spec, traffic)
     data_us = max(finish) - model.fixed_us
     return _finish(net, ports, finish, logical, nvl_logical, model.fixed_us, data_us, extra={"fill_us": model.fill_us})
+
+
+def run_rank_flows(name: str, ports: _Ports, flows: list[FlowSpec], before_us: list[float], after_us: float = 0.0,
+                   cap: float = math.inf) -> tuple[FluidNetwork, list[float]]:
+    """DES of one op with one flow per rank: rank ``r`` waits ``before_us[r]``, streams ``flows[r]`` through the
+    fluid ports (rate capped at ``cap``), then waits ``after_us``.
+
+    Returns:
+        ``(network, finish)``: a rank finishes when its own process and every flow that loads one of its ports end.
+    """
+    env = simpy.Environment()
+    net = FluidNetwork(env, ports.caps, ports.names)
+    rank_time = [0.0] * len(flows)
+
+    def rank_proc(rank: int, flow: FlowSpec):
+        yield env.timeout(before_us[rank])
+        yield net.transfer(f"{name}[{rank}]", *flow, cap=cap)
+        yield env.timeout(after_us)
+        rank_time[rank] = env.now
+
+    for rank, flow in enumerate(flows):
+        env.process(rank_proc(rank, flow))
+    env.run()
+    net.check_idle()
+    return net, _arrival_times(flows, ports.num_ranks, rank_time)
 
 
 def normal_logical_bytes(spec: OpSpec, traffic: list[SourceTraffic]) -> tuple[list[float], list[float]]:
