@@ -4,13 +4,17 @@ Plan one deployment (text table, or one JSON object with ``--json``)::
 
     python -m simulator --nodes 8 [--gpus-per-node 8] [--mode normal|low-latency|both] [--tokens T]
         [--ll-tokens T] [--hidden H] [--topk K] [--experts E] [--redundant-experts N]
-        [--dispatch-dtype fp8|bf16] [--gpu h800|h100|h200|b200] [--nic cx7|cx6|cx8|eth200] [--num-sms S]
+        [--dispatch-dtype fp8|bf16] [--gpu h800|h100|h200|b200] [--nic cx7|cx6|cx8|eth200|nvlink-p2p] [--num-sms S]
         [--routing uniform|group-limited|zipf:A|trace:FILE] [--seed S] [--json] [--plot FILE.png]
-        [--sweep-nodes 1,2,4,8,16] [--preset v3-ep64|h200-ep2|decode-ep32]
+        [--sweep-nodes 1,2,4,8,16] [--preset v3-ep64|h200-ep2|decode-ep32] [--kernels deepep|deep_ep]
 
 Check the model against every published DeepEP row and the H200 measurements::
 
     python -m simulator validate [--json] [--set normal-h800,ll-h800,...]
+
+Predictions for deep_ep's own kernels (docs/simulator.md, "Predictions for deep_ep's kernels")::
+
+    python -m simulator predict [--json] [--calibration FILE.json]
 
 Exit status: 0 on success; 2 on bad arguments (the message names the argument, the rule and the value);
 ``validate`` exits 1 when a row is outside its tolerance or the mean error exceeds 5 %.
@@ -54,6 +58,10 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="EPLB replicas of the hottest experts (default: the fewest that make the expert count "
                         "divisible by the EP size)")
     p.add_argument("--dispatch-dtype", choices=scenario.DTYPES, default=d.dispatch_dtype)
+    p.add_argument("--kernels", choices=scenario.KERNELS, default=d.kernels,
+                   help="kernel family: deepep (DeepEP V1's kernels, validated on published rows; default) or "
+                        "deep_ep (ours, calibrated on benchmarks/results; python -m simulator.calibrate "
+                        "--from-bench)")
     p.add_argument("--gpu", choices=sorted(hardware.GPUS), default=d.gpu)
     p.add_argument("--nic", choices=sorted(hardware.NICS), default=d.nic)
     p.add_argument("--num-sms", type=int, default=d.num_sms, help="SMs of the normal kernels (default 24)")
@@ -92,7 +100,7 @@ def run_validate(argv: list[str]) -> int:
 
 
 _PRESET_FIELDS = ("nodes", "gpus_per_node", "mode", "tokens", "ll_tokens", "hidden", "topk", "experts",
-                  "redundant_experts", "dispatch_dtype", "gpu", "nic", "num_sms", "routing", "seed")
+                  "redundant_experts", "dispatch_dtype", "gpu", "nic", "num_sms", "routing", "seed", "kernels")
 
 
 def run_plan(argv: list[str]) -> int:
@@ -107,7 +115,8 @@ def run_plan(argv: list[str]) -> int:
                                gpus_per_node=args.gpus_per_node, mode=args.mode, tokens=args.tokens,
                                ll_tokens=args.ll_tokens, hidden=args.hidden, topk=args.topk, experts=args.experts,
                                dispatch_dtype=args.dispatch_dtype, gpu=args.gpu, nic=args.nic, num_sms=args.num_sms,
-                               routing=args.routing, seed=args.seed, redundant_experts=args.redundant_experts)
+                               routing=args.routing, seed=args.seed, redundant_experts=args.redundant_experts,
+                               kernels=args.kernels)
         report = scenario.run_sweep(sc, args.sweep_nodes) if args.sweep_nodes else scenario.run(sc)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
@@ -117,10 +126,30 @@ def run_plan(argv: list[str]) -> int:
     return 0
 
 
+def run_predict(argv: list[str]) -> int:
+    from simulator import predictions
+    parser = argparse.ArgumentParser(prog="python -m simulator predict",
+                                     description="Predictions for deep_ep's kernels on H200 (intranode EP2/4/8, "
+                                                 "low-latency EP2/4/8, internode on 2 virtual nodes x 1/2/4 GPUs), "
+                                                 "to be checked by measurement.")
+    parser.add_argument("--calibration", default=None, metavar="FILE.json",
+                        help="deep_ep calibration to use (default simulator/calibration_deep_ep.json)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = parser.parse_args(argv)
+    try:
+        rows = predictions.predict(args.calibration)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(predictions.to_json(rows) if args.json else predictions.to_markdown(rows), end="\n" if args.json else "")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "validate":
         return run_validate(argv[1:])
+    if argv and argv[0] == "predict":
+        return run_predict(argv[1:])
     return run_plan(argv)
 
 

@@ -1,9 +1,16 @@
-"""Re-derive the fitted constants of ``simulator.hardware`` from the calibration rows of ``simulator.validate``.
+"""Calibration: re-derive the constants of ``simulator.hardware`` (DeepEP V1 family), or fit the ``deep_ep`` family
+from our own benchmark JSON.
 
-``python -m simulator.calibrate`` prints the fitted values (it does not edit files). Each parameter is fitted by
-bisection so that the signed error of its calibration row(s) is zero, in the order below, with two passes over
-the coupled low-latency parameters. The rows are those marked ``calib`` in ``simulator.validate.CALIBRATION``;
+``python -m simulator.calibrate`` prints the fitted DeepEP V1 values (it does not edit files). Each parameter is
+fitted by bisection so that the signed error of its calibration row(s) is zero, in the order below, with two passes
+over the coupled low-latency parameters. The rows are those marked ``calib`` in ``simulator.validate.CALIBRATION``;
 every other row is a hold-out prediction.
+
+``python -m simulator.calibrate --from-bench benchmarks/results/FILE.json [--hold-out 16,32] [--no-write]`` fits the
+parameters of deep_ep's own kernels (``simulator.deep_ep_kernels``) by least squares on the relative error of the
+bench points, holding the given SM counts out, prints measured vs predicted per point with the signed error and the
+MAPE of fitted and held-out points, and writes ``simulator/calibration_deep_ep.json`` (value, source file, date).
+Readers of bench files live in :data:`BENCH_READERS` (see ``simulator/bench_fit.py``).
 """
 from __future__ import annotations
 
@@ -97,7 +104,57 @@ def calibrate(verbose: bool = True) -> dict[str, float]:
     return fitted
 
 
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    from simulator import bench_fit
+    parser = argparse.ArgumentParser(prog="python -m simulator.calibrate",
+                                     description="Re-fit the DeepEP V1 constants (no arguments), or fit the deep_ep "
+                                                 "kernel family from a bench JSON (--from-bench).")
+    parser.add_argument("--from-bench", metavar="FILE.json", default=None,
+                        help="fit deep_ep's kernel parameters from this benchmark JSON")
+    parser.add_argument("--hold-out", default="16,32", metavar="S1,S2",
+                        help="SM counts kept out of the fit and reported as predictions (default 16,32)")
+    parser.add_argument("--output", default=str(bench_fit.CALIBRATION_PATH),
+                        help="calibration JSON to write (default simulator/calibration_deep_ep.json)")
+    parser.add_argument("--no-write", action="store_true", help="print the fit only")
+    parser.add_argument("--fix", action="append", default=[], metavar="NAME=VALUE",
+                        help="pin a parameter instead of fitting it (repeatable), e.g. --fix sm_local_gbps=75")
+    parser.add_argument("--show", action="store_true",
+                        help="print the deep_ep profile in use (value and source per parameter) and exit")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.show:
+        for name, value, source in bench_fit.dek.profile().describe():
+            print(f"{name:<26} {value!s:>10}  {source}")
+        return 0
+    if args.from_bench is None:
+        calibrate()
+        print()
+        print(validate.to_text(validate.validate()))
+        return 0
+    try:
+        hold_out = [int(x) for x in args.hold_out.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--hold-out must be a comma-separated list of SM counts, got {args.hold_out!r}")
+    fixed = {}
+    for item in args.fix:
+        name, _, value = item.partition("=")
+        try:
+            fixed[name.strip()] = float(value)
+        except ValueError:
+            parser.error(f"--fix needs NAME=VALUE with a number, got {item!r}")
+    try:
+        run = bench_fit.read_bench(args.from_bench)
+        result = bench_fit.fit(run, hold_out, fixed=fixed)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(bench_fit.to_text(result), end="")
+    if not args.no_write:
+        bench_fit.write_calibration(result, args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
 if __name__ == "__main__":
-    calibrate()
-    print()
-    print(validate.to_text(validate.validate()))
+    raise SystemExit(main())

@@ -79,6 +79,8 @@ class NicProfile:
         qp_derate_per_doubling: relative slowdown per doubling of active remote peers beyond 8 (QP-context cache
             pressure): effective rate = rate / (1 + k * log2(peers / 8)).
         latency_us: one-way RDMA put latency including the GPU-side work-request post (µs).
+        shares_nvlink: the "network" is NVLink P2P between GPUs of one host (virtual nodes): scale-out traffic
+            uses the GPUs' NVLink ports, so it shares them with the scale-up traffic; the rates above are unused.
     """
 
     name: str
@@ -88,6 +90,7 @@ class NicProfile:
     ll_combine_efficiency: float
     qp_derate_per_doubling: float
     latency_us: float
+    shares_nvlink: bool = False
     sources: tuple[tuple[str, str], ...] = ()
 
     def source_of(self, param: str) -> str:
@@ -187,7 +190,20 @@ ETH200 = replace(CX7, name="eth200", line_gbps=25.0, normal_efficiency=0.8, late
                  sources=(("line_gbps", "datasheet: 200 GbE RoCE"),
                           ("normal_efficiency", "assumed: RoCE with congestion control")))
 
-NICS: dict[str, NicProfile] = {n.name: n for n in (CX7, CX6, CX8, ETH200)}
+# The virtual-node test setup (issue 6): "2 nodes x G GPUs" on one NVLink host, NVSHMEM puts over P2P. Not a NIC:
+# the scale-out traffic rides the same NVLink ports as the scale-up traffic (modelled as one port per direction).
+NVLINK_P2P = NicProfile(
+    name="nvlink-p2p", line_gbps=H200.nvlink_gbps, normal_efficiency=1.0, ll_dispatch_efficiency=1.0,
+    ll_combine_efficiency=1.0, qp_derate_per_doubling=0.0, latency_us=H200.nvl_latency_us, shares_nvlink=True,
+    sources=(("line_gbps", "measured: H200 SM-store NVLink peak (hardware.md); virtual-node test setup, "
+                           "shares the GPU's NVLink ports"),
+             ("normal_efficiency", "assumed: P2P puts are SM stores, no NIC protocol overhead"),
+             ("ll_dispatch_efficiency", "assumed: as normal_efficiency"),
+             ("ll_combine_efficiency", "assumed: as normal_efficiency"),
+             ("qp_derate_per_doubling", "assumed: no queue pairs over P2P"),
+             ("latency_us", "assumed: NVLink store + flag, as H200.nvl_latency_us")))
+
+NICS: dict[str, NicProfile] = {n.name: n for n in (CX7, CX6, CX8, ETH200, NVLINK_P2P)}
 
 
 def get_gpu(name: str) -> GpuProfile:

@@ -111,17 +111,25 @@ def nic_rate(nic: NicProfile, efficiency: float, num_remote_peers: int) -> float
 
 
 class _Ports:
-    """Ports laid out as ``kind x rank``: port index = ``offset[kind] + rank``."""
+    """Ports laid out as ``kind x rank``: port index = ``offset[kind] + rank``.
 
-    def __init__(self, kinds: tuple[str, ...], caps: dict[str, float], num_ranks: int) -> None:
+    ``alias`` maps a kind onto another kind's ports when both are the same physical port (virtual nodes: the
+    "network" ports are the NVLink ports); an aliased kind has no ports of its own.
+    """
+
+    def __init__(self, kinds: tuple[str, ...], caps: dict[str, float], num_ranks: int,
+                 alias: dict[str, str] | None = None) -> None:
+        alias = alias or {}
         self.kinds = kinds
+        self.physical_kinds = tuple(k for k in kinds if k not in alias)
         self.num_ranks = num_ranks
-        self.offset = {kind: i * num_ranks for i, kind in enumerate(kinds)}
-        self.caps = [caps[kind] for kind in kinds for _ in range(num_ranks)]
+        self.offset = {kind: i * num_ranks for i, kind in enumerate(self.physical_kinds)}
+        self.offset.update({kind: self.offset[target] for kind, target in alias.items() if kind in kinds})
+        self.caps = [caps[kind] for kind in self.physical_kinds for _ in range(num_ranks)]
 
     @property
     def names(self) -> list[str]:
-        return [f"{kind}[{r}]" for kind in self.kinds for r in range(self.num_ranks)]
+        return [f"{kind}[{r}]" for kind in self.physical_kinds for r in range(self.num_ranks)]
 
 
 # One flow: (size in bytes, port indices, port bytes per byte of flow).
@@ -158,7 +166,8 @@ def _finish(net: FluidNetwork, ports: _Ports, rank_time: list[float], logical: l
     port_bytes: dict[str, float] = {}
     utilization: dict[str, float] = {}
     util = net.utilization(max(data_us, 1e-9))
-    for kind, lo in ports.offset.items():
+    for kind in ports.physical_kinds:
+        lo = ports.offset[kind]
         hi = lo + ports.num_ranks
         port_bytes[kind] = float(net.port_bytes[lo:hi].sum())
         utilization[kind] = float(util[lo:hi].max())
@@ -273,39 +282,53 @@ def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
     """Simulate one normal-mode dispatch or combine over all ranks (intranode when one node)."""
     model = normal_model(spec, traffic, gpu, nic, flows)
     num_ranks = spec.num_ranks
-    env = simpy.Environment()
     ports = _Ports(model.kinds, model.caps, num_ranks)
+    # Per rank: launch (cooperative kernel start, intra-node barrier) and pipeline fill (the first chunk crosses
+    # every stage), then all stages stream at the max-min fair rate, then the combine tail (last reductions, ring
+    # reset).
+    net, finish = run_rank_flows(spec.op, ports, model.flows, [gpu.launch_us + model.fill_us] * num_ranks,
+                                 model.tail_us, model.window_cap)
+    logical, nvl_logical = normal_logical_bytes(spec, traffic)
+    data_us = max(finish) - model.fixed_us
+    return _finish(net, ports, finish, logical, nvl_logical, model.fixed_us, data_us, extra={"fill_us": model.fill_us})
+
+
+def run_rank_flows(name: str, ports: _Ports, flows: list[FlowSpec], before_us: list[float], after_us: float = 0.0,
+                   cap: float = math.inf) -> tuple[FluidNetwork, list[float]]:
+    """DES of one op with one flow per rank: rank ``r`` waits ``before_us[r]``, streams ``flows[r]`` through the
+    fluid ports (rate capped at ``cap``), then waits ``after_us``.
+
+    Returns:
+        ``(network, finish)``: a rank finishes when its own process and every flow that loads one of its ports end.
+    """
+    env = simpy.Environment()
     net = FluidNetwork(env, ports.caps, ports.names)
-    rank_time = [0.0] * num_ranks
+    rank_time = [0.0] * len(flows)
 
     def rank_proc(rank: int, flow: FlowSpec):
-        # launch: cooperative kernel start and the intra-node barrier
-        yield env.timeout(gpu.launch_us)
-        # pipeline fill: the first chunk crosses every stage
-        yield env.timeout(model.fill_us)
-        # steady state: all stages stream at the max-min fair rate
-        yield net.transfer(f"{spec.op}[{rank}]", *flow, cap=model.window_cap)
-        # combine: the last reductions and the ring reset
-        yield env.timeout(model.tail_us)
+        yield env.timeout(before_us[rank])
+        yield net.transfer(f"{name}[{rank}]", *flow, cap=cap)
+        yield env.timeout(after_us)
         rank_time[rank] = env.now
 
-    for rank, flow in enumerate(model.flows):
+    for rank, flow in enumerate(flows):
         env.process(rank_proc(rank, flow))
     env.run()
     net.check_idle()
-    # A rank finishes when its last incoming data has landed: the max over the flows that touch its ports.
-    finish = _arrival_times(model.flows, num_ranks, rank_time)
+    return net, _arrival_times(flows, ports.num_ranks, rank_time)
+
+
+def normal_logical_bytes(spec: OpSpec, traffic: list[SourceTraffic]) -> tuple[list[float], list[float]]:
+    """Per rank, DeepEP's byte counts of a normal op: ``(logical, nvl_logical)``; logical is the RDMA figure
+    ((token, node) records) internode and the received rows intranode."""
     if spec.op == "dispatch":
-        recv_rows = [sum(t.rows_to_rank[d] for t in traffic) for d in range(num_ranks)]
+        recv_rows = [sum(t.rows_to_rank[d] for t in traffic) for d in range(spec.num_ranks)]
     else:
         recv_rows = [t.num_rows for t in traffic]
     nvl_logical = [float(n * spec.logical_bytes) for n in recv_rows]
     if spec.num_nodes > 1:
-        logical = [float(t.num_records * spec.logical_bytes) for t in traffic]
-    else:
-        logical = nvl_logical
-    data_us = max(finish) - model.fixed_us
-    return _finish(net, ports, finish, logical, nvl_logical, model.fixed_us, data_us, extra={"fill_us": model.fill_us})
+        return [float(t.num_records * spec.logical_bytes) for t in traffic], nvl_logical
+    return nvl_logical, nvl_logical
 
 
 def _normal_flows(spec: OpSpec, traffic: list[SourceTraffic], ports: _Ports, row: float) -> list[FlowSpec]:
@@ -377,38 +400,31 @@ def ll_num_blocks(num_experts: int, num_device_sms: int) -> int:
     return ceil_div(num_experts, groups)
 
 
-def simulate_low_latency(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
-                         num_experts: int) -> OpResult:
-    """Simulate one low-latency dispatch or combine (send phase, then receive phase) over all ranks.
+def _nvlink_peers(spec: OpSpec) -> np.ndarray:
+    """``[R, R]`` bool: pairs that talk over NVLink in LL mode (same node, NVLink allowed, not self)."""
+    node = np.arange(spec.num_ranks) // spec.ranks_per_node
+    peers = (node[:, None] == node[None, :]) if spec.allow_nvlink else np.zeros((spec.num_ranks,) * 2, bool)
+    np.fill_diagonal(peers, False)
+    return peers
 
-    Dispatch: rank ``x`` sends one message per selection to the expert's rank ``y``. Combine: the expert holder
-    ``x`` returns each of them to its origin. Same-node peers use NVLink when allowed, the rest the NIC.
+
+def ll_send_recv(spec: OpSpec, sent: np.ndarray, nvl_rate: float, nic_rate_: float, sm_cap: float, fixed_us: float,
+                 nic_on_nvlink: bool = False) -> tuple[FluidNetwork, _Ports, list[float], list[float]]:
+    """Run the LL send phase: after ``fixed_us`` every rank streams its puts (``sent[x, y]`` bytes to ``y``).
+
+    Egress flow per sender (its SMs issue the puts, NIC / NVLink egress) and ingress flow per receiver (NIC / NVLink
+    ingress): the NIC keeps one queue pair per peer, so a congested receiver slows only the traffic to itself.
+    ``nic_on_nvlink`` makes the NIC ports the NVLink ports (virtual nodes on one host).
+
+    Returns:
+        ``(network, ports, send_end, recv_end)``: per rank, when its egress and its ingress drained (µs).
     """
-    num_ranks, per_node = spec.num_ranks, spec.ranks_per_node
-    msg = spec.token_bytes
-    blocks = ll_num_blocks(num_experts, gpu.num_device_sms)
-    sm_cap = blocks * row_rate(gpu, msg)
-    unpack_cap = min(sm_cap, gpu.hbm_gbps * GBPS / 2)  # read + write
-    reduce_cap = min(sm_cap, gpu.hbm_gbps * GBPS)      # reads dominate (K rows in, one row out)
-    # msgs[x, y]: selections of source x served on rank y; sent[x, y]: bytes x puts to y in this op.
-    msgs = np.asarray([t.msgs_to_rank for t in traffic], dtype=float)
-    dispatch = spec.op == "dispatch"
-    sent = (msgs if dispatch else msgs.T) * msg
-    node = np.arange(num_ranks) // per_node
-    nvlink_peer = (node[:, None] == node[None, :]) if spec.allow_nvlink else np.zeros((num_ranks,) * 2, bool)
-    np.fill_diagonal(nvlink_peer, False)
-    remote_peers = int(num_ranks - 1 - nvlink_peer[0].sum())
-    efficiency = nic.ll_dispatch_efficiency if dispatch else nic.ll_combine_efficiency
-    rate = nic_rate(nic, efficiency, remote_peers)
-    caps = {"nvl_out": gpu.nvlink_gbps * GBPS, "nvl_in": gpu.nvlink_gbps * GBPS, "nic_out": rate, "nic_in": rate,
-            "sm_ll": sm_cap}
-    ports = _Ports(LL_KINDS, caps, num_ranks)
+    num_ranks = spec.num_ranks
+    nvlink_peer = _nvlink_peers(spec)
+    caps = {"nvl_out": nvl_rate, "nvl_in": nvl_rate, "nic_out": nic_rate_, "nic_in": nic_rate_, "sm_ll": sm_cap}
+    ports = _Ports(LL_KINDS, caps, num_ranks, {"nic_out": "nvl_out", "nic_in": "nvl_in"} if nic_on_nvlink else None)
     env = simpy.Environment()
     net = FluidNetwork(env, ports.caps, ports.names)
-    fixed_us = gpu.ll_fixed_us + (gpu.ll_rdma_extra_us if remote_peers else 0.0)
-
-    # Egress flow per sender (SMs issue the puts, NIC / NVLink egress) and ingress flow per receiver (NIC / NVLink
-    # ingress): the NIC keeps one queue pair per peer, so a congested receiver slows only the traffic to itself.
     egress, ingress = [], []
     for x in range(num_ranks):
         out_row, in_row = sent[x], sent[:, x]
@@ -423,7 +439,6 @@ def simulate_low_latency(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuPro
         u.add("nvl_in", x, nvl_in)
         u.add("nic_in", x, in_row.sum() - in_row[x] - nvl_in)
         ingress.append(u.flow(float(in_row.sum() - in_row[x])))
-
     send_end = [0.0] * num_ranks
     recv_end = [0.0] * num_ranks
 
@@ -444,6 +459,32 @@ def simulate_low_latency(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuPro
         env.process(recv_arrivals(rank, ingress[rank]))
     env.run()
     net.check_idle()
+    return net, ports, send_end, recv_end
+
+
+def simulate_low_latency(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
+                         num_experts: int) -> OpResult:
+    """Simulate one low-latency dispatch or combine (send phase, then receive phase) over all ranks.
+
+    Dispatch: rank ``x`` sends one message per selection to the expert's rank ``y``. Combine: the expert holder
+    ``x`` returns each of them to its origin. Same-node peers use NVLink when allowed, the rest the NIC.
+    """
+    num_ranks = spec.num_ranks
+    msg = spec.token_bytes
+    blocks = ll_num_blocks(num_experts, gpu.num_device_sms)
+    sm_cap = blocks * row_rate(gpu, msg)
+    unpack_cap = min(sm_cap, gpu.hbm_gbps * GBPS / 2)  # read + write
+    reduce_cap = min(sm_cap, gpu.hbm_gbps * GBPS)      # reads dominate (K rows in, one row out)
+    # msgs[x, y]: selections of source x served on rank y; sent[x, y]: bytes x puts to y in this op.
+    msgs = np.asarray([t.msgs_to_rank for t in traffic], dtype=float)
+    dispatch = spec.op == "dispatch"
+    sent = (msgs if dispatch else msgs.T) * msg
+    remote_peers = num_ranks - 1 - int(_nvlink_peers(spec)[0].sum())
+    efficiency = nic.ll_dispatch_efficiency if dispatch else nic.ll_combine_efficiency
+    fixed_us = gpu.ll_fixed_us + (gpu.ll_rdma_extra_us if remote_peers else 0.0)
+    net, ports, send_end, recv_end = ll_send_recv(spec, sent, gpu.nvlink_gbps * GBPS,
+                                                  nic_rate(nic, efficiency, remote_peers), sm_cap, fixed_us,
+                                                  nic_on_nvlink=nic.shares_nvlink)
     # Receive phase: the last message from each sender lands after that sender's egress has drained (puts leave
     # round-robin over peers) and after this rank's ingress has drained; then unpack / reduce on all blocks.
     ends = np.asarray(send_end)

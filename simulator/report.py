@@ -122,7 +122,8 @@ class Report:
         head = (f"deep_ep simulator: {sc.gpu.upper()} + {sc.nic.upper()}, {sc.gpus_per_node} GPUs/node, "
                 f"hidden {sc.hidden}, top-{sc.topk} of {sc.experts} experts"
                 + (f" (+{sc.num_redundant_experts} redundant)" if sc.num_redundant_experts else "")
-                + f", routing {sc.routing}, seed {sc.seed}, num_sms {sc.num_sms}")
+                + f", routing {sc.routing}, seed {sc.seed}, num_sms {sc.num_sms}"
+                + (f", kernels {sc.kernels}" if sc.kernels != "deepep" else ""))
         lines = [head, ""]
         cols = (f"{'nodes':>5} {'EP':>4} {'mode':<11} {'op':<8} {'dtype':<5} {'tokens':>6} {'time_us':>9} "
                 f"{'max_us':>9} "
@@ -144,7 +145,7 @@ class Report:
             lines.append(f"{s.nodes:>5} {s.ep_size:>4} {s.num_nvl_bytes / 1e6:>13.1f} {s.num_rdma_bytes / 1e6:>14.1f} "
                          f"{s.num_ll_rdma_bytes / 1e6:>12.1f} {sms:>7} {qps:>8}  {chunk_text}")
         notes = [n for s in self.scales for n in s.notes]
-        if any(r.mode == "normal" for r in self.ops):
+        if any(r.mode == "normal" for r in self.ops) and sc.kernels == "deepep":
             notes.append("normal-mode time excludes the notify kernel + CPU poll "
                          f"(~{self.ops[0].notify_us:.0f} us per non-cached dispatch), as DeepEP's benchmarks do")
         if notes:

@@ -6,10 +6,13 @@ from dataclasses import asdict, dataclass, replace
 from deep_ep import layout
 from deep_ep.config import (NUM_MAX_LL_TOPK, NUM_MAX_SCALEUP_RANKS, NUM_MAX_TOPK, SUPPORTED_NORMAL_RANKS, Config,
                             get_combine_config, get_dispatch_config)
-from simulator import hardware, rank, workload
+from simulator import deep_ep_kernels, hardware, rank, workload
 from simulator.report import OpRow, Report, ScaleRow
 
 MODES = ("normal", "low-latency", "both")
+# Kernel families: DeepEP V1's kernels (simulator.rank, validated on published rows) or deep_ep's own
+# (simulator.deep_ep_kernels, calibrated on our bench JSON).
+KERNELS = ("deepep", "deep_ep")
 DTYPES = ("fp8", "bf16")
 # Default token counts: DeepEP's normal-mode benchmark (prefill/training) and low-latency benchmark (decode).
 DEFAULT_NORMAL_TOKENS = 4096
@@ -49,6 +52,7 @@ class Scenario:
             ``None`` picks the fewest that make ``experts + redundant`` divisible by the EP size.
         ll_mask: mask 10 random top-k entries to -1 in LL mode, as DeepEP's LL test does.
         ll_allow_nvlink: LL mode uses NVLink for same-node peers (DeepEP's default since 2025-06).
+        kernels: ``deepep`` (DeepEP V1's kernels) or ``deep_ep`` (ours: ``simulator.deep_ep_kernels``).
     """
 
     nodes: int = 1
@@ -68,8 +72,11 @@ class Scenario:
     redundant_experts: int | None = None
     ll_mask: bool = False
     ll_allow_nvlink: bool = True
+    kernels: str = "deepep"
 
     def __post_init__(self) -> None:
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         _check_int("nodes", self.nodes, 1, 1024)
         _check_int("gpus_per_node", self.gpus_per_node, 1, NUM_MAX_SCALEUP_RANKS)
         if self.mode not in MODES:
@@ -90,7 +97,9 @@ class Scenario:
         if self.dispatch_dtype not in DTYPES:
             raise ValueError(f"dispatch_dtype must be one of {DTYPES}, got {self.dispatch_dtype!r}")
         gpu = hardware.get_gpu(self.gpu)
-        hardware.get_nic(self.nic)
+        if hardware.get_nic(self.nic).shares_nvlink and self.kernels != "deep_ep":
+            raise ValueError(f"nic {self.nic} (virtual nodes on one NVLink host) is modelled only for kernels "
+                             f"deep_ep, got kernels {self.kernels!r}")
         _check_int("num_sms", self.num_sms, 2, gpu.num_device_sms)
         if self.num_sms % 2 != 0:
             raise ValueError(f"num_sms must be even (a channel is a pair of SMs), got {self.num_sms}")
@@ -237,9 +246,72 @@ def _traffic(sc: Scenario, router: workload.Router, tokens: int, mask_ll: bool) 
     return _TRAFFIC_CACHE[key]
 
 
+def _ll_specs(sc: Scenario) -> tuple[int, list[workload.SourceTraffic], int, list[tuple[rank.OpSpec, str]]]:
+    """LL workload of ``sc``: ``(tokens, traffic, physical experts, [(spec, dtype)] for dispatch and combine)``."""
+    tokens = sc.low_latency_tokens
+    # A fresh router, so that LL draws do not depend on whether normal mode ran first.
+    traffic = _traffic(sc, _router(sc, sc.experts), tokens, mask_ll=sc.ll_mask)
+    # Message bytes as DeepEP's LL test counts them: 16-byte header + payload (+ FP8 scales); BF16 combine.
+    ll_msgs = {"dispatch": 16 + rank.token_bytes(sc.hidden, sc.dispatch_dtype), "combine": 2 * sc.hidden}
+    specs = [(rank.OpSpec("low-latency", op, sc.hidden, sc.topk, ll_msgs[op], ll_msgs[op], sc.nodes,
+                          sc.gpus_per_node, None, allow_nvlink=sc.ll_allow_nvlink),
+              sc.dispatch_dtype if op == "dispatch" else "bf16") for op in ("dispatch", "combine")]
+    return tokens, traffic, sc.experts + sc.num_redundant_experts, specs
+
+
+def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfile) -> Report:
+    """``run`` for the ``deep_ep`` kernel family (``simulator.deep_ep_kernels``)."""
+    prof = deep_ep_kernels.profile()
+    num_ranks, per_node = sc.num_ranks, sc.gpus_per_node
+    ops: list[OpRow] = []
+    notes = ["deep_ep kernels: normal-mode time is the wall time of a cached call (the bench's metric: launch "
+             "included, no notify); parameters from simulator/calibration_deep_ep.json, the rest labelled "
+             "assumed (python -m simulator.calibrate --show lists them)"]
+    if nic.shares_nvlink and sc.nodes > 1:
+        notes.append(f"nic {nic.name}: virtual-node test setup, {sc.nodes} nodes x {per_node} GPUs on one NVLink "
+                     f"host; the scale-out puts share the GPUs' NVLink ports (counted under NVL_GB/s)")
+    chunks: dict[str, int] = {}
+    nvl_bytes = rdma_bytes = ll_bytes = 0
+    rec_sms = rec_qps = None
+    if sc.mode in ("normal", "both"):
+        traffic = _traffic(sc, _router(sc, sc.experts), sc.normal_tokens, mask_ll=False)
+        recommended = []
+        max_sms = min(gpu.num_device_sms, 64) // 2 * 2
+        for op, chunk in (("dispatch", prof.dispatch_chunk), ("combine", prof.combine_chunk)):
+            dtype = sc.dispatch_dtype if op == "dispatch" else "bf16"
+            payload = rank.token_bytes(sc.hidden, dtype)
+            spec = rank.OpSpec("internode" if sc.nodes > 1 else "intranode", op, sc.hidden, sc.topk, payload,
+                               payload, sc.nodes, per_node, None)
+            res = deep_ep_kernels.simulate_normal(spec, traffic, gpu, nic, prof, sc.num_sms, chunk, dtype)
+            recommended.append(deep_ep_kernels.recommended_sms(spec, traffic, gpu, nic, prof, chunk, dtype, max_sms,
+                                                               SM_RECOMMEND_SLACK))
+            chunks[f"{op}_chunk"] = chunk
+            ops.append(OpRow.from_result(sc.nodes, num_ranks, "normal", op, dtype, sc.normal_tokens, res))
+            try:  # our Buffer takes DeepEP's size hints
+                cfg = get_dispatch_config(_table_ranks(num_ranks), sc.num_sms)
+                nvl_bytes = max(nvl_bytes, layout.nvl_buffer_size_hint(cfg, sc.hidden * 2, num_ranks))
+                rdma_bytes = max(rdma_bytes, layout.rdma_buffer_size_hint(cfg, sc.hidden * 2, num_ranks))
+            except ValueError as exc:
+                notes.append(f"no DeepEP buffer size hint for EP{num_ranks}: {exc}")
+        rec_sms = max(recommended)
+    if sc.mode in ("low-latency", "both"):
+        tokens, traffic, num_physical, specs = _ll_specs(sc)
+        for spec, dtype in specs:
+            res = deep_ep_kernels.simulate_low_latency(spec, traffic, gpu, nic, prof, dtype)
+            ops.append(OpRow.from_result(sc.nodes, num_ranks, "low-latency", spec.op, dtype, tokens, res))
+        ll_bytes = layout.low_latency_rdma_size_hint(tokens, sc.hidden, num_ranks, num_physical)
+        rec_qps = num_physical // num_ranks
+    scale = ScaleRow(nodes=sc.nodes, ep_size=num_ranks, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes,
+                     num_ll_rdma_bytes=ll_bytes, recommended_num_sms=rec_sms, chunks=chunks,
+                     recommended_num_qps_per_rank=rec_qps, notes=tuple(notes))
+    return Report(scenario=sc, ops=ops, scales=[scale])
+
+
 def run(sc: Scenario) -> Report:
     """Simulate ``sc`` (each requested mode, dispatch then combine) and return the report."""
     gpu, nic = hardware.get_gpu(sc.gpu), hardware.get_nic(sc.nic)
+    if sc.kernels == "deep_ep":
+        return _run_deep_ep(sc, gpu, nic)
     num_ranks, per_node = sc.num_ranks, sc.gpus_per_node
     ops: list[OpRow] = []
     notes: list[str] = []
@@ -281,19 +353,10 @@ def run(sc: Scenario) -> Report:
         rec_qps = max(sc.num_sms // 2, 1) if sc.nodes > 1 else None
 
     if sc.mode in ("low-latency", "both"):
-        tokens = sc.low_latency_tokens
-        # A fresh router, so that LL draws do not depend on whether normal mode ran first.
-        traffic = _traffic(sc, _router(sc, sc.experts), tokens, mask_ll=sc.ll_mask)
-        num_physical = sc.experts + sc.num_redundant_experts
-        # Message bytes as DeepEP's LL test counts them: 16-byte header + payload (+ FP8 scales); BF16 combine.
-        ll_msgs = {"dispatch": 16 + rank.token_bytes(sc.hidden, sc.dispatch_dtype), "combine": 2 * sc.hidden}
-        for op in ("dispatch", "combine"):
-            msg = ll_msgs[op]
-            spec = rank.OpSpec("low-latency", op, sc.hidden, sc.topk, msg, msg, sc.nodes, per_node, None,
-                               allow_nvlink=sc.ll_allow_nvlink)
+        tokens, traffic, num_physical, specs = _ll_specs(sc)
+        for spec, dtype in specs:
             res = rank.simulate_low_latency(spec, traffic, gpu, nic, num_physical)
-            dtype = sc.dispatch_dtype if op == "dispatch" else "bf16"
-            ops.append(OpRow.from_result(sc.nodes, num_ranks, "low-latency", op, dtype, tokens, res))
+            ops.append(OpRow.from_result(sc.nodes, num_ranks, "low-latency", spec.op, dtype, tokens, res))
         ll_bytes = layout.low_latency_rdma_size_hint(tokens, sc.hidden, num_ranks, num_physical)
         rec_qps_ll = num_physical // num_ranks
         rec_qps = max(rec_qps or 0, rec_qps_ll)

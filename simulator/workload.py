@@ -80,6 +80,17 @@ def parse_routing(text: str) -> tuple[str, float | str | None]:
     raise ValueError(f"routing must be uniform, group-limited, zipf:A or trace:FILE, got {text!r}")
 
 
+def read_json(path: str, label: str) -> object:
+    """The JSON content of ``path``; ``ValueError`` starting with ``label`` when unreadable or not JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ValueError(f"{label}: cannot read file ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{label}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
 def load_trace(path: str) -> tuple[int | None, list[list[list[int]]]]:
     """Read a ``topk_idx`` trace.
 
@@ -93,13 +104,7 @@ def load_trace(path: str) -> tuple[int | None, list[list[list[int]]]]:
     Raises:
         ValueError naming the file and the rule when the content is malformed.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"routing trace:{path}: cannot read file ({exc.strerror})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"routing trace:{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    data = read_json(path, f"routing trace:{path}")
     num_experts = None
     if isinstance(data, dict):
         num_experts = data.get("num_experts")

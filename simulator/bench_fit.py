@@ -1,0 +1,301 @@
+"""Fit the ``deep_ep`` kernel family (``simulator.deep_ep_kernels``) to our own benchmark JSON files.
+
+Flow: :func:`read_bench` turns a bench file into a :class:`BenchRun` (the workload and one :class:`BenchPoint` per
+measured op); :func:`fit` least-squares the family's parameters on the points whose SM count is not held out
+(residual = log(predicted / measured), Levenberg-Marquardt in log-parameter space, so every parameter stays
+positive); :func:`to_text` prints measured vs predicted per point; :func:`write_calibration` stores the values with
+their source file and date in ``simulator/calibration_deep_ep.json``, which ``deep_ep_kernels.profile()`` loads.
+
+Adding a bench kind (e.g. the low-latency bench, whose JSON schema is not fixed yet) is small: write a reader
+``data -> BenchRun`` with ``kind="low-latency"``, register it in :data:`BENCH_READERS` with a detector, list the
+parameters it fits in :data:`FIT_PARAMS`, and add a branch to :func:`predict_point` (``deep_ep_kernels.
+simulate_low_latency`` already takes the profile). Unknown files raise ``ValueError`` naming the keys found.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from simulator import deep_ep_kernels as dek
+from simulator import hardware, rank, workload
+from simulator.deep_ep_kernels import CALIBRATION_PATH, DeepEpProfile
+
+__all__ = ["BenchPoint", "BenchRun", "FitResult", "read_bench", "fit", "to_text", "write_calibration",
+           "CALIBRATION_PATH"]
+
+
+@dataclass(frozen=True)
+class BenchPoint:
+    """One measured op: ``time_us`` is the mean over ranks of the bench's acceptance time (wall time of the call)."""
+
+    op: str         # 'dispatch' | 'combine'
+    dtype: str      # 'fp8' | 'bf16'
+    num_sms: int
+    chunk: int
+    time_us: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.num_sms} SMs {self.dtype} {self.op}"
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """A bench file: its kind, workload and points."""
+
+    kind: str       # 'intranode'
+    path: str
+    date: str
+    machine: str
+    num_ranks: int
+    num_tokens: int
+    hidden: int
+    topk: int
+    num_experts: int
+    points: tuple[BenchPoint, ...]
+
+    @property
+    def gpu(self) -> str:
+        for name in sorted(hardware.GPUS):
+            if name in self.machine.lower():
+                return name
+        return "h200"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Readers
+# ---------------------------------------------------------------------------------------------------------------
+
+_INTRANODE_OPS = {"dispatch_fp8": ("dispatch", "fp8"), "dispatch_bf16": ("dispatch", "bf16"),
+                  "combine_bf16": ("combine", "bf16")}
+
+
+def _is_intranode(data: dict) -> bool:
+    ranks = data.get("ranks")
+    return (isinstance(ranks, list) and bool(ranks) and isinstance(ranks[0], dict)
+            and any(p.get("op") in _INTRANODE_OPS for p in ranks[0].get("points", []) if isinstance(p, dict)))
+
+
+def _read_intranode(data: dict, path: str) -> BenchRun:
+    """``benchmarks/bench_intranode.py`` output: per rank a list of points ``{op, num_sms, chunk, wall_us_mean}``;
+    the NCCL baseline points are skipped. A point's time is the mean of the ranks' ``wall_us_mean``."""
+    args = data.get("args", {})
+    samples: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for r in data["ranks"]:
+        for p in r.get("points", []):
+            if p.get("op") not in _INTRANODE_OPS:
+                continue
+            t = p.get("wall_us_mean")
+            if not isinstance(t, (int, float)) or not t > 0:
+                raise ValueError(f"bench {path}: point {p.get('op')} at {p.get('num_sms')} SMs has no positive "
+                                 f"wall_us_mean, got {t!r}")
+            samples.setdefault((p["op"], int(p["num_sms"])), []).append((int(p.get("chunk", 0)), float(t)))
+    points = []
+    order = list(_INTRANODE_OPS)
+    for (op_name, sms), values in sorted(samples.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))):
+        op, dtype = _INTRANODE_OPS[op_name]
+        chunks = [c for c, _ in values]
+        chunk = max(set(chunks), key=chunks.count)  # ranks pick their best chunk; take the most common
+        points.append(BenchPoint(op, dtype, sms, chunk, sum(t for _, t in values) / len(values)))
+    if not points:
+        raise ValueError(f"bench {path}: no dispatch/combine points")
+    return BenchRun("intranode", path, str(data.get("date", "unknown")), str(data.get("machine", "unknown")),
+                    int(args.get("num_processes", len(data["ranks"]))), int(args.get("num_tokens", 4096)),
+                    int(args.get("hidden", 7168)), int(args.get("num_topk", 8)), int(args.get("num_experts", 256)),
+                    tuple(points))
+
+
+# (name, detector, reader): the first detector that accepts the JSON object reads it.
+BENCH_READERS: list[tuple[str, Callable[[dict], bool], Callable[[dict, str], BenchRun]]] = [
+    ("intranode (benchmarks/bench_intranode.py)", _is_intranode, _read_intranode),
+]
+# Weight of the log-space prior toward the design-guide defaults, per parameter (a factor 2 away costs as much as
+# a point 3.5 % off).
+PRIOR_WEIGHT = 0.05
+DEFAULTS_FOR_PRIOR = dek.DEFAULTS
+# Parameters each bench kind fits; the others keep their values (and sources) from the current profile.
+FIT_PARAMS: dict[str, tuple[str, ...]] = {"intranode": dek.INTRANODE_FIT_PARAMS}
+
+
+def read_bench(path: str | Path) -> BenchRun:
+    """Read a bench JSON with the first matching reader of :data:`BENCH_READERS`."""
+    path = str(path)
+    data = workload.read_json(path, f"--from-bench {path}")
+    if isinstance(data, dict):
+        for _name, detect, read in BENCH_READERS:
+            if detect(data):
+                return read(data, path)
+    keys = sorted(data) if isinstance(data, dict) else type(data).__name__
+    known = "; ".join(name for name, _, _ in BENCH_READERS)
+    raise ValueError(f"--from-bench {path}: unknown bench schema (top-level keys {keys}); known kinds: {known}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model of one point
+# ---------------------------------------------------------------------------------------------------------------
+
+def bench_traffic(run: BenchRun, seed: int = 0) -> list[workload.SourceTraffic]:
+    """The bench's workload: uniform top-k routing (``topk(|randn| + 1)``), one node of ``num_ranks`` GPUs."""
+    router = workload.Router("uniform", None, run.num_experts, run.topk, 1, seed)
+    return workload.build_traffic(router, run.num_ranks, run.num_ranks, run.num_tokens, 0, mask_ll=False)
+
+
+def predict_point(run: BenchRun, point: BenchPoint, prof: DeepEpProfile,
+                  traffic: list[workload.SourceTraffic]) -> float:
+    """Predicted time of ``point`` (µs, mean over ranks) by the closed form of the deep_ep family."""
+    gpu = hardware.get_gpu(run.gpu)
+    payload = rank.token_bytes(run.hidden, point.dtype)
+    spec = rank.OpSpec("intranode", point.op, run.hidden, run.topk, payload, payload, 1, run.num_ranks, None)
+    work = dek.normal_work(spec, traffic, gpu, hardware.CX7, prof, point.num_sms, point.chunk, point.dtype)
+    return float(dek.closed_form_times(work, point.num_sms, run.num_ranks).mean())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Least squares
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class FitResult:
+    run: BenchRun
+    profile: DeepEpProfile
+    params: tuple[str, ...]
+    hold_out: tuple[int, ...]
+    predicted: list[float]
+    iterations: int
+
+    def errors(self) -> list[float]:
+        return [(p - pt.time_us) / pt.time_us for p, pt in zip(self.predicted, self.run.points)]
+
+    def mape(self, held: bool) -> float:
+        sel = [abs(e) for e, pt in zip(self.errors(), self.run.points) if (pt.num_sms in self.hold_out) == held]
+        return sum(sel) / len(sel) if sel else float("nan")
+
+
+def levenberg_marquardt(residual: Callable[[np.ndarray], np.ndarray], x0: np.ndarray, max_iter: int = 200,
+                        tol: float = 1e-10) -> tuple[np.ndarray, int]:
+    """Minimise ``|residual(x)|^2`` (forward-difference Jacobian); returns ``(x, iterations)``."""
+    x = np.asarray(x0, dtype=float).copy()
+    r = residual(x)
+    cost = float(r @ r)
+    lam = 1e-3
+    for it in range(1, max_iter + 1):
+        step = 1e-6 * np.maximum(np.abs(x), 1.0)
+        jac = np.empty((r.size, x.size))
+        for j in range(x.size):
+            xp = x.copy()
+            xp[j] += step[j]
+            jac[:, j] = (residual(xp) - r) / step[j]
+        jtj, jtr = jac.T @ jac, jac.T @ r
+        improved = False
+        while lam < 1e12:
+            dx = np.linalg.solve(jtj + lam * np.diag(np.diag(jtj) + 1e-12), -jtr)
+            r_new = residual(x + dx)
+            cost_new = float(r_new @ r_new)
+            if cost_new < cost:
+                improved = True
+                x, r, lam = x + dx, r_new, max(lam / 3, 1e-12)
+                break
+            lam *= 4
+        if not improved or cost - cost_new <= tol * max(cost, 1e-30):
+            if improved:
+                cost = cost_new
+            return x, it
+        cost = cost_new
+    return x, max_iter
+
+
+def fit(run: BenchRun, hold_out: list[int] | tuple[int, ...] = (16, 32), start: DeepEpProfile | None = None,
+        seed: int = 0, fixed: dict[str, float] | None = None) -> FitResult:
+    """Fit :data:`FIT_PARAMS` of ``run.kind`` on the points whose SM count is not in ``hold_out``.
+
+    ``fixed`` pins parameters to given values (they are not fitted and keep the source ``fixed by --fix``).
+    """
+    if run.kind not in FIT_PARAMS:
+        raise ValueError(f"no fit for bench kind {run.kind!r} (known: {sorted(FIT_PARAMS)})")
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - set(FIT_PARAMS[run.kind]))
+    if unknown:
+        raise ValueError(f"--fix names parameters that this bench does not fit: {unknown} "
+                         f"(fitted: {list(FIT_PARAMS[run.kind])})")
+    names = tuple(n for n in FIT_PARAMS[run.kind] if n not in fixed)
+    base = start or dek.DEFAULTS
+    if fixed:
+        sources = dict(base.sources)
+        sources.update({n: f"fixed by --fix at {v}" for n, v in fixed.items()})
+        base = replace(base, **fixed, sources=tuple(sources.items()))
+    fit_points = [p for p in run.points if p.num_sms not in hold_out]
+    sms_all = sorted({p.num_sms for p in run.points})
+    if len(fit_points) < len(names):
+        raise ValueError(f"--hold-out {list(hold_out)} leaves {len(fit_points)} points to fit {len(names)} "
+                         f"parameters (SM counts in the file: {sms_all})")
+    traffic = bench_traffic(run, seed)
+
+    def make(x: np.ndarray) -> DeepEpProfile:
+        return replace(base, **{n: float(v) for n, v in zip(names, np.exp(x))})
+
+    x0 = np.log([max(float(getattr(DEFAULTS_FOR_PRIOR, n)), 1e-3) for n in names])
+
+    def residual(x: np.ndarray) -> np.ndarray:
+        prof = make(x)
+        data = [math.log(predict_point(run, p, prof, traffic) / p.time_us) for p in fit_points]
+        # Weak prior toward the design-guide values: parameters the points cannot separate (at EP2 the local and
+        # remote byte counts are equal) stay near their estimate instead of drifting to 0 or infinity.
+        return np.concatenate([data, PRIOR_WEIGHT * (x - x0)])
+
+    x, iterations = levenberg_marquardt(residual, x0)
+    stamp = datetime.date.today().isoformat()
+    source = f"fit: {Path(run.path).name} ({run.date}, {run.machine}), least squares on {len(fit_points)} points, " \
+             f"SM counts {[s for s in sms_all if s not in hold_out]} (held out {list(hold_out)}), fitted {stamp}"
+    sources = dict(base.sources)
+    sources.update(dict.fromkeys(names, source))
+    prof = replace(make(x), sources=tuple(sources.items()))
+    predicted = [predict_point(run, p, prof, traffic) for p in run.points]
+    return FitResult(run, prof, names, tuple(hold_out), predicted, iterations)
+
+
+def to_text(result: FitResult) -> str:
+    run = result.run
+    lines = [f"deep_ep kernel fit: {run.path} ({run.kind}, {run.machine}, {run.date}), EP{run.num_ranks}, "
+             f"{run.num_tokens} tokens, hidden {run.hidden}, top-{run.topk} of {run.num_experts} experts",
+             "", f"{'parameter':<18} {'value':>10}  source", "-" * 60]
+    for name in result.params:
+        lines.append(f"{name:<18} {getattr(result.profile, name):>10.3f}  fit")
+    lines += ["", f"{'point':<24} {'chunk':>5} {'measured_us':>11} {'predicted_us':>12} {'error':>7}  role",
+              "-" * 72]
+    for pt, pred, err in zip(run.points, result.predicted, result.errors()):
+        role = "hold-out" if pt.num_sms in result.hold_out else "fit"
+        lines.append(f"{pt.label:<24} {pt.chunk:>5} {pt.time_us:>11.1f} {pred:>12.1f} {100 * err:>+6.1f}%  {role}")
+    lines += ["", f"MAPE: fitted points {100 * result.mape(False):.1f}%, held-out points "
+                  f"{100 * result.mape(True):.1f}% (SM counts {list(result.hold_out)}); {result.iterations} "
+                  f"Levenberg-Marquardt iterations"]
+    return "\n".join(lines) + "\n"
+
+
+def write_calibration(result: FitResult, path: str | Path = CALIBRATION_PATH) -> None:
+    """Write the fitted (and ``--fix``-ed) parameters with their sources, plus the fit summary and its points.
+
+    Parameters an existing file holds that this fit does not touch (e.g. those of another bench kind) are kept.
+    """
+    path = Path(path)
+    params = {}
+    if path.exists():
+        old = workload.read_json(str(path), f"deep_ep calibration {path}")
+        params = {k: v for k, v in (old.get("params", {}) if isinstance(old, dict) else {}).items()
+                  if k not in FIT_PARAMS[result.run.kind]}
+    for name, value, source in result.profile.describe():
+        if name in FIT_PARAMS[result.run.kind]:
+            params[name] = {"value": round(float(value), 4), "source": source}
+    data = {"family": "deep_ep", "bench": result.run.path, "bench_date": result.run.date,
+            "machine": result.run.machine, "fitted": datetime.date.today().isoformat(),
+            "hold_out_sms": list(result.hold_out), "mape_fit": round(result.mape(False), 4),
+            "mape_hold_out": round(result.mape(True), 4), "params": params,
+            "points": [{"point": pt.label, "chunk": pt.chunk, "measured_us": round(pt.time_us, 2),
+                        "predicted_us": round(pred, 2), "role": "hold-out" if pt.num_sms in result.hold_out else "fit"}
+                       for pt, pred in zip(result.run.points, result.predicted)]}
+    Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")

@@ -1,0 +1,429 @@
+"""The ``--kernels deep_ep`` family: how deep_ep's own kernels move bytes, and their calibrated costs.
+
+``simulator.rank`` models DeepEP V1's kernels (the published rows); this module models ours, following
+``../shared/design/kernels.md``:
+
+* **Intranode normal (§2)**: one CTA of 1024 threads per channel, ``C = num_sms`` channels. Sender warps load each
+  token row once and store it to every destination: straight into ``recv_x`` for the own rank (local bypass), into
+  the peer's ring otherwise. Receiver warps copy ring slots into ``recv_x`` (``receive_copies = 1``; ``0`` is the
+  direct-to-output receive of §2.8). Combine: senders push rows back into the owner's ring, the reducer reads the
+  own contribution straight from ``x`` and every ring slot, adds in fp32 and rounds once.
+* **Low latency (§3.3, §3.4)**: dispatch sends one message per (token, destination rank) and the receiver expands
+  it to every (expert, row) of that rank; combine returns one BF16 row per (token, expert) selection and the owner
+  reduces each token as its contributions land.
+* **Internode (§4)**: each token goes once per destination node (NVSHMEM put to the GPU with the same local index);
+  that forwarder copies it into the NVLink rings of the node's GPUs (itself by local bypass). With one GPU per node
+  there is no forwarding stage. The ``nvlink-p2p`` NIC profile describes the virtual-node test setup, where the
+  "network" puts ride the same NVLink ports as the scale-up traffic.
+
+Cost model of one rank (SM-µs are SM-time; ``C`` SMs share them):
+
+    time = fixed + serial_sm_us / C + max(push_bytes / (C * sm_push_gbps), busiest link port bytes / port rate)
+
+``serial_sm_us`` is the work that does not overlap the link (per-row costs, local copies, ring receive copies, the
+combine reduction, per-chunk publication); ``push_bytes`` are the remote stores, which overlap the transfer. The SM
+sweep of our intranode kernels fits this form (the knee between SM-bound and link-bound is the ``max``); the DES
+(:func:`simulate_normal`) runs the same costs through the fluid ports so that skewed traffic shares links fairly.
+
+Parameters come from :data:`DEFAULTS` (design-guide estimates, labelled ``assumed``) overridden by
+``simulator/calibration_deep_ep.json``, which ``python -m simulator.calibrate --from-bench FILE`` writes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from deep_ep.config import FP8_BLOCK, ceil_div
+from deep_ep.layout import intranode_combine_record_bytes, intranode_dispatch_record_bytes
+from simulator.hardware import GpuProfile, NicProfile
+from simulator.links import GBPS
+from simulator.rank import (
+    FlowSpec,
+    OpResult,
+    OpSpec,
+    _finish,
+    _Ports,
+    _Usage,
+    ll_send_recv,
+    nic_rate,
+    normal_logical_bytes,
+    run_rank_flows,
+    token_bytes,
+)
+from simulator.workload import SourceTraffic, read_json
+
+CALIBRATION_PATH = Path(__file__).with_name("calibration_deep_ep.json")
+
+
+@dataclass(frozen=True)
+class DeepEpProfile:
+    """Costs of deep_ep's kernels on one SM90 GPU (link rates come from the GPU / NIC profile).
+
+    Attributes:
+        sm_push_gbps: per-SM rate of remote stores (pushes over NVLink or P2P puts), GB/s per SM; overlaps the link.
+        sm_local_gbps: per-SM rate of local copies (local bypass x -> recv_x, ring -> recv_x), GB/s per SM.
+        row_ns: SM cost per row a sender stores (planner, metadata, send_head), ns of SM-time.
+        chunk_sync_us: SM-time per published chunk (group barrier, system fence, tail store), µs.
+        reduce_gbps: per-SM rate at which the combine reducer reads contributions (fp32 add, one rounding), GB/s.
+        nvl_efficiency: fraction of ``GpuProfile.nvlink_gbps`` our pushes reach.
+        launch_us: fixed cost of a cached normal call (launch, first chunk, last drain), µs.
+        combine_extra_us: extra fixed cost of a combine call (the reducer waits for the last ring slots), µs.
+        receive_copies: ring receive copies per remote row: 1 with rings (now), 0 with direct-to-output (§2.8).
+        dispatch_chunk / combine_chunk: tokens per published chunk (``Sn``) used for predictions.
+        ll_fixed_us: fixed part of a low-latency kernel (launch, top-k scan, count signals), µs.
+        ll_header_bytes_per_topk: LL dispatch header bytes per top-k entry (local expert, row as int16 pairs).
+        internode_extra_us: added to ``launch_us`` for internode calls (NVSHMEM signal round trip), µs.
+    """
+
+    sm_push_gbps: float = 46.0
+    sm_local_gbps: float = 75.0
+    row_ns: float = 60.0
+    chunk_sync_us: float = 1.0
+    reduce_gbps: float = 75.0
+    nvl_efficiency: float = 1.0
+    launch_us: float = 10.0
+    combine_extra_us: float = 10.0
+    receive_copies: int = 1
+    dispatch_chunk: int = 16
+    combine_chunk: int = 8
+    ll_fixed_us: float = 7.0
+    ll_header_bytes_per_topk: int = 4
+    internode_extra_us: float = 5.0
+    sources: tuple[tuple[str, str], ...] = ()
+
+    def source_of(self, param: str) -> str:
+        return dict(self.sources).get(param, "assumed")
+
+    def describe(self) -> list[tuple[str, object, str]]:
+        return [(f.name, getattr(self, f.name), self.source_of(f.name)) for f in fields(self) if f.name != "sources"]
+
+
+# Design-guide estimates, used until a bench JSON calibrates them.
+_ASSUMED = {
+    "sm_push_gbps": "assumed: kernels.md §1.4, one SM pushing 16-B stores with 4 loads in flight (46 GB/s measured "
+                    "by tools/nvlink_sm.cu)",
+    "sm_local_gbps": "assumed: kernels.md §1.4 estimate of local copies at high parallelism (60-90 GB/s per SM)",
+    "row_ns": "assumed: per-row SM cost of DeepEP V1's fit (simulator/hardware.py sm_token_ns ~118 ns) halved for "
+              "the load-once sender",
+    "chunk_sync_us": "assumed: kernels.md §2.3, system fence with remote stores outstanding (~1 µs), alternating "
+                     "sender groups hide the rest",
+    "reduce_gbps": "assumed: as sm_local_gbps (the reducer streams contributions from HBM)",
+    "nvl_efficiency": "assumed: pushes reach the measured SM-store peak (hardware.md)",
+    "launch_us": "assumed: kernel launch + first chunk + drain",
+    "combine_extra_us": "assumed",
+    "receive_copies": "design: rings (kernels.md §2.4); 0 = direct-to-output (§2.8)",
+    "dispatch_chunk": "assumed: best Sn of the 2026-11-30 sweep lies in 8..24",
+    "combine_chunk": "assumed: best Sn of the 2026-11-30 sweep lies in 4..16",
+    "ll_fixed_us": "assumed: kernels.md §3.3 estimate (top-k scan ~2 µs, signal ~2 µs, launch ~3 µs)",
+    "ll_header_bytes_per_topk": "design: kernels.md §3.3 header, K x (local expert, row) int16 pairs",
+    "internode_extra_us": "assumed: one NVSHMEM signal round trip per call over P2P",
+}
+DEFAULTS = DeepEpProfile(sources=tuple(_ASSUMED.items()))
+# Parameters a bench JSON of the intranode kernels can fit (the rest stay at their labelled assumptions).
+INTRANODE_FIT_PARAMS = ("launch_us", "combine_extra_us", "sm_push_gbps", "sm_local_gbps", "row_ns", "reduce_gbps",
+                        "nvl_efficiency")
+
+
+def load_profile(path: Path | str | None = None) -> DeepEpProfile:
+    """:data:`DEFAULTS` with the values of a calibration JSON (``{"params": {name: {"value", "source"}}}``).
+
+    A missing file gives the defaults; a malformed one raises ``ValueError`` naming the file and the entry.
+    """
+    path = Path(path) if path is not None else CALIBRATION_PATH
+    if not path.exists():
+        return DEFAULTS
+    data = read_json(str(path), f"deep_ep calibration {path}")
+    params = data.get("params") if isinstance(data, dict) else None
+    if not isinstance(params, dict):
+        raise ValueError(f"deep_ep calibration {path}: needs an object 'params' of {{name: {{value, source}}}}")
+    known = {f.name: f.type for f in fields(DeepEpProfile) if f.name != "sources"}
+    values, sources = {}, dict(DEFAULTS.sources)
+    for name, entry in params.items():
+        if name not in known:
+            raise ValueError(f"deep_ep calibration {path}: unknown parameter {name!r} (known: {sorted(known)})")
+        if not isinstance(entry, dict) or not isinstance(entry.get("value"), (int, float)):
+            raise ValueError(f"deep_ep calibration {path}: params.{name} needs a numeric 'value', got {entry!r}")
+        value = entry["value"]
+        values[name] = int(value) if known[name] == "int" else float(value)
+        sources[name] = str(entry.get("source", f"fit: {path.name}"))
+    return replace(DEFAULTS, **values, sources=tuple(sources.items()))
+
+
+_PROFILE: DeepEpProfile | None = None
+
+
+def profile() -> DeepEpProfile:
+    """The profile the ``deep_ep`` family uses (calibration file read once per process)."""
+    global _PROFILE
+    if _PROFILE is None:
+        _PROFILE = load_profile()
+    return _PROFILE
+
+
+def use_profile(prof: DeepEpProfile | None) -> DeepEpProfile | None:
+    """Make ``prof`` the profile of the ``deep_ep`` family (``None``: reload the file on next use); returns the
+    previous one."""
+    global _PROFILE
+    previous, _PROFILE = _PROFILE, prof
+    return previous
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Byte sizes
+# ---------------------------------------------------------------------------------------------------------------
+
+def dispatch_record_bytes(hidden: int, dtype: str, topk: int) -> int:
+    """One intranode dispatch ring record (``deep_ep.layout``): hidden, scales, source index, top-k ids/weights."""
+    hidden_bytes = hidden if dtype == "fp8" else 2 * hidden
+    num_scales = hidden // FP8_BLOCK if dtype == "fp8" else 0
+    return intranode_dispatch_record_bytes(hidden_bytes, num_scales, topk)
+
+
+def ll_dispatch_message_bytes(hidden: int, dtype: str, topk: int, prof: DeepEpProfile) -> int:
+    """One LL dispatch message per (token, destination rank): header (source token + K pairs, 16-B padded) + row."""
+    header = ceil_div(4 + topk * prof.ll_header_bytes_per_topk, 16) * 16
+    return header + token_bytes(hidden, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Normal mode (intranode and internode): per-rank work and flows
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class NormalWork:
+    """What each rank of one normal op does.
+
+    Attributes:
+        serial_sm_us: ``[R]`` SM-µs that do not overlap link transfers.
+        kinds / caps: port kinds and capacities (bytes/µs) of the DES; ``sm_push`` is the SM budget for remote
+            stores (``C * sm_push_gbps``).
+        flows: one flow per source rank (``FlowSpec``); the closed form uses their per-port loads.
+        fixed_us: fixed cost of the call.
+        alias: port kinds that are the same physical port as another (virtual nodes: ``nic_* -> nvl_*``).
+    """
+
+    serial_sm_us: np.ndarray
+    kinds: tuple[str, ...]
+    caps: dict[str, float]
+    flows: list[FlowSpec]
+    fixed_us: float
+    alias: dict[str, str]
+
+
+def _chunks(rows: np.ndarray, channels: int, chunk: int) -> np.ndarray:
+    """Chunks published for ``rows[..., d]`` (rows per destination ring) over ``channels`` channels of ``chunk``
+    tokens, summed over the last axis."""
+    per_channel = np.asarray(rows, dtype=float) / channels
+    return (channels * np.ceil(per_channel / max(chunk, 1))).sum(axis=-1)
+
+
+def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
+                prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str) -> NormalWork:
+    """Per-rank SM work, fixed cost and flows of one deep_ep normal op (intranode when one node).
+
+    Dispatch: source ``s`` puts one record per remote destination node ``n`` to the forwarder ``f = (n, local(s))``
+    (no network stage on its own node, where ``s`` is its own forwarder); ``f`` stores the row into the ring of every
+    other destination GPU of its node and into its own ``recv_x`` (local bypass); receivers copy ring slots to
+    ``recv_x``. Combine reverses the paths: GPUs push rows to the forwarder, which reduces the node's contributions;
+    across nodes the owner reduces the forwarders' partials.
+    """
+    num_ranks, per_node, num_nodes = spec.num_ranks, spec.ranks_per_node, spec.num_nodes
+    dispatch = spec.op == "dispatch"
+    channels = max(num_sms, 1)
+    internode = num_nodes > 1
+    p2p = internode and nic.shares_nvlink  # network puts are SM stores over NVLink (virtual nodes)
+    payload = token_bytes(spec.hidden, dtype)
+    record = (dispatch_record_bytes(spec.hidden, dtype, spec.topk) if dispatch
+              else intranode_combine_record_bytes(spec.hidden, spec.topk))
+    local_us = 1e-3 / prof.sm_local_gbps   # SM-µs per locally copied byte
+    reduce_us = 1e-3 / prof.reduce_gbps    # SM-µs per reduced contribution byte
+    row_us = prof.row_ns * 1e-3
+    rows = np.asarray([t.rows_to_rank for t in traffic], dtype=float)         # rows[s, d]
+    records = np.asarray([t.records_to_node for t in traffic], dtype=float)   # records[s, n]
+    all_ranks = np.arange(num_ranks)
+    local_idx = all_ranks % per_node
+    block = np.arange(num_nodes)[:, None] * per_node + np.arange(per_node)[None, :]  # [N, G] ranks
+
+    alias = {"nic_out": "nvl_out", "nic_in": "nvl_in"} if p2p else {}
+    kinds = ("nvl_out", "nvl_in", "sm_push") + (("nic_out", "nic_in") if internode else ())
+    nvl = gpu.nvlink_gbps * prof.nvl_efficiency * GBPS
+    caps = {"nvl_out": nvl, "nvl_in": nvl, "sm_push": channels * prof.sm_push_gbps * GBPS}
+    if internode:
+        rate = nic_rate(nic, nic.normal_efficiency, num_nodes - 1)
+        caps.update(nic_out=rate, nic_in=rate)
+    ports = _Ports(kinds, caps, num_ranks, alias)
+
+    hop = np.zeros((num_ranks, num_ranks))   # hop[f, d]: rows forwarder f stores into d's ring (same node)
+    net = np.zeros((num_ranks, num_ranks))   # net[s, f]: records s puts to forwarder f on another node
+    flows: list[FlowSpec] = []
+    for s in range(num_ranks):
+        fwd = block[:, local_idx[s]]
+        grid = rows[s].reshape(num_nodes, per_node)
+        hops = grid.copy()
+        hops[:, local_idx[s]] = 0.0
+        remote_records = records[s].copy()
+        remote_records[s // per_node] = 0.0
+        hop[fwd[:, None], block] += hops
+        net[s, fwd] += remote_records
+        hop_bytes, net_bytes = hops * record, remote_records * record
+        u = _Usage(ports)
+        if dispatch:
+            u.add("sm_push", fwd, hop_bytes.sum(axis=1))
+            u.add("nvl_out", fwd, hop_bytes.sum(axis=1))
+            u.add("nvl_in", block.reshape(-1), hop_bytes.reshape(-1))
+            if internode:
+                u.add("nic_out", s, net_bytes.sum())
+                u.add("nic_in", fwd, net_bytes)
+                if p2p:
+                    u.add("sm_push", s, net_bytes.sum())
+        else:
+            u.add("sm_push", block.reshape(-1), hop_bytes.reshape(-1))
+            u.add("nvl_out", block.reshape(-1), hop_bytes.reshape(-1))
+            u.add("nvl_in", fwd, hop_bytes.sum(axis=1))
+            if internode:
+                u.add("nic_out", fwd, net_bytes)
+                u.add("nic_in", s, net_bytes.sum())
+                if p2p:
+                    u.add("sm_push", fwd, net_bytes)
+        flows.append(u.flow(float(hop_bytes.sum() + net_bytes.sum())))
+
+    # Rows each forwarder handles: its hops plus its own rows (local bypass).
+    own = np.zeros(num_ranks)
+    for s in range(num_ranks):
+        fwd = block[:, local_idx[s]]
+        own[fwd] += rows[s].reshape(num_nodes, per_node)[:, local_idx[s]]
+    handled = hop.sum(axis=1) + own
+    serial = np.zeros(num_ranks)
+    if dispatch:
+        serial += handled * row_us + own * payload * local_us
+        serial += prof.receive_copies * hop.sum(axis=0) * payload * local_us
+        chunks = _chunks(hop, channels, chunk)
+        if internode:
+            serial += records.sum(axis=1) * row_us          # the source packs one record per node
+            if not p2p:
+                serial += net.sum(axis=1) * record * local_us  # into the send area the NIC reads
+            chunks = chunks + _chunks(net, channels, chunk)
+    else:
+        serial += handled * (row_us + payload * reduce_us)  # forwarder (or owner) reduces the node's rows
+        chunks = _chunks(hop.T, channels, chunk)
+        if internode:
+            serial += records.sum(axis=1) * (row_us + payload * reduce_us)  # owner reduces the nodes' partials
+            if not p2p:
+                serial += net.sum(axis=0) * record * local_us
+            chunks = chunks + _chunks(net.T, channels, chunk)
+    serial += chunks * prof.chunk_sync_us
+    fixed = prof.launch_us + (0.0 if dispatch else prof.combine_extra_us)
+    fixed += prof.internode_extra_us if internode else 0.0
+    return NormalWork(serial, kinds, caps, flows, fixed, alias)
+
+
+def time_components(work: NormalWork, num_sms: int, num_ranks: int) -> dict[str, np.ndarray]:
+    """Per-rank terms of the closed form (µs): ``serial`` (serial SM work / C), ``push`` (SM push budget) and one
+    entry per physical link kind (its busiest load / capacity)."""
+    ports = _Ports(work.kinds, work.caps, num_ranks, work.alias)
+    loads = np.zeros(len(ports.caps))
+    for size, idx, coefs in work.flows:
+        np.add.at(loads, idx, coefs * size)
+    per_port = loads / np.asarray(ports.caps)
+    out = {"serial": work.serial_sm_us / max(num_sms, 1)}
+    for kind in ports.physical_kinds:
+        lo = ports.offset[kind]
+        out["push" if kind == "sm_push" else kind] = per_port[lo:lo + num_ranks]
+    return out
+
+
+def closed_form_times(work: NormalWork, num_sms: int, num_ranks: int) -> np.ndarray:
+    """Per-rank time: ``fixed + serial / C + max(push / (C * rate), busiest port of the rank / capacity)``."""
+    comp = time_components(work, num_sms, num_ranks)
+    overlapped = np.max([v for k, v in comp.items() if k != "serial"], axis=0)
+    return work.fixed_us + comp["serial"] + overlapped
+
+
+_BOTTLENECK_LABELS = {"serial": "SM:copy", "push": "SM:push", "nvl_out": "NVLink", "nvl_in": "NVLink",
+                      "nic_out": "RDMA", "nic_in": "RDMA"}
+
+
+def bottleneck(work: NormalWork, num_sms: int, num_ranks: int) -> str:
+    """The largest term of the slowest rank: ``SM:copy`` (serial SM work), ``SM:push``, ``NVLink`` or ``RDMA``."""
+    comp = time_components(work, num_sms, num_ranks)
+    slowest = int(np.argmax(closed_form_times(work, num_sms, num_ranks)))
+    worst = max(comp, key=lambda k: (comp[k][slowest], k))
+    return _BOTTLENECK_LABELS[worst]
+
+
+def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
+                    prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str) -> OpResult:
+    """DES of one deep_ep normal op: per rank, the fixed cost, its serial SM work, then its push flow through the
+    fluid ports (SM push budget, NVLink / network egress and ingress); a rank is done when its own flow and every
+    flow into its ports have drained."""
+    work = normal_work(spec, traffic, gpu, nic, prof, num_sms, chunk, dtype)
+    num_ranks = spec.num_ranks
+    ports = _Ports(work.kinds, work.caps, num_ranks, work.alias)
+    net, finish = run_rank_flows(f"deep_ep_{spec.op}", ports, work.flows,
+                                 list(work.fixed_us + work.serial_sm_us / max(num_sms, 1)))
+    logical, nvl_logical = normal_logical_bytes(spec, traffic)
+    data_us = max(finish) - work.fixed_us
+    res = _finish(net, ports, finish, logical, nvl_logical, work.fixed_us, data_us,
+                  extra={"serial_us": float(work.serial_sm_us.max()) / max(num_sms, 1)})
+    res.bottleneck = bottleneck(work, num_sms, num_ranks)
+    return res
+
+
+def recommended_sms(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
+                    prof: DeepEpProfile, chunk: int, dtype: str, max_sms: int, slack: float) -> int:
+    """Smallest even SM count whose closed-form time is within ``slack`` of the best one up to ``max_sms``."""
+    times = {}
+    for sms in range(2, max_sms + 1, 2):
+        work = normal_work(spec, traffic, gpu, nic, prof, sms, chunk, dtype)
+        times[sms] = float(closed_form_times(work, sms, spec.num_ranks).max())
+    best = min(times.values())
+    return min(s for s, t in times.items() if t <= best * slack)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Low-latency mode
+# ---------------------------------------------------------------------------------------------------------------
+
+def simulate_low_latency(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
+                         prof: DeepEpProfile, dtype: str) -> OpResult:
+    """deep_ep's LL kernels: dispatch sends one message per (token, destination rank) and expands it at the
+    receiver into every (expert, row) of that rank; combine returns one BF16 row per (token, expert) selection and
+    the owner reduces each token as its contributions land.
+
+    Every SM of the GPU runs an LL CTA: the senders' SM budget is ``num_device_sms * sm_push_gbps``. A rank is done
+    after ``ll_fixed_us``, the drain of every sender that targets it and of its own ingress, plus the share of its
+    receive work (expansion at the local copy rate, reduction at the reduce rate) that cannot overlap the arrivals:
+    the last source's part.
+    """
+    num_ranks = spec.num_ranks
+    dispatch = spec.op == "dispatch"
+    sms = gpu.num_device_sms
+    selections = np.asarray([t.msgs_to_rank for t in traffic], dtype=float)  # [src, holder]
+    if dispatch:
+        msg = ll_dispatch_message_bytes(spec.hidden, dtype, spec.topk, prof)
+        sent = np.asarray([t.rows_to_rank for t in traffic], dtype=float) * msg  # [src, dst] bytes
+        recv_work = selections * token_bytes(spec.hidden, dtype) * 1e-3 / prof.sm_local_gbps  # SM-µs [src, dst]
+        efficiency = nic.ll_dispatch_efficiency
+    else:
+        sent = selections.T * (2 * spec.hidden)  # [holder, owner] bytes
+        recv_work = sent * 1e-3 / prof.reduce_gbps
+        efficiency = nic.ll_combine_efficiency
+    remote_peers = num_ranks - spec.ranks_per_node if not nic.shares_nvlink else 0
+    fixed_us = prof.ll_fixed_us + (prof.internode_extra_us if spec.num_nodes > 1 else 0.0)
+    net, ports, send_end, recv_end = ll_send_recv(
+        spec, sent, nvl_rate=gpu.nvlink_gbps * prof.nvl_efficiency * GBPS,
+        nic_rate_=nic_rate(nic, efficiency, remote_peers), sm_cap=sms * prof.sm_push_gbps * GBPS,
+        fixed_us=fixed_us, nic_on_nvlink=nic.shares_nvlink)
+    ends = np.asarray(send_end)
+    rank_time = []
+    for y in range(num_ranks):
+        senders = sent[:, y] > 0
+        last = max(float(ends[senders].max()) if senders.any() else fixed_us, recv_end[y], send_end[y])
+        rank_time.append(last + float(recv_work[:, y].sum()) / max(int(senders.sum()), 1) / sms)
+    logical = [float(t.num_selections * spec.logical_bytes) for t in traffic]
+    data_us = max(max(send_end), max(recv_end)) - fixed_us
+    return _finish(net, ports, rank_time, logical, logical, fixed_us, data_us,
+                   extra={"send_us": max(send_end), "recv_us": max(rank_time) - max(send_end)})
+

@@ -1,0 +1,110 @@
+"""``python -m simulator predict``: the deep_ep-kernel predictions that issues 6 and 7 will check by measurement.
+
+Cases (H200, hidden 7168, top-8, ``--kernels deep_ep``, the profile of ``simulator/calibration_deep_ep.json``):
+
+* normal intranode EP2 / EP4 / EP8: 4096 tokens per rank, 256 experts, uniform routing (DeepEP's intranode test),
+  24 SMs, FP8 and BF16 dispatch, BF16 combine; EP2 is the calibrated configuration (its measured value is shown);
+* low latency EP2 / EP4 / EP8: 128 tokens, 288 experts, uniform routing with DeepEP's 10 masked entries;
+* normal internode on virtual nodes (NIC profile ``nvlink-p2p``): 2 x 1, 2 x 2 and 2 x 4 GPUs, 4096 tokens,
+  256 experts, group-limited routing (DeepEP's internode test; with 2 nodes it is plain top-8).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from simulator import deep_ep_kernels as dek
+from simulator.scenario import Scenario, run
+
+
+@dataclass(frozen=True)
+class Prediction:
+    case: str
+    nodes: int
+    gpus_per_node: int
+    mode: str
+    op: str
+    dtype: str
+    tokens: int
+    time_us: float
+    logical_gbps: float
+    nvl_logical_gbps: float
+    bottleneck: str
+    measured_us: float | None
+
+    def as_dict(self) -> dict:
+        return {"case": self.case, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node, "mode": self.mode,
+                "op": self.op, "dtype": self.dtype, "tokens": self.tokens, "time_us": round(self.time_us, 1),
+                "logical_gbps": round(self.logical_gbps, 1), "nvl_logical_gbps": round(self.nvl_logical_gbps, 1),
+                "bottleneck": self.bottleneck,
+                "measured_us": None if self.measured_us is None else round(self.measured_us, 1)}
+
+
+def _measured_ep2(calibration: Path) -> dict[tuple[str, str], float]:
+    """Measured EP2 times at 24 SMs from the calibration file's point list, ``(op, dtype) -> µs``."""
+    if not calibration.exists():
+        return {}
+    out = {}
+    for p in json.loads(calibration.read_text(encoding="utf-8")).get("points", []):
+        parts = p.get("point", "").split()  # "24 SMs bf16 dispatch"
+        if len(parts) == 4 and parts[0] == "24":
+            out[(parts[3], parts[2])] = float(p["measured_us"])
+    return out
+
+
+def cases() -> list[tuple[str, Scenario]]:
+    """``(case label, scenario)`` per simulated configuration; each scenario yields dispatch and combine rows."""
+    out = []
+    normal = Scenario(nodes=1, gpu="h200", mode="normal", tokens=4096, experts=256, routing="uniform", num_sms=24,
+                      redundant_experts=0, kernels="deep_ep")
+    for ep in (2, 4, 8):
+        for dtype in ("fp8", "bf16"):
+            out.append((f"intranode EP{ep}", replace(normal, gpus_per_node=ep, dispatch_dtype=dtype)))
+    ll = Scenario(nodes=1, gpu="h200", mode="low-latency", ll_tokens=128, experts=288, routing="uniform",
+                  ll_mask=True, redundant_experts=0, kernels="deep_ep")
+    for ep in (2, 4, 8):
+        out.append((f"low-latency EP{ep}", replace(ll, gpus_per_node=ep)))
+    virtual = replace(normal, nodes=2, nic="nvlink-p2p", routing="group-limited")
+    for per_node in (1, 2, 4):
+        for dtype in ("fp8", "bf16"):
+            out.append((f"internode 2x{per_node} virtual", replace(virtual, gpus_per_node=per_node,
+                                                                   dispatch_dtype=dtype)))
+    return out
+
+
+def predict(calibration: Path | None = None) -> list[Prediction]:
+    """Simulate every case with the calibration file ``calibration`` (default: the repository's)."""
+    path = Path(calibration) if calibration is not None else dek.CALIBRATION_PATH
+    previous = dek.use_profile(dek.load_profile(path))
+    try:
+        measured = _measured_ep2(path)
+        rows: list[Prediction] = []
+        seen = set()
+        for case, sc in cases():
+            for r in run(sc).ops:
+                key = (case, r.op, r.dtype)
+                if key in seen:  # BF16 combine appears in the FP8 and the BF16 scenario: print it once
+                    continue
+                seen.add(key)
+                ref = measured.get((r.op, r.dtype)) if case == "intranode EP2" else None
+                rows.append(Prediction(case, sc.nodes, sc.gpus_per_node, r.mode, r.op, r.dtype, r.tokens,
+                                       r.time_us, r.logical_gbps, r.nvl_logical_gbps, r.bottleneck, ref))
+        order = {case: i for i, (case, _) in enumerate(cases())}
+        return sorted(rows, key=lambda r: (order[r.case], r.op != "dispatch", r.dtype != "fp8"))
+    finally:
+        dek.use_profile(previous)
+
+
+def to_markdown(rows: list[Prediction]) -> str:
+    lines = ["| case | nodes x GPUs | op | dtype | tokens | predicted µs | logical GB/s | bottleneck | measured µs |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        measured = "-" if r.measured_us is None else f"{r.measured_us:.1f}"
+        lines.append(f"| {r.case} | {r.nodes} x {r.gpus_per_node} | {r.op} | {r.dtype} | {r.tokens} | "
+                     f"{r.time_us:.1f} | {r.logical_gbps:.0f} | {r.bottleneck} | {measured} |")
+    return "\n".join(lines) + "\n"
+
+
+def to_json(rows: list[Prediction]) -> str:
+    return json.dumps({"kernels": "deep_ep", "rows": [r.as_dict() for r in rows]}, indent=1)
