@@ -31,8 +31,8 @@ namespace kernels {
 namespace {
 
 // ---- warp roles of the dispatch / combine CTA ----
-constexpr int kUnroll = 4;               // 16-byte loads in flight per lane in row copies
-constexpr int kReduceUnroll = 2;         // 16-byte chunks per lane accumulated together in the combine reducer
+// 16-byte loads in flight per lane in row copies (kLoads, a template parameter: 4 or 8, args.loads_in_flight).
+constexpr int kReduceUnroll = 2;         // 16-byte chunks per lane accumulated together in the general reducer
 // Named barrier ids (0 is __syncthreads).
 constexpr int kBarrierAllSenders = 1;    // copy warps and the publisher, after the prologue
 constexpr int kBarrierRecvGroup0 = 2;    // + source index (up to kMaxRanks - 1 groups)
@@ -70,22 +70,23 @@ __device__ __forceinline__ int warp_sum(int v) {
     return v;
 }
 
-// Copies one row of `num_int4` 16-byte words from `src` to every pointer of `dsts[0..num_dsts)` (a warp).
-// kSrcIsRing selects the coherent load for ring data written by peers; inputs use the non-coherent path.
-template <bool kSrcIsRing>
+// Copies one row of `num_int4` 16-byte words from `src` to every pointer of `dsts[0..num_dsts)` (a warp), with
+// kLoads loads in flight per lane. kSrcIsRing selects the coherent load for ring data written by peers; inputs use
+// the non-coherent path.
+template <bool kSrcIsRing, int kLoads>
 __device__ __forceinline__ void warp_copy_row(const int4* src, int64_t num_int4, int4* const* dsts, int num_dsts) {
     const int lane = lane_id();
-    for (int64_t base = lane; base < num_int4; base += 32 * kUnroll) {
-        int4 v[kUnroll];
+    for (int64_t base = lane; base < num_int4; base += 32 * kLoads) {
+        int4 v[kLoads];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
+        for (int u = 0; u < kLoads; ++u) {
             const int64_t i = base + u * 32;
             if (i < num_int4) v[u] = kSrcIsRing ? ld_ring_int4(src + i) : ld_nc_int4(src + i);
         }
         for (int d = 0; d < num_dsts; ++d) {
             int4* dst = dsts[d];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
+            for (int u = 0; u < kLoads; ++u) {
                 const int64_t i = base + u * 32;
                 if (i < num_int4) st_na_int4(dst + i, v[u]);
             }
@@ -360,7 +361,7 @@ __device__ __forceinline__ void write_local_topk(const DispatchArgs& args, const
     }
 }
 
-template <typename IdxT>
+template <typename IdxT, int kLoads>
 __global__ void __launch_bounds__(kChannelThreads, 1)
     dispatch_kernel(KernelContext ctx, DispatchArgs args, DispatchGeometry geo) {
     __shared__ uint32_t tail_base[kMaxRanks];       // tail shadow at kernel entry, per destination
@@ -475,7 +476,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 __syncwarp();
                 const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) +
                                                                 static_cast<int64_t>(t) * args.hidden_bytes);
-                warp_copy_row<false>(src, hidden_int4, dsts, num_dsts);
+                warp_copy_row<false, kLoads>(src, hidden_int4, dsts, num_dsts);
 
                 // Scales: each loaded once (any strides), stored to every destination.
                 for (int s = lane; s < args.num_scales; s += 32) {
@@ -577,7 +578,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                                   geo.ring.slot_offset(channel, src, static_cast<int>(seq % static_cast<uint32_t>(capacity)));
                 const int64_t row = row_base + j;
                 int4* dst = reinterpret_cast<int4*>(static_cast<char*>(args.recv_x) + row * args.hidden_bytes);
-                warp_copy_row<true>(reinterpret_cast<const int4*>(rec), hidden_int4, &dst, 1);
+                warp_copy_row<true, kLoads>(reinterpret_cast<const int4*>(rec), hidden_int4, &dst, 1);
                 for (int s = lane; s < args.num_scales; s += 32)
                     static_cast<uint32_t*>(args.recv_x_scales)[row * args.num_scales + s] =
                         reinterpret_cast<const volatile uint32_t*>(rec + geo.scales_offset)[s];
@@ -630,6 +631,37 @@ __device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
     }
 }
 
+__device__ __forceinline__ int4 pack_bf16x8(const float* acc);
+
+// One warp: out = bf16(a + b) (b may be null: out = bf16(a)), in float32, kU chunks of both rows in flight per lane.
+// `*_ring` selects the coherent load for ring slots.
+template <int kU>
+__device__ __forceinline__ void reduce_two(const int4* a, bool a_ring, const int4* b, bool b_ring, int4* out,
+                                           int64_t row_int4) {
+    for (int64_t base = lane_id(); base < row_int4; base += 32 * kU) {
+        int4 va[kU], vb[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            const int64_t i = base + u * 32;
+            if (i < row_int4) {
+                va[u] = a_ring ? ld_ring_int4(a + i) : ld_nc_int4(a + i);
+                if (b != nullptr) vb[u] = b_ring ? ld_ring_int4(b + i) : ld_nc_int4(b + i);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            const int64_t i = base + u * 32;
+            if (i >= row_int4) continue;
+            float acc[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+            add_bf16x8(acc, va[u]);
+            if (b != nullptr) add_bf16x8(acc, vb[u]);
+            st_na_int4(out + i, pack_bf16x8(acc));
+        }
+    }
+}
+
 __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
     uint32_t words[4];
 #pragma unroll
@@ -641,6 +673,7 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
                      static_cast<int>(words[3]));
 }
 
+template <int kLoads>
 __global__ void __launch_bounds__(kChannelThreads, 1)
     combine_kernel(KernelContext ctx, CombineArgs args, CombineGeometry geo) {
     // Warps [0, W) push rows of my receive blocks back to their owners' rings: warp w serves destination index
@@ -727,7 +760,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             const uint32_t slot = (tail_base[dst] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
             char* rec = static_cast<char*>(ctx.buffers[dst]) + geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
             int4* rec_row = reinterpret_cast<int4*>(rec);
-            warp_copy_row<false>(reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2),
+            warp_copy_row<false, kLoads>(reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2),
                                  row_int4, &rec_row, 1);
             if (lane < args.num_topk)
                 reinterpret_cast<float*>(rec + geo.weights_offset)[lane] = args.topk_weights[row * args.num_topk + lane];
@@ -828,6 +861,10 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             const int4* bias1 = args.bias_1 != nullptr
                 ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_1) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
             int4* out = reinterpret_cast<int4*>(static_cast<char*>(args.combined_x) + static_cast<int64_t>(t) * args.hidden * 2);
+            if (num_srcs <= 2 && bias0 == nullptr && bias1 == nullptr) {
+                // Fast path (every token at EP2): both rows' chunks in flight together, kLoads loads per lane.
+                reduce_two<kLoads / 2>(srcs[0], own != 0, num_srcs > 1 ? srcs[1] : nullptr, own != 1, out, row_int4);
+            } else
             for (int64_t base_i = lane; base_i < row_int4; base_i += 32 * kReduceUnroll) {
                 float acc[kReduceUnroll][8];
 #pragma unroll
@@ -955,6 +992,11 @@ void check_send_warps(const char* what, int num_send_warps, int lowest, int high
                       lowest, ", ", highest, "] for this rank count, got ", num_send_warps);
 }
 
+void check_loads_in_flight(const char* what, int loads_in_flight) {
+    DEEP_EP_CHECK_ARG(loads_in_flight == 4 || loads_in_flight == 8, what,
+                      ": loads in flight per lane must be 4 or 8, got ", loads_in_flight);
+}
+
 }  // namespace
 
 // =============================================================================================================
@@ -1011,10 +1053,11 @@ void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cuda
     if (ctx.num_ranks == 1 && geo.ring.capacity < 1) geo.ring.capacity = 1;  // no ring is used with one rank
 
     check_resident("dispatch", args.num_channels);
-    if (args.topk_idx_bytes == 8)
-        dispatch_kernel<int64_t><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
-    else
-        dispatch_kernel<int32_t><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    check_loads_in_flight("dispatch", args.loads_in_flight);
+    const bool wide = args.topk_idx_bytes == 8, deep = args.loads_in_flight == 8;
+    auto kernel = wide ? (deep ? dispatch_kernel<int64_t, 8> : dispatch_kernel<int64_t, 4>)
+                       : (deep ? dispatch_kernel<int32_t, 8> : dispatch_kernel<int32_t, 4>);
+    kernel<<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1044,7 +1087,9 @@ void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaSt
         if (geo.ring.capacity < 1) geo.ring.capacity = 1;
     }
     check_resident("combine", args.num_channels);
-    combine_kernel<<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    check_loads_in_flight("combine", args.loads_in_flight);
+    auto kernel = args.loads_in_flight == 8 ? combine_kernel<8> : combine_kernel<4>;
+    kernel<<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 
