@@ -33,10 +33,8 @@ namespace {
 // ---- warp roles of the dispatch / combine CTA ----
 // 16-byte loads in flight per lane in row copies (kLoads, a template parameter: 4 or 8, args.loads_in_flight).
 constexpr int kReduceUnroll = 2;         // 16-byte chunks per lane accumulated together in the general reducer
-// Named barrier ids (0 is __syncthreads).
-constexpr int kBarrierAllSenders = 1;    // copy warps and the publisher, after the prologue
-constexpr int kBarrierRecvGroup0 = 2;    // + source index (up to kMaxRanks - 1 groups)
-static_assert(kBarrierRecvGroup0 + kMaxRanks - 1 <= 16, "too many named barriers");
+// Named barrier id (0 is __syncthreads): copy warps and the publisher, after the prologue.
+constexpr int kBarrierAllSenders = 1;
 
 __device__ __forceinline__ uint32_t* buffer_u32(void* buffer, int64_t offset) {
     return reinterpret_cast<uint32_t*>(static_cast<char*>(buffer) + offset);
@@ -369,7 +367,10 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     __shared__ int total[kMaxRanks];                // tokens of this channel to each destination
     __shared__ volatile int progress[kChannelWarps];  // copy warp w: channel-local index of its next token
     __shared__ int4* warp_dsts[kChannelWarps][kMaxRanks];
-    __shared__ int recv_avail[kMaxRanks];
+    __shared__ uint32_t recv_base[kMaxRanks];         // receiver: head shadow at kernel entry, per source
+    __shared__ volatile uint32_t recv_tail_cache[kMaxRanks];  // receiver: a tail seen earlier, per source
+    __shared__ int recv_count[kMaxRanks];             // receiver: records of this channel from each source
+    __shared__ int64_t recv_row_base[kMaxRanks];      // receiver: first row of recv_x of this channel per source
     __shared__ int local_row_base;
     __shared__ volatile int cta_failed;
 
@@ -402,8 +403,26 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         tail_base[d] = *workspace_u32(ctx, kWsDispatchTailShadowOffset + 4 * counter_index(channel, d));
         head_cache[d] = tail_base[d];  // the ring is empty between calls once drained
         total[d] = 0;
+        recv_base[d] = *workspace_u32(ctx, kWsDispatchHeadShadowOffset + 4 * counter_index(channel, d));
+        recv_tail_cache[d] = recv_base[d];
+        recv_count[d] = 0;
+        recv_row_base[d] = 0;
+        if (d < num_ranks) {
+            const int src_block = d > 0 ? P[(d - 1) * num_ranks + rank] : 0;
+            const int src_rows = P[d * num_ranks + rank] - src_block;
+            const int channel_first = recv_cpm[d * num_channels + channel];
+            const int channel_next = channel + 1 < num_channels ? recv_cpm[d * num_channels + channel + 1] : src_rows;
+            recv_count[d] = channel_next - channel_first;
+            recv_row_base[d] = static_cast<int64_t>(src_block) + channel_first;
+        }
     }
-    if (threadIdx.x < kChannelWarps) progress[threadIdx.x] = static_cast<int>(threadIdx.x);
+    if (threadIdx.x < kChannelWarps) {
+        // Index of each warp's first item: copy warp w takes tokens w, w + W, ...; receiver warps of a source take
+        // that source's slots in the same interleaved way.
+        const int w = static_cast<int>(threadIdx.x);
+        const int first_receiver = num_send_warps, num_sources = num_ranks > 1 ? num_ranks - 1 : 1;
+        progress[w] = w < num_copy_warps ? w : (w >= first_receiver ? (w - first_receiver) / num_sources : 0);
+    }
     __syncthreads();
     const bool overflow = cta_failed != 0;
 
@@ -514,92 +533,101 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 release_progress(progress, warp, i + num_copy_warps);
             }
         } else if (!overflow) {
-            // Publisher (R > 1): tails for the complete prefix of tokens, at least Sn new tokens per publication.
-            int published = 0, count = 0, spins = 0;  // lane d: tokens to d among the first `published`
-            while (published < num_channel_tokens) {
+            // Publisher (R > 1): tails for the complete prefix of my tokens and heads for the complete prefix of
+            // every source's slots, each after at least Sn new tokens (or at the end).
+            const int num_sources = num_ranks - 1;
+            const int my_slots = lane < num_ranks && lane != rank ? recv_count[lane] : 0;
+            int published = 0, count = 0, freed = 0, spins = 0;  // lane d: tokens to d published; slots of d freed
+            while (cta_failed == 0) {
+                bool acted = false;
                 const int ready = min(min_progress(progress, 0, num_copy_warps, 1, 0), num_channel_tokens);
-                if (cta_failed != 0) break;
                 if (ready > published && (ready - published >= args.num_max_send_tokens || ready == num_channel_tokens)) {
                     const int old = count;
                     count = raise_counts(args.send_head, num_ranks, begin + published, begin + ready, count);
                     publish_tails(ctx, count, old, tail_base, channel, kDispatchTailOffset);
                     published = ready;
-                } else {
-                    publisher_idle(ctx, &cta_failed, &spins);
+                    acted = true;
                 }
+                int consumed = 0;
+                for (int si = 0; si < num_sources; ++si) {
+                    const int p = min_progress(progress, num_send_warps, kChannelWarps, num_sources, si);
+                    if (lane == (si < rank ? si : si + 1)) consumed = min(p, my_slots);
+                }
+                const bool give_back = consumed > freed &&
+                                       (consumed - freed >= args.num_max_send_tokens || consumed == my_slots);
+                if (give_back) {
+                    st_release_sys(buffer_u32(ctx.buffers[lane], kDispatchHeadOffset) + counter_index(channel, rank),
+                                   recv_base[lane] + static_cast<uint32_t>(consumed));
+                    freed = consumed;
+                }
+                acted = __any_sync(0xffffffffu, give_back) || acted;
+                if (published == num_channel_tokens && __all_sync(0xffffffffu, freed == my_slots)) break;
+                if (!acted) publisher_idle(ctx, &cta_failed, &spins);
             }
             // Ring positions for the next call.
-            if (lane < num_ranks && lane != rank && !ctx.skip_sends)
-                *workspace_u32(ctx, kWsDispatchTailShadowOffset + 4 * counter_index(channel, lane)) =
-                    tail_base[lane] + static_cast<uint32_t>(total[lane]);
+            if (lane < num_ranks && lane != rank) {
+                if (!ctx.skip_sends)
+                    *workspace_u32(ctx, kWsDispatchTailShadowOffset + 4 * counter_index(channel, lane)) =
+                        tail_base[lane] + static_cast<uint32_t>(total[lane]);
+                *workspace_u32(ctx, kWsDispatchHeadShadowOffset + 4 * counter_index(channel, lane)) =
+                    recv_base[lane] + static_cast<uint32_t>(my_slots);
+            }
         }
     } else {
         // ------------------------------------------------------------------ receiver (R > 1)
+        // Warps are grouped per source; slot j of a source's ring belongs to warp j % (its group's size), which
+        // waits for the tail to pass j (a tail seen by any warp of the group is cached) and copies the record to
+        // its final row. The publisher returns heads for the slots every warp of the group has passed.
         const int num_sources = num_ranks - 1;
         const int recv_warp = warp - num_send_warps;
         const int num_recv_warps = kChannelWarps - num_send_warps;  // >= num_sources (launcher check)
         const int source_index = recv_warp % num_sources;
         const int src = source_index < rank ? source_index : source_index + 1;
-        const int warp_in_group = recv_warp / num_sources;
         const int group_warps = (num_recv_warps - source_index + num_sources - 1) / num_sources;
-        const int barrier_id = kBarrierRecvGroup0 + source_index;
-
-        const int src_block = src > 0 ? P[(src - 1) * num_ranks + rank] : 0;
-        const int src_rows = P[src * num_ranks + rank] - src_block;
-        const int channel_first = recv_cpm[src * num_channels + channel];
-        const int channel_next = channel + 1 < num_channels ? recv_cpm[src * num_channels + channel + 1] : src_rows;
-        const int num_slots = channel_next - channel_first;
-        const int64_t row_base = static_cast<int64_t>(src_block) + channel_first;
-        uint32_t* head_shadow = workspace_u32(ctx, kWsDispatchHeadShadowOffset + 4 * counter_index(channel, src));
-        const uint32_t base = *head_shadow;
+        const int num_slots = recv_count[src];
+        const int64_t row_base = recv_row_base[src];
+        const uint32_t base = recv_base[src];
         const uint32_t* tail_word = buffer_u32(ctx.buffers[rank], kDispatchTailOffset) + counter_index(channel, src);
-        uint32_t* remote_head = buffer_u32(ctx.buffers[src], kDispatchHeadOffset) + counter_index(channel, rank);
-
-        int done = 0;
-        while (done < num_slots && !overflow) {
-            if (warp_in_group == 0 && lane == 0) {
-                uint32_t seen;
-                int avail = -1;
-                if (wait_geq(ctx, tail_word, base + static_cast<uint32_t>(done) + 1u,
-                             Site{kKernelDispatch, kPhaseDispatchRecvWaitTail, src, channel}, &seen)) {
-                    avail = static_cast<int>(seen - base);
-                    avail = avail < num_slots ? avail : num_slots;
-                } else {
-                    cta_failed = 1;
+        for (int j = recv_warp / num_sources; j < num_slots && !overflow; j += group_warps) {
+            if (cta_failed != 0) break;
+            bool ok = true;
+            if (lane == 0) {
+                const uint32_t needed = base + static_cast<uint32_t>(j) + 1u;
+                if (!seq_geq(recv_tail_cache[src], needed)) {
+                    uint32_t seen;
+                    ok = wait_geq(ctx, tail_word, needed, Site{kKernelDispatch, kPhaseDispatchRecvWaitTail, src, channel},
+                                  &seen);
+                    if (ok) recv_tail_cache[src] = seen;
                 }
-                recv_avail[source_index] = avail;
+                __threadfence_block();  // acquire: a cached tail was stored after its reader's acquire load
             }
-            named_barrier(barrier_id, group_warps * 32);
-            const int avail = recv_avail[source_index];
-            if (avail < 0) break;
-            for (int j = done + warp_in_group; j < avail; j += group_warps) {
-                const uint32_t seq = base + static_cast<uint32_t>(j);
-                const char* rec = static_cast<const char*>(ctx.buffers[rank]) +
-                                  geo.ring.slot_offset(channel, src, static_cast<int>(seq % static_cast<uint32_t>(capacity)));
-                const int64_t row = row_base + j;
-                int4* dst = reinterpret_cast<int4*>(static_cast<char*>(args.recv_x) + row * args.hidden_bytes);
-                warp_copy_row<true, kLoads>(reinterpret_cast<const int4*>(rec), hidden_int4, &dst, 1);
-                for (int s = lane; s < args.num_scales; s += 32)
-                    static_cast<uint32_t*>(args.recv_x_scales)[row * args.num_scales + s] =
-                        reinterpret_cast<const volatile uint32_t*>(rec + geo.scales_offset)[s];
-                const volatile int* meta = reinterpret_cast<const volatile int*>(rec + geo.meta_offset);
-                if (lane == 0) args.recv_src_idx[row] = meta[0];
-                if (lane < args.num_topk) {
-                    const int64_t e = meta[1 + lane];
-                    const float w = reinterpret_cast<const volatile float*>(meta)[1 + args.num_topk + lane];
-                    const int64_t first = static_cast<int64_t>(rank) * num_local_experts;
-                    const bool mine = e >= first && e < first + num_local_experts;
-                    if (args.recv_topk_idx != nullptr)
-                        static_cast<IdxT*>(args.recv_topk_idx)[row * args.num_topk + lane] = static_cast<IdxT>(mine ? e - first : -1);
-                    if (args.recv_topk_weights != nullptr)
-                        args.recv_topk_weights[row * args.num_topk + lane] = mine ? w : 0.0f;
-                }
+            if (!__shfl_sync(0xffffffffu, ok, 0)) {
+                if (lane == 0) cta_failed = 1;
+                break;
             }
-            named_barrier(barrier_id, group_warps * 32);
-            if (warp_in_group == 0 && lane == 0) st_release_sys(remote_head, base + static_cast<uint32_t>(avail));
-            done = avail;
+            const uint32_t seq = base + static_cast<uint32_t>(j);
+            const char* rec = static_cast<const char*>(ctx.buffers[rank]) +
+                              geo.ring.slot_offset(channel, src, static_cast<int>(seq % static_cast<uint32_t>(capacity)));
+            const int64_t row = row_base + j;
+            int4* dst = reinterpret_cast<int4*>(static_cast<char*>(args.recv_x) + row * args.hidden_bytes);
+            warp_copy_row<true, kLoads>(reinterpret_cast<const int4*>(rec), hidden_int4, &dst, 1);
+            for (int s = lane; s < args.num_scales; s += 32)
+                static_cast<uint32_t*>(args.recv_x_scales)[row * args.num_scales + s] =
+                    reinterpret_cast<const volatile uint32_t*>(rec + geo.scales_offset)[s];
+            const volatile int* meta = reinterpret_cast<const volatile int*>(rec + geo.meta_offset);
+            if (lane == 0) args.recv_src_idx[row] = meta[0];
+            if (lane < args.num_topk) {
+                const int64_t e = meta[1 + lane];
+                const float w = reinterpret_cast<const volatile float*>(meta)[1 + args.num_topk + lane];
+                const int64_t first = static_cast<int64_t>(rank) * num_local_experts;
+                const bool mine = e >= first && e < first + num_local_experts;
+                if (args.recv_topk_idx != nullptr)
+                    static_cast<IdxT*>(args.recv_topk_idx)[row * args.num_topk + lane] = static_cast<IdxT>(mine ? e - first : -1);
+                if (args.recv_topk_weights != nullptr)
+                    args.recv_topk_weights[row * args.num_topk + lane] = mine ? w : 0.0f;
+            }
+            release_progress(progress, warp, j + group_warps);
         }
-        if (warp_in_group == 0 && lane == 0 && !overflow) *head_shadow = base + static_cast<uint32_t>(num_slots);
     }
 
     // Worst-token mode: rows past the real ones get -1 top-k ids (spread over the channels' CTAs).
@@ -634,9 +662,10 @@ __device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
 __device__ __forceinline__ int4 pack_bf16x8(const float* acc);
 
 // One warp: out = bf16(a + b) (b may be null: out = bf16(a)), in float32, kU chunks of both rows in flight per lane.
-// `*_ring` selects the coherent load for ring slots.
+// `*_ring` selects the coherent load for ring slots. Not inlined: inside the combine kernel's 64-register budget the
+// loaded chunks would be spilled, serialising the loads.
 template <int kU>
-__device__ __forceinline__ void reduce_two(const int4* a, bool a_ring, const int4* b, bool b_ring, int4* out,
+__device__ __noinline__ void reduce_two(const int4* a, bool a_ring, const int4* b, bool b_ring, int4* out,
                                            int64_t row_int4) {
     for (int64_t base = lane_id(); base < row_int4; base += 32 * kU) {
         int4 va[kU], vb[kU];
