@@ -219,11 +219,10 @@ def _make(num_sms: int, row: dict[str, int]) -> Config:
                   num_max_rdma_chunked_recv_tokens=row["rdma_recv"])
 
 
-# Intranode kernel tuning when R > 1, per kernel: copy warps of the 32 in a channel CTA (the others receive in
-# dispatch or reduce in combine, and one publishes the ring counters) and 16-byte loads in flight per lane in row
-# copies (4 or 8). Measured on 2 x H200 (docs/performance.md); a benchmark may change the entries between calls.
+# Warps of the 32 in an intranode channel CTA that push rows when R > 1: the others receive (dispatch) or reduce
+# (combine), and one publishes the ring counters. Measured on 2 x H200 (docs/performance.md); a benchmark may
+# change the entries between calls. intranode_send_warps() clamps them to what each kernel accepts.
 INTRANODE_SEND_WARPS: dict[str, int] = {"dispatch": 16, "combine": 8}
-INTRANODE_LOADS_IN_FLIGHT: dict[str, int] = {"dispatch": 4, "combine": 4}
 
 
 def intranode_send_warps(kernel: str, num_ranks: int) -> int:

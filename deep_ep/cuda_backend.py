@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from deep_ep import envs
-from deep_ep.config import INTRANODE_LOADS_IN_FLIGHT, NUM_MAX_SCALEUP_RANKS, Config, intranode_send_warps
+from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config, intranode_send_warps
 
 try:  # The extension is optional: ``import deep_ep.cuda_backend`` raises ImportError without it.
     from deep_ep import _C
@@ -365,8 +365,7 @@ class CudaBackend:
                               recv_src_idx, recv_topk_idx, recv_topk_weights, num_worst_tokens > 0 and not cached,
                               num_channels, config.num_max_nvl_chunked_send_tokens,
                               config.num_max_nvl_chunked_recv_tokens,
-                              intranode_send_warps("dispatch", self.num_ranks),
-                              INTRANODE_LOADS_IN_FLIGHT["dispatch"], self.comm_stream.cuda_stream)
+                              intranode_send_warps("dispatch", self.num_ranks), self.comm_stream.cuda_stream)
 
         event = scope.finish([data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
                               num_tokens_per_expert, rank_prefix_matrix, channel_prefix_matrix,
@@ -412,8 +411,7 @@ class CudaBackend:
                              handle.recv_channel_prefix_matrix, handle.send_head, combined_x, combined_topk_weights,
                              num_channels, config.num_max_nvl_chunked_send_tokens,
                              config.num_max_nvl_chunked_recv_tokens,
-                             intranode_send_warps("combine", self.num_ranks),
-                             INTRANODE_LOADS_IN_FLIGHT["combine"], self.comm_stream.cuda_stream)
+                             intranode_send_warps("combine", self.num_ranks), self.comm_stream.cuda_stream)
         event = scope.finish([x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights, *handle])
         return CombineResult(combined_x, combined_topk_weights, event)
 

@@ -208,7 +208,6 @@ struct DispatchArgs {
     int num_max_send_tokens;           // Sn: fewest new tokens per tail publication (except a channel's last)
     int num_max_recv_tokens;           // Nn: upper bound of the ring capacity (slots per (channel, source))
     int num_send_warps;                // copy warps per channel when R > 1, in [R + 1, 32 - R]
-    int loads_in_flight;               // 16-byte loads in flight per lane in row copies: 4 or 8
 };
 
 void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cudaStream_t stream);
@@ -235,7 +234,6 @@ struct CombineArgs {
     int num_max_send_tokens;           // Sn: fewest new rows / tokens per tail / head publication
     int num_max_recv_tokens;           // Nn (ring capacity bound)
     int num_send_warps;                // ring-sender warps per channel when R > 1, in [R - 1, 30]
-    int loads_in_flight;               // 16-byte loads in flight per lane (row copies; reducer: half per row): 4 or 8
 };
 
 void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaStream_t stream);

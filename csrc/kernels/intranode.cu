@@ -5,16 +5,20 @@
 // * Each (channel, source) pair has a ring in the receiver's buffer. Ring positions are monotonic uint32 sequence
 //   numbers that never reset; the sender keeps its tail in the workspace and publishes it into the receiver's buffer,
 //   the receiver keeps its head in the workspace and publishes it into the sender's buffer. Every wait is local.
-// * Dispatch sender warps load every token row once (16 B per lane, several loads in flight) and store it to each
-//   destination: straight into recv_x for the own rank (local bypass), into the peer's ring otherwise. Sender warps
-//   form two groups that take alternate chunks of Sn tokens, so one group publishes a tail (system fence + release
-//   store) while the other copies. Receiver warps, grouped per source, copy ready slots into recv_x and return heads.
+// * Dispatch copy warps load every token row once (16 B per lane, several loads in flight) and store it to each
+//   destination: straight into recv_x for the own rank (local bypass), into the peer's ring otherwise. Token i of a
+//   channel belongs to copy warp i % W; copy warps never wait for flag publication. After each token a warp releases
+//   its progress in shared memory; one publisher warp turns the smallest progress into the complete prefix of tokens
+//   and publishes the tails (one system fence, then release stores) every >= Sn tokens and at the end. Receiver
+//   warps, grouped per source, copy ready slots into recv_x and return heads.
 // * send_head[t][d] is the index j of token t among its channel's tokens to d (-1 if not sent). The row of a
 //   received token is rank_prefix(s -> me) + recv_channel_prefix[s][c] + j on both sides, which yields the spec's
 //   order (source rank, then source token). Combine reuses j to find each contribution: no handle rewriting.
-// * Combine sender warps push rows of the receive blocks back to their owners' rings; reducer warps add, per owned
-//   token, the own contribution (read straight from x) and the ring slots in ascending rank order in float32, plus the
-//   biases, and round to BF16 once.
+// * Combine sender warps push rows of the receive blocks back to their owners' rings (each destination has its own
+//   warps); the publisher warp publishes their tails and the heads of the slots reduced. Reducer warps take my
+//   tokens of the channel (token i on reducer warp i % their count), each waiting only for its own slots, and add
+//   the own contribution (read straight from x) and the ring slots in ascending rank order in float32, plus the
+//   biases, rounding to BF16 once. The warp split is a launch argument (deep_ep.config.INTRANODE_SEND_WARPS).
 // * Failures never trap: sync.cuh's wait_geq reports to the error record and every role falls through to the end.
 #include <cuda_bf16.h>
 
@@ -31,10 +35,12 @@ namespace kernels {
 namespace {
 
 // ---- warp roles of the dispatch / combine CTA ----
-// 16-byte loads in flight per lane in row copies (kLoads, a template parameter: 4 or 8, args.loads_in_flight).
-constexpr int kReduceUnroll = 2;         // 16-byte chunks per lane accumulated together in the general reducer
-// Named barrier id (0 is __syncthreads): copy warps and the publisher, after the prologue.
-constexpr int kBarrierAllSenders = 1;
+constexpr int kUnroll = 4;               // 16-byte loads in flight per lane in row copies
+constexpr int kReduceUnroll = 2;         // 16-byte chunks per lane (and contribution) in flight in the combine reducer
+// Named barrier ids (0 is __syncthreads).
+constexpr int kBarrierAllSenders = 1;    // copy warps and the publisher, after the prologue
+constexpr int kBarrierRecvGroup0 = 2;    // + source index (up to kMaxRanks - 1 groups)
+static_assert(kBarrierRecvGroup0 + kMaxRanks - 1 <= 16, "too many named barriers");
 
 __device__ __forceinline__ uint32_t* buffer_u32(void* buffer, int64_t offset) {
     return reinterpret_cast<uint32_t*>(static_cast<char*>(buffer) + offset);
@@ -68,23 +74,22 @@ __device__ __forceinline__ int warp_sum(int v) {
     return v;
 }
 
-// Copies one row of `num_int4` 16-byte words from `src` to every pointer of `dsts[0..num_dsts)` (a warp), with
-// kLoads loads in flight per lane. kSrcIsRing selects the coherent load for ring data written by peers; inputs use
-// the non-coherent path.
-template <bool kSrcIsRing, int kLoads>
+// Copies one row of `num_int4` 16-byte words from `src` to every pointer of `dsts[0..num_dsts)` (a warp).
+// kSrcIsRing selects the coherent load for ring data written by peers; inputs use the non-coherent path.
+template <bool kSrcIsRing>
 __device__ __forceinline__ void warp_copy_row(const int4* src, int64_t num_int4, int4* const* dsts, int num_dsts) {
     const int lane = lane_id();
-    for (int64_t base = lane; base < num_int4; base += 32 * kLoads) {
-        int4 v[kLoads];
+    for (int64_t base = lane; base < num_int4; base += 32 * kUnroll) {
+        int4 v[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kLoads; ++u) {
+        for (int u = 0; u < kUnroll; ++u) {
             const int64_t i = base + u * 32;
             if (i < num_int4) v[u] = kSrcIsRing ? ld_ring_int4(src + i) : ld_nc_int4(src + i);
         }
         for (int d = 0; d < num_dsts; ++d) {
             int4* dst = dsts[d];
 #pragma unroll
-            for (int u = 0; u < kLoads; ++u) {
+            for (int u = 0; u < kUnroll; ++u) {
                 const int64_t i = base + u * 32;
                 if (i < num_int4) st_na_int4(dst + i, v[u]);
             }
@@ -359,7 +364,7 @@ __device__ __forceinline__ void write_local_topk(const DispatchArgs& args, const
     }
 }
 
-template <typename IdxT, int kLoads>
+template <typename IdxT>
 __global__ void __launch_bounds__(kChannelThreads, 1)
     dispatch_kernel(KernelContext ctx, DispatchArgs args, DispatchGeometry geo) {
     __shared__ uint32_t tail_base[kMaxRanks];       // tail shadow at kernel entry, per destination
@@ -367,10 +372,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     __shared__ int total[kMaxRanks];                // tokens of this channel to each destination
     __shared__ volatile int progress[kChannelWarps];  // copy warp w: channel-local index of its next token
     __shared__ int4* warp_dsts[kChannelWarps][kMaxRanks];
-    __shared__ uint32_t recv_base[kMaxRanks];         // receiver: head shadow at kernel entry, per source
-    __shared__ volatile uint32_t recv_tail_cache[kMaxRanks];  // receiver: a tail seen earlier, per source
-    __shared__ int recv_count[kMaxRanks];             // receiver: records of this channel from each source
-    __shared__ int64_t recv_row_base[kMaxRanks];      // receiver: first row of recv_x of this channel per source
+    __shared__ int recv_avail[kMaxRanks];
     __shared__ int local_row_base;
     __shared__ volatile int cta_failed;
 
@@ -403,26 +405,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         tail_base[d] = *workspace_u32(ctx, kWsDispatchTailShadowOffset + 4 * counter_index(channel, d));
         head_cache[d] = tail_base[d];  // the ring is empty between calls once drained
         total[d] = 0;
-        recv_base[d] = *workspace_u32(ctx, kWsDispatchHeadShadowOffset + 4 * counter_index(channel, d));
-        recv_tail_cache[d] = recv_base[d];
-        recv_count[d] = 0;
-        recv_row_base[d] = 0;
-        if (d < num_ranks) {
-            const int src_block = d > 0 ? P[(d - 1) * num_ranks + rank] : 0;
-            const int src_rows = P[d * num_ranks + rank] - src_block;
-            const int channel_first = recv_cpm[d * num_channels + channel];
-            const int channel_next = channel + 1 < num_channels ? recv_cpm[d * num_channels + channel + 1] : src_rows;
-            recv_count[d] = channel_next - channel_first;
-            recv_row_base[d] = static_cast<int64_t>(src_block) + channel_first;
-        }
     }
-    if (threadIdx.x < kChannelWarps) {
-        // Index of each warp's first item: copy warp w takes tokens w, w + W, ...; receiver warps of a source take
-        // that source's slots in the same interleaved way.
-        const int w = static_cast<int>(threadIdx.x);
-        const int first_receiver = num_send_warps, num_sources = num_ranks > 1 ? num_ranks - 1 : 1;
-        progress[w] = w < num_copy_warps ? w : (w >= first_receiver ? (w - first_receiver) / num_sources : 0);
-    }
+    if (threadIdx.x < kChannelWarps) progress[threadIdx.x] = static_cast<int>(threadIdx.x);
     __syncthreads();
     const bool overflow = cta_failed != 0;
 
@@ -495,7 +479,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 __syncwarp();
                 const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) +
                                                                 static_cast<int64_t>(t) * args.hidden_bytes);
-                warp_copy_row<false, kLoads>(src, hidden_int4, dsts, num_dsts);
+                warp_copy_row<false>(src, hidden_int4, dsts, num_dsts);
 
                 // Scales: each loaded once (any strides), stored to every destination.
                 for (int s = lane; s < args.num_scales; s += 32) {
@@ -533,101 +517,92 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 release_progress(progress, warp, i + num_copy_warps);
             }
         } else if (!overflow) {
-            // Publisher (R > 1): tails for the complete prefix of my tokens and heads for the complete prefix of
-            // every source's slots, each after at least Sn new tokens (or at the end).
-            const int num_sources = num_ranks - 1;
-            const int my_slots = lane < num_ranks && lane != rank ? recv_count[lane] : 0;
-            int published = 0, count = 0, freed = 0, spins = 0;  // lane d: tokens to d published; slots of d freed
-            while (cta_failed == 0) {
-                bool acted = false;
+            // Publisher (R > 1): tails for the complete prefix of tokens, at least Sn new tokens per publication.
+            int published = 0, count = 0, spins = 0;  // lane d: tokens to d among the first `published`
+            while (published < num_channel_tokens) {
                 const int ready = min(min_progress(progress, 0, num_copy_warps, 1, 0), num_channel_tokens);
+                if (cta_failed != 0) break;
                 if (ready > published && (ready - published >= args.num_max_send_tokens || ready == num_channel_tokens)) {
                     const int old = count;
                     count = raise_counts(args.send_head, num_ranks, begin + published, begin + ready, count);
                     publish_tails(ctx, count, old, tail_base, channel, kDispatchTailOffset);
                     published = ready;
-                    acted = true;
+                } else {
+                    publisher_idle(ctx, &cta_failed, &spins);
                 }
-                int consumed = 0;
-                for (int si = 0; si < num_sources; ++si) {
-                    const int p = min_progress(progress, num_send_warps, kChannelWarps, num_sources, si);
-                    if (lane == (si < rank ? si : si + 1)) consumed = min(p, my_slots);
-                }
-                const bool give_back = consumed > freed &&
-                                       (consumed - freed >= args.num_max_send_tokens || consumed == my_slots);
-                if (give_back) {
-                    st_release_sys(buffer_u32(ctx.buffers[lane], kDispatchHeadOffset) + counter_index(channel, rank),
-                                   recv_base[lane] + static_cast<uint32_t>(consumed));
-                    freed = consumed;
-                }
-                acted = __any_sync(0xffffffffu, give_back) || acted;
-                if (published == num_channel_tokens && __all_sync(0xffffffffu, freed == my_slots)) break;
-                if (!acted) publisher_idle(ctx, &cta_failed, &spins);
             }
             // Ring positions for the next call.
-            if (lane < num_ranks && lane != rank) {
-                if (!ctx.skip_sends)
-                    *workspace_u32(ctx, kWsDispatchTailShadowOffset + 4 * counter_index(channel, lane)) =
-                        tail_base[lane] + static_cast<uint32_t>(total[lane]);
-                *workspace_u32(ctx, kWsDispatchHeadShadowOffset + 4 * counter_index(channel, lane)) =
-                    recv_base[lane] + static_cast<uint32_t>(my_slots);
-            }
+            if (lane < num_ranks && lane != rank && !ctx.skip_sends)
+                *workspace_u32(ctx, kWsDispatchTailShadowOffset + 4 * counter_index(channel, lane)) =
+                    tail_base[lane] + static_cast<uint32_t>(total[lane]);
         }
     } else {
         // ------------------------------------------------------------------ receiver (R > 1)
-        // Warps are grouped per source; slot j of a source's ring belongs to warp j % (its group's size), which
-        // waits for the tail to pass j (a tail seen by any warp of the group is cached) and copies the record to
-        // its final row. The publisher returns heads for the slots every warp of the group has passed.
         const int num_sources = num_ranks - 1;
         const int recv_warp = warp - num_send_warps;
         const int num_recv_warps = kChannelWarps - num_send_warps;  // >= num_sources (launcher check)
         const int source_index = recv_warp % num_sources;
         const int src = source_index < rank ? source_index : source_index + 1;
+        const int warp_in_group = recv_warp / num_sources;
         const int group_warps = (num_recv_warps - source_index + num_sources - 1) / num_sources;
-        const int num_slots = recv_count[src];
-        const int64_t row_base = recv_row_base[src];
-        const uint32_t base = recv_base[src];
+        const int barrier_id = kBarrierRecvGroup0 + source_index;
+
+        const int src_block = src > 0 ? P[(src - 1) * num_ranks + rank] : 0;
+        const int src_rows = P[src * num_ranks + rank] - src_block;
+        const int channel_first = recv_cpm[src * num_channels + channel];
+        const int channel_next = channel + 1 < num_channels ? recv_cpm[src * num_channels + channel + 1] : src_rows;
+        const int num_slots = channel_next - channel_first;
+        const int64_t row_base = static_cast<int64_t>(src_block) + channel_first;
+        uint32_t* head_shadow = workspace_u32(ctx, kWsDispatchHeadShadowOffset + 4 * counter_index(channel, src));
+        const uint32_t base = *head_shadow;
         const uint32_t* tail_word = buffer_u32(ctx.buffers[rank], kDispatchTailOffset) + counter_index(channel, src);
-        for (int j = recv_warp / num_sources; j < num_slots && !overflow; j += group_warps) {
-            if (cta_failed != 0) break;
-            bool ok = true;
-            if (lane == 0) {
-                const uint32_t needed = base + static_cast<uint32_t>(j) + 1u;
-                if (!seq_geq(recv_tail_cache[src], needed)) {
-                    uint32_t seen;
-                    ok = wait_geq(ctx, tail_word, needed, Site{kKernelDispatch, kPhaseDispatchRecvWaitTail, src, channel},
-                                  &seen);
-                    if (ok) recv_tail_cache[src] = seen;
+        uint32_t* remote_head = buffer_u32(ctx.buffers[src], kDispatchHeadOffset) + counter_index(channel, rank);
+
+        int done = 0;
+        while (done < num_slots && !overflow) {
+            if (warp_in_group == 0 && lane == 0) {
+                uint32_t seen;
+                int avail = -1;
+                if (wait_geq(ctx, tail_word, base + static_cast<uint32_t>(done) + 1u,
+                             Site{kKernelDispatch, kPhaseDispatchRecvWaitTail, src, channel}, &seen)) {
+                    avail = static_cast<int>(seen - base);
+                    avail = avail < num_slots ? avail : num_slots;
+                } else {
+                    cta_failed = 1;
                 }
-                __threadfence_block();  // acquire: a cached tail was stored after its reader's acquire load
+                recv_avail[source_index] = avail;
             }
-            if (!__shfl_sync(0xffffffffu, ok, 0)) {
-                if (lane == 0) cta_failed = 1;
-                break;
+            named_barrier(barrier_id, group_warps * 32);
+            const int avail = recv_avail[source_index];
+            if (avail < 0) break;
+            for (int j = done + warp_in_group; j < avail; j += group_warps) {
+                const uint32_t seq = base + static_cast<uint32_t>(j);
+                const char* rec = static_cast<const char*>(ctx.buffers[rank]) +
+                                  geo.ring.slot_offset(channel, src, static_cast<int>(seq % static_cast<uint32_t>(capacity)));
+                const int64_t row = row_base + j;
+                int4* dst = reinterpret_cast<int4*>(static_cast<char*>(args.recv_x) + row * args.hidden_bytes);
+                warp_copy_row<true>(reinterpret_cast<const int4*>(rec), hidden_int4, &dst, 1);
+                for (int s = lane; s < args.num_scales; s += 32)
+                    static_cast<uint32_t*>(args.recv_x_scales)[row * args.num_scales + s] =
+                        reinterpret_cast<const volatile uint32_t*>(rec + geo.scales_offset)[s];
+                const volatile int* meta = reinterpret_cast<const volatile int*>(rec + geo.meta_offset);
+                if (lane == 0) args.recv_src_idx[row] = meta[0];
+                if (lane < args.num_topk) {
+                    const int64_t e = meta[1 + lane];
+                    const float w = reinterpret_cast<const volatile float*>(meta)[1 + args.num_topk + lane];
+                    const int64_t first = static_cast<int64_t>(rank) * num_local_experts;
+                    const bool mine = e >= first && e < first + num_local_experts;
+                    if (args.recv_topk_idx != nullptr)
+                        static_cast<IdxT*>(args.recv_topk_idx)[row * args.num_topk + lane] = static_cast<IdxT>(mine ? e - first : -1);
+                    if (args.recv_topk_weights != nullptr)
+                        args.recv_topk_weights[row * args.num_topk + lane] = mine ? w : 0.0f;
+                }
             }
-            const uint32_t seq = base + static_cast<uint32_t>(j);
-            const char* rec = static_cast<const char*>(ctx.buffers[rank]) +
-                              geo.ring.slot_offset(channel, src, static_cast<int>(seq % static_cast<uint32_t>(capacity)));
-            const int64_t row = row_base + j;
-            int4* dst = reinterpret_cast<int4*>(static_cast<char*>(args.recv_x) + row * args.hidden_bytes);
-            warp_copy_row<true, kLoads>(reinterpret_cast<const int4*>(rec), hidden_int4, &dst, 1);
-            for (int s = lane; s < args.num_scales; s += 32)
-                static_cast<uint32_t*>(args.recv_x_scales)[row * args.num_scales + s] =
-                    reinterpret_cast<const volatile uint32_t*>(rec + geo.scales_offset)[s];
-            const volatile int* meta = reinterpret_cast<const volatile int*>(rec + geo.meta_offset);
-            if (lane == 0) args.recv_src_idx[row] = meta[0];
-            if (lane < args.num_topk) {
-                const int64_t e = meta[1 + lane];
-                const float w = reinterpret_cast<const volatile float*>(meta)[1 + args.num_topk + lane];
-                const int64_t first = static_cast<int64_t>(rank) * num_local_experts;
-                const bool mine = e >= first && e < first + num_local_experts;
-                if (args.recv_topk_idx != nullptr)
-                    static_cast<IdxT*>(args.recv_topk_idx)[row * args.num_topk + lane] = static_cast<IdxT>(mine ? e - first : -1);
-                if (args.recv_topk_weights != nullptr)
-                    args.recv_topk_weights[row * args.num_topk + lane] = mine ? w : 0.0f;
-            }
-            release_progress(progress, warp, j + group_warps);
+            named_barrier(barrier_id, group_warps * 32);
+            if (warp_in_group == 0 && lane == 0) st_release_sys(remote_head, base + static_cast<uint32_t>(avail));
+            done = avail;
         }
+        if (warp_in_group == 0 && lane == 0 && !overflow) *head_shadow = base + static_cast<uint32_t>(num_slots);
     }
 
     // Worst-token mode: rows past the real ones get -1 top-k ids (spread over the channels' CTAs).
@@ -661,12 +636,13 @@ __device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
 
 __device__ __forceinline__ int4 pack_bf16x8(const float* acc);
 
-// One warp: out = bf16(a + b) (b may be null: out = bf16(a)), in float32, kU chunks of both rows in flight per lane.
-// `*_ring` selects the coherent load for ring slots. Not inlined: inside the combine kernel's 64-register budget the
-// loaded chunks would be spilled, serialising the loads.
+// One warp: out = bf16(a + b) (b may be null: out = bf16(a)) in float32, kU 16-byte chunks of both rows in flight per
+// lane; `*_ring` selects the coherent load for ring slots. The combine reducer's path when a token has at most two
+// contributions and no bias (every token at EP2). Not inlined: inside the combine kernel's 64-register budget the
+// loaded chunks would be spilled, which serialises the loads.
 template <int kU>
 __device__ __noinline__ void reduce_two(const int4* a, bool a_ring, const int4* b, bool b_ring, int4* out,
-                                           int64_t row_int4) {
+                                        int64_t row_int4) {
     for (int64_t base = lane_id(); base < row_int4; base += 32 * kU) {
         int4 va[kU], vb[kU];
 #pragma unroll
@@ -702,7 +678,6 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
                      static_cast<int>(words[3]));
 }
 
-template <int kLoads>
 __global__ void __launch_bounds__(kChannelThreads, 1)
     combine_kernel(KernelContext ctx, CombineArgs args, CombineGeometry geo) {
     // Warps [0, W) push rows of my receive blocks back to their owners' rings: warp w serves destination index
@@ -789,7 +764,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             const uint32_t slot = (tail_base[dst] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
             char* rec = static_cast<char*>(ctx.buffers[dst]) + geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
             int4* rec_row = reinterpret_cast<int4*>(rec);
-            warp_copy_row<false, kLoads>(reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2),
+            warp_copy_row<false>(reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2),
                                  row_int4, &rec_row, 1);
             if (lane < args.num_topk)
                 reinterpret_cast<float*>(rec + geo.weights_offset)[lane] = args.topk_weights[row * args.num_topk + lane];
@@ -891,45 +866,45 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_1) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
             int4* out = reinterpret_cast<int4*>(static_cast<char*>(args.combined_x) + static_cast<int64_t>(t) * args.hidden * 2);
             if (num_srcs <= 2 && bias0 == nullptr && bias1 == nullptr) {
-                // Fast path (every token at EP2): both rows' chunks in flight together, kLoads loads per lane.
-                reduce_two<kLoads / 2>(srcs[0], own != 0, num_srcs > 1 ? srcs[1] : nullptr, own != 1, out, row_int4);
-            } else
-            for (int64_t base_i = lane; base_i < row_int4; base_i += 32 * kReduceUnroll) {
-                float acc[kReduceUnroll][8];
-#pragma unroll
-                for (int u = 0; u < kReduceUnroll; ++u) {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
-                    const int64_t i = base_i + u * 32;
-                    if (i < row_int4) {
-                        if (bias0 != nullptr) add_bf16x8(acc[u], ld_nc_int4(bias0 + i));
-                        if (bias1 != nullptr) add_bf16x8(acc[u], ld_nc_int4(bias1 + i));
-                    }
-                }
-                // Two contributions in flight at a time; additions stay in ascending rank order.
-                for (int n = 0; n < num_srcs; n += 2) {
-                    const bool has_second = n + 1 < num_srcs;
-                    int4 v[2][kReduceUnroll];
+                reduce_two<kReduceUnroll>(srcs[0], own != 0, num_srcs > 1 ? srcs[1] : nullptr, own != 1, out, row_int4);
+            } else {
+                for (int64_t base_i = lane; base_i < row_int4; base_i += 32 * kReduceUnroll) {
+                    float acc[kReduceUnroll][8];
 #pragma unroll
                     for (int u = 0; u < kReduceUnroll; ++u) {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
                         const int64_t i = base_i + u * 32;
                         if (i < row_int4) {
-                            v[0][u] = n == own ? ld_nc_int4(srcs[n] + i) : ld_ring_int4(srcs[n] + i);
-                            if (has_second)
-                                v[1][u] = n + 1 == own ? ld_nc_int4(srcs[n + 1] + i) : ld_ring_int4(srcs[n + 1] + i);
+                            if (bias0 != nullptr) add_bf16x8(acc[u], ld_nc_int4(bias0 + i));
+                            if (bias1 != nullptr) add_bf16x8(acc[u], ld_nc_int4(bias1 + i));
+                        }
+                    }
+                    // Two contributions in flight at a time; additions stay in ascending rank order.
+                    for (int n = 0; n < num_srcs; n += 2) {
+                        const bool has_second = n + 1 < num_srcs;
+                        int4 v[2][kReduceUnroll];
+#pragma unroll
+                        for (int u = 0; u < kReduceUnroll; ++u) {
+                            const int64_t i = base_i + u * 32;
+                            if (i < row_int4) {
+                                v[0][u] = n == own ? ld_nc_int4(srcs[n] + i) : ld_ring_int4(srcs[n] + i);
+                                if (has_second)
+                                    v[1][u] = n + 1 == own ? ld_nc_int4(srcs[n + 1] + i) : ld_ring_int4(srcs[n + 1] + i);
+                            }
+                        }
+#pragma unroll
+                        for (int u = 0; u < kReduceUnroll; ++u) {
+                            if (base_i + u * 32 >= row_int4) continue;
+                            add_bf16x8(acc[u], v[0][u]);
+                            if (has_second) add_bf16x8(acc[u], v[1][u]);
                         }
                     }
 #pragma unroll
                     for (int u = 0; u < kReduceUnroll; ++u) {
-                        if (base_i + u * 32 >= row_int4) continue;
-                        add_bf16x8(acc[u], v[0][u]);
-                        if (has_second) add_bf16x8(acc[u], v[1][u]);
+                        const int64_t i = base_i + u * 32;
+                        if (i < row_int4) st_na_int4(out + i, pack_bf16x8(acc[u]));
                     }
-                }
-#pragma unroll
-                for (int u = 0; u < kReduceUnroll; ++u) {
-                    const int64_t i = base_i + u * 32;
-                    if (i < row_int4) st_na_int4(out + i, pack_bf16x8(acc[u]));
                 }
             }
             if (args.combined_topk_weights != nullptr && lane < args.num_topk) {
@@ -1021,11 +996,6 @@ void check_send_warps(const char* what, int num_send_warps, int lowest, int high
                       lowest, ", ", highest, "] for this rank count, got ", num_send_warps);
 }
 
-void check_loads_in_flight(const char* what, int loads_in_flight) {
-    DEEP_EP_CHECK_ARG(loads_in_flight == 4 || loads_in_flight == 8, what,
-                      ": loads in flight per lane must be 4 or 8, got ", loads_in_flight);
-}
-
 }  // namespace
 
 // =============================================================================================================
@@ -1082,11 +1052,10 @@ void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cuda
     if (ctx.num_ranks == 1 && geo.ring.capacity < 1) geo.ring.capacity = 1;  // no ring is used with one rank
 
     check_resident("dispatch", args.num_channels);
-    check_loads_in_flight("dispatch", args.loads_in_flight);
-    const bool wide = args.topk_idx_bytes == 8, deep = args.loads_in_flight == 8;
-    auto kernel = wide ? (deep ? dispatch_kernel<int64_t, 8> : dispatch_kernel<int64_t, 4>)
-                       : (deep ? dispatch_kernel<int32_t, 8> : dispatch_kernel<int32_t, 4>);
-    kernel<<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    if (args.topk_idx_bytes == 8)
+        dispatch_kernel<int64_t><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    else
+        dispatch_kernel<int32_t><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1116,9 +1085,7 @@ void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaSt
         if (geo.ring.capacity < 1) geo.ring.capacity = 1;
     }
     check_resident("combine", args.num_channels);
-    check_loads_in_flight("combine", args.loads_in_flight);
-    auto kernel = args.loads_in_flight == 8 ? combine_kernel<8> : combine_kernel<4>;
-    kernel<<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    combine_kernel<<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 

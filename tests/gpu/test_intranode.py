@@ -66,11 +66,9 @@ class Case:
     num_bias: int  # 0, 1 or 2 combine biases
     scales_col_major: bool
     alloc_on_comm: bool = False  # allocate_on_comm_stream (only used with async_mode and previous_mode)
-    # Kernel tuning (deep_ep.config.INTRANODE_*; warps are clamped to each kernel's range for the rank count).
+    # Copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS; clamped to each kernel's range for the ranks).
     dispatch_warps: int = 16
     combine_warps: int = 8
-    dispatch_loads: int = 4
-    combine_loads: int = 4
 
     def describe(self) -> str:
         return "Case(" + ", ".join(f"{k}={v!r}" for k, v in asdict(self).items()) + ")"
@@ -96,8 +94,7 @@ def case_strategy(num_ranks: int, max_tokens: int = 300):
                     num_bias=draw(st.integers(0, 2)), scales_col_major=draw(st.booleans()),
                     alloc_on_comm=draw(st.booleans()),
                     dispatch_warps=draw(st.sampled_from([1, 9, 16, 31])),
-                    combine_warps=draw(st.sampled_from([1, 4, 8, 30])),
-                    dispatch_loads=draw(st.sampled_from([4, 8])), combine_loads=draw(st.sampled_from([4, 8])))
+                    combine_warps=draw(st.sampled_from([1, 4, 8, 30])))
     return st.composite(lambda draw: build(draw))()
 
 
@@ -340,10 +337,9 @@ def _global_reference(case: Case, inputs: list, num_channels: int):
 
 
 def _apply_tuning(case: Case) -> None:
-    """The case's kernel tuning for this worker's next calls."""
+    """The case's warp split for this worker's next calls."""
     import deep_ep.config
     deep_ep.config.INTRANODE_SEND_WARPS.update(dispatch=case.dispatch_warps, combine=case.combine_warps)
-    deep_ep.config.INTRANODE_LOADS_IN_FLIGHT.update(dispatch=case.dispatch_loads, combine=case.combine_loads)
 
 
 def task_roundtrip(buffer, rank: int, case: Case) -> str:
