@@ -637,8 +637,8 @@ __device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
 __device__ __forceinline__ int4 pack_bf16x8(const float* acc);
 
 // One warp: out = bf16(a + b) (b may be null: out = bf16(a)) in float32, kU 16-byte chunks of both rows in flight per
-// lane; `*_ring` selects the coherent load for ring slots. The combine reducer's path when a token has at most two
-// contributions and no bias (every token at EP2). Not inlined: inside the combine kernel's 64-register budget the
+// lane; `*_ring` selects the coherent load for ring slots. The combine reducer's path when a token has one or two
+// contributions and no bias (every routed token at EP2; a token routed nowhere takes the general path: zeros). Not inlined: inside the combine kernel's 64-register budget the
 // loaded chunks would be spilled, which serialises the loads.
 template <int kU>
 __device__ __noinline__ void reduce_two(const int4* a, bool a_ring, const int4* b, bool b_ring, int4* out,
@@ -865,7 +865,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             const int4* bias1 = args.bias_1 != nullptr
                 ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_1) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
             int4* out = reinterpret_cast<int4*>(static_cast<char*>(args.combined_x) + static_cast<int64_t>(t) * args.hidden * 2);
-            if (num_srcs <= 2 && bias0 == nullptr && bias1 == nullptr) {
+            if (num_srcs >= 1 && num_srcs <= 2 && bias0 == nullptr && bias1 == nullptr) {
                 reduce_two<kReduceUnroll>(srcs[0], own != 0, num_srcs > 1 ? srcs[1] : nullptr, own != 1, out, row_int4);
             } else {
                 for (int64_t base_i = lane; base_i < row_int4; base_i += 32 * kReduceUnroll) {
