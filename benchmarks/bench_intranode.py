@@ -110,7 +110,7 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
 
     buffer = deep_ep.Buffer(group, num_nvl_bytes=args.num_nvl_bytes, explicitly_destroy=True)
     report: dict = {"rank": rank, "backend": type(getattr(buffer, "_cuda", None)).__name__, "points": [],
-                    "errors": []}
+                    "sweep": [], "errors": []}
 
     layout = buffer.get_dispatch_layout(topk_idx, e)
     torch.cuda.synchronize()
@@ -118,6 +118,8 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
     kernel_time(lambda: torch.ones(1024, device="cuda").sum(), "reduce", num_tests=2)
     layout_t = bench(lambda: buffer.get_dispatch_layout(topk_idx, e))
     report["layout_us"] = layout_t["mean"] * 1e6
+    layout_kernel = kernel_time(lambda: buffer.get_dispatch_layout(topk_idx, e), "layout")
+    report["layout_kernel_us"] = layout_kernel * 1e6 if layout_kernel else None
 
     def safe(label, fn):
         try:
@@ -143,28 +145,34 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
                 ("dispatch_fp8", x_fp8, bf16_bytes * FP8_FACTOR, remote_rows * fp8_wire_row),
                 ("dispatch_bf16", x, bf16_bytes, remote_rows * h * 2)):
             best = None
-            for chunk in args.dispatch_chunks:
+            for chunk, warps in ((c, w) for c in args.dispatch_chunks for w in args.dispatch_warps):
                 cfg = deep_ep.Config(num_sms, chunk, 256)
-                fn = (lambda c=cfg, cx=cur_x: buffer.dispatch(cx, handle=handle, config=c))
-                t = safe(f"{label} sms={num_sms} chunk={chunk}", lambda: bench(fn))
+                fn = with_send_warps("dispatch", warps,
+                                     lambda c=cfg, cx=cur_x: buffer.dispatch(cx, handle=handle, config=c))
+                t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn))
+                if t is not None:
+                    report["sweep"].append([label, num_sms, chunk, warps, t["mean"] * 1e6])
                 if t is not None and (best is None or t["mean"] < best[1]["mean"]):
-                    best = (chunk, t, fn)
+                    best = (chunk, t, fn, warps)
             if best is None:
                 continue
             kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "dispatch"))
-            report["points"].append(_point(label, num_sms, best[0], best[1], kt, logical_bytes, remote_bytes))
+            report["points"].append(_point(label, num_sms, best[0], best[1], kt, logical_bytes, remote_bytes,
+                                           best[3]))
         combine_x = first.recv_x
         best = None
-        for chunk in args.combine_chunks:
+        for chunk, warps in ((c, w) for c in args.combine_chunks for w in args.combine_warps):
             cfg = deep_ep.Config(num_sms, chunk, 256)
-            fn = (lambda c=cfg: buffer.combine(combine_x, handle, config=c))
-            t = safe(f"combine sms={num_sms} chunk={chunk}", lambda: bench(fn))
+            fn = with_send_warps("combine", warps, lambda c=cfg: buffer.combine(combine_x, handle, config=c))
+            t = safe(f"combine sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn))
+            if t is not None:
+                report["sweep"].append(["combine_bf16", num_sms, chunk, warps, t["mean"] * 1e6])
             if t is not None and (best is None or t["mean"] < best[1]["mean"]):
-                best = (chunk, t, fn)
+                best = (chunk, t, fn, warps)
         if best is not None:
             kt = safe("combine kernel time", lambda: kernel_time(best[2], "combine"))
             report["points"].append(_point("combine_bf16", num_sms, best[0], best[1], kt, bf16_bytes,
-                                           remote_rows * h * 2))
+                                           remote_rows * h * 2, best[3]))
 
     # NCCL baseline: index_select by destination + all_to_all_single; back with all_to_all_single + index_add_.
     in_rank = layout.is_token_in_rank
@@ -202,8 +210,19 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
     dist.destroy_process_group()
 
 
-def _point(op: str, num_sms: int, chunk: int, t: dict, kernel_s, logical_bytes: float, remote_bytes: float) -> dict:
-    return {"op": op, "num_sms": num_sms, "chunk": chunk, "wall_us_mean": t["mean"] * 1e6,
+def with_send_warps(kernel: str, warps: int, fn):
+    """``fn`` run with ``warps`` copy warps per channel in the intranode ``kernel`` (deep_ep.config's table)."""
+    import deep_ep.config
+
+    def run():
+        deep_ep.config.INTRANODE_SEND_WARPS[kernel] = warps
+        return fn()
+    return run
+
+
+def _point(op: str, num_sms: int, chunk: int, t: dict, kernel_s, logical_bytes: float, remote_bytes: float,
+           send_warps: int | None = None) -> dict:
+    return {"op": op, "num_sms": num_sms, "chunk": chunk, "send_warps": send_warps, "wall_us_mean": t["mean"] * 1e6,
             "wall_us_median": t["median"] * 1e6, "wall_us_min": t["min"] * 1e6,
             "kernel_us": kernel_s * 1e6 if kernel_s else None,
             "logical_GBps": logical_bytes / 1e9 / t["mean"], "remote_GBps": remote_bytes / 1e9 / t["mean"],
@@ -233,6 +252,10 @@ def main() -> None:
     parser.add_argument("--sms", type=int, nargs="+", default=[8, 16, 24, 32, 48])
     parser.add_argument("--dispatch-chunks", type=int, nargs="+", default=[8, 16, 24])
     parser.add_argument("--combine-chunks", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--dispatch-warps", type=int, nargs="+", default=[16],
+                        help="copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS) to sweep in dispatch")
+    parser.add_argument("--combine-warps", type=int, nargs="+", default=[8],
+                        help="ring-sender warps per channel to sweep in combine")
     parser.add_argument("--json", type=str, default="bench_intranode.json")
     args = parser.parse_args()
     os.environ.setdefault("DEEP_EP_TIMEOUT_S", "30")
@@ -254,16 +277,19 @@ def main() -> None:
 
 def print_table(summary: dict) -> None:
     rep = summary["ranks"][0]
-    print(f"\n# {summary['date']}  {summary['machine']}  backend={rep['backend']}  layout {rep['layout_us']:.1f} us")
-    print(f"{'op':<20}{'SMs':>5}{'chunk':>6}{'wall us':>10}{'kern us':>10}{'GB/s':>9}{'GB/s kern':>10}"
+    print(f"\n# {summary['date']}  {summary['machine']}  backend={rep['backend']}  layout {rep['layout_us']:.1f} us"
+          f" (kernel {rep.get('layout_kernel_us') or 0:.1f} us)")
+    print(f"{'op':<20}{'SMs':>5}{'chunk':>6}{'warps':>6}{'wall us':>10}{'kern us':>10}{'GB/s':>9}{'GB/s kern':>10}"
           f"{'remote':>8}{'DeepEP':>8}{'ratio':>7}")
     for p in rep["points"]:
         ref = DEEPEP_V1.get((p["op"], p["num_sms"]))
         kern = f"{p['kernel_us']:.1f}" if p["kernel_us"] else "-"
         kern_bw = f"{p['logical_GBps_kernel']:.0f}" if p["logical_GBps_kernel"] else "-"
-        print(f"{p['op']:<20}{p['num_sms']:>5}{p['chunk']:>6}{p['wall_us_mean']:>10.1f}{kern:>10}"
+        print(f"{p['op']:<20}{p['num_sms']:>5}{p['chunk']:>6}{p.get('send_warps') or '-':>6}{p['wall_us_mean']:>10.1f}{kern:>10}"
               f"{p['logical_GBps']:>9.0f}{kern_bw:>10}{p['remote_GBps']:>8.0f}{ref or '-':>8}"
               f"{(p['logical_GBps'] / ref if ref else 0):>7.2f}")
+    for op, sms, chunk, warps, us in rep.get("sweep", []):
+        print(f"  sweep {op:<16} sms={sms:<3} chunk={chunk:<3} warps={warps:<3} {us:8.1f} us")
     for r in summary["ranks"]:
         for err in r["errors"]:
             print(f"rank {r['rank']} ERROR {err.splitlines()[0]} ... {err.splitlines()[-1]}")

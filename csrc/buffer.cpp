@@ -352,7 +352,8 @@ void Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_s
                        const at::Tensor& recv_x, const std::optional<at::Tensor>& recv_x_scales,
                        const at::Tensor& recv_src_idx, const std::optional<at::Tensor>& recv_topk_idx,
                        const std::optional<at::Tensor>& recv_topk_weights, bool worst_token_mode, int num_channels,
-                       int num_max_send_tokens, int num_max_recv_tokens, uintptr_t stream) {
+                       int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps,
+                       uintptr_t stream) {
     require_available("dispatch");
     check_device("x", x, device_id_);
     check_device("x_scales", x_scales, device_id_);
@@ -392,6 +393,7 @@ void Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_s
     args.num_channels = num_channels;
     args.num_max_send_tokens = num_max_send_tokens;
     args.num_max_recv_tokens = num_max_recv_tokens;
+    args.num_send_warps = num_send_warps;
     auto ctx = next_context();
     kernels::intranode_dispatch(ctx, args, as_stream(stream));
 }
@@ -401,7 +403,8 @@ void Runtime::combine(const at::Tensor& x, const std::optional<at::Tensor>& topk
                       const at::Tensor& rank_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
                       const at::Tensor& send_head, const at::Tensor& combined_x,
                       const std::optional<at::Tensor>& combined_topk_weights, int num_channels,
-                      int num_max_send_tokens, int num_max_recv_tokens, uintptr_t stream) {
+                      int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps,
+                       uintptr_t stream) {
     require_available("combine");
     check_device("x", x, device_id_);
     check_device("topk_weights", topk_weights, device_id_);
@@ -432,6 +435,7 @@ void Runtime::combine(const at::Tensor& x, const std::optional<at::Tensor>& topk
     args.num_channels = num_channels;
     args.num_max_send_tokens = num_max_send_tokens;
     args.num_max_recv_tokens = num_max_recv_tokens;
+    args.num_send_warps = num_send_warps;
     auto ctx = next_context();
     kernels::intranode_combine(ctx, args, as_stream(stream));
 }

@@ -101,14 +101,14 @@ class Runtime {
                   const std::optional<at::Tensor>& recv_x_scales, const at::Tensor& recv_src_idx,
                   const std::optional<at::Tensor>& recv_topk_idx, const std::optional<at::Tensor>& recv_topk_weights,
                   bool worst_token_mode, int num_channels, int num_max_send_tokens, int num_max_recv_tokens,
-                  uintptr_t stream);
+                  int num_send_warps, uintptr_t stream);
 
     void combine(const at::Tensor& x, const std::optional<at::Tensor>& topk_weights,
                  const std::optional<at::Tensor>& bias_0, const std::optional<at::Tensor>& bias_1,
                  const at::Tensor& rank_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
                  const at::Tensor& send_head, const at::Tensor& combined_x,
                  const std::optional<at::Tensor>& combined_topk_weights, int num_channels, int num_max_send_tokens,
-                 int num_max_recv_tokens, uintptr_t stream);
+                 int num_max_recv_tokens, int num_send_warps, uintptr_t stream);
 
     // Bounded cross-rank barrier kernel on `stream`.
     void barrier(uintptr_t stream);

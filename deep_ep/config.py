@@ -219,6 +219,19 @@ def _make(num_sms: int, row: dict[str, int]) -> Config:
                   num_max_rdma_chunked_recv_tokens=row["rdma_recv"])
 
 
+# Warps of the 32 in an intranode channel CTA that push rows when R > 1: the others receive (dispatch) or reduce
+# (combine), and one publishes the ring counters. Measured on 2 x H200 (docs/performance.md); a benchmark may
+# change the entries between calls. intranode_send_warps() clamps them to what each kernel accepts.
+INTRANODE_SEND_WARPS: dict[str, int] = {"dispatch": 16, "combine": 8}
+
+
+def intranode_send_warps(kernel: str, num_ranks: int) -> int:
+    """Copy warps per channel of the intranode ``kernel`` ('dispatch' or 'combine') for ``num_ranks`` ranks: the
+    table entry clamped to [R + 1, 32 - R] (dispatch) or [R - 1, 30] (combine)."""
+    lowest, highest = (num_ranks + 1, 32 - num_ranks) if kernel == "dispatch" else (num_ranks - 1, 30)
+    return min(max(INTRANODE_SEND_WARPS[kernel], lowest), highest)
+
+
 def get_dispatch_config(num_ranks: int, num_sms: int = 20) -> Config:
     """Tuned default dispatch config for ``num_ranks`` ranks and ``num_sms`` SMs."""
     return _make(num_sms, _table_row(num_ranks)[0])

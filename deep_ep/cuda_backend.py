@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from deep_ep import envs
-from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config
+from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config, intranode_send_warps
 
 try:  # The extension is optional: ``import deep_ep.cuda_backend`` raises ImportError without it.
     from deep_ep import _C
@@ -364,7 +364,8 @@ class CudaBackend:
                               rank_prefix_matrix, recv_channel_prefix_matrix, send_head, recv_x, recv_scales,
                               recv_src_idx, recv_topk_idx, recv_topk_weights, num_worst_tokens > 0 and not cached,
                               num_channels, config.num_max_nvl_chunked_send_tokens,
-                              config.num_max_nvl_chunked_recv_tokens, self.comm_stream.cuda_stream)
+                              config.num_max_nvl_chunked_recv_tokens,
+                              intranode_send_warps("dispatch", self.num_ranks), self.comm_stream.cuda_stream)
 
         event = scope.finish([data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
                               num_tokens_per_expert, rank_prefix_matrix, channel_prefix_matrix,
@@ -409,7 +410,8 @@ class CudaBackend:
         self.runtime.combine(x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix,
                              handle.recv_channel_prefix_matrix, handle.send_head, combined_x, combined_topk_weights,
                              num_channels, config.num_max_nvl_chunked_send_tokens,
-                             config.num_max_nvl_chunked_recv_tokens, self.comm_stream.cuda_stream)
+                             config.num_max_nvl_chunked_recv_tokens,
+                             intranode_send_warps("combine", self.num_ranks), self.comm_stream.cuda_stream)
         event = scope.finish([x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights, *handle])
         return CombineResult(combined_x, combined_topk_weights, event)
 

@@ -205,8 +205,9 @@ struct DispatchArgs {
     int worst_token_mode;              // 1: rows [M_real, num_recv_rows) of recv_topk_idx get -1
     // Tuning (Config)
     int num_channels;                  // C = config.num_sms (one CTA of kChannelThreads per channel)
-    int num_max_send_tokens;           // Sn: tokens per published chunk
+    int num_max_send_tokens;           // Sn: fewest new tokens per tail publication (except a channel's last)
     int num_max_recv_tokens;           // Nn: upper bound of the ring capacity (slots per (channel, source))
+    int num_send_warps;                // copy warps per channel when R > 1, in [R + 1, 32 - R]
 };
 
 void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cudaStream_t stream);
@@ -230,8 +231,9 @@ struct CombineArgs {
     void* combined_x;                  // [N, hidden] BF16 out
     float* combined_topk_weights;      // [N, K] float32 out, or nullptr
     int num_channels;                  // must equal the dispatch's (the matrices are [*, C])
-    int num_max_send_tokens;           // Sn
+    int num_max_send_tokens;           // Sn: fewest new rows / tokens per tail / head publication
     int num_max_recv_tokens;           // Nn (ring capacity bound)
+    int num_send_warps;                // ring-sender warps per channel when R > 1, in [R - 1, 30]
 };
 
 void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaStream_t stream);

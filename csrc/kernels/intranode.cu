@@ -5,16 +5,20 @@
 // * Each (channel, source) pair has a ring in the receiver's buffer. Ring positions are monotonic uint32 sequence
 //   numbers that never reset; the sender keeps its tail in the workspace and publishes it into the receiver's buffer,
 //   the receiver keeps its head in the workspace and publishes it into the sender's buffer. Every wait is local.
-// * Dispatch sender warps load every token row once (16 B per lane, several loads in flight) and store it to each
-//   destination: straight into recv_x for the own rank (local bypass), into the peer's ring otherwise. Sender warps
-//   form two groups that take alternate chunks of Sn tokens, so one group publishes a tail (system fence + release
-//   store) while the other copies. Receiver warps, grouped per source, copy ready slots into recv_x and return heads.
+// * Dispatch copy warps load every token row once (16 B per lane, several loads in flight) and store it to each
+//   destination: straight into recv_x for the own rank (local bypass), into the peer's ring otherwise. Token i of a
+//   channel belongs to copy warp i % W; copy warps never wait for flag publication. After each token a warp releases
+//   its progress in shared memory; one publisher warp turns the smallest progress into the complete prefix of tokens
+//   and publishes the tails (one system fence, then release stores) every >= Sn tokens and at the end. Receiver
+//   warps, grouped per source, copy ready slots into recv_x and return heads.
 // * send_head[t][d] is the index j of token t among its channel's tokens to d (-1 if not sent). The row of a
 //   received token is rank_prefix(s -> me) + recv_channel_prefix[s][c] + j on both sides, which yields the spec's
 //   order (source rank, then source token). Combine reuses j to find each contribution: no handle rewriting.
-// * Combine sender warps push rows of the receive blocks back to their owners' rings; reducer warps add, per owned
-//   token, the own contribution (read straight from x) and the ring slots in ascending rank order in float32, plus the
-//   biases, and round to BF16 once.
+// * Combine sender warps push rows of the receive blocks back to their owners' rings (each destination has its own
+//   warps); the publisher warp publishes their tails and the heads of the slots reduced. Reducer warps take my
+//   tokens of the channel (token i on reducer warp i % their count), each waiting only for its own slots, and add
+//   the own contribution (read straight from x) and the ring slots in ascending rank order in float32, plus the
+//   biases, rounding to BF16 once. The warp split is a launch argument (deep_ep.config.INTRANODE_SEND_WARPS).
 // * Failures never trap: sync.cuh's wait_geq reports to the error record and every role falls through to the end.
 #include <cuda_bf16.h>
 
@@ -31,21 +35,12 @@ namespace kernels {
 namespace {
 
 // ---- warp roles of the dispatch / combine CTA ----
-constexpr int kSendGroups = 2;           // sender warp groups that alternate chunks
-constexpr int kSendWarpsMultiRank = 16;  // sender (dispatch) or ring-sender (combine) warps when R > 1
 constexpr int kUnroll = 4;               // 16-byte loads in flight per lane in row copies
-constexpr int kReduceUnroll = 2;         // 16-byte chunks per lane accumulated together in the combine reducer
+constexpr int kReduceUnroll = 2;         // 16-byte chunks per lane (and contribution) in flight in the combine reducer
 // Named barrier ids (0 is __syncthreads).
-constexpr int kBarrierAllSenders = 1;
-constexpr int kBarrierSendGroup0 = 2;    // + group
-constexpr int kBarrierRecvGroup0 = 2 + kSendGroups;  // + source index (up to kMaxRanks - 1 groups)
+constexpr int kBarrierAllSenders = 1;    // copy warps and the publisher, after the prologue
+constexpr int kBarrierRecvGroup0 = 2;    // + source index (up to kMaxRanks - 1 groups)
 static_assert(kBarrierRecvGroup0 + kMaxRanks - 1 <= 16, "too many named barriers");
-// Combine: reducer barrier, then one barrier per sender subgroup (two per destination rank).
-constexpr int kCombineReduceBarrier = 1;
-constexpr int kCombineSendBarrier0 = 2;
-constexpr int kCombineSubgroups = 2 * (kMaxRanks - 1);
-static_assert(kCombineSendBarrier0 + kCombineSubgroups <= 16, "too many named barriers");
-static_assert(kSendWarpsMultiRank >= kCombineSubgroups, "every combine sender subgroup needs a warp");
 
 __device__ __forceinline__ uint32_t* buffer_u32(void* buffer, int64_t offset) {
     return reinterpret_cast<uint32_t*>(static_cast<char*>(buffer) + offset);
@@ -262,46 +257,85 @@ __device__ __forceinline__ int raise_max_channels(const KernelContext& ctx, int6
     return max(static_cast<int>(old), num_channels);
 }
 
-// Per-CTA state of the alternating sender groups (dispatch and combine).
-struct SenderShared {
-    uint32_t tail_base[kMaxRanks];       // tail shadow at kernel entry, per destination
-    uint32_t head_cache[kMaxRanks];      // last head seen, per destination
-    int total[kMaxRanks];                // tokens of this channel to each destination
-    int chunk_end[kSendGroups][kMaxRanks];  // per group: j end of its current chunk per destination (0 = none)
-    int decision[kSendGroups];           // per group: 1 = copy this chunk, 0 = stop
-    volatile int published;              // index of the last chunk whose tails are published
-};
+// ---- copy warps and the publisher warp (dispatch and combine) ----
+// Copy warps never wait for flag publication. Each copy warp works through its own list of items in order and,
+// after each item, releases its progress (index of its next item) at CTA scope. One publisher warp turns the
+// smallest progress of a set of copy warps into the prefix of items that is complete, and publishes ring tails
+// (after one system fence) or heads for that prefix. Its system fence is the only one per publication, and copy
+// warps keep copying while it stalls in it.
 
-// Space check for one chunk, by the leader warp's lane d. Returns false on failure.
-__device__ __forceinline__ bool wait_space(const KernelContext& ctx, SenderShared& sh, int dst, int channel,
-                                           uint32_t needed_end, int capacity, int64_t head_offset, int kernel,
-                                           int phase) {
+// Copy warp, after an item: all lanes' stores and loads of the item come first (warp sync, CTA fence).
+__device__ __forceinline__ void release_progress(volatile int* progress, int warp, int value) {
+    __syncwarp();
+    if (lane_id() == 0) {
+        __threadfence_block();
+        progress[warp] = value;
+    }
+}
+
+__device__ __forceinline__ int warp_min(int v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+// Publisher warp: smallest progress over the warps w in [lo, hi) with (w - lo) % stride == first.
+__device__ __forceinline__ int min_progress(const volatile int* progress, int lo, int hi, int stride, int first) {
+    const int w = lo + lane_id();
+    const int v = w < hi && (w - lo) % stride == first ? progress[w] : 0x7fffffff;
+    const int result = warp_min(v);
+    __syncwarp();
+    __threadfence_block();  // acquire: what the copy warps released comes before the publication
+    return result;
+}
+
+// Publisher warp: lane d's `count` (tokens to / from rank d among a prefix of the channel's tokens) is raised to
+// cover the tokens [t_begin, t_end) of send_head; send_head[t][d] is the index of t among the tokens of rank d.
+__device__ __forceinline__ int raise_counts(const int* send_head, int num_ranks, int t_begin, int t_end, int count) {
+    const int lane = lane_id();
+    for (int d = 0; d < num_ranks; ++d) {
+        int m = 0;
+        for (int t = t_begin + lane; t < t_end; t += 32) m = max(m, send_head[static_cast<int64_t>(t) * num_ranks + d] + 1);
+        m = warp_max(m);
+        if (lane == d) count = max(count, m);
+    }
+    return count;
+}
+
+// Publisher warp: once every `spin_check` idle spins, a short sleep and an abort check (sets *cta_failed).
+__device__ __forceinline__ void publisher_idle(const KernelContext& ctx, volatile int* cta_failed, int* spins) {
+    if ((++*spins & 255) == 0 && lane_id() == 0 && is_aborted(ctx)) *cta_failed = 1;
+    __nanosleep(32);
+}
+
+// One lane, before writing ring slot `needed_end - 1` of destination `dst`: waits until the slot is free, i.e. the
+// head (written by dst into my buffer) has reached needed_end - capacity. `head_cache` (shared, per destination)
+// holds a head value seen earlier by any warp: heads only grow, so any cached value is a valid lower bound.
+__device__ __forceinline__ bool wait_space(const KernelContext& ctx, volatile uint32_t* head_cache, int dst,
+                                           int channel, uint32_t needed_end, int capacity, int64_t head_offset,
+                                           int kernel, int phase) {
     const uint32_t needed_head = needed_end - static_cast<uint32_t>(capacity);
-    if (seq_geq(sh.head_cache[dst], needed_head)) return true;
+    if (seq_geq(head_cache[dst], needed_head)) return true;
     uint32_t seen;
     const bool ok = wait_geq(ctx, buffer_u32(ctx.buffers[ctx.rank], head_offset) + counter_index(channel, dst),
                              needed_head, Site{kernel, phase, dst, channel}, &seen);
-    sh.head_cache[dst] = seen;
+    if (ok) head_cache[dst] = seen;
     return ok;
 }
 
-// Leader thread of a sender group: publishes the tails of chunk `k` once chunk k-1 is published, in order.
-__device__ __forceinline__ void publish_chunk(const KernelContext& ctx, SenderShared& sh, volatile int* cta_failed,
-                                              int k, int group, int channel, int64_t tail_offset) {
-    while (sh.published != k - 1 && *cta_failed == 0) {
-    }
-    if (*cta_failed != 0) return;  // an earlier chunk may be incomplete: publish nothing more
-    fence_acq_rel_sys();
-    if (!ctx.skip_sends) {
-        for (int d = 0; d < ctx.num_ranks; ++d) {
-            const int end = sh.chunk_end[group][d];
-            if (d == ctx.rank || end <= 0) continue;
+// Publisher lane 0: one system fence, then the new tails of every peer d whose count changed.
+__device__ __forceinline__ void publish_tails(const KernelContext& ctx, int count, int old_count,
+                                              const uint32_t* tail_base, int channel, int64_t tail_offset) {
+    const int lane = lane_id();
+    if (lane == 0) fence_acq_rel_sys();
+    for (int d = 0; d < ctx.num_ranks; ++d) {
+        const int c = __shfl_sync(0xffffffffu, count, d);
+        const int old = __shfl_sync(0xffffffffu, old_count, d);
+        if (lane == 0 && d != ctx.rank && c > old && !ctx.skip_sends)
             st_release_sys(buffer_u32(ctx.buffers[d], tail_offset) + counter_index(channel, ctx.rank),
-                           sh.tail_base[d] + static_cast<uint32_t>(end));
-        }
+                           tail_base[d] + static_cast<uint32_t>(c));
     }
-    __threadfence_block();
-    sh.published = k;
+    __syncwarp();
 }
 
 // =============================================================================================================
@@ -333,7 +367,10 @@ __device__ __forceinline__ void write_local_topk(const DispatchArgs& args, const
 template <typename IdxT>
 __global__ void __launch_bounds__(kChannelThreads, 1)
     dispatch_kernel(KernelContext ctx, DispatchArgs args, DispatchGeometry geo) {
-    __shared__ SenderShared sh;
+    __shared__ uint32_t tail_base[kMaxRanks];       // tail shadow at kernel entry, per destination
+    __shared__ volatile uint32_t head_cache[kMaxRanks];  // a head seen earlier, per destination
+    __shared__ int total[kMaxRanks];                // tokens of this channel to each destination
+    __shared__ volatile int progress[kChannelWarps];  // copy warp w: channel-local index of its next token
     __shared__ int4* warp_dsts[kChannelWarps][kMaxRanks];
     __shared__ int recv_avail[kMaxRanks];
     __shared__ int local_row_base;
@@ -342,7 +379,9 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     const int rank = ctx.rank, num_ranks = ctx.num_ranks, channel = static_cast<int>(blockIdx.x);
     const int num_channels = args.num_channels, capacity = geo.ring.capacity;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = lane_id();
-    const int num_send_warps = num_ranks > 1 ? kSendWarpsMultiRank : kChannelWarps;
+    // Warps [0, W) copy tokens, warp W publishes tails, the rest receive (R > 1); with one rank all warps copy.
+    const int num_copy_warps = num_ranks > 1 ? args.num_send_warps : kChannelWarps;
+    const int num_send_warps = num_ranks > 1 ? num_copy_warps + 1 : kChannelWarps;
     const int num_local_experts = args.num_topk > 0 ? args.num_experts / num_ranks : 0;
     const int64_t hidden_int4 = args.hidden_bytes / 16;
     const int* P = args.rank_prefix_matrix;
@@ -354,7 +393,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     const int num_real_rows = P[(num_ranks - 1) * num_ranks + rank];
     if (threadIdx.x == 0) {
         cta_failed = 0;
-        sh.published = -1;
         local_row_base = (rank > 0 ? P[(rank - 1) * num_ranks + rank] : 0) + recv_cpm[rank * num_channels + channel];
         if (num_real_rows > args.num_recv_rows) {
             report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchWorstOverflow, -1, channel},
@@ -364,10 +402,11 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     }
     if (threadIdx.x < kMaxRanks) {
         const int d = static_cast<int>(threadIdx.x);
-        sh.tail_base[d] = *workspace_u32(ctx, kWsDispatchTailShadowOffset + 4 * counter_index(channel, d));
-        sh.head_cache[d] = sh.tail_base[d];  // the ring is empty between calls once drained
-        sh.total[d] = 0;
+        tail_base[d] = *workspace_u32(ctx, kWsDispatchTailShadowOffset + 4 * counter_index(channel, d));
+        head_cache[d] = tail_base[d];  // the ring is empty between calls once drained
+        total[d] = 0;
     }
+    if (threadIdx.x < kChannelWarps) progress[threadIdx.x] = static_cast<int>(threadIdx.x);
     __syncthreads();
     const bool overflow = cta_failed != 0;
 
@@ -386,7 +425,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 if (t < end) args.send_head[static_cast<int64_t>(t) * num_ranks + d] = in ? j : -1;
                 running += __popc(ballot);
             }
-            if (lane == 0) sh.total[d] = running;
+            if (lane == 0) total[d] = running;
         } else if (warp == num_ranks && !overflow) {
             const uint32_t peers = ((1u << num_ranks) - 1u) & ~(1u << rank);
             const int num_checked = raise_max_channels(ctx, kWsDispatchMaxChannelsOffset, num_channels);
@@ -395,41 +434,25 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 cta_failed = 1;
         }
         named_barrier(kBarrierAllSenders, num_send_warps * 32);
+        const int num_channel_tokens = end - begin;
 
-        // Phase B: chunks of Sn tokens, alternating between the sender groups.
-        const int warps_per_group = num_send_warps / kSendGroups;
-        const int group = warp / warps_per_group, warp_in_group = warp % warps_per_group;
-        const int chunk = args.num_max_send_tokens;
-        const int num_chunks = (end - begin + chunk - 1) / chunk;
-        for (int k = group; k < num_chunks && !overflow; k += kSendGroups) {
-            const int chunk_begin = begin + k * chunk;
-            const int chunk_stop = min(chunk_begin + chunk, end);
-            if (warp_in_group == 0) {
-                // Per destination: one past the largest j of the chunk (0 if the chunk sends nothing there).
-                for (int d = 0; d < num_ranks; ++d) {
-                    int j_end = 0;
-                    for (int t = chunk_begin + lane; t < chunk_stop; t += 32)
-                        j_end = max(j_end, args.send_head[static_cast<int64_t>(t) * num_ranks + d] + 1);
-                    j_end = warp_max(j_end);
-                    if (lane == 0) sh.chunk_end[group][d] = j_end;
-                }
-                __syncwarp();
-                bool ok = true;
-                if (lane < num_ranks && lane != rank && sh.chunk_end[group][lane] > 0 && !ctx.skip_sends)
-                    ok = wait_space(ctx, sh, lane, channel, sh.tail_base[lane] + sh.chunk_end[group][lane],
-                                    capacity, kDispatchHeadOffset, kKernelDispatch, kPhaseDispatchSendWaitHead);
-                const bool all_ok = __all_sync(0xffffffffu, ok);
-                if (lane == 0) {
-                    if (!all_ok) cta_failed = 1;
-                    sh.decision[group] = cta_failed == 0 && !is_aborted(ctx);
-                    if (!sh.decision[group]) cta_failed = 1;
-                }
-            }
-            named_barrier(kBarrierSendGroup0 + group, warps_per_group * 32);
-            if (!sh.decision[group]) break;
-
-            for (int t = chunk_begin + warp_in_group; t < chunk_stop; t += warps_per_group) {
+        if (warp < num_copy_warps) {
+            // Phase B (copy warps): token i of the channel belongs to warp i % W; each warp goes in token order.
+            for (int i = warp; i < num_channel_tokens && !overflow; i += num_copy_warps) {
+                if (cta_failed != 0) break;
+                const int t = begin + i;
                 const int* head_row = args.send_head + static_cast<int64_t>(t) * num_ranks;
+                bool ok = true;
+                if (lane < num_ranks && lane != rank && !ctx.skip_sends) {
+                    const int j = head_row[lane];
+                    if (j >= 0)
+                        ok = wait_space(ctx, head_cache, lane, channel, tail_base[lane] + static_cast<uint32_t>(j) + 1u,
+                                        capacity, kDispatchHeadOffset, kKernelDispatch, kPhaseDispatchSendWaitHead);
+                }
+                if (!__all_sync(0xffffffffu, ok)) {
+                    if (lane == 0) cta_failed = 1;
+                    break;
+                }
                 // Destinations of this token: the local recv_x row first (if any), then the peers' ring slots.
                 int4** dsts = warp_dsts[warp];
                 int num_dsts = 0;
@@ -446,7 +469,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                     for (int d = 0; d < num_ranks; ++d) {
                         const int j = head_row[d];
                         if (j < 0 || d == rank) continue;
-                        const uint32_t slot = (sh.tail_base[d] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
+                        const uint32_t slot = (tail_base[d] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
                         if (lane == 0)
                             dsts[num_dsts] = reinterpret_cast<int4*>(static_cast<char*>(ctx.buffers[d]) +
                                                                      geo.ring.slot_offset(channel, rank, static_cast<int>(slot)));
@@ -463,8 +486,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                     const uint32_t value = static_cast<const uint32_t*>(args.x_scales)[
                         static_cast<int64_t>(t) * args.scale_token_stride + static_cast<int64_t>(s) * args.scale_hidden_stride];
                     if (local_row >= 0) static_cast<uint32_t*>(args.recv_x_scales)[local_row * args.num_scales + s] = value;
-                    for (int i = first_remote; i < num_dsts; ++i)
-                        reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(dsts[i]) + geo.scales_offset)[s] = value;
+                    for (int k = first_remote; k < num_dsts; ++k)
+                        reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(dsts[k]) + geo.scales_offset)[s] = value;
                 }
                 // Source index, top-k ids and weights: raw into ring records, transformed for the local row.
                 const IdxT* idx_row = args.num_topk > 0
@@ -482,8 +505,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                         id = static_cast<int>(idx_row[lane]);
                         weight = weight_row[lane];
                     }
-                    for (int i = first_remote; i < num_dsts; ++i) {
-                        int* meta = reinterpret_cast<int*>(reinterpret_cast<char*>(dsts[i]) + geo.meta_offset);
+                    for (int k = first_remote; k < num_dsts; ++k) {
+                        int* meta = reinterpret_cast<int*>(reinterpret_cast<char*>(dsts[k]) + geo.meta_offset);
                         if (lane == 0) meta[0] = t;
                         if (lane < args.num_topk) {
                             meta[1 + lane] = id;
@@ -491,22 +514,33 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                         }
                     }
                 }
-                __syncwarp();
+                release_progress(progress, warp, i + num_copy_warps);
             }
-            named_barrier(kBarrierSendGroup0 + group, warps_per_group * 32);
-            if (warp_in_group == 0 && lane == 0)
-                publish_chunk(ctx, sh, &cta_failed, k, group, channel, kDispatchTailOffset);
+        } else if (!overflow) {
+            // Publisher (R > 1): tails for the complete prefix of tokens, at least Sn new tokens per publication.
+            int published = 0, count = 0, spins = 0;  // lane d: tokens to d among the first `published`
+            while (published < num_channel_tokens) {
+                const int ready = min(min_progress(progress, 0, num_copy_warps, 1, 0), num_channel_tokens);
+                if (cta_failed != 0) break;
+                if (ready > published && (ready - published >= args.num_max_send_tokens || ready == num_channel_tokens)) {
+                    const int old = count;
+                    count = raise_counts(args.send_head, num_ranks, begin + published, begin + ready, count);
+                    publish_tails(ctx, count, old, tail_base, channel, kDispatchTailOffset);
+                    published = ready;
+                } else {
+                    publisher_idle(ctx, &cta_failed, &spins);
+                }
+            }
+            // Ring positions for the next call.
+            if (lane < num_ranks && lane != rank && !ctx.skip_sends)
+                *workspace_u32(ctx, kWsDispatchTailShadowOffset + 4 * counter_index(channel, lane)) =
+                    tail_base[lane] + static_cast<uint32_t>(total[lane]);
         }
-        // Exit: record the tails this call published (ring positions for the next call).
-        named_barrier(kBarrierAllSenders, num_send_warps * 32);
-        if (warp == 0 && lane < num_ranks && lane != rank && !ctx.skip_sends)
-            *workspace_u32(ctx, kWsDispatchTailShadowOffset + 4 * counter_index(channel, lane)) =
-                sh.tail_base[lane] + static_cast<uint32_t>(sh.total[lane]);
     } else {
         // ------------------------------------------------------------------ receiver (R > 1)
         const int num_sources = num_ranks - 1;
         const int recv_warp = warp - num_send_warps;
-        const int num_recv_warps = kChannelWarps - num_send_warps;
+        const int num_recv_warps = kChannelWarps - num_send_warps;  // >= num_sources (launcher check)
         const int source_index = recv_warp % num_sources;
         const int src = source_index < rank ? source_index : source_index + 1;
         const int warp_in_group = recv_warp / num_sources;
@@ -588,7 +622,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
 struct CombineGeometry {
     RingGeometry ring;
     int64_t weights_offset;  // in the record
-    int reduce_round;        // tokens per reducer round (<= capacity - Sn + 1)
 };
 
 __device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
@@ -598,6 +631,39 @@ __device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
     for (int i = 0; i < 4; ++i) {
         acc[2 * i] += __uint_as_float(words[i] << 16);
         acc[2 * i + 1] += __uint_as_float(words[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ int4 pack_bf16x8(const float* acc);
+
+// One warp: out = bf16(a + b) (b may be null: out = bf16(a)) in float32, kU 16-byte chunks of both rows in flight per
+// lane; `*_ring` selects the coherent load for ring slots. The combine reducer's path when a token has one or two
+// contributions and no bias (every routed token at EP2; a token routed nowhere takes the general path: zeros). Not inlined: inside the combine kernel's 64-register budget the
+// loaded chunks would be spilled, which serialises the loads.
+template <int kU>
+__device__ __noinline__ void reduce_two(const int4* a, bool a_ring, const int4* b, bool b_ring, int4* out,
+                                        int64_t row_int4) {
+    for (int64_t base = lane_id(); base < row_int4; base += 32 * kU) {
+        int4 va[kU], vb[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            const int64_t i = base + u * 32;
+            if (i < row_int4) {
+                va[u] = a_ring ? ld_ring_int4(a + i) : ld_nc_int4(a + i);
+                if (b != nullptr) vb[u] = b_ring ? ld_ring_int4(b + i) : ld_nc_int4(b + i);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            const int64_t i = base + u * 32;
+            if (i >= row_int4) continue;
+            float acc[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+            add_bf16x8(acc, va[u]);
+            if (b != nullptr) add_bf16x8(acc, vb[u]);
+            st_na_int4(out + i, pack_bf16x8(acc));
+        }
     }
 }
 
@@ -614,188 +680,194 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
 
 __global__ void __launch_bounds__(kChannelThreads, 1)
     combine_kernel(KernelContext ctx, CombineArgs args, CombineGeometry geo) {
-    // Ring senders: one independent stream per destination (owner) rank, each served by two warp subgroups that
-    // take alternate chunks and publish tails in chunk order. Streams never wait on each other, so a reducer only
-    // depends on the streams into its own rank: no cross-rank wait cycle for any R.
-    __shared__ uint32_t tail_base[kMaxRanks];     // sender: tail shadow at kernel entry, per destination
-    __shared__ uint32_t head_cache[kMaxRanks];    // sender: last head seen, per destination
-    __shared__ volatile int published[kMaxRanks]; // sender: last chunk of the stream whose tail is published
-    __shared__ int send_decision[kCombineSubgroups];
-    __shared__ int round_end[kMaxRanks];     // reducer: j end needed from each rank in the current round
-    __shared__ int consumed[kMaxRanks];      // reducer: j end consumed so far from each rank
-    __shared__ uint32_t head_base[kMaxRanks];  // reducer: head shadow at kernel entry, per sending rank
-    __shared__ int reduce_decision;
+    // Warps [0, W) push rows of my receive blocks back to their owners' rings: warp w serves destination index
+    // w % (R - 1), so each destination's stream has its own warps and never waits on another stream. Warp W
+    // publishes the tails of those streams and the heads of the rings it reduces from. The other warps reduce my
+    // tokens of this channel, token i on reducer warp i % (their count), each waiting only for its own slots.
+    __shared__ uint32_t tail_base[kMaxRanks];            // sender: tail shadow at kernel entry, per destination
+    __shared__ volatile uint32_t head_cache[kMaxRanks];  // sender: a head seen earlier, per destination
+    __shared__ uint32_t head_base[kMaxRanks];            // reducer: head shadow at kernel entry, per sending rank
+    __shared__ volatile uint32_t tail_cache[kMaxRanks];  // reducer: a tail seen earlier, per sending rank
+    __shared__ int block_first[kMaxRanks];               // my receive block (source s, this channel): first row of x
+    __shared__ int block_count[kMaxRanks];               // and its number of rows
+    __shared__ volatile int progress[kChannelWarps];     // per warp: index of its next item (row or token)
     __shared__ volatile int cta_failed;
 
     const int rank = ctx.rank, num_ranks = ctx.num_ranks, channel = static_cast<int>(blockIdx.x);
     const int num_channels = args.num_channels, capacity = geo.ring.capacity;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = lane_id();
-    const int num_send_warps = num_ranks > 1 ? kSendWarpsMultiRank : 0;
+    const int num_copy_warps = num_ranks > 1 ? args.num_send_warps : 0;
+    const int first_reducer = num_ranks > 1 ? num_copy_warps + 1 : 0;
+    const int num_reduce_warps = kChannelWarps - first_reducer;
+    const int num_dests = num_ranks > 1 ? num_ranks - 1 : 1;
     const int64_t row_int4 = static_cast<int64_t>(args.hidden) * 2 / 16;
     const int* P = args.rank_prefix_matrix;
     const int* recv_cpm = args.recv_channel_prefix_matrix;
+    int begin, end;
+    channel_range(args.num_tokens, num_channels, channel, &begin, &end);
+    const int num_channel_tokens = end - begin;
 
     if (threadIdx.x == 0) cta_failed = 0;
     if (threadIdx.x < kMaxRanks) {
         const int d = static_cast<int>(threadIdx.x);
         tail_base[d] = *workspace_u32(ctx, kWsCombineTailShadowOffset + 4 * counter_index(channel, d));
         head_cache[d] = tail_base[d];
-        published[d] = -1;
-        consumed[d] = 0;
         head_base[d] = *workspace_u32(ctx, kWsCombineHeadShadowOffset + 4 * counter_index(channel, d));
+        tail_cache[d] = head_base[d];
+        block_first[d] = 0;
+        block_count[d] = 0;
+        if (d < num_ranks) {
+            const int src_block = d > 0 ? P[(d - 1) * num_ranks + rank] : 0;
+            const int src_rows = P[d * num_ranks + rank] - src_block;
+            const int channel_first = recv_cpm[d * num_channels + channel];
+            const int channel_next = channel + 1 < num_channels ? recv_cpm[d * num_channels + channel + 1] : src_rows;
+            block_first[d] = src_block + channel_first;
+            block_count[d] = channel_next - channel_first;
+        }
+    }
+    if (threadIdx.x < kChannelWarps) {
+        const int w = static_cast<int>(threadIdx.x);
+        progress[w] = w < num_copy_warps ? w / num_dests : (w >= first_reducer ? w - first_reducer : 0);
     }
     __syncthreads();
 
-    // Rows of my receive block (source s, this channel): [first, first + count) of x.
-    auto block_rows = [&](int s, int64_t* first, int* count) {
-        const int src_block = s > 0 ? P[(s - 1) * num_ranks + rank] : 0;
-        const int src_rows = P[s * num_ranks + rank] - src_block;
-        const int channel_first = recv_cpm[s * num_channels + channel];
-        const int channel_next = channel + 1 < num_channels ? recv_cpm[s * num_channels + channel + 1] : src_rows;
-        *first = static_cast<int64_t>(src_block) + channel_first;
-        *count = channel_next - channel_first;
-    };
-
-    if (warp < num_send_warps) {
-        // ------------------------------------------------------------------ ring sender: rows back to their owners
-        const int num_dests = num_ranks - 1;
-        const int num_subgroups = 2 * num_dests;
-        const int subgroup = warp % num_subgroups;
-        const int sub_warps = (num_send_warps - subgroup + num_subgroups - 1) / num_subgroups;
-        const int warp_in_sub = warp / num_subgroups;
-        const int parity = subgroup % 2;
-        const int dest_index = subgroup / 2;
-        const int dst = dest_index < rank ? dest_index : dest_index + 1;
-        const int barrier_id = kCombineSendBarrier0 + subgroup;
-        const bool leader = warp_in_sub == 0 && lane == 0;
-        int64_t first;
-        int count;
-        block_rows(dst, &first, &count);
-        uint32_t* head_word = buffer_u32(ctx.buffers[rank], kCombineHeadOffset) + counter_index(channel, dst);
-        uint32_t* tail_word = buffer_u32(ctx.buffers[dst], kCombineTailOffset) + counter_index(channel, rank);
-
-        // The previous call's data to dst must be consumed before this stream writes (geometry may differ).
-        if (warp_in_sub == 0 && !ctx.skip_sends) {
+    if (warp < first_reducer) {
+        // Warp 0: the previous call's data to every destination must be consumed first (geometry may differ).
+        if (warp == 0 && !ctx.skip_sends) {
+            const uint32_t peers = ((1u << num_ranks) - 1u) & ~(1u << rank);
             const int num_checked = raise_max_channels(ctx, kWsCombineMaxChannelsOffset, num_channels);
-            if (!warp_wait_drained(ctx, 1u << dst, num_checked, kCombineHeadOffset, kWsCombineTailShadowOffset,
+            if (!warp_wait_drained(ctx, peers, num_checked, kCombineHeadOffset, kWsCombineTailShadowOffset,
                                    kKernelCombine, kPhaseCombineSendDrain, channel) && lane == 0)
                 cta_failed = 1;
         }
+        named_barrier(kBarrierAllSenders, first_reducer * 32);
+    }
 
-        const int chunk = args.num_max_send_tokens;
-        const int num_chunks = (count + chunk - 1) / chunk;
-        for (int k = parity; k < num_chunks; k += 2) {
-            const int j0 = k * chunk, j1 = min(j0 + chunk, count);
-            if (leader) {
-                bool ok = true;
-                const uint32_t needed_head = tail_base[dst] + static_cast<uint32_t>(j1) - static_cast<uint32_t>(capacity);
-                if (!ctx.skip_sends && !seq_geq(head_cache[dst], needed_head)) {
-                    uint32_t seen;
-                    ok = wait_geq(ctx, head_word, needed_head,
-                                  Site{kKernelCombine, kPhaseCombineSendWaitHead, dst, channel}, &seen);
-                    head_cache[dst] = seen;
-                }
-                if (!ok) cta_failed = 1;
-                send_decision[subgroup] = cta_failed == 0 && !is_aborted(ctx);
-                if (!send_decision[subgroup]) cta_failed = 1;
+    if (warp < num_copy_warps) {
+        // ------------------------------------------------------------------ ring sender: rows back to their owners
+        const int dest_index = warp % num_dests;
+        const int dst = dest_index < rank ? dest_index : dest_index + 1;
+        const int stride = (num_copy_warps - dest_index + num_dests - 1) / num_dests;
+        const int64_t first = block_first[dst];
+        const int count = block_count[dst];
+        for (int j = warp / num_dests; j < count && !ctx.skip_sends; j += stride) {
+            if (cta_failed != 0) break;
+            bool ok = true;
+            if (lane == 0)
+                ok = wait_space(ctx, head_cache, dst, channel, tail_base[dst] + static_cast<uint32_t>(j) + 1u, capacity,
+                                kCombineHeadOffset, kKernelCombine, kPhaseCombineSendWaitHead);
+            if (!__shfl_sync(0xffffffffu, ok, 0)) {
+                if (lane == 0) cta_failed = 1;
+                break;
             }
-            named_barrier(barrier_id, sub_warps * 32);
-            if (!send_decision[subgroup]) break;
-            if (!ctx.skip_sends) {
-                for (int j = j0 + warp_in_sub; j < j1; j += sub_warps) {
-                    const int64_t row = first + j;
-                    const uint32_t slot = (tail_base[dst] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
-                    char* rec = static_cast<char*>(ctx.buffers[dst]) + geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
-                    int4* rec_row = reinterpret_cast<int4*>(rec);
-                    warp_copy_row<false>(reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2),
-                                         row_int4, &rec_row, 1);
-                    if (lane < args.num_topk)
-                        reinterpret_cast<float*>(rec + geo.weights_offset)[lane] = args.topk_weights[row * args.num_topk + lane];
-                }
-            }
-            named_barrier(barrier_id, sub_warps * 32);
-            if (leader) {
-                // Publish in chunk order: the other subgroup's previous chunk first.
-                while (published[dst] != k - 1 && cta_failed == 0) {
-                }
-                if (cta_failed == 0) {
-                    fence_acq_rel_sys();
-                    if (!ctx.skip_sends) st_release_sys(tail_word, tail_base[dst] + static_cast<uint32_t>(j1));
-                    __threadfence_block();
-                    published[dst] = k;
-                }
-            }
+            const int64_t row = first + j;
+            const uint32_t slot = (tail_base[dst] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
+            char* rec = static_cast<char*>(ctx.buffers[dst]) + geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
+            int4* rec_row = reinterpret_cast<int4*>(rec);
+            warp_copy_row<false>(reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2),
+                                 row_int4, &rec_row, 1);
+            if (lane < args.num_topk)
+                reinterpret_cast<float*>(rec + geo.weights_offset)[lane] = args.topk_weights[row * args.num_topk + lane];
+            release_progress(progress, warp, j + stride);
         }
-        if (leader && parity == 0 && !ctx.skip_sends && cta_failed == 0)
-            *workspace_u32(ctx, kWsCombineTailShadowOffset + 4 * counter_index(channel, dst)) =
-                tail_base[dst] + static_cast<uint32_t>(count);
-    } else {
+    } else if (warp == num_copy_warps && num_ranks > 1) {
+        // ------------------------------------------------------------------ publisher: tails and heads
+        // Lane d: rows sent to d whose tail is published, and slots of d's ring (my tokens) consumed.
+        int sent = 0, consumed = 0, reduced = 0, spins = 0;
+        const int my_count = lane < num_ranks && lane != rank ? block_count[lane] : 0;
+        while (cta_failed == 0) {
+            bool acted = false;
+            // Tails: per destination, the rows that every one of its warps has passed.
+            int ready = 0;
+            for (int di = 0; di < num_dests; ++di) {
+                const int p = min_progress(progress, 0, num_copy_warps, num_dests, di);
+                if (lane == (di < rank ? di : di + 1)) ready = min(p, my_count);
+            }
+            const bool publish = lane < num_ranks && lane != rank && !ctx.skip_sends && ready > sent &&
+                                 (ready - sent >= args.num_max_send_tokens || ready == my_count);
+            if (__any_sync(0xffffffffu, publish)) {
+                const int next = publish ? ready : sent;
+                publish_tails(ctx, next, sent, tail_base, channel, kCombineTailOffset);
+                sent = next;
+                acted = true;
+            }
+            // Heads: the slots of the tokens that every reducer warp has passed are free again.
+            const int done = min(min_progress(progress, first_reducer, kChannelWarps, 1, 0), num_channel_tokens);
+            if (done > reduced && (done - reduced >= args.num_max_send_tokens || done == num_channel_tokens)) {
+                const int old = consumed;
+                consumed = raise_counts(args.send_head, num_ranks, begin + reduced, begin + done, consumed);
+                if (lane < num_ranks && lane != rank && consumed > old)
+                    st_release_sys(buffer_u32(ctx.buffers[lane], kCombineHeadOffset) + counter_index(channel, rank),
+                                   head_base[lane] + static_cast<uint32_t>(consumed));
+                reduced = done;
+                acted = true;
+            }
+            const bool sends_done = ctx.skip_sends || __all_sync(0xffffffffu, sent == my_count);
+            if (sends_done && reduced == num_channel_tokens) break;
+            if (!acted) publisher_idle(ctx, &cta_failed, &spins);
+        }
+        // Ring positions for the next call (this call's rows to d, and my tokens' rows from d).
+        if (cta_failed == 0 && lane < num_ranks && lane != rank) {
+            if (!ctx.skip_sends)
+                *workspace_u32(ctx, kWsCombineTailShadowOffset + 4 * counter_index(channel, lane)) =
+                    tail_base[lane] + static_cast<uint32_t>(my_count);
+            *workspace_u32(ctx, kWsCombineHeadShadowOffset + 4 * counter_index(channel, lane)) =
+                head_base[lane] + static_cast<uint32_t>(consumed);
+        }
+    } else if (warp >= first_reducer) {
         // ------------------------------------------------------------------ reducer: my tokens of this channel
-        const int reduce_warp = warp - num_send_warps;
-        const int num_reduce_warps = kChannelWarps - num_send_warps;
-        const int reduce_threads = num_reduce_warps * 32;
-        const int barrier_id = kCombineReduceBarrier;
-        int begin, end;
-        channel_range(args.num_tokens, num_channels, channel, &begin, &end);
-        int64_t own_first;
-        int own_count;
-        block_rows(rank, &own_first, &own_count);
-
-        for (int r0 = begin; r0 < end; r0 += geo.reduce_round) {
-            const int r1 = min(r0 + geo.reduce_round, end);
-            if (reduce_warp == 0) {
-                for (int d = 0; d < num_ranks; ++d) {
-                    int j_end = 0;
-                    for (int t = r0 + lane; t < r1; t += 32)
-                        j_end = max(j_end, args.send_head[static_cast<int64_t>(t) * num_ranks + d] + 1);
-                    j_end = warp_max(j_end);
-                    if (lane == 0) round_end[d] = j_end;
-                }
-                __syncwarp();
-                bool ok = true;
-                if (lane < num_ranks && lane != rank && round_end[lane] > consumed[lane]) {
+        const int reduce_warp = warp - first_reducer;
+        const int64_t own_first = block_first[rank];
+        for (int item = reduce_warp; item < num_channel_tokens; item += num_reduce_warps) {
+            if (cta_failed != 0) break;
+            const int t = begin + item;
+            // Lane d: wait until the slot of my token in d's ring is written (its tail has passed it).
+            bool ok = true;
+            if (lane < num_ranks && lane != rank) {
+                const int j = args.send_head[static_cast<int64_t>(t) * num_ranks + lane];
+                const uint32_t needed = head_base[lane] + static_cast<uint32_t>(j) + 1u;
+                if (j >= 0 && !seq_geq(tail_cache[lane], needed)) {
                     uint32_t seen;
                     ok = wait_geq(ctx, buffer_u32(ctx.buffers[rank], kCombineTailOffset) + counter_index(channel, lane),
-                                  head_base[lane] + static_cast<uint32_t>(round_end[lane]),
-                                  Site{kKernelCombine, kPhaseCombineRecvWaitTail, lane, channel}, &seen);
+                                  needed, Site{kKernelCombine, kPhaseCombineRecvWaitTail, lane, channel}, &seen);
+                    if (ok) tail_cache[lane] = seen;
                 }
-                const bool all_ok = __all_sync(0xffffffffu, ok);
-                if (lane == 0) {
-                    if (!all_ok) cta_failed = 1;
-                    reduce_decision = cta_failed == 0;
-                }
+                __threadfence_block();  // acquire: a cached tail was stored after its reader's acquire load
             }
-            named_barrier(barrier_id, reduce_threads);
-            if (!reduce_decision) break;
-
-            for (int t = r0 + reduce_warp; t < r1; t += num_reduce_warps) {
-                const int* head_row = args.send_head + static_cast<int64_t>(t) * num_ranks;
-                // Contribution sources in ascending rank order; `own` is the index of my own row (-1 if none).
-                const int4* srcs[kMaxRanks];
-                const float* wsrcs[kMaxRanks];
-                int num_srcs = 0, own = -1;
-                for (int d = 0; d < num_ranks; ++d) {
-                    const int j = head_row[d];
-                    if (j < 0) continue;
-                    if (d == rank) {
-                        const int64_t row = own_first + j;
-                        own = num_srcs;
-                        srcs[num_srcs] = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2);
-                        wsrcs[num_srcs] = args.num_topk > 0 ? args.topk_weights + row * args.num_topk : nullptr;
-                    } else {
-                        const uint32_t seq = head_base[d] + static_cast<uint32_t>(j);
-                        const char* rec = static_cast<const char*>(ctx.buffers[rank]) +
-                                          geo.ring.slot_offset(channel, d, static_cast<int>(seq % static_cast<uint32_t>(capacity)));
-                        srcs[num_srcs] = reinterpret_cast<const int4*>(rec);
-                        wsrcs[num_srcs] = reinterpret_cast<const float*>(rec + geo.weights_offset);
-                    }
-                    ++num_srcs;
+            if (!__all_sync(0xffffffffu, ok)) {
+                if (lane == 0) cta_failed = 1;
+                break;
+            }
+            const int* head_row = args.send_head + static_cast<int64_t>(t) * num_ranks;
+            // Contribution sources in ascending rank order; `own` is the index of my own row (-1 if none).
+            const int4* srcs[kMaxRanks];
+            const float* wsrcs[kMaxRanks];
+            int num_srcs = 0, own = -1;
+            for (int d = 0; d < num_ranks; ++d) {
+                const int j = head_row[d];
+                if (j < 0) continue;
+                if (d == rank) {
+                    const int64_t row = own_first + j;
+                    own = num_srcs;
+                    srcs[num_srcs] = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2);
+                    wsrcs[num_srcs] = args.num_topk > 0 ? args.topk_weights + row * args.num_topk : nullptr;
+                } else {
+                    const uint32_t seq = head_base[d] + static_cast<uint32_t>(j);
+                    const char* rec = static_cast<const char*>(ctx.buffers[rank]) +
+                                      geo.ring.slot_offset(channel, d, static_cast<int>(seq % static_cast<uint32_t>(capacity)));
+                    srcs[num_srcs] = reinterpret_cast<const int4*>(rec);
+                    wsrcs[num_srcs] = reinterpret_cast<const float*>(rec + geo.weights_offset);
                 }
-                const int4* bias0 = args.bias_0 != nullptr
-                    ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_0) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
-                const int4* bias1 = args.bias_1 != nullptr
-                    ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_1) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
-                int4* out = reinterpret_cast<int4*>(static_cast<char*>(args.combined_x) + static_cast<int64_t>(t) * args.hidden * 2);
+                ++num_srcs;
+            }
+            const int4* bias0 = args.bias_0 != nullptr
+                ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_0) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
+            const int4* bias1 = args.bias_1 != nullptr
+                ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_1) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
+            int4* out = reinterpret_cast<int4*>(static_cast<char*>(args.combined_x) + static_cast<int64_t>(t) * args.hidden * 2);
+            if (num_srcs >= 1 && num_srcs <= 2 && bias0 == nullptr && bias1 == nullptr) {
+                reduce_two<kReduceUnroll>(srcs[0], own != 0, num_srcs > 1 ? srcs[1] : nullptr, own != 1, out, row_int4);
+            } else {
                 for (int64_t base_i = lane; base_i < row_int4; base_i += 32 * kReduceUnroll) {
                     float acc[kReduceUnroll][8];
 #pragma unroll
@@ -834,28 +906,16 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                         if (i < row_int4) st_na_int4(out + i, pack_bf16x8(acc[u]));
                     }
                 }
-                if (args.combined_topk_weights != nullptr && lane < args.num_topk) {
-                    float w = 0.0f;
-                    for (int n = 0; n < num_srcs; ++n) {
-                        const bool is_own = n == own;
-                        w += is_own ? wsrcs[n][lane] : reinterpret_cast<const volatile float*>(wsrcs[n])[lane];
-                    }
-                    args.combined_topk_weights[static_cast<int64_t>(t) * args.num_topk + lane] = w;
+            }
+            if (args.combined_topk_weights != nullptr && lane < args.num_topk) {
+                float w = 0.0f;
+                for (int n = 0; n < num_srcs; ++n) {
+                    const bool is_own = n == own;
+                    w += is_own ? wsrcs[n][lane] : reinterpret_cast<const volatile float*>(wsrcs[n])[lane];
                 }
+                args.combined_topk_weights[static_cast<int64_t>(t) * args.num_topk + lane] = w;
             }
-            named_barrier(barrier_id, reduce_threads);
-            // Free the slots of this round in every sender's ring (consumed in order).
-            if (reduce_warp == 0 && lane < num_ranks && lane != rank && round_end[lane] > consumed[lane]) {
-                consumed[lane] = round_end[lane];
-                st_release_sys(buffer_u32(ctx.buffers[lane], kCombineHeadOffset) + counter_index(channel, rank),
-                               head_base[lane] + static_cast<uint32_t>(round_end[lane]));
-            }
-        }
-        named_barrier(barrier_id, reduce_threads);
-        if (reduce_warp == 0 && lane < num_ranks && lane != rank && cta_failed == 0) {
-            // Everything of this call from `lane` in this channel is consumed: the count of my tokens sent there.
-            *workspace_u32(ctx, kWsCombineHeadShadowOffset + 4 * counter_index(channel, lane)) =
-                head_base[lane] + static_cast<uint32_t>(consumed[lane]);
+            release_progress(progress, warp, item + num_reduce_warps);
         }
     }
 }
@@ -931,6 +991,11 @@ void check_channels(const char* what, int num_channels, int num_max_send_tokens,
                       "); raise num_nvl_bytes or num_max_nvl_chunked_recv_tokens, or lower num_sms");
 }
 
+void check_send_warps(const char* what, int num_send_warps, int lowest, int highest) {
+    DEEP_EP_CHECK_ARG(num_send_warps >= lowest && num_send_warps <= highest, what, ": send warps per channel must be in [",
+                      lowest, ", ", highest, "] for this rank count, got ", num_send_warps);
+}
+
 }  // namespace
 
 // =============================================================================================================
@@ -975,10 +1040,13 @@ void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cuda
                              false);
     geo.scales_offset = dispatch_scales_offset(args.hidden_bytes);
     geo.meta_offset = dispatch_meta_offset(args.hidden_bytes, args.num_scales);
-    if (ctx.num_ranks > 1)
+    if (ctx.num_ranks > 1) {
         check_channels("dispatch", args.num_channels, args.num_max_send_tokens, geo.ring.capacity, record,
                        ctx.num_nvl_bytes);
-    else
+        // Copy warps: one per destination plus the drain checker in the prologue; the publisher and one receiver
+        // warp per source remain.
+        check_send_warps("dispatch", args.num_send_warps, ctx.num_ranks + 1, kChannelWarps - ctx.num_ranks);
+    } else
         DEEP_EP_CHECK_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
                           "dispatch: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
     if (ctx.num_ranks == 1 && geo.ring.capacity < 1) geo.ring.capacity = 1;  // no ring is used with one rank
@@ -1009,14 +1077,12 @@ void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaSt
     if (ctx.num_ranks > 1) {
         check_channels("combine", args.num_channels, args.num_max_send_tokens, geo.ring.capacity, record,
                        ctx.num_nvl_bytes);
-        // A reducer round may need slots up to round + Sn - 1 past the consumed head: keep it within capacity.
-        const int limit = geo.ring.capacity - args.num_max_send_tokens + 1;
-        geo.reduce_round = limit < 64 ? limit : 64;
+        // Copy warps: at least one per destination; the publisher and at least one reducer warp remain.
+        check_send_warps("combine", args.num_send_warps, ctx.num_ranks - 1, kChannelWarps - 2);
     } else {
         DEEP_EP_CHECK_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
                           "combine: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
         if (geo.ring.capacity < 1) geo.ring.capacity = 1;
-        geo.reduce_round = 64;
     }
     check_resident("combine", args.num_channels);
     combine_kernel<<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);

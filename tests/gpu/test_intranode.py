@@ -66,6 +66,9 @@ class Case:
     num_bias: int  # 0, 1 or 2 combine biases
     scales_col_major: bool
     alloc_on_comm: bool = False  # allocate_on_comm_stream (only used with async_mode and previous_mode)
+    # Copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS; clamped to each kernel's range for the ranks).
+    dispatch_warps: int = 16
+    combine_warps: int = 8
 
     def describe(self) -> str:
         return "Case(" + ", ".join(f"{k}={v!r}" for k, v in asdict(self).items()) + ")"
@@ -89,7 +92,9 @@ def case_strategy(num_ranks: int, max_tokens: int = 300):
                     empty_rank=draw(st.integers(-1, num_ranks - 1)) if num_ranks > 1 else -1,
                     async_mode=draw(st.booleans()), previous_mode=draw(st.booleans()),
                     num_bias=draw(st.integers(0, 2)), scales_col_major=draw(st.booleans()),
-                    alloc_on_comm=draw(st.booleans()))
+                    alloc_on_comm=draw(st.booleans()),
+                    dispatch_warps=draw(st.sampled_from([1, 9, 16, 31])),
+                    combine_warps=draw(st.sampled_from([1, 4, 8, 30])))
     return st.composite(lambda draw: build(draw))()
 
 
@@ -331,10 +336,17 @@ def _global_reference(case: Case, inputs: list, num_channels: int):
     return topo, layouts, dispatched
 
 
+def _apply_tuning(case: Case) -> None:
+    """The case's warp split for this worker's next calls."""
+    import deep_ep.config
+    deep_ep.config.INTRANODE_SEND_WARPS.update(dispatch=case.dispatch_warps, combine=case.combine_warps)
+
+
 def task_roundtrip(buffer, rank: int, case: Case) -> str:
     """Layout, dispatch (all modes), cached dispatch, worst-token dispatch and combine against the reference."""
     import reference
     import deep_ep
+    _apply_tuning(case)
     from deep_ep.numerics import per_token_cast_back  # noqa: F401 (documented helper; FP8 compared bytewise)
     inputs = [make_inputs(case, r) for r in range(case.num_ranks)]
     mine = inputs[rank]
@@ -462,6 +474,7 @@ def task_graph(buffer, rank: int, case: Case) -> str:
     interleaved with eager calls; every replay is compared with the reference."""
     import reference
     import deep_ep
+    _apply_tuning(case)
     config = deep_ep.Config(case.num_sms, 8, 256)
     worst = sum(case.num_tokens) + 1
     n, h, k = case.num_tokens[rank], case.hidden, case.num_topk

@@ -361,6 +361,7 @@ void run_case(World& w, const Case& cs, std::mt19937& rng, bool with_topk, int n
             a.num_channels = C;
             a.num_max_send_tokens = cs.send_tokens;
             a.num_max_recv_tokens = cs.recv_tokens;
+            a.num_send_warps = R + 1 + pass * 6;  // the fewest copy warps, then more
             DEEP_EP_CUDA_CHECK(cudaSetDevice(d));
             intranode_dispatch(w.context(r), a, w.ranks[r].stream);
         }
@@ -443,6 +444,7 @@ void run_case(World& w, const Case& cs, std::mt19937& rng, bool with_topk, int n
                 a.num_channels = C;
                 a.num_max_send_tokens = cs.send_tokens > 1 ? cs.send_tokens - 1 : 1;
                 a.num_max_recv_tokens = cs.recv_tokens;
+                a.num_send_warps = R > 1 ? R - 1 + (cs.send_tokens % 12) : 0;
                 DEEP_EP_CUDA_CHECK(cudaSetDevice(d));
                 intranode_combine(w.context(r), a, w.ranks[r].stream);
             }
@@ -550,6 +552,7 @@ void run_fault(World& w) {
         a.num_channels = C;
         a.num_max_send_tokens = 4;
         a.num_max_recv_tokens = 16;
+        a.num_send_warps = 16;
         KernelContext ctx = w.context(r, 2ull * 1000 * 1000 * 1000);
         ctx.skip_sends = r == 1;
         DEEP_EP_CUDA_CHECK(cudaSetDevice(d));
