@@ -551,7 +551,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
                     scale = exp2_int(-ex);
                 } else {
                     scale_inv = __fmul_rn(amax, static_cast<float>(1.0 / 448.0));
-                    scale = __fdiv_rn(448.0f, amax);
+                    scale = __fmul_rn(__frcp_rn(amax), 448.0f);  // torch: 448 / t == t.reciprocal() * 448
                 }
                 uint8_t q[8];
                 for (int v = 0; v < 8; ++v) {

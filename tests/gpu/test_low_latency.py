@@ -147,6 +147,8 @@ def _worker(rank: int, world: int, port: int, env: dict, tasks, results) -> None
             return
         try:
             dist.barrier()
+            # Every example may change (T, H, E): the spec requires a (collective) clean then.
+            buffer.clean_low_latency_buffer(payload.max_tokens, payload.hidden, payload.num_experts)
             results.put((rank, "ok", TASKS[name](buffer, rank, payload)))
         except Exception:  # noqa: BLE001 - reported to the driver
             results.put((rank, "fail", f"{getattr(payload, 'describe', lambda: payload)()}\n{traceback.format_exc()}"))
@@ -251,7 +253,6 @@ def _check_dispatch(case: Case, rank: int, res, ref) -> None:
 
 def _ll_round(buffer, case: Case, rank: int, inputs: list, mine: dict, refs: list, ref_out: list) -> None:
     """One dispatch (twice when asked: both buffer halves) + combine on this rank, checked."""
-    import deep_ep
     num_local = case.num_experts // case.num_ranks
     x, idx, w = (mine[k].cuda() for k in ("x", "topk_idx", "topk_weights"))
     stats = torch.zeros(num_local, dtype=torch.int32, device="cuda") if case.with_stats else None
