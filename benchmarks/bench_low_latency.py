@@ -143,7 +143,8 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-processes", type=int, default=2)
-    parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
+    # DeepEP requires num_ranks * tokens % 4 == 0, so the EP2 sweep starts at 2.
+    parser.add_argument("--tokens", default="2,4,8,16,32,64,128,256")
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--num-topk", type=int, default=8)
     parser.add_argument("--num-experts", type=int, default=288)

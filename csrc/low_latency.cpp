@@ -224,8 +224,10 @@ std::optional<kernels::ErrorRecord> LowLatencyRuntime::read_error() const {
     return r;
 }
 
-void LowLatencyRuntime::clear_error() {
-    DEEP_EP_CUDA_CHECK(cudaDeviceSynchronize());
+void LowLatencyRuntime::reset(int num_max_tokens, int hidden, int num_experts, uintptr_t stream) {
+    auto ctx = context(num_max_tokens, hidden, num_experts);
+    ll::clean(ctx, as_stream(stream));
+    DEEP_EP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
     std::atomic_thread_fence(std::memory_order_seq_cst);
 }

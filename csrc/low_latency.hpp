@@ -54,8 +54,9 @@ class LowLatencyRuntime {
     void clean_mask(uintptr_t stream);
 
     std::optional<kernels::ErrorRecord> read_error() const;
-    // Clears the error record (call after every rank synchronised; then clean()).
-    void clear_error();
+    // After an error: zero the control words, workspace and abort word, then the error record (no barrier: every
+    // rank calls it between two host barriers, with no LL kernel in flight).
+    void reset(int num_max_tokens, int hidden, int num_experts, uintptr_t stream);
     void destroy();
 
    private:

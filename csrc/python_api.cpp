@@ -122,7 +122,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                  out["phase"] = deep_ep::kernels::ll::ll_phase_name(record->phase);
                  return out;
              })
-        .def("clear_error", &deep_ep::LowLatencyRuntime::clear_error)
+        .def("reset", &deep_ep::LowLatencyRuntime::reset)
         .def("destroy", &deep_ep::LowLatencyRuntime::destroy);
 #endif
 }

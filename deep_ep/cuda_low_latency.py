@@ -222,6 +222,13 @@ class LowLatencyCuda:
         stream.synchronize()
         self.check_errors()
 
+    def reset(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """After an error, on every rank between two host barriers: zero every signal word, the kernels' private
+        state and the error record, so the Buffer is usable again (the failed call's outputs stay invalid)."""
+        torch.cuda.synchronize()
+        self.runtime.reset(num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                           torch.cuda.current_stream().cuda_stream)
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         self.runtime.update_mask(rank_to_mask, mask, torch.cuda.current_stream().cuda_stream)
 
