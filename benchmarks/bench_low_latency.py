@@ -8,7 +8,8 @@ kernel's time is not inflated by a late peer.
 * kernel time: mean duration of ``ll_dispatch_kernel`` / ``ll_combine_kernel`` in a torch-profiler trace (DeepEP's
   ``bench_kineto``); with ``return_recv_hook`` the send launch (template argument 1) and the receive launch (2) are
   reported separately;
-* wall time: median of CUDA-event intervals around each call (launch included);
+* wall time: median of CUDA-event intervals around each call (launch included), once with a barrier and an L2
+  flush before every iteration, once back to back (calls enqueued one after another);
 * bytes (DeepEP's count): ``sum_t (#valid k) * (H + H/128*4 + 16)`` for FP8 dispatch and ``sum_t (#valid k) * 2H``
   for BF16 combine, local selections included.
 
@@ -38,7 +39,9 @@ def kernel_times(trace, names: dict) -> dict:
     events = trace.key_averages()
     out = {}
     for key, pattern in names.items():
-        hits = [e for e in events if pattern in e.key]
+        # "ll_dispatch_kernel<3>" demangled, or "ll_dispatch_kernelILi3E" if the profiler shows the mangled name.
+        name, arg = pattern.rstrip(">").split("<")
+        hits = [e for e in events if pattern in e.key or f"{name}ILi{arg}E" in e.key]
         count = sum(e.count for e in hits)
         out[key] = sum(e.device_time_total for e in hits) / count / 1e6 if count else float("nan")
     return out
@@ -102,6 +105,21 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
                 torch.cuda.synchronize()
                 wall["dispatch"].append(ev[0].elapsed_time(ev[1]) / 1e3)
                 wall["combine"].append(ev[1].elapsed_time(ev[2]) / 1e3)
+            # Back-to-back wall time: calls enqueued one after another (no barrier, no flush), as a training step
+            # issues them; events around each call.
+            piped = {"dispatch": [], "combine": []}
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3 * args.iters)]
+            sync_ranks()
+            for i in range(args.iters):
+                ev[3 * i].record()
+                dispatch()
+                ev[3 * i + 1].record()
+                combine()
+                ev[3 * i + 2].record()
+            torch.cuda.synchronize()
+            for i in range(1, args.iters):
+                piped["dispatch"].append(ev[3 * i].elapsed_time(ev[3 * i + 1]) / 1e3)
+                piped["combine"].append(ev[3 * i + 1].elapsed_time(ev[3 * i + 2]) / 1e3)
             # Kernel time: profiler, no hook.
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
                 for _ in range(args.iters):
@@ -129,6 +147,7 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
             point = {"tokens": tokens, "dispatch_bytes": dispatch_bytes, "combine_bytes": combine_bytes,
                      "kernel_s": fused, "phases_s": phases,
                      "wall_s": {k: statistics.median(v) for k, v in wall.items()},
+                     "wall_back_to_back_s": {k: statistics.median(v) for k, v in piped.items()},
                      "dispatch_GBps": dispatch_bytes / fused["dispatch"] / 1e9,
                      "combine_GBps": combine_bytes / fused["combine"] / 1e9}
             points.append(point)
@@ -184,6 +203,8 @@ def main() -> None:
                "dispatch_GBps": avg(lambda r: r["dispatch_GBps"]), "combine_GBps": avg(lambda r: r["combine_GBps"]),
                "wall_dispatch_us": avg(lambda r: r["wall_s"]["dispatch"]) * 1e6,
                "wall_combine_us": avg(lambda r: r["wall_s"]["combine"]) * 1e6,
+               "wall_b2b_dispatch_us": avg(lambda r: r["wall_back_to_back_s"]["dispatch"]) * 1e6,
+               "wall_b2b_combine_us": avg(lambda r: r["wall_back_to_back_s"]["combine"]) * 1e6,
                **{f"{k}_us": avg(lambda r, k=k: r["phases_s"][k]) * 1e6 for k in point["phases_s"]}}
         summary.append(row)
         print(f"{row['tokens']:>5} {row['dispatch_us']:>8.1f} {row['combine_us']:>8.1f} {row['dispatch_GBps']:>9.1f} "

@@ -402,6 +402,10 @@ __device__ __forceinline__ void logfmt_decode_group(const char* row, uint32_t fl
     }
 }
 
+}  // namespace
+
+// The kernels have external linkage so that profilers show readable names (deep_ep::kernels::ll::ll_*_kernel<N>).
+
 // ---------------------------------------------------------------------------------------------------------------
 // Dispatch
 // ---------------------------------------------------------------------------------------------------------------
@@ -453,8 +457,13 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
         const int tile_begin = min(N, b * tile), tile_end = min(N, tile_begin + tile);
         for (int t = tid; t < N; t += kThreads) {
             const bool before = t < tile_begin;
-            for (int k = 0; k < K; ++k) {
-                const int64_t e = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + k);
+            int64_t ids[kMaxTopk];
+#pragma unroll
+            for (int k = 0; k < kMaxTopk; ++k)
+                ids[k] = k < K ? load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + k) : -1;
+#pragma unroll
+            for (int k = 0; k < kMaxTopk; ++k) {
+                const int64_t e = ids[k];
                 if (e < 0) continue;
                 if (e >= E) {
                     if (b == 0) report(ctx, kErrorBadRouting, kKernelLlDispatch, kPhaseLlBadRouting, -1, t, E, e, 0);
@@ -465,10 +474,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
                 atomicAdd(tot_e + e, 1);
                 if (before) atomicAdd(pre_e + e, 1);
                 bool first = true;
-                for (int k2 = 0; k2 < k && first; ++k2) {
-                    const int64_t e2 = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + k2);
-                    first = !(e2 >= 0 && e2 < E && int(e2) / L == d);
-                }
+#pragma unroll
+                for (int k2 = 0; k2 < k; ++k2)
+                    first &= !(ids[k2] >= 0 && ids[k2] < E && int(ids[k2]) / L == d);
                 if (first) {
                     atomicAdd(tot_r + d, 1);
                     if (before) atomicAdd(pre_r + d, 1);
@@ -759,6 +767,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
 
 struct CombineShared {
     int ok;
+    int num;                   // valid, unmasked top-k entries of the current token
+    int64_t expert[kMaxTopk];  // their experts, ascending k
+    float weight[kMaxTopk];
 };
 
 template <int kPhases>
@@ -866,8 +877,13 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             int expected = 0;
             for (int k = 0; k < K; ++k) {
                 const int64_t e = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + k);
-                if (e >= 0 && e < E && !is_masked(ctx, int(e) / L)) ++expected;
+                if (e >= 0 && e < E && !is_masked(ctx, int(e) / L)) {
+                    sh.expert[expected] = e;
+                    sh.weight[expected] = a.topk_weights[int64_t(t) * K + k];
+                    ++expected;
+                }
             }
+            sh.num = expected;
             sh.ok = 1;
             if (expected > 0) {
                 uint64_t* word = reinterpret_cast<uint64_t*>(my_half + lay.carrive_off + int64_t(t) * 8);
@@ -903,10 +919,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
         for (int gc = tid; gc < groups; gc += kThreads) {
             float acc[16];
             for (int v = 0; v < 16; ++v) acc[v] = 0.0f;
-            for (int k = 0; k < K; ++k) {
-                const int64_t e = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + k);
-                if (e < 0 || e >= E || is_masked(ctx, int(e) / L)) continue;
-                const float w = a.topk_weights[int64_t(t) * K + k];
+            for (int k = 0; k < sh.num; ++k) {
+                const int64_t e = sh.expert[k];
+                const float w = sh.weight[k];
                 const char* slot = my_half + lay.crecv_off + (e * T + t) * row_bytes;
                 float y[16];
                 if (a.use_logfmt) {
@@ -974,6 +989,8 @@ __global__ void ll_clean_kernel(Context ctx) {
     if (first == 0) *reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset) = 0;
     if (first == 0) *reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsClaim) = 0;
 }
+
+namespace {
 
 int dispatch_smem(const Context& ctx) {
     const int E = ctx.layout.num_experts, R = ctx.num_ranks;
