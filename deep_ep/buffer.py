@@ -14,6 +14,7 @@ A backend implements the same method names and arguments as ``Buffer`` and retur
 """
 from __future__ import annotations
 
+import importlib
 import warnings
 import weakref
 from typing import Any, Optional, Union
@@ -33,6 +34,23 @@ _INT_MAX = 2 ** 31 - 1
 _NVSHMEM_QP_DEPTH = 1024
 # Largest group of the normal kernels (DeepEP), unless in low-latency mode.
 _MAX_NORMAL_RANKS = 160
+
+
+def _backend_choice() -> str:
+    choice = envs.BACKEND.get()
+    if choice not in ("auto", "torch", "cuda"):
+        raise ValueError(f"DEEP_EP_BACKEND must be 'auto', 'torch' or 'cuda', got {choice!r}")
+    return choice
+
+
+def _import_cuda(module: str, name: str) -> tuple[Any, Optional[str]]:
+    """``(class, None)`` for a CUDA backend class, or ``(None, why it cannot be used)``."""
+    if not torch.cuda.is_available():
+        return None, "CUDA is not available"
+    try:
+        return getattr(importlib.import_module(module), name), None
+    except ImportError as exc:
+        return None, f"the CUDA extension is not importable ({exc})"
 
 
 class Buffer:
@@ -122,20 +140,12 @@ class Buffer:
     def _make_cuda_low_latency(self, group: Any, comm: Any) -> Any:
         """The CUDA low-latency backend (NVSHMEM) when ``low_latency_mode`` has an RDMA buffer, the extension has
         the LL kernels and ``DEEP_EP_BACKEND`` allows it; else ``None`` (the torch backend serves LL calls)."""
-        choice = envs.BACKEND.get()
+        choice = _backend_choice()
         if choice == "torch" or not (self.low_latency_mode and self.num_rdma_bytes > 0):
             return None
-        reason = None
-        if not torch.cuda.is_available():
-            reason = "CUDA is not available"
-        else:
-            try:
-                from deep_ep.cuda_low_latency import LowLatencyCuda
-            except ImportError as exc:
-                reason = f"the CUDA extension is not importable ({exc})"
-            else:
-                if not LowLatencyCuda.is_built():
-                    reason = "the CUDA extension was built without NVSHMEM (DEEP_EP_DISABLE_NVSHMEM)"
+        backend_cls, reason = _import_cuda("deep_ep.cuda_low_latency", "LowLatencyCuda")
+        if backend_cls is not None and not backend_cls.is_built():
+            reason = "the CUDA extension was built without NVSHMEM (DEEP_EP_DISABLE_NVSHMEM)"
         if reason is not None:
             if choice == "cuda":
                 raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the CUDA low-latency kernels cannot be used: {reason}")
@@ -144,25 +154,15 @@ class Buffer:
                        allow_nvlink=self.allow_nvlink_for_low_latency_mode, allow_mnnvl=self.allow_mnnvl,
                        enable_shrink=self.enable_shrink)
         if group is not None:
-            return LowLatencyCuda.from_group(group, **options)
-        return LowLatencyCuda(self.rank, self.group_size, all_gather=comm.allgather, **options)
+            return backend_cls.from_group(group, **options)
+        return backend_cls(self.rank, self.group_size, all_gather=comm.allgather, **options)
 
     def _make_cuda_backend(self, group: Any, comm: Any) -> Any:
         """The CUDA backend when it is built, requested and serves this topology; else ``None``."""
-        choice = envs.BACKEND.get()
-        if choice not in ("auto", "torch", "cuda"):
-            raise ValueError(f"DEEP_EP_BACKEND must be 'auto', 'torch' or 'cuda', got {choice!r}")
+        choice = _backend_choice()
         if choice == "torch":
             return None
-        reason = None
-        backend_cls = None
-        if not torch.cuda.is_available():
-            reason = "CUDA is not available"
-        else:
-            try:
-                from deep_ep.cuda_backend import CudaBackend as backend_cls
-            except ImportError as exc:
-                reason = f"the CUDA extension is not importable ({exc})"
+        backend_cls, reason = _import_cuda("deep_ep.cuda_backend", "CudaBackend")
         if backend_cls is not None:
             if not backend_cls.is_supported(self.group_size, self.topology.num_scaleup_ranks):
                 reason = f"the CUDA backend does not serve {self.group_size} ranks with this topology"
