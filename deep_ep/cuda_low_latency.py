@@ -89,6 +89,7 @@ class LowLatencyCuda:
                                             unique_id)
         self.comm_stream = torch.cuda.Stream(priority=-1)
         self.parity = 0
+        self._fits: set = set()  # (T, H, E) whose carving fits num_rdma_bytes
 
     @classmethod
     def from_group(cls, group: Any, **kwargs: Any) -> "LowLatencyCuda":
@@ -117,8 +118,13 @@ class LowLatencyCuda:
         if self.runtime is None:
             raise RuntimeError("this Buffer's low-latency runtime was destroyed")
         self.check_errors()
+        key = (num_max_tokens, hidden, num_experts)
+        if key in self._fits:
+            return
         need = self.runtime.required_bytes(num_max_tokens, hidden, num_experts)
-        if need > self.num_rdma_bytes:
+        if need <= self.num_rdma_bytes:
+            self._fits.add(key)
+        else:
             raise ValueError(f"num_rdma_bytes ({self.num_rdma_bytes}) is too small for the CUDA low-latency kernels: "
                              f"num_max_dispatch_tokens_per_rank={num_max_tokens}, hidden={hidden}, "
                              f"num_experts={num_experts} need {need} bytes")
