@@ -688,10 +688,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
     }
     __syncthreads();
     if (sh.failed) return;
-    // Expand: one warp per message.
+    // Expand: one warp per message, consecutive messages on different SMs.
     const int total = mpre[R];
     const int64_t out_row_bytes = a.use_fp8 ? H : int64_t(H) * 2;
-    for (int g = b * kWarps + warp; g < total; g += nb * kWarps) {
+    for (int g = warp * nb + b; g < total; g += nb * kWarps) {
         int s = 0;
         while (mpre[s + 1] <= g) ++s;
         if (gone[s]) continue;
@@ -807,7 +807,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
         }
         __syncthreads();
         const int total = rowpre[L];
-        for (int g = b * kWarps + warp; g < total; g += nb * kWarps) {
+        for (int g = warp * nb + b; g < total; g += nb * kWarps) {
             int lo = 0, hi = L;  // last j with rowpre[j] <= g
             while (hi - lo > 1) {
                 const int mid = (lo + hi) / 2;
