@@ -134,7 +134,7 @@ def _worker(rank: int, world: int, port: int, env: dict, tasks, results) -> None
                                                               MAX_EXPERTS_PER_RANK * world)
         buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES, num_rdma_bytes=rdma,
                                 low_latency_mode=True, num_qps_per_rank=MAX_EXPERTS_PER_RANK,
-                                explicitly_destroy=True)
+                                explicitly_destroy=True, enable_shrink=os.environ.get("LL_TEST_SHRINK") == "1")
         results.put((rank, "ready", type(buffer._cuda_ll).__name__))
     except Exception:  # noqa: BLE001 - reported to the driver
         results.put((rank, "error", traceback.format_exc()))
@@ -166,12 +166,12 @@ def _worker(rank: int, world: int, port: int, env: dict, tasks, results) -> None
 
 
 class Pool:
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, shrink: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        env = {"DEEP_EP_TIMEOUT_S": WORKER_TIMEOUT_S, "DEEP_EP_BACKEND": "cuda"}
+        env = {"DEEP_EP_TIMEOUT_S": WORKER_TIMEOUT_S, "DEEP_EP_BACKEND": "cuda", "LL_TEST_SHRINK": str(int(shrink))}
         port = _free_port()
         self.procs = [ctx.Process(target=_worker, args=(r, world, port, env, self.tasks[r], self.results),
                                   daemon=True) for r in range(world)]
@@ -231,10 +231,10 @@ class Pool:
 def pools():
     opened: dict = {}
 
-    def get(world: int) -> Pool:
-        if world not in opened:
-            opened[world] = Pool(world)
-        return opened[world]
+    def get(world: int, shrink: bool = False) -> Pool:
+        if (world, shrink) not in opened:
+            opened[(world, shrink)] = Pool(world, shrink)
+        return opened[(world, shrink)]
 
     yield get
     for pool in opened.values():
@@ -397,7 +397,34 @@ def task_bad_input(buffer, rank: int, case: Case) -> str:
     return "ok"
 
 
-TASKS = {"round": task_round, "graph": task_graph, "normal_then_clean": task_normal_then_clean,
+def task_shrink(buffer, rank: int, case: Case) -> str:
+    """Rank 1 "dies" before a dispatch: rank 0's dispatch times out on it (DEEP_EP_TIMEOUT_S), masks it and completes
+    with rank 0's own rows; its combine drops rank 1's experts; the mask query reports rank 1."""
+    import reference
+    if rank == 1:
+        return "ok"  # the dead rank calls nothing more
+    inputs = [make_inputs(case, r) for r in range(case.num_ranks)]
+    refs = reference.low_latency_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs], case.max_tokens,
+                                          case.num_experts, use_fp8=case.use_fp8, masked_ranks=[1])
+    mine = {k: v.cuda() for k, v in inputs[0].items()}
+    res = buffer.low_latency_dispatch(mine["x"], mine["topk_idx"], case.max_tokens, case.num_experts,
+                                      use_fp8=case.use_fp8)
+    torch.cuda.synchronize()
+    _check_dispatch(case, 0, res, refs[0])
+    mask = torch.zeros(case.num_ranks, dtype=torch.int32, device="cuda")
+    buffer.low_latency_query_mask_buffer(mask)
+    _eq("mask after the timed-out dispatch", mask, torch.tensor([0, 1], dtype=torch.int32))
+    y = expert_output(res.recv_x, case.use_fp8)
+    ys = [expert_output(r.recv_x, case.use_fp8) for r in refs]
+    want = reference.low_latency_combine(ys, [i["topk_idx"] for i in inputs], [i["topk_weights"] for i in inputs],
+                                         [r.handle for r in refs], masked_ranks=[1])[0]
+    comb = buffer.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], res.handle)
+    torch.cuda.synchronize()
+    _eq("combined_x without the masked rank", comb.combined_x, want)
+    return "ok"
+
+
+TASKS = {"shrink": task_shrink, "round": task_round, "graph": task_graph, "normal_then_clean": task_normal_then_clean,
          "bad_input": task_bad_input}
 
 
@@ -441,3 +468,12 @@ def test_ll_bad_input_keeps_buffer_usable(pools, world):
                 async_finish=False, use_logfmt=False, zero_copy=False, dispatch_twice=False, with_out=False,
                 with_stats=False)
     pools(world).run("bad_input", case)
+
+
+@pytest.mark.multi_gpu(2)
+def test_ll_shrink_masks_a_silent_peer(pools):
+    case = Case(num_ranks=2, seed=11, num_tokens=(12, 12), max_tokens=16, hidden=2048, num_topk=4, num_experts=8,
+                mask_prob=0.0, use_fp8=False, round_scale=False, use_ue8m0=False, hook=False, async_finish=False,
+                use_logfmt=False, zero_copy=False, dispatch_twice=False, with_out=False, with_stats=False)
+    pools(2, shrink=True).run("shrink", case)
+
