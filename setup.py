@@ -166,6 +166,10 @@ def cuda_extension_spec(cuda_home: str) -> ExtensionSpec:
         spec.library_dirs.append(lib_dir)
         # NVSHMEM device code needs relocatable device code plus a device-link step against the static lib.
         spec.nvcc_flags.append("-rdc=true")
+        # torch's extension build defines __CUDA_NO_HALF_OPERATORS__ and friends, which removes the half/bfloat16
+        # operators that NVSHMEM's device headers (reductions) use: undefine them again.
+        spec.nvcc_flags += ["-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                            "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
         spec.nvcc_dlink_flags = ["-dlink", f"-L{lib_dir}", "-lnvshmem_device"]
         spec.link_flags = [spec.nvshmem.host_lib_flag, "-l:libnvshmem_device.a", f"-Wl,-rpath,{lib_dir}"]
     return spec

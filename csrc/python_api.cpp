@@ -5,6 +5,7 @@
 
 #include "buffer.hpp"
 #include "event.hpp"
+#include "low_latency.hpp"
 
 namespace py = pybind11;
 
@@ -84,4 +85,44 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("dispatch", &deep_ep::Runtime::dispatch)
         .def("combine", &deep_ep::Runtime::combine)
         .def("barrier", &deep_ep::Runtime::barrier);
+
+    // ---- low-latency kernels over NVSHMEM (absent from an intranode-only build) ----
+#ifdef DEEP_EP_DISABLE_NVSHMEM
+    m.attr("HAS_LOW_LATENCY") = false;
+#else
+    m.attr("HAS_LOW_LATENCY") = true;
+    m.attr("LL_MAX_TOPK") = deep_ep::kernels::ll::kMaxTopk;
+    m.attr("LL_MAX_TOKENS") = deep_ep::kernels::ll::kMaxTokens;
+    m.def("ll_unique_id", [] { return py::bytes(deep_ep::ll_unique_id()); });
+    py::class_<deep_ep::LowLatencyRuntime>(m, "LowLatencyRuntime")
+        .def(py::init<int, int, int64_t, double, bool, const std::string&>(), py::arg("rank"), py::arg("num_ranks"),
+             py::arg("num_rdma_bytes"), py::arg("timeout_s"), py::arg("enable_shrink"), py::arg("unique_id"))
+        .def("all_p2p", &deep_ep::LowLatencyRuntime::all_p2p)
+        .def("num_blocks", &deep_ep::LowLatencyRuntime::num_blocks)
+        .def("required_bytes", &deep_ep::LowLatencyRuntime::required_bytes)
+        .def("dispatch", &deep_ep::LowLatencyRuntime::dispatch)
+        .def("combine", &deep_ep::LowLatencyRuntime::combine)
+        .def("combine_buffer", &deep_ep::LowLatencyRuntime::combine_buffer)
+        .def("clean", &deep_ep::LowLatencyRuntime::clean)
+        .def("barrier", &deep_ep::LowLatencyRuntime::barrier)
+        .def("update_mask", &deep_ep::LowLatencyRuntime::update_mask)
+        .def("query_mask", &deep_ep::LowLatencyRuntime::query_mask)
+        .def("clean_mask", &deep_ep::LowLatencyRuntime::clean_mask)
+        .def("read_error",
+             [](const deep_ep::LowLatencyRuntime& r) -> py::object {
+                 auto record = r.read_error();
+                 if (!record.has_value()) return py::none();
+                 static const char* codes[] = {"none", "timeout", "peer_aborted", "bad_routing", "count_mismatch"};
+                 const int code = record->code;
+                 py::dict out;
+                 out["code"] = (code >= 0 && code <= 4) ? codes[code] : "unknown";
+                 out["message"] = deep_ep::format_ll_error(*record);
+                 out["rank"] = record->rank;
+                 out["peer"] = record->peer;
+                 out["phase"] = deep_ep::kernels::ll::ll_phase_name(record->phase);
+                 return out;
+             })
+        .def("reset", &deep_ep::LowLatencyRuntime::reset)
+        .def("destroy", &deep_ep::LowLatencyRuntime::destroy);
+#endif
 }

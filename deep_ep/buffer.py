@@ -14,6 +14,7 @@ A backend implements the same method names and arguments as ``Buffer`` and retur
 """
 from __future__ import annotations
 
+import importlib
 import warnings
 import weakref
 from typing import Any, Optional, Union
@@ -28,10 +29,28 @@ from deep_ep.results import (CombineResult, DispatchLayout, DispatchResult, LowL
 
 # Largest int32 value: DeepEP's limit on normal-mode buffer sizes.
 _INT_MAX = 2 ** 31 - 1
-# Default NVSHMEM queue-pair depth; low-latency calls need ``num_max_dispatch_tokens_per_rank <= depth/2 - 1``.
+# Default NVSHMEM queue-pair depth (reported as ``Buffer.nvshmem_qp_depth``; the CUDA low-latency kernels use the
+# portable NVSHMEM API and do not tie the token count to it).
 _NVSHMEM_QP_DEPTH = 1024
 # Largest group of the normal kernels (DeepEP), unless in low-latency mode.
 _MAX_NORMAL_RANKS = 160
+
+
+def _backend_choice() -> str:
+    choice = envs.BACKEND.get()
+    if choice not in ("auto", "torch", "cuda"):
+        raise ValueError(f"DEEP_EP_BACKEND must be 'auto', 'torch' or 'cuda', got {choice!r}")
+    return choice
+
+
+def _import_cuda(module: str, name: str) -> tuple[Any, Optional[str]]:
+    """``(class, None)`` for a CUDA backend class, or ``(None, why it cannot be used)``."""
+    if not torch.cuda.is_available():
+        return None, "CUDA is not available"
+    try:
+        return getattr(importlib.import_module(module), name), None
+    except ImportError as exc:
+        return None, f"the CUDA extension is not importable ({exc})"
 
 
 class Buffer:
@@ -114,30 +133,43 @@ class Buffer:
         if group is not None:
             self._torch = TorchBackend(group, rank, group_size, self.topology, num_nvl_bytes, num_rdma_bytes,
                                        enable_shrink)
+        self._cuda_ll = self._make_cuda_low_latency(group, comm)
         self._cuda = self._make_cuda_backend(group, comm)
-        self.runtime = self._cuda if self._cuda is not None else self._torch
+        self.runtime = next((b for b in (self._cuda, self._cuda_ll, self._torch) if b is not None), None)
+
+    def _make_cuda_low_latency(self, group: Any, comm: Any) -> Any:
+        """The CUDA low-latency backend (NVSHMEM) when ``low_latency_mode`` has an RDMA buffer, the extension has
+        the LL kernels and ``DEEP_EP_BACKEND`` allows it; else ``None`` (the torch backend serves LL calls)."""
+        choice = _backend_choice()
+        if choice == "torch" or not (self.low_latency_mode and self.num_rdma_bytes > 0):
+            return None
+        backend_cls, reason = _import_cuda("deep_ep.cuda_low_latency", "LowLatencyCuda")
+        if backend_cls is not None and not backend_cls.is_built():
+            reason = "the CUDA extension was built without NVSHMEM (DEEP_EP_DISABLE_NVSHMEM)"
+        if reason is not None:
+            if choice == "cuda":
+                raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the CUDA low-latency kernels cannot be used: {reason}")
+            return None
+        options = dict(num_rdma_bytes=self.num_rdma_bytes, num_qps_per_rank=self.num_qps_per_rank,
+                       allow_nvlink=self.allow_nvlink_for_low_latency_mode, allow_mnnvl=self.allow_mnnvl,
+                       enable_shrink=self.enable_shrink)
+        if group is not None:
+            return backend_cls.from_group(group, **options)
+        return backend_cls(self.rank, self.group_size, all_gather=comm.allgather, **options)
 
     def _make_cuda_backend(self, group: Any, comm: Any) -> Any:
         """The CUDA backend when it is built, requested and serves this topology; else ``None``."""
-        choice = envs.BACKEND.get()
-        if choice not in ("auto", "torch", "cuda"):
-            raise ValueError(f"DEEP_EP_BACKEND must be 'auto', 'torch' or 'cuda', got {choice!r}")
+        choice = _backend_choice()
         if choice == "torch":
             return None
-        reason = None
-        backend_cls = None
-        if not torch.cuda.is_available():
-            reason = "CUDA is not available"
-        else:
-            try:
-                from deep_ep.cuda_backend import CudaBackend as backend_cls
-            except ImportError as exc:
-                reason = f"the CUDA extension is not importable ({exc})"
+        backend_cls, reason = _import_cuda("deep_ep.cuda_backend", "CudaBackend")
         if backend_cls is not None:
             if not backend_cls.is_supported(self.group_size, self.topology.num_scaleup_ranks):
                 reason = f"the CUDA backend does not serve {self.group_size} ranks with this topology"
             elif self.num_nvl_bytes <= 0:
                 reason = "num_nvl_bytes is 0"
+                if self._cuda_ll is not None:  # a low-latency-only Buffer: the LL backend serves it
+                    return None
         if reason is None:
             if group is not None:
                 return backend_cls.from_group(group, self.num_nvl_bytes)
@@ -164,6 +196,8 @@ class Buffer:
             raise RuntimeError(f"rank {self.rank}: this Buffer was already destroyed")
         if self._cuda is not None:
             self._cuda.destroy()
+        if self._cuda_ll is not None:
+            self._cuda_ll.destroy()
         if self._torch is not None:
             self._torch.destroy()
         self._destroyed = True
@@ -188,6 +222,8 @@ class Buffer:
     def _backend(self, method: str, tensor: Optional[torch.Tensor]) -> Any:
         """The backend serving ``method`` for ``tensor``'s device (CUDA backend first, torch fallback)."""
         self._alive()
+        if self._cuda_ll is not None and hasattr(self._cuda_ll, method) and (tensor is None or tensor.is_cuda):
+            return self._cuda_ll
         if self._cuda is not None and tensor is not None and tensor.is_cuda and hasattr(self._cuda, method):
             return self._cuda
         if self._torch is None:
@@ -276,7 +312,7 @@ class Buffer:
     def get_comm_stream(self) -> "torch.cuda.Stream":
         """The communication stream (CUDA only)."""
         self._alive()
-        for backend in (self._cuda, self._torch):
+        for backend in (self._cuda, self._cuda_ll, self._torch):
             stream = backend.get_comm_stream() if backend is not None else None
             if stream is not None:
                 return stream
@@ -477,8 +513,7 @@ class Buffer:
         if not self.low_latency_mode:
             raise ValueError("low-latency calls need a Buffer built with low_latency_mode=True, got "
                              "low_latency_mode=False")
-        v.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1,
-                    _NVSHMEM_QP_DEPTH // 2 - 1)
+        v.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1, v.LL_MAX_TOKENS)
         if (self.group_size * num_max_dispatch_tokens_per_rank) % 4 != 0:
             raise ValueError(f"num_ranks * num_max_dispatch_tokens_per_rank must be a multiple of 4, got "
                              f"{self.group_size} * {num_max_dispatch_tokens_per_rank}")
@@ -498,9 +533,9 @@ class Buffer:
         """Send every token once per selected expert to the expert's rank; pack the rows per local expert.
 
         Args:
-            x: ``[N, H]`` BF16, contiguous, ``N <= num_max_dispatch_tokens_per_rank`` (``T``), H in
-                ``validate.LL_SUPPORTED_HIDDEN``.
-            topk_idx: ``[N, K]`` ``topk_idx_t``, ``K <= 11``: global expert ids or -1.
+            x: ``[N, H]`` BF16, contiguous, ``N <= num_max_dispatch_tokens_per_rank`` (``T <= 1024``), H a multiple
+                of 128 in [1024, 16384] (of 512 with ``use_ue8m0``).
+            topk_idx: ``[N, K]`` ``topk_idx_t``, ``K <= 16``: global expert ids or -1.
             num_max_dispatch_tokens_per_rank: ``T``, the same on every rank.
             num_experts: ``E``, divisible by the group size.
             cumulative_local_expert_recv_stats: optional ``[L]`` int32; the received count per local expert is added.
@@ -518,7 +553,7 @@ class Buffer:
         for name, value in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
                             ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
             v.check_bool(name, value)
-        v.check_ll_hidden(hidden, use_fp8)
+        v.check_ll_hidden(hidden, use_fp8, use_ue8m0)
         v.check_ll_tokens("x", num_tokens, num_max_dispatch_tokens_per_rank)
         topk_idx = v.check_topk_idx("topk_idx", topk_idx, num_tokens=num_tokens, device=x.device)
         v.check_ll_topk("topk_idx", topk_idx.size(1))

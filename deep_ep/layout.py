@@ -9,6 +9,7 @@ is padded to ``BUFFER_ALIGNMENT`` bytes unless stated otherwise).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from deep_ep.config import (BUFFER_ALIGNMENT, NUM_HINT_MAX_SCALES, NUM_HINT_MAX_TOPK, NUM_MAX_SCALEUP_RANKS,
@@ -128,6 +129,7 @@ def low_latency_message_bytes(hidden: int) -> tuple[int, int]:
     return dispatch_msg, combine_msg
 
 
+@functools.lru_cache(maxsize=64)  # every low-latency call checks it; the result is immutable
 def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> Layout:
     """Regions ``signal_0, signal_1, send_0, send_1, recv_0, recv_1`` of the low-latency buffer.
 

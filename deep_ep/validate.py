@@ -18,10 +18,16 @@ from deep_ep import envs
 # check_int lives in the stdlib-only deep_ep.config (its dataclasses use it) and is part of this module's API.
 from deep_ep.config import NUM_MAX_LL_TOPK, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK, check_int
 
-# Hidden sizes the low-latency kernels are compiled for (DeepEP V1).
-LL_SUPPORTED_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
-# Top-k limit of the low-latency kernels (DeepEP V1 asserts ``num_topk <= 11``).
-LL_MAX_TOPK = min(11, NUM_MAX_LL_TOPK)
+# Low-latency hidden sizes: any multiple of LL_HIDDEN_MULTIPLE in [LL_MIN_HIDDEN, LL_MAX_HIDDEN] (DeepEP V1 compiles
+# a fixed list of 8 sizes); UE8M0 scales pack 4 blocks per int32, so use_ue8m0 needs a multiple of 512.
+LL_HIDDEN_MULTIPLE = 128
+LL_MIN_HIDDEN = 1024
+LL_MAX_HIDDEN = 16384
+LL_UE8M0_HIDDEN_MULTIPLE = 512
+# Top-k limit of the low-latency kernels (DeepEP V1: 11).
+LL_MAX_TOPK = NUM_MAX_LL_TOPK
+# Largest num_max_dispatch_tokens_per_rank of the low-latency kernels (DeepEP V1: 511 with the default QP depth).
+LL_MAX_TOKENS = 1024
 
 
 def topk_idx_dtype() -> torch.dtype:
@@ -165,13 +171,14 @@ def check_stream_args(previous_event: object, async_finish: object, allocate_on_
                          f"got previous_event={previous_event!r}, async_finish={async_finish}")
 
 
-def check_ll_hidden(hidden: int, use_fp8: bool) -> None:
-    """Low-latency hidden sizes: one of :data:`LL_SUPPORTED_HIDDEN` (all are multiples of 512)."""
-    if hidden not in LL_SUPPORTED_HIDDEN:
-        raise ValueError(f"x hidden size must be one of {LL_SUPPORTED_HIDDEN} for low-latency kernels "
-                         f"(Unsupported hidden), got {hidden}")
-    if use_fp8 and hidden % 512 != 0:
-        raise ValueError(f"x hidden size must be a multiple of 512 for FP8 low-latency dispatch, got {hidden}")
+def check_ll_hidden(hidden: int, use_fp8: bool, use_ue8m0: bool = False) -> None:
+    """Low-latency hidden sizes: a multiple of 128 in [1024, 16384]; a multiple of 512 with ``use_ue8m0``."""
+    if hidden % LL_HIDDEN_MULTIPLE != 0 or not LL_MIN_HIDDEN <= hidden <= LL_MAX_HIDDEN:
+        raise ValueError(f"x hidden size must be a multiple of {LL_HIDDEN_MULTIPLE} in [{LL_MIN_HIDDEN}, "
+                         f"{LL_MAX_HIDDEN}] for low-latency kernels (Unsupported hidden), got {hidden}")
+    if use_fp8 and use_ue8m0 and hidden % LL_UE8M0_HIDDEN_MULTIPLE != 0:
+        raise ValueError(f"x hidden size must be a multiple of {LL_UE8M0_HIDDEN_MULTIPLE} for use_ue8m0=True (4 "
+                         f"scales per int32), got {hidden}")
 
 
 def check_ll_tokens(name: str, num_tokens: int, num_max_dispatch_tokens_per_rank: int) -> None:

@@ -1,0 +1,131 @@
+// Low-latency (LL) mode over NVSHMEM: buffer carving, launch arguments and host entry points. Plain C++ (no
+// NVSHMEM include): csrc/low_latency.cpp includes it; csrc/kernels/low_latency_nvshmem.cu implements it.
+//
+// Data path (design guide §3): one message per (token, destination rank) in dispatch, expanded into the per-expert
+// packed layout by the receiver; one row per (token, expert) in combine, written straight into the owner's
+// [expert][token] slot, with a per-token arrival word so the reduction starts as soon as a token is complete.
+// NVLink peers (nvshmem_ptr != nullptr) are written with plain stores; other peers get a put-with-signal from the
+// local symmetric staging area. Every wait is bounded (DEEP_EP_TIMEOUT_S) and reports to the host-mapped
+// ErrorRecord of api.cuh; with enable_shrink a timed-out peer is masked instead.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "api.cuh"
+
+namespace deep_ep {
+namespace kernels {
+namespace ll {
+
+constexpr int kMaxTopk = 16;
+constexpr int kMaxTokens = 1024;
+constexpr int kMinHidden = 1024;
+constexpr int kMaxHidden = 16384;
+constexpr int kMaxExperts = 8192;
+constexpr int kMaxRanks = 1024;
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxBlocks = 160;
+constexpr int kFp8Block = 128;
+
+// Kernel ids and phases of LL errors (values distinct from api.cuh's intranode ones).
+enum LlKernel : int32_t { kKernelLlDispatch = 20, kKernelLlCombine = 21, kKernelLlBarrier = 22 };
+enum LlPhase : int32_t {
+    kPhaseLlDispatchWaitCounts = 100,   // peer = source, expected = epoch, observed = epoch seen
+    kPhaseLlDispatchWaitData = 101,     // peer = source, expected / observed = arrival counter
+    kPhaseLlCombineWaitToken = 102,     // peer = -1 (several owners), channel = token, arrivals expected / seen
+    kPhaseLlBarrierWait = 103,          // peer = -1, expected / observed = barrier counter
+    kPhaseLlBadRouting = 104,           // expert id >= num_experts (expected = E, observed = id)
+};
+
+const char* ll_phase_name(int32_t phase);
+
+// Byte carving of the symmetric buffer (identical on every rank):
+//   [global: barrier word (u64) | pad to 128]
+//   half h = 0, 1: [ctrl: count words [R][L+1] u64 | dispatch arrival [R] u64 | token arrival [T] u64]
+//                  [data: csend [L][R*T] x cmsg | crecv [E][T] x 2H | LogFMT chunk flags [E][T] u32] (combine)
+//                  [data: drecv [R][T] x dmsg | dstage [T] x dmsg]      (dispatch, overlays the combine regions)
+// A half serves one LL call at a time (calls alternate halves), so dispatch and combine regions may overlap.
+struct Layout {
+    int num_ranks, num_tokens_max, hidden, num_experts, num_local, num_topk_max;
+    int64_t cmsg;            // combine slot: H/128 * 4 + 2H (spec's zero-copy row stride)
+    int64_t dmsg;            // dispatch message: header (16 B aligned) + max(2H, H + 4 H/128)
+    int64_t header_bytes;    // int32 [1 + kMaxTopk]: source token, then per k (expert << 16 | row) or -1
+    int64_t half_offset[2];  // start of each half
+    int64_t count_off, darrive_off, carrive_off, data_off;  // relative to a half
+    int64_t csend_off, crecv_off, cflag_off, drecv_off, dstage_off;  // relative to a half
+    int64_t total_bytes;
+};
+
+// Computes the carving; throws std::invalid_argument (naming the sizes) if it needs more than `num_rdma_bytes`.
+Layout make_layout(int num_ranks, int num_tokens_max, int hidden, int num_experts, int64_t num_rdma_bytes);
+
+struct Context {
+    void* sym;                 // this rank's symmetric buffer (nvshmem_align)
+    void* const* peers;        // device array [R]: nvshmem_ptr(sym, r) (nullptr = remote transport)
+    void* workspace;           // private zeroed device memory (workspace_bytes())
+    ErrorRecord* error;        // device alias of the host-mapped record
+    int* mask;                 // device [R] int32 shrink mask (1 = masked), or nullptr without shrink
+    uint64_t timeout_ns;
+    int64_t call_seq;
+    int rank, num_ranks, num_blocks;
+    int all_p2p;               // 1 when every peer is reachable with nvshmem_ptr
+    Layout layout;
+};
+
+int64_t workspace_bytes(int num_ranks);
+
+struct DispatchArgs {
+    const void* x;            // [N, H] BF16
+    const void* topk_idx;     // [N, K] int32/int64
+    int topk_idx_bytes, num_tokens, num_topk;
+    int use_fp8, round_scale, use_ue8m0;
+    void* recv_x;             // [L, R*T, H] fp8 or BF16
+    void* recv_scales;        // [L, S, R*T] float32 or [L, S/4, R*T] int32 (UE8M0), or nullptr
+    int* src_info;            // [L, R*T]
+    int64_t* layout_range;    // [L, R]
+    int* packed_recv_count;   // [L]
+    int* cumulative_stats;    // [L] or nullptr
+    int64_t* wait_stats;      // [R] or nullptr (ns added)
+    int half, phases;         // phases: 1 = send, 2 = receive, 3 = both
+};
+
+struct CombineArgs {
+    const void* x;            // [L, R*T, H] BF16 (ignored with zero_copy)
+    const void* topk_idx;     // [N, K]
+    const float* topk_weights;
+    int topk_idx_bytes, num_tokens, num_topk;
+    const int* src_info;      // [L, R*T]
+    const int64_t* layout_range;  // [L, R]
+    int use_logfmt, zero_copy;
+    void* out;                // [N, H] BF16
+    int64_t* wait_stats;      // [R] or nullptr
+    int half, phases;
+};
+
+constexpr int kPhaseSend = 1;
+constexpr int kPhaseRecv = 2;
+
+void dispatch(const Context& ctx, const DispatchArgs& args, cudaStream_t stream);
+void combine(const Context& ctx, const CombineArgs& args, cudaStream_t stream);
+// Bounded barrier over all PEs, on `stream`.
+void barrier(const Context& ctx, cudaStream_t stream);
+// Zeroes both halves' control words and the workspace (call between two barriers).
+void clean(const Context& ctx, cudaStream_t stream);
+
+// ---- NVSHMEM host side (bootstrap from a unique id, symmetric allocation) ----
+std::vector<uint8_t> nvshmem_unique_id();
+// Initialises NVSHMEM as PE `rank` of `num_ranks` (once per process; a second call must agree).
+void nvshmem_bootstrap(const std::vector<uint8_t>& unique_id, int rank, int num_ranks);
+void* nvshmem_alloc_zeroed(int64_t bytes);   // collective
+void nvshmem_release(void* ptr);             // collective
+// nvshmem_ptr(ptr, pe) for every pe.
+std::vector<void*> nvshmem_peer_pointers(void* ptr, int num_ranks);
+
+}  // namespace ll
+}  // namespace kernels
+}  // namespace deep_ep

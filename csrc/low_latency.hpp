@@ -1,0 +1,86 @@
+// Host runtime of the low-latency (LL) kernels: NVSHMEM world and symmetric buffer, workspace, host-mapped error
+// record, shrink mask; turns tensors into pointers for csrc/kernels/low_latency.cuh. One object per deep_ep.Buffer.
+//
+// The Python layer (deep_ep/cuda_low_latency.py) owns output allocation, the double-buffer parity and the stream
+// protocol; it passes raw streams here. Construction is collective (every rank, same sizes).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels/low_latency.cuh"
+
+namespace deep_ep {
+
+// 128-byte NVSHMEM unique id of a new world (rank 0 makes it; the others receive it through the process group).
+std::string ll_unique_id();
+
+class LowLatencyRuntime {
+   public:
+    LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_bytes, double timeout_s, bool enable_shrink,
+                      const std::string& unique_id);
+    ~LowLatencyRuntime();
+    LowLatencyRuntime(const LowLatencyRuntime&) = delete;
+    LowLatencyRuntime& operator=(const LowLatencyRuntime&) = delete;
+
+    bool all_p2p() const { return all_p2p_; }
+    int num_blocks() const { return num_blocks_; }
+    // Bytes the kernels need for (T, H, E); throws std::invalid_argument when num_rdma_bytes is too small.
+    int64_t required_bytes(int num_max_tokens, int hidden, int num_experts) const;
+
+    void dispatch(const at::Tensor& x, const at::Tensor& topk_idx, int num_max_tokens, int num_experts,
+                  const at::Tensor& recv_x, const std::optional<at::Tensor>& recv_scales, const at::Tensor& src_info,
+                  const at::Tensor& layout_range, const at::Tensor& packed_recv_count,
+                  const std::optional<at::Tensor>& cumulative_stats, const std::optional<at::Tensor>& wait_stats,
+                  bool use_fp8, bool round_scale, bool use_ue8m0, int half, int phases, uintptr_t stream);
+    void combine(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                 const at::Tensor& src_info, const at::Tensor& layout_range, int num_max_tokens, int num_experts,
+                 bool use_logfmt, bool zero_copy, const at::Tensor& out, const std::optional<at::Tensor>& wait_stats,
+                 int half, int phases, uintptr_t stream);
+    // BF16 [L, R*T, H] view (row stride H + H/64) of the combine send area of `half`.
+    at::Tensor combine_buffer(int num_max_tokens, int hidden, int num_experts, int half) const;
+    // Bounded barrier, zero every control word and the workspace, bounded barrier (on `stream`).
+    void clean(int num_max_tokens, int hidden, int num_experts, uintptr_t stream);
+    void barrier(uintptr_t stream);
+
+    // Shrink mask (device int32 [R]); operations run on `stream`.
+    void update_mask(int rank, bool mask, uintptr_t stream);
+    void query_mask(const at::Tensor& out, uintptr_t stream) const;
+    void clean_mask(uintptr_t stream);
+
+    std::optional<kernels::ErrorRecord> read_error() const;
+    // After an error: zero the control words, workspace and abort word, then the error record (no barrier: every
+    // rank calls it between two host barriers, with no LL kernel in flight).
+    void reset(int num_max_tokens, int hidden, int num_experts, uintptr_t stream);
+    void destroy();
+
+   private:
+    int rank_, num_ranks_;
+    int64_t num_rdma_bytes_;
+    double timeout_s_;
+    bool enable_shrink_;
+    int device_id_ = -1;
+    int num_blocks_ = 0;
+    bool all_p2p_ = true;
+    bool destroyed_ = false;
+    int64_t call_seq_ = 0;
+    void* sym_ = nullptr;
+    void** peers_ = nullptr;  // device [R]
+    void* workspace_ = nullptr;
+    int* mask_ = nullptr;
+    kernels::ErrorRecord* host_error_ = nullptr;
+    kernels::ErrorRecord* device_error_ = nullptr;
+
+    kernels::ll::Context context(int num_max_tokens, int hidden, int num_experts);
+    void require_alive(const char* what) const;
+};
+
+// "<phase>: rank R peer P token/channel C expected E observed O after T s (<code>)".
+std::string format_ll_error(const kernels::ErrorRecord& record);
+
+}  // namespace deep_ep

@@ -1,0 +1,479 @@
+"""GPU property tests of the CUDA low-latency kernels (NVSHMEM) against ``reference`` (run on the device machine).
+
+One NVSHMEM PE per GPU, so the pools are 1 rank on GPU 0 and 2 ranks on 2 GPUs (``multi_gpu``). Each worker process
+builds one ``deep_ep.Buffer`` (low-latency mode, plus an NVL buffer for the normal-mode-then-clean property) that
+serves every example. Hypothesis draws a :class:`Case` in the driver; every rank rebuilds all ranks' inputs from its
+seed, runs the Buffer on its own part and compares with the global ``reference`` on the CPU:
+
+* dispatch: the CUDA kernels pack rows in the reference's order (source rank, token, k ascending), so the valid rows,
+  scales, ``src_info``, ``layout_range`` and counts must match exactly (rows past the count are not compared);
+* combine: bit-exact for BF16 payloads; LogFMT within a small tolerance (its ``log2``/``exp2`` may round differently
+  on the CPU);
+* outputs are poisoned first (freed caching-allocator blocks filled with 0x7f).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+
+EXAMPLE_TIMEOUT_S = 90.0
+WORKER_TIMEOUT_S = "10"
+# No shrinking: every example costs real kernel launches on a scarce machine; the failure text names the case.
+NO_SHRINK = dict(phases=[Phase.explicit, Phase.reuse, Phase.generate], report_multiple_bugs=False)
+# Largest case of the pools (the symmetric buffer is sized for it).
+MAX_TOKENS, MAX_HIDDEN, MAX_EXPERTS_PER_RANK = 64, 7168, 16
+HIDDEN_CHOICES = (1024, 1152, 2048, 2560, 4096, 7168)
+NUM_NVL_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Case:
+    num_ranks: int
+    seed: int
+    num_tokens: tuple
+    max_tokens: int
+    hidden: int
+    num_topk: int
+    num_experts: int
+    mask_prob: float
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+    hook: bool
+    async_finish: bool
+    use_logfmt: bool
+    zero_copy: bool
+    dispatch_twice: bool
+    with_out: bool
+    with_stats: bool
+
+    def describe(self) -> str:
+        return "Case(" + ", ".join(f"{k}={v!r}" for k, v in asdict(self).items()) + ")"
+
+
+def case_strategy(num_ranks: int):
+    def build(draw):
+        use_fp8 = draw(st.booleans())
+        round_scale = use_fp8 and draw(st.booleans())
+        hidden = draw(st.sampled_from(HIDDEN_CHOICES))
+        use_ue8m0 = round_scale and hidden % 512 == 0 and draw(st.booleans())
+        local = draw(st.integers(1, MAX_EXPERTS_PER_RANK))
+        num_experts = local * num_ranks
+        max_tokens = draw(st.sampled_from([4, 16, 64]))
+        hook = draw(st.booleans())
+        use_logfmt = draw(st.booleans())
+        return Case(num_ranks=num_ranks, seed=draw(st.integers(0, 2**31 - 1)),
+                    num_tokens=tuple(draw(st.lists(st.integers(0, max_tokens), min_size=num_ranks,
+                                                   max_size=num_ranks))),
+                    max_tokens=max_tokens, hidden=hidden, num_topk=draw(st.integers(1, min(16, num_experts))),
+                    num_experts=num_experts, mask_prob=draw(st.sampled_from([0.0, 0.1, 0.5])), use_fp8=use_fp8,
+                    round_scale=round_scale, use_ue8m0=use_ue8m0, hook=hook,
+                    async_finish=not hook and draw(st.booleans()), use_logfmt=use_logfmt,
+                    zero_copy=not use_logfmt and draw(st.booleans()), dispatch_twice=draw(st.booleans()),
+                    with_out=draw(st.booleans()), with_stats=draw(st.booleans()))
+    return st.composite(lambda draw: build(draw))()
+
+
+def make_inputs(case: Case, rank: int) -> dict:
+    """CPU tensors of ``rank``: x (BF16, values of mixed magnitude), distinct top-k experts with -1 holes, weights."""
+    from deep_ep.validate import topk_idx_dtype
+    gen = torch.Generator().manual_seed(case.seed * 131 + rank)
+    n, h, k, e = case.num_tokens[rank], case.hidden, case.num_topk, case.num_experts
+    x = (torch.randn(n, h, generator=gen) * torch.rand(n, 1, generator=gen) * 4).to(torch.bfloat16)
+    scores = torch.rand(n, e, generator=gen)
+    topk_idx = scores.topk(k, dim=1).indices if n > 0 else torch.empty(0, k, dtype=torch.int64)
+    if case.mask_prob > 0 and n > 0:
+        topk_idx[torch.rand(n, k, generator=gen) < case.mask_prob] = -1
+    weights = torch.rand(n, k, generator=gen, dtype=torch.float32)
+    return {"x": x, "topk_idx": topk_idx.to(topk_idx_dtype()), "topk_weights": weights}
+
+
+def expert_output(recv_x, use_fp8: bool) -> torch.Tensor:
+    """A toy expert: dequantised input times 1.5 (exact in BF16 for the check), [L, R*T, H] BF16."""
+    from deep_ep import numerics
+    if use_fp8:
+        data, scales = recv_x
+        num_local, rows, hidden = data.shape
+        flat = numerics.per_token_cast_back(data.reshape(-1, hidden), scales.reshape(num_local * rows, -1))
+        y = flat.view(num_local, rows, hidden)
+    else:
+        y = recv_x
+    return (y.float() * 1.5).to(torch.bfloat16).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Worker pool
+# ----------------------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, env: dict, tasks, results) -> None:
+    os.environ.update(env)
+    try:
+        import torch.distributed as dist
+        torch.cuda.set_device(rank)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        import deep_ep
+        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, MAX_HIDDEN, world,
+                                                              MAX_EXPERTS_PER_RANK * world)
+        buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES, num_rdma_bytes=rdma,
+                                low_latency_mode=True, num_qps_per_rank=MAX_EXPERTS_PER_RANK,
+                                explicitly_destroy=True, enable_shrink=os.environ.get("LL_TEST_SHRINK") == "1")
+        results.put((rank, "ready", type(buffer._cuda_ll).__name__))
+    except Exception:  # noqa: BLE001 - reported to the driver
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        name, payload = tasks.get()
+        if name == "stop":
+            try:
+                buffer.destroy()
+            finally:
+                results.put((rank, "stopped", ""))
+            return
+        if name == "reset":  # after a failed example: make the Buffer usable again (collective)
+            try:
+                dist.barrier()
+                buffer._cuda_ll.reset(payload.max_tokens, payload.hidden, payload.num_experts)
+                dist.barrier()
+                results.put((rank, "ok", ""))
+            except Exception:  # noqa: BLE001 - reported to the driver
+                results.put((rank, "fail", traceback.format_exc()))
+            continue
+        try:
+            dist.barrier()
+            # Every example may change (T, H, E): the spec requires a (collective) clean then.
+            buffer.clean_low_latency_buffer(payload.max_tokens, payload.hidden, payload.num_experts)
+            results.put((rank, "ok", TASKS[name](buffer, rank, payload)))
+        except Exception:  # noqa: BLE001 - reported to the driver
+            results.put((rank, "fail", f"{getattr(payload, 'describe', lambda: payload)()}\n{traceback.format_exc()}"))
+
+
+class Pool:
+    def __init__(self, world: int, shrink: bool = False) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        env = {"DEEP_EP_TIMEOUT_S": WORKER_TIMEOUT_S, "DEEP_EP_BACKEND": "cuda", "LL_TEST_SHRINK": str(int(shrink))}
+        port = _free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, env, self.tasks[r], self.results),
+                                  daemon=True) for r in range(world)]
+        for p in self.procs:
+            p.start()
+        replies = self._collect(EXAMPLE_TIMEOUT_S)
+        bad = [msg for _, status, msg in replies if status != "ready"]
+        if bad:
+            self.close()
+            raise RuntimeError("worker start failed:\n" + "\n".join(bad))
+        assert {msg for _, _, msg in replies} == {"LowLatencyCuda"}, replies
+
+    def _collect(self, timeout: float) -> list:
+        replies, deadline = [], time.monotonic() + timeout
+        while len(replies) < self.world:
+            dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
+            if dead and self.results.empty():
+                raise RuntimeError(f"workers exited without answering (rank, exit code): {dead}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers answered {sorted(r for r, _, _ in replies)} of {self.world} within "
+                                   f"{timeout} s; alive: {[p.is_alive() for p in self.procs]}")
+            try:
+                replies.append(self.results.get(timeout=1.0))
+            except queue.Empty:
+                continue
+        return replies
+
+    def run(self, name: str, payload) -> list:
+        for q in self.tasks:
+            q.put((name, payload))
+        replies = self._collect(EXAMPLE_TIMEOUT_S)
+        failures = [f"rank {r}: {msg}" for r, status, msg in sorted(replies) if status != "ok"]
+        if failures:
+            text = "\n".join(failures)
+            log = os.environ.get("LL_FAILURE_LOG")
+            if log:  # the first failures survive a killed run
+                with open(log, "a") as f:
+                    f.write(f"=== {name}\n{text}\n")
+            if name != "reset":
+                try:
+                    self.run("reset", payload)
+                except (AssertionError, RuntimeError, TimeoutError):
+                    pass
+            raise AssertionError(text)
+        return [msg for _, _, msg in sorted(replies)]
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(("stop", None))
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def pools():
+    opened: dict = {}
+
+    def get(world: int, shrink: bool = False) -> Pool:
+        if (world, shrink) not in opened:
+            opened[(world, shrink)] = Pool(world, shrink)
+        return opened[(world, shrink)]
+
+    yield get
+    for pool in opened.values():
+        pool.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checks inside a rank
+# ----------------------------------------------------------------------------------------------------------------
+def _poison() -> None:
+    block = torch.full((256 << 20,), 0x7F, dtype=torch.uint8, device="cuda")
+    del block
+
+
+def _eq(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    got, want = got.cpu(), want.cpu()
+    if got.dtype.is_floating_point and got.dtype.itemsize == 1:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    if got.shape != want.shape or not torch.equal(got, want):
+        diff = (got != want).nonzero()[:5].tolist() if got.shape == want.shape else "shape"
+        raise AssertionError(f"{name}: mismatch (shape {tuple(got.shape)} vs {tuple(want.shape)}), first at {diff}")
+
+
+def _check_dispatch(case: Case, rank: int, res, ref) -> None:
+    counts = ref.packed_recv_count
+    _eq("packed_recv_count", res.packed_recv_count, counts)
+    _eq("layout_range", res.handle.packed_recv_layout_range, ref.handle.packed_recv_layout_range)
+    for j in range(counts.numel()):
+        n = int(counts[j])
+        _eq(f"src_info[{j}]", res.handle.packed_recv_src_info[j, :n], ref.handle.packed_recv_src_info[j, :n])
+        if case.use_fp8:
+            _eq(f"recv_x data[{j}]", res.recv_x[0][j, :n], ref.recv_x[0][j, :n])
+            _eq(f"recv_x scales[{j}]", res.recv_x[1][j, :n], ref.recv_x[1][j, :n])
+        else:
+            _eq(f"recv_x[{j}]", res.recv_x[j, :n], ref.recv_x[j, :n])
+    if case.use_fp8:
+        scales = res.recv_x[1]
+        assert scales.stride()[1] == 1 and scales.stride()[2] == scales.size(1), f"scales strides {scales.stride()}"
+
+
+def _ll_round(buffer, case: Case, rank: int, inputs: list, mine: dict, refs: list, ref_out: list) -> None:
+    """One dispatch (twice when asked: both buffer halves) + combine on this rank, checked."""
+    num_local = case.num_experts // case.num_ranks
+    x, idx, w = (mine[k].cuda() for k in ("x", "topk_idx", "topk_weights"))
+    stats = torch.zeros(num_local, dtype=torch.int32, device="cuda") if case.with_stats else None
+    wait = torch.zeros(case.num_ranks, dtype=torch.int64, device="cuda") if case.with_stats else None
+    for _ in range(2 if case.dispatch_twice else 1):
+        _poison()
+        res = buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts,
+                                          cumulative_local_expert_recv_stats=stats,
+                                          dispatch_wait_recv_cost_stats=wait, use_fp8=case.use_fp8,
+                                          round_scale=case.round_scale, use_ue8m0=case.use_ue8m0,
+                                          async_finish=case.async_finish, return_recv_hook=case.hook)
+        if case.hook:
+            assert res.hook is not None
+            res.hook()
+        elif case.async_finish:
+            res.event.current_stream_wait()
+        torch.cuda.synchronize()
+        _check_dispatch(case, rank, res, refs[rank])
+    if stats is not None:
+        rounds = 2 if case.dispatch_twice else 1
+        _eq("cumulative stats", stats, refs[rank].packed_recv_count * rounds)
+    y = expert_output(res.recv_x, case.use_fp8)
+    if case.zero_copy:
+        buf = buffer.get_next_low_latency_combine_buffer(res.handle)
+        buf[:, :, :] = y
+    out = torch.empty(x.size(0), case.hidden, dtype=torch.bfloat16, device="cuda") if case.with_out else None
+    comb = buffer.low_latency_combine(y, idx, w, res.handle, use_logfmt=case.use_logfmt, zero_copy=case.zero_copy,
+                                      async_finish=case.async_finish, return_recv_hook=case.hook, out=out)
+    if case.hook:
+        comb.hook()
+    elif case.async_finish:
+        comb.event.current_stream_wait()
+    torch.cuda.synchronize()
+    if out is not None:
+        assert comb.combined_x.data_ptr() == out.data_ptr()
+    got, want = comb.combined_x.cpu(), ref_out[rank]
+    if case.use_logfmt:
+        err = (got.float() - want.float()).abs()
+        bound = 0.05 * want.float().abs() + 1e-2 * (want.float().abs().max() if want.numel() else 0)
+        if bool((err > bound).any()):
+            raise AssertionError(f"LogFMT combine off by up to {float(err.max())}")
+    else:
+        _eq("combined_x", got, want)
+
+
+def _references(case: Case):
+    import reference
+    inputs = [make_inputs(case, r) for r in range(case.num_ranks)]
+    refs = reference.low_latency_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs], case.max_tokens,
+                                          case.num_experts, use_fp8=case.use_fp8, round_scale=case.round_scale,
+                                          use_ue8m0=case.use_ue8m0)
+    ys = [expert_output(r.recv_x, case.use_fp8) for r in refs]
+    ref_out = reference.low_latency_combine(ys, [i["topk_idx"] for i in inputs], [i["topk_weights"] for i in inputs],
+                                            [r.handle for r in refs], use_logfmt=case.use_logfmt)
+    return inputs, refs, ref_out
+
+
+def task_round(buffer, rank: int, case: Case) -> str:
+    inputs, refs, ref_out = _references(case)
+    _ll_round(buffer, case, rank, inputs, inputs[rank], refs, ref_out)
+    return "ok"
+
+
+def task_graph(buffer, rank: int, case: Case) -> str:
+    """Capture dispatch + combine in one CUDA graph; replay on fresh inputs copied into the static tensors."""
+    num_tokens = case.num_tokens[rank]
+    first = make_inputs(case, rank)
+    static = {k: v.cuda() for k, v in first.items()}
+    buffer.low_latency_dispatch(static["x"], static["topk_idx"], case.max_tokens, case.num_experts,
+                                use_fp8=case.use_fp8)  # warm-up (and a parity flip) outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = buffer.low_latency_dispatch(static["x"], static["topk_idx"], case.max_tokens, case.num_experts,
+                                          use_fp8=case.use_fp8)
+        y = expert_output(res.recv_x, case.use_fp8)
+        comb = buffer.low_latency_combine(y, static["topk_idx"], static["topk_weights"], res.handle)
+    torch.cuda.synchronize()
+    for replay in range(3):
+        fresh = Case(**{**asdict(case), "seed": case.seed + 1000 * (replay + 1)})
+        inputs, refs, ref_out = _references(fresh)
+        for key in ("x", "topk_idx", "topk_weights"):
+            static[key].copy_(inputs[rank][key][:num_tokens])
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_dispatch(fresh, rank, res, refs[rank])
+        _eq(f"graph replay {replay} combined_x", comb.combined_x.cpu(), ref_out[rank])
+    return "ok"
+
+
+def task_normal_then_clean(buffer, rank: int, case: Case) -> str:
+    """A normal-mode dispatch + combine on the same Buffer, then clean_low_latency_buffer, then an LL round."""
+    mine = make_inputs(case, rank)
+    x, idx = mine["x"].cuda(), mine["topk_idx"].cuda()
+    layout = buffer.get_dispatch_layout(idx, case.num_experts)
+    recv = buffer.dispatch(x, num_tokens_per_rank=layout.num_tokens_per_rank, is_token_in_rank=layout.is_token_in_rank,
+                           num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=idx,
+                           topk_weights=mine["topk_weights"].cuda())
+    buffer.combine(recv.recv_x, recv.handle)
+    buffer.clean_low_latency_buffer(case.max_tokens, case.hidden, case.num_experts)
+    inputs, refs, ref_out = _references(case)
+    _ll_round(buffer, case, rank, inputs, inputs[rank], refs, ref_out)
+    return "ok"
+
+
+def task_bad_input(buffer, rank: int, case: Case) -> str:
+    """Out-of-range expert ids raise ValueError before any launch; the Buffer stays usable."""
+    mine = make_inputs(case, rank)
+    try:
+        buffer.low_latency_dispatch(mine["x"].cuda(), mine["topk_idx"].cuda(), case.max_tokens,
+                                    case.num_experts, use_ue8m0=True, round_scale=False)
+    except ValueError as exc:
+        assert "use_ue8m0" in str(exc)
+    else:
+        raise AssertionError("use_ue8m0 without round_scale was accepted")
+    inputs, refs, ref_out = _references(case)
+    _ll_round(buffer, case, rank, inputs, inputs[rank], refs, ref_out)
+    return "ok"
+
+
+def task_shrink(buffer, rank: int, case: Case) -> str:
+    """Rank 1 "dies" before a dispatch: rank 0's dispatch times out on it (DEEP_EP_TIMEOUT_S), masks it and completes
+    with rank 0's own rows; its combine drops rank 1's experts; the mask query reports rank 1."""
+    import reference
+    if rank == 1:
+        return "ok"  # the dead rank calls nothing more
+    inputs = [make_inputs(case, r) for r in range(case.num_ranks)]
+    refs = reference.low_latency_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs], case.max_tokens,
+                                          case.num_experts, use_fp8=case.use_fp8, masked_ranks=[1])
+    mine = {k: v.cuda() for k, v in inputs[0].items()}
+    res = buffer.low_latency_dispatch(mine["x"], mine["topk_idx"], case.max_tokens, case.num_experts,
+                                      use_fp8=case.use_fp8)
+    torch.cuda.synchronize()
+    _check_dispatch(case, 0, res, refs[0])
+    mask = torch.zeros(case.num_ranks, dtype=torch.int32, device="cuda")
+    buffer.low_latency_query_mask_buffer(mask)
+    _eq("mask after the timed-out dispatch", mask, torch.tensor([0, 1], dtype=torch.int32))
+    y = expert_output(res.recv_x, case.use_fp8)
+    ys = [expert_output(r.recv_x, case.use_fp8) for r in refs]
+    want = reference.low_latency_combine(ys, [i["topk_idx"] for i in inputs], [i["topk_weights"] for i in inputs],
+                                         [r.handle for r in refs], masked_ranks=[1])[0]
+    comb = buffer.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], res.handle)
+    torch.cuda.synchronize()
+    _eq("combined_x without the masked rank", comb.combined_x, want)
+    return "ok"
+
+
+TASKS = {"shrink": task_shrink, "round": task_round, "graph": task_graph, "normal_then_clean": task_normal_then_clean,
+         "bad_input": task_bad_input}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Properties
+# ----------------------------------------------------------------------------------------------------------------
+@settings(max_examples=int(os.environ.get("LL_EXAMPLES", "25")), **NO_SHRINK)
+@given(case=case_strategy(1))
+def test_ll_one_rank(pools, case):
+    pools(1).run("round", case)
+
+
+@pytest.mark.multi_gpu(2)
+@settings(max_examples=int(os.environ.get("LL_EXAMPLES", "25")), **NO_SHRINK)
+@given(case=case_strategy(2))
+def test_ll_two_ranks(pools, case):
+    pools(2).run("round", case)
+
+
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.multi_gpu(2))])
+@settings(max_examples=3, **NO_SHRINK)
+@given(data=st.data())
+def test_ll_cuda_graph(pools, world, data):
+    case = data.draw(case_strategy(world))
+    case = Case(**{**asdict(case), "hook": False, "async_finish": False, "use_logfmt": False, "zero_copy": False,
+                   "round_scale": False, "use_ue8m0": False})
+    pools(world).run("graph", case)
+
+
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.multi_gpu(2))])
+@settings(max_examples=2, **NO_SHRINK)
+@given(data=st.data())
+def test_ll_after_normal_mode_and_clean(pools, world, data):
+    pools(world).run("normal_then_clean", data.draw(case_strategy(world)))
+
+
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.multi_gpu(2))])
+def test_ll_bad_input_keeps_buffer_usable(pools, world):
+    case = Case(num_ranks=world, seed=7, num_tokens=(5,) * world, max_tokens=16, hidden=2048, num_topk=4,
+                num_experts=4 * world, mask_prob=0.1, use_fp8=True, round_scale=False, use_ue8m0=False, hook=False,
+                async_finish=False, use_logfmt=False, zero_copy=False, dispatch_twice=False, with_out=False,
+                with_stats=False)
+    pools(world).run("bad_input", case)
+
+
+@pytest.mark.multi_gpu(2)
+def test_ll_shrink_masks_a_silent_peer(pools):
+    case = Case(num_ranks=2, seed=11, num_tokens=(12, 12), max_tokens=16, hidden=2048, num_topk=4, num_experts=8,
+                mask_prob=0.0, use_fp8=False, round_scale=False, use_ue8m0=False, hook=False, async_finish=False,
+                use_logfmt=False, zero_copy=False, dispatch_twice=False, with_out=False, with_stats=False)
+    pools(2, shrink=True).run("shrink", case)
+
