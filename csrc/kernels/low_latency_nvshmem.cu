@@ -24,6 +24,7 @@
 
 #include "exception.cuh"
 #include "low_latency.cuh"
+#include "ptx.cuh"
 
 namespace deep_ep {
 namespace kernels {
@@ -111,49 +112,6 @@ const char* ll_phase_name(int32_t phase) {
 
 namespace {
 
-__device__ __forceinline__ uint64_t now_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-__device__ __forceinline__ uint64_t ld_acquire_u64(const uint64_t* p) {
-    uint64_t v;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_relaxed_u64(uint64_t* p, uint64_t v) {
-    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void red_release_add_u64(uint64_t* p, uint64_t v) {
-    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ int4 ld_nc(const int4* p) {
-    int4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-// Data written by peers during this kernel: coherent, no L1 allocation.
-__device__ __forceinline__ int4 ld_peer(const int4* p) {
-    int4 v;
-    asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p)
-                 : "memory");
-    return v;
-}
-__device__ __forceinline__ int ld_peer_int(const int* p) {
-    int v;
-    asm volatile("ld.global.L1::no_allocate.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_na(int4* p, const int4& v) {
-    asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
-                 "r"(v.w)
-                 : "memory");
-}
-
 __device__ __forceinline__ char* half_base(const Context& ctx, void* base, int half) {
     return static_cast<char*>(base) + ctx.layout.half_offset[half];
 }
@@ -208,20 +166,20 @@ template <typename Pred>
 __device__ __forceinline__ WaitResult wait_word(const Context& ctx, uint64_t* addr, Pred pred, uint64_t* seen,
                                                 uint64_t* elapsed_ns) {
     const uint64_t* abort = reinterpret_cast<const uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset);
-    const uint64_t start = now_ns();
+    const uint64_t start = global_timer_ns();
     for (uint64_t spins = 0;; ++spins) {
-        const uint64_t v = ld_acquire_u64(addr);
+        const uint64_t v = ld_acquire_sys_u64(addr);
         if (pred(v)) {
             if (!ctx.all_p2p) nvshmem_uint64_test(addr, NVSHMEM_CMP_EQ, v);
             *seen = v;
-            *elapsed_ns = now_ns() - start;
+            *elapsed_ns = global_timer_ns() - start;
             return kWaitOk;
         }
         if ((spins & 63) == 63) {
-            const uint64_t elapsed = now_ns() - start;
+            const uint64_t elapsed = global_timer_ns() - start;
             *seen = v;
             *elapsed_ns = elapsed;
-            if (ld_acquire_u64(abort) != 0) return kWaitAborted;
+            if (ld_acquire_sys_u64(abort) != 0) return kWaitAborted;
             if (elapsed > ctx.timeout_ns) return kWaitTimeout;
             if (spins > 4096) __nanosleep(64);
         }
@@ -238,7 +196,7 @@ __device__ bool on_wait_failure(const Context& ctx, WaitResult res, int kernel, 
     }
     if (res == kWaitAborted) {
         const uint64_t word =
-            ld_acquire_u64(reinterpret_cast<const uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset));
+            ld_acquire_sys_u64(reinterpret_cast<const uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset));
         report(ctx, kErrorPeerAborted, kernel, phase, static_cast<int32_t>(word & 0xffffffffu) - 1, channel,
                expected, static_cast<int64_t>(seen), static_cast<int64_t>(elapsed));
     } else {
@@ -252,7 +210,7 @@ __device__ bool on_wait_failure(const Context& ctx, WaitResult res, int kernel, 
 // caller's prior writes (and after whatever the caller observed through a barrier).
 __device__ __forceinline__ void signal_add(const Context& ctx, int pe, int64_t offset, uint64_t value) {
     if (ctx.peers[pe] != nullptr) {
-        red_release_add_u64(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[pe]) + offset), value);
+        red_add_release_sys_u64(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[pe]) + offset), value);
     } else {
         nvshmem_fence();
         nvshmemx_signal_op(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + offset), value,
@@ -319,7 +277,7 @@ __device__ uint32_t logfmt_encode_row(const uint16_t* src, char* dst, int hidden
             amin[q] = INFINITY;
             if (present[q]) {
                 const int4* p = reinterpret_cast<const int4*>(src + c0 + g * 16);
-                int4 raw[2] = {ld_nc(p), ld_nc(p + 1)};
+                int4 raw[2] = {ld_nc_int4(p), ld_nc_int4(p + 1)};
                 const uint16_t* hv = reinterpret_cast<const uint16_t*>(raw);
                 for (int v = 0; v < 16; ++v) {
                     vals[q][v] = bf16_to_float(hv[v]);
@@ -342,8 +300,8 @@ __device__ uint32_t logfmt_encode_row(const uint16_t* src, char* dst, int hidden
             if (!encode) {
                 const int4* p = reinterpret_cast<const int4*>(src + c0 + g * 16);
                 int4* o = reinterpret_cast<int4*>(region + g * 32);
-                o[0] = ld_nc(p);
-                o[1] = ld_nc(p + 1);
+                o[0] = ld_nc_int4(p);
+                o[1] = ld_nc_int4(p + 1);
                 continue;
             }
             if (g % 8 == 0) {
@@ -378,18 +336,18 @@ __device__ __forceinline__ void logfmt_decode_group(const char* row, uint32_t fl
     const int g = (c - c0) / 16;
     if (((flags >> ci) & 1u) == 0) {
         const int4* p = reinterpret_cast<const int4*>(region + g * 32);
-        int4 raw[2] = {ld_peer(p), ld_peer(p + 1)};
+        int4 raw[2] = {ld_ring_int4(p), ld_ring_int4(p + 1)};
         const uint16_t* hv = reinterpret_cast<const uint16_t*>(raw);
         for (int v = 0; v < 16; ++v) out[v] = bf16_to_float(hv[v]);
         return;
     }
     const int groups = min(chunk, hidden - c0) / 16;
-    const uint32_t pair = static_cast<uint32_t>(ld_peer_int(reinterpret_cast<const int*>(region + groups * 20) + g / 8));
+    const uint32_t pair = static_cast<uint32_t>(ld_ring_int(reinterpret_cast<const int*>(region + groups * 20) + g / 8));
     float la, lm;
     logfmt_block_ok(bf16_to_float(pair & 0xffff), bf16_to_float(pair >> 16), &la, &lm);
     const LogParams prm = logfmt_params(la, lm);
     uint32_t words[5];
-    for (int w = 0; w < 5; ++w) words[w] = static_cast<uint32_t>(ld_peer_int(reinterpret_cast<const int*>(region + g * 20) + w));
+    for (int w = 0; w < 5; ++w) words[w] = static_cast<uint32_t>(ld_ring_int(reinterpret_cast<const int*>(region + g * 20) + w));
     for (int v = 0; v < 16; ++v) {
         const int bit = 9 * v;
         uint32_t code = words[bit / 32] >> (bit % 32);
@@ -492,7 +450,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
                 const uint64_t word = (uint64_t(epoch) << 32) | v;
                 const int64_t off = lay.half_offset[h] + lay.count_off + (int64_t(me) * (L + 1) + j) * 8;
                 if (ctx.peers[d] != nullptr) {
-                    st_relaxed_u64(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[d]) + off), word);
+                    st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[d]) + off), word);
                 } else {
                     nvshmemx_signal_op(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + off), word,
                                        NVSHMEM_SIGNAL_SET, d);
@@ -539,7 +497,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             const int ndst = sh.plan_ndst[i];
             const bool active = block < S;
             int4 raw = make_int4(0, 0, 0, 0);
-            if (active) raw = ld_nc(reinterpret_cast<const int4*>(static_cast<const uint16_t*>(a.x) + int64_t(t) * H +
+            if (active) raw = ld_nc_int4(reinterpret_cast<const int4*>(static_cast<const uint16_t*>(a.x) + int64_t(t) * H +
                                                                 block * kFp8Block + l16 * 8));
             uint2 fp8_out = make_uint2(0, 0);
             float scale_inv = 0.0f;
@@ -588,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
                     *reinterpret_cast<uint2*>(payload + block * kFp8Block + l16 * 8) = fp8_out;
                     if (l16 == 0) reinterpret_cast<float*>(payload + H)[block] = scale_inv;
                 } else {
-                    st_na(reinterpret_cast<int4*>(payload + (int64_t(block) * kFp8Block + l16 * 8) * 2), raw);
+                    st_na_int4(reinterpret_cast<int4*>(payload + (int64_t(block) * kFp8Block + l16 * 8) * 2), raw);
                 }
             }
         }
@@ -697,7 +655,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
         if (gone[s]) continue;
         const int m = g - mpre[s];
         const char* msg = my_half + lay.drecv_off + (int64_t(s) * T + m) * lay.dmsg;
-        int head = lane < kHeaderInts ? ld_peer_int(reinterpret_cast<const int*>(msg) + lane) : -1;
+        int head = lane < kHeaderInts ? ld_ring_int(reinterpret_cast<const int*>(msg) + lane) : -1;
         const int t = __shfl_sync(0xffffffffu, head, 0);
         int dest_j = -1, dest_row = 0;
         if (lane >= 1 && lane < kHeaderInts && head >= 0) {
@@ -726,14 +684,14 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
                 const int c = base + u * 32 + lane;
-                if (c < n16) v[u] = ld_peer(reinterpret_cast<const int4*>(payload) + c);
+                if (c < n16) v[u] = ld_ring_int4(reinterpret_cast<const int4*>(payload) + c);
             }
             for (int di = 0; di < num_dests; ++di) {
                 int4* out = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + out_rows[di] * out_row_bytes);
 #pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {
                     const int c = base + u * 32 + lane;
-                    if (c < n16) st_na(out + c, v[u]);
+                    if (c < n16) st_na_int4(out + c, v[u]);
                 }
             }
         }
@@ -745,11 +703,11 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
                 if (a.use_ue8m0) {
                     for (int q = 0; q < 4; ++q) {
                         const uint32_t bits =
-                            static_cast<uint32_t>(ld_peer_int(reinterpret_cast<const int*>(scales + c * 4 + q)));
+                            static_cast<uint32_t>(ld_ring_int(reinterpret_cast<const int*>(scales + c * 4 + q)));
                         word |= ((bits >> 23) & 0xffu) << (8 * q);
                     }
                 } else {
-                    word = static_cast<uint32_t>(ld_peer_int(reinterpret_cast<const int*>(scales + c)));
+                    word = static_cast<uint32_t>(ld_ring_int(reinterpret_cast<const int*>(scales + c)));
                 }
                 // Scales are [L, cols, R*T]: column-major in the last two dims.
                 for (int di = 0; di < num_dests; ++di) {
@@ -849,19 +807,19 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
 #pragma unroll
                     for (int u = 0; u < kUnroll; ++u) {
                         const int c = base + u * 32 + lane;
-                        if (c < n16) v[u] = ld_nc(reinterpret_cast<const int4*>(src) + c);
+                        if (c < n16) v[u] = ld_nc_int4(reinterpret_cast<const int4*>(src) + c);
                     }
 #pragma unroll
                     for (int u = 0; u < kUnroll; ++u) {
                         const int c = base + u * 32 + lane;
-                        if (c < n16) st_na(reinterpret_cast<int4*>(dst) + c, v[u]);
+                        if (c < n16) st_na_int4(reinterpret_cast<int4*>(dst) + c, v[u]);
                     }
                 }
             }
             __syncwarp();
             const int64_t arrive_off = lay.half_offset[h] + lay.carrive_off + int64_t(t) * 8;
             if (p2p) {
-                if (lane == 0) red_release_add_u64(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[s]) + arrive_off), 1);
+                if (lane == 0) red_add_release_sys_u64(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[s]) + arrive_off), 1);
             } else {
                 nvshmemx_putmem_signal_nbi_warp(my_half + dst_off, send_slot, row_bytes,
                                                 reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + arrive_off),
@@ -926,11 +884,11 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                 float y[16];
                 if (a.use_logfmt) {
                     const uint32_t flags = static_cast<uint32_t>(
-                        ld_peer_int(reinterpret_cast<const int*>(my_half + lay.cflag_off + (e * T + t) * 4)));
+                        ld_ring_int(reinterpret_cast<const int*>(my_half + lay.cflag_off + (e * T + t) * 4)));
                     logfmt_decode_group(slot, flags, H, gc, y);
                 } else {
-                    int4 raw[2] = {ld_peer(reinterpret_cast<const int4*>(slot) + gc * 2),
-                                   ld_peer(reinterpret_cast<const int4*>(slot) + gc * 2 + 1)};
+                    int4 raw[2] = {ld_ring_int4(reinterpret_cast<const int4*>(slot) + gc * 2),
+                                   ld_ring_int4(reinterpret_cast<const int4*>(slot) + gc * 2 + 1)};
                     const uint16_t* hv = reinterpret_cast<const uint16_t*>(raw);
                     for (int v = 0; v < 16; ++v) y[v] = bf16_to_float(hv[v]);
                 }

@@ -1,4 +1,4 @@
-// Device-side synchronisation: memory-ordering primitives, the ONE bounded wait helper, and error reporting.
+// Device-side synchronisation: the ONE bounded wait helper and error reporting (primitives: ptx.cuh).
 //
 // Every spin in the intranode kernels goes through wait_geq(). It polls a local 32-bit monotonic counter with
 // ld.acquire.sys until it reaches a target (wrap-safe), checks this rank's abort word every 64 spins, reads
@@ -12,75 +12,10 @@
 
 #include "api.cuh"
 #include "layout.cuh"
+#include "ptx.cuh"
 
 namespace deep_ep {
 namespace kernels {
-
-// ---- clocks and ordering ----
-
-__device__ __forceinline__ uint64_t global_timer_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* ptr) {
-    uint32_t v;
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* ptr) {
-    uint32_t v;
-    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void st_release_sys(uint32_t* ptr, uint32_t v) {
-    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ void st_relaxed_sys(uint32_t* ptr, uint32_t v) {
-    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ void red_add_release_sys(uint32_t* ptr, uint32_t v) {
-    asm volatile("red.release.sys.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-
-// Named barrier over `num_threads` threads (a multiple of 32) of the CTA; id 0 is __syncthreads.
-__device__ __forceinline__ void named_barrier(int id, int num_threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(num_threads) : "memory");
-}
-
-// ---- 16-byte copies ----
-
-// Input that nothing writes during the kernel (x, handle tensors): non-coherent path, no L1 allocation.
-__device__ __forceinline__ int4 ld_nc_int4(const int4* ptr) {
-    int4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(ptr));
-    return v;
-}
-
-// Ring data written by peers: coherent load, no L1 allocation (never .nc).
-__device__ __forceinline__ int4 ld_ring_int4(const int4* ptr) {
-    int4 v;
-    asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(ptr)
-                 : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void st_na_int4(int4* ptr, const int4& v) {
-    asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v.x), "r"(v.y),
-                 "r"(v.z), "r"(v.w)
-                 : "memory");
-}
 
 // ---- error reporting ----
 
