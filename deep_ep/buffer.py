@@ -32,6 +32,8 @@ _INT_MAX = 2 ** 31 - 1
 _NVSHMEM_QP_DEPTH = 1024
 # Largest group of the normal kernels (DeepEP), unless in low-latency mode.
 _MAX_NORMAL_RANKS = 160
+# (kind, num_ranks, num_sms) -> the tuned default Config (see Buffer._resolve_config).
+_DEFAULT_CONFIGS: dict[tuple[str, int, int], Config] = {}
 
 
 class Buffer:
@@ -228,7 +230,7 @@ class Buffer:
         if ref is None or ref() is not key:
             raise ValueError(f"handle was not returned by this Buffer (rank {self.rank}); pass the handle of a "
                              "dispatch made with the same Buffer")
-        return cls(*handle)
+        return handle if type(handle) is cls else cls(*handle)
 
     # ------------------------------------------------------------------------------------------------------------
     # Static and utility methods
@@ -339,11 +341,16 @@ class Buffer:
     def _resolve_config(config: Optional[Config], kind: str, num_ranks: int) -> Config:
         """``config`` or the tuned default of ``kind`` ('dispatch' / 'combine'); its ``num_sms`` must be even."""
         if config is None:
-            table = cfg.get_dispatch_config if kind == "dispatch" else cfg.get_combine_config
-            config = table(num_ranks, Buffer.num_sms)
+            key = (kind, num_ranks, Buffer.num_sms)
+            config = _DEFAULT_CONFIGS.get(key)
+            if config is None:  # Config is frozen: a default once built is reused
+                table = cfg.get_dispatch_config if kind == "dispatch" else cfg.get_combine_config
+                config = _DEFAULT_CONFIGS[key] = table(num_ranks, Buffer.num_sms)
         if not isinstance(config, Config):
             raise TypeError(f"config must be a deep_ep.Config, got {type(config).__name__}")
-        v.check_even_num_sms("config.num_sms", config.num_sms)
+        num_sms = config.num_sms
+        if type(num_sms) is not int or num_sms < 2 or num_sms % 2:  # the common valid case without a call
+            v.check_even_num_sms("config.num_sms", num_sms)
         return config
 
     def dispatch(self, x: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], handle: Optional[tuple] = None,
