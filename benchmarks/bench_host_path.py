@@ -40,6 +40,7 @@ class FakeStream:
 
     def __init__(self, *args, **kwargs) -> None:
         self.cuda_stream = 0x1000 + id(self) % 4096
+        self.stream_id, self.device_index, self.device_type = self.cuda_stream, 0, 1
         self.priority = kwargs.get("priority", 0)
 
     def wait_stream(self, other) -> None:
@@ -140,6 +141,7 @@ def make_fake_extension(torch):
             return torch.empty(send_head.size(0), x.size(1), dtype=x.dtype), weights
 
     ext.Runtime = Runtime
+    ext.record_stream = lambda tensors, stream_id, device_index, device_type: None
     ext.HostTimeout, ext.DeviceError = HostTimeout, DeviceError
     ext.num_channels_for_sms = num_channels_for_sms
     return ext

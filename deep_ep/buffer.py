@@ -383,7 +383,6 @@ class Buffer:
         """
         data, scales = v.split_dispatch_x(x)
         num_tokens = data.size(0)
-        device = data.device
         x = (data, scales) if scales is not None else data
         v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         config = self._resolve_config(config, "dispatch", self.group_size)
@@ -418,6 +417,7 @@ class Buffer:
                                       ("num_tokens_per_expert", num_tokens_per_expert)) if t is None]
             raise ValueError(f"a non-cached dispatch needs the layout tensors from get_dispatch_layout; missing: "
                              f"{', '.join(missing)}")
+        device = data.device
         v.check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,), device=device)
         v.check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, R), device=device)
         v.check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, ndim=1, device=device)
@@ -462,14 +462,14 @@ class Buffer:
         """
         v.check_tensor("x", x, dtype=torch.bfloat16, ndim=2)
         handle = self._check_handle(handle, "normal")
-        device = x.device
         num_rows = handle.recv_src_meta.size(0) if self.topology.is_internode else handle.recv_src_idx.size(0)
         if x.size(0) != num_rows:
             raise ValueError(f"x must have the {num_rows} rows of the dispatch's recv_x, got {x.size(0)}")
         if topk_weights is not None:
-            v.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_rows, None), device=device)
-        num_tokens = handle.is_token_in_rank.size(0)
-        v.split_bias(bias, num_tokens, x.size(1), x.dtype, device)
+            v.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_rows, None),
+                           device=x.device)
+        if bias is not None:
+            v.split_bias(bias, handle.is_token_in_rank.size(0), x.size(1), x.dtype, x.device)
         v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         config = self._resolve_config(config, "combine", self.group_size)
         backend = self._backend("combine", x)

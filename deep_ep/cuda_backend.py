@@ -8,7 +8,8 @@ results are the NamedTuples of ``deep_ep.results`` with the handle of ``deep_ep.
 Division of labour:
 
 * this module owns the stream protocol of the spec (§6.2): a dedicated high-priority communication stream,
-  ``previous_event``, ``async_finish``, ``allocate_on_comm_stream``, and the handle's tensors;
+  ``previous_event``, ``async_finish``, ``allocate_on_comm_stream``; it allocates the handle's tensors and the
+  top-k outputs of a non-cached dispatch;
 * ``deep_ep._C.Runtime`` (csrc/buffer.cpp) owns the IPC buffer, the host-mapped error record and counters, and
   turns tensors into pointers for the launchers of ``csrc/kernels/api.cuh``. To keep the host path short (one
   Python->C++ crossing per kernel), its entry points allocate the outputs whose shapes they know and do the two
@@ -124,15 +125,19 @@ class _StreamScope:
         if self.async_finish:
             event = CudaEventHandle(self.comm)
             live = tuple(t for t in tensors if isinstance(t, torch.Tensor))
-            for t in live:
-                t.record_stream(self.comm)
-                if self.compute is not None:
-                    t.record_stream(self.compute)
+            _record_stream(live, self.comm)
+            if self.compute is not None:
+                _record_stream(live, self.compute)
             result = EventOverlap(event, live)
         else:
             result = EventOverlap(None)
         self.restore()
         return result
+
+
+def _record_stream(tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
+    """``t.record_stream(stream)`` for every tensor, in one call into the extension."""
+    _C.record_stream(list(tensors), stream.stream_id, stream.device_index, stream.device_type)
 
 
 def _flatten_x(x):
