@@ -127,12 +127,18 @@ def make_fake_extension(torch):
         def wait_recv_counts(self, num_local_experts):
             return self.num_recv, self.per_expert
 
-        def dispatch(self, x, x_scales, *rest):
-            if not isinstance(rest[7], int):
+        def dispatch(self, x, x_scales, topk_idx, *rest):
+            if isinstance(rest[6], torch.Tensor):  # the first generation: recv_x given, nothing returned
                 return None
-            rows = rest[7]
+            rows, recv_src_idx = rest[6], rest[7]
             scales = None if x_scales is None else torch.empty(rows, x_scales.size(1), dtype=x_scales.dtype)
-            return torch.empty(rows, x.size(1), dtype=x.dtype), scales
+            if recv_src_idx is None:
+                recv_src_idx = torch.empty(rows, dtype=torch.int32)
+            recv_topk_idx = recv_topk_weights = None
+            if topk_idx is not None:
+                recv_topk_idx = torch.empty(rows, topk_idx.size(1), dtype=topk_idx.dtype)
+                recv_topk_weights = torch.empty(rows, topk_idx.size(1))
+            return torch.empty(rows, x.size(1), dtype=x.dtype), scales, recv_src_idx, recv_topk_idx, recv_topk_weights
 
         def combine(self, x, topk_weights, bias_0, bias_1, rank_prefix, recv_channel_prefix, send_head, *rest):
             if not isinstance(rest[0], int):

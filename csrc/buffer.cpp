@@ -369,14 +369,14 @@ std::pair<int, std::vector<int>> Runtime::wait_recv_counts(int num_local_experts
     return {num_recv_tokens, per_expert};
 }
 
-std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::dispatch(
-    const at::Tensor& x, const std::optional<at::Tensor>& x_scales, const std::optional<at::Tensor>& topk_idx,
-    const std::optional<at::Tensor>& topk_weights, int num_experts, const at::Tensor& is_token_in_rank,
-    const at::Tensor& rank_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head,
-    int num_recv_rows, const at::Tensor& recv_src_idx, const std::optional<at::Tensor>& recv_topk_idx,
-    const std::optional<at::Tensor>& recv_topk_weights, bool worst_token_mode, int num_channels,
-    int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream, bool after_current,
-    bool current_after) {
+std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>>
+Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                  const std::optional<at::Tensor>& topk_idx, const std::optional<at::Tensor>& topk_weights,
+                  int num_experts, const at::Tensor& is_token_in_rank, const at::Tensor& rank_prefix_matrix,
+                  const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_recv_rows,
+                  const std::optional<at::Tensor>& given_recv_src_idx, bool worst_token_mode, int num_channels,
+                  int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream,
+                  bool after_current, bool current_after) {
     require_available("dispatch");
     if (num_recv_rows < 0) invalid("dispatch: num_recv_rows must be >= 0, got %d", num_recv_rows);
     check_device("x", x, device_id_);
@@ -388,9 +388,17 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::dispatch(
     check_device("handle.recv_channel_prefix_matrix", recv_channel_prefix_matrix, device_id_);
     check_device("handle.send_head", send_head, device_id_);
     check_aligned("x", x);
+    check_device("handle.recv_src_idx", given_recv_src_idx, device_id_);
     at::Tensor recv_x = at::empty({num_recv_rows, x.size(1)}, x.options());
-    std::optional<at::Tensor> recv_x_scales;
+    std::optional<at::Tensor> recv_x_scales, recv_topk_idx, recv_topk_weights;
     if (x_scales.has_value()) recv_x_scales = at::empty({num_recv_rows, x_scales->size(1)}, x_scales->options());
+    const at::Tensor recv_src_idx = given_recv_src_idx.has_value()
+                                        ? *given_recv_src_idx
+                                        : at::empty({num_recv_rows}, x.options().dtype(at::kInt));
+    if (topk_idx.has_value()) {
+        recv_topk_idx = at::empty({num_recv_rows, topk_idx->size(1)}, topk_idx->options());
+        recv_topk_weights = at::empty({num_recv_rows, topk_idx->size(1)}, x.options().dtype(at::kFloat));
+    }
     check_aligned("recv_x", recv_x);
     kernels::DispatchArgs args{};
     args.x = data_of(x, workspace_);
@@ -425,7 +433,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::dispatch(
     auto ctx = next_context();
     kernels::intranode_dispatch(ctx, args, as_stream(stream));
     if (current_after) order(current_stream(), as_stream(stream));
-    return {recv_x, recv_x_scales};
+    return {recv_x, recv_x_scales, recv_src_idx, recv_topk_idx, recv_topk_weights};
 }
 
 std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(

@@ -104,15 +104,17 @@ class Runtime {
     std::pair<int, std::vector<int>> wait_recv_counts(int num_local_experts);
 
     // Returns (recv_x [num_recv_rows, H] of x's dtype, recv_x_scales [num_recv_rows, S] of the scales' dtype when
-    // x_scales is given).
-    std::pair<at::Tensor, std::optional<at::Tensor>> dispatch(
-        const at::Tensor& x, const std::optional<at::Tensor>& x_scales, const std::optional<at::Tensor>& topk_idx,
-        const std::optional<at::Tensor>& topk_weights, int num_experts, const at::Tensor& is_token_in_rank,
-        const at::Tensor& rank_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
-        const at::Tensor& send_head, int num_recv_rows, const at::Tensor& recv_src_idx,
-        const std::optional<at::Tensor>& recv_topk_idx, const std::optional<at::Tensor>& recv_topk_weights,
-        bool worst_token_mode, int num_channels, int num_max_send_tokens, int num_max_recv_tokens,
-        int num_send_warps, uintptr_t stream, bool after_current, bool current_after);
+    // x_scales is given, recv_src_idx [num_recv_rows] int32 (the given one, else a new one), recv_topk_idx
+    // [num_recv_rows, K] of topk_idx's dtype and recv_topk_weights [num_recv_rows, K] float32 when topk_idx is
+    // given).
+    std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, std::optional<at::Tensor>,
+               std::optional<at::Tensor>>
+    dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales, const std::optional<at::Tensor>& topk_idx,
+             const std::optional<at::Tensor>& topk_weights, int num_experts, const at::Tensor& is_token_in_rank,
+             const at::Tensor& rank_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
+             const at::Tensor& send_head, int num_recv_rows, const std::optional<at::Tensor>& recv_src_idx,
+             bool worst_token_mode, int num_channels, int num_max_send_tokens, int num_max_recv_tokens,
+             int num_send_warps, uintptr_t stream, bool after_current, bool current_after);
 
     // Returns (combined_x [N, H] BF16, combined_topk_weights [N, K] float32 when topk_weights is given), N being
     // send_head's rows.

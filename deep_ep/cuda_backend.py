@@ -8,8 +8,8 @@ results are the NamedTuples of ``deep_ep.results`` with the handle of ``deep_ep.
 Division of labour:
 
 * this module owns the stream protocol of the spec (§6.2): a dedicated high-priority communication stream,
-  ``previous_event``, ``async_finish``, ``allocate_on_comm_stream``; it allocates the handle's tensors and the
-  top-k outputs of a non-cached dispatch;
+  ``previous_event``, ``async_finish``, ``allocate_on_comm_stream``; it allocates the tensors a non-cached
+  dispatch needs before its CPU wait (prefix matrices, ``send_head``);
 * ``deep_ep._C.Runtime`` (csrc/buffer.cpp) owns the IPC buffer, the host-mapped error record and counters, and
   turns tensors into pointers for the launchers of ``csrc/kernels/api.cuh``. To keep the host path short (one
   Python->C++ crossing per kernel), its entry points allocate the outputs whose shapes they know and do the two
@@ -313,8 +313,6 @@ class CudaBackend:
         if config is None:
             raise ValueError("config must be resolved by the Buffer front before reaching the CUDA backend")
         data, scales = _flatten_x(x)
-        num_tokens = data.size(0)
-        device = data.device
         num_channels = self.num_channels(config)
         cached = handle is not None
         num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else 0
@@ -333,8 +331,11 @@ class CudaBackend:
                                      f"was made with {channel_prefix_matrix.size(1)}; use the dispatch's config")
                 num_recv_tokens = handle.recv_src_idx.size(0)
                 per_expert_list = None
-                recv_src_idx, send_head = handle.recv_src_idx, handle.send_head
+                given_recv_src_idx, send_head = handle.recv_src_idx, handle.send_head
             else:
+                given_recv_src_idx = None  # allocated by the runtime, with the outputs
+                device = data.device
+                send_head = torch.empty(data.size(0), self.num_ranks, dtype=torch.int32, device=device)
                 rank_prefix_matrix = torch.empty(self.num_ranks, self.num_ranks, dtype=torch.int32, device=device)
                 channel_prefix_matrix = torch.empty(self.num_ranks, num_channels, dtype=torch.int32, device=device)
                 recv_channel_prefix_matrix = torch.empty(self.num_ranks, num_channels, dtype=torch.int32,
@@ -354,18 +355,11 @@ class CudaBackend:
                         self.check_errors()  # a device-side report names the missing peer: prefer it
                         raise CommTimeoutError(str(exc)) from None
                     per_expert_list = list(per_expert_list)
-                recv_src_idx = torch.empty(num_recv_tokens, dtype=torch.int32, device=device)
-                send_head = torch.empty(num_tokens, self.num_ranks, dtype=torch.int32, device=device)
-            recv_topk_idx = recv_topk_weights = None
-            if topk_idx is not None:
-                recv_topk_idx = torch.empty(num_recv_tokens, topk_idx.size(1), dtype=topk_idx.dtype, device=device)
-                recv_topk_weights = torch.empty(num_recv_tokens, topk_idx.size(1), dtype=torch.float32,
-                                                device=device)
 
-            recv_x, recv_scales = self.runtime.dispatch(
+            recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = self.runtime.dispatch(
                 data, scales, topk_idx, topk_weights, num_experts, is_token_in_rank, rank_prefix_matrix,
-                recv_channel_prefix_matrix, send_head, num_recv_tokens, recv_src_idx, recv_topk_idx,
-                recv_topk_weights, num_worst_tokens > 0 and not cached, num_channels,
+                recv_channel_prefix_matrix, send_head, num_recv_tokens, given_recv_src_idx,
+                num_worst_tokens > 0 and not cached, num_channels,
                 config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
                 intranode_send_warps("dispatch", self.num_ranks), self._comm_ptr, after_current,
                 scope.current_after)

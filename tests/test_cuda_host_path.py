@@ -72,7 +72,9 @@ with bench.patched(torch, cuda_tensors=True):
         cached = buffer.dispatch(x_fp8, handle=first.handle, **kwargs)
         combined = buffer.combine(first.recv_x, first.handle, topk_weights=first.recv_topk_weights, **kwargs)
         shapes = [list(layout.is_token_in_rank.shape), list(first.recv_x.shape), list(cached.recv_x[1].shape),
-                  list(combined.combined_x.shape), list(combined.combined_topk_weights.shape)]
+                  list(combined.combined_x.shape), list(combined.combined_topk_weights.shape),
+                  list(first.recv_topk_idx.shape), list(first.recv_topk_weights.shape),
+                  list(first.handle.recv_src_idx.shape), list(first.handle.send_head.shape)]
         out[mode] = dict(calls=list(calls), shapes=shapes, async_event=cached.event.event is not None)
     buffer._release()
 dist.destroy_process_group()
@@ -115,7 +117,8 @@ def test_stream_waits_per_mode():
             assert switches == 0 and records == [], (mode, calls)
         assert out[mode]["async_event"] == mode.startswith(("async", "comm")), mode
         num_recv = out[mode]["shapes"][1][0]
-        assert out[mode]["shapes"] == [[16, 1], [num_recv, 256], [num_recv, 2], [16, 256], [16, 4]], mode
+        assert out[mode]["shapes"] == [[16, 1], [num_recv, 256], [num_recv, 2], [16, 256], [16, 4], [num_recv, 4],
+                                       [num_recv, 4], [num_recv], [16, 1]], mode
 
 
 def test_host_path_benchmark_runs(tmp_path):
