@@ -1,6 +1,8 @@
 // Host runtime of the intranode normal-mode kernels: allocation, IPC exchange, error record, tensors -> pointers.
 #include "buffer.hpp"
 
+#include <c10/cuda/CUDAStream.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -124,6 +126,7 @@ Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_
     DEEP_EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_counters_), counter_bytes, cudaHostAllocMapped));
     for (int i = 0; i <= kernels::kMaxLocalExperts; ++i) host_counters_[i] = -1;
     DEEP_EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_counters_), host_counters_, 0));
+    DEEP_EP_CUDA_CHECK(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming));
     DEEP_EP_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -187,6 +190,8 @@ void Runtime::destroy() {
     if (workspace_) cudaFree(workspace_);
     if (host_error_) cudaFreeHost(host_error_);
     if (host_counters_) cudaFreeHost(host_counters_);
+    if (order_event_) cudaEventDestroy(order_event_);
+    order_event_ = nullptr;
     local_buffer_ = workspace_ = nullptr;
     host_error_ = device_error_ = nullptr;
     host_counters_ = device_counters_ = nullptr;
@@ -195,6 +200,16 @@ void Runtime::destroy() {
 void Runtime::require_available(const char* what) const {
     if (destroyed_) invalid("%s: this Buffer was destroyed", what);
     if (!available_) invalid("%s: the Buffer runtime is not synchronised with its peers yet", what);
+}
+
+cudaStream_t Runtime::current_stream() const {
+    return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_id_)).stream();
+}
+
+void Runtime::order(cudaStream_t waiter, cudaStream_t signaller) {
+    if (waiter == signaller) return;
+    DEEP_EP_CUDA_CHECK(cudaEventRecord(order_event_, signaller));
+    DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(waiter, order_event_, 0));
 }
 
 kernels::KernelContext Runtime::next_context() {
@@ -266,24 +281,32 @@ at::Tensor Runtime::get_local_buffer_tensor(at::ScalarType dtype, int64_t offset
 // Kernels
 // ---------------------------------------------------------------------------------------------------------------
 
-void Runtime::get_dispatch_layout(const at::Tensor& topk_idx, int num_experts, const at::Tensor& num_tokens_per_rank,
-                                  const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank,
-                                  uintptr_t stream) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> Runtime::get_dispatch_layout(const at::Tensor& topk_idx,
+                                                                            int num_experts, uintptr_t stream,
+                                                                            bool after_current, bool current_after) {
     require_available("get_dispatch_layout");
     check_device("topk_idx", topk_idx, device_id_);
+    const int num_tokens = static_cast<int>(topk_idx.size(0));
+    const auto int_options = topk_idx.options().dtype(at::kInt);
+    at::Tensor num_tokens_per_rank = at::empty({num_ranks_}, int_options);
+    at::Tensor num_tokens_per_expert = at::empty({num_experts}, int_options);
+    at::Tensor is_token_in_rank = at::empty({num_tokens, num_ranks_}, topk_idx.options().dtype(at::kBool));
+    if (after_current) order(as_stream(stream), current_stream());
     const int topk_idx_bytes = static_cast<int>(topk_idx.element_size());
-    kernels::get_dispatch_layout(data_of(topk_idx, workspace_), topk_idx_bytes, static_cast<int>(topk_idx.size(0)),
+    kernels::get_dispatch_layout(data_of(topk_idx, workspace_), topk_idx_bytes, num_tokens,
                                  static_cast<int>(topk_idx.size(1)), num_ranks_, num_experts, num_ranks_,
                                  data_of<int>(num_tokens_per_rank, workspace_), nullptr,
                                  data_of<int>(num_tokens_per_expert, workspace_),
                                  data_of<bool>(is_token_in_rank, workspace_), as_stream(stream));
+    if (current_after) order(current_stream(), as_stream(stream));
+    return {num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank};
 }
 
 void Runtime::notify_dispatch(const at::Tensor& num_tokens_per_rank, const at::Tensor& num_tokens_per_expert,
                               const at::Tensor& is_token_in_rank, int num_experts, int num_channels,
                               int expert_alignment, bool worst_token_mode, const at::Tensor& rank_prefix_matrix,
                               const at::Tensor& channel_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
-                              uintptr_t stream) {
+                              uintptr_t stream, bool after_current) {
     require_available("dispatch");
     check_device("is_token_in_rank", is_token_in_rank, device_id_);
     check_device("num_tokens_per_rank", num_tokens_per_rank, device_id_);
@@ -306,6 +329,7 @@ void Runtime::notify_dispatch(const at::Tensor& num_tokens_per_rank, const at::T
         std::atomic_thread_fence(std::memory_order_seq_cst);
         args.host_counters = device_counters_;
     }
+    if (after_current) order(as_stream(stream), current_stream());
     auto ctx = next_context();
     kernels::intranode_notify(ctx, args, as_stream(stream));
 }
@@ -345,16 +369,16 @@ std::pair<int, std::vector<int>> Runtime::wait_recv_counts(int num_local_experts
     return {num_recv_tokens, per_expert};
 }
 
-void Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
-                       const std::optional<at::Tensor>& topk_idx, const std::optional<at::Tensor>& topk_weights,
-                       int num_experts, const at::Tensor& is_token_in_rank, const at::Tensor& rank_prefix_matrix,
-                       const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head,
-                       const at::Tensor& recv_x, const std::optional<at::Tensor>& recv_x_scales,
-                       const at::Tensor& recv_src_idx, const std::optional<at::Tensor>& recv_topk_idx,
-                       const std::optional<at::Tensor>& recv_topk_weights, bool worst_token_mode, int num_channels,
-                       int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps,
-                       uintptr_t stream) {
+std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>>
+Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                  const std::optional<at::Tensor>& topk_idx, const std::optional<at::Tensor>& topk_weights,
+                  int num_experts, const at::Tensor& is_token_in_rank, const at::Tensor& rank_prefix_matrix,
+                  const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_recv_rows,
+                  const std::optional<at::Tensor>& given_recv_src_idx, bool worst_token_mode, int num_channels,
+                  int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream,
+                  bool after_current, bool current_after) {
     require_available("dispatch");
+    if (num_recv_rows < 0) invalid("dispatch: num_recv_rows must be >= 0, got %d", num_recv_rows);
     check_device("x", x, device_id_);
     check_device("x_scales", x_scales, device_id_);
     check_device("topk_idx", topk_idx, device_id_);
@@ -364,6 +388,17 @@ void Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_s
     check_device("handle.recv_channel_prefix_matrix", recv_channel_prefix_matrix, device_id_);
     check_device("handle.send_head", send_head, device_id_);
     check_aligned("x", x);
+    check_device("handle.recv_src_idx", given_recv_src_idx, device_id_);
+    at::Tensor recv_x = at::empty({num_recv_rows, x.size(1)}, x.options());
+    std::optional<at::Tensor> recv_x_scales, recv_topk_idx, recv_topk_weights;
+    if (x_scales.has_value()) recv_x_scales = at::empty({num_recv_rows, x_scales->size(1)}, x_scales->options());
+    const at::Tensor recv_src_idx = given_recv_src_idx.has_value()
+                                        ? *given_recv_src_idx
+                                        : at::empty({num_recv_rows}, x.options().dtype(at::kInt));
+    if (topk_idx.has_value()) {
+        recv_topk_idx = at::empty({num_recv_rows, topk_idx->size(1)}, topk_idx->options());
+        recv_topk_weights = at::empty({num_recv_rows, topk_idx->size(1)}, x.options().dtype(at::kFloat));
+    }
     check_aligned("recv_x", recv_x);
     kernels::DispatchArgs args{};
     args.x = data_of(x, workspace_);
@@ -394,17 +429,19 @@ void Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_s
     args.num_max_send_tokens = num_max_send_tokens;
     args.num_max_recv_tokens = num_max_recv_tokens;
     args.num_send_warps = num_send_warps;
+    if (after_current) order(as_stream(stream), current_stream());
     auto ctx = next_context();
     kernels::intranode_dispatch(ctx, args, as_stream(stream));
+    if (current_after) order(current_stream(), as_stream(stream));
+    return {recv_x, recv_x_scales, recv_src_idx, recv_topk_idx, recv_topk_weights};
 }
 
-void Runtime::combine(const at::Tensor& x, const std::optional<at::Tensor>& topk_weights,
-                      const std::optional<at::Tensor>& bias_0, const std::optional<at::Tensor>& bias_1,
-                      const at::Tensor& rank_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
-                      const at::Tensor& send_head, const at::Tensor& combined_x,
-                      const std::optional<at::Tensor>& combined_topk_weights, int num_channels,
-                      int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps,
-                       uintptr_t stream) {
+std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
+    const at::Tensor& x, const std::optional<at::Tensor>& topk_weights, const std::optional<at::Tensor>& bias_0,
+    const std::optional<at::Tensor>& bias_1, const at::Tensor& rank_prefix_matrix,
+    const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_channels,
+    int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream, bool after_current,
+    bool current_after) {
     require_available("combine");
     check_device("x", x, device_id_);
     check_device("topk_weights", topk_weights, device_id_);
@@ -416,8 +453,13 @@ void Runtime::combine(const at::Tensor& x, const std::optional<at::Tensor>& topk
     check_aligned("x", x);
     check_aligned("bias[0]", bias_0);
     check_aligned("bias[1]", bias_1);
-    check_aligned("combined_x", combined_x);
     if (x.scalar_type() != at::kBFloat16) invalid("combine x must be torch.bfloat16, got %s", c10::toString(x.scalar_type()));
+    const int64_t num_tokens = send_head.size(0);
+    at::Tensor combined_x = at::empty({num_tokens, x.size(1)}, x.options());
+    std::optional<at::Tensor> combined_topk_weights;
+    if (topk_weights.has_value())
+        combined_topk_weights = at::empty({num_tokens, topk_weights->size(1)}, x.options().dtype(at::kFloat));
+    check_aligned("combined_x", combined_x);
     kernels::CombineArgs args{};
     args.x = data_of(x, workspace_);
     args.hidden = static_cast<int>(x.size(1));
@@ -429,15 +471,18 @@ void Runtime::combine(const at::Tensor& x, const std::optional<at::Tensor>& topk
     args.rank_prefix_matrix = data_of<int>(rank_prefix_matrix, workspace_);
     args.recv_channel_prefix_matrix = data_of<int>(recv_channel_prefix_matrix, workspace_);
     args.send_head = data_of<int>(send_head, workspace_);
-    args.num_tokens = static_cast<int>(send_head.size(0));
+    args.num_tokens = static_cast<int>(num_tokens);
     args.combined_x = data_of(combined_x, workspace_);
     args.combined_topk_weights = ptr_or_null<float>(combined_topk_weights, workspace_);
     args.num_channels = num_channels;
     args.num_max_send_tokens = num_max_send_tokens;
     args.num_max_recv_tokens = num_max_recv_tokens;
     args.num_send_warps = num_send_warps;
+    if (after_current) order(as_stream(stream), current_stream());
     auto ctx = next_context();
     kernels::intranode_combine(ctx, args, as_stream(stream));
+    if (current_after) order(current_stream(), as_stream(stream));
+    return {combined_x, combined_topk_weights};
 }
 
 void Runtime::barrier(uintptr_t stream) {

@@ -8,8 +8,10 @@
 //   * host-mapped memory: the error record the kernels fill instead of trapping, and the counters the notify kernel
 //     publishes for the CPU (received-token total and per-local-expert counts).
 //
-// It never allocates output tensors and never touches streams other than the one it is given: the Python side
-// (deep_ep/cuda_backend.py) owns allocation and the stream protocol of the spec, and passes raw streams here.
+// The Python side (deep_ep/cuda_backend.py) owns the stream protocol of the spec and passes the raw communication
+// stream here. To keep one Python->C++ crossing per kernel, the entry points also allocate the outputs whose shapes
+// they know (on the caller's current stream, as torch.empty would) and order the communication stream against the
+// caller's current stream when asked (`after_current` / `current_after`, see below).
 // Every host wait is bounded by `timeout_s` and reports through a structured exception (see HostTimeout).
 #pragma once
 
@@ -20,6 +22,8 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kernels/api.cuh"
@@ -79,9 +83,14 @@ class Runtime {
     at::Tensor get_local_buffer_tensor(at::ScalarType dtype, int64_t offset) const;
 
     // ---- kernels; tensors are CUDA tensors on this device, already validated by the Python front ----
-    void get_dispatch_layout(const at::Tensor& topk_idx, int num_experts, const at::Tensor& num_tokens_per_rank,
-                             const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank,
-                             uintptr_t stream);
+    // Stream order: `after_current` makes `stream` wait for the work enqueued so far on the caller's current stream
+    // before the launch (the spec's default when no previous_event is given); `current_after` makes the current
+    // stream wait for `stream` after the launch (synchronous mode). Both use one reusable event of this runtime.
+
+    // Returns (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool).
+    std::tuple<at::Tensor, at::Tensor, at::Tensor> get_dispatch_layout(const at::Tensor& topk_idx, int num_experts,
+                                                                       uintptr_t stream, bool after_current,
+                                                                       bool current_after);
 
     // Non-cached notify. Fills rank_prefix_matrix [R, R], channel_prefix_matrix [R, C] and
     // recv_channel_prefix_matrix [R, C] (int32) and, unless in worst-token mode, publishes the counts to the host.
@@ -89,26 +98,32 @@ class Runtime {
                          const at::Tensor& is_token_in_rank, int num_experts, int num_channels, int expert_alignment,
                          bool worst_token_mode, const at::Tensor& rank_prefix_matrix,
                          const at::Tensor& channel_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
-                         uintptr_t stream);
+                         uintptr_t stream, bool after_current);
 
     // Bounded CPU wait for the counts of the last non-worst notify: (rows received, aligned per-local-expert counts).
     std::pair<int, std::vector<int>> wait_recv_counts(int num_local_experts);
 
-    void dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
-                  const std::optional<at::Tensor>& topk_idx, const std::optional<at::Tensor>& topk_weights,
-                  int num_experts, const at::Tensor& is_token_in_rank, const at::Tensor& rank_prefix_matrix,
-                  const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, const at::Tensor& recv_x,
-                  const std::optional<at::Tensor>& recv_x_scales, const at::Tensor& recv_src_idx,
-                  const std::optional<at::Tensor>& recv_topk_idx, const std::optional<at::Tensor>& recv_topk_weights,
-                  bool worst_token_mode, int num_channels, int num_max_send_tokens, int num_max_recv_tokens,
-                  int num_send_warps, uintptr_t stream);
+    // Returns (recv_x [num_recv_rows, H] of x's dtype, recv_x_scales [num_recv_rows, S] of the scales' dtype when
+    // x_scales is given, recv_src_idx [num_recv_rows] int32 (the given one, else a new one), recv_topk_idx
+    // [num_recv_rows, K] of topk_idx's dtype and recv_topk_weights [num_recv_rows, K] float32 when topk_idx is
+    // given).
+    std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, std::optional<at::Tensor>,
+               std::optional<at::Tensor>>
+    dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales, const std::optional<at::Tensor>& topk_idx,
+             const std::optional<at::Tensor>& topk_weights, int num_experts, const at::Tensor& is_token_in_rank,
+             const at::Tensor& rank_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
+             const at::Tensor& send_head, int num_recv_rows, const std::optional<at::Tensor>& recv_src_idx,
+             bool worst_token_mode, int num_channels, int num_max_send_tokens, int num_max_recv_tokens,
+             int num_send_warps, uintptr_t stream, bool after_current, bool current_after);
 
-    void combine(const at::Tensor& x, const std::optional<at::Tensor>& topk_weights,
-                 const std::optional<at::Tensor>& bias_0, const std::optional<at::Tensor>& bias_1,
-                 const at::Tensor& rank_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
-                 const at::Tensor& send_head, const at::Tensor& combined_x,
-                 const std::optional<at::Tensor>& combined_topk_weights, int num_channels, int num_max_send_tokens,
-                 int num_max_recv_tokens, int num_send_warps, uintptr_t stream);
+    // Returns (combined_x [N, H] BF16, combined_topk_weights [N, K] float32 when topk_weights is given), N being
+    // send_head's rows.
+    std::pair<at::Tensor, std::optional<at::Tensor>> combine(
+        const at::Tensor& x, const std::optional<at::Tensor>& topk_weights, const std::optional<at::Tensor>& bias_0,
+        const std::optional<at::Tensor>& bias_1, const at::Tensor& rank_prefix_matrix,
+        const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_channels,
+        int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream, bool after_current,
+        bool current_after);
 
     // Bounded cross-rank barrier kernel on `stream`.
     void barrier(uintptr_t stream);
@@ -133,10 +148,15 @@ class Runtime {
     kernels::ErrorRecord* device_error_ = nullptr;  // its device alias
     int* host_counters_ = nullptr;                  // host-mapped [1 + kMaxLocalExperts]: rows, then per expert
     int* device_counters_ = nullptr;
+    cudaEvent_t order_event_ = nullptr;             // reused by order(): a wait snapshots the event's last record
 
     // Context of the next launch; increments the call counter.
     kernels::KernelContext next_context();
     void require_available(const char* what) const;
+    // The caller's current stream on this runtime's device.
+    cudaStream_t current_stream() const;
+    // Makes `waiter` wait for the work enqueued so far on `signaller`.
+    void order(cudaStream_t waiter, cudaStream_t signaller);
 };
 
 // Human-readable text of a filled error record: "<kernel> <phase>: rank R peer P channel C expected E observed O

@@ -56,6 +56,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("num_ranks"), py::arg("num_channels"), py::arg("record_bytes"), py::arg("num_max_recv_tokens"),
           py::arg("is_combine"));
     m.def("dispatch_record_bytes", &deep_ep::kernels::dispatch_record_bytes);
+    // torch.Tensor.record_stream for many tensors in one crossing; the stream is given as torch.Stream's
+    // (stream_id, device_index, device_type).
+    m.def("record_stream", [](const std::vector<at::Tensor>& tensors, int64_t stream_id, int64_t device_index,
+                              int64_t device_type) {
+        const auto stream = c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
+                                                 static_cast<c10::DeviceType>(device_type));
+        for (const auto& tensor : tensors) tensor.record_stream(stream);
+    });
     m.def("combine_record_bytes", &deep_ep::kernels::combine_record_bytes);
 
     py::class_<deep_ep::EventHandle>(m, "EventHandle")

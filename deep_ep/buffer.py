@@ -34,6 +34,8 @@ _INT_MAX = 2 ** 31 - 1
 _NVSHMEM_QP_DEPTH = 1024
 # Largest group of the normal kernels (DeepEP), unless in low-latency mode.
 _MAX_NORMAL_RANKS = 160
+# (kind, num_ranks, num_sms) -> the tuned default Config (see Buffer._resolve_config).
+_DEFAULT_CONFIGS: dict[tuple[str, int, int], Config] = {}
 
 
 def _backend_choice() -> str:
@@ -264,7 +266,7 @@ class Buffer:
         if ref is None or ref() is not key:
             raise ValueError(f"handle was not returned by this Buffer (rank {self.rank}); pass the handle of a "
                              "dispatch made with the same Buffer")
-        return cls(*handle)
+        return handle if type(handle) is cls else cls(*handle)
 
     # ------------------------------------------------------------------------------------------------------------
     # Static and utility methods
@@ -375,11 +377,16 @@ class Buffer:
     def _resolve_config(config: Optional[Config], kind: str, num_ranks: int) -> Config:
         """``config`` or the tuned default of ``kind`` ('dispatch' / 'combine'); its ``num_sms`` must be even."""
         if config is None:
-            table = cfg.get_dispatch_config if kind == "dispatch" else cfg.get_combine_config
-            config = table(num_ranks, Buffer.num_sms)
+            key = (kind, num_ranks, Buffer.num_sms)
+            config = _DEFAULT_CONFIGS.get(key)
+            if config is None:  # Config is frozen: a default once built is reused
+                table = cfg.get_dispatch_config if kind == "dispatch" else cfg.get_combine_config
+                config = _DEFAULT_CONFIGS[key] = table(num_ranks, Buffer.num_sms)
         if not isinstance(config, Config):
             raise TypeError(f"config must be a deep_ep.Config, got {type(config).__name__}")
-        v.check_even_num_sms("config.num_sms", config.num_sms)
+        num_sms = config.num_sms
+        if type(num_sms) is not int or num_sms < 2 or num_sms % 2:  # the common valid case without a call
+            v.check_even_num_sms("config.num_sms", num_sms)
         return config
 
     def dispatch(self, x: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], handle: Optional[tuple] = None,
@@ -412,7 +419,6 @@ class Buffer:
         """
         data, scales = v.split_dispatch_x(x)
         num_tokens = data.size(0)
-        device = data.device
         x = (data, scales) if scales is not None else data
         v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         config = self._resolve_config(config, "dispatch", self.group_size)
@@ -447,6 +453,7 @@ class Buffer:
                                       ("num_tokens_per_expert", num_tokens_per_expert)) if t is None]
             raise ValueError(f"a non-cached dispatch needs the layout tensors from get_dispatch_layout; missing: "
                              f"{', '.join(missing)}")
+        device = data.device
         v.check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,), device=device)
         v.check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, R), device=device)
         v.check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, ndim=1, device=device)
@@ -491,14 +498,14 @@ class Buffer:
         """
         v.check_tensor("x", x, dtype=torch.bfloat16, ndim=2)
         handle = self._check_handle(handle, "normal")
-        device = x.device
         num_rows = handle.recv_src_meta.size(0) if self.topology.is_internode else handle.recv_src_idx.size(0)
         if x.size(0) != num_rows:
             raise ValueError(f"x must have the {num_rows} rows of the dispatch's recv_x, got {x.size(0)}")
         if topk_weights is not None:
-            v.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_rows, None), device=device)
-        num_tokens = handle.is_token_in_rank.size(0)
-        v.split_bias(bias, num_tokens, x.size(1), x.dtype, device)
+            v.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_rows, None),
+                           device=x.device)
+        if bias is not None:
+            v.split_bias(bias, handle.is_token_in_rank.size(0), x.size(1), x.dtype, x.device)
         v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         config = self._resolve_config(config, "combine", self.group_size)
         backend = self._backend("combine", x)

@@ -7,10 +7,13 @@ results are the NamedTuples of ``deep_ep.results`` with the handle of ``deep_ep.
 
 Division of labour:
 
-* this module owns allocation of every output tensor and the stream protocol of the spec (§6.2): a dedicated
-  high-priority communication stream, ``previous_event``, ``async_finish``, ``allocate_on_comm_stream``;
+* this module owns the stream protocol of the spec (§6.2): a dedicated high-priority communication stream,
+  ``previous_event``, ``async_finish``, ``allocate_on_comm_stream``; it allocates the tensors a non-cached
+  dispatch needs before its CPU wait (prefix matrices, ``send_head``);
 * ``deep_ep._C.Runtime`` (csrc/buffer.cpp) owns the IPC buffer, the host-mapped error record and counters, and
-  turns tensors into pointers for the launchers of ``csrc/kernels/api.cuh``.
+  turns tensors into pointers for the launchers of ``csrc/kernels/api.cuh``. To keep the host path short (one
+  Python->C++ crossing per kernel), its entry points allocate the outputs whose shapes they know and do the two
+  plain stream waits of the protocol (``after_current`` / ``current_after``).
 
 Errors: kernels never trap. A kernel-side wait that runs out of ``DEEP_EP_TIMEOUT_S`` fills a host-mapped error
 record and the kernel exits; the next call into this backend (or :meth:`CudaBackend.check_errors`) raises
@@ -20,13 +23,15 @@ After an error every rank must call :meth:`CudaBackend.reset` (collective) befor
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from deep_ep import envs
 from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config, intranode_send_warps
+from deep_ep.event import CudaEventHandle, EventOverlap
+from deep_ep.handle import IntranodeHandle
+from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
 
 try:  # The extension is optional: ``import deep_ep.cuda_backend`` raises ImportError without it.
     from deep_ep import _C
@@ -80,55 +85,59 @@ def _wait_event(stream: torch.cuda.Stream, event: Any) -> None:
 
 
 class _StreamScope:
-    """The spec's stream protocol (buffer_api §6.2) around one kernel call.
+    """The spec's stream protocol (buffer_api §6.2) around the kernel launches of one call.
 
-    ``begin`` switches allocation to the comm stream if asked and makes comm wait for its dependency;
-    ``finish`` records the returned event (async) or makes the compute stream wait (sync), restores the stream,
-    and keeps tensors alive with ``record_stream``.
+    The runtime's entry points do the two plain waits themselves: the first launch makes comm wait for the current
+    stream when ``after_current`` is set, the last one makes the current stream wait for comm when
+    ``current_after`` is set; a synchronous call without ``previous_event`` thus makes no Python stream or event
+    object. This class does the rest: comm waits for ``previous_event`` instead; ``allocate_on_comm_stream`` makes
+    comm current until ``finish`` (or ``restore`` on an exception); ``finish`` of an asynchronous call records the
+    returned event on comm and keeps the tensors alive with ``record_stream``.
     """
+
+    __slots__ = ("comm", "compute", "async_finish", "after_current", "current_after")
 
     def __init__(self, comm: torch.cuda.Stream, previous_event: Any, async_finish: bool,
                  allocate_on_comm_stream: bool) -> None:
         self.comm = comm
-        self.compute = torch.cuda.current_stream()
         self.async_finish = async_finish
-        self.allocate_on_comm_stream = allocate_on_comm_stream
+        self.current_after = not async_finish
+        self.after_current = previous_event is None and not allocate_on_comm_stream
+        self.compute = None
         if allocate_on_comm_stream:
+            self.compute = torch.cuda.current_stream()
             torch.cuda.set_stream(comm)
-        if previous_event is not None:
-            _wait_event(comm, previous_event)
-        else:
-            comm.wait_stream(self.compute)
+        try:
+            if previous_event is not None:
+                _wait_event(comm, previous_event)
+            elif allocate_on_comm_stream:  # the front forbids this; kept for direct backend callers
+                comm.wait_stream(self.compute)
+        except BaseException:
+            self.restore()
+            raise
 
-    def finish(self, tensors: Sequence[Optional[torch.Tensor]]):
-        from deep_ep.event import CudaEventHandle, EventOverlap
-        live = tuple(t for t in tensors if isinstance(t, torch.Tensor))
+    def restore(self) -> None:
+        """Make the stream that was current at entry current again (after ``allocate_on_comm_stream``)."""
+        if self.compute is not None:
+            torch.cuda.set_stream(self.compute)
+
+    def finish(self, tensors: Sequence[Optional[torch.Tensor]]) -> EventOverlap:
         if self.async_finish:
             event = CudaEventHandle(self.comm)
-            for t in live:
-                t.record_stream(self.comm)
-                if self.allocate_on_comm_stream:
-                    t.record_stream(self.compute)
+            live = tuple(t for t in tensors if isinstance(t, torch.Tensor))
+            _record_stream(live, self.comm)
+            if self.compute is not None:
+                _record_stream(live, self.compute)
             result = EventOverlap(event, live)
         else:
-            self.compute.wait_stream(self.comm)
             result = EventOverlap(None)
-        if self.allocate_on_comm_stream:
-            torch.cuda.set_stream(self.compute)
+        self.restore()
         return result
 
 
-def _restores_stream(method):
-    """On an exception, put back the stream that was current at entry (``allocate_on_comm_stream`` switches it)."""
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        stream = torch.cuda.current_stream()
-        try:
-            return method(self, *args, **kwargs)
-        except BaseException:
-            torch.cuda.set_stream(stream)
-            raise
-    return wrapper
+def _record_stream(tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
+    """``t.record_stream(stream)`` for every tensor, in one call into the extension."""
+    _C.record_stream(list(tensors), stream.stream_id, stream.device_index, stream.device_type)
 
 
 def _flatten_x(x):
@@ -173,6 +182,7 @@ class CudaBackend:
         self.runtime.sync([int(d) for d in device_ids], [bytes(h) for h in ipc_handles])
         # A high-priority stream, as DeepEP takes from torch's pool.
         self.comm_stream = torch.cuda.Stream(priority=-1)
+        self._comm_ptr = self.comm_stream.cuda_stream
 
     @classmethod
     def from_group(cls, group, num_nvl_bytes: int) -> "CudaBackend":
@@ -255,7 +265,6 @@ class CudaBackend:
     # ------------------------------------------------------------------------------------------------------------
     # get_dispatch_layout
     # ------------------------------------------------------------------------------------------------------------
-    @_restores_stream
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Count tokens per rank and expert from ``topk_idx [N, K]`` (``topk_idx_t``; -1 = none).
@@ -263,23 +272,20 @@ class CudaBackend:
         Returns ``DispatchLayout(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
         is_token_in_rank [N, R] bool, event)``.
         """
-        from deep_ep.results import DispatchLayout
         self._call_prologue()
         scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
-        num_tokens = topk_idx.size(0)
-        device = topk_idx.device
-        num_tokens_per_rank = torch.empty(self.num_ranks, dtype=torch.int32, device=device)
-        num_tokens_per_expert = torch.empty(num_experts, dtype=torch.int32, device=device)
-        is_token_in_rank = torch.empty(num_tokens, self.num_ranks, dtype=torch.bool, device=device)
-        self.runtime.get_dispatch_layout(topk_idx, num_experts, num_tokens_per_rank, num_tokens_per_expert,
-                                         is_token_in_rank, self.comm_stream.cuda_stream)
-        event = scope.finish([topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank])
+        try:
+            num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = self.runtime.get_dispatch_layout(
+                topk_idx, num_experts, self._comm_ptr, scope.after_current, scope.current_after)
+            event = scope.finish((topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
+        except BaseException:
+            scope.restore()
+            raise
         return DispatchLayout(num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event)
 
     # ------------------------------------------------------------------------------------------------------------
     # dispatch
     # ------------------------------------------------------------------------------------------------------------
-    @_restores_stream
     def dispatch(self, x, handle=None, num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
                  is_token_in_rank: Optional[torch.Tensor] = None,
@@ -303,74 +309,68 @@ class CudaBackend:
             ``DispatchResult(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
             event)``; rows ordered by (source rank, source token).
         """
-        from deep_ep.handle import IntranodeHandle
-        from deep_ep.results import DispatchResult
         self._call_prologue()
         if config is None:
             raise ValueError("config must be resolved by the Buffer front before reaching the CUDA backend")
         data, scales = _flatten_x(x)
-        num_tokens, hidden = data.shape
-        device = data.device
         num_channels = self.num_channels(config)
         cached = handle is not None
         num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else 0
         num_local_experts = num_experts // self.num_ranks if num_experts else 0
 
         scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
-        if cached:
-            rank_prefix_matrix = handle.rank_prefix_matrix
-            channel_prefix_matrix = handle.channel_prefix_matrix
-            recv_channel_prefix_matrix = handle.recv_channel_prefix_matrix
-            is_token_in_rank = handle.is_token_in_rank
-            if channel_prefix_matrix.size(1) != num_channels:
-                raise ValueError(f"config.num_sms ({config.num_sms}) gives {num_channels} channels but the handle was "
-                                 f"made with {channel_prefix_matrix.size(1)}; use the dispatch's config")
-            num_recv_tokens = handle.recv_src_idx.size(0)
-            per_expert_list = None
-        else:
-            rank_prefix_matrix = torch.empty(self.num_ranks, self.num_ranks, dtype=torch.int32, device=device)
-            channel_prefix_matrix = torch.empty(self.num_ranks, num_channels, dtype=torch.int32, device=device)
-            recv_channel_prefix_matrix = torch.empty(self.num_ranks, num_channels, dtype=torch.int32, device=device)
-            worst = num_worst_tokens > 0
-            self.runtime.notify_dispatch(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, num_experts,
-                                         num_channels, expert_alignment, worst, rank_prefix_matrix,
-                                         channel_prefix_matrix, recv_channel_prefix_matrix,
-                                         self.comm_stream.cuda_stream)
-            if worst:
-                num_recv_tokens, per_expert_list = num_worst_tokens, []
+        try:
+            after_current = scope.after_current
+            if cached:
+                rank_prefix_matrix = handle.rank_prefix_matrix
+                channel_prefix_matrix = handle.channel_prefix_matrix
+                recv_channel_prefix_matrix = handle.recv_channel_prefix_matrix
+                is_token_in_rank = handle.is_token_in_rank
+                if channel_prefix_matrix.size(1) != num_channels:
+                    raise ValueError(f"config.num_sms ({config.num_sms}) gives {num_channels} channels but the handle "
+                                     f"was made with {channel_prefix_matrix.size(1)}; use the dispatch's config")
+                num_recv_tokens = handle.recv_src_idx.size(0)
+                per_expert_list = None
+                given_recv_src_idx, send_head = handle.recv_src_idx, handle.send_head
             else:
-                try:
-                    num_recv_tokens, per_expert_list = self.runtime.wait_recv_counts(num_local_experts)
-                except (_C.HostTimeout, _C.DeviceError) as exc:
-                    self.check_errors()  # a device-side report names the missing peer: prefer it
-                    raise CommTimeoutError(str(exc)) from None
-                per_expert_list = list(per_expert_list)
+                given_recv_src_idx = None  # allocated by the runtime, with the outputs
+                device = data.device
+                send_head = torch.empty(data.size(0), self.num_ranks, dtype=torch.int32, device=device)
+                rank_prefix_matrix = torch.empty(self.num_ranks, self.num_ranks, dtype=torch.int32, device=device)
+                channel_prefix_matrix = torch.empty(self.num_ranks, num_channels, dtype=torch.int32, device=device)
+                recv_channel_prefix_matrix = torch.empty(self.num_ranks, num_channels, dtype=torch.int32,
+                                                         device=device)
+                worst = num_worst_tokens > 0
+                self.runtime.notify_dispatch(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank,
+                                             num_experts, num_channels, expert_alignment, worst, rank_prefix_matrix,
+                                             channel_prefix_matrix, recv_channel_prefix_matrix, self._comm_ptr,
+                                             after_current)
+                after_current = False  # the notify launch did it
+                if worst:
+                    num_recv_tokens, per_expert_list = num_worst_tokens, []
+                else:
+                    try:
+                        num_recv_tokens, per_expert_list = self.runtime.wait_recv_counts(num_local_experts)
+                    except (_C.HostTimeout, _C.DeviceError) as exc:
+                        self.check_errors()  # a device-side report names the missing peer: prefer it
+                        raise CommTimeoutError(str(exc)) from None
+                    per_expert_list = list(per_expert_list)
 
-        recv_x = torch.empty(num_recv_tokens, hidden, dtype=data.dtype, device=device)
-        recv_scales = None
-        if scales is not None:
-            recv_scales = torch.empty(num_recv_tokens, scales.size(1), dtype=scales.dtype, device=device)
-        recv_topk_idx = recv_topk_weights = None
-        if topk_idx is not None:
-            recv_topk_idx = torch.empty(num_recv_tokens, topk_idx.size(1), dtype=topk_idx.dtype, device=device)
-            recv_topk_weights = torch.empty(num_recv_tokens, topk_idx.size(1), dtype=torch.float32, device=device)
-        if cached:
-            recv_src_idx, send_head = handle.recv_src_idx, handle.send_head
-        else:
-            recv_src_idx = torch.empty(num_recv_tokens, dtype=torch.int32, device=device)
-            send_head = torch.empty(num_tokens, self.num_ranks, dtype=torch.int32, device=device)
+            recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = self.runtime.dispatch(
+                data, scales, topk_idx, topk_weights, num_experts, is_token_in_rank, rank_prefix_matrix,
+                recv_channel_prefix_matrix, send_head, num_recv_tokens, given_recv_src_idx,
+                num_worst_tokens > 0 and not cached, num_channels,
+                config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+                intranode_send_warps("dispatch", self.num_ranks), self._comm_ptr, after_current,
+                scope.current_after)
 
-        self.runtime.dispatch(data, scales, topk_idx, topk_weights, num_experts, is_token_in_rank,
-                              rank_prefix_matrix, recv_channel_prefix_matrix, send_head, recv_x, recv_scales,
-                              recv_src_idx, recv_topk_idx, recv_topk_weights, num_worst_tokens > 0 and not cached,
-                              num_channels, config.num_max_nvl_chunked_send_tokens,
-                              config.num_max_nvl_chunked_recv_tokens,
-                              intranode_send_warps("dispatch", self.num_ranks), self.comm_stream.cuda_stream)
-
-        event = scope.finish([data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
-                              num_tokens_per_expert, rank_prefix_matrix, channel_prefix_matrix,
-                              recv_channel_prefix_matrix, recv_x, recv_scales, recv_topk_idx, recv_topk_weights,
-                              recv_src_idx, send_head])
+            event = scope.finish((data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
+                                  num_tokens_per_expert, rank_prefix_matrix, channel_prefix_matrix,
+                                  recv_channel_prefix_matrix, recv_x, recv_scales, recv_topk_idx, recv_topk_weights,
+                                  recv_src_idx, send_head))
+        except BaseException:
+            scope.restore()
+            raise
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         if cached:
             return DispatchResult(out_x, None, None, None, None, event)
@@ -381,7 +381,6 @@ class CudaBackend:
     # ------------------------------------------------------------------------------------------------------------
     # combine
     # ------------------------------------------------------------------------------------------------------------
-    @_restores_stream
     def combine(self, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor] = None, bias=None,
                 config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
@@ -391,7 +390,6 @@ class CudaBackend:
         accumulation in ascending rank order; ``combined_topk_weights [N, K]`` float32 likewise when
         ``topk_weights [M, K]`` is given. Returns ``CombineResult(combined_x, combined_topk_weights, event)``.
         """
-        from deep_ep.results import CombineResult
         self._call_prologue()
         if config is None:
             raise ValueError("config must be resolved by the Buffer front before reaching the CUDA backend")
@@ -401,22 +399,28 @@ class CudaBackend:
                              f"made with {handle.channel_prefix_matrix.size(1)}; use the dispatch's SM count")
         bias_0, bias_1 = (bias if isinstance(bias, tuple) else (bias, None)) if bias is not None else (None, None)
         scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
-        num_tokens = handle.send_head.size(0)
-        combined_x = torch.empty(num_tokens, x.size(1), dtype=x.dtype, device=x.device)
-        combined_topk_weights = None
-        if topk_weights is not None:
-            combined_topk_weights = torch.empty(num_tokens, topk_weights.size(1), dtype=torch.float32,
-                                                device=x.device)
-        self.runtime.combine(x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix,
-                             handle.recv_channel_prefix_matrix, handle.send_head, combined_x, combined_topk_weights,
-                             num_channels, config.num_max_nvl_chunked_send_tokens,
-                             config.num_max_nvl_chunked_recv_tokens,
-                             intranode_send_warps("combine", self.num_ranks), self.comm_stream.cuda_stream)
-        event = scope.finish([x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights, *handle])
+        try:
+            combined_x, combined_topk_weights = self.runtime.combine(
+                x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
+                handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,
+                config.num_max_nvl_chunked_recv_tokens, intranode_send_warps("combine", self.num_ranks),
+                self._comm_ptr, scope.after_current, scope.current_after)
+            event = scope.finish((x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights, *handle))
+        except BaseException:
+            scope.restore()
+            raise
         return CombineResult(combined_x, combined_topk_weights, event)
 
     @staticmethod
     def num_channels(config: Config) -> int:
         """Channels of the kernels for ``config``: one CTA per channel, so ``config.num_sms`` (DeepEP pairs two
         SMs per channel and has ``num_sms // 2``). The handle's prefix matrices are ``[R, num_channels]``."""
-        return int(_C.num_channels_for_sms(config.num_sms))
+        num_sms = config.num_sms
+        channels = _CHANNELS_FOR_SMS.get(num_sms)
+        if channels is None:  # the extension checks the range (ValueError); only valid counts are remembered
+            channels = _CHANNELS_FOR_SMS[num_sms] = int(_C.num_channels_for_sms(num_sms))
+        return channels
+
+
+# config.num_sms -> channels, filled by CudaBackend.num_channels.
+_CHANNELS_FOR_SMS: dict[int, int] = {}

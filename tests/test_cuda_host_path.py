@@ -1,0 +1,129 @@
+"""The CUDA backend's host path on CPU: which stream waits each call asks the extension for, and the host-path
+benchmark itself. Both run in a subprocess, because they install a fake ``deep_ep._C`` and fake CUDA streams
+(``benchmarks/bench_host_path.py``) that must not leak into other tests."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Runs every normal-mode call in each stream mode against the fake extension and prints, per mode, the stream
+# flags (after_current, current_after) of every kernel entry point, the set_stream calls and the record_stream
+# calls, as JSON.
+_PROBE = r"""
+import json, os, sys
+sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
+sys.path.insert(0, sys.argv[1])
+import bench_host_path as bench
+import torch
+import torch.distributed as dist
+ext = bench.make_fake_extension(torch)
+sys.modules["deep_ep._C"] = ext
+import deep_ep
+from deep_ep.config import Topology
+from deep_ep.handle import layout_from_topk
+
+calls = []
+class Recording(ext.Runtime):
+    def get_dispatch_layout(self, *args):
+        calls.append(["layout", *args[-2:]])
+        return super().get_dispatch_layout(*args)
+    def notify_dispatch(self, *args):
+        calls.append(["notify", args[-1]])
+    def dispatch(self, *args):
+        calls.append(["dispatch", *args[-2:]])
+        return super().dispatch(*args)
+    def combine(self, *args):
+        calls.append(["combine", *args[-2:]])
+        return super().combine(*args)
+ext.Runtime = Recording
+ext.record_stream = lambda tensors, *stream: calls.append(["record_stream", len(tensors)])
+
+os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(29400 + os.getpid() % 500)
+dist.init_process_group("gloo", rank=0, world_size=1)
+group = dist.new_group([0])
+x, x_fp8, topk_idx, topk_weights = bench.scenario(torch, deep_ep, 16, 256, 4, 8)
+out = {}
+with bench.patched(torch, cuda_tensors=True):
+    torch.cuda.set_stream = lambda stream: calls.append(["set_stream"])
+    os.environ["DEEP_EP_BACKEND"] = "cuda"
+    buffer = deep_ep.Buffer(group, num_nvl_bytes=1 << 30)
+    real = layout_from_topk(topk_idx, 8, Topology(1, 1))
+    runtime = buffer.runtime.runtime
+    runtime.num_recv = int(real.is_token_in_rank.sum())
+    runtime.per_expert = real.num_tokens_per_expert.tolist()
+    counts = dict(num_tokens_per_rank=real.num_tokens_per_rank, is_token_in_rank=real.is_token_in_rank,
+                  num_tokens_per_expert=real.num_tokens_per_expert)
+    for mode, kwargs in (("sync", {}), ("sync+previous", dict(previous_event=buffer.capture())),
+                         ("async", dict(async_finish=True)),
+                         ("async+previous", dict(previous_event=buffer.capture(), async_finish=True)),
+                         ("comm alloc", dict(previous_event=buffer.capture(), async_finish=True,
+                                             allocate_on_comm_stream=True))):
+        calls.clear()
+        layout = buffer.get_dispatch_layout(topk_idx, 8, **kwargs)
+        first = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, **counts, **kwargs)
+        cached = buffer.dispatch(x_fp8, handle=first.handle, **kwargs)
+        combined = buffer.combine(first.recv_x, first.handle, topk_weights=first.recv_topk_weights, **kwargs)
+        shapes = [list(layout.is_token_in_rank.shape), list(first.recv_x.shape), list(cached.recv_x[1].shape),
+                  list(combined.combined_x.shape), list(combined.combined_topk_weights.shape),
+                  list(first.recv_topk_idx.shape), list(first.recv_topk_weights.shape),
+                  list(first.handle.recv_src_idx.shape), list(first.handle.send_head.shape)]
+        out[mode] = dict(calls=list(calls), shapes=shapes, async_event=cached.event.event is not None)
+    buffer._release()
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def _run(args: list, timeout: int = 300) -> str:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+def test_stream_waits_per_mode():
+    out = json.loads(_run(["-c", _PROBE, ROOT]).strip().splitlines()[-1])
+    # (after_current, current_after) of layout, notify (after_current only), non-cached dispatch, cached dispatch,
+    # combine; then how often the stream was switched and how many record_stream batches were made.
+    expected = {
+        "sync": (True, True, False, True, True),
+        "sync+previous": (False, False, False, False, True),
+        "async": (True, True, False, True, False),
+        "async+previous": (False, False, False, False, False),
+        "comm alloc": (False, False, False, False, False),
+    }
+    for mode, (after, notify_after, dispatch_after, cached_after, current_after) in expected.items():
+        calls = out[mode]["calls"]
+        launches = [c for c in calls if c[0] in ("layout", "notify", "dispatch", "combine")]
+        assert launches == [["layout", after, current_after], ["notify", notify_after],
+                            ["dispatch", dispatch_after, current_after], ["dispatch", cached_after, current_after],
+                            ["combine", after, current_after]], (mode, calls)
+        switches = sum(c[0] == "set_stream" for c in calls)
+        records = [c[1] for c in calls if c[0] == "record_stream"]
+        if mode == "comm alloc":
+            assert switches == 8 and len(records) == 8 and all(n > 0 for n in records), (mode, calls)
+        elif mode.startswith("async"):
+            assert switches == 0 and len(records) == 4 and all(n > 0 for n in records), (mode, calls)
+        else:
+            assert switches == 0 and records == [], (mode, calls)
+        assert out[mode]["async_event"] == mode.startswith(("async", "comm")), mode
+        num_recv = out[mode]["shapes"][1][0]
+        assert out[mode]["shapes"] == [[16, 1], [num_recv, 256], [num_recv, 2], [16, 256], [16, 4], [num_recv, 4],
+                                       [num_recv, 4], [num_recv], [16, 1]], mode
+
+
+def test_host_path_benchmark_runs(tmp_path):
+    result = tmp_path / "host.json"
+    _run([os.path.join("benchmarks", "bench_host_path.py"), "--iters", "5", "--json", str(result)])
+    rows = json.loads(result.read_text())["per_call_us"]
+    assert {"cuda: dispatch cached FP8", "cuda: combine", "torch front: get_dispatch_layout"} <= set(rows)
+    assert all(value > 0 for value in rows.values())
