@@ -112,6 +112,20 @@ const char* ll_phase_name(int32_t phase) {
 
 namespace {
 
+// 16 bytes at a 4-byte-aligned address. Combine send slots have a row stride of H/128*4 + 2H bytes (the spec's
+// zero-copy layout), a multiple of 16 only when H % 512 == 0; other hidden sizes read / write those rows in words.
+__device__ __forceinline__ int4 ld_nc_int4_words(const int4* ptr) {
+    const int* q = reinterpret_cast<const int*>(ptr);
+    return make_int4(__ldg(q), __ldg(q + 1), __ldg(q + 2), __ldg(q + 3));
+}
+__device__ __forceinline__ void st_int4_words(int4* ptr, const int4& v) {
+    int* q = reinterpret_cast<int*>(ptr);
+    q[0] = v.x;
+    q[1] = v.y;
+    q[2] = v.z;
+    q[3] = v.w;
+}
+
 __device__ __forceinline__ char* half_base(const Context& ctx, void* base, int half) {
     return static_cast<char*>(base) + ctx.layout.half_offset[half];
 }
@@ -801,18 +815,25 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                 }
             } else if (!(a.zero_copy && !p2p)) {
                 const int n16 = H / 8;
+                const bool slot16 = lay.cmsg % 16 == 0;
+                const bool src16 = !a.zero_copy || slot16, dst16 = p2p || slot16;
                 constexpr int kUnroll = 7;
                 for (int base = 0; base < n16; base += 32 * kUnroll) {
                     int4 v[kUnroll];
 #pragma unroll
                     for (int u = 0; u < kUnroll; ++u) {
                         const int c = base + u * 32 + lane;
-                        if (c < n16) v[u] = ld_nc_int4(reinterpret_cast<const int4*>(src) + c);
+                        const int4* from = reinterpret_cast<const int4*>(src) + c;
+                        if (c < n16) v[u] = src16 ? ld_nc_int4(from) : ld_nc_int4_words(from);
                     }
 #pragma unroll
                     for (int u = 0; u < kUnroll; ++u) {
                         const int c = base + u * 32 + lane;
-                        if (c < n16) st_na_int4(reinterpret_cast<int4*>(dst) + c, v[u]);
+                        int4* to = reinterpret_cast<int4*>(dst) + c;
+                        if (c < n16) {
+                            if (dst16) st_na_int4(to, v[u]);
+                            else st_int4_words(to, v[u]);
+                        }
                     }
                 }
             }
