@@ -99,7 +99,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("HAS_LOW_LATENCY") = false;
 #else
     m.attr("HAS_LOW_LATENCY") = true;
-    m.attr("LL_MAX_TOPK") = deep_ep::kernels::ll::kMaxTopk;
+    m.attr("LL_MAX_TOPK") = deep_ep::kernels::kMaxTopk;
     m.attr("LL_MAX_TOKENS") = deep_ep::kernels::ll::kMaxTokens;
     m.def("ll_unique_id", [] { return py::bytes(deep_ep::ll_unique_id()); });
     py::class_<deep_ep::LowLatencyRuntime>(m, "LowLatencyRuntime")

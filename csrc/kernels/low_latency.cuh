@@ -21,11 +21,10 @@ namespace deep_ep {
 namespace kernels {
 namespace ll {
 
-constexpr int kMaxTopk = 16;
+// kMaxTopk and kMaxExperts are the kernels' shared limits (constants.cuh); the rank limit is LL's own.
 constexpr int kMaxTokens = 1024;
 constexpr int kMinHidden = 1024;
 constexpr int kMaxHidden = 16384;
-constexpr int kMaxExperts = 8192;
 constexpr int kMaxRanks = 1024;
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
