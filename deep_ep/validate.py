@@ -10,6 +10,7 @@ They are plain functions with no state so that any layer can call them. Checks t
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence, Union
 
 import torch
@@ -30,8 +31,10 @@ LL_MAX_TOPK = NUM_MAX_LL_TOPK
 LL_MAX_TOKENS = 1024
 
 
+@functools.cache
 def topk_idx_dtype() -> torch.dtype:
-    """``deep_ep.topk_idx_t``: ``torch.int64``, or ``torch.int32`` when ``DEEP_EP_TOPK_IDX_BITS=32``."""
+    """``deep_ep.topk_idx_t``: ``torch.int64``, or ``torch.int32`` when ``DEEP_EP_TOPK_IDX_BITS=32``. Read once per
+    process (the extension's index width is fixed when it is built; every call checks against this dtype)."""
     bits = envs.TOPK_IDX_BITS.get()
     if bits not in (32, 64):
         raise ValueError(f"DEEP_EP_TOPK_IDX_BITS must be 32 or 64, got {bits}")
