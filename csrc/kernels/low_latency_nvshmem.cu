@@ -23,6 +23,7 @@
 #include <mutex>
 
 #include "exception.cuh"
+#include "error_record.cuh"
 #include "low_latency.cuh"
 #include "ptx.cuh"
 
@@ -142,23 +143,8 @@ __device__ __forceinline__ bool is_masked(const Context& ctx, int r) {
 __device__ __noinline__ void report(const Context& ctx, int32_t code, int32_t kernel, int32_t phase, int32_t peer,
                                     int32_t channel, int64_t expected, int64_t observed, int64_t elapsed) {
     auto* claim = reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsClaim);
-    if (ctx.error != nullptr && atomicCAS(claim, 0u, 1u) == 0u) {
-        volatile ErrorRecord* v = ctx.error;
-        v->code = code;
-        v->kernel = kernel;
-        v->phase = phase;
-        v->rank = ctx.rank;
-        v->peer = peer;
-        v->channel = channel;
-        v->block = static_cast<int32_t>(blockIdx.x);
-        v->call_seq = ctx.call_seq;
-        v->expected = expected;
-        v->observed = observed;
-        v->elapsed_ns = elapsed;
-        __threadfence_system();
-        v->ready = 1;
-        __threadfence_system();
-    }
+    fill_error_record(ctx.error, claim, code, kernel, phase, ctx.rank, peer, channel, ctx.call_seq, expected, observed,
+                      elapsed);
     const uint64_t word = (uint64_t(code) << 32) | uint64_t(ctx.rank + 1);
     for (int r = 0; r < ctx.num_ranks; ++r) {
         if (ctx.peers[r] != nullptr) {

@@ -12,6 +12,7 @@
 
 #include "api.cuh"
 #include "layout.cuh"
+#include "error_record.cuh"
 #include "ptx.cuh"
 
 namespace deep_ep {
@@ -31,30 +32,13 @@ __device__ __forceinline__ uint32_t* abort_word(void* buffer) {
     return reinterpret_cast<uint32_t*>(static_cast<char*>(buffer) + kAbortOffset);
 }
 
-// Fills the error record if nobody of this rank did before (first writer wins, decided by a device-memory claim
-// word: system atomics on host-mapped memory are not available on every PCIe host), then raises every rank's
-// abort word.
+// Fills the error record if nobody of this rank did before (first writer wins, error_record.cuh), then raises every
+// rank's abort word.
 __device__ __noinline__ void report_error(const KernelContext& ctx, int32_t code, const Site& site, int64_t expected,
                                           int64_t observed, int64_t elapsed_ns) {
-    ErrorRecord* rec = ctx.error;
     unsigned int* claim = reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsErrorClaimOffset);
-    if (rec != nullptr && atomicCAS(claim, 0u, 1u) == 0u) {
-        volatile ErrorRecord* v = rec;
-        v->code = code;
-        v->kernel = site.kernel;
-        v->phase = site.phase;
-        v->rank = ctx.rank;
-        v->peer = site.peer;
-        v->channel = site.channel;
-        v->block = static_cast<int32_t>(blockIdx.x);
-        v->call_seq = ctx.call_seq;
-        v->expected = expected;
-        v->observed = observed;
-        v->elapsed_ns = elapsed_ns;
-        __threadfence_system();
-        v->ready = 1;
-        __threadfence_system();
-    }
+    fill_error_record(ctx.error, claim, code, site.kernel, site.phase, ctx.rank, site.peer, site.channel, ctx.call_seq,
+                      expected, observed, elapsed_ns);
     // Tell every rank (own included) to stop waiting. The word names the code and the first aborting rank.
     const uint32_t word = (static_cast<uint32_t>(code) << 8) | static_cast<uint32_t>(ctx.rank + 1);
     for (int r = 0; r < ctx.num_ranks; ++r) atomicCAS_system(reinterpret_cast<unsigned int*>(abort_word(ctx.buffers[r])), 0u, word);
