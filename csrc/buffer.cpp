@@ -1,6 +1,9 @@
 // Host runtime of the intranode normal-mode kernels: allocation, IPC exchange, error record, tensors -> pointers.
 #include "buffer.hpp"
 
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -183,6 +186,9 @@ void Runtime::destroy() {
     for (int r = 0; r < static_cast<int>(peer_buffers_.size()); ++r)
         if (r != rank_ && peer_buffers_[r] != nullptr) cudaIpcCloseMemHandle(peer_buffers_[r]);
     peer_buffers_.clear();
+    for (auto& block : pending_blocks_)
+        for (cudaEvent_t event : block.events) cudaEventDestroy(event);
+    pending_blocks_.clear();
     if (local_buffer_) cudaFree(local_buffer_);
     if (workspace_) cudaFree(workspace_);
     if (host_error_) cudaFreeHost(host_error_);
@@ -260,6 +266,80 @@ at::Tensor Runtime::get_local_buffer_tensor(at::ScalarType dtype, int64_t offset
     auto options = at::TensorOptions().dtype(dtype).device(at::kCUDA, device_id_);
     return at::from_blob(static_cast<char*>(local_buffer_) + offset, {(num_nvl_bytes_ - offset) / itemsize},
                          options);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Output pool
+// ---------------------------------------------------------------------------------------------------------------
+
+at::Tensor Runtime::wrap_pool_block(int64_t offset, int64_t num_bytes, uintptr_t compute_stream) {
+    require_available("wrap_pool_block");
+    const int64_t first = kernels::pool_offset(num_nvl_bytes_);
+    if (num_bytes <= 0 || offset < first || offset % kernels::kBufferAlignment != 0 ||
+        offset + num_bytes > num_nvl_bytes_)
+        invalid("pool block [%lld, +%lld) must be 128-byte aligned, non-empty and inside the pool [%lld, %lld)",
+                static_cast<long long>(offset), static_cast<long long>(num_bytes), static_cast<long long>(first),
+                static_cast<long long>(num_nvl_bytes_));
+    std::shared_ptr<PoolReturnQueue> queue = pool_returns_;
+    const cudaStream_t wrapped_on = as_stream(compute_stream);
+    const int device = device_id_;
+    // Runs on whichever thread drops the last reference; must not throw and must not call into CUDA (it may run
+    // during capture or teardown): it only queues the block.
+    auto deleter = [queue, offset, wrapped_on, device](void*) {
+        cudaStream_t now = wrapped_on;
+        try {
+            now = c10::cuda::getCurrentCUDAStream(device).stream();
+        } catch (...) {
+        }
+        std::lock_guard<std::mutex> lock(queue->mutex);
+        queue->entries.push_back({offset, {wrapped_on, now}});
+    };
+    auto options = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device_id_);
+    return at::from_blob(static_cast<char*>(local_buffer_) + offset, {num_bytes}, deleter, options);
+}
+
+std::vector<int64_t> Runtime::collect_pool_blocks(uintptr_t comm_stream) {
+    require_available("collect_pool_blocks");
+    std::vector<PoolReturnQueue::Entry> fresh;
+    {
+        std::lock_guard<std::mutex> lock(pool_returns_->mutex);
+        fresh.swap(pool_returns_->entries);
+    }
+    // A block may be reused once everything enqueued so far on the streams that used it has run: one event per
+    // distinct stream, recorded now (later than the tensor's death, so conservative).
+    for (const auto& entry : fresh) {
+        PendingBlock block{entry.offset, {}};
+        cudaStream_t streams[3] = {entry.streams[0], entry.streams[1], as_stream(comm_stream)};
+        for (int i = 0; i < 3; ++i) {
+            if (std::find(streams, streams + i, streams[i]) != streams + i) continue;
+            cudaEvent_t event;
+            DEEP_EP_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+            DEEP_EP_CUDA_CHECK(cudaEventRecord(event, streams[i]));
+            block.events.push_back(event);
+        }
+        pending_blocks_.push_back(std::move(block));
+    }
+    std::vector<int64_t> ready;
+    std::vector<PendingBlock> still_pending;
+    for (auto& block : pending_blocks_) {
+        bool done = true;
+        for (cudaEvent_t event : block.events) {
+            const cudaError_t status = cudaEventQuery(event);
+            if (status == cudaErrorNotReady) {
+                done = false;
+                break;
+            }
+            DEEP_EP_CUDA_CHECK(status);
+        }
+        if (!done) {
+            still_pending.push_back(std::move(block));
+            continue;
+        }
+        for (cudaEvent_t event : block.events) DEEP_EP_CUDA_CHECK(cudaEventDestroy(event));
+        ready.push_back(block.offset);
+    }
+    pending_blocks_.swap(still_pending);
+    return ready;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -348,12 +428,13 @@ std::pair<int, std::vector<int>> Runtime::wait_recv_counts(int num_local_experts
 void Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
                        const std::optional<at::Tensor>& topk_idx, const std::optional<at::Tensor>& topk_weights,
                        int num_experts, const at::Tensor& is_token_in_rank, const at::Tensor& rank_prefix_matrix,
-                       const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head,
+                       const at::Tensor& channel_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
+                       const at::Tensor& send_head,
                        const at::Tensor& recv_x, const std::optional<at::Tensor>& recv_x_scales,
                        const at::Tensor& recv_src_idx, const std::optional<at::Tensor>& recv_topk_idx,
                        const std::optional<at::Tensor>& recv_topk_weights, bool worst_token_mode, int num_channels,
                        int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps,
-                       uintptr_t stream) {
+                       int64_t direct_data_offset, int64_t direct_meta_offset, uintptr_t stream) {
     require_available("dispatch");
     check_device("x", x, device_id_);
     check_device("x_scales", x_scales, device_id_);
@@ -361,10 +442,20 @@ void Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_s
     check_device("topk_weights", topk_weights, device_id_);
     check_device("is_token_in_rank", is_token_in_rank, device_id_);
     check_device("handle.rank_prefix_matrix", rank_prefix_matrix, device_id_);
+    check_device("handle.channel_prefix_matrix", channel_prefix_matrix, device_id_);
     check_device("handle.recv_channel_prefix_matrix", recv_channel_prefix_matrix, device_id_);
     check_device("handle.send_head", send_head, device_id_);
     check_aligned("x", x);
     check_aligned("recv_x", recv_x);
+    // Direct-to-output: the outputs must be the pool blocks whose offsets the peers are told.
+    if (direct_data_offset >= 0 && recv_x.data_ptr() != static_cast<char*>(local_buffer_) + direct_data_offset)
+        invalid("dispatch: direct_data_offset %lld is not where recv_x lies", static_cast<long long>(direct_data_offset));
+    if (direct_meta_offset >= 0 &&
+        recv_src_idx.data_ptr() != static_cast<char*>(local_buffer_) + direct_meta_offset)
+        invalid("dispatch: direct_meta_offset %lld is not where recv_src_idx lies",
+                static_cast<long long>(direct_meta_offset));
+    if (direct_meta_offset >= 0 && direct_data_offset < 0)
+        invalid("dispatch: direct_meta_offset needs direct_data_offset");
     kernels::DispatchArgs args{};
     args.x = data_of(x, workspace_);
     args.hidden_bytes = x.size(1) * static_cast<int64_t>(x.element_size());
@@ -381,6 +472,7 @@ void Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_s
     args.is_token_in_rank = data_of<bool>(is_token_in_rank, workspace_);
     args.num_tokens = static_cast<int>(x.size(0));
     args.rank_prefix_matrix = data_of<int>(rank_prefix_matrix, workspace_);
+    args.channel_prefix_matrix = data_of<int>(channel_prefix_matrix, workspace_);
     args.recv_channel_prefix_matrix = data_of<int>(recv_channel_prefix_matrix, workspace_);
     args.send_head = data_of<int>(send_head, workspace_);
     args.recv_x = data_of(recv_x, workspace_);
@@ -394,6 +486,9 @@ void Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_s
     args.num_max_send_tokens = num_max_send_tokens;
     args.num_max_recv_tokens = num_max_recv_tokens;
     args.num_send_warps = num_send_warps;
+    args.direct_data_offset = direct_data_offset;
+    args.direct_meta_offset = direct_meta_offset;
+    args.skip_receive_copy = skip_receive_copy_ ? 1 : 0;
     auto ctx = next_context();
     kernels::intranode_dispatch(ctx, args, as_stream(stream));
 }

@@ -17,6 +17,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -37,6 +39,16 @@ class HostTimeout : public std::runtime_error {
 class DeviceError : public std::runtime_error {
    public:
     using std::runtime_error::runtime_error;
+};
+
+// Pool blocks whose tensors died, queued by the tensors' deleters (any thread) for Runtime::collect_pool_blocks.
+struct PoolReturnQueue {
+    struct Entry {
+        int64_t offset;
+        cudaStream_t streams[2];  // the current stream when the block was wrapped, and when its tensor died
+    };
+    std::mutex mutex;
+    std::vector<Entry> entries;
 };
 
 class Runtime {
@@ -78,6 +90,19 @@ class Runtime {
     // The local buffer from byte `offset` as a 1-D tensor of (num_nvl_bytes - offset) / itemsize elements.
     at::Tensor get_local_buffer_tensor(at::ScalarType dtype, int64_t offset) const;
 
+    // ---- output pool of direct-to-output dispatch (the bookkeeping is deep_ep/pool.py) ----
+    // Byte range [offset, end) of the pool in the local buffer (layout.cuh pool_offset / pool_bytes).
+    int64_t get_pool_offset() const { return kernels::pool_offset(num_nvl_bytes_); }
+    int64_t get_pool_bytes() const { return kernels::pool_bytes(num_nvl_bytes_); }
+    // The block [offset, offset + num_bytes) of the local buffer as a uint8 tensor. When the last tensor sharing its
+    // storage dies, the deleter queues the block with `compute_stream` and the stream current at that moment.
+    at::Tensor wrap_pool_block(int64_t offset, int64_t num_bytes, uintptr_t compute_stream);
+    // Offsets of queued blocks that are safe to reuse: events recorded (at their first collection) on the block's
+    // two streams and on `comm_stream` have completed. Never blocks. Call outside CUDA-graph capture.
+    std::vector<int64_t> collect_pool_blocks(uintptr_t comm_stream);
+    // Bench-only diagnostic: dispatch receivers skip the ring -> recv_x copy (outputs wrong on purpose).
+    void set_diagnostic_skip_receive_copy(bool skip) { skip_receive_copy_ = skip; }
+
     // ---- kernels; tensors are CUDA tensors on this device, already validated by the Python front ----
     void get_dispatch_layout(const at::Tensor& topk_idx, int num_experts, const at::Tensor& num_tokens_per_rank,
                              const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank,
@@ -97,11 +122,12 @@ class Runtime {
     void dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
                   const std::optional<at::Tensor>& topk_idx, const std::optional<at::Tensor>& topk_weights,
                   int num_experts, const at::Tensor& is_token_in_rank, const at::Tensor& rank_prefix_matrix,
-                  const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, const at::Tensor& recv_x,
+                  const at::Tensor& channel_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
+                  const at::Tensor& send_head, const at::Tensor& recv_x,
                   const std::optional<at::Tensor>& recv_x_scales, const at::Tensor& recv_src_idx,
                   const std::optional<at::Tensor>& recv_topk_idx, const std::optional<at::Tensor>& recv_topk_weights,
                   bool worst_token_mode, int num_channels, int num_max_send_tokens, int num_max_recv_tokens,
-                  int num_send_warps, uintptr_t stream);
+                  int num_send_warps, int64_t direct_data_offset, int64_t direct_meta_offset, uintptr_t stream);
 
     void combine(const at::Tensor& x, const std::optional<at::Tensor>& topk_weights,
                  const std::optional<at::Tensor>& bias_0, const std::optional<at::Tensor>& bias_1,
@@ -133,6 +159,15 @@ class Runtime {
     kernels::ErrorRecord* device_error_ = nullptr;  // its device alias
     int* host_counters_ = nullptr;                  // host-mapped [1 + kMaxLocalExperts]: rows, then per expert
     int* device_counters_ = nullptr;
+
+    // Output pool: blocks queued by deleters, then blocks whose events are recorded and not yet complete.
+    struct PendingBlock {
+        int64_t offset;
+        std::vector<cudaEvent_t> events;
+    };
+    std::shared_ptr<PoolReturnQueue> pool_returns_ = std::make_shared<PoolReturnQueue>();
+    std::vector<PendingBlock> pending_blocks_;
+    bool skip_receive_copy_ = false;
 
     // Context of the next launch; increments the call counter.
     kernels::KernelContext next_context();
