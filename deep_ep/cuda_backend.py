@@ -26,7 +26,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from deep_ep import envs
-from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config, intranode_send_warps
+from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config, dispatch_receive_mode, intranode_send_warps
+from deep_ep.layout import intranode_dispatch_output_layout
+from deep_ep.pool import OutputPool
 
 try:  # The extension is optional: ``import deep_ep.cuda_backend`` raises ImportError without it.
     from deep_ep import _C
@@ -173,6 +175,8 @@ class CudaBackend:
         self.runtime.sync([int(d) for d in device_ids], [bytes(h) for h in ipc_handles])
         # A high-priority stream, as DeepEP takes from torch's pool.
         self.comm_stream = torch.cuda.Stream(priority=-1)
+        # Blocks for direct-to-output dispatch (the buffer's bytes after the rings; empty for DeepEP-sized buffers).
+        self.output_pool = OutputPool(self.runtime.get_pool_offset(), self.runtime.get_pool_bytes())
 
     @classmethod
     def from_group(cls, group, num_nvl_bytes: int) -> "CudaBackend":
@@ -346,26 +350,35 @@ class CudaBackend:
                     raise CommTimeoutError(str(exc)) from None
                 per_expert_list = list(per_expert_list)
 
-        recv_x = torch.empty(num_recv_tokens, hidden, dtype=data.dtype, device=device)
-        recv_scales = None
-        if scales is not None:
-            recv_scales = torch.empty(num_recv_tokens, scales.size(1), dtype=scales.dtype, device=device)
-        recv_topk_idx = recv_topk_weights = None
-        if topk_idx is not None:
-            recv_topk_idx = torch.empty(num_recv_tokens, topk_idx.size(1), dtype=topk_idx.dtype, device=device)
-            recv_topk_weights = torch.empty(num_recv_tokens, topk_idx.size(1), dtype=torch.float32, device=device)
-        if cached:
-            recv_src_idx, send_head = handle.recv_src_idx, handle.send_head
+        send_head = handle.send_head if cached else torch.empty(num_tokens, self.num_ranks, dtype=torch.int32,
+                                                                 device=device)
+        outputs = self._pool_outputs(num_recv_tokens, data, scales, topk_idx, cached, scope.compute)
+        if outputs is None:
+            recv_x = torch.empty(num_recv_tokens, hidden, dtype=data.dtype, device=device)
+            recv_scales = None
+            if scales is not None:
+                recv_scales = torch.empty(num_recv_tokens, scales.size(1), dtype=scales.dtype, device=device)
+            recv_topk_idx = recv_topk_weights = None
+            if topk_idx is not None:
+                recv_topk_idx = torch.empty(num_recv_tokens, topk_idx.size(1), dtype=topk_idx.dtype, device=device)
+                recv_topk_weights = torch.empty(num_recv_tokens, topk_idx.size(1), dtype=torch.float32,
+                                                device=device)
+            recv_src_idx = None
+            data_offset = meta_offset = -1
         else:
+            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, data_offset, meta_offset = outputs
+        if cached:
+            recv_src_idx = handle.recv_src_idx
+        elif recv_src_idx is None:
             recv_src_idx = torch.empty(num_recv_tokens, dtype=torch.int32, device=device)
-            send_head = torch.empty(num_tokens, self.num_ranks, dtype=torch.int32, device=device)
 
         self.runtime.dispatch(data, scales, topk_idx, topk_weights, num_experts, is_token_in_rank,
-                              rank_prefix_matrix, recv_channel_prefix_matrix, send_head, recv_x, recv_scales,
-                              recv_src_idx, recv_topk_idx, recv_topk_weights, num_worst_tokens > 0 and not cached,
-                              num_channels, config.num_max_nvl_chunked_send_tokens,
-                              config.num_max_nvl_chunked_recv_tokens,
-                              intranode_send_warps("dispatch", self.num_ranks), self.comm_stream.cuda_stream)
+                              rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, send_head,
+                              recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights,
+                              num_worst_tokens > 0 and not cached, num_channels,
+                              config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+                              intranode_send_warps("dispatch", self.num_ranks), data_offset, meta_offset,
+                              self.comm_stream.cuda_stream)
 
         event = scope.finish([data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
                               num_tokens_per_expert, rank_prefix_matrix, channel_prefix_matrix,
@@ -377,6 +390,57 @@ class CudaBackend:
         new_handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
                                      recv_src_idx, is_token_in_rank, send_head)
         return DispatchResult(out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event)
+
+    def _pool_outputs(self, num_rows: int, data: torch.Tensor, scales: Optional[torch.Tensor],
+                      topk_idx: Optional[torch.Tensor], cached: bool, compute: torch.cuda.Stream):
+        """Dispatch outputs in the output pool for direct-to-output receive, or ``None`` for the ring path.
+
+        Rings are used when the mode is 'rings', during CUDA-graph capture (a block's reuse is decided by events
+        that replays would bypass), for zero rows, and when the pool has no room ('direct' then raises). Returns
+        ``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx or None, data offset, meta
+        offset or -1)``; the meta block (``recv_src_idx``, kept by the handle) exists for non-cached calls only.
+        """
+        mode = dispatch_receive_mode()
+        if mode == "rings" or num_rows == 0 or torch.cuda.is_current_stream_capturing():
+            return None
+        for offset in self.runtime.collect_pool_blocks(self.comm_stream.cuda_stream):
+            self.output_pool.free(offset)
+        num_topk = topk_idx.size(1) if topk_idx is not None else 0
+        idx_bytes = topk_idx.element_size() if topk_idx is not None else 8
+        num_scales = scales.size(1) if scales is not None else 0
+        hidden_bytes = data.size(1) * data.element_size()
+        sections = intranode_dispatch_output_layout(num_rows, hidden_bytes, num_scales, num_topk, idx_bytes)
+        data_offset = self.output_pool.allocate(sections.total_bytes)
+        meta_offset = -1
+        if data_offset is not None and not cached:
+            meta_offset = self.output_pool.allocate(num_rows * 4)
+            if meta_offset is None:
+                self.output_pool.free(data_offset)
+                data_offset = None
+        if data_offset is None:
+            if mode == "direct":
+                raise RuntimeError(f"dispatch receive mode 'direct': the output pool has no room for "
+                                   f"{sections.total_bytes} bytes (largest free range "
+                                   f"{self.output_pool.largest_free()} of {self.output_pool.num_bytes}; "
+                                   f"num_nvl_bytes={self.num_nvl_bytes})")
+            return None
+        stream = compute.cuda_stream
+        block = self.runtime.wrap_pool_block(data_offset, sections.total_bytes, stream)
+
+        def section(name: str, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+            region = sections[name]
+            return block[region.offset:region.end].view(dtype).view(*shape)
+
+        recv_x = section("recv_x", data.dtype, num_rows, data.size(1))
+        recv_scales = section("recv_x_scales", scales.dtype, num_rows, num_scales) if scales is not None else None
+        recv_topk_idx = recv_topk_weights = None
+        if topk_idx is not None:
+            recv_topk_idx = section("recv_topk_idx", topk_idx.dtype, num_rows, num_topk)
+            recv_topk_weights = section("recv_topk_weights", torch.float32, num_rows, num_topk)
+        recv_src_idx = None
+        if meta_offset >= 0:
+            recv_src_idx = self.runtime.wrap_pool_block(meta_offset, num_rows * 4, stream).view(torch.int32)
+        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, data_offset, meta_offset
 
     # ------------------------------------------------------------------------------------------------------------
     # combine
