@@ -391,6 +391,12 @@ class CudaBackend:
                                      recv_src_idx, is_token_in_rank, send_head)
         return DispatchResult(out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event)
 
+    def reclaim_pool_blocks(self) -> None:
+        """Free the output-pool blocks whose tensors are gone and whose stream work has completed. A block whose
+        tensor died since the last call only gets its events now, so it is usually reusable one call later."""
+        for offset in self.runtime.collect_pool_blocks(self.comm_stream.cuda_stream):
+            self.output_pool.free(offset)
+
     def _pool_outputs(self, num_rows: int, data: torch.Tensor, scales: Optional[torch.Tensor],
                       topk_idx: Optional[torch.Tensor], cached: bool, compute: torch.cuda.Stream):
         """Dispatch outputs in the output pool for direct-to-output receive, or ``None`` for the ring path.
@@ -403,8 +409,7 @@ class CudaBackend:
         mode = dispatch_receive_mode()
         if mode == "rings" or num_rows == 0 or torch.cuda.is_current_stream_capturing():
             return None
-        for offset in self.runtime.collect_pool_blocks(self.comm_stream.cuda_stream):
-            self.output_pool.free(offset)
+        self.reclaim_pool_blocks()
         num_topk = topk_idx.size(1) if topk_idx is not None else 0
         idx_bytes = topk_idx.element_size() if topk_idx is not None else 8
         num_scales = scales.size(1) if scales is not None else 0
