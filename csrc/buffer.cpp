@@ -298,38 +298,42 @@ at::Tensor Runtime::wrap_pool_block(int64_t offset, int64_t num_bytes, uintptr_t
     return at::from_blob(static_cast<char*>(local_buffer_) + offset, {num_bytes}, deleter, options);
 }
 
-std::vector<int64_t> Runtime::collect_pool_blocks(uintptr_t comm_stream) {
+std::vector<int64_t> Runtime::collect_pool_blocks(uintptr_t comm_stream, uintptr_t compute_stream, bool ordered) {
     require_available("collect_pool_blocks");
-    std::vector<PoolReturnQueue::Entry> fresh;
     {
         std::lock_guard<std::mutex> lock(pool_returns_->mutex);
-        fresh.swap(pool_returns_->entries);
+        for (const auto& entry : pool_returns_->entries)
+            pending_blocks_.push_back({entry.offset, {entry.streams[0], entry.streams[1]}, {}});
+        pool_returns_->entries.clear();
     }
-    // A block may be reused once everything enqueued so far on the streams that used it has run: one event per
-    // distinct stream, recorded now (later than the tensor's death, so conservative).
-    for (const auto& entry : fresh) {
-        PendingBlock block{entry.offset, {}};
-        cudaStream_t streams[3] = {entry.streams[0], entry.streams[1], as_stream(comm_stream)};
-        for (int i = 0; i < 3; ++i) {
-            if (std::find(streams, streams + i, streams[i]) != streams + i) continue;
-            cudaEvent_t event;
-            DEEP_EP_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-            DEEP_EP_CUDA_CHECK(cudaEventRecord(event, streams[i]));
-            block.events.push_back(event);
-        }
-        pending_blocks_.push_back(std::move(block));
-    }
+    const cudaStream_t comm = as_stream(comm_stream), compute = as_stream(compute_stream);
+    auto ordered_stream = [&](cudaStream_t s) { return s == comm || s == compute; };
     std::vector<int64_t> ready;
     std::vector<PendingBlock> still_pending;
     for (auto& block : pending_blocks_) {
-        bool done = true;
-        for (cudaEvent_t event : block.events) {
-            const cudaError_t status = cudaEventQuery(event);
-            if (status == cudaErrorNotReady) {
-                done = false;
-                break;
+        bool done = ordered && ordered_stream(block.streams[0]) && ordered_stream(block.streams[1]);
+        if (!done && block.events.empty()) {
+            // One event per distinct stream that used the block, recorded now (after the tensor's death, so
+            // conservative): the block is free once all of them have completed.
+            cudaStream_t streams[3] = {block.streams[0], block.streams[1], comm};
+            for (int i = 0; i < 3; ++i) {
+                if (std::find(streams, streams + i, streams[i]) != streams + i) continue;
+                cudaEvent_t event;
+                DEEP_EP_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+                block.events.push_back(event);
+                DEEP_EP_CUDA_CHECK(cudaEventRecord(event, streams[i]));
             }
-            DEEP_EP_CUDA_CHECK(status);
+        }
+        if (!done) {
+            done = true;
+            for (cudaEvent_t event : block.events) {
+                const cudaError_t status = cudaEventQuery(event);
+                if (status == cudaErrorNotReady) {
+                    done = false;
+                    break;
+                }
+                DEEP_EP_CUDA_CHECK(status);
+            }
         }
         if (!done) {
             still_pending.push_back(std::move(block));

@@ -97,9 +97,12 @@ class Runtime {
     // The block [offset, offset + num_bytes) of the local buffer as a uint8 tensor. When the last tensor sharing its
     // storage dies, the deleter queues the block with `compute_stream` and the stream current at that moment.
     at::Tensor wrap_pool_block(int64_t offset, int64_t num_bytes, uintptr_t compute_stream);
-    // Offsets of queued blocks that are safe to reuse: events recorded (at their first collection) on the block's
-    // two streams and on `comm_stream` have completed. Never blocks. Call outside CUDA-graph capture.
-    std::vector<int64_t> collect_pool_blocks(uintptr_t comm_stream);
+    // Offsets of queued blocks that are safe to reuse for a dispatch about to be enqueued on `comm_stream`. A block
+    // is safe when `ordered` (comm_stream already waits for all work enqueued on `compute_stream`) and both of its
+    // streams are comm_stream or compute_stream: the new writes are then stream-ordered after every use, as in
+    // torch's caching allocator. Otherwise it is safe once events, recorded at its first collection on its streams
+    // and on comm_stream, have completed. Never blocks. Call outside CUDA-graph capture.
+    std::vector<int64_t> collect_pool_blocks(uintptr_t comm_stream, uintptr_t compute_stream, bool ordered);
     // Bench-only diagnostic: dispatch receivers skip the ring -> recv_x copy (outputs wrong on purpose).
     void set_diagnostic_skip_receive_copy(bool skip) { skip_receive_copy_ = skip; }
 
@@ -163,7 +166,8 @@ class Runtime {
     // Output pool: blocks queued by deleters, then blocks whose events are recorded and not yet complete.
     struct PendingBlock {
         int64_t offset;
-        std::vector<cudaEvent_t> events;
+        cudaStream_t streams[2];          // as queued by the deleter
+        std::vector<cudaEvent_t> events;  // empty until the first collection that cannot reuse it by stream order
     };
     std::shared_ptr<PoolReturnQueue> pool_returns_ = std::make_shared<PoolReturnQueue>();
     std::vector<PendingBlock> pending_blocks_;

@@ -352,7 +352,8 @@ class CudaBackend:
 
         send_head = handle.send_head if cached else torch.empty(num_tokens, self.num_ranks, dtype=torch.int32,
                                                                  device=device)
-        outputs = self._pool_outputs(num_recv_tokens, data, scales, topk_idx, cached, scope.compute)
+        outputs = self._pool_outputs(num_recv_tokens, data, scales, topk_idx, cached, scope.compute,
+                                     ordered=previous_event is None)
         if outputs is None:
             recv_x = torch.empty(num_recv_tokens, hidden, dtype=data.dtype, device=device)
             recv_scales = None
@@ -391,25 +392,33 @@ class CudaBackend:
                                      recv_src_idx, is_token_in_rank, send_head)
         return DispatchResult(out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event)
 
-    def reclaim_pool_blocks(self) -> None:
-        """Free the output-pool blocks whose tensors are gone and whose stream work has completed. A block whose
-        tensor died since the last call only gets its events now, so it is usually reusable one call later."""
-        for offset in self.runtime.collect_pool_blocks(self.comm_stream.cuda_stream):
+    def reclaim_pool_blocks(self, compute: Optional[torch.cuda.Stream] = None, ordered: bool = False) -> None:
+        """Free the output-pool blocks whose tensors are gone and that a dispatch about to run on the comm stream
+        may overwrite: at once when ``ordered`` (the comm stream already waits for all of ``compute``) and the block
+        was only used on those two streams; otherwise once events recorded at the first collection have completed
+        (usually one call later)."""
+        compute = compute if compute is not None else torch.cuda.current_stream()
+        for offset in self.runtime.collect_pool_blocks(self.comm_stream.cuda_stream, compute.cuda_stream, ordered):
             self.output_pool.free(offset)
 
     def _pool_outputs(self, num_rows: int, data: torch.Tensor, scales: Optional[torch.Tensor],
-                      topk_idx: Optional[torch.Tensor], cached: bool, compute: torch.cuda.Stream):
+                      topk_idx: Optional[torch.Tensor], cached: bool, compute: torch.cuda.Stream, ordered: bool):
         """Dispatch outputs in the output pool for direct-to-output receive, or ``None`` for the ring path.
 
         Rings are used when the mode is 'rings', during CUDA-graph capture (a block's reuse is decided by events
         that replays would bypass), for zero rows, and when the pool has no room ('direct' then raises). Returns
         ``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx or None, data offset, meta
         offset or -1)``; the meta block (``recv_src_idx``, kept by the handle) exists for non-cached calls only.
+        ``ordered``: the comm stream already waits for everything enqueued on ``compute`` (no ``previous_event``).
+
+        A block returns to the pool when the last tensor viewing it dies, and is reused only when that is safe for
+        the streams it was used on: the stream current when it was made, and the one current when it died.
+        ``Tensor.record_stream`` has no effect on these tensors: keep a tensor alive while another stream uses it.
         """
         mode = dispatch_receive_mode()
         if mode == "rings" or num_rows == 0 or torch.cuda.is_current_stream_capturing():
             return None
-        self.reclaim_pool_blocks()
+        self.reclaim_pool_blocks(compute, ordered)
         num_topk = topk_idx.size(1) if topk_idx is not None else 0
         idx_bytes = topk_idx.element_size() if topk_idx is not None else 8
         num_scales = scales.size(1) if scales is not None else 0

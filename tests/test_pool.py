@@ -108,7 +108,8 @@ _MIRROR_PROGRAM = r"""
 #include "layout.cuh"
 using namespace deep_ep::kernels;
 int main() {
-    std::printf("%lld %lld %lld\n", (long long)kControlBytes, (long long)kDispatchOutputOffset, (long long)kWsUsedBytes);
+    std::printf("%lld %lld %lld\n", (long long)kControlBytes, (long long)kDispatchOutputOffset,
+                (long long)kWsUsedBytes);
     const long long sizes[] = {256LL << 20, 768LL << 20, 2000000000LL / 128 * 128};
     for (long long n : sizes) std::printf("%lld %lld\n", (long long)pool_offset(n), (long long)pool_bytes(n));
     auto l = dispatch_output_layout(10, 7168, 56, 8, 8);

@@ -746,10 +746,11 @@ def task_pool_lifetime(buffer, rank: int, payload: dict) -> str:
     first = kept[0]
     del kept, out, want, ring_out
     reclaim()
-    for salt in range(100, 104):
+    for salt in range(100, 104):  # each output dies before the next call, whose dispatch may reuse its block
         out, want = call(salt)
         assert _in_pool(buffer, out.recv_x), "freed pool blocks were not reused"
         _eq(f"recv_x after reuse (call {salt})", out.recv_x, want)
+        del out, want
     torch.cuda.synchronize()
     _eq("first recv_x after many later calls", first[0].recv_x, first[1])
     return f"{paths.count(True)} calls fit the pool"
