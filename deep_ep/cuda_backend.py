@@ -206,7 +206,9 @@ class CudaBackend:
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
         """A view of this rank's IPC buffer from byte ``offset``: 1-D of ``(num_nvl_bytes - offset) // itemsize``
         elements, or the first ``size.numel()`` reshaped to ``size``. (DeepEP does not subtract the offset, which
-        makes its view run past the allocation; this one stays inside it.)"""
+        makes its view run past the allocation; this one stays inside it.) Bytes past the two ring halves are the
+        output pool of direct-to-output dispatch (``deep_ep.layout.intranode_pool_region``): writing there
+        corrupts live dispatch outputs unless ``DEEP_EP_DISPATCH_RECEIVE=rings``."""
         if use_rdma_buffer:
             raise ValueError("use_rdma_buffer=True needs an RDMA buffer, which the intranode CUDA backend has not")
         tensor = self.runtime.get_local_buffer_tensor(dtype, offset)
