@@ -36,7 +36,7 @@ step smoke 150 env HYPOTHESIS_PROFILE=gpu DEEP_EP_GPU_EXAMPLES_2GPU=6 python3 -m
     tests/gpu/test_intranode.py -k "test_two_gpus and not back or pool_lifetime or cuda_graph"
 
 # Issue 4 workload: EP2, 4096 tokens, hidden 7168, top-8 of 256 experts; 2e9 bytes leave a 1.46 GB output pool.
-step bench 200 python3 benchmarks/bench_intranode.py --num-processes 2 --sms 8 16 24 --dispatch-chunks 16 24 \
+step bench 200 python3 benchmarks/bench_intranode.py --num-processes 2 --sms 8 16 24 --dispatch-chunks 16 \
     --combine-chunks 8 --receive rings direct skipcopy --json "$OUT/bench_d2o.json"
 grep -E "^(op|dispatch|combine|nccl)" "$OUT/bench.log" | tee -a "$OUT/summary.log"
 
