@@ -4,6 +4,8 @@
 //   v1 (03:20 UTC): first version.
 //   v2 (03:31 UTC): the error record is claimed through a device-memory word (workspace), not a CAS on host memory;
 //                   `code` is now written by the claimer (still first, before `ready`). No signature changed.
+//   v3 (branch d2o): DispatchArgs gains channel_prefix_matrix, direct_data_offset, direct_meta_offset and
+//                   skip_receive_copy (direct-to-output receive, design §2.8); phase kPhaseDispatchSendWaitOutput.
 //
 // Host obligations (beyond the arguments):
 //   * Zero the whole scale-up buffer (or at least kControlBytes of it) and the workspace before the first call;
