@@ -277,6 +277,7 @@ def intranode_pool_region(num_nvl_bytes: int) -> Region:
     return Region("output_pool", offset, max(num_nvl_bytes - offset, 0))
 
 
+@functools.lru_cache(maxsize=64)  # every direct-to-output dispatch sizes its block; the result is immutable
 def intranode_dispatch_output_layout(rows: int, hidden_bytes: int, num_scales: int, num_topk: int,
                                      topk_idx_bytes: int) -> Layout:
     """Sections of a direct-to-output data block (offsets from the block start): ``recv_x [rows, hidden_bytes]``,
