@@ -465,6 +465,23 @@ Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales
                   bool after_current, bool current_after) {
     require_available("dispatch");
     if (num_recv_rows < 0) invalid("dispatch: num_recv_rows must be >= 0, got %d", num_recv_rows);
+    if (direct_meta_offset >= 0 && (direct_data_offset < 0 || given_recv_src_idx.has_value()))
+        invalid("dispatch: direct_meta_offset %lld needs direct_data_offset (got %lld) and no handle.recv_src_idx",
+                static_cast<long long>(direct_meta_offset), static_cast<long long>(direct_data_offset));
+    const int64_t rows = num_recv_rows;
+    const int64_t num_scales = x_scales.has_value() ? x_scales->size(1) : 0;
+    const int64_t num_topk = topk_idx.has_value() ? topk_idx->size(1) : 0;
+    const int topk_idx_bytes = topk_idx.has_value() ? static_cast<int>(topk_idx->element_size()) : 8;
+    const auto sections = kernels::dispatch_output_layout(rows, x.size(1) * static_cast<int64_t>(x.element_size()),
+                                                          static_cast<int>(num_scales), static_cast<int>(num_topk),
+                                                          topk_idx_bytes);
+    // Pool blocks become tensors before anything else can throw: from here on, whatever happens, each block goes
+    // back to the caller's pool through its tensor's deleter and collect_pool_blocks.
+    at::Tensor data_block, meta_block;
+    if (direct_meta_offset >= 0) check_pool_block(direct_meta_offset, rows * 4);
+    if (direct_data_offset >= 0) data_block = pool_block(direct_data_offset, sections.total);
+    if (direct_meta_offset >= 0) meta_block = pool_block(direct_meta_offset, rows * 4);
+
     check_device("x", x, device_id_);
     check_device("x_scales", x_scales, device_id_);
     check_device("topk_idx", topk_idx, device_id_);
@@ -476,30 +493,16 @@ Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales
     check_device("handle.send_head", send_head, device_id_);
     check_aligned("x", x);
     check_device("handle.recv_src_idx", given_recv_src_idx, device_id_);
-    if (direct_meta_offset >= 0 && (direct_data_offset < 0 || given_recv_src_idx.has_value()))
-        invalid("dispatch: direct_meta_offset %lld needs direct_data_offset (got %lld) and no handle.recv_src_idx",
-                static_cast<long long>(direct_meta_offset), static_cast<long long>(direct_data_offset));
-    const int64_t rows = num_recv_rows;
-    const int64_t num_scales = x_scales.has_value() ? x_scales->size(1) : 0;
-    const int64_t num_topk = topk_idx.has_value() ? topk_idx->size(1) : 0;
-    // Every check comes before the first pool block is wrapped: a ValueError leaves no block in torch's hands, so
-    // the caller can return both to its pool.
-    if (direct_meta_offset >= 0) check_pool_block(direct_meta_offset, rows * 4);
     at::Tensor recv_x;
     std::optional<at::Tensor> recv_x_scales, recv_topk_idx, recv_topk_weights;
-    if (direct_data_offset >= 0) {
+    if (data_block.defined()) {
         // Direct-to-output: the outputs are views of one pool block, whose byte offset the receivers publish to
         // the senders (the kernel's DispatchOutputWord), laid out as dispatch_output_layout says.
         if (x_scales.has_value() && x_scales->element_size() != 4)
             invalid("dispatch: direct-to-output needs 4-byte scales, got %d-byte",
                     static_cast<int>(x_scales->element_size()));
-        const int topk_idx_bytes = topk_idx.has_value() ? static_cast<int>(topk_idx->element_size()) : 8;
-        const int64_t hidden_bytes = x.size(1) * static_cast<int64_t>(x.element_size());
-        const auto sections = kernels::dispatch_output_layout(rows, hidden_bytes, static_cast<int>(num_scales),
-                                                              static_cast<int>(num_topk), topk_idx_bytes);
-        const at::Tensor block = pool_block(direct_data_offset, sections.total);
         auto section = [&](int64_t begin, at::ScalarType dtype, int64_t cols) {
-            return block.narrow(0, begin, rows * cols * c10::elementSize(dtype)).view(dtype).view({rows, cols});
+            return data_block.narrow(0, begin, rows * cols * c10::elementSize(dtype)).view(dtype).view({rows, cols});
         };
         recv_x = section(0, x.scalar_type(), x.size(1));
         if (x_scales.has_value()) recv_x_scales = section(sections.scales, x_scales->scalar_type(), num_scales);
@@ -518,8 +521,8 @@ Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales
     at::Tensor recv_src_idx;
     if (given_recv_src_idx.has_value())
         recv_src_idx = *given_recv_src_idx;
-    else if (direct_meta_offset >= 0)
-        recv_src_idx = pool_block(direct_meta_offset, rows * 4).view(at::kInt);
+    else if (meta_block.defined())
+        recv_src_idx = meta_block.view(at::kInt);
     else
         recv_src_idx = at::empty({rows}, x.options().dtype(at::kInt));
     check_aligned("recv_x", recv_x);

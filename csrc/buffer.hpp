@@ -136,7 +136,8 @@ class Runtime {
     // outputs are the sections (layout.cuh dispatch_output_layout) of the output-pool block at that byte offset, and
     // peers write their rows there; when direct_meta_offset >= 0 too, a new recv_src_idx is the pool block at that
     // offset. The pool's bookkeeping (deep_ep/pool.py) chose both blocks; -1 receives through the rings into
-    // tensors of torch's allocator.
+    // tensors of torch's allocator. The blocks become tensors before any argument check, so they come back through
+    // collect_pool_blocks even when the call throws.
     std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, std::optional<at::Tensor>,
                std::optional<at::Tensor>>
     dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales, const std::optional<at::Tensor>& topk_idx,

@@ -364,19 +364,15 @@ class CudaBackend:
 
             data_offset, meta_offset = self._pool_blocks(num_recv_tokens, data, scales, topk_idx, cached,
                                                          ordered=previous_event is None)
-            try:
-                recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = self.runtime.dispatch(
-                    data, scales, topk_idx, topk_weights, num_experts, is_token_in_rank, rank_prefix_matrix,
-                    channel_prefix_matrix, recv_channel_prefix_matrix, send_head, num_recv_tokens,
-                    given_recv_src_idx, data_offset, meta_offset, num_worst_tokens > 0 and not cached, num_channels,
-                    config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
-                    intranode_send_warps("dispatch", self.num_ranks), self._comm_ptr, after_current,
-                    scope.current_after)
-            except ValueError:  # rejected before any pool block became a tensor: the blocks are still ours
-                for offset in (data_offset, meta_offset):
-                    if offset >= 0:
-                        self.output_pool.free(offset)
-                raise
+            # The runtime turns the pool blocks into tensors first: even if it raises, they come back through
+            # reclaim_pool_blocks once those tensors are gone.
+            recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = self.runtime.dispatch(
+                data, scales, topk_idx, topk_weights, num_experts, is_token_in_rank, rank_prefix_matrix,
+                channel_prefix_matrix, recv_channel_prefix_matrix, send_head, num_recv_tokens, given_recv_src_idx,
+                data_offset, meta_offset, num_worst_tokens > 0 and not cached, num_channels,
+                config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+                intranode_send_warps("dispatch", self.num_ranks), self._comm_ptr, after_current,
+                scope.current_after)
 
             event = scope.finish((data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
                                   num_tokens_per_expert, rank_prefix_matrix, channel_prefix_matrix,
