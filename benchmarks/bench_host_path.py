@@ -28,6 +28,7 @@ import os
 import sys
 import time
 import types
+import weakref
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -94,9 +95,10 @@ def make_fake_extension(torch):
 
     class Runtime:
         def __init__(self, rank, num_ranks, num_nvl_bytes, timeout_s):
-            self.rank, self.num_ranks = rank, num_ranks
+            self.rank, self.num_ranks, self.num_nvl_bytes = rank, num_ranks, num_nvl_bytes
             self.num_recv = 0
             self.per_expert = []
+            self.pool_blocks = {}  # offset -> weak references to the tensors viewing the block
 
         def get_local_device_id(self):
             return 0
@@ -113,8 +115,25 @@ def make_fake_extension(torch):
         def destroy(self):
             pass
 
-        # Kernel entry points. Two generations are served so that an older checkout can be timed too: the first
-        # took every output from Python; the current one allocates some outputs itself and returns them.
+        # Output pool of direct-to-output dispatch. A block comes back once every tensor made on it is gone (the
+        # real deleter runs when the last view dies), as if its stream work were complete.
+        def get_pool_offset(self):
+            from deep_ep.layout import intranode_pool_region
+            return intranode_pool_region(self.num_nvl_bytes).offset
+
+        def get_pool_bytes(self):
+            from deep_ep.layout import intranode_pool_region
+            return intranode_pool_region(self.num_nvl_bytes).num_bytes
+
+        def collect_pool_blocks(self, comm_stream, ordered):
+            ready = [offset for offset, refs in self.pool_blocks.items() if all(ref() is None for ref in refs)]
+            for offset in ready:
+                del self.pool_blocks[offset]
+            return ready
+
+        # Kernel entry points. Three generations are served so that an older checkout can be timed too: the first
+        # took every output from Python; the second allocates some outputs itself and returns them; the third also
+        # takes channel_prefix_matrix and the output-pool offsets of direct-to-output receive.
         def get_dispatch_layout(self, topk_idx, num_experts, *rest):
             if len(rest) != 3:
                 return None
@@ -128,9 +147,13 @@ def make_fake_extension(torch):
             return self.num_recv, self.per_expert
 
         def dispatch(self, x, x_scales, topk_idx, *rest):
-            if isinstance(rest[6], torch.Tensor):  # the first generation: recv_x given, nothing returned
+            if len(rest) == 17:  # the first generation: recv_x given, nothing returned
                 return None
-            rows, recv_src_idx = rest[6], rest[7]
+            data_offset = meta_offset = -1
+            if len(rest) == 16:
+                rows, recv_src_idx = rest[6], rest[7]
+            else:
+                rows, recv_src_idx, data_offset, meta_offset = rest[7:11]
             scales = None if x_scales is None else torch.empty(rows, x_scales.size(1), dtype=x_scales.dtype)
             if recv_src_idx is None:
                 recv_src_idx = torch.empty(rows, dtype=torch.int32)
@@ -138,7 +161,13 @@ def make_fake_extension(torch):
             if topk_idx is not None:
                 recv_topk_idx = torch.empty(rows, topk_idx.size(1), dtype=topk_idx.dtype)
                 recv_topk_weights = torch.empty(rows, topk_idx.size(1))
-            return torch.empty(rows, x.size(1), dtype=x.dtype), scales, recv_src_idx, recv_topk_idx, recv_topk_weights
+            recv_x = torch.empty(rows, x.size(1), dtype=x.dtype)
+            if data_offset >= 0:
+                data = (recv_x, scales, recv_topk_idx, recv_topk_weights)
+                self.pool_blocks[data_offset] = [weakref.ref(t) for t in data if t is not None]
+            if meta_offset >= 0:
+                self.pool_blocks[meta_offset] = [weakref.ref(recv_src_idx)]
+            return recv_x, scales, recv_src_idx, recv_topk_idx, recv_topk_weights
 
         def combine(self, x, topk_weights, bias_0, bias_1, rank_prefix, recv_channel_prefix, send_head, *rest):
             if not isinstance(rest[0], int):
@@ -158,7 +187,7 @@ def patched(torch, cuda_tensors: bool):
     """Install the fake CUDA API (and, with ``cuda_tensors``, make every tensor claim ``is_cuda``)."""
     saved = {name: getattr(torch.cuda, name) for name in
              ("is_available", "is_initialized", "Stream", "Event", "current_stream", "set_stream", "stream",
-              "synchronize")}
+              "synchronize", "is_current_stream_capturing")}
     compute = FakeStream()
     torch.cuda.is_available = lambda: True
     torch.cuda.is_initialized = lambda: True
@@ -168,6 +197,7 @@ def patched(torch, cuda_tensors: bool):
     torch.cuda.set_stream = lambda stream: None
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
     torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.is_current_stream_capturing = lambda: False
     record_stream = torch.Tensor.record_stream
     torch.Tensor.record_stream = lambda self, stream: None
     if cuda_tensors:
@@ -252,6 +282,14 @@ def bench_cuda(torch, deep_ep, group, args) -> dict:
         del layout
         for name, fn in calls.items():
             out[f"cuda: {name}"] = per_call_us(fn, args.iters)
+        # The buffer has an output pool, so the rows above receive directly into it (mode 'auto'); these take the
+        # rings (a checkout without direct-to-output receive ignores the setting).
+        deep_ep.config.INTRANODE_DISPATCH_RECEIVE = "rings"
+        try:
+            for name in ("dispatch (layout + top-k)", "dispatch cached BF16"):
+                out[f"cuda: {name} [rings]"] = per_call_us(calls[name], args.iters)
+        finally:
+            deep_ep.config.INTRANODE_DISPATCH_RECEIVE = None
         buffer._release()
     return out
 

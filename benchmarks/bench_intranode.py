@@ -13,6 +13,11 @@ Bytes (DeepEP's "logical" count): rows received by this rank (its own included) 
 ``(1 + 4/128) / 2`` for FP8; combine counts the same rows. "Remote" GB/s counts only the rows that cross NVLink
 (rows from / to other ranks) with their real wire bytes (FP8: hidden + 4 × hidden/128).
 
+Receive paths of dispatch (``--receive``): ``rings`` (ops ``dispatch_*``), ``direct`` (direct-to-output into the
+buffer's output pool; ops ``dispatch_*_direct``; needs ``--num-nvl-bytes`` above the two 256 MiB ring halves) and
+``skipcopy`` (ops ``dispatch_*_skipcopy``: the ring path with the receivers' ring -> recv_x copy skipped, through
+the runtime's diagnostic hook; the outputs are wrong on purpose, the point is the time without that copy).
+
 Output: a table on stdout (rank 0) and JSON (``--json``) with every point of the SM sweep, the chunk-size sweep and
 the NCCL baseline. Run on the 2-GPU machine::
 
@@ -141,9 +146,12 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
         remote_rows = recv_rows - local_rows
         bf16_bytes = recv_rows * h * 2
         fp8_wire_row = h + 4 * (h // 128)
-        for label, cur_x, logical_bytes, remote_bytes in (
-                ("dispatch_fp8", x_fp8, bf16_bytes * FP8_FACTOR, remote_rows * fp8_wire_row),
-                ("dispatch_bf16", x, bf16_bytes, remote_rows * h * 2)):
+        variants = (("dispatch_fp8", x_fp8, bf16_bytes * FP8_FACTOR, remote_rows * fp8_wire_row),
+                    ("dispatch_bf16", x, bf16_bytes, remote_rows * h * 2))
+        for receive, (base_label, cur_x, logical_bytes, remote_bytes) in (
+                (r, v) for r in args.receive for v in variants):
+            label = base_label + ("" if receive == "rings" else f"_{receive}")
+            set_receive(buffer, receive)
             best = None
             for chunk, warps in ((c, w) for c in args.dispatch_chunks for w in args.dispatch_warps):
                 cfg = deep_ep.Config(num_sms, chunk, 256)
@@ -159,6 +167,7 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
             kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "dispatch"))
             report["points"].append(_point(label, num_sms, best[0], best[1], kt, logical_bytes, remote_bytes,
                                            best[3]))
+        set_receive(buffer, "rings")
         combine_x = first.recv_x
         best = None
         for chunk, warps in ((c, w) for c in args.combine_chunks for w in args.combine_warps):
@@ -210,6 +219,15 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
     dist.destroy_process_group()
 
 
+def set_receive(buffer, receive: str) -> None:
+    """Dispatch receive path of the next calls: 'rings', 'direct' or 'skipcopy' (rings, receive copy skipped)."""
+    import deep_ep.config
+    deep_ep.config.INTRANODE_DISPATCH_RECEIVE = "direct" if receive == "direct" else "rings"
+    runtime = getattr(getattr(buffer, "runtime", None), "runtime", None)
+    if runtime is not None:
+        runtime.set_diagnostic_skip_receive_copy(receive == "skipcopy")
+
+
 def with_send_warps(kernel: str, warps: int, fn):
     """``fn`` run with ``warps`` copy warps per channel in the intranode ``kernel`` (deep_ep.config's table)."""
     import deep_ep.config
@@ -256,6 +274,8 @@ def main() -> None:
                         help="copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS) to sweep in dispatch")
     parser.add_argument("--combine-warps", type=int, nargs="+", default=[8],
                         help="ring-sender warps per channel to sweep in combine")
+    parser.add_argument("--receive", nargs="+", default=["rings"], choices=["rings", "direct", "skipcopy"],
+                        help="dispatch receive paths to measure (skipcopy: diagnostic, wrong outputs)")
     parser.add_argument("--json", type=str, default="bench_intranode.json")
     args = parser.parse_args()
     os.environ.setdefault("DEEP_EP_TIMEOUT_S", "30")
@@ -282,7 +302,7 @@ def print_table(summary: dict) -> None:
     print(f"{'op':<20}{'SMs':>5}{'chunk':>6}{'warps':>6}{'wall us':>10}{'kern us':>10}{'GB/s':>9}{'GB/s kern':>10}"
           f"{'remote':>8}{'DeepEP':>8}{'ratio':>7}")
     for p in rep["points"]:
-        ref = DEEPEP_V1.get((p["op"], p["num_sms"]))
+        ref = DEEPEP_V1.get((p["op"].replace("_direct", "").replace("_skipcopy", ""), p["num_sms"]))
         kern = f"{p['kernel_us']:.1f}" if p["kernel_us"] else "-"
         kern_bw = f"{p['logical_GBps_kernel']:.0f}" if p["logical_GBps_kernel"] else "-"
         print(f"{p['op']:<20}{p['num_sms']:>5}{p['chunk']:>6}{p.get('send_warps') or '-':>6}{p['wall_us_mean']:>10.1f}{kern:>10}"

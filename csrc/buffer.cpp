@@ -3,6 +3,7 @@
 
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -186,6 +187,9 @@ void Runtime::destroy() {
     for (int r = 0; r < static_cast<int>(peer_buffers_.size()); ++r)
         if (r != rank_ && peer_buffers_[r] != nullptr) cudaIpcCloseMemHandle(peer_buffers_[r]);
     peer_buffers_.clear();
+    for (auto& block : pending_blocks_)
+        for (cudaEvent_t event : block.events) cudaEventDestroy(event);
+    pending_blocks_.clear();
     if (local_buffer_) cudaFree(local_buffer_);
     if (workspace_) cudaFree(workspace_);
     if (host_error_) cudaFreeHost(host_error_);
@@ -275,6 +279,87 @@ at::Tensor Runtime::get_local_buffer_tensor(at::ScalarType dtype, int64_t offset
     auto options = at::TensorOptions().dtype(dtype).device(at::kCUDA, device_id_);
     return at::from_blob(static_cast<char*>(local_buffer_) + offset, {(num_nvl_bytes_ - offset) / itemsize},
                          options);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Output pool
+// ---------------------------------------------------------------------------------------------------------------
+
+void Runtime::check_pool_block(int64_t offset, int64_t num_bytes) const {
+    const int64_t first = kernels::pool_offset(num_nvl_bytes_);
+    if (num_bytes <= 0 || offset < first || offset % kernels::kBufferAlignment != 0 ||
+        offset + num_bytes > num_nvl_bytes_)
+        invalid("pool block [%lld, +%lld) must be 128-byte aligned, non-empty and inside the pool [%lld, %lld)",
+                static_cast<long long>(offset), static_cast<long long>(num_bytes), static_cast<long long>(first),
+                static_cast<long long>(num_nvl_bytes_));
+}
+
+at::Tensor Runtime::pool_block(int64_t offset, int64_t num_bytes) {
+    check_pool_block(offset, num_bytes);
+    std::shared_ptr<PoolReturnQueue> queue = pool_returns_;
+    const cudaStream_t wrapped_on = current_stream();
+    const int device = device_id_;
+    // Runs on whichever thread drops the last reference; must not throw and must not call into CUDA (it may run
+    // during capture or teardown): it only queues the block.
+    auto deleter = [queue, offset, wrapped_on, device](void*) {
+        cudaStream_t now = wrapped_on;
+        try {
+            now = c10::cuda::getCurrentCUDAStream(device).stream();
+        } catch (...) {
+        }
+        std::lock_guard<std::mutex> lock(queue->mutex);
+        queue->entries.push_back({offset, {wrapped_on, now}});
+    };
+    auto options = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device_id_);
+    return at::from_blob(static_cast<char*>(local_buffer_) + offset, {num_bytes}, deleter, options);
+}
+
+std::vector<int64_t> Runtime::collect_pool_blocks(uintptr_t comm_stream, bool ordered) {
+    require_available("collect_pool_blocks");
+    {
+        std::lock_guard<std::mutex> lock(pool_returns_->mutex);
+        for (const auto& entry : pool_returns_->entries)
+            pending_blocks_.push_back({entry.offset, {entry.streams[0], entry.streams[1]}, {}});
+        pool_returns_->entries.clear();
+    }
+    const cudaStream_t comm = as_stream(comm_stream), compute = current_stream();
+    auto ordered_stream = [&](cudaStream_t s) { return s == comm || s == compute; };
+    std::vector<int64_t> ready;
+    std::vector<PendingBlock> still_pending;
+    for (auto& block : pending_blocks_) {
+        bool done = ordered && ordered_stream(block.streams[0]) && ordered_stream(block.streams[1]);
+        if (!done && block.events.empty()) {
+            // One event per distinct stream that used the block, recorded now (after the tensor's death, so
+            // conservative): the block is free once all of them have completed.
+            cudaStream_t streams[3] = {block.streams[0], block.streams[1], comm};
+            for (int i = 0; i < 3; ++i) {
+                if (std::find(streams, streams + i, streams[i]) != streams + i) continue;
+                cudaEvent_t event;
+                DEEP_EP_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+                block.events.push_back(event);
+                DEEP_EP_CUDA_CHECK(cudaEventRecord(event, streams[i]));
+            }
+        }
+        if (!done) {
+            done = true;
+            for (cudaEvent_t event : block.events) {
+                const cudaError_t status = cudaEventQuery(event);
+                if (status == cudaErrorNotReady) {
+                    done = false;
+                    break;
+                }
+                DEEP_EP_CUDA_CHECK(status);
+            }
+        }
+        if (!done) {
+            still_pending.push_back(std::move(block));
+            continue;
+        }
+        for (cudaEvent_t event : block.events) DEEP_EP_CUDA_CHECK(cudaEventDestroy(event));
+        ready.push_back(block.offset);
+    }
+    pending_blocks_.swap(still_pending);
+    return ready;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -373,32 +458,73 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, std::optional<at::
 Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
                   const std::optional<at::Tensor>& topk_idx, const std::optional<at::Tensor>& topk_weights,
                   int num_experts, const at::Tensor& is_token_in_rank, const at::Tensor& rank_prefix_matrix,
-                  const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_recv_rows,
-                  const std::optional<at::Tensor>& given_recv_src_idx, bool worst_token_mode, int num_channels,
+                  const at::Tensor& channel_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
+                  const at::Tensor& send_head, int num_recv_rows, const std::optional<at::Tensor>& given_recv_src_idx,
+                  int64_t direct_data_offset, int64_t direct_meta_offset, bool worst_token_mode, int num_channels,
                   int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream,
                   bool after_current, bool current_after) {
     require_available("dispatch");
     if (num_recv_rows < 0) invalid("dispatch: num_recv_rows must be >= 0, got %d", num_recv_rows);
+    if (direct_meta_offset >= 0 && (direct_data_offset < 0 || given_recv_src_idx.has_value()))
+        invalid("dispatch: direct_meta_offset %lld needs direct_data_offset (got %lld) and no handle.recv_src_idx",
+                static_cast<long long>(direct_meta_offset), static_cast<long long>(direct_data_offset));
+    const int64_t rows = num_recv_rows;
+    const int64_t num_scales = x_scales.has_value() ? x_scales->size(1) : 0;
+    const int64_t num_topk = topk_idx.has_value() ? topk_idx->size(1) : 0;
+    const int topk_idx_bytes = topk_idx.has_value() ? static_cast<int>(topk_idx->element_size()) : 8;
+    const auto sections = kernels::dispatch_output_layout(rows, x.size(1) * static_cast<int64_t>(x.element_size()),
+                                                          static_cast<int>(num_scales), static_cast<int>(num_topk),
+                                                          topk_idx_bytes);
+    // Pool blocks become tensors before anything else can throw: from here on, whatever happens, each block goes
+    // back to the caller's pool through its tensor's deleter and collect_pool_blocks.
+    at::Tensor data_block, meta_block;
+    if (direct_meta_offset >= 0) check_pool_block(direct_meta_offset, rows * 4);
+    if (direct_data_offset >= 0) data_block = pool_block(direct_data_offset, sections.total);
+    if (direct_meta_offset >= 0) meta_block = pool_block(direct_meta_offset, rows * 4);
+
     check_device("x", x, device_id_);
     check_device("x_scales", x_scales, device_id_);
     check_device("topk_idx", topk_idx, device_id_);
     check_device("topk_weights", topk_weights, device_id_);
     check_device("is_token_in_rank", is_token_in_rank, device_id_);
     check_device("handle.rank_prefix_matrix", rank_prefix_matrix, device_id_);
+    check_device("handle.channel_prefix_matrix", channel_prefix_matrix, device_id_);
     check_device("handle.recv_channel_prefix_matrix", recv_channel_prefix_matrix, device_id_);
     check_device("handle.send_head", send_head, device_id_);
     check_aligned("x", x);
     check_device("handle.recv_src_idx", given_recv_src_idx, device_id_);
-    at::Tensor recv_x = at::empty({num_recv_rows, x.size(1)}, x.options());
+    at::Tensor recv_x;
     std::optional<at::Tensor> recv_x_scales, recv_topk_idx, recv_topk_weights;
-    if (x_scales.has_value()) recv_x_scales = at::empty({num_recv_rows, x_scales->size(1)}, x_scales->options());
-    const at::Tensor recv_src_idx = given_recv_src_idx.has_value()
-                                        ? *given_recv_src_idx
-                                        : at::empty({num_recv_rows}, x.options().dtype(at::kInt));
-    if (topk_idx.has_value()) {
-        recv_topk_idx = at::empty({num_recv_rows, topk_idx->size(1)}, topk_idx->options());
-        recv_topk_weights = at::empty({num_recv_rows, topk_idx->size(1)}, x.options().dtype(at::kFloat));
+    if (data_block.defined()) {
+        // Direct-to-output: the outputs are views of one pool block, whose byte offset the receivers publish to
+        // the senders (the kernel's DispatchOutputWord), laid out as dispatch_output_layout says.
+        if (x_scales.has_value() && x_scales->element_size() != 4)
+            invalid("dispatch: direct-to-output needs 4-byte scales, got %d-byte",
+                    static_cast<int>(x_scales->element_size()));
+        auto section = [&](int64_t begin, at::ScalarType dtype, int64_t cols) {
+            return data_block.narrow(0, begin, rows * cols * c10::elementSize(dtype)).view(dtype).view({rows, cols});
+        };
+        recv_x = section(0, x.scalar_type(), x.size(1));
+        if (x_scales.has_value()) recv_x_scales = section(sections.scales, x_scales->scalar_type(), num_scales);
+        if (topk_idx.has_value()) {
+            recv_topk_idx = section(sections.topk_idx, topk_idx->scalar_type(), num_topk);
+            recv_topk_weights = section(sections.topk_weights, at::kFloat, num_topk);
+        }
+    } else {
+        recv_x = at::empty({rows, x.size(1)}, x.options());
+        if (x_scales.has_value()) recv_x_scales = at::empty({rows, num_scales}, x_scales->options());
+        if (topk_idx.has_value()) {
+            recv_topk_idx = at::empty({rows, num_topk}, topk_idx->options());
+            recv_topk_weights = at::empty({rows, num_topk}, x.options().dtype(at::kFloat));
+        }
     }
+    at::Tensor recv_src_idx;
+    if (given_recv_src_idx.has_value())
+        recv_src_idx = *given_recv_src_idx;
+    else if (meta_block.defined())
+        recv_src_idx = meta_block.view(at::kInt);
+    else
+        recv_src_idx = at::empty({rows}, x.options().dtype(at::kInt));
     check_aligned("recv_x", recv_x);
     kernels::DispatchArgs args{};
     args.x = data_of(x, workspace_);
@@ -416,6 +542,7 @@ Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales
     args.is_token_in_rank = data_of<bool>(is_token_in_rank, workspace_);
     args.num_tokens = static_cast<int>(x.size(0));
     args.rank_prefix_matrix = data_of<int>(rank_prefix_matrix, workspace_);
+    args.channel_prefix_matrix = data_of<int>(channel_prefix_matrix, workspace_);
     args.recv_channel_prefix_matrix = data_of<int>(recv_channel_prefix_matrix, workspace_);
     args.send_head = data_of<int>(send_head, workspace_);
     args.recv_x = data_of(recv_x, workspace_);
@@ -429,6 +556,9 @@ Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales
     args.num_max_send_tokens = num_max_send_tokens;
     args.num_max_recv_tokens = num_max_recv_tokens;
     args.num_send_warps = num_send_warps;
+    args.direct_data_offset = direct_data_offset;
+    args.direct_meta_offset = direct_meta_offset;
+    args.skip_receive_copy = skip_receive_copy_ ? 1 : 0;
     if (after_current) order(as_stream(stream), current_stream());
     auto ctx = next_context();
     kernels::intranode_dispatch(ctx, args, as_stream(stream));

@@ -19,6 +19,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -41,6 +43,16 @@ class HostTimeout : public std::runtime_error {
 class DeviceError : public std::runtime_error {
    public:
     using std::runtime_error::runtime_error;
+};
+
+// Pool blocks whose tensors died, queued by the tensors' deleters (any thread) for Runtime::collect_pool_blocks.
+struct PoolReturnQueue {
+    struct Entry {
+        int64_t offset;
+        cudaStream_t streams[2];  // the current stream when the block was wrapped, and when its tensor died
+    };
+    std::mutex mutex;
+    std::vector<Entry> entries;
 };
 
 class Runtime {
@@ -82,6 +94,20 @@ class Runtime {
     // The local buffer from byte `offset` as a 1-D tensor of (num_nvl_bytes - offset) / itemsize elements.
     at::Tensor get_local_buffer_tensor(at::ScalarType dtype, int64_t offset) const;
 
+    // ---- output pool of direct-to-output dispatch (the bookkeeping is deep_ep/pool.py) ----
+    // Byte range [offset, end) of the pool in the local buffer (layout.cuh pool_offset / pool_bytes).
+    int64_t get_pool_offset() const { return kernels::pool_offset(num_nvl_bytes_); }
+    int64_t get_pool_bytes() const { return kernels::pool_bytes(num_nvl_bytes_); }
+    // Offsets of queued blocks (their tensors died) that are safe to reuse for a dispatch about to be enqueued on
+    // `comm_stream`. A block is safe when `ordered` (comm_stream waits for all work enqueued so far on the caller's
+    // current stream before that dispatch's kernel) and both of its streams are comm_stream or the current stream:
+    // the new writes are then stream-ordered after every use, as in torch's caching allocator. Otherwise it is safe
+    // once events, recorded at its first collection on its streams and on comm_stream, have completed. Never
+    // blocks. Call outside CUDA-graph capture.
+    std::vector<int64_t> collect_pool_blocks(uintptr_t comm_stream, bool ordered);
+    // Bench-only diagnostic: dispatch receivers skip the ring -> recv_x copy (outputs wrong on purpose).
+    void set_diagnostic_skip_receive_copy(bool skip) { skip_receive_copy_ = skip; }
+
     // ---- kernels; tensors are CUDA tensors on this device, already validated by the Python front ----
     // Stream order: `after_current` makes `stream` wait for the work enqueued so far on the caller's current stream
     // before the launch (the spec's default when no previous_event is given); `current_after` makes the current
@@ -106,13 +132,19 @@ class Runtime {
     // Returns (recv_x [num_recv_rows, H] of x's dtype, recv_x_scales [num_recv_rows, S] of the scales' dtype when
     // x_scales is given, recv_src_idx [num_recv_rows] int32 (the given one, else a new one), recv_topk_idx
     // [num_recv_rows, K] of topk_idx's dtype and recv_topk_weights [num_recv_rows, K] float32 when topk_idx is
-    // given).
+    // given). Direct-to-output receive (design §2.8): when direct_data_offset >= 0, recv_x, the scales and the top-k
+    // outputs are the sections (layout.cuh dispatch_output_layout) of the output-pool block at that byte offset, and
+    // peers write their rows there; when direct_meta_offset >= 0 too, a new recv_src_idx is the pool block at that
+    // offset. The pool's bookkeeping (deep_ep/pool.py) chose both blocks; -1 receives through the rings into
+    // tensors of torch's allocator. The blocks become tensors before any argument check, so they come back through
+    // collect_pool_blocks even when the call throws.
     std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, std::optional<at::Tensor>,
                std::optional<at::Tensor>>
     dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales, const std::optional<at::Tensor>& topk_idx,
              const std::optional<at::Tensor>& topk_weights, int num_experts, const at::Tensor& is_token_in_rank,
-             const at::Tensor& rank_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
-             const at::Tensor& send_head, int num_recv_rows, const std::optional<at::Tensor>& recv_src_idx,
+             const at::Tensor& rank_prefix_matrix, const at::Tensor& channel_prefix_matrix,
+             const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_recv_rows,
+             const std::optional<at::Tensor>& recv_src_idx, int64_t direct_data_offset, int64_t direct_meta_offset,
              bool worst_token_mode, int num_channels, int num_max_send_tokens, int num_max_recv_tokens,
              int num_send_warps, uintptr_t stream, bool after_current, bool current_after);
 
@@ -150,6 +182,20 @@ class Runtime {
     int* device_counters_ = nullptr;
     cudaEvent_t order_event_ = nullptr;             // reused by order(): a wait snapshots the event's last record
 
+    // Output pool: blocks queued by deleters, then blocks whose events are recorded and not yet complete.
+    struct PendingBlock {
+        int64_t offset;
+        cudaStream_t streams[2];          // as queued by the deleter
+        std::vector<cudaEvent_t> events;  // empty until the first collection that cannot reuse it by stream order
+    };
+    std::shared_ptr<PoolReturnQueue> pool_returns_ = std::make_shared<PoolReturnQueue>();
+    std::vector<PendingBlock> pending_blocks_;
+    bool skip_receive_copy_ = false;
+
+    // The pool block [offset, offset + num_bytes) of the local buffer as a uint8 tensor. When the last tensor
+    // sharing its storage dies, its deleter queues the block with the stream current now and the one current then.
+    at::Tensor pool_block(int64_t offset, int64_t num_bytes);
+    void check_pool_block(int64_t offset, int64_t num_bytes) const;  // invalid() unless inside the pool, aligned
     // Context of the next launch; increments the call counter.
     kernels::KernelContext next_context();
     void require_available(const char* what) const;

@@ -90,6 +90,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("get_dispatch_layout", &deep_ep::Runtime::get_dispatch_layout)
         .def("notify_dispatch", &deep_ep::Runtime::notify_dispatch)
         .def("wait_recv_counts", &deep_ep::Runtime::wait_recv_counts, py::call_guard<py::gil_scoped_release>())
+        .def("get_pool_offset", &deep_ep::Runtime::get_pool_offset)
+        .def("get_pool_bytes", &deep_ep::Runtime::get_pool_bytes)
+        .def("collect_pool_blocks", &deep_ep::Runtime::collect_pool_blocks)
+        .def("set_diagnostic_skip_receive_copy", &deep_ep::Runtime::set_diagnostic_skip_receive_copy)
         .def("dispatch", &deep_ep::Runtime::dispatch)
         .def("combine", &deep_ep::Runtime::combine)
         .def("barrier", &deep_ep::Runtime::barrier);

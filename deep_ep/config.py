@@ -12,6 +12,7 @@ Standard library only: importing this module loads neither torch nor the CUDA ex
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from deep_ep import envs
 
@@ -230,6 +231,22 @@ def intranode_send_warps(kernel: str, num_ranks: int) -> int:
     table entry clamped to [R + 1, 32 - R] (dispatch) or [R - 1, 30] (combine)."""
     lowest, highest = (num_ranks + 1, 32 - num_ranks) if kernel == "dispatch" else (num_ranks - 1, 30)
     return min(max(INTRANODE_SEND_WARPS[kernel], lowest), highest)
+
+
+# Receive path of intranode dispatch (design guide §2.8): None follows DEEP_EP_DISPATCH_RECEIVE; tests and the
+# benchmark set 'auto', 'rings' or 'direct' here to compare the paths within one process.
+INTRANODE_DISPATCH_RECEIVE: Optional[str] = None
+DISPATCH_RECEIVE_MODES = ("auto", "rings", "direct")
+
+
+def dispatch_receive_mode() -> str:
+    """'auto' (direct-to-output when the output pool has room, else rings), 'rings' or 'direct'."""
+    mode = INTRANODE_DISPATCH_RECEIVE if INTRANODE_DISPATCH_RECEIVE is not None else envs.DISPATCH_RECEIVE.get()
+    if mode not in DISPATCH_RECEIVE_MODES:
+        raise ValueError(f"dispatch receive mode (DEEP_EP_DISPATCH_RECEIVE or "
+                         f"deep_ep.config.INTRANODE_DISPATCH_RECEIVE) must be one of {DISPATCH_RECEIVE_MODES}, "
+                         f"got {mode!r}")
+    return mode
 
 
 def get_dispatch_config(num_ranks: int, num_sms: int = 20) -> Config:

@@ -28,9 +28,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from deep_ep import envs
-from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config, intranode_send_warps
+from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config, dispatch_receive_mode, intranode_send_warps
 from deep_ep.event import CudaEventHandle, EventOverlap
 from deep_ep.handle import IntranodeHandle
+from deep_ep.layout import intranode_dispatch_output_layout
+from deep_ep.pool import OutputPool
 from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
 
 try:  # The extension is optional: ``import deep_ep.cuda_backend`` raises ImportError without it.
@@ -183,6 +185,8 @@ class CudaBackend:
         # A high-priority stream, as DeepEP takes from torch's pool.
         self.comm_stream = torch.cuda.Stream(priority=-1)
         self._comm_ptr = self.comm_stream.cuda_stream
+        # Blocks for direct-to-output dispatch (the buffer's bytes after the rings; empty for DeepEP-sized buffers).
+        self.output_pool = OutputPool(self.runtime.get_pool_offset(), self.runtime.get_pool_bytes())
 
     @classmethod
     def from_group(cls, group, num_nvl_bytes: int) -> "CudaBackend":
@@ -212,7 +216,9 @@ class CudaBackend:
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
         """A view of this rank's IPC buffer from byte ``offset``: 1-D of ``(num_nvl_bytes - offset) // itemsize``
         elements, or the first ``size.numel()`` reshaped to ``size``. (DeepEP does not subtract the offset, which
-        makes its view run past the allocation; this one stays inside it.)"""
+        makes its view run past the allocation; this one stays inside it.) Bytes past the two ring halves are the
+        output pool of direct-to-output dispatch (``deep_ep.layout.intranode_pool_region``): writing there
+        corrupts live dispatch outputs unless ``DEEP_EP_DISPATCH_RECEIVE=rings``."""
         if use_rdma_buffer:
             raise ValueError("use_rdma_buffer=True needs an RDMA buffer, which the intranode CUDA backend has not")
         tensor = self.runtime.get_local_buffer_tensor(dtype, offset)
@@ -356,10 +362,14 @@ class CudaBackend:
                         raise CommTimeoutError(str(exc)) from None
                     per_expert_list = list(per_expert_list)
 
+            data_offset, meta_offset = self._pool_blocks(num_recv_tokens, data, scales, topk_idx, cached,
+                                                         ordered=previous_event is None)
+            # The runtime turns the pool blocks into tensors first: even if it raises, they come back through
+            # reclaim_pool_blocks once those tensors are gone.
             recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = self.runtime.dispatch(
                 data, scales, topk_idx, topk_weights, num_experts, is_token_in_rank, rank_prefix_matrix,
-                recv_channel_prefix_matrix, send_head, num_recv_tokens, given_recv_src_idx,
-                num_worst_tokens > 0 and not cached, num_channels,
+                channel_prefix_matrix, recv_channel_prefix_matrix, send_head, num_recv_tokens, given_recv_src_idx,
+                data_offset, meta_offset, num_worst_tokens > 0 and not cached, num_channels,
                 config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
                 intranode_send_warps("dispatch", self.num_ranks), self._comm_ptr, after_current,
                 scope.current_after)
@@ -377,6 +387,54 @@ class CudaBackend:
         new_handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
                                      recv_src_idx, is_token_in_rank, send_head)
         return DispatchResult(out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event)
+
+    def reclaim_pool_blocks(self, ordered: bool = False) -> None:
+        """Free the output-pool blocks whose tensors are gone and that a dispatch about to run on the comm stream
+        may overwrite: at once when ``ordered`` (the comm stream waits for all work enqueued so far on the current
+        stream before that dispatch's kernel) and the block was only used on those two streams; otherwise once
+        events recorded at the first collection have completed (usually one call later)."""
+        for offset in self.runtime.collect_pool_blocks(self._comm_ptr, ordered):
+            self.output_pool.free(offset)
+
+    def _pool_blocks(self, num_rows: int, data: torch.Tensor, scales: Optional[torch.Tensor],
+                     topk_idx: Optional[torch.Tensor], cached: bool, ordered: bool) -> tuple[int, int]:
+        """Byte offsets ``(data, meta)`` of the output-pool blocks for direct-to-output receive, ``-1`` for none.
+
+        ``_C.Runtime.dispatch`` turns the blocks into the outputs: the data block holds ``recv_x``, the scales and
+        the received top-k (``deep_ep.layout.intranode_dispatch_output_layout``), the meta block ``recv_src_idx``
+        (kept by the handle; non-cached calls only). ``(-1, -1)`` receives through the rings into tensors of torch's
+        allocator: mode 'rings', CUDA-graph capture (a block's reuse is decided by events that replays would
+        bypass), zero rows, or no room in the pool (mode 'direct' then raises). ``ordered``: no ``previous_event``,
+        so the comm stream waits for the current stream before the kernel.
+
+        A block returns to the pool when the last tensor viewing it dies, and is reused only when that is safe for
+        the streams it was used on: the stream current when it was made, and the one current when it died.
+        ``Tensor.record_stream`` has no effect on these tensors: keep a tensor alive while another stream uses it.
+        """
+        mode = dispatch_receive_mode()
+        if mode == "rings" or num_rows == 0 or torch.cuda.is_current_stream_capturing():
+            return -1, -1
+        self.reclaim_pool_blocks(ordered)
+        num_topk = topk_idx.size(1) if topk_idx is not None else 0
+        idx_bytes = topk_idx.element_size() if topk_idx is not None else 8
+        num_scales = scales.size(1) if scales is not None else 0
+        hidden_bytes = data.size(1) * data.element_size()
+        num_bytes = intranode_dispatch_output_layout(num_rows, hidden_bytes, num_scales, num_topk,
+                                                     idx_bytes).total_bytes
+        data_offset = self.output_pool.allocate(num_bytes)
+        meta_offset = -1
+        if data_offset is not None and not cached:
+            meta_offset = self.output_pool.allocate(num_rows * 4)
+            if meta_offset is None:
+                self.output_pool.free(data_offset)
+                data_offset = None
+        if data_offset is None:
+            if mode == "direct":
+                raise RuntimeError(f"dispatch receive mode 'direct': the output pool has no room for {num_bytes} "
+                                   f"bytes (largest free range {self.output_pool.largest_free()} of "
+                                   f"{self.output_pool.num_bytes}; num_nvl_bytes={self.num_nvl_bytes})")
+            return -1, -1
+        return data_offset, meta_offset
 
     # ------------------------------------------------------------------------------------------------------------
     # combine

@@ -52,6 +52,10 @@ TIMEOUT_S = EnvVar(
 BACKEND = EnvVar(
     "DEEP_EP_BACKEND", str, "auto",
     "Which Buffer backend to use: 'auto' (CUDA kernels for CUDA tensors when built, else torch), 'torch' or 'cuda'.")
+DISPATCH_RECEIVE = EnvVar(
+    "DEEP_EP_DISPATCH_RECEIVE", str, "auto",
+    "Intranode dispatch receive path: 'auto' (outputs in the buffer's pool when it has room, else rings), 'rings' "
+    "or 'direct' (pool only; raises when it has no room).")
 GPUS_PER_NODE = EnvVar(
     "DEEP_EP_GPUS_PER_NODE", int, 8,
     "Ranks per scale-up (NVLink) domain; lower it to make one host act as several virtual nodes.")
@@ -71,8 +75,8 @@ NVSHMEM_DIR = EnvVar(
     "NVSHMEM_DIR", str, "",
     "Build-time: NVSHMEM installation (include/ and lib/); overrides the auto-detected nvidia-nvshmem wheel.")
 
-ALL: tuple[EnvVar, ...] = (TIMEOUT_S, BACKEND, GPUS_PER_NODE, TOPK_IDX_BITS, CPU_ONLY, DISABLE_NVSHMEM,
-                           DEBUG_BUILD, NVSHMEM_DIR)
+ALL: tuple[EnvVar, ...] = (TIMEOUT_S, BACKEND, DISPATCH_RECEIVE, GPUS_PER_NODE, TOPK_IDX_BITS, CPU_ONLY,
+                           DISABLE_NVSHMEM, DEBUG_BUILD, NVSHMEM_DIR)
 
 
 def describe() -> str:

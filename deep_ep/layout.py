@@ -186,6 +186,9 @@ def intranode_control_layout() -> Layout:
     * ``dispatch_tail`` / ``combine_tail``: uint32 ``[160][8]``, index ``channel * 8 + source``, written by the source.
     * ``dispatch_head`` / ``combine_head``: uint32 ``[160][8]``, index ``channel * 8 + destination``, written by
       the destination (the receiver) and polled here by this rank as a sender.
+    * ``dispatch_output``: 16-byte words ``[160][8]`` ``(epoch, data_units, meta_units, rows)`` uint32, index
+      ``channel * 8 + destination``, written by the destination at the start of every dispatch: where its outputs
+      of the call lie in its output pool (offsets in units of ``BUFFER_ALIGNMENT``; ``0xffffffff`` = rings / none).
     """
     notify_data = 2 * INTRANODE_MAX_RANKS * INTRANODE_NOTIFY_INTS * INT32_BYTES
     return chain(("abort", INT32_BYTES),
@@ -195,7 +198,8 @@ def intranode_control_layout() -> Layout:
                  ("dispatch_tail", _COUNTER_BYTES),
                  ("dispatch_head", _COUNTER_BYTES),
                  ("combine_tail", _COUNTER_BYTES),
-                 ("combine_head", _COUNTER_BYTES))
+                 ("combine_head", _COUNTER_BYTES),
+                 ("dispatch_output", INTRANODE_MAX_CHANNELS * INTRANODE_MAX_RANKS * 16))
 
 
 def intranode_control_bytes() -> int:
@@ -210,7 +214,9 @@ def intranode_workspace_layout() -> Layout:
     ``combine_max_channels`` the largest channel count any call of that direction used (the rings a sender checks
     for leftovers before writing); ``error_claim`` is 0 until the first failing thread of this rank claims the
     host-mapped error record; the four shadows are uint32 ``[160][8]``: the sender's last published tail per
-    (channel, destination) and the receiver's consumed head per (channel, source), for dispatch and combine.
+    (channel, destination) and the receiver's consumed head per (channel, source), for dispatch and combine;
+    ``dispatch_epoch`` uint32 ``[160]`` counts the dispatch calls each channel took part in (the epoch of the
+    ``dispatch_output`` words).
     """
     return chain(("notify_epoch", INT32_BYTES),
                  ("barrier_epoch", INT32_BYTES),
@@ -220,7 +226,8 @@ def intranode_workspace_layout() -> Layout:
                  ("dispatch_tail_shadow", _COUNTER_BYTES),
                  ("dispatch_head_shadow", _COUNTER_BYTES),
                  ("combine_tail_shadow", _COUNTER_BYTES),
-                 ("combine_head_shadow", _COUNTER_BYTES))
+                 ("combine_head_shadow", _COUNTER_BYTES),
+                 ("dispatch_epoch", INTRANODE_MAX_CHANNELS * INT32_BYTES))
 
 
 def intranode_dispatch_record_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
@@ -252,9 +259,34 @@ class RingGeometry:
         return self.half_offset + source * self.source_bytes + (channel * self.capacity + slot) * self.record_bytes
 
 
+# Largest ring half (dispatch or combine): 256 slots of 7168-BF16-hidden records per (channel, source) at 2 ranks
+# and 24 channels fit. Whatever a larger buffer has beyond the two halves is the output pool.
+INTRANODE_MAX_RING_HALF_BYTES = 256 << 20
+
+
 def intranode_ring_half_bytes(num_nvl_bytes: int) -> int:
     left = num_nvl_bytes - intranode_control_bytes()
-    return (left // 2) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT if left > 0 else 0
+    half = (left // 2) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT if left > 0 else 0
+    return min(half, INTRANODE_MAX_RING_HALF_BYTES)
+
+
+def intranode_pool_region(num_nvl_bytes: int) -> Region:
+    """The output pool of direct-to-output dispatch: the bytes after the control region and both ring halves
+    (empty when ``num_nvl_bytes`` only covers those)."""
+    offset = intranode_control_bytes() + 2 * intranode_ring_half_bytes(num_nvl_bytes)
+    return Region("output_pool", offset, max(num_nvl_bytes - offset, 0))
+
+
+@functools.lru_cache(maxsize=64)  # every direct-to-output dispatch sizes its block; the result is immutable
+def intranode_dispatch_output_layout(rows: int, hidden_bytes: int, num_scales: int, num_topk: int,
+                                     topk_idx_bytes: int) -> Layout:
+    """Sections of a direct-to-output data block (offsets from the block start): ``recv_x [rows, hidden_bytes]``,
+    ``recv_x_scales [rows, num_scales]`` 4-byte, ``recv_topk_idx [rows, num_topk]`` of ``topk_idx_bytes``,
+    ``recv_topk_weights [rows, num_topk]`` float32. ``recv_src_idx [rows]`` int32 is a separate block (the handle
+    keeps it alive after ``recv_x`` is gone)."""
+    return chain(("recv_x", rows * hidden_bytes), ("recv_x_scales", rows * num_scales * FLOAT32_BYTES),
+                 ("recv_topk_idx", rows * num_topk * topk_idx_bytes),
+                 ("recv_topk_weights", rows * num_topk * FLOAT32_BYTES))
 
 
 def intranode_ring_geometry(num_nvl_bytes: int, num_ranks: int, num_channels: int, record_bytes: int,

@@ -15,8 +15,9 @@ pytest.importorskip("torch")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Runs every normal-mode call in each stream mode against the fake extension and prints, per mode, the stream
-# flags (after_current, current_after) of every kernel entry point, the set_stream calls and the record_stream
-# calls, as JSON.
+# flags (after_current, current_after) of every kernel entry point, the set_stream calls, the record_stream calls
+# and the output-pool offsets (data, meta) each dispatch was given, as JSON; then the pool's live blocks while the
+# results are held and after they are dropped.
 _PROBE = r"""
 import json, os, sys
 sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
@@ -30,7 +31,7 @@ import deep_ep
 from deep_ep.config import Topology
 from deep_ep.handle import layout_from_topk
 
-calls = []
+calls, offsets = [], []
 class Recording(ext.Runtime):
     def get_dispatch_layout(self, *args):
         calls.append(["layout", *args[-2:]])
@@ -39,6 +40,7 @@ class Recording(ext.Runtime):
         calls.append(["notify", args[-1]])
     def dispatch(self, *args):
         calls.append(["dispatch", *args[-2:]])
+        offsets.append(list(args[12:14]))
         return super().dispatch(*args)
     def combine(self, *args):
         calls.append(["combine", *args[-2:]])
@@ -65,8 +67,11 @@ with bench.patched(torch, cuda_tensors=True):
                          ("async", dict(async_finish=True)),
                          ("async+previous", dict(previous_event=buffer.capture(), async_finish=True)),
                          ("comm alloc", dict(previous_event=buffer.capture(), async_finish=True,
-                                             allocate_on_comm_stream=True))):
+                                             allocate_on_comm_stream=True)),
+                         ("sync rings", {})):
+        deep_ep.config.INTRANODE_DISPATCH_RECEIVE = "rings" if mode.endswith("rings") else None
         calls.clear()
+        offsets.clear()
         layout = buffer.get_dispatch_layout(topk_idx, 8, **kwargs)
         first = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, **counts, **kwargs)
         cached = buffer.dispatch(x_fp8, handle=first.handle, **kwargs)
@@ -75,7 +80,13 @@ with bench.patched(torch, cuda_tensors=True):
                   list(combined.combined_x.shape), list(combined.combined_topk_weights.shape),
                   list(first.recv_topk_idx.shape), list(first.recv_topk_weights.shape),
                   list(first.handle.recv_src_idx.shape), list(first.handle.send_head.shape)]
-        out[mode] = dict(calls=list(calls), shapes=shapes, async_event=cached.event.event is not None)
+        out[mode] = dict(calls=list(calls), shapes=shapes, async_event=cached.event.event is not None,
+                         offsets=list(offsets))
+    pool = buffer.runtime.output_pool
+    held = pool.num_live
+    del layout, first, cached, combined
+    buffer.runtime.reclaim_pool_blocks()
+    out["pool"] = dict(held=held, dropped=pool.num_live, pool_bytes=pool.num_bytes, free_bytes=pool.free_bytes)
     buffer._release()
 dist.destroy_process_group()
 print(json.dumps(out))
@@ -100,6 +111,7 @@ def test_stream_waits_per_mode():
         "async": (True, True, False, True, False),
         "async+previous": (False, False, False, False, False),
         "comm alloc": (False, False, False, False, False),
+        "sync rings": (True, True, False, True, True),
     }
     for mode, (after, notify_after, dispatch_after, cached_after, current_after) in expected.items():
         calls = out[mode]["calls"]
@@ -119,6 +131,17 @@ def test_stream_waits_per_mode():
         num_recv = out[mode]["shapes"][1][0]
         assert out[mode]["shapes"] == [[16, 1], [num_recv, 256], [num_recv, 2], [16, 256], [16, 4], [num_recv, 4],
                                        [num_recv, 4], [num_recv], [16, 1]], mode
+        # The 1 GiB buffer has an output pool: 'auto' gives the non-cached dispatch a data and a meta block and the
+        # cached one a data block (it reuses the handle's recv_src_idx); 'rings' gives none.
+        (data, meta), (cached_data, cached_meta) = out[mode]["offsets"]
+        if mode.endswith("rings"):
+            assert [data, meta, cached_data, cached_meta] == [-1, -1, -1, -1], mode
+        else:
+            assert min(data, meta, cached_data) >= 0 and cached_meta == -1, (mode, out[mode]["offsets"])
+            assert len({data, meta, cached_data}) == 3, (mode, out[mode]["offsets"])
+    # Every block whose tensors are gone returns to the pool; only the blocks of live results stay taken.
+    pool = out["pool"]
+    assert pool["held"] > 0 and pool["dropped"] == 0 and pool["free_bytes"] == pool["pool_bytes"] > 0, pool
 
 
 def test_host_path_benchmark_runs(tmp_path):

@@ -4,6 +4,8 @@
 //   v1 (03:20 UTC): first version.
 //   v2 (03:31 UTC): the error record is claimed through a device-memory word (workspace), not a CAS on host memory;
 //                   `code` is now written by the claimer (still first, before `ready`). No signature changed.
+//   v3 (branch d2o): DispatchArgs gains channel_prefix_matrix, direct_data_offset, direct_meta_offset and
+//                   skip_receive_copy (direct-to-output receive, design §2.8); phase kPhaseDispatchSendWaitOutput.
 //
 // Host obligations (beyond the arguments):
 //   * Zero the whole scale-up buffer (or at least kControlBytes of it) and the workspace before the first call;
@@ -72,6 +74,7 @@ enum Phase : int32_t {
     kPhaseCombineSendWaitHead = 8,
     kPhaseCombineRecvWaitTail = 9,
     kPhaseBarrierWait = 10,          // peer = rank whose arrival is missing
+    kPhaseDispatchSendWaitOutput = 11,  // sender waits for the receiver's output word (expected = epoch)
 };
 
 inline const char* phase_name(int32_t phase) {
@@ -86,6 +89,7 @@ inline const char* phase_name(int32_t phase) {
         case kPhaseCombineSendWaitHead: return "combine send wait head";
         case kPhaseCombineRecvWaitTail: return "combine recv wait tail";
         case kPhaseBarrierWait: return "barrier wait";
+        case kPhaseDispatchSendWaitOutput: return "dispatch send wait output";
         default: return "unknown phase";
     }
 }
@@ -193,6 +197,7 @@ struct DispatchArgs {
     const bool* is_token_in_rank;      // [N, R] bool: decides routing
     int num_tokens;                    // N
     const int* rank_prefix_matrix;     // [R, R] (notify output, or handle[0])
+    const int* channel_prefix_matrix;  // [R, C] (notify output, or handle[1]): where my rows lie at each receiver
     const int* recv_channel_prefix_matrix;  // [R, C] (notify output, or handle[2])
     // Outputs
     int* send_head;                    // [N, R] int32: index j of token t among channel(t)'s tokens to d, or -1
@@ -208,6 +213,14 @@ struct DispatchArgs {
     int num_max_send_tokens;           // Sn: fewest new tokens per tail publication (except a channel's last)
     int num_max_recv_tokens;           // Nn: upper bound of the ring capacity (slots per (channel, source))
     int num_send_warps;                // copy warps per channel when R > 1, in [R + 1, 32 - R]
+    // Direct-to-output receive (design §2.8). -1: this rank receives through the rings. Otherwise recv_x (with
+    // recv_x_scales, recv_topk_idx, recv_topk_weights, as dispatch_output_layout places them) is the block at byte
+    // direct_data_offset of this rank's buffer, inside the output pool, and senders write their rows there.
+    // direct_meta_offset: recv_src_idx's block, or -1 (senders then do not write it; cached calls).
+    // Each receiver chooses for itself; senders learn the choice from the DispatchOutputWord of the call.
+    int64_t direct_data_offset;
+    int64_t direct_meta_offset;
+    int skip_receive_copy;             // bench-only diagnostic: ring receivers skip the copy (outputs wrong)
 };
 
 void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cudaStream_t stream);

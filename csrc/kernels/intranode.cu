@@ -348,21 +348,28 @@ struct DispatchGeometry {
     int64_t meta_offset;    // in the record
 };
 
+// Lanes < num_topk: row `row` of the receiver `owner`'s recv_topk_idx / recv_topk_weights (either may be null)
+// from a token's global top-k ids and weights: local id e - owner * L and the weight, or -1 and 0.
 template <typename IdxT>
-__device__ __forceinline__ void write_local_topk(const DispatchArgs& args, const IdxT* src_idx_row,
-                                                 const float* src_weight_row, int64_t row, int rank,
-                                                 int num_local_experts) {
+__device__ __forceinline__ void write_topk_row(IdxT* topk_idx_out, float* weights_out, const IdxT* src_idx_row,
+                                               const float* src_weight_row, int64_t row, int owner,
+                                               int num_local_experts, int num_topk) {
     const int lane = lane_id();
-    if (lane < args.num_topk) {
+    if (lane < num_topk) {
         const int64_t e = static_cast<int64_t>(src_idx_row[lane]);
-        const int64_t first = static_cast<int64_t>(rank) * num_local_experts;
+        const int64_t first = static_cast<int64_t>(owner) * num_local_experts;
         const bool mine = e >= first && e < first + num_local_experts;
-        if (args.recv_topk_idx != nullptr)
-            static_cast<IdxT*>(args.recv_topk_idx)[row * args.num_topk + lane] = static_cast<IdxT>(mine ? e - first : -1);
-        if (args.recv_topk_weights != nullptr)
-            args.recv_topk_weights[row * args.num_topk + lane] = mine ? src_weight_row[lane] : 0.0f;
+        if (topk_idx_out != nullptr) topk_idx_out[row * num_topk + lane] = static_cast<IdxT>(mine ? e - first : -1);
+        if (weights_out != nullptr) weights_out[row * num_topk + lane] = mine ? src_weight_row[lane] : 0.0f;
     }
 }
+
+// Direct-to-output: where a receiver's outputs of this call lie in its buffer (byte offsets from its base), as
+// its DispatchOutputWord told this sender. data < 0: the receiver uses the rings.
+struct DirectOutput {
+    int64_t data, meta, scales, topk_idx, topk_weights;  // meta < 0: do not write recv_src_idx
+    int64_t row_base;  // row of this channel's first token to the receiver
+};
 
 template <typename IdxT>
 __global__ void __launch_bounds__(kChannelThreads, 1)
@@ -375,6 +382,10 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     __shared__ int recv_avail[kMaxRanks];
     __shared__ int local_row_base;
     __shared__ volatile int cta_failed;
+    __shared__ uint32_t call_epoch;                 // this channel's dispatch call number (DispatchOutputWord)
+    __shared__ DirectOutput direct[kMaxRanks];      // per destination; direct[d].data < 0: rings
+    __shared__ int warp_dst_rank[kChannelWarps][kMaxRanks];   // destination of warp_dsts[w][k]
+    __shared__ int64_t warp_dst_row[kChannelWarps][kMaxRanks];  // its output row if direct, else -1
 
     const int rank = ctx.rank, num_ranks = ctx.num_ranks, channel = static_cast<int>(blockIdx.x);
     const int num_channels = args.num_channels, capacity = geo.ring.capacity;
@@ -393,6 +404,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     const int num_real_rows = P[(num_ranks - 1) * num_ranks + rank];
     if (threadIdx.x == 0) {
         cta_failed = 0;
+        call_epoch = *workspace_u32(ctx, kWsDispatchEpochOffset + 4 * channel) + 1u;
         local_row_base = (rank > 0 ? P[(rank - 1) * num_ranks + rank] : 0) + recv_cpm[rank * num_channels + channel];
         if (num_real_rows > args.num_recv_rows) {
             report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchWorstOverflow, -1, channel},
@@ -405,10 +417,25 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         tail_base[d] = *workspace_u32(ctx, kWsDispatchTailShadowOffset + 4 * counter_index(channel, d));
         head_cache[d] = tail_base[d];  // the ring is empty between calls once drained
         total[d] = 0;
+        direct[d].data = -1;
     }
     if (threadIdx.x < kChannelWarps) progress[threadIdx.x] = static_cast<int>(threadIdx.x);
     __syncthreads();
     const bool overflow = cta_failed != 0;
+    const bool receive_direct = args.direct_data_offset >= 0 && !overflow;
+
+    // Tell every sender where my outputs of this call lie (or that I use the rings), before anything waits.
+    if (static_cast<int>(threadIdx.x) < num_ranks && static_cast<int>(threadIdx.x) != rank) {
+        auto* word = reinterpret_cast<DispatchOutputWord*>(static_cast<char*>(ctx.buffers[threadIdx.x]) +
+                                                           kDispatchOutputOffset) + counter_index(channel, rank);
+        volatile uint32_t* fields = reinterpret_cast<volatile uint32_t*>(word);
+        fields[1] = receive_direct ? static_cast<uint32_t>(args.direct_data_offset / kBufferAlignment) : kNoOutput;
+        fields[2] = receive_direct && args.direct_meta_offset >= 0
+                        ? static_cast<uint32_t>(args.direct_meta_offset / kBufferAlignment) : kNoOutput;
+        fields[3] = static_cast<uint32_t>(args.num_recv_rows);
+        fence_acq_rel_sys();
+        st_release_sys(&word->epoch, call_epoch);
+    }
 
     if (warp < num_send_warps) {
         // ------------------------------------------------------------------ sender
@@ -434,6 +461,45 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 cta_failed = 1;
         }
         named_barrier(kBarrierAllSenders, num_send_warps * 32);
+        // Where each receiver I send to wants its rows (lane d of warp 0). A receiver cannot start its next call
+        // before it has my rows of this one, so the word holds this call's epoch or an older one.
+        if (warp == 0 && lane < num_ranks && lane != rank && total[lane] > 0 && !overflow && !ctx.skip_sends) {
+            const int d = lane;
+            auto* word = reinterpret_cast<DispatchOutputWord*>(static_cast<char*>(ctx.buffers[rank]) +
+                                                               kDispatchOutputOffset) + counter_index(channel, d);
+            uint32_t seen;
+            if (!wait_geq(ctx, &word->epoch, call_epoch, Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d, channel},
+                          &seen)) {
+                cta_failed = 1;
+            } else if (seen != call_epoch) {
+                report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d, channel},
+                             call_epoch, seen, 0);
+                cta_failed = 1;
+            } else {
+                const volatile uint32_t* fields = reinterpret_cast<const volatile uint32_t*>(word);
+                const uint32_t data_units = fields[1], meta_units = fields[2], rows = fields[3];
+                if (data_units != kNoOutput) {
+                    const DispatchOutputLayout l = dispatch_output_layout(rows, args.hidden_bytes, args.num_scales,
+                                                                          args.num_topk, args.topk_idx_bytes);
+                    DirectOutput out;
+                    out.data = static_cast<int64_t>(data_units) * kBufferAlignment;
+                    out.meta = meta_units != kNoOutput ? static_cast<int64_t>(meta_units) * kBufferAlignment : -1;
+                    out.scales = out.data + l.scales;
+                    out.topk_idx = out.data + l.topk_idx;
+                    out.topk_weights = out.data + l.topk_weights;
+                    out.row_base = (rank > 0 ? P[(rank - 1) * num_ranks + d] : 0) +
+                                   (channel > 0 ? args.channel_prefix_matrix[d * num_channels + channel - 1] : 0);
+                    if (out.row_base + total[d] > static_cast<int64_t>(rows)) {
+                        report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d,
+                                                                 channel}, rows, out.row_base + total[d], 0);
+                        cta_failed = 1;
+                    } else {
+                        direct[d] = out;
+                    }
+                }
+            }
+        }
+        named_barrier(kBarrierAllSenders, num_send_warps * 32);
         const int num_channel_tokens = end - begin;
 
         if (warp < num_copy_warps) {
@@ -443,7 +509,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 const int t = begin + i;
                 const int* head_row = args.send_head + static_cast<int64_t>(t) * num_ranks;
                 bool ok = true;
-                if (lane < num_ranks && lane != rank && !ctx.skip_sends) {
+                if (lane < num_ranks && lane != rank && !ctx.skip_sends && direct[lane].data < 0) {
                     const int j = head_row[lane];
                     if (j >= 0)
                         ok = wait_space(ctx, head_cache, lane, channel, tail_base[lane] + static_cast<uint32_t>(j) + 1u,
@@ -469,10 +535,19 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                     for (int d = 0; d < num_ranks; ++d) {
                         const int j = head_row[d];
                         if (j < 0 || d == rank) continue;
-                        const uint32_t slot = (tail_base[d] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
-                        if (lane == 0)
-                            dsts[num_dsts] = reinterpret_cast<int4*>(static_cast<char*>(ctx.buffers[d]) +
-                                                                     geo.ring.slot_offset(channel, rank, static_cast<int>(slot)));
+                        int64_t byte_offset, row = -1;
+                        if (direct[d].data >= 0) {  // straight into row `row` of d's recv_x
+                            row = direct[d].row_base + j;
+                            byte_offset = direct[d].data + row * args.hidden_bytes;
+                        } else {
+                            const uint32_t slot = (tail_base[d] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
+                            byte_offset = geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
+                        }
+                        if (lane == 0) {
+                            dsts[num_dsts] = reinterpret_cast<int4*>(static_cast<char*>(ctx.buffers[d]) + byte_offset);
+                            warp_dst_rank[warp][num_dsts] = d;
+                            warp_dst_row[warp][num_dsts] = row;
+                        }
                         ++num_dsts;
                     }
                 }
@@ -486,8 +561,13 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                     const uint32_t value = static_cast<const uint32_t*>(args.x_scales)[
                         static_cast<int64_t>(t) * args.scale_token_stride + static_cast<int64_t>(s) * args.scale_hidden_stride];
                     if (local_row >= 0) static_cast<uint32_t*>(args.recv_x_scales)[local_row * args.num_scales + s] = value;
-                    for (int k = first_remote; k < num_dsts; ++k)
-                        reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(dsts[k]) + geo.scales_offset)[s] = value;
+                    for (int k = first_remote; k < num_dsts; ++k) {
+                        const int64_t row = warp_dst_row[warp][k];
+                        char* scales = row >= 0 ? static_cast<char*>(ctx.buffers[warp_dst_rank[warp][k]]) +
+                                                      direct[warp_dst_rank[warp][k]].scales + row * args.num_scales * 4
+                                                : reinterpret_cast<char*>(dsts[k]) + geo.scales_offset;
+                        reinterpret_cast<uint32_t*>(scales)[s] = value;
+                    }
                 }
                 // Source index, top-k ids and weights: raw into ring records, transformed for the local row.
                 const IdxT* idx_row = args.num_topk > 0
@@ -496,9 +576,27 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                                                             : nullptr;
                 if (local_row >= 0) {
                     if (lane == 0) args.recv_src_idx[local_row] = t;
-                    if (args.num_topk > 0) write_local_topk<IdxT>(args, idx_row, weight_row, local_row, rank, num_local_experts);
+                    if (args.num_topk > 0)
+                        write_topk_row<IdxT>(static_cast<IdxT*>(args.recv_topk_idx), args.recv_topk_weights, idx_row,
+                                             weight_row, local_row, rank, num_local_experts, args.num_topk);
                 }
-                if (num_dsts > first_remote) {
+                // Direct destinations get the receiver's final form; ring records the raw ids (below).
+                bool any_ring = false;
+                for (int k = first_remote; k < num_dsts; ++k) {
+                    const int64_t row = warp_dst_row[warp][k];
+                    if (row < 0) {
+                        any_ring = true;
+                        continue;
+                    }
+                    const int d = warp_dst_rank[warp][k];
+                    char* base = static_cast<char*>(ctx.buffers[d]);
+                    if (lane == 0 && direct[d].meta >= 0) reinterpret_cast<int*>(base + direct[d].meta)[row] = t;
+                    if (args.num_topk > 0)
+                        write_topk_row<IdxT>(reinterpret_cast<IdxT*>(base + direct[d].topk_idx),
+                                             reinterpret_cast<float*>(base + direct[d].topk_weights), idx_row,
+                                             weight_row, row, d, num_local_experts, args.num_topk);
+                }
+                if (any_ring) {
                     int id = 0;
                     float weight = 0.0f;
                     if (lane < args.num_topk) {
@@ -506,6 +604,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                         weight = weight_row[lane];
                     }
                     for (int k = first_remote; k < num_dsts; ++k) {
+                        if (warp_dst_row[warp][k] >= 0) continue;
                         int* meta = reinterpret_cast<int*>(reinterpret_cast<char*>(dsts[k]) + geo.meta_offset);
                         if (lane == 0) meta[0] = t;
                         if (lane < args.num_topk) {
@@ -559,6 +658,19 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         uint32_t* remote_head = buffer_u32(ctx.buffers[src], kDispatchHeadOffset) + counter_index(channel, rank);
 
         int done = 0;
+        if (receive_direct) {
+            // Senders wrote my rows in place: wait until their tails cover all of them, then free the sequence
+            // numbers (the sender's next call checks the head before reusing the ring).
+            if (warp_in_group == 0 && lane == 0 && num_slots > 0) {
+                uint32_t seen;
+                if (wait_geq(ctx, tail_word, base + static_cast<uint32_t>(num_slots),
+                             Site{kKernelDispatch, kPhaseDispatchRecvWaitTail, src, channel}, &seen))
+                    st_release_sys(remote_head, base + static_cast<uint32_t>(num_slots));
+                else
+                    cta_failed = 1;
+            }
+            done = num_slots;
+        }
         while (done < num_slots && !overflow) {
             if (warp_in_group == 0 && lane == 0) {
                 uint32_t seen;
@@ -575,7 +687,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             named_barrier(barrier_id, group_warps * 32);
             const int avail = recv_avail[source_index];
             if (avail < 0) break;
-            for (int j = done + warp_in_group; j < avail; j += group_warps) {
+            for (int j = done + warp_in_group; j < avail && !args.skip_receive_copy; j += group_warps) {
                 const uint32_t seq = base + static_cast<uint32_t>(j);
                 const char* rec = static_cast<const char*>(ctx.buffers[rank]) +
                                   geo.ring.slot_offset(channel, src, static_cast<int>(seq % static_cast<uint32_t>(capacity)));
@@ -613,6 +725,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
              i += static_cast<int64_t>(gridDim.x) * blockDim.x)
             static_cast<IdxT*>(args.recv_topk_idx)[i] = static_cast<IdxT>(-1);
     }
+    if (threadIdx.x == 0) *workspace_u32(ctx, kWsDispatchEpochOffset + 4 * channel) = call_epoch;
 }
 
 // =============================================================================================================

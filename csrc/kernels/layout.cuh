@@ -17,8 +17,14 @@
 //     dispatch heads    uint32 [kMaxChannels][kMaxRanks]   index c*8+dst: written by dst, polled here by me
 //     combine tails     uint32 [kMaxChannels][kMaxRanks]
 //     combine heads     uint32 [kMaxChannels][kMaxRanks]
+//     dispatch outputs  DispatchOutputWord [kMaxChannels][kMaxRanks]  index c*8+dst: written by dst (the receiver)
+//                                                   at the start of each dispatch: where its outputs of this call
+//                                                   lie (direct-to-output receive) or that it uses the rings
 //   [dispatch half: per source s a sub-region of src_bytes; ring (c, s) = capacity records at c*capacity*record]
 //   [combine half:  same shape with combine records]
+//   (each half is at most kMaxRingHalfBytes)
+//   [output pool: the rest of the buffer; blocks of it hold dispatch outputs that peers write directly, see
+//    DispatchOutputLayout and deep_ep/pool.py]
 //
 // Ring sequence numbers are monotonic uint32 that never reset (compare by wrap-safe difference); the slot of
 // sequence q is q % capacity. Every ring is empty between calls, so geometry may change from call to call; a
@@ -56,8 +62,22 @@ constexpr int64_t kDispatchTailOffset = kNotifyDataOffset + kNotifyDataBytes;
 constexpr int64_t kDispatchHeadOffset = kDispatchTailOffset + kCounterBytes;
 constexpr int64_t kCombineTailOffset = kDispatchHeadOffset + kCounterBytes;
 constexpr int64_t kCombineHeadOffset = kCombineTailOffset + kCounterBytes;
-constexpr int64_t kControlBytes = (kCombineHeadOffset + kCounterBytes + kBufferAlignment - 1) / kBufferAlignment *
-                                  kBufferAlignment;
+constexpr int64_t kDispatchOutputOffset = kCombineHeadOffset + kCounterBytes;
+constexpr int64_t kControlBytes =
+    (kDispatchOutputOffset + (int64_t)kMaxChannels * kMaxRanks * 16 + kBufferAlignment - 1) / kBufferAlignment *
+    kBufferAlignment;
+
+// Where receiver `dst` puts its outputs of one dispatch call (16 bytes, in every sender's control region at index
+// channel * kMaxRanks + dst). The receiver writes data_units, meta_units and rows, then (system fence) the epoch
+// with a release store; a sender reads the other fields after an acquire load shows the epoch of its call.
+// Offsets are in units of kBufferAlignment from the buffer base; kNoOutput means "not in the pool".
+struct DispatchOutputWord {
+    uint32_t epoch;       // per-channel dispatch call counter (workspace kWsDispatchEpochOffset), 1, 2, ...
+    uint32_t data_units;  // block holding recv_x, scales, top-k ids and weights; kNoOutput: use the rings
+    uint32_t meta_units;  // block holding recv_src_idx; kNoOutput: senders skip it (cached calls)
+    uint32_t rows;        // rows of the receiver's outputs (sizes the sections of the data block)
+};
+constexpr uint32_t kNoOutput = 0xffffffffu;
 
 // ---- private workspace (zeroed device memory, never shared) ----
 // All uint32, each region 128-byte aligned: notify epoch, barrier epoch, the largest channel count any dispatch
@@ -72,7 +92,8 @@ constexpr int64_t kWsDispatchTailShadowOffset = 640;  // sender: last tail publi
 constexpr int64_t kWsDispatchHeadShadowOffset = kWsDispatchTailShadowOffset + kCounterBytes;  // receiver, (c, src)
 constexpr int64_t kWsCombineTailShadowOffset = kWsDispatchHeadShadowOffset + kCounterBytes;
 constexpr int64_t kWsCombineHeadShadowOffset = kWsCombineTailShadowOffset + kCounterBytes;
-constexpr int64_t kWsUsedBytes = kWsCombineHeadShadowOffset + kCounterBytes;
+constexpr int64_t kWsDispatchEpochOffset = kWsCombineHeadShadowOffset + kCounterBytes;  // uint32 [kMaxChannels]
+constexpr int64_t kWsUsedBytes = kWsDispatchEpochOffset + (int64_t)kMaxChannels * 4;
 static_assert(kWsUsedBytes <= kWorkspaceBytes, "workspace too small");
 
 // ---- ring records ----
@@ -104,10 +125,40 @@ struct RingGeometry {
     }
 };
 
-// Bytes of each direction's half: what is left after the control region, split in two.
+// Bytes of each direction's half: what is left after the control region, split in two, at most kMaxRingHalfBytes
+// (enough for 256 slots of 7168-BF16-hidden records per (channel, source) at 2 ranks and 24 channels).
+constexpr int64_t kMaxRingHalfBytes = 256LL << 20;
 DEEP_EP_HOST_DEVICE int64_t ring_half_bytes(int64_t num_nvl_bytes) {
     int64_t left = num_nvl_bytes - kControlBytes;
-    return left > 0 ? align_down64(left / 2, kBufferAlignment) : 0;
+    int64_t half = left > 0 ? align_down64(left / 2, kBufferAlignment) : 0;
+    return half < kMaxRingHalfBytes ? half : kMaxRingHalfBytes;
+}
+
+// Output pool: [pool_offset, num_nvl_bytes) (empty unless num_nvl_bytes exceeds the control region plus two full
+// ring halves).
+DEEP_EP_HOST_DEVICE int64_t pool_offset(int64_t num_nvl_bytes) {
+    return kControlBytes + 2 * ring_half_bytes(num_nvl_bytes);
+}
+DEEP_EP_HOST_DEVICE int64_t pool_bytes(int64_t num_nvl_bytes) {
+    int64_t left = num_nvl_bytes - pool_offset(num_nvl_bytes);
+    return left > 0 ? left : 0;
+}
+
+// Sections of a dispatch output data block for `rows` rows, each starting at a multiple of kBufferAlignment:
+// recv_x [rows, hidden_bytes], recv_x_scales [rows, num_scales] 4-byte, recv_topk_idx [rows, num_topk] of
+// topk_idx_bytes, recv_topk_weights [rows, num_topk] float32. recv_src_idx [rows] int32 is a block of its own
+// (the handle keeps it alive long after recv_x is gone).
+struct DispatchOutputLayout {
+    int64_t scales, topk_idx, topk_weights, total;
+};
+DEEP_EP_HOST_DEVICE DispatchOutputLayout dispatch_output_layout(int64_t rows, int64_t hidden_bytes, int num_scales,
+                                                                int num_topk, int topk_idx_bytes) {
+    DispatchOutputLayout l;
+    l.scales = align_up64(rows * hidden_bytes, kBufferAlignment);
+    l.topk_idx = l.scales + align_up64(rows * num_scales * 4, kBufferAlignment);
+    l.topk_weights = l.topk_idx + align_up64(rows * num_topk * topk_idx_bytes, kBufferAlignment);
+    l.total = l.topk_weights + align_up64(rows * num_topk * 4, kBufferAlignment);
+    return l;
 }
 
 // is_combine selects the second half. capacity = min(max_capacity, source_bytes / (num_channels * record_bytes)).

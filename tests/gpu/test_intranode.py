@@ -10,7 +10,10 @@ Layout of the suite:
   the case's seed, runs the Buffer on its own part, computes the global expectation with ``reference`` on the CPU
   and checks its own outputs. A rank answers "ok" or a failure text that starts with ``case.describe()``.
 * Outputs are poisoned first (the caching allocator hands the next ``torch.empty`` the memory of a freed tensor
-  full of 0x7f bytes), so rows a kernel forgets to write fail the comparison.
+  full of 0x7f bytes; the output pool of the IPC buffer is filled with 0x7f), so rows a kernel forgets to write
+  fail the comparison.
+* Each case picks the dispatch receive path (``Case.receive``): the output pool (direct-to-output), the rings, or
+  a mix (rank 0 direct, the others rings); the buffer is large enough to have a pool.
 
 Every wait of the driver is bounded; a dead or hung worker fails the test with its traceback.
 """
@@ -37,7 +40,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 EXAMPLE_TIMEOUT_S = 240.0
 # Kernel/host wait budget inside the workers: short, so a hang shows up as an exception quickly.
 WORKER_TIMEOUT_S = "20"
-NUM_NVL_BYTES = 256 * 1024 * 1024
+# Two full ring halves (2 x 256 MiB) plus a 256 MiB output pool for direct-to-output dispatch.
+NUM_NVL_BYTES = 768 * 1024 * 1024
 # Device of the tensors; "cpu" lets the task functions be dry-run against the torch backend without a GPU.
 DEVICE = os.environ.get("DEEP_EP_TEST_DEVICE", "cuda")
 
@@ -69,6 +73,9 @@ class Case:
     # Copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS; clamped to each kernel's range for the ranks).
     dispatch_warps: int = 16
     combine_warps: int = 8
+    # Dispatch receive path: 'auto', 'rings', 'direct' (deep_ep.config.INTRANODE_DISPATCH_RECEIVE) or 'mixed'
+    # (rank 0 direct, the other ranks rings: each receiver chooses for itself).
+    receive: str = "auto"
 
     def describe(self) -> str:
         return "Case(" + ", ".join(f"{k}={v!r}" for k, v in asdict(self).items()) + ")"
@@ -94,7 +101,8 @@ def case_strategy(num_ranks: int, max_tokens: int = 300):
                     num_bias=draw(st.integers(0, 2)), scales_col_major=draw(st.booleans()),
                     alloc_on_comm=draw(st.booleans()),
                     dispatch_warps=draw(st.sampled_from([1, 9, 16, 31])),
-                    combine_warps=draw(st.sampled_from([1, 4, 8, 30])))
+                    combine_warps=draw(st.sampled_from([1, 4, 8, 30])),
+                    receive=draw(st.sampled_from(["auto", "rings", "direct", "mixed"])))
     return st.composite(lambda draw: build(draw))()
 
 
@@ -336,17 +344,55 @@ def _global_reference(case: Case, inputs: list, num_channels: int):
     return topo, layouts, dispatched
 
 
-def _apply_tuning(case: Case) -> None:
-    """The case's warp split for this worker's next calls."""
+def _apply_tuning(case: Case, rank: int) -> None:
+    """The case's warp split and receive path for this worker's next calls."""
     import deep_ep.config
     deep_ep.config.INTRANODE_SEND_WARPS.update(dispatch=case.dispatch_warps, combine=case.combine_warps)
+    receive = case.receive if case.receive != "mixed" else ("direct" if rank == 0 else "rings")
+    deep_ep.config.INTRANODE_DISPATCH_RECEIVE = receive
+
+
+def _pool_range(buffer) -> tuple[int, int]:
+    """Device address range ``[begin, end)`` of this rank's output pool."""
+    runtime = buffer.runtime.runtime
+    base = runtime.get_local_buffer_tensor(torch.uint8, 0).data_ptr()
+    begin = base + runtime.get_pool_offset()
+    return begin, begin + runtime.get_pool_bytes()
+
+
+def _in_pool(buffer, tensor: torch.Tensor) -> bool:
+    begin, end = _pool_range(buffer)
+    return begin <= tensor.data_ptr() < end
+
+
+def _expect_path(buffer, tensor: torch.Tensor, receive: str, rank: int, label: str) -> None:
+    """The receive path that produced ``tensor`` (rows > 0) is the one asked for."""
+    if DEVICE != "cuda" or tensor.numel() == 0:
+        return
+    want_direct = receive == "direct" or (receive == "mixed" and rank == 0)
+    if receive == "auto":
+        return  # either, depending on the pool's room
+    assert _in_pool(buffer, tensor) == want_direct, f"{label}: receive path is not {receive!r} on rank {rank}"
+
+
+def _poison_pool(buffer) -> None:
+    """Fill the output pool with 0x7f (call with nothing in flight and no live pool tensor that matters)."""
+    if DEVICE != "cuda":
+        return
+    torch.cuda.synchronize()
+    runtime = buffer.runtime.runtime
+    offset, size = runtime.get_pool_offset(), runtime.get_pool_bytes()
+    if size > 0:
+        runtime.get_local_buffer_tensor(torch.uint8, offset)[:size].fill_(0x7F)
+    torch.cuda.synchronize()
 
 
 def task_roundtrip(buffer, rank: int, case: Case) -> str:
     """Layout, dispatch (all modes), cached dispatch, worst-token dispatch and combine against the reference."""
     import reference
     import deep_ep
-    _apply_tuning(case)
+    _apply_tuning(case, rank)
+    _poison_pool(buffer)
     from deep_ep.numerics import per_token_cast_back  # noqa: F401 (documented helper; FP8 compared bytewise)
     inputs = [make_inputs(case, r) for r in range(case.num_ranks)]
     mine = inputs[rank]
@@ -382,6 +428,7 @@ def task_roundtrip(buffer, rank: int, case: Case) -> str:
     _eq("num_tokens_per_expert", layout.num_tokens_per_expert, ref_layout.num_tokens_per_expert)
     _eq("is_token_in_rank", layout.is_token_in_rank, ref_layout.is_token_in_rank)
 
+    _expect_path(buffer, out.recv_x[0] if case.use_fp8 else out.recv_x, case.receive, rank, "dispatch")
     if case.use_fp8:
         _eq("recv_x fp8", out.recv_x[0], ref.recv_x[0])
         _eq("recv_x scales", out.recv_x[1], ref.recv_x[1].contiguous())
@@ -414,6 +461,7 @@ def task_roundtrip(buffer, rank: int, case: Case) -> str:
                              previous_event=buffer.capture() if case.previous_mode else None,
                              allocate_on_comm_stream=on_comm)
     _wait(cached.event, case.async_mode)
+    _expect_path(buffer, cached.recv_x[0] if case.use_fp8 else cached.recv_x, case.receive, rank, "cached dispatch")
     if case.use_fp8:
         _eq("cached recv_x fp8", cached.recv_x[0], ref.recv_x[0])
         _eq("cached recv_x scales", cached.recv_x[1], ref.recv_x[1].contiguous())
@@ -474,7 +522,7 @@ def task_graph(buffer, rank: int, case: Case) -> str:
     interleaved with eager calls; every replay is compared with the reference."""
     import reference
     import deep_ep
-    _apply_tuning(case)
+    _apply_tuning(case, rank)
     config = deep_ep.Config(case.num_sms, 8, 256)
     worst = sum(case.num_tokens) + 1
     n, h, k = case.num_tokens[rank], case.hidden, case.num_topk
@@ -529,10 +577,13 @@ def task_graph(buffer, rank: int, case: Case) -> str:
     d, c = step()  # eager warm-up (allocator pools, lazy init)
     torch.cuda.synchronize()
     check(inputs, d, c, "eager")
+    _expect_path(buffer, d.recv_x, case.receive, rank, "eager")
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
         gd, gc = step()
+    if DEVICE == "cuda":
+        assert not _in_pool(buffer, gd.recv_x), "a dispatch captured in a CUDA graph must receive through the rings"
     for replay in range(3):
         inputs = load(100 + replay)
         graph.replay()
@@ -628,6 +679,83 @@ def task_bad_routing(buffer, rank: int, payload: dict) -> str:
     return " | ".join(seen)
 
 
+def _pattern_x(rank: int, n: int, h: int, salt: int) -> torch.Tensor:
+    """Rows that identify (rank, token, salt); small integers, exact in BF16."""
+    t = torch.arange(n, dtype=torch.int64).view(n, 1)
+    j = torch.arange(h, dtype=torch.int64).view(1, h)
+    return (((rank * 131 + t * 7 + j + salt * 17) % 61) - 30).to(torch.bfloat16)
+
+
+def task_pool_lifetime(buffer, rank: int, payload: dict) -> str:
+    """Direct-to-output bookkeeping on real kernels (every token goes to every rank, so recv_x is the sources' x
+    concatenated): outputs kept alive while later calls run stay intact; when the pool is full, 'auto' falls back to
+    the rings and 'direct' raises; blocks come back once their tensors are gone."""
+    import deep_ep
+    import deep_ep.config
+    n, h, world = payload["num_tokens"], payload["hidden"], buffer.group_size
+    config = deep_ep.Config(payload["num_sms"], 8, 256)
+    in_rank = torch.ones(n, world, dtype=torch.bool, device=DEVICE)
+    per_rank = torch.full((world,), n, dtype=torch.int32, device=DEVICE)
+    per_expert = torch.full((world,), n, dtype=torch.int32, device=DEVICE)
+    deep_ep.config.INTRANODE_DISPATCH_RECEIVE = "auto"
+
+    def reclaim() -> None:  # blocks of dead tensors: events recorded, then (after the sync) complete
+        buffer.runtime.reclaim_pool_blocks()
+        torch.cuda.synchronize()
+        buffer.runtime.reclaim_pool_blocks()
+
+    reclaim()
+    _poison_pool(buffer)
+
+    def call(salt: int):
+        x = _pattern_x(rank, n, h, salt).to(DEVICE)
+        out = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                              num_tokens_per_expert=per_expert, config=config)
+        want = torch.cat([_pattern_x(r, n, h, salt) for r in range(world)])
+        return out, want
+
+    kept, paths = [], []
+    for salt in range(64):
+        out, want = call(salt)
+        kept.append((out, want, salt))
+        paths.append(_in_pool(buffer, out.recv_x))
+        if not paths[-1]:
+            break
+    torch.cuda.synchronize()
+    assert paths[0], "the first dispatch did not use the output pool"
+    assert not paths[-1], f"the pool never filled up in {len(paths)} calls"
+    for out, want, salt in kept:  # every kept output survived the later calls
+        _eq(f"kept recv_x (call {salt}, {'pool' if paths[salt] else 'rings'})", out.recv_x, want)
+        _eq(f"kept recv_src_idx (call {salt})", out.handle.recv_src_idx,
+            torch.arange(n, dtype=torch.int32).repeat(world))
+    # A cached call with the pool full: 'direct' raises on every rank (before any kernel), 'auto' uses the rings.
+    handle = kept[0][0].handle
+    x0 = _pattern_x(rank, n, h, 0).to(DEVICE)
+    deep_ep.config.INTRANODE_DISPATCH_RECEIVE = "direct"
+    try:
+        buffer.dispatch(x0, handle=handle, config=config)
+    except RuntimeError as exc:
+        assert "no room" in str(exc), str(exc)
+    else:
+        raise AssertionError("'direct' dispatch with a full pool did not raise")
+    deep_ep.config.INTRANODE_DISPATCH_RECEIVE = "auto"
+    ring_out = buffer.dispatch(x0, handle=handle, config=config)
+    assert not _in_pool(buffer, ring_out.recv_x)
+    _eq("cached recv_x with a full pool", ring_out.recv_x, kept[0][1])
+    # Keep only the first output (as if saved for backward): the freed blocks come back for the next calls.
+    first = kept[0]
+    del kept, out, want, ring_out
+    reclaim()
+    for salt in range(100, 104):  # each output dies before the next call, whose dispatch may reuse its block
+        out, want = call(salt)
+        assert _in_pool(buffer, out.recv_x), "freed pool blocks were not reused"
+        _eq(f"recv_x after reuse (call {salt})", out.recv_x, want)
+        del out, want
+    torch.cuda.synchronize()
+    _eq("first recv_x after many later calls", first[0].recv_x, first[1])
+    return f"{paths.count(True)} calls fit the pool"
+
+
 def task_sequence(buffer, rank: int, cases: list) -> str:
     """Several examples back to back with no host barrier in between (one rank may run a call ahead of its peers,
     and the ring geometry changes from call to call: SM count, hidden size, top-k)."""
@@ -647,7 +775,8 @@ def task_reset(buffer, rank: int, payload) -> str:
 
 
 TASKS: dict[str, Callable] = {"roundtrip": task_roundtrip, "graph": task_graph, "stall": task_stall,
-                              "sequence": task_sequence, "bad_routing": task_bad_routing, "reset": task_reset}
+                              "sequence": task_sequence, "bad_routing": task_bad_routing, "reset": task_reset,
+                              "pool_lifetime": task_pool_lifetime}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -697,6 +826,16 @@ def test_cuda_graph_worst_token(pools, world, spread, data):
         pytest.skip("needs 2 GPUs")
     case = data.draw(case_strategy(world, max_tokens=256))
     pools(world, spread).run("graph", case)
+
+
+@pytest.mark.parametrize("world,spread", [(2, True), (3, False)])
+def test_output_pool_lifetime_and_fallback(pools, world, spread):
+    """Direct-to-output: long-lived outputs, pool exhaustion (auto -> rings, direct -> error), block reuse."""
+    if spread and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    # 2048 tokens x 7168 BF16 per rank: 2048 * world rows of 14 KB per call, so a handful of calls fill the pool.
+    replies = pools(world, spread).run("pool_lifetime", {"num_tokens": 2048, "hidden": 7168, "num_sms": 8})
+    print(replies)
 
 
 @pytest.mark.parametrize("world,spread", [(2, True), (3, False)])
