@@ -976,10 +976,14 @@ int dispatch_smem(const Context& ctx) {
     return static_cast<int>(std::max<int64_t>(2 * E + 3 * R, 2 * E + 3 * R + 1) * 4);
 }
 
+constexpr int kMaxDynamicSmem = 160 * 1024;
+
+// Cooperative launch: co-residency of every CTA is required, not a grid.sync() — in dispatch every CTA spins on the
+// count words that CTA (d mod nb) of each rank writes, its own grid's included, so a CTA left unscheduled would
+// stall the others (bounded, but a spurious timeout). The shared-memory ceiling is set once (configure_kernels).
 template <typename Kernel, typename... Args>
 void launch_cooperative(Kernel kernel, int blocks, int smem, cudaStream_t stream, Args... args) {
-    DEEP_EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
-    DEEP_EP_CHECK_ARG(smem <= 160 * 1024, "the low-latency kernels need ", smem,
+    DEEP_EP_CHECK_ARG(smem <= kMaxDynamicSmem, "the low-latency kernels need ", smem,
                       " bytes of shared memory (num_experts / num_ranks too large)");
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(blocks);
@@ -995,6 +999,19 @@ void launch_cooperative(Kernel kernel, int blocks, int smem, cudaStream_t stream
 }
 
 }  // namespace
+
+void configure_kernels() {
+    const void* kernels[] = {
+        reinterpret_cast<const void*>(&ll_dispatch_kernel<kPhaseSend>),
+        reinterpret_cast<const void*>(&ll_dispatch_kernel<kPhaseRecv>),
+        reinterpret_cast<const void*>(&ll_dispatch_kernel<kPhaseSend | kPhaseRecv>),
+        reinterpret_cast<const void*>(&ll_combine_kernel<kPhaseSend>),
+        reinterpret_cast<const void*>(&ll_combine_kernel<kPhaseRecv>),
+        reinterpret_cast<const void*>(&ll_combine_kernel<kPhaseSend | kPhaseRecv>),
+    };
+    for (const void* kernel : kernels)
+        DEEP_EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDynamicSmem));
+}
 
 void dispatch(const Context& ctx, const DispatchArgs& args, cudaStream_t stream) {
     DEEP_EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "num_topk must be <= ", kMaxTopk, ", got ",
