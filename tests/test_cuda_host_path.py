@@ -125,5 +125,6 @@ def test_host_path_benchmark_runs(tmp_path):
     result = tmp_path / "host.json"
     _run([os.path.join("benchmarks", "bench_host_path.py"), "--iters", "5", "--json", str(result)])
     rows = json.loads(result.read_text())["per_call_us"]
-    assert {"cuda: dispatch cached FP8", "cuda: combine", "torch front: get_dispatch_layout"} <= set(rows)
+    assert {"cuda: dispatch cached FP8", "cuda: combine", "cuda LL: dispatch FP8", "cuda LL: combine",
+            "torch front: get_dispatch_layout"} <= set(rows)
     assert all(value > 0 for value in rows.values())

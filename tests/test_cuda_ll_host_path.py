@@ -28,8 +28,11 @@ sys.modules["deep_ep._C"] = ext
 import deep_ep
 
 calls = []
+pending = []  # an error record the fake kernels left (the real runtime's launch then raises DeviceError)
 class Recording(ext.LowLatencyRuntime):
     def dispatch(self, *args):
+        if pending:
+            raise ext.DeviceError("a low-latency kernel error is pending")
         phases, stream, current_after, outputs = args[-4:]
         calls.append(["dispatch", phases, stream != 0, current_after, len(outputs)])
         return super().dispatch(*args)
@@ -39,7 +42,7 @@ class Recording(ext.LowLatencyRuntime):
         return super().combine(*args)
     def read_error(self):
         calls.append(["read_error"])
-        return None
+        return pending[0] if pending else None
 ext.LowLatencyRuntime = Recording
 ext.record_stream = lambda tensors, *stream: calls.append(["record_stream", len(tensors)])
 
@@ -88,6 +91,11 @@ with bench.patched(torch, cuda_tensors=True):
         out[mode] = dict(calls=list(calls), shapes=shapes, parities=parities, hook_again=hook_again,
                          event=c.event.event is not None, scales=[list(scales.shape), list(scales.stride()),
                                                                   str(scales.dtype)])
+    pending.append(dict(code="timeout", message="ll_dispatch_wait_data: rank 0 peer 1 (fake)"))
+    try:
+        buffer.low_latency_dispatch(x, topk_idx, 16, 8)
+    except Exception as exc:
+        out["pending"] = [type(exc).__name__, str(exc)]
     buffer._release()
 dist.destroy_process_group()
 print(json.dumps(out))
@@ -125,6 +133,8 @@ def test_ll_launches_per_mode():
                         ["combine", 1, False, False, False], ["combine", 2, False, False, True],
                         ["dispatch", 1, False, False, 0], ["dispatch", 2, False, False, 5]], hook
     assert out["hook"]["hook_again"] == "this low-latency receive hook was already called"
+    # A kernel error left by an earlier call becomes its typed exception at the next launch.
+    assert out["pending"] == ["CommTimeoutError", "ll_dispatch_wait_data: rank 0 peer 1 (fake)"]
     for mode in ("sync", "async", "hook"):
         # Parity flips on every call (dispatch, combine, dispatch, combine).
         parities = out[mode]["parities"]
