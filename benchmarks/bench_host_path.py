@@ -1,10 +1,12 @@
-"""Host (Python) cost per call of ``Buffer.get_dispatch_layout`` / ``dispatch`` / ``combine``, on a CPU machine.
+"""Host (Python) cost per call of ``Buffer.get_dispatch_layout`` / ``dispatch`` / ``combine`` and of the
+low-latency ``low_latency_dispatch`` / ``low_latency_combine``, on a CPU machine.
 
 The GPU kernels are replaced by no-ops so that only the host path is timed:
 
 * ``cuda`` rows: the CUDA backend's code (``deep_ep/cuda_backend.py`` behind the ``Buffer`` front) runs with a fake
   ``deep_ep._C`` whose entry points do nothing but allocate the outputs the real ones allocate (with ``torch.empty``
   on CPU, an upper bound of the C++ cost), fake streams and events, and CPU tensors that claim ``is_cuda``;
+* ``cuda LL`` rows: the same for the low-latency backend (``deep_ep/cuda_low_latency.py``), one rank;
 * ``torch`` rows: the same front calls on CPU tensors, routed to the torch backend whose communicating methods
   return precomputed results, so the number is the front's validation (with the torch backend's extra content
   checks) and nothing else.
@@ -175,7 +177,49 @@ def make_fake_extension(torch):
             weights = None if topk_weights is None else torch.empty(send_head.size(0), topk_weights.size(1))
             return torch.empty(send_head.size(0), x.size(1), dtype=x.dtype), weights
 
+    class LowLatencyRuntime:
+        """The LL runtime. Two generations again: the first took the outputs from Python and returned nothing (and
+        Python did the stream waits); the current one allocates them and returns them."""
+
+        def __init__(self, rank, num_ranks, num_rdma_bytes, timeout_s, enable_shrink, unique_id):
+            self.num_ranks = num_ranks
+
+        def required_bytes(self, num_max_tokens, hidden, num_experts):
+            return 0
+
+        def read_error(self):
+            return None
+
+        def destroy(self):
+            pass
+
+        def dispatch(self, x, topk_idx, tokens, num_experts, *rest):
+            if len(rest) != 10:
+                return None
+            use_fp8, use_ue8m0, outputs = rest[2], rest[4], rest[9]
+            if outputs:
+                return outputs[0], outputs[4] if use_fp8 else None, outputs[1], outputs[2], outputs[3]
+            num_local, rows, hidden = num_experts // self.num_ranks, self.num_ranks * tokens, x.size(1)
+            data = torch.empty(num_local, rows, hidden, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+            scales = None
+            if use_fp8:
+                cols = hidden // 128 // (4 if use_ue8m0 else 1)
+                scales = torch.empty(num_local, cols, rows,
+                                     dtype=torch.int32 if use_ue8m0 else torch.float32).transpose(1, 2)
+            return (data, scales, torch.empty(num_local, dtype=torch.int32),
+                    torch.empty(num_local, rows, dtype=torch.int32),
+                    torch.empty(num_local, self.num_ranks, dtype=torch.int64))
+
+        def combine(self, x, topk_idx, topk_weights, src_info, layout_range, tokens, num_experts, use_logfmt,
+                    zero_copy, out, *rest):
+            if len(rest) != 5:
+                return None
+            return out if out is not None else torch.empty(topk_idx.size(0), x.size(2), dtype=x.dtype)
+
     ext.Runtime = Runtime
+    ext.HAS_LOW_LATENCY, ext.LL_MAX_TOPK, ext.LL_MAX_TOKENS = True, 16, 1024
+    ext.LowLatencyRuntime = LowLatencyRuntime
+    ext.ll_unique_id = lambda: b"\0" * 128
     ext.record_stream = lambda tensors, stream_id, device_index, device_type: None
     ext.HostTimeout, ext.DeviceError = HostTimeout, DeviceError
     ext.num_channels_for_sms = num_channels_for_sms
@@ -294,6 +338,48 @@ def bench_cuda(torch, deep_ep, group, args) -> dict:
     return out
 
 
+def ll_scenario(torch, deep_ep, args):
+    """LL inputs: T = ``--tokens`` tokens of hidden ``--ll-hidden``, top-``--topk`` of ``--ll-experts``."""
+    x, _, topk_idx, topk_weights = scenario(torch, deep_ep, args.tokens, args.ll_hidden, args.topk, args.ll_experts)
+    return x, topk_idx, topk_weights
+
+
+def bench_cuda_low_latency(torch, deep_ep, group, args) -> dict:
+    """The CUDA LL backend's host path (``deep_ep/cuda_low_latency.py`` behind the front) with no-op kernels."""
+    from deep_ep import Buffer
+    x, topk_idx, topk_weights = ll_scenario(torch, deep_ep, args)
+    tokens, experts = args.tokens, args.ll_experts
+    out = {}
+    with patched(torch, cuda_tensors=True):
+        os.environ["DEEP_EP_BACKEND"] = "cuda"
+        buffer = Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True)
+        assert type(buffer._cuda_ll).__name__ == "LowLatencyCuda", buffer._cuda_ll
+        first = buffer.low_latency_dispatch(x, topk_idx, tokens, experts)
+        handle = first.handle
+        y = torch.empty(first.recv_x[0].shape, dtype=torch.bfloat16)
+
+        def dispatch_hook():
+            buffer.low_latency_dispatch(x, topk_idx, tokens, experts, return_recv_hook=True).hook()
+
+        def combine_hook():
+            buffer.low_latency_combine(y, topk_idx, topk_weights, handle, return_recv_hook=True).hook()
+
+        calls = {
+            "dispatch FP8": lambda: buffer.low_latency_dispatch(x, topk_idx, tokens, experts),
+            "dispatch BF16": lambda: buffer.low_latency_dispatch(x, topk_idx, tokens, experts, use_fp8=False),
+            "dispatch FP8 async": lambda: buffer.low_latency_dispatch(x, topk_idx, tokens, experts,
+                                                                      async_finish=True),
+            "dispatch FP8 hook + hook()": dispatch_hook,
+            "combine": lambda: buffer.low_latency_combine(y, topk_idx, topk_weights, handle),
+            "combine async": lambda: buffer.low_latency_combine(y, topk_idx, topk_weights, handle, async_finish=True),
+            "combine hook + hook()": combine_hook,
+        }
+        for name, fn in calls.items():
+            out[f"cuda LL: {name}"] = per_call_us(fn, args.iters)
+        buffer._release()
+    return out
+
+
 def bench_torch_front(torch, deep_ep, group, args) -> dict:
     """The front's validation on the torch backend's route (its communication replaced by canned results)."""
     from deep_ep import Buffer
@@ -330,6 +416,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--ll-hidden", type=int, default=1024, help="hidden size of the low-latency rows")
+    parser.add_argument("--ll-experts", type=int, default=32, help="experts of the low-latency rows")
     parser.add_argument("--repo", default=os.path.dirname(HERE), help="checkout whose deep_ep is timed")
     parser.add_argument("--json", help="write {row: microseconds} here")
     parser.add_argument("--compare", help="an earlier --json file: print before/after")
@@ -350,6 +438,7 @@ def main() -> None:
     group = dist.new_group([0])
     try:
         results = bench_cuda(torch, deep_ep, group, args)
+        results.update(bench_cuda_low_latency(torch, deep_ep, group, args))
         results.update(bench_torch_front(torch, deep_ep, group, args))
     finally:
         dist.destroy_process_group()

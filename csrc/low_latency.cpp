@@ -1,11 +1,14 @@
 // Host runtime of the low-latency kernels (see low_latency.hpp).
 #include "low_latency.hpp"
 
+#include <c10/cuda/CUDAStream.h>
+
 #include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
 
+#include "buffer.hpp"  // DeviceError
 #include "kernels/exception.cuh"
 
 #ifndef DEEP_EP_DISABLE_NVSHMEM
@@ -80,6 +83,8 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_b
     DEEP_EP_CUDA_CHECK(cudaHostAlloc(&host_error_, sizeof(kernels::ErrorRecord), cudaHostAllocMapped));
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
     DEEP_EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_error_), host_error_, 0));
+    DEEP_EP_CUDA_CHECK(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming));
+    ll::configure_kernels();
     DEEP_EP_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -91,6 +96,7 @@ LowLatencyRuntime::~LowLatencyRuntime() {
         cudaFree(mask_);
         cudaFreeHost(host_error_);
     }
+    if (order_event_ != nullptr) cudaEventDestroy(order_event_);
 }
 
 void LowLatencyRuntime::require_alive(const char* what) const {
@@ -99,6 +105,15 @@ void LowLatencyRuntime::require_alive(const char* what) const {
 
 int64_t LowLatencyRuntime::required_bytes(int num_max_tokens, int hidden, int num_experts) const {
     return ll::make_layout(num_ranks_, num_max_tokens, hidden, num_experts, INT64_MAX).total_bytes;
+}
+
+const ll::Layout& LowLatencyRuntime::layout(int num_max_tokens, int hidden, int num_experts) {
+    if (!has_layout_ || layout_.num_tokens_max != num_max_tokens || layout_.hidden != hidden ||
+        layout_.num_experts != num_experts) {
+        layout_ = ll::make_layout(num_ranks_, num_max_tokens, hidden, num_experts, num_rdma_bytes_);
+        has_layout_ = true;
+    }
+    return layout_;
 }
 
 ll::Context LowLatencyRuntime::context(int num_max_tokens, int hidden, int num_experts) {
@@ -115,18 +130,71 @@ ll::Context LowLatencyRuntime::context(int num_max_tokens, int hidden, int num_e
     ctx.num_ranks = num_ranks_;
     ctx.num_blocks = num_blocks_;
     ctx.all_p2p = all_p2p_ ? 1 : 0;
-    ctx.layout = ll::make_layout(num_ranks_, num_max_tokens, hidden, num_experts, num_rdma_bytes_);
+    ctx.layout = layout(num_max_tokens, hidden, num_experts);
     return ctx;
 }
 
-void LowLatencyRuntime::dispatch(const at::Tensor& x, const at::Tensor& topk_idx, int num_max_tokens,
-                                 int num_experts, const at::Tensor& recv_x, const std::optional<at::Tensor>& recv_scales,
-                                 const at::Tensor& src_info, const at::Tensor& layout_range,
-                                 const at::Tensor& packed_recv_count, const std::optional<at::Tensor>& cumulative_stats,
-                                 const std::optional<at::Tensor>& wait_stats, bool use_fp8, bool round_scale,
-                                 bool use_ue8m0, int half, int phases, uintptr_t stream) {
-    auto ctx = context(num_max_tokens, static_cast<int>(x.size(1)), num_experts);
+cudaStream_t LowLatencyRuntime::current_stream() const {
+    return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_id_)).stream();
+}
+
+cudaStream_t LowLatencyRuntime::enter(uintptr_t comm) {
+    const cudaStream_t current = current_stream();
+    if (comm == 0) return current;
+    const cudaStream_t stream = as_stream(comm);
+    if (stream != current) {
+        DEEP_EP_CUDA_CHECK(cudaEventRecord(order_event_, current));
+        DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(stream, order_event_, 0));
+    }
+    return stream;
+}
+
+void LowLatencyRuntime::require_no_error() const {
+    if (reinterpret_cast<volatile kernels::ErrorRecord*>(host_error_)->ready != 0)
+        throw DeviceError("a low-latency kernel error is pending (read_error() has it)");
+}
+
+void LowLatencyRuntime::leave(cudaStream_t launched_on, bool current_after) {
+    const cudaStream_t current = current_stream();
+    if (!current_after || launched_on == current) return;
+    DEEP_EP_CUDA_CHECK(cudaEventRecord(order_event_, launched_on));
+    DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(current, order_event_, 0));
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> LowLatencyRuntime::dispatch(
+    const at::Tensor& x, const at::Tensor& topk_idx, int num_max_tokens, int num_experts,
+    const std::optional<at::Tensor>& cumulative_stats, const std::optional<at::Tensor>& wait_stats, bool use_fp8,
+    bool round_scale, bool use_ue8m0, int half, int phases, uintptr_t comm_stream, bool current_after,
+    const std::vector<at::Tensor>& outputs) {
+    const int hidden = static_cast<int>(x.size(1));
+    require_alive("low_latency_dispatch");
+    require_no_error();
+    auto ctx = context(num_max_tokens, hidden, num_experts);
     DEEP_EP_CHECK_ARG(half == 0 || half == 1, "half must be 0 or 1, got ", half);
+    at::Tensor recv_x, count, src_info, layout_range;
+    std::optional<at::Tensor> scales;
+    if (outputs.empty()) {
+        const int64_t num_local = ctx.layout.num_local, rows = int64_t(num_ranks_) * num_max_tokens;
+        const auto int_options = x.options().dtype(at::kInt);
+        recv_x = at::empty({num_local, rows, hidden}, x.options().dtype(use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
+        if (use_fp8) {
+            // Column-major scales: allocated [L, S, R*T], returned as the [L, R*T, S] transpose.
+            const int64_t cols = hidden / ll::kFp8Block / (use_ue8m0 ? 4 : 1);
+            scales = at::empty({num_local, cols, rows}, use_ue8m0 ? int_options : x.options().dtype(at::kFloat))
+                         .transpose(1, 2);
+        }
+        count = at::empty({num_local}, int_options);
+        src_info = at::empty({num_local, rows}, int_options);
+        layout_range = at::empty({num_local, num_ranks_}, x.options().dtype(at::kLong));
+    } else {
+        DEEP_EP_CHECK_ARG(outputs.size() == (use_fp8 ? 5u : 4u), "outputs must be the ", use_fp8 ? 5 : 4,
+                          " tensors of the send launch, got ", outputs.size());
+        recv_x = outputs[0];
+        count = outputs[1];
+        src_info = outputs[2];
+        layout_range = outputs[3];
+        if (use_fp8) scales = outputs[4];
+    }
     ll::DispatchArgs a{};
     a.x = x.data_ptr();
     a.topk_idx = topk_idx.data_ptr();
@@ -137,23 +205,31 @@ void LowLatencyRuntime::dispatch(const at::Tensor& x, const at::Tensor& topk_idx
     a.round_scale = round_scale;
     a.use_ue8m0 = use_ue8m0;
     a.recv_x = recv_x.data_ptr();
-    a.recv_scales = ptr_or_null(recv_scales);
+    a.recv_scales = ptr_or_null(scales);
     a.src_info = ptr<int>(src_info);
     a.layout_range = ptr<int64_t>(layout_range);
-    a.packed_recv_count = ptr<int>(packed_recv_count);
+    a.packed_recv_count = ptr<int>(count);
     a.cumulative_stats = ptr_or_null<int>(cumulative_stats);
     a.wait_stats = ptr_or_null<int64_t>(wait_stats);
     a.half = half;
     a.phases = phases;
-    ll::dispatch(ctx, a, as_stream(stream));
+    const cudaStream_t stream = enter(comm_stream);
+    ll::dispatch(ctx, a, stream);
+    leave(stream, current_after);
+    return {recv_x, scales, count, src_info, layout_range};
 }
 
-void LowLatencyRuntime::combine(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
-                                const at::Tensor& src_info, const at::Tensor& layout_range, int num_max_tokens,
-                                int num_experts, bool use_logfmt, bool zero_copy, const at::Tensor& out,
-                                const std::optional<at::Tensor>& wait_stats, int half, int phases, uintptr_t stream) {
-    auto ctx = context(num_max_tokens, static_cast<int>(x.size(2)), num_experts);
+at::Tensor LowLatencyRuntime::combine(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                                      const at::Tensor& src_info, const at::Tensor& layout_range, int num_max_tokens,
+                                      int num_experts, bool use_logfmt, bool zero_copy,
+                                      const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& wait_stats,
+                                      int half, int phases, uintptr_t comm_stream, bool current_after) {
+    const int hidden = static_cast<int>(x.size(2));
+    require_alive("low_latency_combine");
+    require_no_error();
+    auto ctx = context(num_max_tokens, hidden, num_experts);
     DEEP_EP_CHECK_ARG(half == 0 || half == 1, "half must be 0 or 1, got ", half);
+    const at::Tensor combined = out.has_value() ? *out : at::empty({topk_idx.size(0), hidden}, x.options());
     ll::CombineArgs a{};
     a.x = x.data_ptr();
     a.topk_idx = topk_idx.data_ptr();
@@ -165,16 +241,19 @@ void LowLatencyRuntime::combine(const at::Tensor& x, const at::Tensor& topk_idx,
     a.layout_range = ptr<int64_t>(layout_range);
     a.use_logfmt = use_logfmt;
     a.zero_copy = zero_copy;
-    a.out = out.data_ptr();
+    a.out = combined.data_ptr();
     a.wait_stats = ptr_or_null<int64_t>(wait_stats);
     a.half = half;
     a.phases = phases;
-    ll::combine(ctx, a, as_stream(stream));
+    const cudaStream_t stream = enter(comm_stream);
+    ll::combine(ctx, a, stream);
+    leave(stream, current_after);
+    return combined;
 }
 
-at::Tensor LowLatencyRuntime::combine_buffer(int num_max_tokens, int hidden, int num_experts, int half) const {
+at::Tensor LowLatencyRuntime::combine_buffer(int num_max_tokens, int hidden, int num_experts, int half) {
     require_alive("get_next_low_latency_combine_buffer");
-    const auto lay = ll::make_layout(num_ranks_, num_max_tokens, hidden, num_experts, num_rdma_bytes_);
+    const auto& lay = layout(num_max_tokens, hidden, num_experts);
     char* base = static_cast<char*>(sym_) + lay.half_offset[half] + lay.csend_off;
     const int64_t rows = int64_t(num_ranks_) * num_max_tokens, slot = lay.cmsg / 2;
     return at::from_blob(base, {lay.num_local, rows, hidden}, {rows * slot, slot, 1},

@@ -1,8 +1,10 @@
 // Host runtime of the low-latency (LL) kernels: NVSHMEM world and symmetric buffer, workspace, host-mapped error
 // record, shrink mask; turns tensors into pointers for csrc/kernels/low_latency.cuh. One object per deep_ep.Buffer.
 //
-// The Python layer (deep_ep/cuda_low_latency.py) owns output allocation, the double-buffer parity and the stream
-// protocol; it passes raw streams here. Construction is collective (every rank, same sizes).
+// The Python layer (deep_ep/cuda_low_latency.py) owns the double-buffer parity, the receive hook and the
+// asynchronous-call bookkeeping. To keep the host path to one Python->C++ crossing per call, `dispatch` / `combine`
+// allocate their outputs (at::empty on the current stream, as torch.empty would) and do the plain stream waits of
+// the protocol with one reusable event. Construction is collective (every rank, same sizes).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/low_latency.cuh"
@@ -33,17 +36,24 @@ class LowLatencyRuntime {
     // Bytes the kernels need for (T, H, E); throws std::invalid_argument when num_rdma_bytes is too small.
     int64_t required_bytes(int num_max_tokens, int hidden, int num_experts) const;
 
-    void dispatch(const at::Tensor& x, const at::Tensor& topk_idx, int num_max_tokens, int num_experts,
-                  const at::Tensor& recv_x, const std::optional<at::Tensor>& recv_scales, const at::Tensor& src_info,
-                  const at::Tensor& layout_range, const at::Tensor& packed_recv_count,
-                  const std::optional<at::Tensor>& cumulative_stats, const std::optional<at::Tensor>& wait_stats,
-                  bool use_fp8, bool round_scale, bool use_ue8m0, int half, int phases, uintptr_t stream);
-    void combine(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
-                 const at::Tensor& src_info, const at::Tensor& layout_range, int num_max_tokens, int num_experts,
-                 bool use_logfmt, bool zero_copy, const at::Tensor& out, const std::optional<at::Tensor>& wait_stats,
-                 int half, int phases, uintptr_t stream);
+    // Launches the phases `phases` (1 send, 2 receive, 3 both). `comm_stream` == 0: on the current stream, no
+    // waits (the receive hook's launches). Otherwise on `comm_stream`, after it waited for the current stream; then,
+    // with `current_after`, the current stream waits for it (a synchronous call).
+    // Outputs: `outputs` empty allocates them; else they are the ones a send launch returned (receive hook).
+    // Returns (recv_x, recv_scales or None, packed_recv_count, src_info, layout_range).
+    std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> dispatch(
+        const at::Tensor& x, const at::Tensor& topk_idx, int num_max_tokens, int num_experts,
+        const std::optional<at::Tensor>& cumulative_stats, const std::optional<at::Tensor>& wait_stats, bool use_fp8,
+        bool round_scale, bool use_ue8m0, int half, int phases, uintptr_t comm_stream, bool current_after,
+        const std::vector<at::Tensor>& outputs);
+    // Same streams as dispatch; `out` absent allocates the [N, H] BF16 output. Returns it.
+    at::Tensor combine(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                       const at::Tensor& src_info, const at::Tensor& layout_range, int num_max_tokens, int num_experts,
+                       bool use_logfmt, bool zero_copy, const std::optional<at::Tensor>& out,
+                       const std::optional<at::Tensor>& wait_stats, int half, int phases, uintptr_t comm_stream,
+                       bool current_after);
     // BF16 [L, R*T, H] view (row stride H + H/64) of the combine send area of `half`.
-    at::Tensor combine_buffer(int num_max_tokens, int hidden, int num_experts, int half) const;
+    at::Tensor combine_buffer(int num_max_tokens, int hidden, int num_experts, int half);
     // Bounded barrier, zero every control word and the workspace, bounded barrier (on `stream`).
     void clean(int num_max_tokens, int hidden, int num_experts, uintptr_t stream);
     void barrier(uintptr_t stream);
@@ -75,9 +85,19 @@ class LowLatencyRuntime {
     int* mask_ = nullptr;
     kernels::ErrorRecord* host_error_ = nullptr;
     kernels::ErrorRecord* device_error_ = nullptr;
+    cudaEvent_t order_event_ = nullptr;  // reused by order(): a wait snapshots the event's last record
+    kernels::ll::Layout layout_{};       // carving of the last (T, H, E) a call used
+    bool has_layout_ = false;
 
     kernels::ll::Context context(int num_max_tokens, int hidden, int num_experts);
+    // Throws DeviceError when a kernel error is pending (the Python layer turns the record into its exception).
+    void require_no_error() const;
+    const kernels::ll::Layout& layout(int num_max_tokens, int hidden, int num_experts);
     void require_alive(const char* what) const;
+    cudaStream_t current_stream() const;
+    // Stream order before / after a launch on `comm` (no-op when comm == 0, i.e. a launch on the current stream).
+    cudaStream_t enter(uintptr_t comm);
+    void leave(cudaStream_t launched_on, bool current_after);
 };
 
 // "<phase>: rank R peer P token/channel C expected E observed O after T s (<code>)".

@@ -129,6 +129,8 @@ class Buffer:
         self._destroyed = False
         # id(key tensor) -> weak reference, for every handle this Buffer returned (see _check_handle).
         self._handles: dict[int, weakref.ref] = {}
+        # (T, H, E) of plain ints that passed _check_low_latency -> local experts per rank.
+        self._ll_checked: dict[tuple[int, int, int], int] = {}
 
         from deep_ep.torch_backend import TorchBackend
         self._torch = None
@@ -516,10 +518,16 @@ class Buffer:
     # Low-latency mode
     # ------------------------------------------------------------------------------------------------------------
     def _check_low_latency(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> int:
-        """Shared low-latency checks; returns local experts per rank."""
+        """Shared low-latency checks; returns local experts per rank. A (T, H, E) of plain ints that passed once is
+        remembered (the checks depend on nothing else that can change)."""
         if not self.low_latency_mode:
             raise ValueError("low-latency calls need a Buffer built with low_latency_mode=True, got "
                              "low_latency_mode=False")
+        key = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if type(num_max_dispatch_tokens_per_rank) is int and type(hidden) is int and type(num_experts) is int:
+            num_local = self._ll_checked.get(key)
+            if num_local is not None:
+                return num_local
         v.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1, v.LL_MAX_TOKENS)
         if (self.group_size * num_max_dispatch_tokens_per_rank) % 4 != 0:
             raise ValueError(f"num_ranks * num_max_dispatch_tokens_per_rank must be a multiple of 4, got "
@@ -530,6 +538,8 @@ class Buffer:
             raise ValueError(f"num_rdma_bytes ({self.num_rdma_bytes}) is too small: num_max_dispatch_tokens_per_rank="
                              f"{num_max_dispatch_tokens_per_rank}, hidden={hidden}, num_experts={num_experts} need "
                              f"{need} bytes (see Buffer.get_low_latency_rdma_size_hint)")
+        if type(num_max_dispatch_tokens_per_rank) is int and type(hidden) is int and type(num_experts) is int:
+            self._ll_checked[key] = num_local
         return num_local
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -557,9 +567,11 @@ class Buffer:
         v.check_tensor("x", x, dtype=torch.bfloat16, ndim=2)
         num_tokens, hidden = x.shape
         num_local = self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        for name, value in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
-                            ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
-            v.check_bool(name, value)
+        if not (type(use_fp8) is bool and type(round_scale) is bool and type(use_ue8m0) is bool
+                and type(async_finish) is bool and type(return_recv_hook) is bool):
+            for name, value in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
+                                ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
+                v.check_bool(name, value)
         v.check_ll_hidden(hidden, use_fp8, use_ue8m0)
         v.check_ll_tokens("x", num_tokens, num_max_dispatch_tokens_per_rank)
         topk_idx = v.check_topk_idx("topk_idx", topk_idx, num_tokens=num_tokens, device=x.device)
@@ -575,7 +587,7 @@ class Buffer:
             v.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, dtype=torch.int64,
                            shape=(self.group_size,), device=x.device)
         backend = self._backend("low_latency_dispatch", x)
-        if self._is_torch(backend):
+        if backend is self._torch:
             v.check_expert_range("topk_idx", topk_idx, num_experts)
             valid = topk_idx[topk_idx >= 0].to(torch.int64)
             if valid.numel():
@@ -619,9 +631,11 @@ class Buffer:
         v.check_ll_topk("topk_idx", topk_idx.size(1))
         v.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_tokens, topk_idx.size(1)),
                        device=device)
-        for name, value in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy), ("async_finish", async_finish),
-                            ("return_recv_hook", return_recv_hook)):
-            v.check_bool(name, value)
+        if not (type(use_logfmt) is bool and type(zero_copy) is bool and type(async_finish) is bool
+                and type(return_recv_hook) is bool):
+            for name, value in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
+                                ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
+                v.check_bool(name, value)
         if zero_copy and use_logfmt:
             raise ValueError("zero_copy and use_logfmt are mutually exclusive, got both True")
         if async_finish and return_recv_hook:
@@ -632,7 +646,7 @@ class Buffer:
             v.check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dtype=torch.int64,
                            shape=(self.group_size,), device=device)
         backend = self._backend("low_latency_combine", x)
-        if self._is_torch(backend):
+        if backend is self._torch:
             v.check_expert_range("topk_idx", topk_idx, num_experts)
         return backend.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
                                            return_recv_hook, out, combine_wait_recv_cost_stats)

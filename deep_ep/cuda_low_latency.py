@@ -8,8 +8,12 @@ This module owns:
 
 * the NVSHMEM environment (set before initialisation; user values win except ``NVSHMEM_DISABLE_NVLS=1``, which is
   always forced) and the bootstrap from the torch process group (rank 0's unique id, all-gathered);
-* output allocation, the double-buffer parity (flips on every LL call, like DeepEP; capture LL calls in
-  dispatch/combine pairs in CUDA graphs) and the stream protocol of the spec (§6.3);
+* the double-buffer parity (flips on every LL call, like DeepEP; capture LL calls in dispatch/combine pairs in CUDA
+  graphs), the receive hook and the asynchronous-call bookkeeping of the stream protocol (spec §6.3). To keep the
+  host path short, a call crosses into C++ once: ``_C.LowLatencyRuntime.dispatch`` / ``combine`` allocate the
+  outputs (``at::empty`` on the current stream) and do the plain stream waits (comm after current before the launch,
+  current after comm when ``current_after``) with one reusable event; a synchronous call makes no Python stream or
+  event object;
 * errors: a kernel wait that runs out of ``DEEP_EP_TIMEOUT_S`` fills a host-mapped record; the next call (or
   :meth:`LowLatencyCuda.check_errors`) raises ``CommTimeoutError`` / ``PeerAbortedError`` naming rank, peer and phase.
   With ``enable_shrink`` a dispatch wait that times out masks the silent source instead (see
@@ -24,8 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from deep_ep import envs, handle as hd
-from deep_ep.config import FP8_BLOCK
-from deep_ep.cuda_backend import _C, _raise_from_record
+from deep_ep.cuda_backend import _C, _raise_from_record, _record_stream
 from deep_ep.event import CudaEventHandle, EventOverlap
 from deep_ep.results import LowLatencyCombineResult, LowLatencyDispatchResult
 
@@ -88,6 +91,7 @@ class LowLatencyCuda:
         self.runtime = _C.LowLatencyRuntime(rank, num_ranks, num_rdma_bytes, envs.TIMEOUT_S.get(), enable_shrink,
                                             unique_id)
         self.comm_stream = torch.cuda.Stream(priority=-1)
+        self._comm_ptr = self.comm_stream.cuda_stream
         self.parity = 0
         self._fits: set = set()  # (T, H, E) whose carving fits num_rdma_bytes
 
@@ -114,10 +118,13 @@ class LowLatencyCuda:
         """Raise the pending kernel error, if any (reads host-mapped memory; never synchronises)."""
         _raise_from_record(self.runtime.read_error())
 
-    def _prologue(self, num_max_tokens: int, hidden: int, num_experts: int) -> None:
+    def _prologue(self, num_max_tokens: int, hidden: int, num_experts: int, check_errors: bool = True) -> None:
+        """Runtime alive, no pending kernel error (unless the caller's launch checks it: ``check_errors=False``),
+        and the carving of (T, H, E) fits ``num_rdma_bytes`` (asked once per key)."""
         if self.runtime is None:
             raise RuntimeError("this Buffer's low-latency runtime was destroyed")
-        self.check_errors()
+        if check_errors:
+            self.check_errors()
         key = (num_max_tokens, hidden, num_experts)
         if key in self._fits:
             return
@@ -133,31 +140,40 @@ class LowLatencyCuda:
         half, self.parity = self.parity, 1 - self.parity
         return half
 
-    def _run(self, launch: Callable[[int, int], None], async_finish: bool, return_recv_hook: bool,
-             tensors: tuple) -> tuple[EventOverlap, Optional[Callable[[], None]]]:
-        """Stream protocol of spec §6.3 around ``launch(phases, stream)``."""
-        compute = torch.cuda.current_stream()
+    def _launch(self, launch: Callable[..., Any], *args: Any) -> Any:
+        """``launch(*args)``; a kernel error left pending by an earlier call raises its typed exception."""
+        try:
+            return launch(*args)
+        except _C.DeviceError:
+            self.check_errors()
+            raise
+
+    def _streams(self, async_finish: bool, return_recv_hook: bool) -> tuple[int, int, bool]:
+        """(phases, stream, current_after) of the first launch: with the hook the send phase alone on the current
+        stream (0); otherwise both phases on comm, and the current stream waits for comm unless ``async_finish``."""
         if return_recv_hook:
-            launch(_SEND, compute.cuda_stream)
-            done = []
+            return _SEND, 0, False
+        return _SEND | _RECV, self._comm_ptr, not async_finish
 
-            def hook() -> None:
-                if done:
-                    raise RuntimeError("this low-latency receive hook was already called")
-                done.append(True)
-                self.check_errors()
-                launch(_RECV, torch.cuda.current_stream().cuda_stream)
+    def _finish(self, async_finish: bool, tensors: tuple) -> EventOverlap:
+        if not async_finish:
+            return EventOverlap(None)
+        live = tuple(t for t in tensors if isinstance(t, torch.Tensor))
+        _record_stream(live, self.comm_stream)
+        return EventOverlap(CudaEventHandle(self.comm_stream), live)
 
-            return EventOverlap(None), hook
-        self.comm_stream.wait_stream(compute)
-        launch(_SEND | _RECV, self.comm_stream.cuda_stream)
-        if async_finish:
-            for t in tensors:
-                if isinstance(t, torch.Tensor):
-                    t.record_stream(self.comm_stream)
-            return EventOverlap(CudaEventHandle(self.comm_stream), tuple(tensors)), None
-        compute.wait_stream(self.comm_stream)
-        return EventOverlap(None), None
+    def _hook(self, launch: Callable[..., Any], *args: Any) -> Callable[[], None]:
+        """The receive hook: ``launch(*args)`` (the receive phase, on the stream current when it is called)."""
+        done = []
+
+        def hook() -> None:
+            if done:
+                raise RuntimeError("this low-latency receive hook was already called")
+            done.append(True)
+            self.check_errors()
+            self._launch(launch, *args)
+
+        return hook
 
     # ------------------------------------------------------------------------------------------------------------
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -167,32 +183,23 @@ class LowLatencyCuda:
                              return_recv_hook: bool = False) -> LowLatencyDispatchResult:
         """Packed per-expert receive; blocks in ascending source order, rows of a block in (token, k) order."""
         tokens, hidden = num_max_dispatch_tokens_per_rank, x.size(1)
-        self._prologue(tokens, hidden, num_experts)
-        num_local, rows, device = num_experts // self.num_ranks, self.num_ranks * tokens, x.device
-        if use_fp8:
-            data = torch.empty(num_local, rows, hidden, dtype=torch.float8_e4m3fn, device=device)
-            cols = hidden // FP8_BLOCK // (4 if use_ue8m0 else 1)
-            scales = torch.empty(num_local, cols, rows, dtype=torch.int32 if use_ue8m0 else torch.float32,
-                                 device=device).transpose(1, 2)
-            recv_x: Any = (data, scales)
-        else:
-            data = torch.empty(num_local, rows, hidden, dtype=torch.bfloat16, device=device)
-            scales, recv_x = None, data
-        count = torch.empty(num_local, dtype=torch.int32, device=device)
-        src_info = torch.empty(num_local, rows, dtype=torch.int32, device=device)
-        layout_range = torch.empty(num_local, self.num_ranks, dtype=torch.int64, device=device)
+        self._prologue(tokens, hidden, num_experts, check_errors=False)
         half = self._flip()
-
-        def launch(phases: int, stream: int) -> None:
-            self.runtime.dispatch(x, topk_idx, tokens, num_experts, data, scales, src_info, layout_range, count,
-                                  cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                                  round_scale, use_ue8m0, half, phases, stream)
-
-        event, hook = self._run(launch, async_finish, return_recv_hook,
-                                (x, topk_idx, data, scales, count, src_info, layout_range,
-                                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats))
+        phases, stream, current_after = self._streams(async_finish, return_recv_hook)
+        runtime = self.runtime
+        data, scales, count, src_info, layout_range = self._launch(
+            runtime.dispatch, x, topk_idx, tokens, num_experts, cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, half, phases, stream, current_after, [])
+        hook = None
+        if return_recv_hook:
+            outputs = [data, count, src_info, layout_range] + ([scales] if use_fp8 else [])
+            hook = self._hook(runtime.dispatch, x, topk_idx, tokens, num_experts, cumulative_local_expert_recv_stats,
+                              dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, half, _RECV, 0, False,
+                              outputs)
+        event = self._finish(async_finish, (x, topk_idx, data, scales, count, src_info, layout_range,
+                                            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats))
         handle = hd.LowLatencyHandle(src_info, layout_range, tokens, hidden, num_experts)
-        return LowLatencyDispatchResult(recv_x, count, handle, event, hook)
+        return LowLatencyDispatchResult((data, scales) if use_fp8 else data, count, handle, event, hook)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: hd.LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
@@ -201,18 +208,19 @@ class LowLatencyCuda:
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> LowLatencyCombineResult:
         """``out[t] = bf16(sum_k w[t, k] * y(e_k, t))`` in fp32, ascending k."""
         src_info, layout_range, tokens, hidden, num_experts = handle
-        self._prologue(tokens, hidden, num_experts)
-        combined = out if out is not None else torch.empty(topk_idx.size(0), hidden, dtype=torch.bfloat16,
-                                                           device=x.device)
+        self._prologue(tokens, hidden, num_experts, check_errors=False)
         half = self._flip()
-
-        def launch(phases: int, stream: int) -> None:
-            self.runtime.combine(x, topk_idx, topk_weights, src_info, layout_range, tokens, num_experts, use_logfmt,
-                                 zero_copy, combined, combine_wait_recv_cost_stats, half, phases, stream)
-
-        event, hook = self._run(launch, async_finish, return_recv_hook,
-                                (x, topk_idx, topk_weights, src_info, layout_range, combined,
-                                 combine_wait_recv_cost_stats))
+        phases, stream, current_after = self._streams(async_finish, return_recv_hook)
+        runtime = self.runtime
+        combined = self._launch(runtime.combine, x, topk_idx, topk_weights, src_info, layout_range, tokens,
+                                num_experts, use_logfmt, zero_copy, out, combine_wait_recv_cost_stats, half, phases,
+                                stream, current_after)
+        hook = None
+        if return_recv_hook:
+            hook = self._hook(runtime.combine, x, topk_idx, topk_weights, src_info, layout_range, tokens, num_experts,
+                              use_logfmt, zero_copy, combined, combine_wait_recv_cost_stats, half, _RECV, 0, False)
+        event = self._finish(async_finish, (x, topk_idx, topk_weights, src_info, layout_range, combined,
+                                            combine_wait_recv_cost_stats))
         return LowLatencyCombineResult(combined, event, hook)
 
     def get_next_low_latency_combine_buffer(self, handle: hd.LowLatencyHandle) -> torch.Tensor:

@@ -109,6 +109,8 @@ struct CombineArgs {
 constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
 
+// Sets the kernels' dynamic shared-memory ceiling on the current device; once, before the first launch there.
+void configure_kernels();
 void dispatch(const Context& ctx, const DispatchArgs& args, cudaStream_t stream);
 void combine(const Context& ctx, const CombineArgs& args, cudaStream_t stream);
 // Bounded barrier over all PEs, on `stream`.

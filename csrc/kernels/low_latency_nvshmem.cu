@@ -488,27 +488,33 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             }
         }
         __syncthreads();
-        // Messages: the warp of unit (token, pair of 128-channel blocks) casts once and stores to every destination.
-        const int pairs = (S + 1) / 2;
-        const int num_units = (tile_end - tile_begin) * pairs;
+        // Messages: the warp of unit (token, four 128-channel blocks) casts once and stores to every destination.
+        // Each lane owns 16 consecutive channels (two 16-byte loads): 8 lanes per block, one 16-byte FP8 store (two
+        // in BF16) per destination; the block's amax is reduced over its 8 lanes.
+        const int quads = (S + 3) / 4;
+        const int num_units = (tile_end - tile_begin) * quads;
         for (int u = warp; u < num_units; u += kWarps) {
-            const int i = u / pairs, bp = u % pairs, t = tile_begin + i;
-            const int block = bp * 2 + lane / 16, l16 = lane % 16;
+            const int i = u / quads, bq = u % quads, t = tile_begin + i;
+            const int block = bq * 4 + lane / 8, l8 = lane % 8;
             const int ndst = sh.plan_ndst[i];
             const bool active = block < S;
-            int4 raw = make_int4(0, 0, 0, 0);
-            if (active) raw = ld_nc_int4(reinterpret_cast<const int4*>(static_cast<const uint16_t*>(a.x) + int64_t(t) * H +
-                                                                block * kFp8Block + l16 * 8));
-            uint2 fp8_out = make_uint2(0, 0);
+            int4 raw[2] = {make_int4(0, 0, 0, 0), make_int4(0, 0, 0, 0)};
+            if (active) {
+                const int4* src = reinterpret_cast<const int4*>(static_cast<const uint16_t*>(a.x) + int64_t(t) * H +
+                                                                block * kFp8Block + l8 * 16);
+                raw[0] = ld_nc_int4(src);
+                raw[1] = ld_nc_int4(src + 1);
+            }
+            uint4 fp8_out = make_uint4(0, 0, 0, 0);
             float scale_inv = 0.0f;
             if (a.use_fp8) {
-                const uint16_t* hv = reinterpret_cast<const uint16_t*>(&raw);
-                float f[8], amax = 0.0f;
-                for (int v = 0; v < 8; ++v) {
+                const uint16_t* hv = reinterpret_cast<const uint16_t*>(raw);
+                float f[16], amax = 0.0f;
+                for (int v = 0; v < 16; ++v) {
                     f[v] = bf16_to_float(hv[v]);
                     amax = fmaxf(amax, fabsf(f[v]));
                 }
-                for (int m = 1; m < 16; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+                for (int m = 1; m < 8; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
                 amax = fmaxf(amax, 1e-4f);
                 float scale;
                 if (a.round_scale) {
@@ -519,13 +525,13 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
                     scale_inv = __fmul_rn(amax, static_cast<float>(1.0 / 448.0));
                     scale = __fmul_rn(__frcp_rn(amax), 448.0f);  // torch: 448 / t == t.reciprocal() * 448
                 }
-                uint8_t q[8];
-                for (int v = 0; v < 8; ++v) {
+                uint32_t words[4] = {0, 0, 0, 0};
+                for (int v = 0; v < 16; ++v) {
                     const float s = fminf(fmaxf(__fmul_rn(f[v], scale), -448.0f), 448.0f);
-                    q[v] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(s, __NV_SATFINITE, __NV_E4M3));
+                    const uint32_t q = static_cast<uint8_t>(__nv_cvt_float_to_fp8(s, __NV_SATFINITE, __NV_E4M3));
+                    words[v / 4] |= q << (8 * (v % 4));
                 }
-                fp8_out.x = q[0] | (q[1] << 8) | (q[2] << 16) | (uint32_t(q[3]) << 24);
-                fp8_out.y = q[4] | (q[5] << 8) | (q[6] << 16) | (uint32_t(q[7]) << 24);
+                fp8_out = make_uint4(words[0], words[1], words[2], words[3]);
             }
             bool staged = false;
             for (int di = 0; di < ndst; ++di) {
@@ -538,15 +544,17 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
                     staged = true;
                     msg = my_half + lay.dstage_off + int64_t(t) * lay.dmsg;
                 }
-                if (bp == 0 && lane < kHeaderInts)
+                if (bq == 0 && lane < kHeaderInts)
                     reinterpret_cast<int*>(msg)[lane] = lane == 0 ? t : sh.plan_entry[i][lane - 1];
                 if (!active) continue;
                 char* payload = msg + lay.header_bytes;
                 if (a.use_fp8) {
-                    *reinterpret_cast<uint2*>(payload + block * kFp8Block + l16 * 8) = fp8_out;
-                    if (l16 == 0) reinterpret_cast<float*>(payload + H)[block] = scale_inv;
+                    *reinterpret_cast<uint4*>(payload + block * kFp8Block + l8 * 16) = fp8_out;
+                    if (l8 == 0) reinterpret_cast<float*>(payload + H)[block] = scale_inv;
                 } else {
-                    st_na_int4(reinterpret_cast<int4*>(payload + (int64_t(block) * kFp8Block + l16 * 8) * 2), raw);
+                    int4* out = reinterpret_cast<int4*>(payload + (int64_t(block) * kFp8Block + l8 * 16) * 2);
+                    st_na_int4(out, raw[0]);
+                    st_na_int4(out + 1, raw[1]);
                 }
             }
         }
@@ -962,10 +970,14 @@ int dispatch_smem(const Context& ctx) {
     return static_cast<int>(std::max<int64_t>(2 * E + 3 * R, 2 * E + 3 * R + 1) * 4);
 }
 
+constexpr int kMaxDynamicSmem = 160 * 1024;
+
+// Cooperative launch: co-residency of every CTA is required, not a grid.sync() — in dispatch every CTA spins on the
+// count words that CTA (d mod nb) of each rank writes, its own grid's included, so a CTA left unscheduled would
+// stall the others (bounded, but a spurious timeout). The shared-memory ceiling is set once (configure_kernels).
 template <typename Kernel, typename... Args>
 void launch_cooperative(Kernel kernel, int blocks, int smem, cudaStream_t stream, Args... args) {
-    DEEP_EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
-    DEEP_EP_CHECK_ARG(smem <= 160 * 1024, "the low-latency kernels need ", smem,
+    DEEP_EP_CHECK_ARG(smem <= kMaxDynamicSmem, "the low-latency kernels need ", smem,
                       " bytes of shared memory (num_experts / num_ranks too large)");
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(blocks);
@@ -981,6 +993,19 @@ void launch_cooperative(Kernel kernel, int blocks, int smem, cudaStream_t stream
 }
 
 }  // namespace
+
+void configure_kernels() {
+    const void* kernels[] = {
+        reinterpret_cast<const void*>(&ll_dispatch_kernel<kPhaseSend>),
+        reinterpret_cast<const void*>(&ll_dispatch_kernel<kPhaseRecv>),
+        reinterpret_cast<const void*>(&ll_dispatch_kernel<kPhaseSend | kPhaseRecv>),
+        reinterpret_cast<const void*>(&ll_combine_kernel<kPhaseSend>),
+        reinterpret_cast<const void*>(&ll_combine_kernel<kPhaseRecv>),
+        reinterpret_cast<const void*>(&ll_combine_kernel<kPhaseSend | kPhaseRecv>),
+    };
+    for (const void* kernel : kernels)
+        DEEP_EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDynamicSmem));
+}
 
 void dispatch(const Context& ctx, const DispatchArgs& args, cudaStream_t stream) {
     DEEP_EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "num_topk must be <= ", kMaxTopk, ", got ",
