@@ -318,6 +318,7 @@ class CudaBackend:
 
         scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
         if cached:
+            handle = self._kernel_handle(handle)
             rank_prefix_matrix = handle.rank_prefix_matrix
             channel_prefix_matrix = handle.channel_prefix_matrix
             recv_channel_prefix_matrix = handle.recv_channel_prefix_matrix
@@ -367,16 +368,29 @@ class CudaBackend:
                               config.num_max_nvl_chunked_recv_tokens,
                               intranode_send_warps("dispatch", self.num_ranks), self.comm_stream.cuda_stream)
 
+        new_handle = None
+        if not cached:
+            new_handle = self._user_handle(IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix,
+                                                           recv_channel_prefix_matrix, recv_src_idx,
+                                                           is_token_in_rank, send_head))
         event = scope.finish([data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
                               num_tokens_per_expert, rank_prefix_matrix, channel_prefix_matrix,
                               recv_channel_prefix_matrix, recv_x, recv_scales, recv_topk_idx, recv_topk_weights,
-                              recv_src_idx, send_head])
+                              recv_src_idx, send_head, *(new_handle or ())])
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         if cached:
             return DispatchResult(out_x, None, None, None, None, event)
-        new_handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
-                                     recv_src_idx, is_token_in_rank, send_head)
         return DispatchResult(out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event)
+
+    def _kernel_handle(self, handle):
+        """The handle as the kernels read it (an ``IntranodeHandle``); called on entry, after the comm stream
+        waited for its dependency. The internode backend converts its handle here."""
+        return handle
+
+    def _user_handle(self, handle):
+        """The handle returned to the user for the kernels' ``IntranodeHandle``; called after the dispatch kernel
+        was launched, before the call's event is recorded."""
+        return handle
 
     # ------------------------------------------------------------------------------------------------------------
     # combine
@@ -396,11 +410,12 @@ class CudaBackend:
         if config is None:
             raise ValueError("config must be resolved by the Buffer front before reaching the CUDA backend")
         num_channels = self.num_channels(config)
-        if handle.channel_prefix_matrix.size(1) != num_channels:
+        if handle[1].size(1) != num_channels:
             raise ValueError(f"config.num_sms ({config.num_sms}) gives {num_channels} channels but the handle was "
-                             f"made with {handle.channel_prefix_matrix.size(1)}; use the dispatch's SM count")
+                             f"made with {handle[1].size(1)}; use the dispatch's SM count")
         bias_0, bias_1 = (bias if isinstance(bias, tuple) else (bias, None)) if bias is not None else (None, None)
         scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
+        handle = self._kernel_handle(handle)
         num_tokens = handle.send_head.size(0)
         combined_x = torch.empty(num_tokens, x.size(1), dtype=x.dtype, device=x.device)
         combined_topk_weights = None
