@@ -149,7 +149,10 @@ def _worker(rank: int, world: int, device: int, port: int, env: dict, tasks, res
             torch.cuda.set_device(device)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         import deep_ep
-        buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES, explicitly_destroy=True)
+        # tests/gpu/test_internode.py reuses this pool with an RDMA (NVSHMEM) buffer and virtual nodes.
+        num_rdma_bytes = int(os.environ.get("DEEP_EP_TEST_NUM_RDMA_BYTES", "0"))
+        buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES, num_rdma_bytes=num_rdma_bytes,
+                                num_qps_per_rank=24 if num_rdma_bytes else 1, explicitly_destroy=True)
         results.put((rank, "ready", _backend_name(buffer)))
     except Exception:  # noqa: BLE001 - reported to the driver
         results.put((rank, "error", traceback.format_exc()))
@@ -165,12 +168,21 @@ def _worker(rank: int, world: int, device: int, port: int, env: dict, tasks, res
             return
         try:
             dist.barrier()  # every example starts on all ranks together
-            message = TASKS[name](buffer, rank, payload)
+            message = _task(name)(buffer, rank, payload)
             results.put((rank, "ok", message))
         except Exception:  # noqa: BLE001 - reported to the driver
             text = f"{getattr(payload, 'describe', lambda: payload)()}\n{traceback.format_exc()}"
             _abort_peers(buffer)
             results.put((rank, "fail", text))
+
+
+def _task(name: str) -> Callable:
+    """A task of this module by name, or ``"module:function"`` of another test module on ``sys.path``."""
+    if ":" in name:
+        import importlib
+        module, function = name.split(":")
+        return getattr(importlib.import_module(module), function)
+    return TASKS[name]
 
 
 def _abort_peers(buffer) -> None:
