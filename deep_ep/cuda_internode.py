@@ -28,6 +28,7 @@ padding rows -1 (the torch backend sizes it with the real count, which needs a h
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -69,6 +70,8 @@ class InternodeCuda(CudaBackend):
         self.runtime = _C.Runtime(rank, num_ranks, num_rdma_bytes, self.timeout_s, symmetric=True)
         self.runtime.sync_symmetric(unique_id)
         self.comm_stream = torch.cuda.Stream(priority=-1)
+        # id(handle.recv_gbl_rank_prefix_sum) -> (weak reference to it, the kernels' IntranodeHandle of that dispatch)
+        self._kernel_views: dict[int, tuple] = {}
 
     @classmethod
     def from_group(cls, group, **kwargs: Any) -> "InternodeCuda":
@@ -114,8 +117,15 @@ class InternodeCuda(CudaBackend):
         return layout._replace(num_tokens_per_rdma_rank=layout.num_tokens_per_rank)
 
     def _kernel_handle(self, handle):
+        """The kernels' fields of an internode handle: the ones its dispatch produced while the handle lives (so a
+        cached call launches nothing but its kernel), else converted on the comm stream."""
+        handle = hd.InternodeHandle(*handle)
+        key = handle.recv_gbl_rank_prefix_sum
+        entry = self._kernel_views.get(id(key))
+        if entry is not None and entry[0]() is key:
+            return entry[1]
         with torch.cuda.stream(self.comm_stream):
-            return hd.single_gpu_nodes_kernel_handle(hd.InternodeHandle(*handle), self.rank)
+            return hd.single_gpu_nodes_kernel_handle(handle, self.rank)
 
     def _user_handle(self, handle):
         compute = torch.cuda.current_stream()
@@ -123,4 +133,7 @@ class InternodeCuda(CudaBackend):
             out = hd.single_gpu_nodes_handle(handle, self.rank)
         for tensor in out:  # allocated on the comm stream, used by the caller's stream
             tensor.record_stream(compute)
+        key = out.recv_gbl_rank_prefix_sum
+        ident = id(key)
+        self._kernel_views[ident] = (weakref.ref(key, lambda _ref: self._kernel_views.pop(ident, None)), handle)
         return out

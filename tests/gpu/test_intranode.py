@@ -152,7 +152,7 @@ def _worker(rank: int, world: int, device: int, port: int, env: dict, tasks, res
         # tests/gpu/test_internode.py reuses this pool with an RDMA (NVSHMEM) buffer and virtual nodes.
         num_rdma_bytes = int(os.environ.get("DEEP_EP_TEST_NUM_RDMA_BYTES", "0"))
         buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES, num_rdma_bytes=num_rdma_bytes,
-                                num_qps_per_rank=24 if num_rdma_bytes else 1, explicitly_destroy=True)
+                                explicitly_destroy=True)
         results.put((rank, "ready", _backend_name(buffer)))
     except Exception:  # noqa: BLE001 - reported to the driver
         results.put((rank, "error", traceback.format_exc()))
