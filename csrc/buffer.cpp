@@ -185,8 +185,8 @@ void Runtime::sync(const std::vector<int>& device_ids, const std::vector<std::st
     available_ = true;
 }
 
-void Runtime::sync_symmetric(const std::string& unique_id) {
-    if (available_) throw std::runtime_error("Runtime::sync_symmetric called twice");
+std::vector<int> Runtime::sync_symmetric(const std::string& unique_id) {
+    if (available_ || local_buffer_ != nullptr) throw std::runtime_error("Runtime::sync_symmetric called twice");
     if (!symmetric_) throw std::runtime_error("Runtime::sync_symmetric needs a runtime built with symmetric=True");
 #ifdef DEEP_EP_DISABLE_NVSHMEM
     (void)unique_id;
@@ -194,19 +194,12 @@ void Runtime::sync_symmetric(const std::string& unique_id) {
 #else
     kernels::ll::nvshmem_bootstrap(std::vector<uint8_t>(unique_id.begin(), unique_id.end()), rank_, num_ranks_);
     local_buffer_ = kernels::ll::nvshmem_alloc_zeroed(num_nvl_bytes_);  // collective
-    const auto peers = kernels::ll::nvshmem_peer_pointers(local_buffer_, num_ranks_);
-    for (int r = 0; r < num_ranks_; ++r) {
-        if (peers[r] == nullptr) {
-            char text[320];
-            std::snprintf(text, sizeof(text),
-                          "rank %d cannot reach rank %d's symmetric buffer by loads and stores (nvshmem_ptr is null: "
-                          "a remote transport); the internode CUDA kernels implement only the P2P path so far",
-                          rank_, r);
-            throw std::runtime_error(text);
-        }
-    }
-    peer_buffers_ = peers;
-    available_ = true;
+    peer_buffers_ = kernels::ll::nvshmem_peer_pointers(local_buffer_, num_ranks_);
+    std::vector<int> unreachable;
+    for (int r = 0; r < num_ranks_; ++r)
+        if (peer_buffers_[r] == nullptr) unreachable.push_back(r);
+    available_ = unreachable.empty();
+    return unreachable;
 #endif
 }
 

@@ -61,9 +61,10 @@ class Runtime {
     void sync(const std::vector<int>& device_ids, const std::vector<std::string>& ipc_handles);
     // Symmetric runtime only (collective over the NVSHMEM world of all ranks, PE = rank): joins the world of
     // `unique_id` (shared with the low-latency runtime: one world per process), allocates the zeroed buffer on the
-    // symmetric heap and maps every peer's copy with nvshmem_ptr. Throws std::runtime_error naming the peer when a
-    // peer is not load/store reachable: the put path for remote transports (NIC) is not implemented.
-    void sync_symmetric(const std::string& unique_id);
+    // symmetric heap and maps every peer's copy with nvshmem_ptr. Returns the ranks whose buffer is not load/store
+    // reachable (a remote transport; the put path is not implemented); the runtime is usable only if none, else
+    // the caller agrees with its peers and calls destroy() on every rank.
+    std::vector<int> sync_symmetric(const std::string& unique_id);
     bool is_symmetric() const { return symmetric_; }
     bool is_available() const { return available_; }
     // Releases the IPC mappings and allocations. Call after a cross-rank barrier so no peer still writes here.

@@ -190,11 +190,16 @@ class Buffer:
         if backend_cls is not None:
             reason = backend_cls.unsupported_reason(self.topology, self.num_rdma_bytes)
         if reason is None:
+            from deep_ep.cuda_internode import UnsupportedTopology
             options = dict(num_rdma_bytes=self.num_rdma_bytes, num_qps_per_rank=self.num_qps_per_rank,
                            allow_mnnvl=self.allow_mnnvl)
-            if group is not None:
-                return backend_cls.from_group(group, **options)
-            return backend_cls(self.rank, self.group_size, all_gather=comm.allgather, barrier=comm.Barrier, **options)
+            try:
+                if group is not None:
+                    return backend_cls.from_group(group, **options)
+                return backend_cls(self.rank, self.group_size, all_gather=comm.allgather, barrier=comm.Barrier,
+                                   **options)
+            except UnsupportedTopology as exc:  # collective: every rank gets here together
+                reason = str(exc)
         if choice == "cuda":
             raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the CUDA internode backend cannot be used: {reason}")
         if group is None:

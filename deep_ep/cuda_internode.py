@@ -39,6 +39,10 @@ from deep_ep.cuda_backend import _C, CudaBackend
 from deep_ep.cuda_low_latency import join_nvshmem_world
 
 
+class UnsupportedTopology(RuntimeError):
+    """Raised on every rank (collectively) when the group needs a data path this backend does not implement."""
+
+
 class InternodeCuda(CudaBackend):
     """Internode normal-mode dispatch/combine for one rank of a group of ``R`` nodes of one GPU each.
 
@@ -68,7 +72,13 @@ class InternodeCuda(CudaBackend):
         self._barrier = barrier
         unique_id = join_nvshmem_world(rank, num_rdma_bytes, num_qps_per_rank, True, allow_mnnvl, all_gather)
         self.runtime = _C.Runtime(rank, num_ranks, num_rdma_bytes, self.timeout_s, symmetric=True)
-        self.runtime.sync_symmetric(unique_id)
+        unreachable = all_gather(list(self.runtime.sync_symmetric(unique_id)))
+        if any(unreachable):  # every rank sees the same list: all release the symmetric buffer and raise
+            self.runtime.destroy()
+            pairs = "; ".join(f"rank {r} cannot reach {peers}" for r, peers in enumerate(unreachable) if peers)
+            raise UnsupportedTopology(f"the CUDA internode kernels need every peer's symmetric buffer reachable by "
+                                      f"loads and stores (nvshmem_ptr), the put path for remote transports is not "
+                                      f"implemented: {pairs}")
         self.comm_stream = torch.cuda.Stream(priority=-1)
         # id(handle.recv_gbl_rank_prefix_sum) -> (weak reference to it, the kernels' IntranodeHandle of that dispatch)
         self._kernel_views: dict[int, tuple] = {}
