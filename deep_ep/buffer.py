@@ -53,6 +53,17 @@ def _import_cuda(module: str, name: str) -> tuple[Any, Optional[str]]:
         return None, f"the CUDA extension is not importable ({exc})"
 
 
+def _without_cuda(choice: str, group: Any, what: str, reason: str) -> None:
+    """``None`` (the torch backend serves the group), or the error when the CUDA backend was required:
+    ``DEEP_EP_BACKEND=cuda``, or ``comm=`` without a torch group."""
+    if choice == "cuda":
+        raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the {what} cannot be used: {reason}")
+    if group is None:
+        raise ValueError(f"comm= (mpi4py) without group= needs the CUDA backend, which is unavailable: {reason}; "
+                         "pass a torch.distributed group")
+    return None
+
+
 class Buffer:
     """Communication buffer for expert-parallel dispatch and combine (DeepEP V1 ``deep_ep.Buffer``).
 
@@ -176,12 +187,7 @@ class Buffer:
             if group is not None:
                 return backend_cls.from_group(group, self.num_nvl_bytes)
             return backend_cls(self.rank, self.group_size, self.num_nvl_bytes, comm.allgather, comm.Barrier)
-        if choice == "cuda":
-            raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the CUDA backend cannot be used: {reason}")
-        if group is None:
-            raise ValueError(f"comm= (mpi4py) without group= needs the CUDA backend, which is unavailable: {reason}; "
-                             "pass a torch.distributed group")
-        return None
+        return _without_cuda(choice, group, "CUDA backend", reason)
 
     def _make_cuda_internode(self, group: Any, comm: Any, choice: str) -> Any:
         """The CUDA internode backend (one GPU per node, NVSHMEM) when it serves this group; else ``None``, or
@@ -200,12 +206,7 @@ class Buffer:
                                    **options)
             except UnsupportedTopology as exc:  # collective: every rank gets here together
                 reason = str(exc)
-        if choice == "cuda":
-            raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the CUDA internode backend cannot be used: {reason}")
-        if group is None:
-            raise ValueError(f"comm= (mpi4py) without group= needs the CUDA backend, which is unavailable: {reason}; "
-                             "pass a torch.distributed group")
-        return None
+        return _without_cuda(choice, group, "CUDA internode backend", reason)
 
     # ------------------------------------------------------------------------------------------------------------
     # Lifetime

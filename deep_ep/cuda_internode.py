@@ -12,9 +12,10 @@ What it adds on top of :class:`deep_ep.cuda_backend.CudaBackend`:
 
 * construction over the symmetric heap (``num_rdma_bytes`` bytes: the internode kernels' buffer is the RDMA one);
 * the internode 10-field handle (``deep_ep.handle.InternodeHandle``), built on the comm stream from the kernels'
-  intranode fields (:func:`deep_ep.handle.single_gpu_nodes_handle`) and converted back for cached dispatch and combine
-  (:func:`deep_ep.handle.single_gpu_nodes_kernel_handle`). With one GPU per node ``R_rdma = R``, the RDMA and global prefix matrices coincide and
-  ``send_rdma_head`` is the ring sequence per (channel, node);
+  intranode fields (:func:`deep_ep.handle.single_gpu_nodes_handle`); cached dispatch and combine reuse the kernels'
+  fields of that dispatch (or convert back, :func:`deep_ep.handle.single_gpu_nodes_kernel_handle`). With one GPU
+  per node ``R_rdma = R``, the RDMA and global prefix matrices coincide and ``send_rdma_head`` is the ring sequence
+  per (channel, node);
 * ``num_tokens_per_rdma_rank`` from ``get_dispatch_layout`` (= ``num_tokens_per_rank``: a node is one rank).
 
 Numerics: the spec's two-level combine rounds each node's partial sum to BF16 and then the sum over nodes. With one
