@@ -23,10 +23,15 @@ NUM_RDMA_BYTES = 512 * 1024 * 1024
 TASK = "test_internode:task_internode_roundtrip"
 
 
+def _virtual_node_pool(**env: str) -> ti.Pool:
+    """2 ranks on GPUs 0 and 1, each its own node, with an RDMA (NVSHMEM) buffer."""
+    return ti.Pool([0, 1], env={"DEEP_EP_GPUS_PER_NODE": "1", "DEEP_EP_TEST_NUM_RDMA_BYTES": str(NUM_RDMA_BYTES),
+                                **env})
+
+
 @pytest.fixture(scope="module")
 def virtual_nodes():
-    """2 ranks on GPUs 0 and 1, each its own node."""
-    pool = ti.Pool([0, 1], env={"DEEP_EP_GPUS_PER_NODE": "1", "DEEP_EP_TEST_NUM_RDMA_BYTES": str(NUM_RDMA_BYTES)})
+    pool = _virtual_node_pool()
     try:
         if ti.DEVICE == "cuda":
             assert pool.backends == {"InternodeCuda"}, f"Buffer did not pick the CUDA internode backend: " \
@@ -172,3 +177,17 @@ def test_two_virtual_nodes_bench_shape(virtual_nodes):
                        use_fp8=use_fp8, with_topk=True, num_sms=24, expert_alignment=1, mask_prob=0.0,
                        empty_rank=-1, async_mode=False, previous_mode=False, num_bias=0, scales_col_major=False)
         virtual_nodes.run(TASK, case)
+
+
+@pytest.mark.multi_gpu
+def test_stalled_node_times_out():
+    """Node 1 never joins the dispatch: node 0 gets a timeout exception naming the peer within the budget, and a
+    usable CUDA context (``test_intranode.task_stall``)."""
+    timeout_s = 5
+    pool = _virtual_node_pool(DEEP_EP_TIMEOUT_S=str(timeout_s))
+    try:
+        replies = pool.run("stall", {"stalled": 1, "timeout_s": timeout_s}, timeout=timeout_s * 6 + 60)
+        assert "timeout" in replies[0], replies
+    finally:
+        pool.kill()  # rank 0's Buffer is in the failed state: discard the pool
+

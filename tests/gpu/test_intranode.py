@@ -570,15 +570,17 @@ def task_stall(buffer, rank: int, payload: dict) -> str:
     per_rank = torch.full((buffer.group_size,), n, dtype=torch.int32, device=DEVICE)
     per_expert = torch.zeros(buffer.group_size, dtype=torch.int32, device=DEVICE)
     per_expert[:] = n
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    if buffer.topology.is_internode:  # test_internode.py: every token goes to every node too
+        layout["num_tokens_per_rdma_rank"] = torch.full((buffer.topology.num_scaleout_ranks,), n, dtype=torch.int32,
+                                                        device=DEVICE)
     if rank == stalled:
         return "stalled"
     start = time.monotonic()
     try:
-        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                        config=config)
+        buffer.dispatch(x, config=config, **layout)
         torch.cuda.synchronize()
-        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                        config=config)  # the error record is read at the next call at the latest
+        buffer.dispatch(x, config=config, **layout)  # the error record is read at the next call at the latest
     except TimeoutError as exc:
         elapsed = time.monotonic() - start
         text = str(exc)
