@@ -98,20 +98,27 @@ def per_token_cast_to_fp8(x: torch.Tensor):
 # ----------------------------------------------------------------------------------------------------------------
 # One rank
 # ----------------------------------------------------------------------------------------------------------------
-def run_rank(rank: int, args, port: int, result_path: str) -> None:
+def init_rank(rank: int, args, port: int):
+    """Join the NCCL group on this rank's GPU and draw the workload: ``(group, x, x_fp8, topk_idx,
+    topk_weights)`` (uniform routing: top-k of ``|randn| + 1``, unit weights)."""
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=args.num_processes, device_id=torch.device("cuda", torch.cuda.current_device()))
-    group = dist.group.WORLD
-    num_ranks = args.num_processes
     import deep_ep
     torch.manual_seed(rank)
     n, h, k, e = args.num_tokens, args.hidden, args.num_topk, args.num_experts
     x = torch.randn(n, h, dtype=torch.bfloat16, device="cuda")
-    x_fp8 = per_token_cast_to_fp8(x)
     scores = torch.randn(n, e, dtype=torch.float32, device="cuda").abs() + 1
     topk_idx = torch.topk(scores, k, dim=-1, sorted=False).indices.to(deep_ep.topk_idx_t)
     topk_weights = torch.ones(n, k, dtype=torch.float32, device="cuda")
+    return dist.group.WORLD, x, per_token_cast_to_fp8(x), topk_idx, topk_weights
+
+
+def run_rank(rank: int, args, port: int, result_path: str) -> None:
+    group, x, x_fp8, topk_idx, topk_weights = init_rank(rank, args, port)
+    num_ranks = args.num_processes
+    import deep_ep
+    n, h, e = args.num_tokens, args.hidden, args.num_experts
 
     buffer = deep_ep.Buffer(group, num_nvl_bytes=args.num_nvl_bytes, explicitly_destroy=True)
     report: dict = {"rank": rank, "backend": type(getattr(buffer, "_cuda", None)).__name__, "points": [],
@@ -259,25 +266,9 @@ DEEPEP_V1 = {  # ../shared/hardware.md, same machine: (op, SMs) -> GB/s
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-processes", type=int, default=2)
-    parser.add_argument("--num-tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--num-topk", type=int, default=8)
-    parser.add_argument("--num-experts", type=int, default=256)
-    parser.add_argument("--num-nvl-bytes", type=int, default=int(2e9) // 128 * 128)
-    parser.add_argument("--sms", type=int, nargs="+", default=[8, 16, 24, 32, 48])
-    parser.add_argument("--dispatch-chunks", type=int, nargs="+", default=[8, 16, 24])
-    parser.add_argument("--combine-chunks", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--dispatch-warps", type=int, nargs="+", default=[16],
-                        help="copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS) to sweep in dispatch")
-    parser.add_argument("--combine-warps", type=int, nargs="+", default=[8],
-                        help="ring-sender warps per channel to sweep in combine")
-    parser.add_argument("--receive", nargs="+", default=["rings"], choices=["rings", "direct", "skipcopy"],
-                        help="dispatch receive paths to measure (skipcopy: diagnostic, wrong outputs)")
-    parser.add_argument("--json", type=str, default="bench_intranode.json")
-    args = parser.parse_args()
+def spawn_ranks(run_rank, args) -> list[dict]:
+    """Run ``run_rank(rank, args, port, args.json)`` in ``args.num_processes`` processes; each writes its report to
+    ``<args.json>.rank<r>``, which is read back (rank order) and removed."""
     os.environ.setdefault("DEEP_EP_TIMEOUT_S", "30")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -288,6 +279,34 @@ def main() -> None:
         path = Path(f"{args.json}.rank{r}")
         reports.append(json.loads(path.read_text()))
         path.unlink()
+    return reports
+
+
+def add_workload_args(parser: argparse.ArgumentParser, sms: list[int]) -> None:
+    """The workload, buffer and sweep flags shared with bench_internode.py (DeepEP's test defaults)."""
+    parser.add_argument("--num-processes", type=int, default=2)
+    parser.add_argument("--num-tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--num-topk", type=int, default=8)
+    parser.add_argument("--num-experts", type=int, default=256)
+    parser.add_argument("--num-nvl-bytes", type=int, default=int(2e9) // 128 * 128)
+    parser.add_argument("--sms", type=int, nargs="+", default=sms)
+    parser.add_argument("--dispatch-chunks", type=int, nargs="+", default=[8, 16, 24])
+    parser.add_argument("--combine-chunks", type=int, nargs="+", default=[4, 8, 16])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(parser, [8, 16, 24, 32, 48])
+    parser.add_argument("--dispatch-warps", type=int, nargs="+", default=[16],
+                        help="copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS) to sweep in dispatch")
+    parser.add_argument("--combine-warps", type=int, nargs="+", default=[8],
+                        help="ring-sender warps per channel to sweep in combine")
+    parser.add_argument("--receive", nargs="+", default=["rings"], choices=["rings", "direct", "skipcopy"],
+                        help="dispatch receive paths to measure (skipcopy: diagnostic, wrong outputs)")
+    parser.add_argument("--json", type=str, default="bench_intranode.json")
+    args = parser.parse_args()
+    reports = spawn_ranks(run_rank, args)
     summary = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "machine": torch.cuda.get_device_name(0) + f" x{torch.cuda.device_count()}",
                "torch": torch.__version__, "args": vars(args), "ranks": reports}

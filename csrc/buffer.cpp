@@ -10,6 +10,10 @@
 #include <cstring>
 #include <thread>
 
+#ifndef DEEP_EP_DISABLE_NVSHMEM
+#include "kernels/low_latency.cuh"  // the shared NVSHMEM world: bootstrap, symmetric allocation, peer pointers
+#endif
+
 namespace deep_ep {
 
 namespace {
@@ -96,8 +100,8 @@ std::string format_error(const kernels::ErrorRecord& r) {
     return text;
 }
 
-Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s)
-    : rank_(rank), num_ranks_(num_ranks), num_nvl_bytes_(num_nvl_bytes), timeout_s_(timeout_s) {
+Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s, bool symmetric)
+    : rank_(rank), num_ranks_(num_ranks), num_nvl_bytes_(num_nvl_bytes), timeout_s_(timeout_s), symmetric_(symmetric) {
     if (num_ranks < 1 || num_ranks > kernels::kMaxRanks)
         invalid("num_ranks must be in [1, %d] for the intranode runtime, got %d", kernels::kMaxRanks, num_ranks);
     if (rank < 0 || rank >= num_ranks) invalid("rank must be in [0, %d), got %d", num_ranks, rank);
@@ -111,9 +115,12 @@ Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_
     DEEP_EP_CUDA_CHECK(cudaDeviceGetAttribute(&num_device_sms_, cudaDevAttrMultiProcessorCount, device_id_));
 
     // Scale-up buffer: zeroed once; the kernels keep it consistent from then on (monotonic counters, epochs).
-    DEEP_EP_CUDA_CHECK(cudaMalloc(&local_buffer_, num_nvl_bytes_));
-    DEEP_EP_CUDA_CHECK(cudaMemset(local_buffer_, 0, num_nvl_bytes_));
-    DEEP_EP_CUDA_CHECK(cudaIpcGetMemHandle(&local_handle_, local_buffer_));
+    // A symmetric runtime gets it from the NVSHMEM heap in sync_symmetric().
+    if (!symmetric_) {
+        DEEP_EP_CUDA_CHECK(cudaMalloc(&local_buffer_, num_nvl_bytes_));
+        DEEP_EP_CUDA_CHECK(cudaMemset(local_buffer_, 0, num_nvl_bytes_));
+        DEEP_EP_CUDA_CHECK(cudaIpcGetMemHandle(&local_handle_, local_buffer_));
+    }
 
     DEEP_EP_CUDA_CHECK(cudaMalloc(&workspace_, kernels::kWorkspaceBytes));
     DEEP_EP_CUDA_CHECK(cudaMemset(workspace_, 0, kernels::kWorkspaceBytes));
@@ -135,6 +142,8 @@ Runtime::~Runtime() {
     // Without an explicit destroy() the IPC mappings and memory are released here, without a barrier (a peer that
     // still writes into our buffer would then fault). deep_ep.Buffer calls destroy() on every rank instead.
     if (!destroyed_) {
+        // Freeing symmetric memory is collective: without destroy() on every rank it is left to process exit.
+        if (symmetric_) local_buffer_ = nullptr;
         try {
             destroy();
         } catch (...) {
@@ -148,6 +157,7 @@ std::string Runtime::get_local_ipc_handle() const {
 
 void Runtime::sync(const std::vector<int>& device_ids, const std::vector<std::string>& ipc_handles) {
     if (available_) throw std::runtime_error("Runtime::sync called twice");
+    if (symmetric_) throw std::runtime_error("Runtime::sync: a symmetric runtime is synchronised by sync_symmetric");
     if (static_cast<int>(device_ids.size()) != num_ranks_ || static_cast<int>(ipc_handles.size()) != num_ranks_)
         invalid("sync needs one device id and one IPC handle per rank (%d), got %d and %d", num_ranks_,
                 static_cast<int>(device_ids.size()), static_cast<int>(ipc_handles.size()));
@@ -179,18 +189,39 @@ void Runtime::sync(const std::vector<int>& device_ids, const std::vector<std::st
     available_ = true;
 }
 
+std::vector<int> Runtime::sync_symmetric(const std::string& unique_id) {
+    if (available_ || local_buffer_ != nullptr) throw std::runtime_error("Runtime::sync_symmetric called twice");
+    if (!symmetric_) throw std::runtime_error("Runtime::sync_symmetric needs a runtime built with symmetric=True");
+#ifdef DEEP_EP_DISABLE_NVSHMEM
+    (void)unique_id;
+    throw std::runtime_error("this build has no NVSHMEM (DEEP_EP_DISABLE_NVSHMEM): no symmetric runtime");
+#else
+    kernels::ll::nvshmem_bootstrap(std::vector<uint8_t>(unique_id.begin(), unique_id.end()), rank_, num_ranks_);
+    local_buffer_ = kernels::ll::nvshmem_alloc_zeroed(num_nvl_bytes_);  // collective
+    peer_buffers_ = kernels::ll::nvshmem_peer_pointers(local_buffer_, num_ranks_);
+    std::vector<int> unreachable;
+    for (int r = 0; r < num_ranks_; ++r)
+        if (peer_buffers_[r] == nullptr) unreachable.push_back(r);
+    available_ = unreachable.empty();
+    return unreachable;
+#endif
+}
+
 void Runtime::destroy() {
     if (destroyed_) return;
     destroyed_ = true;
     available_ = false;
     cudaDeviceSynchronize();
     for (int r = 0; r < static_cast<int>(peer_buffers_.size()); ++r)
-        if (r != rank_ && peer_buffers_[r] != nullptr) cudaIpcCloseMemHandle(peer_buffers_[r]);
+        if (!symmetric_ && r != rank_ && peer_buffers_[r] != nullptr) cudaIpcCloseMemHandle(peer_buffers_[r]);
     peer_buffers_.clear();
     for (auto& block : pending_blocks_)
         for (cudaEvent_t event : block.events) cudaEventDestroy(event);
     pending_blocks_.clear();
-    if (local_buffer_) cudaFree(local_buffer_);
+#ifndef DEEP_EP_DISABLE_NVSHMEM
+    if (symmetric_ && local_buffer_) kernels::ll::nvshmem_release(local_buffer_);  // collective
+#endif
+    if (!symmetric_ && local_buffer_) cudaFree(local_buffer_);
     if (workspace_) cudaFree(workspace_);
     if (host_error_) cudaFreeHost(host_error_);
     if (host_counters_) cudaFreeHost(host_counters_);

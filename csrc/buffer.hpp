@@ -3,6 +3,8 @@
 // Owns:
 //   * the scale-up (NVLink) buffer of `num_nvl_bytes`, allocated with cudaMalloc and shared with the other ranks of
 //     the node through CUDA IPC handles (several ranks may share one GPU: IPC works between processes on one device);
+//     or, for a `symmetric` runtime (internode groups of one GPU per node, deep_ep/cuda_internode.py), the same
+//     bytes on the NVSHMEM symmetric heap, every peer reached through nvshmem_ptr (see sync_symmetric);
 //   * the device table of peer buffer pointers (index = rank);
 //   * a zeroed device workspace for the kernels' private state (ring shadows, epochs, call sequence words);
 //   * host-mapped memory: the error record the kernels fill instead of trapping, and the counters the notify kernel
@@ -57,7 +59,8 @@ struct PoolReturnQueue {
 
 class Runtime {
    public:
-    Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s);
+    // `symmetric`: the buffer comes from the NVSHMEM symmetric heap in sync_symmetric() instead of cudaMalloc + IPC.
+    Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s, bool symmetric = false);
     ~Runtime();
     Runtime(const Runtime&) = delete;
     Runtime& operator=(const Runtime&) = delete;
@@ -72,6 +75,13 @@ class Runtime {
     std::string get_local_ipc_handle() const;
     // Opens every peer's buffer and uploads the pointer table. `ipc_handles[rank]` must equal our own handle.
     void sync(const std::vector<int>& device_ids, const std::vector<std::string>& ipc_handles);
+    // Symmetric runtime only (collective over the NVSHMEM world of all ranks, PE = rank): joins the world of
+    // `unique_id` (shared with the low-latency runtime: one world per process), allocates the zeroed buffer on the
+    // symmetric heap and maps every peer's copy with nvshmem_ptr. Returns the ranks whose buffer is not load/store
+    // reachable (a remote transport; the put path is not implemented); the runtime is usable only if none, else
+    // the caller agrees with its peers and calls destroy() on every rank.
+    std::vector<int> sync_symmetric(const std::string& unique_id);
+    bool is_symmetric() const { return symmetric_; }
     bool is_available() const { return available_; }
     // Releases the IPC mappings and allocations. Call after a cross-rank barrier so no peer still writes here.
     void destroy();
@@ -166,12 +176,13 @@ class Runtime {
     double timeout_s_;
     int device_id_ = -1;
     int num_device_sms_ = 0;
+    bool symmetric_ = false;
     bool available_ = false;
     bool destroyed_ = false;
     int64_t call_seq_ = 0;
     int64_t fault_call_seq_ = 0;
 
-    void* local_buffer_ = nullptr;          // num_nvl_bytes_ of device memory, IPC-exported
+    void* local_buffer_ = nullptr;          // num_nvl_bytes_ of device memory, IPC-exported (or symmetric)
     cudaIpcMemHandle_t local_handle_{};
     std::vector<void*> peer_buffers_;        // [num_ranks_]; own rank = local_buffer_, others IPC-opened
     void* workspace_ = nullptr;              // kernels::kWorkspaceBytes of zeroed device memory

@@ -72,12 +72,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("query", &deep_ep::EventHandle::query);
 
     py::class_<deep_ep::Runtime>(m, "Runtime")
-        .def(py::init<int, int, int64_t, double>(), py::arg("rank"), py::arg("num_ranks"), py::arg("num_nvl_bytes"),
-             py::arg("timeout_s"))
+        .def(py::init<int, int, int64_t, double, bool>(), py::arg("rank"), py::arg("num_ranks"),
+             py::arg("num_nvl_bytes"), py::arg("timeout_s"), py::arg("symmetric") = false)
         .def("get_local_device_id", &deep_ep::Runtime::get_local_device_id)
         .def("get_num_device_sms", &deep_ep::Runtime::get_num_device_sms)
         .def("get_local_ipc_handle", [](const deep_ep::Runtime& r) { return py::bytes(r.get_local_ipc_handle()); })
         .def("sync", &deep_ep::Runtime::sync)
+        .def("sync_symmetric", &deep_ep::Runtime::sync_symmetric)
+        .def("is_symmetric", &deep_ep::Runtime::is_symmetric)
         .def("is_available", &deep_ep::Runtime::is_available)
         .def("destroy", &deep_ep::Runtime::destroy)
         .def("read_error", &error_dict)

@@ -55,6 +55,17 @@ def _import_cuda(module: str, name: str) -> tuple[Any, Optional[str]]:
         return None, f"the CUDA extension is not importable ({exc})"
 
 
+def _without_cuda(choice: str, group: Any, what: str, reason: str) -> None:
+    """``None`` (the torch backend serves the group), or the error when the CUDA backend was required:
+    ``DEEP_EP_BACKEND=cuda``, or ``comm=`` without a torch group."""
+    if choice == "cuda":
+        raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the {what} cannot be used: {reason}")
+    if group is None:
+        raise ValueError(f"comm= (mpi4py) without group= needs the CUDA backend, which is unavailable: {reason}; "
+                         "pass a torch.distributed group")
+    return None
+
+
 class Buffer:
     """Communication buffer for expert-parallel dispatch and combine (DeepEP V1 ``deep_ep.Buffer``).
 
@@ -166,6 +177,8 @@ class Buffer:
         choice = _backend_choice()
         if choice == "torch":
             return None
+        if self.topology.is_internode:
+            return self._make_cuda_internode(group, comm, choice)
         backend_cls, reason = _import_cuda("deep_ep.cuda_backend", "CudaBackend")
         if backend_cls is not None:
             if not backend_cls.is_supported(self.group_size, self.topology.num_scaleup_ranks):
@@ -178,12 +191,26 @@ class Buffer:
             if group is not None:
                 return backend_cls.from_group(group, self.num_nvl_bytes)
             return backend_cls(self.rank, self.group_size, self.num_nvl_bytes, comm.allgather, comm.Barrier)
-        if choice == "cuda":
-            raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the CUDA backend cannot be used: {reason}")
-        if group is None:
-            raise ValueError(f"comm= (mpi4py) without group= needs the CUDA backend, which is unavailable: {reason}; "
-                             "pass a torch.distributed group")
-        return None
+        return _without_cuda(choice, group, "CUDA backend", reason)
+
+    def _make_cuda_internode(self, group: Any, comm: Any, choice: str) -> Any:
+        """The CUDA internode backend (one GPU per node, NVSHMEM) when it serves this group; else ``None``, or
+        an error naming the reason under ``DEEP_EP_BACKEND=cuda`` or with ``comm=`` alone."""
+        backend_cls, reason = _import_cuda("deep_ep.cuda_internode", "InternodeCuda")
+        if backend_cls is not None:
+            reason = backend_cls.unsupported_reason(self.topology, self.num_rdma_bytes)
+        if reason is None:
+            from deep_ep.cuda_internode import UnsupportedTopology
+            options = dict(num_rdma_bytes=self.num_rdma_bytes, num_qps_per_rank=self.num_qps_per_rank,
+                           allow_mnnvl=self.allow_mnnvl)
+            try:
+                if group is not None:
+                    return backend_cls.from_group(group, **options)
+                return backend_cls(self.rank, self.group_size, all_gather=comm.allgather, barrier=comm.Barrier,
+                                   **options)
+            except UnsupportedTopology as exc:  # collective: every rank gets here together
+                reason = str(exc)
+        return _without_cuda(choice, group, "CUDA internode backend", reason)
 
     # ------------------------------------------------------------------------------------------------------------
     # Lifetime
@@ -347,7 +374,9 @@ class Buffer:
             if size.numel() > available:
                 raise ValueError(f"size {tuple(size)} needs {size.numel()} elements of {dtype}, but the buffer has "
                                  f"{available} from offset {offset}")
-        backend = self._cuda if (self._cuda is not None and not use_rdma_buffer) else self._torch
+        # The CUDA internode backend's buffer is the RDMA one; the intranode backend's the NVL one.
+        cuda_buffer_is_rdma = self._cuda is not None and self.topology.is_internode
+        backend = self._cuda if (self._cuda is not None and use_rdma_buffer == cuda_buffer_is_rdma) else self._torch
         return backend.get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 
     # ------------------------------------------------------------------------------------------------------------

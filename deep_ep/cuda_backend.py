@@ -328,6 +328,7 @@ class CudaBackend:
         try:
             after_current = scope.after_current
             if cached:
+                handle = self._kernel_handle(handle)
                 rank_prefix_matrix = handle.rank_prefix_matrix
                 channel_prefix_matrix = handle.channel_prefix_matrix
                 recv_channel_prefix_matrix = handle.recv_channel_prefix_matrix
@@ -374,19 +375,33 @@ class CudaBackend:
                 intranode_send_warps("dispatch", self.num_ranks), self._comm_ptr, after_current,
                 scope.current_after)
 
+            new_handle = None
+            if not cached:
+                new_handle = self._user_handle(IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix,
+                                                               recv_channel_prefix_matrix, recv_src_idx,
+                                                               is_token_in_rank, send_head), scope.current_after)
             event = scope.finish((data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
                                   num_tokens_per_expert, rank_prefix_matrix, channel_prefix_matrix,
                                   recv_channel_prefix_matrix, recv_x, recv_scales, recv_topk_idx, recv_topk_weights,
-                                  recv_src_idx, send_head))
+                                  recv_src_idx, send_head, *(new_handle or ())))
         except BaseException:
             scope.restore()
             raise
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         if cached:
             return DispatchResult(out_x, None, None, None, None, event)
-        new_handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
-                                     recv_src_idx, is_token_in_rank, send_head)
         return DispatchResult(out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event)
+
+    def _kernel_handle(self, handle):
+        """The handle as the kernels read it (an ``IntranodeHandle``). The internode backend converts its handle
+        here (on the comm stream, which produced the handle's tensors)."""
+        return handle
+
+    def _user_handle(self, handle, current_after: bool):
+        """The handle returned to the user for the kernels' ``IntranodeHandle``; called after the dispatch kernel
+        was launched, before the call's event is recorded. ``current_after``: the launch made the current stream
+        wait for the comm stream (work this adds to the comm stream must then be waited for again)."""
+        return handle
 
     def reclaim_pool_blocks(self, ordered: bool = False) -> None:
         """Free the output-pool blocks whose tensors are gone and that a dispatch about to run on the comm stream
@@ -452,12 +467,13 @@ class CudaBackend:
         if config is None:
             raise ValueError("config must be resolved by the Buffer front before reaching the CUDA backend")
         num_channels = self.num_channels(config)
-        if handle.channel_prefix_matrix.size(1) != num_channels:
+        if handle[1].size(1) != num_channels:  # channel_prefix_matrix (intranode), rdma_channel_prefix_matrix
             raise ValueError(f"config.num_sms ({config.num_sms}) gives {num_channels} channels but the handle was "
-                             f"made with {handle.channel_prefix_matrix.size(1)}; use the dispatch's SM count")
+                             f"made with {handle[1].size(1)}; use the dispatch's SM count")
         bias_0, bias_1 = (bias if isinstance(bias, tuple) else (bias, None)) if bias is not None else (None, None)
         scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
         try:
+            handle = self._kernel_handle(handle)
             combined_x, combined_topk_weights = self.runtime.combine(
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,

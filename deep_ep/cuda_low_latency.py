@@ -67,6 +67,20 @@ def nvshmem_environment(num_rdma_bytes: int, num_qps_per_rank: int, allow_nvlink
     return env
 
 
+def join_nvshmem_world(rank: int, num_rdma_bytes: int, num_qps_per_rank: int, allow_nvlink: bool,
+                       allow_mnnvl: bool, all_gather: Callable[[object], list]) -> bytes:
+    """Collective: set the NVSHMEM environment (user values win, ``NVSHMEM_DISABLE_NVLS=1`` always) and return
+    rank 0's unique id of the world of all ranks (PE = rank). The C++ runtimes pass it to the shared bootstrap,
+    which initialises NVSHMEM once per process: the low-latency and the internode runtimes join the same world."""
+    hosts = all_gather(socket.gethostname())
+    for name, value in nvshmem_environment(num_rdma_bytes, num_qps_per_rank, allow_nvlink, allow_mnnvl,
+                                           len(set(hosts)) == 1, has_nic()).items():
+        os.environ.setdefault(name, value)
+    os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+    unique_id = bytes(_C.ll_unique_id()) if rank == 0 else None
+    return all_gather(unique_id)[0]
+
+
 class LowLatencyCuda:
     """One rank's LL kernels.
 
@@ -80,14 +94,8 @@ class LowLatencyCuda:
                  allow_nvlink: bool, allow_mnnvl: bool, enable_shrink: bool,
                  all_gather: Callable[[object], list]) -> None:
         self.rank, self.num_ranks, self.num_rdma_bytes = rank, num_ranks, num_rdma_bytes
-        hosts = all_gather(socket.gethostname())
-        nic = has_nic()
-        for name, value in nvshmem_environment(num_rdma_bytes, num_qps_per_rank, allow_nvlink, allow_mnnvl,
-                                               len(set(hosts)) == 1, nic).items():
-            os.environ.setdefault(name, value)
-        os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
-        unique_id = bytes(_C.ll_unique_id()) if rank == 0 else None
-        unique_id = all_gather(unique_id)[0]
+        unique_id = join_nvshmem_world(rank, num_rdma_bytes, num_qps_per_rank, allow_nvlink, allow_mnnvl,
+                                       all_gather)
         self.runtime = _C.LowLatencyRuntime(rank, num_ranks, num_rdma_bytes, envs.TIMEOUT_S.get(), enable_shrink,
                                             unique_id)
         self.comm_stream = torch.cuda.Stream(priority=-1)

@@ -422,3 +422,57 @@ def forwarder_send_nvl_head(src_node: torch.Tensor, channel: torch.Tensor, local
     mask = torch.zeros(num_rows, NUM_MAX_SCALEUP_RANKS, dtype=torch.bool, device=local_mask.device)
     mask[:, :num_local] = local_mask
     return ring_sequence(src_node.to(torch.int64) * num_channels + channel.to(torch.int64), mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One GPU per node (deep_ep/cuda_internode.py): internode handle <-> the intranode kernels' fields.
+# ---------------------------------------------------------------------------------------------------------------
+
+def single_gpu_nodes_handle(handle: IntranodeHandle, rank: int) -> InternodeHandle:
+    """The internode handle of a group of one GPU per node (``R_rdma = R``), built from the CUDA kernels'
+    intranode fields (runs on the current
+    stream; no host synchronisation).
+
+    Args:
+        handle: the dispatch's ``IntranodeHandle`` on rank ``rank``: ``rank_prefix_matrix [R, R]`` (only column
+            ``rank`` is read), ``channel_prefix_matrix [R, C]`` inclusive, ``recv_channel_prefix_matrix [R, C]``
+            exclusive inside each source's block, ``recv_src_idx [M]`` (``M`` may include worst-token padding),
+            ``is_token_in_rank``, ``send_head [N, R]``.
+    Returns:
+        :class:`InternodeHandle` with the fields of spec §9.6 for ``R_rdma = R``, one rank per node.
+    """
+    prefix = handle.rank_prefix_matrix[:, rank].contiguous()                  # inclusive over sources
+    counts = prefix - torch.cat([prefix.new_zeros(1), prefix[:-1]])
+    recv_cpm = handle.recv_channel_prefix_matrix
+    recv_rdma_cpm = torch.cat([recv_cpm[:, 1:], counts.view(-1, 1)], dim=1)  # inclusive inside each block
+    recv_gbl_cpm = recv_cpm + (prefix - counts).view(-1, 1)                   # absolute first rows
+    num_rows = handle.recv_src_idx.size(0)
+    rows = torch.arange(num_rows, dtype=torch.int32, device=prefix.device)
+    source = torch.searchsorted(prefix, rows, right=True)                     # num_ranks on padding rows
+    real = source < prefix.numel()
+    src_meta = encode_src_meta(torch.where(real, source, 0), real.view(-1, 1))
+    starts = recv_gbl_cpm.flatten().contiguous()
+    first = starts[torch.searchsorted(starts, rows, right=True) - 1] if starts.numel() else rows
+    send_nvl_head = torch.full((num_rows, NUM_MAX_SCALEUP_RANKS), -1, dtype=torch.int32, device=prefix.device)
+    send_nvl_head[:, 0] = torch.where(real, rows - first, -1)
+    return InternodeHandle(handle.is_token_in_rank, handle.channel_prefix_matrix,
+                           handle.channel_prefix_matrix.clone(), recv_rdma_cpm, prefix.clone(), recv_gbl_cpm, prefix,
+                           src_meta, handle.send_head, send_nvl_head)
+
+
+def single_gpu_nodes_kernel_handle(handle: InternodeHandle, rank: int) -> IntranodeHandle:
+    """Inverse of :func:`single_gpu_nodes_handle` for the fields the kernels read (cached dispatch, combine).
+
+    ``rank_prefix_matrix`` gets column ``rank`` only (the kernels read no other column; the rest is 0) and
+    ``recv_src_idx`` is a fresh ``[M]`` int32 tensor that a cached dispatch overwrites (internode handles carry no
+    source token index).
+    """
+    prefix = handle.recv_gbl_rank_prefix_sum
+    num_ranks = prefix.numel()
+    counts = prefix - torch.cat([prefix.new_zeros(1), prefix[:-1]])
+    rank_prefix_matrix = torch.zeros(num_ranks, num_ranks, dtype=torch.int32, device=prefix.device)
+    rank_prefix_matrix[:, rank] = prefix
+    recv_cpm = handle.recv_gbl_channel_prefix_matrix - (prefix - counts).view(-1, 1)
+    recv_src_idx = torch.empty(handle.recv_src_meta.size(0), dtype=torch.int32, device=prefix.device)
+    return IntranodeHandle(rank_prefix_matrix, handle.gbl_channel_prefix_matrix, recv_cpm, recv_src_idx,
+                           handle.is_token_in_rank, handle.send_rdma_head)

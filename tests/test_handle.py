@@ -145,3 +145,61 @@ def test_internode_sender_consistent(case):
         assert torch.equal(sender.gbl_channel_prefix_matrix,
                            hd.intranode_sender(mask, case.num_channels).channel_prefix_matrix)
         assert sender.send_rdma_head.tolist() == _naive_send_head(nodes, case.num_channels)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One GPU per node: the CUDA internode backend's handle conversion against the torch backend's construction.
+# ---------------------------------------------------------------------------------------------------------------
+
+def _single_gpu_nodes_expected(masks: list[torch.Tensor], me: int, num_channels: int,
+                               num_pad: int) -> hd.InternodeHandle:
+    """Rank ``me``'s internode handle for ``R`` nodes of one GPU, built the way deep_ep/torch_backend.py does."""
+    num_ranks = len(masks)
+    topo = Topology(num_ranks, 1)
+    senders = [hd.internode_sender(m, num_channels, topo) for m in masks]
+    recv_counts = torch.tensor([int(m[:, me].sum()) for m in masks])
+    src_chan_prefix = torch.stack([s.gbl_channel_prefix_matrix[me] for s in senders])
+    src_rdma_prefix = torch.stack([s.rdma_channel_prefix_matrix[me] for s in senders])
+    gbl_rank_prefix = hd.recv_gbl_rank_prefix_sum(recv_counts)
+    gbl_chan_prefix = hd.recv_gbl_channel_prefix_matrix(src_chan_prefix, gbl_rank_prefix)
+    source = torch.repeat_interleave(torch.arange(num_ranks), recv_counts)
+    num_recv = int(recv_counts.sum())
+    src_meta = hd.encode_src_meta(source, torch.ones(num_recv, 1, dtype=torch.bool))
+    src_meta = torch.cat([src_meta, torch.zeros(num_pad, 8, dtype=torch.uint8)])
+    channel = torch.cat([hd.token_channels(m.size(0), num_channels)[m[:, me]] for m in masks])
+    nvl_head = hd.forwarder_send_nvl_head(source, channel, torch.ones(num_recv, 1, dtype=torch.bool))
+    nvl_head = torch.cat([nvl_head, torch.full((num_pad, 8), -1, dtype=torch.int32)])
+    sender = senders[me]
+    return hd.InternodeHandle(masks[me], sender.rdma_channel_prefix_matrix, sender.gbl_channel_prefix_matrix,
+                              hd.recv_rdma_channel_prefix_matrix(src_rdma_prefix),
+                              hd.recv_rdma_rank_prefix_sum(src_rdma_prefix), gbl_chan_prefix, gbl_rank_prefix,
+                              src_meta, sender.send_rdma_head, nvl_head)
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_ranks=st.integers(2, 5), num_channels=st.integers(1, 6), num_pad=st.integers(0, 3), data=st.data())
+def test_single_gpu_nodes_handle_matches_torch_backend(num_ranks, num_channels, num_pad, data):
+    """The CUDA kernels' intranode fields convert to the torch backend's internode handle (G = 1), and back."""
+    masks = []
+    for _ in range(num_ranks):
+        num_tokens = data.draw(st.integers(0, 12))
+        bits = data.draw(st.lists(st.booleans(), min_size=num_tokens * num_ranks, max_size=num_tokens * num_ranks))
+        masks.append(torch.tensor(bits, dtype=torch.bool).view(num_tokens, num_ranks))
+    me = data.draw(st.integers(0, num_ranks - 1))
+    count_matrix = torch.tensor([[int(m[:, d].sum()) for d in range(num_ranks)] for m in masks])
+    senders = [hd.intranode_sender(m, num_channels) for m in masks]
+    recv_src_idx = torch.cat([torch.nonzero(m[:, me]).flatten() for m in masks]).to(torch.int32)
+    recv_src_idx = torch.cat([recv_src_idx, torch.zeros(num_pad, dtype=torch.int32)])
+    intra = hd.IntranodeHandle(hd.rank_prefix_matrix(count_matrix), senders[me].channel_prefix_matrix,
+                               hd.recv_channel_prefix_matrix(torch.stack([s.channel_prefix_matrix[me]
+                                                                          for s in senders])),
+                               recv_src_idx, masks[me], senders[me].send_head)
+    got = hd.single_gpu_nodes_handle(intra, me)
+    want = _single_gpu_nodes_expected(masks, me, num_channels, num_pad)
+    for name, a, b in zip(hd.InternodeHandle._fields, got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    back = hd.single_gpu_nodes_kernel_handle(got, me)
+    assert torch.equal(back.rank_prefix_matrix[:, me], intra.rank_prefix_matrix[:, me])
+    for name in ("channel_prefix_matrix", "recv_channel_prefix_matrix", "is_token_in_rank", "send_head"):
+        assert torch.equal(getattr(back, name), getattr(intra, name)), name
+    assert back.recv_src_idx.shape == intra.recv_src_idx.shape

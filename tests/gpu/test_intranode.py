@@ -157,7 +157,10 @@ def _worker(rank: int, world: int, device: int, port: int, env: dict, tasks, res
             torch.cuda.set_device(device)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         import deep_ep
-        buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES, explicitly_destroy=True)
+        # tests/gpu/test_internode.py reuses this pool with an RDMA (NVSHMEM) buffer and virtual nodes.
+        num_rdma_bytes = int(os.environ.get("DEEP_EP_TEST_NUM_RDMA_BYTES", "0"))
+        buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES, num_rdma_bytes=num_rdma_bytes,
+                                explicitly_destroy=True)
         results.put((rank, "ready", _backend_name(buffer)))
     except Exception:  # noqa: BLE001 - reported to the driver
         results.put((rank, "error", traceback.format_exc()))
@@ -173,12 +176,21 @@ def _worker(rank: int, world: int, device: int, port: int, env: dict, tasks, res
             return
         try:
             dist.barrier()  # every example starts on all ranks together
-            message = TASKS[name](buffer, rank, payload)
+            message = _task(name)(buffer, rank, payload)
             results.put((rank, "ok", message))
         except Exception:  # noqa: BLE001 - reported to the driver
             text = f"{getattr(payload, 'describe', lambda: payload)()}\n{traceback.format_exc()}"
             _abort_peers(buffer)
             results.put((rank, "fail", text))
+
+
+def _task(name: str) -> Callable:
+    """A task of this module by name, or ``"module:function"`` of another test module on ``sys.path``."""
+    if ":" in name:
+        import importlib
+        module, function = name.split(":")
+        return getattr(importlib.import_module(module), function)
+    return TASKS[name]
 
 
 def _abort_peers(buffer) -> None:
@@ -609,15 +621,17 @@ def task_stall(buffer, rank: int, payload: dict) -> str:
     per_rank = torch.full((buffer.group_size,), n, dtype=torch.int32, device=DEVICE)
     per_expert = torch.zeros(buffer.group_size, dtype=torch.int32, device=DEVICE)
     per_expert[:] = n
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    if buffer.topology.is_internode:  # test_internode.py: every token goes to every node too
+        layout["num_tokens_per_rdma_rank"] = torch.full((buffer.topology.num_scaleout_ranks,), n, dtype=torch.int32,
+                                                        device=DEVICE)
     if rank == stalled:
         return "stalled"
     start = time.monotonic()
     try:
-        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                        config=config)
+        buffer.dispatch(x, config=config, **layout)
         torch.cuda.synchronize()
-        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                        config=config)  # the error record is read at the next call at the latest
+        buffer.dispatch(x, config=config, **layout)  # the error record is read at the next call at the latest
     except TimeoutError as exc:
         elapsed = time.monotonic() - start
         text = str(exc)
