@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Steps of a device call (nvidia-h200-x2), run in the order given, each with its own time limit, all under one
+# deadline (BUDGET_S, default 560 s after the start). Logs and JSON go to $OUT; $OUT/summary.log has one line per
+# step (rc, seconds) and the tables of the benchmarks.
+#
+#   OUT=$OUT bash benchmarks/run_device.sh build test_intranode test_ll bench_ll
+#
+# Steps:
+#   build            the extension with NVSHMEM (pip wheel), sm_90a, 32 jobs
+#   test_intranode   GPU property suite of the intranode kernels (both receive paths) + the host-path test
+#   test_ll          GPU property suite of the low-latency kernels (LL_EXAMPLES examples per property, default 5)
+#   test_internode   GPU property suite of the internode backend on 2 virtual nodes x 1 GPU
+#   bench_intranode  rings and direct receive at 24 and 8 SMs (DeepEP's EP2 workload) -> intra.json
+#   bench_ll         LL sweep of tokens per rank 1..256 (128 is the bar) -> ll.json
+#   bench_internode  2 virtual nodes x 1 GPU next to the intranode kernels, simulator prediction -> inter.json
+#   nvlink           copy-engine ceiling (every pair and all-to-all) -> nvlink.json
+# Exit status: the number of failed steps (the build failing stops the call).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-$PWD/out-device}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=gpu DEEP_EP_TIMEOUT_S="${DEEP_EP_TIMEOUT_S:-20}"
+T0=$(date +%s)
+END=$((T0 + ${BUDGET_S:-560}))
+S="$OUT/summary.log"
+failed=0
+
+# limit WANT: WANT seconds, or what is left before the deadline when that is less (at least 5).
+limit() { local l=$((END - $(date +%s))); [ "$l" -gt "$1" ] && echo "$1" || echo $(( l > 5 ? l : 5 )); }
+
+run_step() {  # run_step NAME WANT_S COMMAND...
+    local name=$1 want=$2
+    shift 2
+    local t0=$(date +%s)
+    timeout --kill-after=10 "$(limit "$want")" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "[$(( $(date +%s) - T0 )) s] $name rc=$rc ($(( $(date +%s) - t0 )) s)" | tee -a "$S"
+    [ $rc -ne 0 ] && failed=$((failed + 1))
+    return $rc
+}
+
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$S" 2>&1
+for step in "$@"; do
+    case "$step" in
+    build)
+        if ! run_step build 220 env MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py build_ext --inplace; then
+            grep -iE "error|fatal" "$OUT/build.log" | head -20 >> "$S"
+            exit 1
+        fi
+        python3 -c "import deep_ep._C as c; print('HAS_LOW_LATENCY', c.HAS_LOW_LATENCY)" >> "$S" 2>&1 ;;
+    test_intranode)
+        run_step test_intranode 170 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_intranode.py \
+            tests/test_cuda_host_path.py
+        tail -n 3 "$OUT/test_intranode.log" >> "$S" ;;
+    test_ll)
+        run_step test_ll 220 env LL_EXAMPLES="${LL_EXAMPLES:-5}" python3 -m pytest -q -rfE -p no:cacheprovider \
+            tests/gpu/test_low_latency.py
+        tail -n 3 "$OUT/test_ll.log" >> "$S" ;;
+    test_internode)
+        run_step test_internode 190 env DEEP_EP_GPU_EXAMPLES_INTERNODE="${INTERNODE_EXAMPLES:-8}" \
+            python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_internode.py
+        tail -n 3 "$OUT/test_internode.log" >> "$S" ;;
+    bench_intranode)
+        run_step bench_intranode 140 python3 benchmarks/bench_intranode.py --sms 24 8 --dispatch-chunks 16 \
+            --combine-chunks 8 --dispatch-warps 12 16 --combine-warps 6 8 --receive rings direct \
+            --json "$OUT/intra.json"
+        grep -E "^(#|op|dispatch|combine|nccl)" "$OUT/bench_intranode.log" >> "$S" ;;
+    bench_ll)
+        run_step bench_ll 120 python3 benchmarks/bench_low_latency.py --tokens "${LL_TOKENS:-1,2,4,8,16,32,64,128,256}" \
+            --warmups 10 --iters 20 --json "$OUT/ll.json"
+        tail -n 14 "$OUT/bench_ll.log" >> "$S" ;;
+    bench_internode)
+        run_step bench_internode 100 python3 benchmarks/bench_internode.py --json "$OUT/inter.json"
+        tail -n 14 "$OUT/bench_internode.log" >> "$S" ;;
+    nvlink)
+        run_step nvlink 60 python3 benchmarks/bench_nvlink.py --bytes 536870912 --repeats 5 --json "$OUT/nvlink.json"
+        tail -n 8 "$OUT/nvlink.log" >> "$S" ;;
+    *)
+        echo "unknown step $step" | tee -a "$S"
+        failed=$((failed + 1)) ;;
+    esac
+done
+echo "[$(( $(date +%s) - T0 )) s] done, failed steps: $failed" | tee -a "$S"
+exit $failed
