@@ -62,7 +62,11 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
         flush = torch.empty(int(256e6 // 4), dtype=torch.int32, device="cuda")
         points = []
         for tokens in sweep:
-            buf.clean_low_latency_buffer(tokens, hidden, experts)
+            # The buffer's token capacity: R * capacity must be a multiple of 4 (spec); x has `tokens` rows.
+            capacity = tokens
+            while (world * capacity) % 4:
+                capacity += 1
+            buf.clean_low_latency_buffer(capacity, hidden, experts)
             gen = torch.Generator(device="cuda").manual_seed(1 + rank)
             x = (torch.randn(tokens, hidden, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
             scores = torch.randn(tokens, experts, device="cuda", generator=gen).abs() + 1
@@ -74,7 +78,8 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
             state = {}
 
             def dispatch(hook=False):
-                state["d"] = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=True, return_recv_hook=hook)
+                state["d"] = buf.low_latency_dispatch(x, idx, capacity, experts, use_fp8=True,
+                                                      return_recv_hook=hook)
                 return state["d"]
 
             def combine(hook=False):

@@ -42,24 +42,27 @@ run_step() {  # run_step NAME WANT_S COMMAND...
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$S" 2>&1
 for step in "$@"; do
     case "$step" in
-    build)
+    build)  # DEEP_EP_DEBUG_BUILD=1 in the environment: the LL kernels' section trace (tools/ll_trace.py)
         if ! run_step build 220 env MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py build_ext --inplace; then
             grep -iE "error|fatal" "$OUT/build.log" | head -20 >> "$S"
             exit 1
         fi
-        python3 -c "import deep_ep._C as c; print('HAS_LOW_LATENCY', c.HAS_LOW_LATENCY)" >> "$S" 2>&1 ;;
+        python3 -c "import torch, deep_ep._C as c; print('HAS_LOW_LATENCY', c.HAS_LOW_LATENCY)" >> "$S" 2>&1 ;;
     test_intranode)
         run_step test_intranode 170 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_intranode.py \
             tests/test_cuda_host_path.py
-        tail -n 3 "$OUT/test_intranode.log" >> "$S" ;;
+        tail -n 3 "$OUT/test_intranode.log" >> "$S"
+        grep -E "^E " "$OUT/test_intranode.log" | head -30 >> "$S" ;;
     test_ll)
         run_step test_ll 220 env LL_EXAMPLES="${LL_EXAMPLES:-5}" python3 -m pytest -q -rfE -p no:cacheprovider \
             tests/gpu/test_low_latency.py
-        tail -n 3 "$OUT/test_ll.log" >> "$S" ;;
+        tail -n 3 "$OUT/test_ll.log" >> "$S"
+        grep -E "^E " "$OUT/test_ll.log" | head -30 >> "$S" ;;
     test_internode)
         run_step test_internode 190 env DEEP_EP_GPU_EXAMPLES_INTERNODE="${INTERNODE_EXAMPLES:-8}" \
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_internode.py
-        tail -n 3 "$OUT/test_internode.log" >> "$S" ;;
+        tail -n 3 "$OUT/test_internode.log" >> "$S"
+        grep -E "^E " "$OUT/test_internode.log" | head -30 >> "$S" ;;
     bench_intranode)
         run_step bench_intranode 140 python3 benchmarks/bench_intranode.py --sms 24 8 --dispatch-chunks 16 \
             --combine-chunks 8 --dispatch-warps 12 16 --combine-warps 6 8 --receive rings direct \
@@ -68,7 +71,8 @@ for step in "$@"; do
     bench_ll)
         run_step bench_ll 120 python3 benchmarks/bench_low_latency.py --tokens "${LL_TOKENS:-1,2,4,8,16,32,64,128,256}" \
             --warmups 10 --iters 20 --json "$OUT/ll.json"
-        tail -n 14 "$OUT/bench_ll.log" >> "$S" ;;
+        grep -vE "^LLTRACE|UserWarning|_warn_once" "$OUT/bench_ll.log" | tail -n 14 >> "$S"
+        grep -q LLTRACE "$OUT/bench_ll.log" && python3 tools/ll_trace.py "$OUT/bench_ll.log" >> "$S" ;;
     bench_internode)
         run_step bench_internode 100 python3 benchmarks/bench_internode.py --json "$OUT/inter.json"
         tail -n 14 "$OUT/bench_internode.log" >> "$S" ;;

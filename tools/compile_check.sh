@@ -46,7 +46,7 @@ shopt -s nullglob
 for src in "$ROOT"/csrc/kernels/*.cu "$ROOT"/csrc/*.cu; do
     case "$(basename "$src")" in internode*.cu|*_nvshmem.cu) echo "skip (needs NVSHMEM): ${src#$ROOT/}"; continue;; esac
     echo "nvcc sm_90a: ${src#$ROOT/}"
-    if ! "$NVCC" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+    if ! "$NVCC" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -rdc=true \
             "${DEFINES[@]}" "${INCLUDES[@]}" -c "$src" -o "$WORK/$(basename "$src").o"; then
         status=1
     fi

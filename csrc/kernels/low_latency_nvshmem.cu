@@ -140,8 +140,9 @@ __device__ __forceinline__ bool is_masked(const Context& ctx, int r) {
 }
 
 // First failing thread of this rank fills the record (claim word in the workspace), then raises every peer's abort.
-__device__ __noinline__ void report(const Context& ctx, int32_t code, int32_t kernel, int32_t phase, int32_t peer,
-                                    int32_t channel, int64_t expected, int64_t observed, int64_t elapsed) {
+static __device__ __noinline__ void report(const Context& ctx, int32_t code, int32_t kernel, int32_t phase,
+                                           int32_t peer, int32_t channel, int64_t expected, int64_t observed,
+                                           int64_t elapsed) {
     auto* claim = reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsClaim);
     fill_error_record(ctx.error, claim, code, kernel, phase, ctx.rank, peer, channel, ctx.call_seq, expected, observed,
                       elapsed);
@@ -365,6 +366,39 @@ __device__ __forceinline__ void logfmt_decode_group(const char* row, uint32_t fl
 // The kernels have external linkage so that profilers show readable names (deep_ep::kernels::ll::ll_*_kernel<N>).
 
 // ---------------------------------------------------------------------------------------------------------------
+// Section trace (debug builds, DEEP_EP_DEBUG_BUILD=1): thread 0 of the first and the last CTA stamps clock64 at the
+// section ends of a launch and prints one line at exit: "LLTRACE <kernel> p<phases> r<rank> b<cta> g<globaltimer at
+// entry> <cycles from entry to each stamp>" (tools/ll_trace.py summarises a log of them).
+// ---------------------------------------------------------------------------------------------------------------
+#ifdef DEEP_EP_DEBUG
+struct SectionTrace {
+    long long start = 0, stamp[8] = {};
+    unsigned long long entry_ns = 0;
+    int n = 0;
+    __device__ void begin() {
+        if (threadIdx.x == 0) {
+            start = clock64();
+            entry_ns = global_timer_ns();
+        }
+    }
+    __device__ void mark() {
+        if (threadIdx.x == 0 && n < 8) stamp[n++] = clock64() - start;
+    }
+    __device__ void print(const char* kernel, int phases, int rank) const {
+        if (threadIdx.x != 0 || (blockIdx.x != 0 && blockIdx.x != gridDim.x - 1)) return;
+        printf("LLTRACE %s p%d r%d b%d g%llu %lld %lld %lld %lld %lld %lld %lld %lld\n", kernel, phases, rank,
+               blockIdx.x, entry_ns, stamp[0], stamp[1], stamp[2], stamp[3], stamp[4], stamp[5], stamp[6], stamp[7]);
+    }
+};
+#else
+struct SectionTrace {
+    __device__ void begin() {}
+    __device__ void mark() {}
+    __device__ void print(const char*, int, int) const {}
+};
+#endif
+
+// ---------------------------------------------------------------------------------------------------------------
 // Dispatch
 // ---------------------------------------------------------------------------------------------------------------
 
@@ -395,6 +429,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
     uint64_t* bases = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.workspace) + kWsBases) + (int64_t(b) * 2 + h) * R;
     const int64_t payload_bytes = a.use_fp8 ? H + S * 4 : int64_t(H) * 2;
     const int64_t msg_bytes = lay.header_bytes + payload_bytes;
+    SectionTrace trace;
+    trace.begin();
     if (tid == 0) {
         sh.epoch = (kPhases & kPhaseSend) ? *epoch_ptr + 1 : *epoch_ptr;
         if (kPhases & kPhaseSend) *epoch_ptr = sh.epoch;
@@ -413,35 +449,36 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
         __syncthreads();
         const int tile = (N + nb - 1) / nb;
         const int tile_begin = min(N, b * tile), tile_end = min(N, tile_begin + tile);
-        for (int t = tid; t < N; t += kThreads) {
-            const bool before = t < tile_begin;
-            int64_t ids[kMaxTopk];
-#pragma unroll
-            for (int k = 0; k < kMaxTopk; ++k)
-                ids[k] = k < K ? load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + k) : -1;
-#pragma unroll
-            for (int k = 0; k < kMaxTopk; ++k) {
-                const int64_t e = ids[k];
-                if (e < 0) continue;
-                if (e >= E) {
-                    if (b == 0) report(ctx, kErrorBadRouting, kKernelLlDispatch, kPhaseLlBadRouting, -1, t, E, e, 0);
-                    continue;
+        // A warp takes whole tokens (32 / K of them), a lane one (token, k) entry; the first lane of each
+        // (token, destination) group counts the token's message to that destination.
+        if (K > 0) {
+            const int per_warp = 32 / K, tl = lane / K, k = lane % K;
+            for (int t0 = warp * per_warp; t0 < N; t0 += kWarps * per_warp) {
+                const int t = t0 + tl;
+                int e = -1, d = -1;
+                if (tl < per_warp && t < N) {
+                    const int64_t v = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + k);
+                    if (v >= E) {
+                        if (b == 0) report(ctx, kErrorBadRouting, kKernelLlDispatch, kPhaseLlBadRouting, -1, t, E, v, 0);
+                    } else if (v >= 0 && !is_masked(ctx, int(v) / L)) {
+                        e = int(v);
+                        d = e / L;
+                    }
                 }
-                const int d = int(e) / L;
-                if (is_masked(ctx, d)) continue;
-                atomicAdd(tot_e + e, 1);
-                if (before) atomicAdd(pre_e + e, 1);
-                bool first = true;
-#pragma unroll
-                for (int k2 = 0; k2 < k; ++k2)
-                    first &= !(ids[k2] >= 0 && ids[k2] < E && int(ids[k2]) / L == d);
-                if (first) {
+                const bool before = t < tile_begin;
+                if (e >= 0) {
+                    atomicAdd(tot_e + e, 1);
+                    if (before) atomicAdd(pre_e + e, 1);
+                }
+                const unsigned same = __match_any_sync(0xffffffffu, d >= 0 ? (tl << 16) | d : -1 - lane);
+                if (d >= 0 && (same & ((1u << lane) - 1)) == 0) {
                     atomicAdd(tot_r + d, 1);
                     if (before) atomicAdd(pre_r + d, 1);
                 }
             }
         }
         __syncthreads();
+        trace.mark();  // 0: counted
         // Counts first: CTA (d mod nb) writes destination d's words.
         for (int d = b; d < R; d += nb) {
             if (is_masked(ctx, d)) continue;
@@ -457,6 +494,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
                 }
             }
         }
+        trace.mark();  // 1: count words written
         // Plan the tile: rows inside (expert, source) blocks in (token, k) order, message slots per destination.
         if (warp == 0) {
             for (int i = 0; i < tile_end - tile_begin; ++i) {
@@ -488,6 +526,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             }
         }
         __syncthreads();
+        trace.mark();  // 2: planned
         // Messages: the warp of unit (token, four 128-channel blocks) casts once and stores to every destination.
         // Each lane owns 16 consecutive channels (two 16-byte loads): 8 lanes per block, one 16-byte FP8 store (two
         // in BF16) per destination; the block's amax is reduced over its 8 lanes.
@@ -559,6 +598,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             }
         }
         __syncthreads();
+        trace.mark();  // 3: messages stored
         // Remote destinations: put the staged message with a signal (one message = +1 on the arrival word).
         if (!ctx.all_p2p) {
             for (int u = warp; u < (tile_end - tile_begin) * kMaxTopk; u += kWarps) {
@@ -577,9 +617,13 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             if (sent[d] > 0 && ctx.peers[d] != nullptr)
                 signal_add(ctx, d, lay.half_offset[h] + lay.darrive_off + int64_t(me) * 8, sent[d]);
         __syncthreads();
+        trace.mark();  // 4: signalled
     }
 
-    if (!(kPhases & kPhaseRecv)) return;
+    if (!(kPhases & kPhaseRecv)) {
+        trace.print("dispatch", kPhases, me);
+        return;
+    }
 
     int* cnt = dyn;                  // [R][L] rows per (source, local expert)
     int* beg = cnt + E;              // [L][R] first row of (expert, source) block
@@ -611,6 +655,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
         else nmsg[s] = value;
     }
     __syncthreads();
+    trace.mark();  // counts received
     if (sh.failed) return;
     for (int j = tid; j < L; j += kThreads) {
         int acc = 0;
@@ -653,6 +698,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
         }
     }
     __syncthreads();
+    trace.mark();  // data arrived
     if (sh.failed) return;
     // Expand: one warp per message, consecutive messages on different SMs.
     const int total = mpre[R];
@@ -725,6 +771,11 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             }
         }
     }
+#ifdef DEEP_EP_DEBUG
+    __syncthreads();
+    trace.mark();  // expanded
+    trace.print("dispatch", kPhases, me);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -750,6 +801,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
     const int h = a.half;
     char* my_half = half_base(ctx, ctx.sym, h);
     const int64_t row_bytes = int64_t(H) * 2;
+    SectionTrace trace;
+    trace.begin();
 
     if (kPhases & kPhaseSend) {
         if (warp == 0) {
@@ -772,6 +825,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             if (lane == 0) rowpre[L] = carry;
         }
         __syncthreads();
+        trace.mark();  // row prefix
         const int total = rowpre[L];
         for (int g = warp * nb + b; g < total; g += nb * kWarps) {
             int lo = 0, hi = L;  // last j with rowpre[j] <= g
@@ -841,9 +895,16 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                                                 1, NVSHMEM_SIGNAL_ADD, s);
             }
         }
+#ifdef DEEP_EP_DEBUG
+        __syncthreads();
+        trace.mark();  // rows sent
+#endif
     }
 
-    if (!(kPhases & kPhaseRecv)) return;
+    if (!(kPhases & kPhaseRecv)) {
+        trace.print("combine", kPhases, me);
+        return;
+    }
     const int groups = H / 16;
     for (int t = b; t < N; t += nb) {
         if (tid == 0) {
@@ -917,7 +978,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             out[1] = o[1];
         }
         __syncthreads();
+        if (t == b) trace.mark();  // first token reduced
     }
+    trace.mark();  // all tokens reduced
+    trace.print("combine", kPhases, me);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -34,8 +34,10 @@ __device__ __forceinline__ uint32_t* abort_word(void* buffer) {
 
 // Fills the error record if nobody of this rank did before (first writer wins, error_record.cuh), then raises every
 // rank's abort word.
-__device__ __noinline__ void report_error(const KernelContext& ctx, int32_t code, const Site& site, int64_t expected,
-                                          int64_t observed, int64_t elapsed_ns) {
+// static: internal linkage lets ptxas fit it into the callers' register limit (__launch_bounds__) under -rdc=true;
+// an external non-inlined function gets its own register count, and a caller limited to fewer fails to link.
+static __device__ __noinline__ void report_error(const KernelContext& ctx, int32_t code, const Site& site,
+                                                 int64_t expected, int64_t observed, int64_t elapsed_ns) {
     unsigned int* claim = reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsErrorClaimOffset);
     fill_error_record(ctx.error, claim, code, site.kernel, site.phase, ctx.rank, site.peer, site.channel, ctx.call_seq,
                       expected, observed, elapsed_ns);
@@ -65,8 +67,8 @@ __device__ __forceinline__ bool seq_geq(uint32_t a, uint32_t b) { return static_
 
 // Spins until *addr >= target (wrap-safe) with acquire semantics. Returns the value seen (>= target) through
 // `observed` and true; or, after a timeout or an abort, reports and returns false. Call from one thread.
-__device__ __noinline__ bool wait_geq(const KernelContext& ctx, const uint32_t* addr, uint32_t target, const Site& site,
-                                      uint32_t* observed) {
+static __device__ __noinline__ bool wait_geq(const KernelContext& ctx, const uint32_t* addr, uint32_t target,
+                                             const Site& site, uint32_t* observed) {
     uint32_t value = ld_acquire_sys(addr);
     if (seq_geq(value, target)) {
         *observed = value;

@@ -68,7 +68,7 @@ def task_internode_roundtrip(buffer, rank: int, case: ti.Case) -> str:
     """Layout, dispatch, cached dispatch, worst-token dispatch and combine against the internode reference."""
     import reference
     import deep_ep
-    ti._apply_tuning(case)
+    ti._apply_tuning(case, rank)
     inputs = [ti.make_inputs(case, r) for r in range(case.num_ranks)]
     mine = inputs[rank]
     config = deep_ep.Config(case.num_sms, 8, 256)
