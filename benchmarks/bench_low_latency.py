@@ -2,8 +2,8 @@
 
 Workload (../shared/spec/tests_and_perf.md §4): ``T`` tokens per rank (sweep 1..256; 128 is the bar), hidden 7168,
 top-8 of 288 experts (``topk(|randn| + 1)``), ``x = randn * 0.1`` BF16, FP8 dispatch, BF16 combine, one process per
-GPU. Before every profiled iteration the ranks meet in a bounded LL barrier kernel and the L2 is flushed, so a
-kernel's time is not inflated by a late peer.
+GPU. Before every profiled iteration the ranks meet in a bounded LL barrier kernel, the GPUs sleep ~300 us (both
+hosts enqueue the next calls meanwhile) and the L2 is flushed, so a kernel's time is not inflated by a late peer.
 
 * kernel time: mean duration of ``ll_dispatch_kernel`` / ``ll_combine_kernel`` in a torch-profiler trace (DeepEP's
   ``bench_kineto``); with ``return_recv_hook`` the send launch (template argument 1) and the receive launch (2) are
@@ -60,6 +60,7 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
         assert buf._cuda_ll is not None, "the CUDA low-latency backend is not in use"
         ll = buf._cuda_ll
         flush = torch.empty(int(256e6 // 4), dtype=torch.int32, device="cuda")
+        host_lead_cycles = 600_000  # ~300 us at 2 GHz
         points = []
         for tokens in sweep:
             # The buffer's token capacity: R * capacity must be a multiple of 4 (spec); x has `tokens` rows.
@@ -90,7 +91,10 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
                 return buf.low_latency_combine(y, idx, weights, d.handle, return_recv_hook=hook)
 
             def sync_ranks():
+                # The barrier aligns the GPUs; the sleep keeps them busy until both hosts have enqueued the next
+                # calls (otherwise a kernel starts when its host gets there and waits for the later peer).
                 ll.runtime.barrier(torch.cuda.current_stream().cuda_stream)
+                torch.cuda._sleep(host_lead_cycles)
                 flush.zero_()
 
             for _ in range(args.warmups):

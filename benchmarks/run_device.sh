@@ -13,6 +13,7 @@
 #   bench_intranode  rings and direct receive at 24 and 8 SMs (DeepEP's EP2 workload) -> intra.json
 #   bench_ll         LL sweep of tokens per rank 1..256 (128 is the bar) -> ll.json
 #   bench_internode  2 virtual nodes x 1 GPU next to the intranode kernels, simulator prediction -> inter.json
+#   trace_ll         debug rebuild, LL T=128 with the kernels' section trace (tools/ll_trace.py); run it last
 #   nvlink           copy-engine ceiling (every pair and all-to-all) -> nvlink.json
 # Exit status: the number of failed steps (the build failing stops the call).
 set -uo pipefail
@@ -76,6 +77,12 @@ for step in "$@"; do
     bench_internode)
         run_step bench_internode 100 python3 benchmarks/bench_internode.py --json "$OUT/inter.json"
         tail -n 14 "$OUT/bench_internode.log" >> "$S" ;;
+    trace_ll)  # debug rebuild (the LL kernels' section trace), T=128, summary by tools/ll_trace.py; leaves a debug build
+        run_step build_debug 220 env DEEP_EP_DEBUG_BUILD=1 MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py \
+            build_ext --inplace || continue
+        run_step trace_ll 90 python3 benchmarks/bench_low_latency.py --tokens 128 --warmups 10 --iters 20
+        grep -vE "^LLTRACE|UserWarning|_warn_once" "$OUT/trace_ll.log" | tail -n 3 >> "$S"
+        python3 tools/ll_trace.py "$OUT/trace_ll.log" >> "$S" ;;
     nvlink)
         run_step nvlink 60 python3 benchmarks/bench_nvlink.py --bytes 536870912 --repeats 5 --json "$OUT/nvlink.json"
         tail -n 8 "$OUT/nvlink.log" >> "$S" ;;

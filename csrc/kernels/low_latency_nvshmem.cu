@@ -700,14 +700,19 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
     __syncthreads();
     trace.mark();  // data arrived
     if (sh.failed) return;
-    // Expand: one warp per message, consecutive messages on different SMs.
+    // Expand: a warp copies one part (32 lanes x kUnroll x 16 bytes) of one message to each of its rows;
+    // consecutive units on different SMs. The first part also writes the source info, the last the scales.
     const int total = mpre[R];
     const int64_t out_row_bytes = a.use_fp8 ? H : int64_t(H) * 2;
-    for (int g = warp * nb + b; g < total; g += nb * kWarps) {
+    const int n16 = static_cast<int>(out_row_bytes / 16);
+    constexpr int kUnroll = 4;
+    const int parts = (n16 + 32 * kUnroll - 1) / (32 * kUnroll);
+    for (int g = warp * nb + b; g < total * parts; g += nb * kWarps) {
+        const int part = g % parts, msg_index = g / parts;
         int s = 0;
-        while (mpre[s + 1] <= g) ++s;
+        while (mpre[s + 1] <= msg_index) ++s;
         if (gone[s]) continue;
-        const int m = g - mpre[s];
+        const int m = msg_index - mpre[s];
         const char* msg = my_half + lay.drecv_off + (int64_t(s) * T + m) * lay.dmsg;
         int head = lane < kHeaderInts ? ld_ring_int(reinterpret_cast<const int*>(msg) + lane) : -1;
         const int t = __shfl_sync(0xffffffffu, head, 0);
@@ -720,7 +725,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             }
         }
         const unsigned dests = __ballot_sync(0xffffffffu, dest_j >= 0);
-        if (dest_j >= 0) a.src_info[int64_t(dest_j) * RT + dest_row] = t;
+        if (dest_j >= 0 && part == 0) a.src_info[int64_t(dest_j) * RT + dest_row] = t;
         // Destination rows, broadcast to every lane (at most kMaxTopk).
         int num_dests = 0;
         int64_t out_rows[kMaxTopk];
@@ -731,9 +736,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             out_rows[num_dests++] = int64_t(j) * RT + row;
         }
         const char* payload = msg + lay.header_bytes;
-        const int n16 = static_cast<int>(out_row_bytes / 16);
-        constexpr int kUnroll = 8;
-        for (int base = 0; base < n16; base += 32 * kUnroll) {
+        {
+            const int base = part * 32 * kUnroll;
             int4 v[kUnroll];
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
@@ -749,7 +753,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
                 }
             }
         }
-        if (a.use_fp8) {
+        if (a.use_fp8 && part == parts - 1) {
             const float* scales = reinterpret_cast<const float*>(payload + H);
             const int cols = a.use_ue8m0 ? S / 4 : S;
             for (int c = lane; c < cols; c += 32) {
@@ -787,7 +791,15 @@ struct CombineShared {
     int num;                   // valid, unmasked top-k entries of the current token
     int64_t expert[kMaxTopk];  // their experts, ascending k
     float weight[kMaxTopk];
+    const char* row[kMaxTopk];  // where each expert's row is read (receive slot, or in place for own rows)
 };
+
+// Rows a rank sends to itself are not copied in a fused combine (both phases in one launch, so `x` is read while
+// the kernel runs): the sender writes the row's packed index into the (expert, token) word of the LogFMT flag area
+// (unused without LogFMT) and the reducer reads the row in place. Zero-copy slots qualify when 16-byte aligned.
+__device__ __forceinline__ bool own_rows_in_place(int phases, const Layout& lay, const CombineArgs& a) {
+    return phases == (kPhaseSend | kPhaseRecv) && !a.use_logfmt && (!a.zero_copy || lay.cmsg % 16 == 0);
+}
 
 template <int kPhases>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, CombineArgs a) {
@@ -801,6 +813,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
     const int h = a.half;
     char* my_half = half_base(ctx, ctx.sym, h);
     const int64_t row_bytes = int64_t(H) * 2;
+    const bool in_place = own_rows_in_place(kPhases, lay, a);
     SectionTrace trace;
     trace.begin();
 
@@ -849,7 +862,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             const bool p2p = ctx.peers[s] != nullptr;
             const int64_t dst_off = lay.crecv_off + (int64_t(e) * T + t) * row_bytes;
             char* dst = p2p ? half_base(ctx, ctx.peers[s], h) + dst_off : send_slot;
-            if (a.use_logfmt) {
+            if (s == me && in_place) {
+                if (lane == 0) reinterpret_cast<int*>(my_half + lay.cflag_off)[int64_t(e) * T + t] = j * RT + i;
+            } else if (a.use_logfmt) {
                 const uint32_t flags = logfmt_encode_row(src, dst, H, lane);
                 const int64_t flag_off = lay.cflag_off + (int64_t(e) * T + t) * 4;
                 if (lane == 0) {
@@ -907,45 +922,55 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
     }
     const int groups = H / 16;
     for (int t = b; t < N; t += nb) {
-        if (tid == 0) {
-            int expected = 0;
-            for (int k = 0; k < K; ++k) {
-                const int64_t e = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + k);
-                if (e >= 0 && e < E && !is_masked(ctx, int(e) / L)) {
-                    sh.expert[expected] = e;
-                    sh.weight[expected] = a.topk_weights[int64_t(t) * K + k];
-                    ++expected;
-                }
-            }
-            sh.num = expected;
-            sh.ok = 1;
-            if (expected > 0) {
+        // Warp 0 reads the token's routing (lane k: entry k), waits for its rows and finds where each is read.
+        if (warp == 0) {
+            int64_t e = -1;
+            if (lane < K) e = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + lane);
+            const bool valid = lane < K && e >= 0 && e < E && !is_masked(ctx, int(e) / L);
+            const float w = valid ? a.topk_weights[int64_t(t) * K + lane] : 0.0f;
+            const unsigned valid_mask = __ballot_sync(0xffffffffu, valid);
+            const int expected = __popc(valid_mask), pos = __popc(valid_mask & ((1u << lane) - 1));
+            int ok = 1;
+            uint64_t elapsed = 0;
+            if (lane == 0 && expected > 0) {
                 uint64_t* word = reinterpret_cast<uint64_t*>(my_half + lay.carrive_off + int64_t(t) * 8);
-                uint64_t seen = 0, elapsed = 0;
+                uint64_t seen = 0;
                 const WaitResult res = wait_word(
                     ctx, word, [expected](uint64_t v) { return v >= uint64_t(expected); }, &seen, &elapsed);
                 if (res == kWaitOk) {
                     // Consume this call's arrivals: the word returns to what later calls' senders add.
                     atomicAdd(reinterpret_cast<unsigned long long*>(word),
                               static_cast<unsigned long long>(-int64_t(expected)));
-                    // The token waited for all its experts' owners: charge the wait to each distinct owner.
-                    if (a.wait_stats != nullptr) {
-                        for (int k = 0; k < K; ++k) {
-                            const int64_t e = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + k);
-                            if (e < 0 || e >= E) continue;
-                            bool first = true;
-                            for (int k2 = 0; k2 < k && first; ++k2) {
-                                const int64_t e2 = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + k2);
-                                first = !(e2 >= 0 && e2 < E && e2 / L == e / L);
-                            }
-                            if (first) atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + e / L), elapsed);
-                        }
-                    }
                 } else {
                     on_wait_failure(ctx, res, kKernelLlCombine, kPhaseLlCombineWaitToken, -1, t, expected, seen,
                                     elapsed);
-                    sh.ok = 0;
+                    ok = 0;
                 }
+            }
+            __syncwarp();  // lane 0's acquire orders the other lanes' reads of the rows' index words
+            ok = __shfl_sync(0xffffffffu, ok, 0);
+            elapsed = __shfl_sync(0xffffffffu, elapsed, 0);
+            if (valid && ok) {
+                sh.expert[pos] = e;
+                sh.weight[pos] = w;
+                if (in_place && e / L == me) {
+                    const int64_t idx = ld_ring_int(reinterpret_cast<const int*>(my_half + lay.cflag_off) + e * T + t);
+                    sh.row[pos] = a.zero_copy ? my_half + lay.csend_off + idx * lay.cmsg
+                                              : static_cast<const char*>(a.x) + idx * row_bytes;
+                } else {
+                    sh.row[pos] = my_half + lay.crecv_off + (e * T + t) * row_bytes;
+                }
+            }
+            // The token waited for all its experts' owners: charge the wait to each distinct owner once.
+            if (ok && a.wait_stats != nullptr) {
+                const int owner = valid ? int(e) / L : -1 - lane;
+                const unsigned same = __match_any_sync(0xffffffffu, owner);
+                if (valid && (same & ((1u << lane) - 1)) == 0)
+                    atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + owner), elapsed);
+            }
+            if (lane == 0) {
+                sh.num = expected;
+                sh.ok = ok;
             }
         }
         __syncthreads();
@@ -953,22 +978,37 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
         for (int gc = tid; gc < groups; gc += kThreads) {
             float acc[16];
             for (int v = 0; v < 16; ++v) acc[v] = 0.0f;
-            for (int k = 0; k < sh.num; ++k) {
-                const int64_t e = sh.expert[k];
-                const float w = sh.weight[k];
-                const char* slot = my_half + lay.crecv_off + (e * T + t) * row_bytes;
-                float y[16];
-                if (a.use_logfmt) {
+            if (a.use_logfmt) {
+                for (int k = 0; k < sh.num; ++k) {
+                    const int64_t e = sh.expert[k];
+                    float y[16];
                     const uint32_t flags = static_cast<uint32_t>(
                         ld_ring_int(reinterpret_cast<const int*>(my_half + lay.cflag_off + (e * T + t) * 4)));
-                    logfmt_decode_group(slot, flags, H, gc, y);
-                } else {
-                    int4 raw[2] = {ld_ring_int4(reinterpret_cast<const int4*>(slot) + gc * 2),
-                                   ld_ring_int4(reinterpret_cast<const int4*>(slot) + gc * 2 + 1)};
-                    const uint16_t* hv = reinterpret_cast<const uint16_t*>(raw);
-                    for (int v = 0; v < 16; ++v) y[v] = bf16_to_float(hv[v]);
+                    logfmt_decode_group(sh.row[k], flags, H, gc, y);
+                    for (int v = 0; v < 16; ++v) acc[v] = __fadd_rn(acc[v], __fmul_rn(sh.weight[k], y[v]));
                 }
-                for (int v = 0; v < 16; ++v) acc[v] = __fadd_rn(acc[v], __fmul_rn(w, y[v]));
+            } else {
+                // Four rows' loads in flight at once, then accumulated in ascending k.
+                constexpr int kBatch = 4;
+                for (int k0 = 0; k0 < sh.num; k0 += kBatch) {
+                    int4 raw[kBatch][2];
+#pragma unroll
+                    for (int q = 0; q < kBatch; ++q) {
+                        if (k0 + q < sh.num) {
+                            const int4* p = reinterpret_cast<const int4*>(sh.row[k0 + q]) + gc * 2;
+                            raw[q][0] = ld_ring_int4(p);
+                            raw[q][1] = ld_ring_int4(p + 1);
+                        }
+                    }
+#pragma unroll
+                    for (int q = 0; q < kBatch; ++q) {
+                        if (k0 + q < sh.num) {
+                            const float w = sh.weight[k0 + q];
+                            const uint16_t* hv = reinterpret_cast<const uint16_t*>(raw[q]);
+                            for (int v = 0; v < 16; ++v) acc[v] = __fadd_rn(acc[v], __fmul_rn(w, bf16_to_float(hv[v])));
+                        }
+                    }
+                }
             }
             int4 o[2];
             uint16_t* ov = reinterpret_cast<uint16_t*>(o);

@@ -19,7 +19,7 @@ import test_intranode as ti  # noqa: E402  (tests/gpu is on sys.path: pytest's r
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
-NUM_RDMA_BYTES = 512 * 1024 * 1024
+NUM_RDMA_BYTES = 768 * 1024 * 1024  # 256 MB of output pool after the rings (direct receive)
 TASK = "test_internode:task_internode_roundtrip"
 
 
