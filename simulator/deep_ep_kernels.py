@@ -7,8 +7,9 @@
   token row once and store it to every destination: straight into ``recv_x`` for the own rank (local bypass), into
   the peer's ring otherwise. The receive path is a switch (``receive_copies``): ``0`` is the direct-to-output
   receive of §2.8, Buffer's default when its output pool has room (senders store each row straight into the peer's
-  ``recv_x``: one copy per byte); ``1`` is the ring path (receiver warps copy ring slots into ``recv_x``). Combine: senders push rows back into the owner's ring, the reducer reads the
-  own contribution straight from ``x`` and every ring slot, adds in fp32 and rounds once.
+  ``recv_x``: one copy per byte); ``1`` is the ring path (receiver warps copy ring slots into ``recv_x``).
+  Combine: senders push rows back into the owner's ring, the reducer reads the own contribution straight from ``x``
+  and every ring slot, adds in fp32 and rounds once.
 * **Low latency (§3.3, §3.4)**: dispatch sends one message per (token, destination rank) and the receiver expands
   it to every (expert, row) of that rank; combine returns one BF16 row per (token, expert) selection and the owner
   reduces each token as its contributions land.

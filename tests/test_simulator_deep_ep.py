@@ -1,8 +1,9 @@
 """Tests of the ``--kernels deep_ep`` family of the simulator and its calibration from bench JSON (CPU only).
 
 The family models deep_ep's own kernels (``simulator/deep_ep_kernels.py``); ``python -m simulator.calibrate
---from-bench FILE --check OTHER`` fits it (``simulator/bench_fit.py``) and writes ``simulator/calibration_deep_ep.json``;
-``python -m simulator predict --json`` writes ``benchmarks/results/simulator_predict_deep_ep.json``.
+--from-bench FILE --check OTHER`` fits it (``simulator/bench_fit.py``) and writes
+``simulator/calibration_deep_ep.json``; ``python -m simulator predict --json`` writes
+``benchmarks/results/simulator_predict_deep_ep.json``.
 """
 from __future__ import annotations
 
