@@ -3,8 +3,13 @@
 Flow: :func:`read_bench` turns a bench file into a :class:`BenchRun` (the workload and one :class:`BenchPoint` per
 measured op); :func:`fit` least-squares the family's parameters on the points whose SM count is not held out
 (residual = log(predicted / measured), Levenberg-Marquardt in log-parameter space, so every parameter stays
-positive); :func:`to_text` prints measured vs predicted per point; :func:`write_calibration` stores the values with
-their source file and date in ``simulator/calibration_deep_ep.json``, which ``deep_ep_kernels.profile()`` loads.
+positive) and predicts the points of any ``check`` runs (other bench files, never fitted); :func:`to_text` prints
+measured vs predicted per point; :func:`write_calibration` stores the values with their source file and date in
+``simulator/calibration_deep_ep.json``, which ``deep_ep_kernels.profile()`` loads.
+
+Readers: ``benchmarks/bench_intranode.py`` (dispatch on the ring path, ops ``dispatch_*``, and on the
+direct-to-output path, ops ``dispatch_*_direct``; combine) and ``benchmarks/bench_internode.py`` (its intranode phase
+on Buffer's default receive path, direct-to-output, and its internode phase on one GPU per virtual node).
 
 Adding a bench kind (e.g. the low-latency bench, whose JSON schema is not fixed yet) is small: write a reader
 ``data -> BenchRun`` with ``kind="low-latency"``, register it in :data:`BENCH_READERS` with a detector, list the
@@ -22,6 +27,7 @@ from typing import Callable
 
 import numpy as np
 
+from deep_ep.config import intranode_send_warps
 from simulator import deep_ep_kernels as dek
 from simulator import hardware, rank, workload
 from simulator.deep_ep_kernels import CALIBRATION_PATH, DeepEpProfile
@@ -32,24 +38,38 @@ __all__ = ["BenchPoint", "BenchRun", "FitResult", "read_bench", "fit", "to_text"
 
 @dataclass(frozen=True)
 class BenchPoint:
-    """One measured op: ``time_us`` is the mean over ranks of the bench's acceptance time (wall time of the call)."""
+    """One measured op: ``time_us`` is the mean over ranks of the bench's acceptance time (wall time of the call).
+
+    ``receive`` is the dispatch receive path (``rings`` or ``direct``, see ``DeepEpProfile.receive_copies``; combine
+    points say ``rings``); ``num_nodes`` > 1 marks a point measured on that many virtual nodes of one host
+    (``nvlink-p2p``), the bench's ranks split evenly between them.
+    """
 
     op: str         # 'dispatch' | 'combine'
     dtype: str      # 'fp8' | 'bf16'
     num_sms: int
     chunk: int
     time_us: float
+    receive: str = "rings"
+    num_nodes: int = 1
 
     @property
     def label(self) -> str:
-        return f"{self.num_sms} SMs {self.dtype} {self.op}"
+        direct = " direct" if self.receive == "direct" else ""
+        nodes = f" ({self.num_nodes} virtual nodes)" if self.num_nodes > 1 else ""
+        return f"{self.num_sms} SMs {self.dtype} {self.op}{direct}{nodes}"
+
+    def as_dict(self) -> dict:
+        """The point's identity for the calibration file (``predictions`` looks measured values up by it)."""
+        return {"point": self.label, "op": self.op, "dtype": self.dtype, "num_sms": self.num_sms,
+                "receive": self.receive, "num_nodes": self.num_nodes, "chunk": self.chunk}
 
 
 @dataclass(frozen=True)
 class BenchRun:
     """A bench file: its kind, workload and points."""
 
-    kind: str       # 'intranode'
+    kind: str       # 'intranode' | 'internode'
     path: str
     date: str
     machine: str
@@ -72,65 +92,140 @@ class BenchRun:
 # Readers
 # ---------------------------------------------------------------------------------------------------------------
 
-_INTRANODE_OPS = {"dispatch_fp8": ("dispatch", "fp8"), "dispatch_bf16": ("dispatch", "bf16"),
-                  "combine_bf16": ("combine", "bf16")}
+# bench_intranode.py op -> (op, dtype, dispatch receive path); the ``_skipcopy`` diagnostic ops are not read.
+_INTRANODE_OPS = {"dispatch_fp8": ("dispatch", "fp8", "rings"), "dispatch_bf16": ("dispatch", "bf16", "rings"),
+                  "dispatch_fp8_direct": ("dispatch", "fp8", "direct"),
+                  "dispatch_bf16_direct": ("dispatch", "bf16", "direct"),
+                  "combine_bf16": ("combine", "bf16", "rings")}
+WARPS_CHOICES = ("default", "best")
+
+
+def _first_rank(data: dict) -> dict:
+    ranks = data.get("ranks")
+    return ranks[0] if isinstance(ranks, list) and ranks and isinstance(ranks[0], dict) else {}
 
 
 def _is_intranode(data: dict) -> bool:
-    ranks = data.get("ranks")
-    return (isinstance(ranks, list) and bool(ranks) and isinstance(ranks[0], dict)
-            and any(p.get("op") in _INTRANODE_OPS for p in ranks[0].get("points", []) if isinstance(p, dict)))
+    points = [p for p in _first_rank(data).get("points", []) if isinstance(p, dict)]
+    return any(p.get("op") in _INTRANODE_OPS for p in points) and not any("phase" in p for p in points)
 
 
-def _read_intranode(data: dict, path: str) -> BenchRun:
-    """``benchmarks/bench_intranode.py`` output: per rank a list of points ``{op, num_sms, chunk, wall_us_mean}``;
-    the NCCL baseline points are skipped. A point's time is the mean of the ranks' ``wall_us_mean``."""
+def _is_internode(data: dict) -> bool:
+    points = [p for p in _first_rank(data).get("points", []) if isinstance(p, dict)]
+    return any(p.get("phase") in ("intranode", "internode") for p in points)
+
+
+def _positive(path: str, what: str, t: object) -> float:
+    if not isinstance(t, (int, float)) or not t > 0:
+        raise ValueError(f"bench {path}: {what} has no positive wall time, got {t!r}")
+    return float(t)
+
+
+def _read_intranode(data: dict, path: str, warps: str = "default") -> BenchRun:
+    """``benchmarks/bench_intranode.py`` output: per rank a list of points ``{op, num_sms, chunk, wall_us_mean}``
+    (the best chunk and warp count of that rank) and, in newer files, the whole ``sweep`` of ``[op, num_sms, chunk,
+    send_warps, wall_us_mean]``; the NCCL baseline and ``_skipcopy`` points are skipped.
+
+    ``warps='default'`` (the calibration's choice): where the sweep has the warp count Buffer uses by default
+    (``deep_ep.config.INTRANODE_SEND_WARPS``), a point's time is the best chunk at that warp count, averaged over
+    ranks, since the simulator predicts Buffer's default configuration; otherwise (and with ``warps='best'``) it is
+    the mean of the ranks' best ``wall_us_mean``.
+    """
+    if warps not in WARPS_CHOICES:
+        raise ValueError(f"warps must be one of {WARPS_CHOICES}, got {warps!r}")
     args = data.get("args", {})
+    num_ranks = int(args.get("num_processes", len(data["ranks"])))
     samples: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for r in data["ranks"]:
         for p in r.get("points", []):
-            if p.get("op") not in _INTRANODE_OPS:
-                continue
-            t = p.get("wall_us_mean")
-            if not isinstance(t, (int, float)) or not t > 0:
-                raise ValueError(f"bench {path}: point {p.get('op')} at {p.get('num_sms')} SMs has no positive "
-                                 f"wall_us_mean, got {t!r}")
-            samples.setdefault((p["op"], int(p["num_sms"])), []).append((int(p.get("chunk", 0)), float(t)))
+            if p.get("op") in _INTRANODE_OPS:
+                t = _positive(path, f"point {p.get('op')} at {p.get('num_sms')} SMs", p.get("wall_us_mean"))
+                samples.setdefault((p["op"], int(p["num_sms"])), []).append((int(p.get("chunk", 0)), t))
+    if warps == "default":
+        swept: dict[tuple[str, int, int], list[float]] = {}
+        for r in data["ranks"]:
+            for entry in r.get("sweep", []):
+                if len(entry) != 5 or entry[0] not in _INTRANODE_OPS:
+                    continue  # older sweep layouts carry no single warp count
+                op_name, sms, chunk, send_warps, t = entry
+                if send_warps == intranode_send_warps(_INTRANODE_OPS[op_name][0], num_ranks):
+                    t = _positive(path, f"sweep {op_name} at {sms} SMs chunk {chunk}", t)
+                    swept.setdefault((op_name, int(sms), int(chunk)), []).append(t)
+        at_default: dict[tuple[str, int], tuple[int, float]] = {}  # (op, SMs) -> best (chunk, mean over ranks)
+        for (op_name, sms, chunk), values in swept.items():
+            mean = sum(values) / len(values)
+            if len(values) == len(data["ranks"]) and mean < at_default.get((op_name, sms), (0, float("inf")))[1]:
+                at_default[(op_name, sms)] = (chunk, mean)
+        samples.update({key: [value] for key, value in at_default.items()})
     points = []
     order = list(_INTRANODE_OPS)
     for (op_name, sms), values in sorted(samples.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))):
-        op, dtype = _INTRANODE_OPS[op_name]
+        op, dtype, receive = _INTRANODE_OPS[op_name]
         chunks = [c for c, _ in values]
         chunk = max(set(chunks), key=chunks.count)  # ranks pick their best chunk; take the most common
-        points.append(BenchPoint(op, dtype, sms, chunk, sum(t for _, t in values) / len(values)))
+        points.append(BenchPoint(op, dtype, sms, chunk, sum(t for _, t in values) / len(values), receive))
     if not points:
         raise ValueError(f"bench {path}: no dispatch/combine points")
     return BenchRun("intranode", path, str(data.get("date", "unknown")), str(data.get("machine", "unknown")),
-                    int(args.get("num_processes", len(data["ranks"]))), int(args.get("num_tokens", 4096)),
-                    int(args.get("hidden", 7168)), int(args.get("num_topk", 8)), int(args.get("num_experts", 256)),
-                    tuple(points))
+                    num_ranks, int(args.get("num_tokens", 4096)), int(args.get("hidden", 7168)),
+                    int(args.get("num_topk", 8)), int(args.get("num_experts", 256)), tuple(points))
+
+
+def _read_internode(data: dict, path: str, warps: str = "default") -> BenchRun:
+    """``benchmarks/bench_internode.py`` output: per rank points ``{phase, op, num_sms, chunk, wall_us}``. Phase
+    ``intranode`` is one node of all ranks on Buffer's default receive path (direct-to-output); phase ``internode``
+    is one GPU per virtual node (``DEEP_EP_GPUS_PER_NODE=1``). A point's time is the mean over ranks of ``wall_us``
+    (what the bench's "sim err" compares with). The bench runs Buffer's default warps, so ``warps`` is unused."""
+    del warps
+    args = data.get("args", {})
+    num_ranks = int(args.get("num_processes", len(data["ranks"])))
+    samples: dict[tuple[int, str, int], list[tuple[int, float]]] = {}
+    for r in data["ranks"]:
+        for p in r.get("points", []):
+            if p.get("op") not in _INTRANODE_OPS or p.get("phase") not in ("intranode", "internode"):
+                continue
+            nodes = 1 if p["phase"] == "intranode" else num_ranks
+            t = _positive(path, f"{p['phase']} point {p['op']} at {p.get('num_sms')} SMs", p.get("wall_us"))
+            samples.setdefault((nodes, p["op"], int(p["num_sms"])), []).append((int(p.get("chunk", 0)), t))
+    points = []
+    order = list(_INTRANODE_OPS)
+    for (nodes, op_name, sms), values in sorted(samples.items(),
+                                                key=lambda kv: (kv[0][0], kv[0][2], order.index(kv[0][1]))):
+        op, dtype, _ = _INTRANODE_OPS[op_name]
+        chunks = [c for c, _ in values]
+        chunk = max(set(chunks), key=chunks.count)
+        points.append(BenchPoint(op, dtype, sms, chunk, sum(t for _, t in values) / len(values),
+                                 "direct" if op == "dispatch" else "rings", nodes))
+    if not points:
+        raise ValueError(f"bench {path}: no intranode/internode dispatch or combine points")
+    return BenchRun("internode", path, str(data.get("date", "unknown")), str(data.get("machine", "unknown")),
+                    num_ranks, int(args.get("num_tokens", 4096)), int(args.get("hidden", 7168)),
+                    int(args.get("num_topk", 8)), int(args.get("num_experts", 256)), tuple(points))
 
 
 # (name, detector, reader): the first detector that accepts the JSON object reads it.
-BENCH_READERS: list[tuple[str, Callable[[dict], bool], Callable[[dict, str], BenchRun]]] = [
+BENCH_READERS: list[tuple[str, Callable[[dict], bool], Callable[..., BenchRun]]] = [
     ("intranode (benchmarks/bench_intranode.py)", _is_intranode, _read_intranode),
+    ("internode on virtual nodes (benchmarks/bench_internode.py)", _is_internode, _read_internode),
 ]
 # Weight of the log-space prior toward the design-guide defaults, per parameter (a factor 2 away costs as much as
 # a point 3.5 % off).
 PRIOR_WEIGHT = 0.05
 DEFAULTS_FOR_PRIOR = dek.DEFAULTS
 # Parameters each bench kind fits; the others keep their values (and sources) from the current profile.
-FIT_PARAMS: dict[str, tuple[str, ...]] = {"intranode": dek.INTRANODE_FIT_PARAMS}
+FIT_PARAMS: dict[str, tuple[str, ...]] = {"intranode": dek.INTRANODE_FIT_PARAMS,
+                                          "internode": dek.INTRANODE_FIT_PARAMS}
 
 
-def read_bench(path: str | Path) -> BenchRun:
-    """Read a bench JSON with the first matching reader of :data:`BENCH_READERS`."""
+def read_bench(path: str | Path, warps: str = "default") -> BenchRun:
+    """Read a bench JSON with the first matching reader of :data:`BENCH_READERS` (``warps``: see
+    :func:`_read_intranode`)."""
     path = str(path)
     data = workload.read_json(path, f"--from-bench {path}")
     if isinstance(data, dict):
         for _name, detect, read in BENCH_READERS:
             if detect(data):
-                return read(data, path)
+                return read(data, path, warps)
     keys = sorted(data) if isinstance(data, dict) else type(data).__name__
     known = "; ".join(name for name, _, _ in BENCH_READERS)
     raise ValueError(f"--from-bench {path}: unknown bench schema (top-level keys {keys}); known kinds: {known}")
@@ -141,24 +236,54 @@ def read_bench(path: str | Path) -> BenchRun:
 # ---------------------------------------------------------------------------------------------------------------
 
 def bench_traffic(run: BenchRun, seed: int = 0) -> list[workload.SourceTraffic]:
-    """The bench's workload: uniform top-k routing (``topk(|randn| + 1)``), one node of ``num_ranks`` GPUs."""
+    """The bench's workload: uniform top-k routing (``topk(|randn| + 1)``) over ``num_ranks`` GPUs (as one node;
+    the rows per destination rank are the same when the ranks are split into virtual nodes)."""
     router = workload.Router("uniform", None, run.num_experts, run.topk, 1, seed)
     return workload.build_traffic(router, run.num_ranks, run.num_ranks, run.num_tokens, 0, mask_ll=False)
 
 
+def _nodes_traffic(run: BenchRun, num_nodes: int, traffic: list[workload.SourceTraffic],
+                   seed: int) -> list[workload.SourceTraffic]:
+    if num_nodes == 1:
+        return traffic
+    router = workload.Router("uniform", None, run.num_experts, run.topk, num_nodes, seed)
+    return workload.build_traffic(router, run.num_ranks, run.num_ranks // num_nodes, run.num_tokens, 0,
+                                  mask_ll=False)
+
+
 def predict_point(run: BenchRun, point: BenchPoint, prof: DeepEpProfile,
-                  traffic: list[workload.SourceTraffic]) -> float:
-    """Predicted time of ``point`` (µs, mean over ranks) by the closed form of the deep_ep family."""
+                  traffic: list[workload.SourceTraffic], seed: int = 0) -> float:
+    """Predicted time of ``point`` (µs, mean over ranks) by the closed form of the deep_ep family, on the point's
+    receive path and, for ``num_nodes`` > 1, on virtual nodes (``nvlink-p2p``)."""
     gpu = hardware.get_gpu(run.gpu)
     payload = rank.token_bytes(run.hidden, point.dtype)
-    spec = rank.OpSpec("intranode", point.op, run.hidden, run.topk, payload, payload, 1, run.num_ranks, None)
-    work = dek.normal_work(spec, traffic, gpu, hardware.CX7, prof, point.num_sms, point.chunk, point.dtype)
+    per_node = run.num_ranks // point.num_nodes
+    mode = "internode" if point.num_nodes > 1 else "intranode"
+    nic = hardware.get_nic("nvlink-p2p") if point.num_nodes > 1 else hardware.CX7
+    spec = rank.OpSpec(mode, point.op, run.hidden, run.topk, payload, payload, point.num_nodes, per_node, None)
+    prof = replace(prof, receive_copies=1 if point.receive == "rings" else 0)
+    work = dek.normal_work(spec, _nodes_traffic(run, point.num_nodes, traffic, seed), gpu, nic, prof,
+                           point.num_sms, point.chunk, point.dtype)
     return float(dek.closed_form_times(work, point.num_sms, run.num_ranks).mean())
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Least squares
 # ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class CheckResult:
+    """A bench file that was not fitted: its points predicted with the fitted profile."""
+
+    run: BenchRun
+    predicted: list[float]
+
+    def errors(self) -> list[float]:
+        return [(p - pt.time_us) / pt.time_us for p, pt in zip(self.predicted, self.run.points)]
+
+    def mape(self) -> float:
+        return sum(abs(e) for e in self.errors()) / len(self.run.points)
+
 
 @dataclass
 class FitResult:
@@ -168,13 +293,20 @@ class FitResult:
     hold_out: tuple[int, ...]
     predicted: list[float]
     iterations: int
+    checks: tuple[CheckResult, ...] = ()
 
     def errors(self) -> list[float]:
         return [(p - pt.time_us) / pt.time_us for p, pt in zip(self.predicted, self.run.points)]
 
     def mape(self, held: bool) -> float:
+        """MAPE of the fitted (``held=False``) or held-out points of the fitted file; NaN when there are none."""
         sel = [abs(e) for e, pt in zip(self.errors(), self.run.points) if (pt.num_sms in self.hold_out) == held]
         return sum(sel) / len(sel) if sel else float("nan")
+
+    def mape_check(self) -> float:
+        """MAPE over every point of the check files; NaN without check files."""
+        errors = [abs(e) for c in self.checks for e in c.errors()]
+        return sum(errors) / len(errors) if errors else float("nan")
 
 
 def levenberg_marquardt(residual: Callable[[np.ndarray], np.ndarray], x0: np.ndarray, max_iter: int = 200,
@@ -211,8 +343,10 @@ def levenberg_marquardt(residual: Callable[[np.ndarray], np.ndarray], x0: np.nda
 
 
 def fit(run: BenchRun, hold_out: list[int] | tuple[int, ...] = (16, 32), start: DeepEpProfile | None = None,
-        seed: int = 0, fixed: dict[str, float] | None = None) -> FitResult:
-    """Fit :data:`FIT_PARAMS` of ``run.kind`` on the points whose SM count is not in ``hold_out``.
+        seed: int = 0, fixed: dict[str, float] | None = None, check: list[BenchRun] | tuple[BenchRun, ...] = ()
+        ) -> FitResult:
+    """Fit :data:`FIT_PARAMS` of ``run.kind`` on the points whose SM count is not in ``hold_out``, then predict
+    every point of the ``check`` runs (other bench files, held out as a whole).
 
     ``fixed`` pins parameters to given values (they are not fitted and keep the source ``fixed by --fix``).
     """
@@ -243,7 +377,7 @@ def fit(run: BenchRun, hold_out: list[int] | tuple[int, ...] = (16, 32), start: 
 
     def residual(x: np.ndarray) -> np.ndarray:
         prof = make(x)
-        data = [math.log(predict_point(run, p, prof, traffic) / p.time_us) for p in fit_points]
+        data = [math.log(predict_point(run, p, prof, traffic, seed) / p.time_us) for p in fit_points]
         # Weak prior toward the design-guide values: parameters the points cannot separate (at EP2 the local and
         # remote byte counts are equal) stay near their estimate instead of drifting to 0 or infinity.
         return np.concatenate([data, PRIOR_WEIGHT * (x - x0)])
@@ -255,8 +389,12 @@ def fit(run: BenchRun, hold_out: list[int] | tuple[int, ...] = (16, 32), start: 
     sources = dict(base.sources)
     sources.update(dict.fromkeys(names, source))
     prof = replace(make(x), sources=tuple(sources.items()))
-    predicted = [predict_point(run, p, prof, traffic) for p in run.points]
-    return FitResult(run, prof, names, tuple(hold_out), predicted, iterations)
+    predicted = [predict_point(run, p, prof, traffic, seed) for p in run.points]
+    checks = []
+    for other in check:
+        other_traffic = bench_traffic(other, seed)
+        checks.append(CheckResult(other, [predict_point(other, p, prof, other_traffic, seed) for p in other.points]))
+    return FitResult(run, prof, names, tuple(hold_out), predicted, iterations, tuple(checks))
 
 
 def to_text(result: FitResult) -> str:
@@ -266,14 +404,25 @@ def to_text(result: FitResult) -> str:
              "", f"{'parameter':<18} {'value':>10}  source", "-" * 60]
     for name in result.params:
         lines.append(f"{name:<18} {getattr(result.profile, name):>10.3f}  fit")
-    lines += ["", f"{'point':<24} {'chunk':>5} {'measured_us':>11} {'predicted_us':>12} {'error':>7}  role",
-              "-" * 72]
+    width = max(24, *(len(pt.label) for r in (run, *(c.run for c in result.checks)) for pt in r.points))
+    head = [f"{'point':<{width}} {'chunk':>5} {'measured_us':>11} {'predicted_us':>12} {'error':>7}  role",
+            "-" * (width + 48)]
+    lines += ["", *head]
     for pt, pred, err in zip(run.points, result.predicted, result.errors()):
         role = "hold-out" if pt.num_sms in result.hold_out else "fit"
-        lines.append(f"{pt.label:<24} {pt.chunk:>5} {pt.time_us:>11.1f} {pred:>12.1f} {100 * err:>+6.1f}%  {role}")
-    lines += ["", f"MAPE: fitted points {100 * result.mape(False):.1f}%, held-out points "
-                  f"{100 * result.mape(True):.1f}% (SM counts {list(result.hold_out)}); {result.iterations} "
-                  f"Levenberg-Marquardt iterations"]
+        lines.append(f"{pt.label:<{width}} {pt.chunk:>5} {pt.time_us:>11.1f} {pred:>12.1f} {100 * err:>+6.1f}%  {role}")
+    for c in result.checks:
+        lines += ["", f"check (not fitted): {c.run.path} ({c.run.kind}, {c.run.machine}, {c.run.date})", *head]
+        for pt, pred, err in zip(c.run.points, c.predicted, c.errors()):
+            lines.append(f"{pt.label:<{width}} {pt.chunk:>5} {pt.time_us:>11.1f} {pred:>12.1f} {100 * err:>+6.1f}%  "
+                         f"check")
+    held = (f"{100 * result.mape(True):.1f}%" if not math.isnan(result.mape(True))
+            else "none in the file")
+    summary = f"MAPE: fitted points {100 * result.mape(False):.1f}%, held-out points {held} " \
+              f"(SM counts {list(result.hold_out)})"
+    if result.checks:
+        summary += f", check points {100 * result.mape_check():.1f}%"
+    lines += ["", f"{summary}; {result.iterations} Levenberg-Marquardt iterations"]
     return "\n".join(lines) + "\n"
 
 
@@ -291,11 +440,19 @@ def write_calibration(result: FitResult, path: str | Path = CALIBRATION_PATH) ->
     for name, value, source in result.profile.describe():
         if name in FIT_PARAMS[result.run.kind]:
             params[name] = {"value": round(float(value), 4), "source": source}
+    def rounded(x: float) -> float | None:
+        return None if math.isnan(x) else round(x, 4)
+
+    def entry(pt: BenchPoint, pred: float, role: str) -> dict:
+        return {**pt.as_dict(), "measured_us": round(pt.time_us, 2), "predicted_us": round(pred, 2), "role": role}
+
+    points = [entry(pt, pred, "hold-out" if pt.num_sms in result.hold_out else "fit")
+              for pt, pred in zip(result.run.points, result.predicted)]
+    for c in result.checks:
+        points += [entry(pt, pred, "check") for pt, pred in zip(c.run.points, c.predicted)]
     data = {"family": "deep_ep", "bench": result.run.path, "bench_date": result.run.date,
             "machine": result.run.machine, "fitted": datetime.date.today().isoformat(),
-            "hold_out_sms": list(result.hold_out), "mape_fit": round(result.mape(False), 4),
-            "mape_hold_out": round(result.mape(True), 4), "params": params,
-            "points": [{"point": pt.label, "chunk": pt.chunk, "measured_us": round(pt.time_us, 2),
-                        "predicted_us": round(pred, 2), "role": "hold-out" if pt.num_sms in result.hold_out else "fit"}
-                       for pt, pred in zip(result.run.points, result.predicted)]}
+            "hold_out_sms": list(result.hold_out), "mape_fit": rounded(result.mape(False)),
+            "mape_hold_out": rounded(result.mape(True)), "check": [c.run.path for c in result.checks],
+            "mape_check": rounded(result.mape_check()), "params": params, "points": points}
     Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")

@@ -6,11 +6,12 @@ fitted by bisection so that the signed error of its calibration row(s) is zero, 
 over the coupled low-latency parameters. The rows are those marked ``calib`` in ``simulator.validate.CALIBRATION``;
 every other row is a hold-out prediction.
 
-``python -m simulator.calibrate --from-bench benchmarks/results/FILE.json [--hold-out 16,32] [--no-write]`` fits the
-parameters of deep_ep's own kernels (``simulator.deep_ep_kernels``) by least squares on the relative error of the
-bench points, holding the given SM counts out, prints measured vs predicted per point with the signed error and the
-MAPE of fitted and held-out points, and writes ``simulator/calibration_deep_ep.json`` (value, source file, date).
-Readers of bench files live in :data:`BENCH_READERS` (see ``simulator/bench_fit.py``).
+``python -m simulator.calibrate --from-bench benchmarks/results/FILE.json [--hold-out 16,32] [--check OTHER.json]
+[--warps default|best] [--no-write]`` fits the parameters of deep_ep's own kernels (``simulator.deep_ep_kernels``)
+by least squares on the relative error of the bench points, holding the given SM counts out, predicts every point of
+the ``--check`` files (other bench runs, never fitted), prints measured vs predicted per point with the signed error
+and the MAPE of fitted, held-out and check points, and writes ``simulator/calibration_deep_ep.json`` (value, source
+file, date, every point). Readers of bench files live in :data:`BENCH_READERS` (see ``simulator/bench_fit.py``).
 """
 from __future__ import annotations
 
@@ -116,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="fit deep_ep's kernel parameters from this benchmark JSON")
     parser.add_argument("--hold-out", default="16,32", metavar="S1,S2",
                         help="SM counts kept out of the fit and reported as predictions (default 16,32)")
+    parser.add_argument("--check", action="append", default=[], metavar="FILE.json",
+                        help="another bench JSON whose points are predicted with the fit, not fitted (repeatable), "
+                             "e.g. a benchmarks/bench_internode.py run")
+    parser.add_argument("--warps", choices=bench_fit.WARPS_CHOICES, default="default",
+                        help="bench_intranode sweeps: time of Buffer's default copy-warp count (default) or of the "
+                             "best one per point")
     parser.add_argument("--output", default=str(bench_fit.CALIBRATION_PATH),
                         help="calibration JSON to write (default simulator/calibration_deep_ep.json)")
     parser.add_argument("--no-write", action="store_true", help="print the fit only")
@@ -145,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             parser.error(f"--fix needs NAME=VALUE with a number, got {item!r}")
     try:
-        run = bench_fit.read_bench(args.from_bench)
-        result = bench_fit.fit(run, hold_out, fixed=fixed)
+        run = bench_fit.read_bench(args.from_bench, args.warps)
+        checks = [bench_fit.read_bench(path, args.warps) for path in args.check]
+        result = bench_fit.fit(run, hold_out, fixed=fixed, check=checks)
     except ValueError as exc:
         parser.error(str(exc))
     print(bench_fit.to_text(result), end="")

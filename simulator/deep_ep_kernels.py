@@ -5,16 +5,21 @@
 
 * **Intranode normal (§2)**: one CTA of 1024 threads per channel, ``C = num_sms`` channels. Sender warps load each
   token row once and store it to every destination: straight into ``recv_x`` for the own rank (local bypass), into
-  the peer's ring otherwise. Receiver warps copy ring slots into ``recv_x`` (``receive_copies = 1``; ``0`` is the
-  direct-to-output receive of §2.8). Combine: senders push rows back into the owner's ring, the reducer reads the
-  own contribution straight from ``x`` and every ring slot, adds in fp32 and rounds once.
+  the peer's ring otherwise. The receive path is a switch (``receive_copies``): ``0`` is the direct-to-output
+  receive of §2.8, Buffer's default when its output pool has room (senders store each row straight into the peer's
+  ``recv_x``: one copy per byte); ``1`` is the ring path (receiver warps copy ring slots into ``recv_x``).
+  Combine: senders push rows back into the owner's ring, the reducer reads the own contribution straight from ``x``
+  and every ring slot, adds in fp32 and rounds once.
 * **Low latency (§3.3, §3.4)**: dispatch sends one message per (token, destination rank) and the receiver expands
   it to every (expert, row) of that rank; combine returns one BF16 row per (token, expert) selection and the owner
   reduces each token as its contributions land.
 * **Internode (§4)**: each token goes once per destination node (NVSHMEM put to the GPU with the same local index);
-  that forwarder copies it into the NVLink rings of the node's GPUs (itself by local bypass). With one GPU per node
-  there is no forwarding stage. The ``nvlink-p2p`` NIC profile describes the virtual-node test setup, where the
-  "network" puts ride the same NVLink ports as the scale-up traffic.
+  that forwarder copies it into the NVLink rings of the node's GPUs (itself by local bypass; the forwarded rows are
+  always received through rings). With one GPU per node there is no forwarding stage. The ``nvlink-p2p`` NIC
+  profile describes the virtual-node test setup, where the "network" puts ride the same NVLink ports as the
+  scale-up traffic. With one GPU per virtual node the internode backend runs the intranode kernels over the NVSHMEM
+  symmetric heap (peers reached by ``nvshmem_ptr``, i.e. NVLink P2P): the model is the intranode one over all
+  ranks, with no internode stage and no extra signal round trip (measured: the same times as intranode EP2).
 
 Cost model of one rank (SM-µs are SM-time; ``C`` SMs share them):
 
@@ -70,11 +75,14 @@ class DeepEpProfile:
         nvl_efficiency: fraction of ``GpuProfile.nvlink_gbps`` our pushes reach.
         launch_us: fixed cost of a cached normal call (launch, first chunk, last drain), µs.
         combine_extra_us: extra fixed cost of a combine call (the reducer waits for the last ring slots), µs.
-        receive_copies: ring receive copies per remote row: 1 with rings (now), 0 with direct-to-output (§2.8).
+        receive_copies: receive copies per row of intranode dispatch: 0 = direct-to-output (§2.8, Buffer's default
+            when its output pool has room), 1 = rings (receiver warps copy each ring slot into ``recv_x``). The rows
+            an internode forwarder stores into its node's rings (G > 1) always take the ring copy.
         dispatch_chunk / combine_chunk: tokens per published chunk (``Sn``) used for predictions.
         ll_fixed_us: fixed part of a low-latency kernel (launch, top-k scan, count signals), µs.
         ll_header_bytes_per_topk: LL dispatch header bytes per top-k entry (local expert, row as int16 pairs).
-        internode_extra_us: added to ``launch_us`` for internode calls (NVSHMEM signal round trip), µs.
+        internode_extra_us: added to ``launch_us`` for internode calls with a network stage (NVSHMEM signal round
+            trip), µs; not for one GPU per virtual node, which runs the intranode kernels over P2P.
     """
 
     sm_push_gbps: float = 46.0
@@ -85,7 +93,7 @@ class DeepEpProfile:
     nvl_efficiency: float = 1.0
     launch_us: float = 10.0
     combine_extra_us: float = 10.0
-    receive_copies: int = 1
+    receive_copies: int = 0
     dispatch_chunk: int = 16
     combine_chunk: int = 8
     ll_fixed_us: float = 7.0
@@ -113,12 +121,13 @@ _ASSUMED = {
     "nvl_efficiency": "assumed: pushes reach the measured SM-store peak (hardware.md)",
     "launch_us": "assumed: kernel launch + first chunk + drain",
     "combine_extra_us": "assumed",
-    "receive_copies": "design: rings (kernels.md §2.4); 0 = direct-to-output (§2.8)",
+    "receive_copies": "design: direct-to-output (kernels.md §2.8), Buffer's default when its output pool has room "
+                      "(deep_ep.config.dispatch_receive_mode 'auto'); 1 = rings (§2.4)",
     "dispatch_chunk": "assumed: best Sn of the 2026-11-30 sweep lies in 8..24",
     "combine_chunk": "assumed: best Sn of the 2026-11-30 sweep lies in 4..16",
     "ll_fixed_us": "assumed: kernels.md §3.3 estimate (top-k scan ~2 µs, signal ~2 µs, launch ~3 µs)",
     "ll_header_bytes_per_topk": "design: kernels.md §3.3 header, K x (local expert, row) int16 pairs",
-    "internode_extra_us": "assumed: one NVSHMEM signal round trip per call over P2P",
+    "internode_extra_us": "assumed: one NVSHMEM signal round trip per call (internode with a network stage)",
 }
 DEFAULTS = DeepEpProfile(sources=tuple(_ASSUMED.items()))
 # Parameters a bench JSON of the intranode kernels can fit (the rest stay at their labelled assumptions).
@@ -226,10 +235,15 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     Dispatch: source ``s`` puts one record per remote destination node ``n`` to the forwarder ``f = (n, local(s))``
     (no network stage on its own node, where ``s`` is its own forwarder); ``f`` stores the row into the ring of every
     other destination GPU of its node and into its own ``recv_x`` (local bypass); receivers copy ring slots to
-    ``recv_x``. Combine reverses the paths: GPUs push rows to the forwarder, which reduces the node's contributions;
-    across nodes the owner reduces the forwarders' partials.
+    ``recv_x`` (intranode: ``prof.receive_copies`` copies, 0 with direct-to-output, where ``f`` stores straight into
+    the peer's ``recv_x``). Combine reverses the paths: GPUs push rows to the forwarder, which reduces the node's
+    contributions; across nodes the owner reduces the forwarders' partials.
+
+    One GPU per virtual node is the intranode model over all ranks (:func:`flat_p2p`).
     """
     num_ranks, per_node, num_nodes = spec.num_ranks, spec.ranks_per_node, spec.num_nodes
+    if flat_p2p(spec, nic):
+        per_node, num_nodes = num_ranks, 1
     dispatch = spec.op == "dispatch"
     channels = max(num_sms, 1)
     internode = num_nodes > 1
@@ -241,7 +255,8 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     reduce_us = 1e-3 / prof.reduce_gbps    # SM-µs per reduced contribution byte
     row_us = prof.row_ns * 1e-3
     rows = np.asarray([t.rows_to_rank for t in traffic], dtype=float)         # rows[s, d]
-    records = np.asarray([t.records_to_node for t in traffic], dtype=float)   # records[s, n]
+    records = (np.asarray([t.records_to_node for t in traffic], dtype=float) if internode  # records[s, n]
+               else np.zeros((num_ranks, 1)))  # one node: no network records
     all_ranks = np.arange(num_ranks)
     local_idx = all_ranks % per_node
     block = np.arange(num_nodes)[:, None] * per_node + np.arange(per_node)[None, :]  # [N, G] ranks
@@ -298,7 +313,8 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     serial = np.zeros(num_ranks)
     if dispatch:
         serial += handled * row_us + own * payload * local_us
-        serial += prof.receive_copies * hop.sum(axis=0) * payload * local_us
+        receive_copies = 1 if internode else prof.receive_copies  # forwarded rows land in rings
+        serial += receive_copies * hop.sum(axis=0) * payload * local_us
         chunks = _chunks(hop, channels, chunk)
         if internode:
             serial += records.sum(axis=1) * row_us          # the source packs one record per node
@@ -317,6 +333,13 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     fixed = prof.launch_us + (0.0 if dispatch else prof.combine_extra_us)
     fixed += prof.internode_extra_us if internode else 0.0
     return NormalWork(serial, kinds, caps, flows, fixed, alias)
+
+
+def flat_p2p(spec: OpSpec, nic: NicProfile) -> bool:
+    """Whether an internode op runs as the intranode kernels over P2P: one GPU per virtual node (``nvlink-p2p``),
+    where deep_ep's internode backend launches the intranode kernels on the NVSHMEM symmetric heap and reaches the
+    peers by ``nvshmem_ptr`` (NVLink P2P). No network stage, no per-node records, no extra signal round trip."""
+    return spec.num_nodes > 1 and spec.ranks_per_node == 1 and nic.shares_nvlink
 
 
 def time_components(work: NormalWork, num_sms: int, num_ranks: int) -> dict[str, np.ndarray]:

@@ -3,10 +3,16 @@
 Cases (H200, hidden 7168, top-8, ``--kernels deep_ep``, the profile of ``simulator/calibration_deep_ep.json``):
 
 * normal intranode EP2 / EP4 / EP8: 4096 tokens per rank, 256 experts, uniform routing (DeepEP's intranode test),
-  24 SMs, FP8 and BF16 dispatch, BF16 combine; EP2 is the calibrated configuration (its measured value is shown);
+  24 SMs, FP8 and BF16 dispatch (Buffer's default receive path, direct-to-output), BF16 combine; EP2 is the
+  calibrated configuration;
 * low latency EP2 / EP4 / EP8: 128 tokens, 288 experts, uniform routing with DeepEP's 10 masked entries;
 * normal internode on virtual nodes (NIC profile ``nvlink-p2p``): 2 x 1, 2 x 2 and 2 x 4 GPUs, 4096 tokens,
-  256 experts, group-limited routing (DeepEP's internode test; with 2 nodes it is plain top-8).
+  256 experts, group-limited routing (DeepEP's internode test; with 2 nodes it is plain top-8); 2 x 1 runs the
+  intranode kernels over P2P.
+
+A row's ``measured_us`` is the calibration file's 24-SM point of that case (EP2 or 2 x 1 virtual nodes) on the
+profile's receive path: from the ``--check`` bench_internode run when the calibration has one, else from the fitted
+bench file.
 """
 from __future__ import annotations
 
@@ -41,15 +47,22 @@ class Prediction:
                 "measured_us": None if self.measured_us is None else round(self.measured_us, 1)}
 
 
-def _measured_ep2(calibration: Path) -> dict[tuple[str, str], float]:
-    """Measured EP2 times at 24 SMs from the calibration file's point list, ``(op, dtype) -> µs``."""
+# Measured cases of the calibration file: virtual nodes of its points -> prediction case.
+MEASURED_CASES = {1: "intranode EP2", 2: "internode 2x1 virtual"}
+
+
+def _measured(calibration: Path, prof: dek.DeepEpProfile) -> dict[tuple[str, str, str], float]:
+    """Measured 24-SM times from the calibration file's points, ``(case, op, dtype) -> µs``: dispatch on the
+    profile's receive path; check points (listed after the fitted ones) win over fitted ones."""
     if not calibration.exists():
         return {}
+    receive = "rings" if prof.receive_copies else "direct"
     out = {}
     for p in json.loads(calibration.read_text(encoding="utf-8")).get("points", []):
-        parts = p.get("point", "").split()  # "24 SMs bf16 dispatch"
-        if len(parts) == 4 and parts[0] == "24":
-            out[(parts[3], parts[2])] = float(p["measured_us"])
+        case = MEASURED_CASES.get(p.get("num_nodes", 0))
+        if case is None or p.get("num_sms") != 24 or (p.get("op") == "dispatch" and p.get("receive") != receive):
+            continue
+        out[(case, p["op"], p["dtype"])] = float(p["measured_us"])
     return out
 
 
@@ -76,9 +89,10 @@ def cases() -> list[tuple[str, Scenario]]:
 def predict(calibration: Path | None = None) -> list[Prediction]:
     """Simulate every case with the calibration file ``calibration`` (default: the repository's)."""
     path = Path(calibration) if calibration is not None else dek.CALIBRATION_PATH
-    previous = dek.use_profile(dek.load_profile(path))
+    prof = dek.load_profile(path)
+    previous = dek.use_profile(prof)
     try:
-        measured = _measured_ep2(path)
+        measured = _measured(path, prof)
         rows: list[Prediction] = []
         seen = set()
         for case, sc in cases():
@@ -87,7 +101,7 @@ def predict(calibration: Path | None = None) -> list[Prediction]:
                 if key in seen:  # BF16 combine appears in the FP8 and the BF16 scenario: print it once
                     continue
                 seen.add(key)
-                ref = measured.get((r.op, r.dtype)) if case == "intranode EP2" else None
+                ref = measured.get(key)
                 rows.append(Prediction(case, sc.nodes, sc.gpus_per_node, r.mode, r.op, r.dtype, r.tokens,
                                        r.time_us, r.logical_gbps, r.nvl_logical_gbps, r.bottleneck, ref))
         order = {case: i for i, (case, _) in enumerate(cases())}
