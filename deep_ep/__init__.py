@@ -7,15 +7,18 @@ A drop-in for DeepEP V1's ``deep_ep.Buffer`` API. Public names:
 * ``Config``: tuning config of the normal kernels.
 * ``topk_idx_t``: dtype of expert indices (``torch.int64``; ``torch.int32`` with ``DEEP_EP_TOPK_IDX_BITS=32``).
 * ``per_token_cast_to_fp8``, ``per_token_cast_back``, ``logfmt_roundtrip``: numerics helpers.
+* ``CommError`` and its kinds ``CommTimeoutError``, ``PeerAbortedError``, ``RoutingError``: what a failed call
+  raises, whichever backend served it (``deep_ep.errors``).
 
-Importing this package loads neither torch nor CUDA: ``deep_ep.config``, ``deep_ep.layout`` and ``deep_ep.envs`` are
-standard-library only, and the torch-dependent names above are resolved lazily on first access.
+Importing this package loads neither torch nor CUDA: ``deep_ep.config``, ``deep_ep.errors``, ``deep_ep.layout`` and
+``deep_ep.envs`` are standard-library only, and the torch-dependent names above are resolved lazily on first access.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from deep_ep.config import Config
+from deep_ep.errors import CommError, CommTimeoutError, PeerAbortedError, RoutingError
 
 _LAZY = {
     "Buffer": ("deep_ep.buffer", "Buffer"),
@@ -26,7 +29,7 @@ _LAZY = {
 }
 
 __all__ = ["Buffer", "EventOverlap", "Config", "topk_idx_t", "per_token_cast_to_fp8", "per_token_cast_back",
-           "logfmt_roundtrip"]
+           "logfmt_roundtrip", "CommError", "CommTimeoutError", "PeerAbortedError", "RoutingError"]
 
 
 def __getattr__(name: str) -> Any:

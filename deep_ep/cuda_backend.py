@@ -29,6 +29,7 @@ import torch
 
 from deep_ep import envs
 from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config, dispatch_receive_mode, intranode_send_warps
+from deep_ep.errors import CommError, CommTimeoutError, PeerAbortedError, RoutingError  # noqa: F401 (also re-exported)
 from deep_ep.event import CudaEventHandle, EventOverlap
 from deep_ep.handle import IntranodeHandle
 from deep_ep.layout import intranode_dispatch_output_layout
@@ -40,22 +41,6 @@ try:  # The extension is optional: ``import deep_ep.cuda_backend`` raises Import
 except ImportError as exc:  # pragma: no cover - exercised only on machines without the build
     raise ImportError(f"deep_ep._C is not built ({exc}); build it with `MAX_JOBS=32 python setup.py build_ext "
                       "--inplace` on a CUDA machine (see docs/build.md)") from exc
-
-
-class CommError(RuntimeError):
-    """A communication kernel or host wait failed; the message names rank, peer, channel, phase and values."""
-
-
-class CommTimeoutError(CommError, TimeoutError):
-    """A bounded wait (GPU or CPU) ran out of ``DEEP_EP_TIMEOUT_S``."""
-
-
-class PeerAbortedError(CommError):
-    """A peer reported an error and aborted the collective call."""
-
-
-class RoutingError(CommError, ValueError):
-    """The kernels detected routing inconsistent with the counts or the handle (DeepEP would hang here)."""
 
 
 def _raise_from_record(record: Optional[dict]) -> None:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from deep_ep import envs, handle as hd, numerics
 from deep_ep.config import FP8_BLOCK, Config, Topology, align_up
+from deep_ep.errors import CommError, CommTimeoutError
 from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
 from deep_ep.layout import low_latency_layout, low_latency_message_bytes
 from deep_ep.results import (CombineResult, DispatchLayout, DispatchResult, LowLatencyCombineResult,
@@ -48,14 +49,6 @@ _TAG_LL_COMBINE = 23
 # Tags are ``kind + _NUM_TAG_KINDS * (batch number mod _NUM_TAG_SEQUENCES)``.
 _NUM_TAG_KINDS = 32
 _NUM_TAG_SEQUENCES = 1 << 20
-
-
-class CommTimeoutError(TimeoutError):
-    """A bounded wait of the torch backend ran out of ``DEEP_EP_TIMEOUT_S``."""
-
-
-class CommError(RuntimeError):
-    """A communication operation of the torch backend failed (e.g. a peer process died)."""
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

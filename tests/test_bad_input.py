@@ -246,7 +246,7 @@ def run_timeout(ctx: dist.WorkerContext, phase: str) -> Optional[str]:
     import time
 
     import deep_ep
-    from deep_ep.torch_backend import CommTimeoutError
+    from deep_ep import CommTimeoutError  # one class for every backend (deep_ep.errors)
     if phase == "normal":
         buf = deep_ep.Buffer(ctx.group, num_nvl_bytes=1 << 20)
     else:

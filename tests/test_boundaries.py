@@ -280,3 +280,19 @@ def test_setup_skips_without_sources(fake_tree, tmp_path, monkeypatch):
     empty.mkdir()
     monkeypatch.setattr(module, "ROOT", empty)
     assert module.cuda_extension_spec("/nonexistent").skip_reason == "csrc/ has no sources yet"
+
+
+def test_one_exception_hierarchy_for_every_backend():
+    """``except deep_ep.CommTimeoutError`` catches a timeout of any backend: the backends raise deep_ep.errors'
+    classes, importable without torch."""
+    code = ("import sys, deep_ep; assert 'torch' not in sys.modules; "
+            "from deep_ep import CommError, CommTimeoutError, PeerAbortedError, RoutingError; "
+            "assert issubclass(CommTimeoutError, (CommError, TimeoutError)) and issubclass(RoutingError, ValueError); "
+            "assert issubclass(PeerAbortedError, CommError) and issubclass(CommError, RuntimeError)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT,
+                   env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    pytest.importorskip("torch")
+    import deep_ep
+    from deep_ep import torch_backend
+    assert torch_backend.CommTimeoutError is deep_ep.CommTimeoutError
+    assert torch_backend.CommError is deep_ep.CommError
