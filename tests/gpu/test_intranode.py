@@ -235,14 +235,16 @@ class Pool:
         self.backends = {msg for _, _, msg in replies}
         self.broken = False
 
-    def _collect(self, timeout: float) -> list:
+    def _collect(self, timeout: float, ranks: Optional[list] = None) -> list:
+        """Replies of ``ranks`` (default: every worker); raises TimeoutError when one of them died or is late."""
         replies = []
         import time
+        wanted = self.world if ranks is None else len(ranks)
         deadline = time.monotonic() + timeout
-        while len(replies) < self.world:
+        while len(replies) < wanted:
             left = deadline - time.monotonic()
-            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-            if left <= 0 or (dead and len(replies) + len(dead) < self.world and left < timeout - 5):
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and (ranks is None or r in ranks)]
+            if left <= 0 or (dead and len(replies) + len(dead) < wanted and left < timeout - 5):
                 got = sorted(r for r, _, _ in replies)
                 raise TimeoutError(f"workers answered {got} of {self.world} within {timeout} s; dead: {dead}; "
                                    f"replies: {replies}")
@@ -252,11 +254,12 @@ class Pool:
                 continue
         return replies
 
-    def run(self, name: str, payload, timeout: float = EXAMPLE_TIMEOUT_S) -> list:
+    def run(self, name: str, payload, timeout: float = EXAMPLE_TIMEOUT_S, ranks: Optional[list] = None) -> list:
+        """Run task ``name`` on every worker; the replies of ``ranks`` (default: all) in rank order."""
         for q in self.tasks:
             q.put((name, payload))
         try:
-            replies = self._collect(timeout)
+            replies = self._collect(timeout, ranks)
         except TimeoutError:
             self.broken = True
             raise
@@ -614,6 +617,9 @@ def task_stall(buffer, rank: int, payload: dict) -> str:
     import time
     import deep_ep
     stalled = payload["stalled"]
+    if rank == stalled and payload.get("kill"):  # a killed peer: gone without a word, its process torn down
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
     n, h = 4096, 1024
     x = torch.ones(n, h, dtype=torch.bfloat16, device=DEVICE)
     config = deep_ep.Config(4, 8, 256)
@@ -858,6 +864,20 @@ def test_bad_routing_raises(pools, world, spread):
         pytest.skip("needs 2 GPUs")
     replies = pools(world, spread).run("bad_routing", None)
     print(replies)
+
+
+def test_killed_peer_times_out():
+    """Rank 1's process is killed (SIGKILL) as the dispatch starts: rank 0 gets a timeout exception naming the peer
+    within the budget, no hang and no exit, and its CUDA context still works (its kernels keep writing into the
+    dead peer's IPC mapping: this checks that the driver keeps that memory valid until rank 0 unmaps it)."""
+    timeout_s = 5
+    pool = Pool(_devices(2, torch.cuda.device_count() >= 2), env={"DEEP_EP_TIMEOUT_S": str(timeout_s)})
+    try:
+        replies = pool.run("stall", {"stalled": 1, "timeout_s": timeout_s, "kill": True},
+                           timeout=timeout_s * 6 + 60, ranks=[0])
+        assert "timeout" in replies[0], replies
+    finally:
+        pool.kill()
 
 
 def test_stalled_peer_times_out():
