@@ -213,7 +213,8 @@ def extension_setup_kwargs() -> dict:
             define_macros=spec.define_macros,
             extra_compile_args={"cxx": spec.cxx_flags, "nvcc": spec.nvcc_flags,
                                 **({"nvcc_dlink": spec.nvcc_dlink_flags} if spec.nvcc_dlink_flags else {})},
-            extra_link_args=spec.link_flags,
+            # rpath to torch's libraries (libc10, ...): `import deep_ep._C` then works before `import torch`.
+            extra_link_args=spec.link_flags + [f"-Wl,-rpath,{cpp_extension.TORCH_LIB_PATH}"],
         )
         kwargs = {"ext_modules": [extension],
                   "cmdclass": {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}}
