@@ -13,6 +13,8 @@
 #   bench_intranode  rings and direct receive at 24 and 8 SMs (DeepEP's EP2 workload) -> intra.json
 #   bench_ll         LL sweep of tokens per rank 1..256 (128 is the bar) -> ll.json
 #   bench_internode  2 virtual nodes x 1 GPU next to the intranode kernels, simulator prediction -> inter.json
+#   test_ep          EP4/EP8 property tests, one rank per GPU (intranode + LL; issue 7: x4 / x8 machines)
+#   bench_ep         EP<all GPUs> intranode (24 SMs) and LL (T=128) benchmarks -> ep_intra.json, ep_ll.json
 #   trace_ll         debug rebuild, LL T=128 with the kernels' section trace (tools/ll_trace.py); run it last
 #   nvlink           copy-engine ceiling (every pair and all-to-all) -> nvlink.json
 # Exit status: the number of failed steps (the build failing stops the call).
@@ -79,6 +81,20 @@ for step in "$@"; do
     bench_internode)
         run_step bench_internode 100 python3 benchmarks/bench_internode.py --json "$OUT/inter.json"
         tail -n 14 "$OUT/bench_internode.log" >> "$S" ;;
+    test_ep)
+        run_step test_ep 240 python3 -m pytest -q -rfE -p no:cacheprovider -k one_rank_per_gpu \
+            tests/gpu/test_intranode.py tests/gpu/test_low_latency.py
+        tail -n 3 "$OUT/test_ep.log" >> "$S"
+        grep -E "^E " "$OUT/test_ep.log" | head -30 >> "$S" ;;
+    bench_ep)
+        gpus=$(nvidia-smi -L | wc -l)
+        run_step bench_ep_intra 150 python3 benchmarks/bench_intranode.py --num-processes "$gpus" --sms 24 \
+            --dispatch-chunks 32 --combine-chunks 8 --dispatch-warps 12 16 24 --combine-warps 6 8 \
+            --receive rings direct --json "$OUT/ep_intra.json"
+        grep -E "^(#|op|dispatch|combine|nccl)" "$OUT/bench_ep_intra.log" >> "$S"
+        run_step bench_ep_ll 90 python3 benchmarks/bench_low_latency.py --num-processes "$gpus" --tokens 128 \
+            --warmups 10 --iters 20 --json "$OUT/ep_ll.json"
+        grep -vE "UserWarning|_warn_once" "$OUT/bench_ep_ll.log" | tail -n 3 >> "$S" ;;
     trace_ll)  # debug rebuild (the LL kernels' section trace), T=128, summary by tools/ll_trace.py; leaves a debug build
         run_step build_debug 220 env DEEP_EP_DEBUG_BUILD=1 MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py \
             build_ext --inplace || continue

@@ -831,6 +831,16 @@ def test_two_gpus(pools, case):
     pools(2, spread=True).run("roundtrip", case)
 
 
+@pytest.mark.parametrize("world", [pytest.param(4, marks=pytest.mark.multi_gpu(4)),
+                                   pytest.param(8, marks=pytest.mark.multi_gpu(8))])
+@gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_EP", "8")))
+@given(data=st.data())
+def test_one_rank_per_gpu(pools, world, data):
+    """EP4 / EP8: one rank per GPU over NVLink (issue 7; skipped with fewer GPUs)."""
+    case = data.draw(case_strategy(world, max_tokens=1200))
+    pools(world, spread=True).run("roundtrip", case)
+
+
 @pytest.mark.multi_gpu
 @gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_SEQ", "3")))
 @given(cases=st.lists(case_strategy(2, max_tokens=600), min_size=3, max_size=5))

@@ -451,6 +451,15 @@ def test_ll_two_ranks(pools, case):
     pools(2).run("round", case)
 
 
+@pytest.mark.parametrize("world", [pytest.param(4, marks=pytest.mark.multi_gpu(4)),
+                                   pytest.param(8, marks=pytest.mark.multi_gpu(8))])
+@settings(max_examples=int(os.environ.get("LL_EXAMPLES", "25")), **NO_SHRINK)
+@given(data=st.data())
+def test_ll_one_rank_per_gpu(pools, world, data):
+    """EP4 / EP8, one rank per GPU (issue 7; skipped with fewer GPUs)."""
+    pools(world).run("round", data.draw(case_strategy(world)))
+
+
 @pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.multi_gpu(2))])
 @settings(max_examples=3, **NO_SHRINK)
 @given(data=st.data())
