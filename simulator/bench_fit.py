@@ -1,20 +1,21 @@
 """Fit the ``deep_ep`` kernel family (``simulator.deep_ep_kernels``) to our own benchmark JSON files.
 
 Flow: :func:`read_bench` turns a bench file into a :class:`BenchRun` (the workload and one :class:`BenchPoint` per
-measured op); :func:`fit` least-squares the family's parameters on the points whose SM count is not held out
-(residual = log(predicted / measured), Levenberg-Marquardt in log-parameter space, so every parameter stays
-positive) and predicts the points of any ``check`` runs (other bench files, never fitted); :func:`to_text` prints
-measured vs predicted per point; :func:`write_calibration` stores the values with their source file and date in
-``simulator/calibration_deep_ep.json``, which ``deep_ep_kernels.profile()`` loads.
+measured op); :func:`fit` least-squares the family's parameters on the points whose sweep value (SM count for the
+normal-mode benches, tokens per rank for the low-latency bench) is not held out (residual = log(predicted /
+measured), Levenberg-Marquardt in log-parameter space, so every parameter stays positive) and predicts the points of
+any ``check`` runs (other bench files, never fitted); :func:`to_text` prints measured vs predicted per point;
+:func:`write_calibration` stores the values with their source file and date in ``simulator/calibration_deep_ep.json``,
+which ``deep_ep_kernels.profile()`` loads.
 
 Readers: ``benchmarks/bench_intranode.py`` (dispatch on the ring path, ops ``dispatch_*``, and on the
-direct-to-output path, ops ``dispatch_*_direct``; combine) and ``benchmarks/bench_internode.py`` (its intranode phase
-on Buffer's default receive path, direct-to-output, and its internode phase on one GPU per virtual node).
+direct-to-output path, ops ``dispatch_*_direct``; combine), ``benchmarks/bench_internode.py`` (its intranode phase
+on Buffer's default receive path, direct-to-output, and its internode phase on one GPU per virtual node) and
+``benchmarks/bench_low_latency.py`` (fused LL kernel times and the send/receive launches of hook mode, per ``T``).
 
-Adding a bench kind (e.g. the low-latency bench, whose JSON schema is not fixed yet) is small: write a reader
-``data -> BenchRun`` with ``kind="low-latency"``, register it in :data:`BENCH_READERS` with a detector, list the
-parameters it fits in :data:`FIT_PARAMS`, and add a branch to :func:`predict_point` (``deep_ep_kernels.
-simulate_low_latency`` already takes the profile). Unknown files raise ``ValueError`` naming the keys found.
+Adding a bench kind: write a reader ``data -> BenchRun``, register it in :data:`BENCH_READERS` with a detector, list
+the parameters it fits in :data:`FIT_PARAMS`, and add a branch to :func:`predict_point`. Unknown files raise
+``ValueError`` naming the keys found.
 """
 from __future__ import annotations
 
@@ -38,11 +39,14 @@ __all__ = ["BenchPoint", "BenchRun", "FitResult", "read_bench", "fit", "to_text"
 
 @dataclass(frozen=True)
 class BenchPoint:
-    """One measured op: ``time_us`` is the mean over ranks of the bench's acceptance time (wall time of the call).
+    """One measured op: ``time_us`` is the mean over ranks of the bench's acceptance time (normal mode: wall time of
+    the call; low latency: the kernel time of the profiler).
 
     ``receive`` is the dispatch receive path (``rings`` or ``direct``, see ``DeepEpProfile.receive_copies``; combine
     points say ``rings``); ``num_nodes`` > 1 marks a point measured on that many virtual nodes of one host
-    (``nvlink-p2p``), the bench's ranks split evenly between them.
+    (``nvlink-p2p``), the bench's ranks split evenly between them. Low-latency points carry ``tokens`` (per rank; 0
+    for normal-mode points, whose token count is the run's) and ``phase``: ``fused`` (one kernel, no hook), ``send``
+    or ``recv`` (the two launches of ``return_recv_hook``).
     """
 
     op: str         # 'dispatch' | 'combine'
@@ -52,15 +56,28 @@ class BenchPoint:
     time_us: float
     receive: str = "rings"
     num_nodes: int = 1
+    tokens: int = 0
+    phase: str = "fused"
+
+    @property
+    def sweep_value(self) -> int:
+        """What ``--hold-out`` selects on: tokens per rank for low-latency points, the SM count otherwise."""
+        return self.tokens or self.num_sms
 
     @property
     def label(self) -> str:
+        if self.tokens:
+            hook = f" {self.phase} (hook)" if self.phase != "fused" else ""
+            return f"T={self.tokens} {self.dtype} {self.op}{hook}"
         direct = " direct" if self.receive == "direct" else ""
         nodes = f" ({self.num_nodes} virtual nodes)" if self.num_nodes > 1 else ""
         return f"{self.num_sms} SMs {self.dtype} {self.op}{direct}{nodes}"
 
     def as_dict(self) -> dict:
         """The point's identity for the calibration file (``predictions`` looks measured values up by it)."""
+        if self.tokens:
+            return {"point": self.label, "op": self.op, "dtype": self.dtype, "num_sms": self.num_sms,
+                    "tokens": self.tokens, "phase": self.phase}
         return {"point": self.label, "op": self.op, "dtype": self.dtype, "num_sms": self.num_sms,
                 "receive": self.receive, "num_nodes": self.num_nodes, "chunk": self.chunk}
 
@@ -69,7 +86,7 @@ class BenchPoint:
 class BenchRun:
     """A bench file: its kind, workload and points."""
 
-    kind: str       # 'intranode' | 'internode'
+    kind: str       # 'intranode' | 'internode' | 'low-latency'
     path: str
     date: str
     machine: str
@@ -79,6 +96,8 @@ class BenchRun:
     topk: int
     num_experts: int
     points: tuple[BenchPoint, ...]
+    # Low latency: DeepEP's byte counts per (tokens, op), summed over ranks (valid selections x bytes per message).
+    deepep_bytes: tuple[tuple[int, str, int], ...] = ()
 
     @property
     def gpu(self) -> str:
@@ -203,10 +222,57 @@ def _read_internode(data: dict, path: str, warps: str = "default") -> BenchRun:
                     int(args.get("num_topk", 8)), int(args.get("num_experts", 256)), tuple(points))
 
 
+# bench_low_latency.py kernel names -> (op, dtype, phase); dispatch is FP8 (the bench's only dispatch format).
+_LL_KERNELS = {("kernel_s", "dispatch"): ("dispatch", "fp8", "fused"),
+               ("kernel_s", "combine"): ("combine", "bf16", "fused"),
+               ("phases_s", "dispatch_send"): ("dispatch", "fp8", "send"),
+               ("phases_s", "dispatch_recv"): ("dispatch", "fp8", "recv"),
+               ("phases_s", "combine_send"): ("combine", "bf16", "send"),
+               ("phases_s", "combine_recv"): ("combine", "bf16", "recv")}
+
+
+def _is_low_latency(data: dict) -> bool:
+    per_rank = data.get("per_rank")
+    return (isinstance(per_rank, list) and bool(per_rank) and isinstance(per_rank[0], list) and bool(per_rank[0])
+            and isinstance(per_rank[0][0], dict) and "kernel_s" in per_rank[0][0])
+
+
+def _read_low_latency(data: dict, path: str, warps: str = "default") -> BenchRun:
+    """``benchmarks/bench_low_latency.py`` output: ``per_rank[rank][i]`` is the point of the ``i``-th token count
+    ``{tokens, kernel_s: {dispatch, combine}, phases_s: {dispatch_send, dispatch_recv, combine_send, combine_recv},
+    wall_s, wall_back_to_back_s, dispatch_bytes, combine_bytes}`` (seconds). A point's time is the kernel time
+    (profiler mean, the bench's acceptance metric) averaged over ranks, in µs, as the bench's ``summary`` prints it;
+    the hook-mode send and receive launches are points of their own (``phase``). Wall times include the launch gap
+    and are not read. Every rank must report the same token sweep; ``warps`` is unused (LL uses every SM)."""
+    del warps
+    per_rank = data["per_rank"]
+    args = data.get("args", {})
+    sweeps = [[p.get("tokens") for p in rank_points] for rank_points in per_rank]
+    if any(s != sweeps[0] for s in sweeps):
+        raise ValueError(f"bench {path}: ranks report different token sweeps {sweeps}")
+    points, deepep_bytes = [], []
+    for i, tokens in enumerate(sweeps[0]):
+        if not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"bench {path}: point {i} has no positive 'tokens', got {tokens!r}")
+        for (group, key), (op, dtype, phase) in _LL_KERNELS.items():
+            values = [_positive(path, f"T={tokens} {group}.{key}", r[i].get(group, {}).get(key)) for r in per_rank]
+            points.append(BenchPoint(op, dtype, 0, 0, 1e6 * sum(values) / len(values), tokens=tokens, phase=phase))
+        for op in ("dispatch", "combine"):
+            deepep_bytes.append((tokens, op, int(sum(r[i].get(f"{op}_bytes", 0) for r in per_rank))))
+    if not points:
+        raise ValueError(f"bench {path}: no low-latency points")
+    machine = f"{data.get('gpu', 'unknown')} x{len(per_rank)}"
+    num_ranks = int(args.get("num_processes", len(per_rank)))
+    return BenchRun("low-latency", path, str(data.get("date", "unknown")), machine, num_ranks,
+                    max(sweeps[0]), int(args.get("hidden", 7168)), int(args.get("num_topk", 8)),
+                    int(args.get("num_experts", 288)), tuple(points), tuple(deepep_bytes))
+
+
 # (name, detector, reader): the first detector that accepts the JSON object reads it.
 BENCH_READERS: list[tuple[str, Callable[[dict], bool], Callable[..., BenchRun]]] = [
     ("intranode (benchmarks/bench_intranode.py)", _is_intranode, _read_intranode),
     ("internode on virtual nodes (benchmarks/bench_internode.py)", _is_internode, _read_internode),
+    ("low latency (benchmarks/bench_low_latency.py)", _is_low_latency, _read_low_latency),
 ]
 # Weight of the log-space prior toward the design-guide defaults, per parameter (a factor 2 away costs as much as
 # a point 3.5 % off).
@@ -214,7 +280,14 @@ PRIOR_WEIGHT = 0.05
 DEFAULTS_FOR_PRIOR = dek.DEFAULTS
 # Parameters each bench kind fits; the others keep their values (and sources) from the current profile.
 FIT_PARAMS: dict[str, tuple[str, ...]] = {"intranode": dek.INTRANODE_FIT_PARAMS,
-                                          "internode": dek.INTRANODE_FIT_PARAMS}
+                                          "internode": dek.INTRANODE_FIT_PARAMS,
+                                          "low-latency": dek.LL_FIT_PARAMS}
+# Sweep values held out when the caller names none: SM counts (normal mode), tokens per rank (low latency).
+DEFAULT_HOLD_OUT: dict[str, tuple[int, ...]] = {"intranode": (16, 32), "internode": (16, 32),
+                                                "low-latency": (2, 4, 16, 32, 128)}
+# Bench kinds whose fit restarts Levenberg-Marquardt from several points (see :func:`fit`).
+MULTI_START_KINDS = ("low-latency",)
+SWEEP_NAMES = {"intranode": "SM counts", "internode": "SM counts", "low-latency": "token counts"}
 
 
 def read_bench(path: str | Path, warps: str = "default") -> BenchRun:
@@ -235,11 +308,16 @@ def read_bench(path: str | Path, warps: str = "default") -> BenchRun:
 # Model of one point
 # ---------------------------------------------------------------------------------------------------------------
 
-def bench_traffic(run: BenchRun, seed: int = 0) -> list[workload.SourceTraffic]:
-    """The bench's workload: uniform top-k routing (``topk(|randn| + 1)``) over ``num_ranks`` GPUs (as one node;
-    the rows per destination rank are the same when the ranks are split into virtual nodes)."""
-    router = workload.Router("uniform", None, run.num_experts, run.topk, 1, seed)
-    return workload.build_traffic(router, run.num_ranks, run.num_ranks, run.num_tokens, 0, mask_ll=False)
+def bench_traffic(run: BenchRun, seed: int = 0) -> dict[int, list[workload.SourceTraffic]]:
+    """The bench's workload per token count: uniform top-k routing (``topk(|randn| + 1)``, no masked entries) over
+    ``num_ranks`` GPUs (as one node; the rows per destination rank are the same when the ranks are split into
+    virtual nodes). Normal-mode runs have one token count (``run.num_tokens``), the LL run one per sweep point."""
+    counts = sorted({p.tokens for p in run.points if p.tokens}) or [run.num_tokens]
+    out = {}
+    for tokens in counts:
+        router = workload.Router("uniform", None, run.num_experts, run.topk, 1, seed)
+        out[tokens] = workload.build_traffic(router, run.num_ranks, run.num_ranks, tokens, 0, mask_ll=False)
+    return out
 
 
 def _nodes_traffic(run: BenchRun, num_nodes: int, traffic: list[workload.SourceTraffic],
@@ -251,18 +329,50 @@ def _nodes_traffic(run: BenchRun, num_nodes: int, traffic: list[workload.SourceT
                                   mask_ll=False)
 
 
+def predict_points(run: BenchRun, points: list[BenchPoint] | tuple[BenchPoint, ...], prof: DeepEpProfile,
+                   traffic: dict[int, list[workload.SourceTraffic]], seed: int = 0) -> list[float]:
+    """:func:`predict_point` of every point; the LL phases of one (tokens, op) share one closed-form evaluation."""
+    memo: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    out = []
+    for point in points:
+        if not point.tokens:
+            out.append(predict_point(run, point, prof, traffic, seed))
+            continue
+        key = (point.tokens, point.op)
+        if key not in memo:
+            memo[key] = _ll_times(run, point, prof, traffic)
+        out.append(float(memo[key][_LL_PHASE_KEYS[point.phase]].mean()))
+    return out
+
+
+_LL_PHASE_KEYS = {"fused": "fused", "send": "hook_send", "recv": "hook_recv"}
+
+
+def _ll_times(run: BenchRun, point: BenchPoint, prof: DeepEpProfile,
+              traffic: dict[int, list[workload.SourceTraffic]]) -> dict[str, np.ndarray]:
+    payload = rank.token_bytes(run.hidden, point.dtype)
+    spec = rank.OpSpec("low-latency", point.op, run.hidden, run.topk, payload, payload, 1, run.num_ranks, None)
+    return dek.ll_phase_times(spec, traffic[point.tokens], hardware.get_gpu(run.gpu), hardware.CX7, prof,
+                              point.dtype)
+
+
 def predict_point(run: BenchRun, point: BenchPoint, prof: DeepEpProfile,
-                  traffic: list[workload.SourceTraffic], seed: int = 0) -> float:
+                  traffic: dict[int, list[workload.SourceTraffic]], seed: int = 0) -> float:
     """Predicted time of ``point`` (µs, mean over ranks) by the closed form of the deep_ep family, on the point's
-    receive path and, for ``num_nodes`` > 1, on virtual nodes (``nvlink-p2p``)."""
+    receive path and, for ``num_nodes`` > 1, on virtual nodes (``nvlink-p2p``); LL points by
+    ``deep_ep_kernels.ll_phase_times`` (all ranks on one NVLink node, the phase of the point). ``traffic`` is
+    :func:`bench_traffic` of the run."""
     gpu = hardware.get_gpu(run.gpu)
     payload = rank.token_bytes(run.hidden, point.dtype)
+    if point.tokens:
+        return float(_ll_times(run, point, prof, traffic)[_LL_PHASE_KEYS[point.phase]].mean())
+    traffic_ = traffic[run.num_tokens]
     per_node = run.num_ranks // point.num_nodes
     mode = "internode" if point.num_nodes > 1 else "intranode"
     nic = hardware.get_nic("nvlink-p2p") if point.num_nodes > 1 else hardware.CX7
     spec = rank.OpSpec(mode, point.op, run.hidden, run.topk, payload, payload, point.num_nodes, per_node, None)
     prof = replace(prof, receive_copies=1 if point.receive == "rings" else 0)
-    work = dek.normal_work(spec, _nodes_traffic(run, point.num_nodes, traffic, seed), gpu, nic, prof,
+    work = dek.normal_work(spec, _nodes_traffic(run, point.num_nodes, traffic_, seed), gpu, nic, prof,
                            point.num_sms, point.chunk, point.dtype)
     return float(dek.closed_form_times(work, point.num_sms, run.num_ranks).mean())
 
@@ -300,7 +410,7 @@ class FitResult:
 
     def mape(self, held: bool) -> float:
         """MAPE of the fitted (``held=False``) or held-out points of the fitted file; NaN when there are none."""
-        sel = [abs(e) for e, pt in zip(self.errors(), self.run.points) if (pt.num_sms in self.hold_out) == held]
+        sel = [abs(e) for e, pt in zip(self.errors(), self.run.points) if (pt.sweep_value in self.hold_out) == held]
         return sum(sel) / len(sel) if sel else float("nan")
 
     def mape_check(self) -> float:
@@ -342,11 +452,12 @@ def levenberg_marquardt(residual: Callable[[np.ndarray], np.ndarray], x0: np.nda
     return x, max_iter
 
 
-def fit(run: BenchRun, hold_out: list[int] | tuple[int, ...] = (16, 32), start: DeepEpProfile | None = None,
+def fit(run: BenchRun, hold_out: list[int] | tuple[int, ...] | None = None, start: DeepEpProfile | None = None,
         seed: int = 0, fixed: dict[str, float] | None = None, check: list[BenchRun] | tuple[BenchRun, ...] = ()
         ) -> FitResult:
-    """Fit :data:`FIT_PARAMS` of ``run.kind`` on the points whose SM count is not in ``hold_out``, then predict
-    every point of the ``check`` runs (other bench files, held out as a whole).
+    """Fit :data:`FIT_PARAMS` of ``run.kind`` on the points whose sweep value (SM count; tokens per rank for the LL
+    bench) is not in ``hold_out`` (default :data:`DEFAULT_HOLD_OUT` of the kind), then predict every point of the
+    ``check`` runs (other bench files, held out as a whole).
 
     ``fixed`` pins parameters to given values (they are not fitted and keep the source ``fixed by --fix``).
     """
@@ -358,16 +469,18 @@ def fit(run: BenchRun, hold_out: list[int] | tuple[int, ...] = (16, 32), start: 
         raise ValueError(f"--fix names parameters that this bench does not fit: {unknown} "
                          f"(fitted: {list(FIT_PARAMS[run.kind])})")
     names = tuple(n for n in FIT_PARAMS[run.kind] if n not in fixed)
+    hold_out = tuple(DEFAULT_HOLD_OUT[run.kind] if hold_out is None else hold_out)
+    sweep = SWEEP_NAMES[run.kind]
     base = start or dek.DEFAULTS
     if fixed:
         sources = dict(base.sources)
         sources.update({n: f"fixed by --fix at {v}" for n, v in fixed.items()})
         base = replace(base, **fixed, sources=tuple(sources.items()))
-    fit_points = [p for p in run.points if p.num_sms not in hold_out]
-    sms_all = sorted({p.num_sms for p in run.points})
+    fit_points = [p for p in run.points if p.sweep_value not in hold_out]
+    sweep_all = sorted({p.sweep_value for p in run.points})
     if len(fit_points) < len(names):
         raise ValueError(f"--hold-out {list(hold_out)} leaves {len(fit_points)} points to fit {len(names)} "
-                         f"parameters (SM counts in the file: {sms_all})")
+                         f"parameters ({sweep} in the file: {sweep_all})")
     traffic = bench_traffic(run, seed)
 
     def make(x: np.ndarray) -> DeepEpProfile:
@@ -377,82 +490,132 @@ def fit(run: BenchRun, hold_out: list[int] | tuple[int, ...] = (16, 32), start: 
 
     def residual(x: np.ndarray) -> np.ndarray:
         prof = make(x)
-        data = [math.log(predict_point(run, p, prof, traffic, seed) / p.time_us) for p in fit_points]
+        data = [math.log(t / p.time_us) for t, p in zip(predict_points(run, fit_points, prof, traffic, seed),
+                                                         fit_points)]
         # Weak prior toward the design-guide values: parameters the points cannot separate (at EP2 the local and
         # remote byte counts are equal) stay near their estimate instead of drifting to 0 or infinity.
         return np.concatenate([data, PRIOR_WEIGHT * (x - x0)])
 
     x, iterations = levenberg_marquardt(residual, x0)
+    if run.kind in MULTI_START_KINDS:
+        # The max() terms of the LL phases have flat directions (a rate that binds nowhere has no gradient): start
+        # again from every parameter 4x below and above its design value and keep the lowest cost.
+        cost = float(residual(x) @ residual(x))
+        for j in range(len(names)):
+            for shift in (-math.log(4), math.log(4)):
+                start_x = x0.copy()
+                start_x[j] += shift
+                x_j, it_j = levenberg_marquardt(residual, start_x)
+                iterations += it_j
+                cost_j = float(residual(x_j) @ residual(x_j))
+                if cost_j < cost * (1 - 1e-9):
+                    x, cost = x_j, cost_j
     stamp = datetime.date.today().isoformat()
     source = f"fit: {Path(run.path).name} ({run.date}, {run.machine}), least squares on {len(fit_points)} points, " \
-             f"SM counts {[s for s in sms_all if s not in hold_out]} (held out {list(hold_out)}), fitted {stamp}"
+             f"{sweep} {[s for s in sweep_all if s not in hold_out]} (held out {list(hold_out)}), fitted {stamp}"
     sources = dict(base.sources)
     sources.update(dict.fromkeys(names, source))
     prof = replace(make(x), sources=tuple(sources.items()))
-    predicted = [predict_point(run, p, prof, traffic, seed) for p in run.points]
+    predicted = predict_points(run, run.points, prof, traffic, seed)
     checks = []
     for other in check:
         other_traffic = bench_traffic(other, seed)
-        checks.append(CheckResult(other, [predict_point(other, p, prof, other_traffic, seed) for p in other.points]))
+        checks.append(CheckResult(other, predict_points(other, other.points, prof, other_traffic, seed)))
     return FitResult(run, prof, names, tuple(hold_out), predicted, iterations, tuple(checks))
+
+
+def _role(result: FitResult, pt: BenchPoint) -> str:
+    return "hold-out" if pt.sweep_value in result.hold_out else "fit"
 
 
 def to_text(result: FitResult) -> str:
     run = result.run
+    ll = run.kind == "low-latency"
+    tokens = f"T = {', '.join(str(t) for t in sorted({p.tokens for p in run.points}))} tokens per rank" if ll \
+        else f"{run.num_tokens} tokens"
+    name_width = max(18, *(len(n) for n in result.params))
     lines = [f"deep_ep kernel fit: {run.path} ({run.kind}, {run.machine}, {run.date}), EP{run.num_ranks}, "
-             f"{run.num_tokens} tokens, hidden {run.hidden}, top-{run.topk} of {run.num_experts} experts",
-             "", f"{'parameter':<18} {'value':>10}  source", "-" * 60]
+             f"{tokens}, hidden {run.hidden}, top-{run.topk} of {run.num_experts} experts",
+             "", f"{'parameter':<{name_width}} {'value':>10}  source", "-" * 60]
     for name in result.params:
-        lines.append(f"{name:<18} {getattr(result.profile, name):>10.3f}  fit")
+        lines.append(f"{name:<{name_width}} {getattr(result.profile, name):>10.3f}  fit")
     width = max(24, *(len(pt.label) for r in (run, *(c.run for c in result.checks)) for pt in r.points))
-    head = [f"{'point':<{width}} {'chunk':>5} {'measured_us':>11} {'predicted_us':>12} {'error':>7}  role",
+    column = "T" if ll else "chunk"
+    head = [f"{'point':<{width}} {column:>5} {'measured_us':>11} {'predicted_us':>12} {'error':>7}  role",
             "-" * (width + 48)]
     lines += ["", *head]
+
+    def row(pt: BenchPoint, pred: float, err: float, role: str) -> str:
+        return (f"{pt.label:<{width}} {pt.tokens if pt.tokens else pt.chunk:>5} {pt.time_us:>11.1f} {pred:>12.1f} "
+                f"{100 * err:>+6.1f}%  {role}")
+
     for pt, pred, err in zip(run.points, result.predicted, result.errors()):
-        role = "hold-out" if pt.num_sms in result.hold_out else "fit"
-        lines.append(f"{pt.label:<{width}} {pt.chunk:>5} {pt.time_us:>11.1f} {pred:>12.1f} {100 * err:>+6.1f}%  {role}")
+        lines.append(row(pt, pred, err, _role(result, pt)))
     for c in result.checks:
         lines += ["", f"check (not fitted): {c.run.path} ({c.run.kind}, {c.run.machine}, {c.run.date})", *head]
         for pt, pred, err in zip(c.run.points, c.predicted, c.errors()):
-            lines.append(f"{pt.label:<{width}} {pt.chunk:>5} {pt.time_us:>11.1f} {pred:>12.1f} {100 * err:>+6.1f}%  "
-                         f"check")
+            lines.append(row(pt, pred, err, "check"))
     held = (f"{100 * result.mape(True):.1f}%" if not math.isnan(result.mape(True))
             else "none in the file")
     summary = f"MAPE: fitted points {100 * result.mape(False):.1f}%, held-out points {held} " \
-              f"(SM counts {list(result.hold_out)})"
+              f"({SWEEP_NAMES[run.kind]} {list(result.hold_out)})"
+    if ll:
+        for phase in ("fused", "send", "recv"):
+            errs = [abs(e) for e, pt in zip(result.errors(), run.points) if pt.phase == phase]
+            held_errs = [abs(e) for e, pt in zip(result.errors(), run.points)
+                         if pt.phase == phase and pt.sweep_value in result.hold_out]
+            name = "fused kernels" if phase == "fused" else f"hook {phase}"
+            summary += f"; {name} {100 * sum(errs) / len(errs):.1f}%" + \
+                (f" (held out {100 * sum(held_errs) / len(held_errs):.1f}%)" if held_errs else "")
     if result.checks:
         summary += f", check points {100 * result.mape_check():.1f}%"
     lines += ["", f"{summary}; {result.iterations} Levenberg-Marquardt iterations"]
     return "\n".join(lines) + "\n"
 
 
+# Section of the calibration file that holds the low-latency fit's summary and points (the top level holds the
+# normal-mode fit's, which ``simulator.predictions`` reads the measured column from).
+LL_SECTION = "low_latency"
+
+
 def write_calibration(result: FitResult, path: str | Path = CALIBRATION_PATH) -> None:
     """Write the fitted (and ``--fix``-ed) parameters with their sources, plus the fit summary and its points.
 
-    Parameters an existing file holds that this fit does not touch (e.g. those of another bench kind) are kept.
+    Parameters an existing file holds that this fit does not touch (e.g. those of another bench kind) are kept. A
+    normal-mode fit writes its summary and points at the top level and keeps the file's :data:`LL_SECTION`; a
+    low-latency fit writes them into :data:`LL_SECTION` and keeps the top level.
     """
     path = Path(path)
-    params = {}
+    params, old = {}, {}
     if path.exists():
         old = workload.read_json(str(path), f"deep_ep calibration {path}")
-        params = {k: v for k, v in (old.get("params", {}) if isinstance(old, dict) else {}).items()
-                  if k not in FIT_PARAMS[result.run.kind]}
+        old = old if isinstance(old, dict) else {}
+        params = {k: v for k, v in old.get("params", {}).items() if k not in FIT_PARAMS[result.run.kind]}
     for name, value, source in result.profile.describe():
         if name in FIT_PARAMS[result.run.kind]:
             params[name] = {"value": round(float(value), 4), "source": source}
+
     def rounded(x: float) -> float | None:
         return None if math.isnan(x) else round(x, 4)
 
     def entry(pt: BenchPoint, pred: float, role: str) -> dict:
         return {**pt.as_dict(), "measured_us": round(pt.time_us, 2), "predicted_us": round(pred, 2), "role": role}
 
-    points = [entry(pt, pred, "hold-out" if pt.num_sms in result.hold_out else "fit")
-              for pt, pred in zip(result.run.points, result.predicted)]
+    points = [entry(pt, pred, _role(result, pt)) for pt, pred in zip(result.run.points, result.predicted)]
     for c in result.checks:
         points += [entry(pt, pred, "check") for pt, pred in zip(c.run.points, c.predicted)]
-    data = {"family": "deep_ep", "bench": result.run.path, "bench_date": result.run.date,
-            "machine": result.run.machine, "fitted": datetime.date.today().isoformat(),
-            "hold_out_sms": list(result.hold_out), "mape_fit": rounded(result.mape(False)),
-            "mape_hold_out": rounded(result.mape(True)), "check": [c.run.path for c in result.checks],
-            "mape_check": rounded(result.mape_check()), "params": params, "points": points}
+    summary = {"bench": result.run.path, "bench_date": result.run.date, "machine": result.run.machine,
+               "fitted": datetime.date.today().isoformat()}
+    if result.run.kind == "low-latency":
+        section = {**summary, "hold_out_tokens": list(result.hold_out), "mape_fit": rounded(result.mape(False)),
+                   "mape_hold_out": rounded(result.mape(True)), "points": points}
+        data = {"family": "deep_ep", **{k: v for k, v in old.items() if k not in ("family", "params", LL_SECTION)},
+                "params": params, LL_SECTION: section}
+    else:
+        data = {"family": "deep_ep", **summary, "hold_out_sms": list(result.hold_out),
+                "mape_fit": rounded(result.mape(False)), "mape_hold_out": rounded(result.mape(True)),
+                "check": [c.run.path for c in result.checks], "mape_check": rounded(result.mape_check()),
+                "params": params, "points": points}
+        if LL_SECTION in old:
+            data[LL_SECTION] = old[LL_SECTION]
     Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")

@@ -11,7 +11,9 @@ every other row is a hold-out prediction.
 by least squares on the relative error of the bench points, holding the given SM counts out, predicts every point of
 the ``--check`` files (other bench runs, never fitted), prints measured vs predicted per point with the signed error
 and the MAPE of fitted, held-out and check points, and writes ``simulator/calibration_deep_ep.json`` (value, source
-file, date, every point). Readers of bench files live in :data:`BENCH_READERS` (see ``simulator/bench_fit.py``).
+file, date, every point). Readers of bench files live in :data:`BENCH_READERS` (see ``simulator/bench_fit.py``). A
+``benchmarks/bench_low_latency.py`` file fits the low-latency parameters instead; ``--hold-out`` then names token
+counts (default 2,4,16,32,128).
 """
 from __future__ import annotations
 
@@ -115,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                                                  "kernel family from a bench JSON (--from-bench).")
     parser.add_argument("--from-bench", metavar="FILE.json", default=None,
                         help="fit deep_ep's kernel parameters from this benchmark JSON")
-    parser.add_argument("--hold-out", default="16,32", metavar="S1,S2",
-                        help="SM counts kept out of the fit and reported as predictions (default 16,32)")
+    parser.add_argument("--hold-out", default=None, metavar="S1,S2",
+                        help="SM counts (normal-mode benches; default 16,32) or tokens per rank (the low-latency "
+                             "bench; default 2,4,16,32,128) kept out of the fit and reported as predictions")
     parser.add_argument("--check", action="append", default=[], metavar="FILE.json",
                         help="another bench JSON whose points are predicted with the fit, not fitted (repeatable), "
                              "e.g. a benchmarks/bench_internode.py run")
@@ -140,10 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(validate.to_text(validate.validate()))
         return 0
-    try:
-        hold_out = [int(x) for x in args.hold_out.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"--hold-out must be a comma-separated list of SM counts, got {args.hold_out!r}")
+    hold_out = None
+    if args.hold_out is not None:
+        try:
+            hold_out = [int(x) for x in args.hold_out.split(",") if x.strip()]
+        except ValueError:
+            parser.error(f"--hold-out must be a comma-separated list of integers, got {args.hold_out!r}")
     fixed = {}
     for item in args.fix:
         name, _, value = item.partition("=")

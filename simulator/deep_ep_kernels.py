@@ -11,8 +11,10 @@
   Combine: senders push rows back into the owner's ring, the reducer reads the own contribution straight from ``x``
   and every ring slot, adds in fp32 and rounds once.
 * **Low latency (§3.3, §3.4)**: dispatch sends one message per (token, destination rank) and the receiver expands
-  it to every (expert, row) of that rank; combine returns one BF16 row per (token, expert) selection and the owner
-  reduces each token as its contributions land.
+  it to every (expert, row) of that rank; combine returns one BF16 row per (token, expert) selection (a fused call
+  reads the rank's own rows in place) and the owner reduces each token. A fused call is ``ll_fixed_us`` + the send
+  phase (SM stores overlapping the link) + the receive phase (expansion or reduction after the last arrival); with
+  ``return_recv_hook`` each phase is its own launch of ``ll_hook_fixed_us`` (:func:`ll_phase_times`).
 * **Internode (§4)**: each token goes once per destination node (NVSHMEM put to the GPU with the same local index);
   that forwarder copies it into the NVLink rings of the node's GPUs (itself by local bypass; the forwarded rows are
   always received through rings). With one GPU per node there is no forwarding stage. The ``nvlink-p2p`` NIC
@@ -40,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deep_ep.config import FP8_BLOCK, ceil_div
+from deep_ep.config import FP8_BLOCK, NUM_MAX_LL_TOPK, ceil_div
 from deep_ep.layout import intranode_combine_record_bytes, intranode_dispatch_record_bytes
 from simulator.hardware import GpuProfile, NicProfile
 from simulator.links import GBPS
@@ -49,6 +51,7 @@ from simulator.rank import (
     OpResult,
     OpSpec,
     _finish,
+    _nvlink_peers,
     _Ports,
     _Usage,
     ll_send_recv,
@@ -79,8 +82,23 @@ class DeepEpProfile:
             when its output pool has room), 1 = rings (receiver warps copy each ring slot into ``recv_x``). The rows
             an internode forwarder stores into its node's rings (G > 1) always take the ring copy.
         dispatch_chunk / combine_chunk: tokens per published chunk (``Sn``) used for predictions.
-        ll_fixed_us: fixed part of a low-latency kernel (launch, top-k scan, count signals), µs.
-        ll_header_bytes_per_topk: LL dispatch header bytes per top-k entry (local expert, row as int16 pairs).
+        ll_fixed_us: fixed part of a fused low-latency kernel (cooperative launch of the whole grid, top-k count
+            pass, count signals, drain), µs.
+        ll_hook_fixed_us: fixed part of each launch of a hook-mode LL combine (the send kernel, the receive
+            kernel), µs.
+        ll_hook_dispatch_extra_us: added to each launch of a hook-mode LL dispatch (the count pass before the sends,
+            the count wait before the expansion), µs.
+        ll_overlap_us: part of the fixed cost that the send phase's stores overlap (they leave before the grid's
+            signals and drain are done), µs: a phase costs ``fixed + max(0, send - ll_overlap_us)``.
+        ll_send_gbps: per-SM rate of the LL dispatch send phase (read the BF16 token, cast it to FP8, store the
+            message to every destination rank, its own included), GB/s of message bytes per SM.
+        ll_expand_gbps: per-SM rate at which the LL dispatch receiver expands messages into per-expert rows, GB/s of
+            row bytes per SM.
+        ll_reduce_gbps: per-SM rate of the LL combine reduction (contribution bytes read, own rows included), GB/s.
+        ll_nvl_efficiency: fraction of ``GpuProfile.nvlink_gbps`` the LL stores reach (per direction, both
+            directions busy).
+        ll_header_bytes_per_topk: LL dispatch header bytes per top-k slot (``expert << 16 | row`` int32 per slot of
+            the kernels' ``NUM_MAX_LL_TOPK`` slots, after the int32 source token).
         internode_extra_us: added to ``launch_us`` for internode calls with a network stage (NVSHMEM signal round
             trip), µs; not for one GPU per virtual node, which runs the intranode kernels over P2P.
     """
@@ -97,6 +115,13 @@ class DeepEpProfile:
     dispatch_chunk: int = 16
     combine_chunk: int = 8
     ll_fixed_us: float = 7.0
+    ll_hook_fixed_us: float = 5.0
+    ll_hook_dispatch_extra_us: float = 2.0
+    ll_overlap_us: float = 2.0
+    ll_send_gbps: float = 7.5
+    ll_expand_gbps: float = 75.0
+    ll_reduce_gbps: float = 75.0
+    ll_nvl_efficiency: float = 1.0
     ll_header_bytes_per_topk: int = 4
     internode_extra_us: float = 5.0
     sources: tuple[tuple[str, str], ...] = ()
@@ -126,13 +151,26 @@ _ASSUMED = {
     "dispatch_chunk": "assumed: best Sn of the 2026-11-30 sweep lies in 8..24",
     "combine_chunk": "assumed: best Sn of the 2026-11-30 sweep lies in 4..16",
     "ll_fixed_us": "assumed: kernels.md §3.3 estimate (top-k scan ~2 µs, signal ~2 µs, launch ~3 µs)",
-    "ll_header_bytes_per_topk": "design: kernels.md §3.3 header, K x (local expert, row) int16 pairs",
+    "ll_hook_fixed_us": "assumed: one kernel launch + grid drain per hook-mode phase",
+    "ll_hook_dispatch_extra_us": "assumed: kernels.md §3.3 top-k count pass (~2 µs)",
+    "ll_overlap_us": "assumed: kernels.md §3.3 signal (~2 µs) overlaps the last stores",
+    "ll_send_gbps": "assumed: docs/performance.md LL trace at T = 128 (one token per CTA; cast and two 7472-B "
+                    "messages in ~2 µs)",
+    "ll_expand_gbps": "assumed: as sm_local_gbps (local copies)",
+    "ll_reduce_gbps": "assumed: as reduce_gbps",
+    "ll_nvl_efficiency": "assumed: LL stores reach the measured SM-store peak (hardware.md)",
+    "ll_header_bytes_per_topk": "design: csrc/kernels/low_latency.cuh header, int32 [1 + NUM_MAX_LL_TOPK] (source "
+                                "token, then expert << 16 | row per slot)",
     "internode_extra_us": "assumed: one NVSHMEM signal round trip per call (internode with a network stage)",
 }
 DEFAULTS = DeepEpProfile(sources=tuple(_ASSUMED.items()))
 # Parameters a bench JSON of the intranode kernels can fit (the rest stay at their labelled assumptions).
 INTRANODE_FIT_PARAMS = ("launch_us", "combine_extra_us", "sm_push_gbps", "sm_local_gbps", "row_ns", "reduce_gbps",
                         "nvl_efficiency")
+# Parameters a bench JSON of the low-latency kernels (benchmarks/bench_low_latency.py) can fit; none is shared with
+# the normal-mode kernels, so an LL fit leaves every normal-mode prediction as it was.
+LL_FIT_PARAMS = ("ll_fixed_us", "ll_hook_fixed_us", "ll_hook_dispatch_extra_us", "ll_overlap_us", "ll_send_gbps",
+                 "ll_expand_gbps", "ll_reduce_gbps", "ll_nvl_efficiency")
 
 
 def load_profile(path: Path | str | None = None) -> DeepEpProfile:
@@ -191,8 +229,11 @@ def dispatch_record_bytes(hidden: int, dtype: str, topk: int) -> int:
 
 
 def ll_dispatch_message_bytes(hidden: int, dtype: str, topk: int, prof: DeepEpProfile) -> int:
-    """One LL dispatch message per (token, destination rank): header (source token + K pairs, 16-B padded) + row."""
-    header = ceil_div(4 + topk * prof.ll_header_bytes_per_topk, 16) * 16
+    """One LL dispatch message per (token, destination rank): header (int32 source token + one word per top-k slot
+    of the kernels' ``NUM_MAX_LL_TOPK`` slots, whatever ``topk`` is; 16-B padded) + row (80 + 7392 B for FP8 at
+    H = 7168)."""
+    del topk  # the header has room for the kernels' largest top-k
+    header = ceil_div(4 + NUM_MAX_LL_TOPK * prof.ll_header_bytes_per_topk, 16) * 16
     return header + token_bytes(hidden, dtype)
 
 
@@ -409,44 +450,127 @@ def recommended_sms(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
 # Low-latency mode
 # ---------------------------------------------------------------------------------------------------------------
 
-def simulate_low_latency(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
-                         prof: DeepEpProfile, dtype: str) -> OpResult:
-    """deep_ep's LL kernels: dispatch sends one message per (token, destination rank) and expands it at the
-    receiver into every (expert, row) of that rank; combine returns one BF16 row per (token, expert) selection and
-    the owner reduces each token as its contributions land.
+@dataclass
+class LowLatencyWork:
+    """What each rank of one deep_ep LL op does.
 
-    Every SM of the GPU runs an LL CTA: the senders' SM budget is ``num_device_sms * sm_push_gbps``. A rank is done
-    after ``ll_fixed_us``, the drain of every sender that targets it and of its own ingress, plus the share of its
-    receive work (expansion at the local copy rate, reduction at the reduce rate) that cannot overlap the arrivals:
-    the last source's part.
+    Attributes:
+        sent: ``[src, dst]`` bytes the SMs of ``src`` store into ``dst`` (dispatch messages, own rank included;
+            combine rows, own rank only in hook mode: a fused combine reads the own rows in place).
+        send_sm_us: ``[R]`` SM-µs of the send phase (overlaps the link transfer).
+        recv_sm_us: ``[R]`` SM-µs of the receive phase (expansion into rows, or the reduction), after the last
+            arrival.
+        nvl_rate / nic_rate: link rates, bytes/µs per direction.
+        nvlink_peer: ``[src, dst]`` whether the pair talks over NVLink (the rest, but the own rank, over the NIC).
+    """
+
+    sent: np.ndarray
+    send_sm_us: np.ndarray
+    recv_sm_us: np.ndarray
+    nvl_rate: float
+    nic_rate: float
+    nvlink_peer: np.ndarray
+    send_cap: float
+
+
+def low_latency_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
+                     prof: DeepEpProfile, dtype: str, hook: bool = False) -> LowLatencyWork:
+    """Bytes and SM work of one deep_ep LL op (``hook``: the send/receive launches of ``return_recv_hook``).
+
+    Dispatch: one message per (token, destination rank) (:func:`ll_dispatch_message_bytes`), the own rank included,
+    stored by the send CTAs at ``ll_send_gbps`` per SM (the FP8 cast is part of it); the receiver expands each
+    (token, expert) selection it holds into a row at ``ll_expand_gbps`` per SM. Combine: one BF16 row per selection
+    back to the token's owner (a fused call skips the own rows, read in place), stored at ``sm_push_gbps`` per SM;
+    the owner reads every contribution of its tokens at ``ll_reduce_gbps`` per SM.
     """
     num_ranks = spec.num_ranks
-    dispatch = spec.op == "dispatch"
-    sms = gpu.num_device_sms
     selections = np.asarray([t.msgs_to_rank for t in traffic], dtype=float)  # [src, holder]
-    if dispatch:
+    if spec.op == "dispatch":
         msg = ll_dispatch_message_bytes(spec.hidden, dtype, spec.topk, prof)
-        sent = np.asarray([t.rows_to_rank for t in traffic], dtype=float) * msg  # [src, dst] bytes
-        recv_work = selections * token_bytes(spec.hidden, dtype) * 1e-3 / prof.sm_local_gbps  # SM-µs [src, dst]
-        efficiency = nic.ll_dispatch_efficiency
+        sent = np.asarray([t.rows_to_rank for t in traffic], dtype=float) * msg
+        send_rate = prof.ll_send_gbps
+        recv_sm_us = selections.sum(axis=0) * token_bytes(spec.hidden, dtype) * 1e-3 / prof.ll_expand_gbps
     else:
-        sent = selections.T * (2 * spec.hidden)  # [holder, owner] bytes
-        recv_work = sent * 1e-3 / prof.reduce_gbps
-        efficiency = nic.ll_combine_efficiency
-    remote_peers = num_ranks - spec.ranks_per_node if not nic.shares_nvlink else 0
+        sent = selections.T * (2 * spec.hidden)  # [holder, owner]
+        recv_sm_us = sent.sum(axis=0) * 1e-3 / prof.ll_reduce_gbps  # own rows included (read in place when fused)
+        if not hook:
+            np.fill_diagonal(sent, 0.0)
+        send_rate = prof.sm_push_gbps
+    nvlink_peer = _nvlink_peers(spec) | nic.shares_nvlink  # virtual nodes: the "network" rides NVLink too
+    np.fill_diagonal(nvlink_peer, False)
+    remote_peers = 0 if nic.shares_nvlink else num_ranks - spec.ranks_per_node
+    efficiency = nic.ll_dispatch_efficiency if spec.op == "dispatch" else nic.ll_combine_efficiency
+    sms = gpu.num_device_sms
+    return LowLatencyWork(sent, sent.sum(axis=1) * 1e-3 / send_rate, recv_sm_us,
+                          gpu.nvlink_gbps * prof.ll_nvl_efficiency * GBPS, nic_rate(nic, efficiency, remote_peers),
+                          nvlink_peer, sms * send_rate * GBPS)
+
+
+def ll_phase_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
+                   prof: DeepEpProfile, dtype: str) -> dict[str, np.ndarray]:
+    """Closed form of one LL op, per rank (µs): ``fused`` (the kernel time of a call without hook), ``hook_send``
+    and ``hook_recv`` (the two launches of a ``return_recv_hook`` call).
+
+    ``send = max(send SM work / C, egress bytes / link)``: the stores overlap the transfer. A receiver's data is in
+    when every sender that targets it (and its own send) is done and its ingress has drained; the receive work
+    follows. With ``hidden(x) = max(0, x - ll_overlap_us)`` (the part of the fixed cost the stores overlap):
+    ``fused = ll_fixed_us + hidden(arrival) + recv work / C``; ``hook_send = hook fixed + hidden(send)`` (the send
+    kernel exits when its stores are done); ``hook_recv = hook fixed + recv work / C`` (the data is in). The hook
+    fixed cost is ``ll_hook_fixed_us``, plus ``ll_hook_dispatch_extra_us`` for dispatch.
+    """
+    sms = gpu.num_device_sms
+    fixed = prof.internode_extra_us if spec.num_nodes > 1 else 0.0
+    hook_fixed = prof.ll_hook_fixed_us + (prof.ll_hook_dispatch_extra_us if spec.op == "dispatch" else 0.0)
+
+    def hidden(x: np.ndarray, fixed_us: float) -> np.ndarray:
+        return np.maximum(0.0, x - min(prof.ll_overlap_us, fixed_us))
+    out = {}
+    for hook in (False, True):
+        work = low_latency_work(spec, traffic, gpu, nic, prof, dtype, hook)
+        remote = work.sent.copy()
+        np.fill_diagonal(remote, 0.0)
+        nvl, nic_bytes = remote * work.nvlink_peer, remote * ~work.nvlink_peer
+        send = np.maximum.reduce([work.send_sm_us / sms, nvl.sum(axis=1) / work.nvl_rate,
+                                  nic_bytes.sum(axis=1) / work.nic_rate])
+        ingress = np.maximum(nvl.sum(axis=0) / work.nvl_rate, nic_bytes.sum(axis=0) / work.nic_rate)
+        targets = work.sent > 0
+        np.fill_diagonal(targets, True)  # a rank's own send phase precedes its receive phase
+        arrival = np.maximum(np.where(targets, send[:, None], 0.0).max(axis=0), ingress)
+        recv = work.recv_sm_us / sms
+        if hook:
+            out["hook_send"] = hook_fixed + fixed + hidden(send, hook_fixed)
+            out["hook_recv"] = hook_fixed + recv
+        else:
+            out["fused"] = prof.ll_fixed_us + fixed + hidden(arrival, prof.ll_fixed_us) + recv
+    return out
+
+
+def simulate_low_latency(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
+                         prof: DeepEpProfile, dtype: str) -> OpResult:
+    """DES of one deep_ep LL op without hook (the costs of :func:`low_latency_work`): from ``ll_overlap_us`` before
+    the end of ``ll_fixed_us`` every rank streams its stores through the fluid ports (its send SMs, NVLink or NIC
+    egress, the receivers' ingress); a rank is done when the fixed cost, its own send, every sender that targets it
+    and its ingress are over, plus its receive work on all SMs. ``extra`` holds the hook-mode phase times (closed
+    form, mean over ranks) and the send-phase end.
+    """
+    num_ranks = spec.num_ranks
+    sms = gpu.num_device_sms
+    work = low_latency_work(spec, traffic, gpu, nic, prof, dtype)
     fixed_us = prof.ll_fixed_us + (prof.internode_extra_us if spec.num_nodes > 1 else 0.0)
+    start_us = fixed_us - min(prof.ll_overlap_us, prof.ll_fixed_us)
     net, ports, send_end, recv_end = ll_send_recv(
-        spec, sent, nvl_rate=gpu.nvlink_gbps * prof.nvl_efficiency * GBPS,
-        nic_rate_=nic_rate(nic, efficiency, remote_peers), sm_cap=sms * prof.sm_push_gbps * GBPS,
-        fixed_us=fixed_us, nic_on_nvlink=nic.shares_nvlink)
+        spec, work.sent, nvl_rate=work.nvl_rate, nic_rate_=work.nic_rate, sm_cap=work.send_cap, fixed_us=start_us,
+        nic_on_nvlink=nic.shares_nvlink)
     ends = np.asarray(send_end)
     rank_time = []
     for y in range(num_ranks):
-        senders = sent[:, y] > 0
-        last = max(float(ends[senders].max()) if senders.any() else fixed_us, recv_end[y], send_end[y])
-        rank_time.append(last + float(recv_work[:, y].sum()) / max(int(senders.sum()), 1) / sms)
+        senders = work.sent[:, y] > 0
+        last = max(float(ends[senders].max()) if senders.any() else fixed_us, recv_end[y], send_end[y], fixed_us)
+        rank_time.append(last + float(work.recv_sm_us[y]) / sms)
     logical = [float(t.num_selections * spec.logical_bytes) for t in traffic]
     data_us = max(max(send_end), max(recv_end)) - fixed_us
+    phases = ll_phase_times(spec, traffic, gpu, nic, prof, dtype)
     return _finish(net, ports, rank_time, logical, logical, fixed_us, data_us,
-                   extra={"send_us": max(send_end), "recv_us": max(rank_time) - max(send_end)})
-
+                   extra={"send_us": max(send_end), "recv_us": max(rank_time) - max(send_end),
+                          "hook_send_us": float(phases["hook_send"].mean()),
+                          "hook_recv_us": float(phases["hook_recv"].mean())})

@@ -5,14 +5,15 @@ Cases (H200, hidden 7168, top-8, ``--kernels deep_ep``, the profile of ``simulat
 * normal intranode EP2 / EP4 / EP8: 4096 tokens per rank, 256 experts, uniform routing (DeepEP's intranode test),
   24 SMs, FP8 and BF16 dispatch (Buffer's default receive path, direct-to-output), BF16 combine; EP2 is the
   calibrated configuration;
-* low latency EP2 / EP4 / EP8: 128 tokens, 288 experts, uniform routing with DeepEP's 10 masked entries;
+* low latency EP2 / EP4 / EP8: 128 tokens, 288 experts, uniform routing without masked entries (the workload of
+  ``benchmarks/bench_low_latency.py``), FP8 dispatch, BF16 combine; the time is the fused kernel's (no hook);
 * normal internode on virtual nodes (NIC profile ``nvlink-p2p``): 2 x 1, 2 x 2 and 2 x 4 GPUs, 4096 tokens,
   256 experts, group-limited routing (DeepEP's internode test; with 2 nodes it is plain top-8); 2 x 1 runs the
   intranode kernels over P2P.
 
 A row's ``measured_us`` is the calibration file's 24-SM point of that case (EP2 or 2 x 1 virtual nodes) on the
 profile's receive path: from the ``--check`` bench_internode run when the calibration has one, else from the fitted
-bench file.
+bench file; for low latency EP2, the fused kernel time at 128 tokens of the file's low-latency fit.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from simulator import deep_ep_kernels as dek
+from simulator.bench_fit import LL_SECTION
 from simulator.scenario import Scenario, run
 
 
@@ -49,6 +51,8 @@ class Prediction:
 
 # Measured cases of the calibration file: virtual nodes of its points -> prediction case.
 MEASURED_CASES = {1: "intranode EP2", 2: "internode 2x1 virtual"}
+# Tokens per rank of the low-latency cases (the bar's point of benchmarks/bench_low_latency.py).
+LL_TOKENS = 128
 
 
 def _measured(calibration: Path, prof: dek.DeepEpProfile) -> dict[tuple[str, str, str], float]:
@@ -58,11 +62,16 @@ def _measured(calibration: Path, prof: dek.DeepEpProfile) -> dict[tuple[str, str
         return {}
     receive = "rings" if prof.receive_copies else "direct"
     out = {}
-    for p in json.loads(calibration.read_text(encoding="utf-8")).get("points", []):
+    data = json.loads(calibration.read_text(encoding="utf-8"))
+    for p in data.get("points", []):
         case = MEASURED_CASES.get(p.get("num_nodes", 0))
         if case is None or p.get("num_sms") != 24 or (p.get("op") == "dispatch" and p.get("receive") != receive):
             continue
         out[(case, p["op"], p["dtype"])] = float(p["measured_us"])
+    ll = data.get(LL_SECTION, {})
+    for p in ll.get("points", []) if ll.get("machine", "").endswith("x2") else []:
+        if p.get("phase") == "fused" and p.get("tokens") == LL_TOKENS:
+            out[("low-latency EP2", p["op"], p["dtype"])] = float(p["measured_us"])
     return out
 
 
@@ -74,8 +83,8 @@ def cases() -> list[tuple[str, Scenario]]:
     for ep in (2, 4, 8):
         for dtype in ("fp8", "bf16"):
             out.append((f"intranode EP{ep}", replace(normal, gpus_per_node=ep, dispatch_dtype=dtype)))
-    ll = Scenario(nodes=1, gpu="h200", mode="low-latency", ll_tokens=128, experts=288, routing="uniform",
-                  ll_mask=True, redundant_experts=0, kernels="deep_ep")
+    ll = Scenario(nodes=1, gpu="h200", mode="low-latency", ll_tokens=LL_TOKENS, experts=288, routing="uniform",
+                  ll_mask=False, redundant_experts=0, kernels="deep_ep")
     for ep in (2, 4, 8):
         out.append((f"low-latency EP{ep}", replace(ll, gpus_per_node=ep)))
     virtual = replace(normal, nodes=2, nic="nvlink-p2p", routing="group-limited")

@@ -24,6 +24,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 BENCH_RINGS = RESULTS / "intranode_h200x2_2026-11-30.json"          # rings only, SM sweep 8..48 (older kernels)
 BENCH = RESULTS / "intranode_h200x2_2026-11-30_receive.json"        # rings and direct-to-output, 8 and 24 SMs
 BENCH_VIRTUAL = RESULTS / "internode_h200x2_2026-11-30_virtual.json"  # bench_internode: EP2 and 2 x 1 virtual nodes
+BENCH_LL = RESULTS / "low_latency_h200x2_2026-11-30_merged.json"  # bench_low_latency: EP2, T = 1..256
 STORED_PREDICTIONS = RESULTS / "simulator_predict_deep_ep.json"
 # The calibration command of docs/simulator.md.
 CALIBRATE_ARGS = ("--from-bench", str(BENCH), "--check", str(BENCH_VIRTUAL), "--fix", "nvl_efficiency=0.9731",
@@ -340,9 +341,9 @@ def test_cli_calibrate_reproduces_the_repo_calibration(tmp_path):
     assert "check points" in text and "held-out points none in the file" in text
     assert len([ln for ln in text.splitlines() if ln.endswith("check")]) == 6
     ours, repo = json.loads(out.read_text()), json.loads(dek.CALIBRATION_PATH.read_text())
-    assert ours["params"].keys() == repo["params"].keys()
-    for name, entry in repo["params"].items():
-        assert ours["params"][name]["value"] == pytest.approx(entry["value"], rel=1e-3), name
+    assert set(ours["params"]) == set(dek.INTRANODE_FIT_PARAMS)
+    for name in dek.INTRANODE_FIT_PARAMS:
+        assert ours["params"][name]["value"] == pytest.approx(repo["params"][name]["value"], rel=1e-3), name
     assert ours["params"]["nvl_efficiency"]["source"] == "fixed by --fix at 0.9731"
 
 
@@ -358,8 +359,12 @@ def test_cli_predict_lists_every_case(tmp_path):
     # The measured rows: EP2 and 2 x 1 virtual nodes (bench_internode, default receive path), within 10 %; the two
     # cases are the same kernels, so the same prediction.
     measured = {(r["case"], r["op"], r["dtype"]): r for r in data["rows"] if r["measured_us"] is not None}
-    assert {case for case, _, _ in measured} == {"intranode EP2", "internode 2x1 virtual"} and len(measured) == 6
+    assert {case for case, _, _ in measured} == {"intranode EP2", "internode 2x1 virtual", "low-latency EP2"}
+    assert len(measured) == 8
     assert all(abs(r["time_us"] / r["measured_us"] - 1) < 0.1 for r in measured.values())
+    # The LL EP2 rows are compared with the fused kernel times of bench_low_latency at T = 128.
+    assert measured[("low-latency EP2", "dispatch", "fp8")]["measured_us"] == pytest.approx(22.6, abs=0.05)
+    assert measured[("low-latency EP2", "combine", "bf16")]["measured_us"] == pytest.approx(36.4, abs=0.05)
     for (case, op, dtype), r in measured.items():
         if case == "internode 2x1 virtual":
             assert r["time_us"] == pytest.approx(measured[("intranode EP2", op, dtype)]["time_us"], rel=0.01)
@@ -370,3 +375,152 @@ def test_cli_predict_lists_every_case(tmp_path):
     alt.write_text(json.dumps({"params": {"sm_push_gbps": {"value": 5.0, "source": "test"}}}))
     slow = json.loads(_cli("simulator", "predict", "--json", "--calibration", str(alt)).stdout)
     assert slow["rows"][0]["time_us"] > data["rows"][0]["time_us"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Low-latency calibration (benchmarks/bench_low_latency.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+# Rank-averaged fused kernel µs of BENCH_LL (docs/performance.md "Low-latency kernels"): T -> (dispatch, combine).
+LL_FUSED_US = {1: (18.6, 18.9), 8: (16.8, 17.1), 32: (17.5, 20.2), 64: (18.6, 25.6), 128: (22.6, 36.4),
+               256: (31.8, 65.0)}
+
+
+def test_ll_bench_reader():
+    bench = bench_fit.read_bench(BENCH_LL)
+    assert bench.kind == "low-latency" and bench.num_ranks == 2 and bench.num_experts == 288 and bench.topk == 8
+    assert sorted({p.tokens for p in bench.points}) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert len(bench.points) == 9 * 6 and all(p.time_us > 0 for p in bench.points)
+    by_key = {(p.tokens, p.op, p.phase): p for p in bench.points}
+    for tokens, (dispatch_us, combine_us) in LL_FUSED_US.items():
+        assert by_key[(tokens, "dispatch", "fused")].time_us == pytest.approx(dispatch_us, abs=0.05)
+        assert by_key[(tokens, "combine", "fused")].time_us == pytest.approx(combine_us, abs=0.05)
+    hooks = [by_key[(128, op, phase)].time_us for op in ("dispatch", "combine") for phase in ("send", "recv")]
+    assert hooks == pytest.approx([13.4, 13.0, 27.0, 11.2], abs=0.05)
+    assert by_key[(128, "dispatch", "fused")].dtype == "fp8" and by_key[(128, "combine", "send")].dtype == "bf16"
+    assert by_key[(128, "combine", "recv")].label == "T=128 bf16 combine recv (hook)"
+    # The rank average is the bench's own summary.
+    summary = {row["tokens"]: row for row in json.loads(BENCH_LL.read_text())["summary"]}
+    for p in bench.points:
+        key = f"{p.op}_us" if p.phase == "fused" else f"{p.op}_{p.phase}_us"
+        assert p.time_us == pytest.approx(summary[p.tokens][key], rel=1e-9), p.label
+    # DeepEP's byte counts: every selection is valid (no masked entries), 7408 B per FP8 message, 2H per BF16 row.
+    for tokens, op, total in bench.deepep_bytes:
+        assert total == 2 * tokens * 8 * (7408 if op == "dispatch" else 2 * 7168)
+
+
+def test_ll_bench_reader_rejects_bad_points(tmp_path):
+    data = json.loads(BENCH_LL.read_text())
+    data["per_rank"][1] = data["per_rank"][1][:-1]
+    path = tmp_path / "ll.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="different token sweeps"):
+        bench_fit.read_bench(path)
+    data = json.loads(BENCH_LL.read_text())
+    data["per_rank"][0][3]["phases_s"]["combine_recv"] = float("nan")
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"T=8 phases_s.combine_recv has no positive"):
+        bench_fit.read_bench(path)
+
+
+def _synthetic_ll_bench(tmp_path: Path, truth: dek.DeepEpProfile) -> Path:
+    """A bench_low_latency.py-style JSON whose times are the closed form of ``truth`` (two identical ranks)."""
+    sweep = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    points = tuple(bench_fit.BenchPoint(op, dtype, 0, 0, 1.0, tokens=t, phase=phase) for t in sweep
+                   for op, dtype in (("dispatch", "fp8"), ("combine", "bf16")) for phase in ("fused", "send", "recv"))
+    run_ = bench_fit.BenchRun("low-latency", "synthetic", "today", "NVIDIA H200 x2", 2, 256, 7168, 8, 288, points)
+    times = dict(zip(((p.tokens, p.op, p.phase) for p in points),
+                     bench_fit.predict_points(run_, points, truth, bench_fit.bench_traffic(run_))))
+    rank_points = [{"tokens": t, "dispatch_bytes": 1, "combine_bytes": 1,
+                    "kernel_s": {op: times[(t, op, "fused")] * 1e-6 for op in ("dispatch", "combine")},
+                    "phases_s": {f"{op}_{ph}": times[(t, op, ph)] * 1e-6 for op in ("dispatch", "combine")
+                                 for ph in ("send", "recv")}} for t in sweep]
+    path = tmp_path / "ll_bench.json"
+    path.write_text(json.dumps({"date": "synthetic", "gpu": "NVIDIA H200", "args": {"num_processes": 2},
+                                "per_rank": [rank_points, rank_points]}))
+    return path
+
+
+def test_ll_calibration_round_trip_recovers_parameters(tmp_path, monkeypatch):
+    # Dispatch sends SM-bound, combine sends link-bound, both knees inside the sweep: every parameter matters.
+    truth = replace(dek.DEFAULTS, ll_fixed_us=15.0, ll_hook_fixed_us=8.0, ll_hook_dispatch_extra_us=2.0,
+                    ll_overlap_us=3.0, ll_send_gbps=3.0, ll_expand_gbps=20.0, ll_reduce_gbps=30.0,
+                    ll_nvl_efficiency=0.9)
+    monkeypatch.setattr(bench_fit, "PRIOR_WEIGHT", 0.0)
+    result = bench_fit.fit(bench_fit.read_bench(_synthetic_ll_bench(tmp_path, truth)))
+    assert result.hold_out == (2, 4, 16, 32, 128)
+    for name in dek.LL_FIT_PARAMS:
+        assert getattr(result.profile, name) == pytest.approx(getattr(truth, name), rel=0.02), name
+    assert result.mape(False) < 1e-3 and result.mape(True) < 1e-3
+
+
+def test_repo_ll_calibration_fits_the_bench():
+    # The repository's LL parameters are the fit of BENCH_LL on T in {1, 8, 64, 256}; the other token counts are
+    # held out. Fused kernel times (the acceptance metric): every point within 10 %, MAPE under 6 %.
+    prof = dek.load_profile()
+    for name in dek.LL_FIT_PARAMS:
+        assert prof.source_of(name).startswith("fit: low_latency_h200x2_2026-11-30_merged.json"), name
+    bench = bench_fit.read_bench(BENCH_LL)
+    predicted = bench_fit.predict_points(bench, bench.points, prof, bench_fit.bench_traffic(bench))
+    errors = {(p.tokens, p.op, p.phase): t / p.time_us - 1 for p, t in zip(bench.points, predicted)}
+    fused = {k: e for k, e in errors.items() if k[2] == "fused"}
+    assert max(abs(e) for e in fused.values()) < 0.10, fused
+    assert sum(abs(e) for e in fused.values()) / len(fused) < 0.06
+    # Hook phases within 18 %, but T = 1's combine send: its ranks measured 16.8 and 8.3 µs (noise; T = 2: 8.3).
+    assert errors.pop((1, "combine", "send")) < -0.2
+    assert max(abs(e) for e in errors.values()) < 0.18, errors
+    section = json.loads(dek.CALIBRATION_PATH.read_text())[bench_fit.LL_SECTION]
+    assert section["bench"] == str(BENCH_LL.relative_to(ROOT)) and section["hold_out_tokens"] == [2, 4, 16, 32, 128]
+    assert section["mape_hold_out"] < 0.06 and len(section["points"]) == 54
+    # The link rate the fit finds is below the copy-engine ceiling both ways (365 GB/s per GPU).
+    assert 300 < hardware.H200.nvlink_gbps * prof.ll_nvl_efficiency < 365
+    # No LL parameter is shared with the normal-mode fit: an LL fit leaves normal-mode predictions unchanged.
+    assert not set(dek.LL_FIT_PARAMS) & set(dek.INTRANODE_FIT_PARAMS)
+
+
+def test_cli_calibrate_ll_reproduces_the_repo_calibration_and_keeps_normal_mode(tmp_path):
+    out = tmp_path / "cal.json"
+    repo = json.loads(dek.CALIBRATION_PATH.read_text())
+    out.write_text(json.dumps({k: v for k, v in repo.items() if k != bench_fit.LL_SECTION}))
+    text = _cli("simulator.calibrate", "--from-bench", str(BENCH_LL), "--output", str(out)).stdout
+    assert "token counts [2, 4, 16, 32, 128]" in text and "fused kernels" in text
+    assert len([ln for ln in text.splitlines() if ln.startswith("T=") and ln.endswith(("fit", "hold-out"))]) == 54
+    ours = json.loads(out.read_text())
+    for name in dek.LL_FIT_PARAMS:
+        assert ours["params"][name]["value"] == pytest.approx(repo["params"][name]["value"], rel=1e-3), name
+    # The normal-mode fit (parameters, summary, points) is kept as it was.
+    for key in ("bench", "check", "points", "mape_check"):
+        assert ours[key] == repo[key], key
+    for name in dek.INTRANODE_FIT_PARAMS:
+        assert ours["params"][name] == repo["params"][name], name
+    assert ours[bench_fit.LL_SECTION]["points"] == repo[bench_fit.LL_SECTION]["points"]
+    proc = _cli("simulator.calibrate", "--from-bench", str(BENCH_LL), "--hold-out", "1,2,4,8,16,32,64,128,256",
+                "--no-write", check=False)
+    assert proc.returncode == 2 and "leaves 0 points" in proc.stderr and "token counts" in proc.stderr
+
+
+@pytest.mark.parametrize("ep", [2, 4, 8])
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_ll_des_matches_closed_form(ep, op):
+    traffic = _traffic(1, ep, 128, seed=3, experts=288)
+    dtype = "fp8" if op == "dispatch" else "bf16"
+    msg = 16 + rank.token_bytes(7168, "fp8") if op == "dispatch" else 2 * 7168
+    spec = rank.OpSpec("low-latency", op, 7168, 8, msg, msg, 1, ep, None)
+    prof = dek.profile()
+    closed = dek.ll_phase_times(spec, traffic, hardware.H200, hardware.CX7, prof, dtype)
+    res = dek.simulate_low_latency(spec, traffic, hardware.H200, hardware.CX7, prof, dtype)
+    assert res.time_us == pytest.approx(float(closed["fused"].mean()), rel=0.03)
+    assert res.extra["hook_send_us"] == pytest.approx(float(closed["hook_send"].mean()))
+    if ep == 2:  # symmetric pair: hook mode costs two launches, the phases add up to more than the fused kernel
+        assert res.extra["hook_send_us"] + res.extra["hook_recv_us"] > res.time_us
+
+
+def test_ll_fused_combine_skips_own_rows():
+    # A fused combine reads the rank's own rows in place; the hook-mode send kernel copies them.
+    traffic = _traffic(1, 2, 64, experts=288)
+    spec = rank.OpSpec("low-latency", "combine", 7168, 8, 2 * 7168, 2 * 7168, 1, 2, None)
+    fused = dek.low_latency_work(spec, traffic, hardware.H200, hardware.CX7, dek.profile(), "bf16")
+    hook = dek.low_latency_work(spec, traffic, hardware.H200, hardware.CX7, dek.profile(), "bf16", hook=True)
+    assert np.all(np.diag(fused.sent) == 0) and np.all(np.diag(hook.sent) > 0)
+    np.testing.assert_allclose(fused.sent.sum() + np.trace(hook.sent), hook.sent.sum())
+    assert dek.ll_dispatch_message_bytes(7168, "fp8", 8, dek.profile()) == 80 + 7392
