@@ -16,6 +16,7 @@
 #   test_ep          EP4/EP8 property tests, one rank per GPU (intranode + LL; issue 7: x4 / x8 machines)
 #   bench_ep         EP<all GPUs> intranode (24 SMs) and LL (T=128) benchmarks -> ep_intra.json, ep_ll.json
 #   trace_ll         debug rebuild, LL T=128 with the kernels' section trace (tools/ll_trace.py); run it last
+#   launch_floor     duration of a near-empty cooperative 1-CTA-per-SM grid (the LL kernels' fixed-cost floor)
 #   nvlink           copy-engine ceiling (every pair and all-to-all) -> nvlink.json
 # Exit status: the number of failed steps (the build failing stops the call).
 set -uo pipefail
@@ -101,6 +102,10 @@ for step in "$@"; do
         run_step trace_ll 90 python3 benchmarks/bench_low_latency.py --tokens 128 --warmups 10 --iters 20
         grep -vE "^LLTRACE|UserWarning|_warn_once" "$OUT/trace_ll.log" | tail -n 3 >> "$S"
         python3 tools/ll_trace.py "$OUT/trace_ll.log" >> "$S" ;;
+    launch_floor)
+        run_step launch_floor 60 bash -c "nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
+            benchmarks/launch_floor.cu -o /tmp/launch_floor && /tmp/launch_floor --json $OUT/launch_floor.json"
+        tail -n 5 "$OUT/launch_floor.log" >> "$S" ;;
     nvlink)
         run_step nvlink 60 python3 benchmarks/bench_nvlink.py --bytes 536870912 --repeats 5 --json "$OUT/nvlink.json"
         tail -n 8 "$OUT/nvlink.log" >> "$S" ;;
