@@ -69,9 +69,10 @@ for step in "$@"; do
         tail -n 3 "$OUT/test_internode.log" >> "$S"
         grep -E "^E " "$OUT/test_internode.log" | head -30 >> "$S" ;;
     bench_intranode)
-        # INTRA_ARGS replaces the sweep (default: rings and direct at 24 and 8 SMs).
-        run_step bench_intranode 140 python3 benchmarks/bench_intranode.py ${INTRA_ARGS:---sms 24 8 \
-            --dispatch-chunks 16 --combine-chunks 8 --dispatch-warps 12 16 --combine-warps 6 8 --receive rings direct} \
+        # INTRA_ARGS replaces the sweep (default: direct receive at 24, 16 and 8 SMs, combine with and without deep loads).
+        run_step bench_intranode 140 python3 benchmarks/bench_intranode.py ${INTRA_ARGS:---sms 24 16 8 \
+            --dispatch-chunks 32 --combine-chunks 8 --dispatch-warps 12 16 24 --combine-warps 6 7 8 --combine-deep 0 1 \
+            --receive direct} \
             --json "$OUT/intra.json"
         grep -E "^(#|op|dispatch|combine|nccl)" "$OUT/bench_intranode.log" >> "$S" ;;
     bench_ll)

@@ -221,16 +221,39 @@ def _make(num_sms: int, row: dict[str, int]) -> Config:
 
 
 # Warps of the 32 in an intranode channel CTA that push rows when R > 1: the others receive (dispatch) or reduce
-# (combine), and one publishes the ring counters. Measured on 2 x H200 (docs/performance.md); a benchmark may
-# change the entries between calls. intranode_send_warps() clamps them to what each kernel accepts.
-INTRANODE_SEND_WARPS: dict[str, int] = {"dispatch": 16, "combine": 8}
+# (combine), and one publishes the ring counters. An int entry overrides the tuned table below for every call (the
+# benchmark and the GPU tests set them between calls); None (the default) takes the table's row.
+# intranode_send_warps() clamps either to what each kernel accepts.
+INTRANODE_SEND_WARPS: dict[str, Optional[int]] = {"dispatch": None, "combine": None}
+
+# Tuned copy warps by (kernel, dtype): rows (largest channel count, warps), the first row whose bound is >= the
+# call's channel count applies, the last row above it. Best split of the 2026-11-30 sweeps on 2 x H200, EP2, 4096
+# tokens, hidden 7168 (docs/performance.md, "Results"), wall us:
+#   dispatch BF16   8 ch: 24 -> 331.5, 16 -> 337.6 | 16 ch: 16 -> 200.9, 24 -> 205.9 | 24 ch: 16 -> 219.9, 24 -> 221.1
+#   dispatch FP8    8 ch: 24 -> 201.0, 16 -> 226.1 | 16 ch: 24 -> 117.5, 16 -> 129.1 | 24 ch: 12 -> 115.3, 16 -> 126.6
+#   combine         8 ch: 8 -> 415, 7 -> 434       | 16 ch: 7 -> 245.6, 6 -> 267     | 24 ch: 6 -> 220.2, 5 -> 230.6
+INTRANODE_SEND_WARP_TABLE: dict[tuple[str, str], tuple[tuple[int, int], ...]] = {
+    ("dispatch", "bf16"): ((8, 24), (24, 16)),
+    ("dispatch", "fp8"): ((16, 24), (24, 12)),
+    ("combine", "bf16"): ((8, 8), (16, 7), (24, 6)),
+}
+
+# Combine ring senders with 8 instead of 4 16-byte loads in flight per lane (a second instantiation of the combine
+# kernel; see csrc/kernels/intranode.cu). Off until a GPU run shows it faster (benchmarks/bench_intranode.py
+# --combine-deep 0 1).
+INTRANODE_COMBINE_DEEP_LOADS: bool = False
 
 
-def intranode_send_warps(kernel: str, num_ranks: int) -> int:
-    """Copy warps per channel of the intranode ``kernel`` ('dispatch' or 'combine') for ``num_ranks`` ranks: the
-    table entry clamped to [R + 1, 32 - R] (dispatch) or [R - 1, 30] (combine)."""
+def intranode_send_warps(kernel: str, num_ranks: int, num_channels: int = 24, fp8: bool = False) -> int:
+    """Copy warps per channel of the intranode ``kernel`` ('dispatch' or 'combine') for ``num_ranks`` ranks and
+    ``num_channels`` channels (``fp8``: an FP8 dispatch): the override of ``INTRANODE_SEND_WARPS`` or the tuned
+    table's row, clamped to [R + 1, 32 - R] (dispatch) or [R - 1, 30] (combine)."""
     lowest, highest = (num_ranks + 1, 32 - num_ranks) if kernel == "dispatch" else (num_ranks - 1, 30)
-    return min(max(INTRANODE_SEND_WARPS[kernel], lowest), highest)
+    warps = INTRANODE_SEND_WARPS[kernel]
+    if warps is None:
+        rows = INTRANODE_SEND_WARP_TABLE[(kernel, "fp8" if fp8 and kernel == "dispatch" else "bf16")]
+        warps = next((w for bound, w in rows if num_channels <= bound), rows[-1][1])
+    return min(max(warps, lowest), highest)
 
 
 # Receive path of intranode dispatch (design guide §2.8): None follows DEEP_EP_DISPATCH_RECEIVE; tests and the

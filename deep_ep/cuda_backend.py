@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from deep_ep import envs
+from deep_ep import config as config_module
 from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config, dispatch_receive_mode, intranode_send_warps
 from deep_ep.errors import CommError, CommTimeoutError, PeerAbortedError, RoutingError  # noqa: F401 (also re-exported)
 from deep_ep.event import CudaEventHandle, EventOverlap
@@ -357,7 +358,8 @@ class CudaBackend:
                 channel_prefix_matrix, recv_channel_prefix_matrix, send_head, num_recv_tokens, given_recv_src_idx,
                 data_offset, meta_offset, num_worst_tokens > 0 and not cached, num_channels,
                 config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
-                intranode_send_warps("dispatch", self.num_ranks), self._comm_ptr, after_current,
+                intranode_send_warps("dispatch", self.num_ranks, num_channels, scales is not None), self._comm_ptr,
+                after_current,
                 scope.current_after)
 
             new_handle = None
@@ -462,8 +464,8 @@ class CudaBackend:
             combined_x, combined_topk_weights = self.runtime.combine(
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,
-                config.num_max_nvl_chunked_recv_tokens, intranode_send_warps("combine", self.num_ranks),
-                self._comm_ptr, scope.after_current, scope.current_after)
+                config.num_max_nvl_chunked_recv_tokens, intranode_send_warps("combine", self.num_ranks, num_channels),
+                config_module.INTRANODE_COMBINE_DEEP_LOADS, self._comm_ptr, scope.after_current, scope.current_after)
             event = scope.finish((x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights, *handle))
         except BaseException:
             scope.restore()

@@ -28,7 +28,6 @@ from typing import Callable
 
 import numpy as np
 
-from deep_ep.config import intranode_send_warps
 from simulator import deep_ep_kernels as dek
 from simulator import hardware, rank, workload
 from simulator.deep_ep_kernels import CALIBRATION_PATH, DeepEpProfile
@@ -112,6 +111,19 @@ class BenchRun:
 # ---------------------------------------------------------------------------------------------------------------
 
 # bench_intranode.py op -> (op, dtype, dispatch receive path); the ``_skipcopy`` diagnostic ops are not read.
+# Copy warps per channel that the stored calibration (simulator/calibration_deep_ep.json) was fit on: Buffer's
+# defaults until branch intra3 (dispatch 16, combine 8 for every channel count and dtype). Buffer now takes them
+# from deep_ep.config.INTRANODE_SEND_WARP_TABLE; refit on a sweep measured with the new defaults, then switch this
+# to deep_ep.config.intranode_send_warps (docs/simulator.md, calibration).
+CALIBRATION_SEND_WARPS = {"dispatch": 16, "combine": 8}
+
+
+def calibration_send_warps(kernel: str, num_ranks: int) -> int:
+    """The calibration's warp count for ``kernel``, clamped like Buffer's (deep_ep.config.intranode_send_warps)."""
+    lowest, highest = (num_ranks + 1, 32 - num_ranks) if kernel == "dispatch" else (num_ranks - 1, 30)
+    return min(max(CALIBRATION_SEND_WARPS[kernel], lowest), highest)
+
+
 _INTRANODE_OPS = {"dispatch_fp8": ("dispatch", "fp8", "rings"), "dispatch_bf16": ("dispatch", "bf16", "rings"),
                   "dispatch_fp8_direct": ("dispatch", "fp8", "direct"),
                   "dispatch_bf16_direct": ("dispatch", "bf16", "direct"),
@@ -167,7 +179,7 @@ def _read_intranode(data: dict, path: str, warps: str = "default") -> BenchRun:
                 if len(entry) != 5 or entry[0] not in _INTRANODE_OPS:
                     continue  # older sweep layouts carry no single warp count
                 op_name, sms, chunk, send_warps, t = entry
-                if send_warps == intranode_send_warps(_INTRANODE_OPS[op_name][0], num_ranks):
+                if send_warps == calibration_send_warps(_INTRANODE_OPS[op_name][0], num_ranks):
                     t = _positive(path, f"sweep {op_name} at {sms} SMs chunk {chunk}", t)
                     swept.setdefault((op_name, int(sms), int(chunk)), []).append(t)
         at_default: dict[tuple[str, int], tuple[int, float]] = {}  # (op, SMs) -> best (chunk, mean over ranks)

@@ -36,7 +36,11 @@ namespace {
 
 // ---- warp roles of the dispatch / combine CTA ----
 constexpr int kUnroll = 4;               // 16-byte loads in flight per lane in row copies
+constexpr int kPrefixBatch = 8;          // groups of 32 tokens whose routing bytes one send_head warp loads at once
 constexpr int kReduceUnroll = 2;         // 16-byte chunks per lane (and contribution) in flight in the combine reducer
+// With CombineArgs::deep_loads: twice the bytes in flight per combine sender warp. (A deeper two-row reducer,
+// 2 x 3 or 2 x 4 chunks per lane, spills its loaded chunks under the 64-register cap: ptxas -v.)
+constexpr int kDeepSendUnroll = 8;
 // Named barrier ids (0 is __syncthreads).
 constexpr int kBarrierAllSenders = 1;    // copy warps and the publisher, after the prologue
 constexpr int kBarrierRecvGroup0 = 2;    // + source index (up to kMaxRanks - 1 groups)
@@ -384,6 +388,9 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     __shared__ volatile int cta_failed;
     __shared__ uint32_t call_epoch;                 // this channel's dispatch call number (DispatchOutputWord)
     __shared__ DirectOutput direct[kMaxRanks];      // per destination; direct[d].data < 0: rings
+    __shared__ DirectOutput staged[kMaxRanks];      // receiver d's output word of this call, before the checks
+    __shared__ int64_t staged_rows[kMaxRanks];      // and its rows
+    __shared__ int expected_total[kMaxRanks];       // the handle's count of this channel's tokens to d
     __shared__ int warp_dst_rank[kChannelWarps][kMaxRanks];   // destination of warp_dsts[w][k]
     __shared__ int64_t warp_dst_row[kChannelWarps][kMaxRanks];  // its output row if direct, else -1
 
@@ -417,7 +424,10 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         tail_base[d] = *workspace_u32(ctx, kWsDispatchTailShadowOffset + 4 * counter_index(channel, d));
         head_cache[d] = tail_base[d];  // the ring is empty between calls once drained
         total[d] = 0;
+        expected_total[d] = 0;
         direct[d].data = -1;
+        staged[d].data = -1;
+        staged_rows[d] = 0;
     }
     if (threadIdx.x < kChannelWarps) progress[threadIdx.x] = static_cast<int>(threadIdx.x);
     __syncthreads();
@@ -439,18 +449,28 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
 
     if (warp < num_send_warps) {
         // ------------------------------------------------------------------ sender
-        // Phase A: send_head (index j among the channel's tokens to d) by ballot prefix, one warp per destination;
-        // warp num_ranks checks the previous call's data is drained (one lane per destination).
+        // Phase A: send_head (index j among the channel's tokens to d) by ballot prefix, one warp per destination,
+        // kPrefixBatch groups of 32 tokens loaded before their ballots (one memory latency per batch, not per
+        // group); warp num_ranks checks the previous call's data is drained (one lane per destination); warp
+        // num_ranks + 1 meanwhile waits for the receivers' output words (where each wants its rows).
         if (warp < num_ranks) {
             const int d = warp;
             int running = 0;
-            for (int t0 = begin; t0 < end; t0 += 32) {
-                const int t = t0 + lane;
-                const bool in = t < end && args.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
-                const uint32_t ballot = __ballot_sync(0xffffffffu, in);
-                const int j = running + __popc(ballot & ((1u << lane) - 1u));
-                if (t < end) args.send_head[static_cast<int64_t>(t) * num_ranks + d] = in ? j : -1;
-                running += __popc(ballot);
+            for (int t0 = begin; t0 < end; t0 += 32 * kPrefixBatch) {
+                bool in[kPrefixBatch];
+#pragma unroll
+                for (int u = 0; u < kPrefixBatch; ++u) {
+                    const int t = t0 + u * 32 + lane;
+                    in[u] = t < end && args.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + d];
+                }
+#pragma unroll
+                for (int u = 0; u < kPrefixBatch; ++u) {
+                    const int t = t0 + u * 32 + lane;
+                    const uint32_t ballot = __ballot_sync(0xffffffffu, in[u]);
+                    const int j = running + __popc(ballot & ((1u << lane) - 1u));
+                    if (t < end) args.send_head[static_cast<int64_t>(t) * num_ranks + d] = in[u] ? j : -1;
+                    running += __popc(ballot);
+                }
             }
             if (lane == 0) total[d] = running;
         } else if (warp == num_ranks && !overflow) {
@@ -459,43 +479,61 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             if (!warp_wait_drained(ctx, peers, num_checked, kDispatchHeadOffset, kWsDispatchTailShadowOffset,
                                    kKernelDispatch, kPhaseDispatchSendDrain, channel) && lane == 0)
                 cta_failed = 1;
+        } else if (warp == num_ranks + 1 && lane < num_ranks && lane != rank && !overflow && !ctx.skip_sends) {
+            // Lane d: the handle's count of my tokens to d in this channel (channel_prefix_matrix is inclusive).
+            // A receiver that expects rows from me cannot start its next call before it has them, so its word
+            // holds this call's epoch or an older one; one that expects none may already be a call ahead, so
+            // its word is not read (Phase A's count is checked against this one below).
+            const int d = lane;
+            const int* cpm_row = args.channel_prefix_matrix + d * num_channels;
+            const int expected = cpm_row[channel] - (channel > 0 ? cpm_row[channel - 1] : 0);
+            expected_total[d] = expected;
+            if (expected > 0) {
+                auto* word = reinterpret_cast<DispatchOutputWord*>(static_cast<char*>(ctx.buffers[rank]) +
+                                                                   kDispatchOutputOffset) + counter_index(channel, d);
+                uint32_t seen;
+                if (!wait_geq(ctx, &word->epoch, call_epoch,
+                              Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d, channel}, &seen)) {
+                    cta_failed = 1;
+                } else if (seen != call_epoch) {
+                    report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d, channel},
+                                 call_epoch, seen, 0);
+                    cta_failed = 1;
+                } else {
+                    const volatile uint32_t* fields = reinterpret_cast<const volatile uint32_t*>(word);
+                    const uint32_t data_units = fields[1], meta_units = fields[2], rows = fields[3];
+                    if (data_units != kNoOutput) {
+                        const DispatchOutputLayout l = dispatch_output_layout(rows, args.hidden_bytes, args.num_scales,
+                                                                              args.num_topk, args.topk_idx_bytes);
+                        DirectOutput out;
+                        out.data = static_cast<int64_t>(data_units) * kBufferAlignment;
+                        out.meta = meta_units != kNoOutput ? static_cast<int64_t>(meta_units) * kBufferAlignment : -1;
+                        out.scales = out.data + l.scales;
+                        out.topk_idx = out.data + l.topk_idx;
+                        out.topk_weights = out.data + l.topk_weights;
+                        out.row_base = (rank > 0 ? P[(rank - 1) * num_ranks + d] : 0) +
+                                       (channel > 0 ? cpm_row[channel - 1] : 0);
+                        staged_rows[d] = static_cast<int64_t>(rows);
+                        staged[d] = out;
+                    }
+                }
+            }
         }
         named_barrier(kBarrierAllSenders, num_send_warps * 32);
-        // Where each receiver I send to wants its rows (lane d of warp 0). A receiver cannot start its next call
-        // before it has my rows of this one, so the word holds this call's epoch or an older one.
-        if (warp == 0 && lane < num_ranks && lane != rank && total[lane] > 0 && !overflow && !ctx.skip_sends) {
+        // Lane d of warp 0: Phase A's count must be the handle's, and the rows must fit the receiver's outputs.
+        if (warp == 0 && lane < num_ranks && lane != rank && !overflow && !ctx.skip_sends && cta_failed == 0) {
             const int d = lane;
-            auto* word = reinterpret_cast<DispatchOutputWord*>(static_cast<char*>(ctx.buffers[rank]) +
-                                                               kDispatchOutputOffset) + counter_index(channel, d);
-            uint32_t seen;
-            if (!wait_geq(ctx, &word->epoch, call_epoch, Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d, channel},
-                          &seen)) {
-                cta_failed = 1;
-            } else if (seen != call_epoch) {
+            if (total[d] != expected_total[d]) {
                 report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d, channel},
-                             call_epoch, seen, 0);
+                             expected_total[d], total[d], 0);
                 cta_failed = 1;
-            } else {
-                const volatile uint32_t* fields = reinterpret_cast<const volatile uint32_t*>(word);
-                const uint32_t data_units = fields[1], meta_units = fields[2], rows = fields[3];
-                if (data_units != kNoOutput) {
-                    const DispatchOutputLayout l = dispatch_output_layout(rows, args.hidden_bytes, args.num_scales,
-                                                                          args.num_topk, args.topk_idx_bytes);
-                    DirectOutput out;
-                    out.data = static_cast<int64_t>(data_units) * kBufferAlignment;
-                    out.meta = meta_units != kNoOutput ? static_cast<int64_t>(meta_units) * kBufferAlignment : -1;
-                    out.scales = out.data + l.scales;
-                    out.topk_idx = out.data + l.topk_idx;
-                    out.topk_weights = out.data + l.topk_weights;
-                    out.row_base = (rank > 0 ? P[(rank - 1) * num_ranks + d] : 0) +
-                                   (channel > 0 ? args.channel_prefix_matrix[d * num_channels + channel - 1] : 0);
-                    if (out.row_base + total[d] > static_cast<int64_t>(rows)) {
-                        report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d,
-                                                                 channel}, rows, out.row_base + total[d], 0);
-                        cta_failed = 1;
-                    } else {
-                        direct[d] = out;
-                    }
+            } else if (staged[d].data >= 0) {
+                if (staged[d].row_base + total[d] > staged_rows[d]) {
+                    report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d,
+                                                             channel}, staged_rows[d], staged[d].row_base + total[d], 0);
+                    cta_failed = 1;
+                } else {
+                    direct[d] = staged[d];
                 }
             }
         }
@@ -617,11 +655,16 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             }
         } else if (!overflow) {
             // Publisher (R > 1): tails for the complete prefix of tokens, at least Sn new tokens per publication.
+            // A receiver of direct-to-output rows only waits for its last row, so when no destination of this
+            // channel uses a ring the tails are published once, at the end (one system fence per channel).
+            const bool any_ring = __any_sync(0xffffffffu, lane < num_ranks && lane != rank && total[lane] > 0 &&
+                                                              direct[lane].data < 0);
             int published = 0, count = 0, spins = 0;  // lane d: tokens to d among the first `published`
             while (published < num_channel_tokens) {
                 const int ready = min(min_progress(progress, 0, num_copy_warps, 1, 0), num_channel_tokens);
                 if (cta_failed != 0) break;
-                if (ready > published && (ready - published >= args.num_max_send_tokens || ready == num_channel_tokens)) {
+                if (ready > published &&
+                    ((any_ring && ready - published >= args.num_max_send_tokens) || ready == num_channel_tokens)) {
                     const int old = count;
                     count = raise_counts(args.send_head, num_ranks, begin + published, begin + ready, count);
                     publish_tails(ctx, count, old, tail_base, channel, kDispatchTailOffset);
@@ -780,6 +823,25 @@ __device__ __noinline__ void reduce_two(const int4* a, bool a_ring, const int4* 
     }
 }
 
+// One warp: copies a row of `num_int4` 16-byte words from x to one destination with kU loads in flight per lane
+// (the combine sender with CombineArgs::deep_loads). Not inlined, for the same reason as reduce_two.
+template <int kU>
+__device__ __noinline__ void push_row(const int4* src, int4* dst, int64_t num_int4) {
+    for (int64_t base = lane_id(); base < num_int4; base += 32 * kU) {
+        int4 v[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            const int64_t i = base + u * 32;
+            if (i < num_int4) v[u] = ld_nc_int4(src + i);
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            const int64_t i = base + u * 32;
+            if (i < num_int4) st_na_int4(dst + i, v[u]);
+        }
+    }
+}
+
 __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
     uint32_t words[4];
 #pragma unroll
@@ -791,6 +853,10 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
                      static_cast<int>(words[3]));
 }
 
+// kDeep (CombineArgs::deep_loads): 8 loads in flight per lane in the ring sender instead of 4. A
+// template parameter, not a branch, so that the default instantiation keeps its registers (noinline callees of a
+// kernel with more call sites spill in their loops).
+template <bool kDeep>
 __global__ void __launch_bounds__(kChannelThreads, 1)
     combine_kernel(KernelContext ctx, CombineArgs args, CombineGeometry geo) {
     // Warps [0, W) push rows of my receive blocks back to their owners' rings: warp w serves destination index
@@ -877,8 +943,11 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             const uint32_t slot = (tail_base[dst] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
             char* rec = static_cast<char*>(ctx.buffers[dst]) + geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
             int4* rec_row = reinterpret_cast<int4*>(rec);
-            warp_copy_row<false>(reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2),
-                                 row_int4, &rec_row, 1);
+            const int4* src_row = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2);
+            if (kDeep)
+                push_row<kDeepSendUnroll>(src_row, rec_row, row_int4);
+            else
+                warp_copy_row<false>(src_row, row_int4, &rec_row, 1);
             if (lane < args.num_topk)
                 reinterpret_cast<float*>(rec + geo.weights_offset)[lane] = args.topk_weights[row * args.num_topk + lane];
             release_progress(progress, warp, j + stride);
@@ -1198,7 +1267,10 @@ void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaSt
         if (geo.ring.capacity < 1) geo.ring.capacity = 1;
     }
     check_resident("combine", args.num_channels);
-    combine_kernel<<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    if (args.deep_loads)
+        combine_kernel<true><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    else
+        combine_kernel<false><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -70,9 +70,12 @@ class Case:
     num_bias: int  # 0, 1 or 2 combine biases
     scales_col_major: bool
     alloc_on_comm: bool = False  # allocate_on_comm_stream (only used with async_mode and previous_mode)
-    # Copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS; clamped to each kernel's range for the ranks).
-    dispatch_warps: int = 16
-    combine_warps: int = 8
+    # Copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS; clamped to each kernel's range for the ranks;
+    # None: the tuned table deep_ep.config.INTRANODE_SEND_WARP_TABLE).
+    dispatch_warps: Optional[int] = 16
+    combine_warps: Optional[int] = 8
+    # Combine ring senders with 8 loads in flight per lane (deep_ep.config.INTRANODE_COMBINE_DEEP_LOADS).
+    combine_deep: bool = False
     # Dispatch receive path: 'auto', 'rings', 'direct' (deep_ep.config.INTRANODE_DISPATCH_RECEIVE) or 'mixed'
     # (rank 0 direct, the other ranks rings: each receiver chooses for itself).
     receive: str = "auto"
@@ -100,8 +103,9 @@ def case_strategy(num_ranks: int, max_tokens: int = 300):
                     async_mode=draw(st.booleans()), previous_mode=draw(st.booleans()),
                     num_bias=draw(st.integers(0, 2)), scales_col_major=draw(st.booleans()),
                     alloc_on_comm=draw(st.booleans()),
-                    dispatch_warps=draw(st.sampled_from([1, 9, 16, 31])),
-                    combine_warps=draw(st.sampled_from([1, 4, 8, 30])),
+                    dispatch_warps=draw(st.sampled_from([None, 1, 9, 16, 31])),
+                    combine_warps=draw(st.sampled_from([None, 1, 4, 8, 30])),
+                    combine_deep=draw(st.booleans()),
                     receive=draw(st.sampled_from(["auto", "rings", "direct", "mixed"])))
     return st.composite(lambda draw: build(draw))()
 
@@ -363,6 +367,7 @@ def _apply_tuning(case: Case, rank: int) -> None:
     """The case's warp split and receive path for this worker's next calls."""
     import deep_ep.config
     deep_ep.config.INTRANODE_SEND_WARPS.update(dispatch=case.dispatch_warps, combine=case.combine_warps)
+    deep_ep.config.INTRANODE_COMBINE_DEEP_LOADS = case.combine_deep
     receive = case.receive if case.receive != "mixed" else ("direct" if rank == 0 else "rings")
     deep_ep.config.INTRANODE_DISPATCH_RECEIVE = receive
 
