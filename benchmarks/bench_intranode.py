@@ -176,23 +176,20 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
                                            best[3]))
         set_receive(buffer, "rings")
         combine_x = first.recv_x
-        for deep in args.combine_deep:
-            label = "combine_bf16" + ("_deep" if deep else "")
-            best = None
-            for chunk, warps in ((c, w) for c in args.combine_chunks for w in args.combine_warps):
-                cfg = deep_ep.Config(num_sms, chunk, 256)
-                fn = with_send_warps("combine", warps, with_combine_deep(
-                    deep, lambda c=cfg: buffer.combine(combine_x, handle, config=c)))
-                t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn))
-                if t is not None:
-                    report["sweep"].append([label, num_sms, chunk, warps, t["mean"] * 1e6])
-                if t is not None and (best is None or t["mean"] < best[1]["mean"]):
-                    best = (chunk, t, fn, warps)
-            if best is not None:
-                kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "combine"))
-                report["points"].append(_point(label, num_sms, best[0], best[1], kt, bf16_bytes,
-                                               remote_rows * h * 2, best[3]))
-        with_combine_deep(False, lambda: None)()
+        label = "combine_bf16"
+        best = None
+        for chunk, warps in ((c, w) for c in args.combine_chunks for w in args.combine_warps):
+            cfg = deep_ep.Config(num_sms, chunk, 256)
+            fn = with_send_warps("combine", warps, lambda c=cfg: buffer.combine(combine_x, handle, config=c))
+            t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn))
+            if t is not None:
+                report["sweep"].append([label, num_sms, chunk, warps, t["mean"] * 1e6])
+            if t is not None and (best is None or t["mean"] < best[1]["mean"]):
+                best = (chunk, t, fn, warps)
+        if best is not None:
+            kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "combine"))
+            report["points"].append(_point(label, num_sms, best[0], best[1], kt, bf16_bytes,
+                                           remote_rows * h * 2, best[3]))
 
     # NCCL baseline: index_select by destination + all_to_all_single; back with all_to_all_single + index_add_.
     in_rank = layout.is_token_in_rank
@@ -245,16 +242,6 @@ def with_send_warps(kernel: str, warps: int, fn):
 
     def run():
         deep_ep.config.INTRANODE_SEND_WARPS[kernel] = warps
-        return fn()
-    return run
-
-
-def with_combine_deep(deep: bool, fn):
-    """``fn`` run with the combine ring senders' deep loads on or off (deep_ep.config.INTRANODE_COMBINE_DEEP_LOADS)."""
-    import deep_ep.config
-
-    def run():
-        deep_ep.config.INTRANODE_COMBINE_DEEP_LOADS = bool(deep)
         return fn()
     return run
 
@@ -316,9 +303,6 @@ def main() -> None:
                         help="copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS) to sweep in dispatch")
     parser.add_argument("--combine-warps", type=int, nargs="+", default=[8],
                         help="ring-sender warps per channel to sweep in combine")
-    parser.add_argument("--combine-deep", type=int, nargs="+", default=[0], choices=[0, 1],
-                        help="combine ring senders with 8 instead of 4 loads in flight per lane (1; "
-                             "deep_ep.config.INTRANODE_COMBINE_DEEP_LOADS); points of 1 are labelled combine_bf16_deep")
     parser.add_argument("--receive", nargs="+", default=["rings"], choices=["rings", "direct", "skipcopy"],
                         help="dispatch receive paths to measure (skipcopy: diagnostic, wrong outputs)")
     parser.add_argument("--json", type=str, default="bench_intranode.json")
@@ -338,7 +322,7 @@ def print_table(summary: dict) -> None:
     print(f"{'op':<20}{'SMs':>5}{'chunk':>6}{'warps':>6}{'wall us':>10}{'kern us':>10}{'GB/s':>9}{'GB/s kern':>10}"
           f"{'remote':>8}{'DeepEP':>8}{'ratio':>7}")
     for p in rep["points"]:
-        ref = DEEPEP_V1.get((p["op"].replace("_direct", "").replace("_skipcopy", "").replace("_deep", ""),
+        ref = DEEPEP_V1.get((p["op"].replace("_direct", "").replace("_skipcopy", ""),
                              p["num_sms"]))
         kern = f"{p['kernel_us']:.1f}" if p["kernel_us"] else "-"
         kern_bw = f"{p['logical_GBps_kernel']:.0f}" if p["logical_GBps_kernel"] else "-"

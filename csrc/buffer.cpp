@@ -601,7 +601,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     const at::Tensor& x, const std::optional<at::Tensor>& topk_weights, const std::optional<at::Tensor>& bias_0,
     const std::optional<at::Tensor>& bias_1, const at::Tensor& rank_prefix_matrix,
     const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_channels,
-    int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, bool deep_loads, uintptr_t stream,
+    int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream,
     bool after_current, bool current_after) {
     require_available("combine");
     check_device("x", x, device_id_);
@@ -639,7 +639,6 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     args.num_max_send_tokens = num_max_send_tokens;
     args.num_max_recv_tokens = num_max_recv_tokens;
     args.num_send_warps = num_send_warps;
-    args.deep_loads = deep_loads ? 1 : 0;
     if (after_current) order(as_stream(stream), current_stream());
     auto ctx = next_context();
     kernels::intranode_combine(ctx, args, as_stream(stream));

@@ -164,7 +164,7 @@ class Runtime {
         const at::Tensor& x, const std::optional<at::Tensor>& topk_weights, const std::optional<at::Tensor>& bias_0,
         const std::optional<at::Tensor>& bias_1, const at::Tensor& rank_prefix_matrix,
         const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_channels,
-        int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, bool deep_loads, uintptr_t stream, bool after_current,
+        int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream, bool after_current,
         bool current_after);
 
     // Bounded cross-rank barrier kernel on `stream`.

@@ -238,11 +238,6 @@ INTRANODE_SEND_WARP_TABLE: dict[tuple[str, str], tuple[tuple[int, int], ...]] = 
     ("combine", "bf16"): ((8, 8), (16, 7), (24, 6)),
 }
 
-# Combine ring senders with 8 instead of 4 16-byte loads in flight per lane (a second instantiation of the combine
-# kernel; see csrc/kernels/intranode.cu). Off until a GPU run shows it faster (benchmarks/bench_intranode.py
-# --combine-deep 0 1).
-INTRANODE_COMBINE_DEEP_LOADS: bool = False
-
 
 def intranode_send_warps(kernel: str, num_ranks: int, num_channels: int = 24, fp8: bool = False) -> int:
     """Copy warps per channel of the intranode ``kernel`` ('dispatch' or 'combine') for ``num_ranks`` ranks and

@@ -28,7 +28,6 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from deep_ep import envs
-from deep_ep import config as config_module
 from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config, dispatch_receive_mode, intranode_send_warps
 from deep_ep.errors import CommError, CommTimeoutError, PeerAbortedError, RoutingError  # noqa: F401 (also re-exported)
 from deep_ep.event import CudaEventHandle, EventOverlap
@@ -465,7 +464,7 @@ class CudaBackend:
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,
                 config.num_max_nvl_chunked_recv_tokens, intranode_send_warps("combine", self.num_ranks, num_channels),
-                config_module.INTRANODE_COMBINE_DEEP_LOADS, self._comm_ptr, scope.after_current, scope.current_after)
+                self._comm_ptr, scope.after_current, scope.current_after)
             event = scope.finish((x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights, *handle))
         except BaseException:
             scope.restore()

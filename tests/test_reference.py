@@ -181,6 +181,8 @@ def test_internode_and_intranode_views_agree(case):
     ys = [torch.randn(r.recv_x.shape, generator=gen).bfloat16() for r in inter]
     out_inter = reference.combine(ys, [r.handle for r in inter], case.topology)
     out_intra = reference.combine(ys, [r.handle for r in intra], flat)
+    # Per token, the sum of the magnitudes of its contributions: bounds each node's partial sum.
+    out_abs = reference.combine([y.abs() for y in ys], [r.handle for r in intra], flat)
     for d in range(case.num_ranks):
         a, b = inter[d], intra[d]
         assert isinstance(a.handle, hd.InternodeHandle) and isinstance(b.handle, hd.IntranodeHandle)
@@ -189,9 +191,12 @@ def test_internode_and_intranode_views_agree(case):
         assert a.num_recv_tokens_per_expert_list == b.num_recv_tokens_per_expert_list
         assert a.handle.recv_gbl_rank_prefix_sum.tolist() == b.handle.rank_prefix_matrix[:, d].tolist()
         assert torch.equal(a.handle.gbl_channel_prefix_matrix, b.handle.channel_prefix_matrix)
-        # Two BF16 roundings vs one: equal within a couple of BF16 ulps of the result magnitude.
+        # A BF16 rounding per node, then one at the end, vs one rounding: each node's rounding errs by at most
+        # 2^-9 of its partial sum, which can exceed the result when partial sums cancel, so the bound is relative
+        # to the sum of the contributions' magnitudes, not to the result.
         x_a, x_b = out_inter[d].combined_x.float(), out_intra[d].combined_x.float()
-        assert torch.allclose(x_a, x_b, rtol=2 ** -6, atol=2 ** -6), case.describe()
+        bound = 2 ** -7 * out_abs[d].combined_x.float() + 2 ** -8 * x_b.abs() + 1e-6
+        assert bool(((x_a - x_b).abs() <= bound).all()), case.describe()
 
 
 @settings(deadline=None, max_examples=30)

@@ -38,9 +38,6 @@ namespace {
 constexpr int kUnroll = 4;               // 16-byte loads in flight per lane in row copies
 constexpr int kPrefixBatch = 8;          // groups of 32 tokens whose routing bytes one send_head warp loads at once
 constexpr int kReduceUnroll = 2;         // 16-byte chunks per lane (and contribution) in flight in the combine reducer
-// With CombineArgs::deep_loads: twice the bytes in flight per combine sender warp. (A deeper two-row reducer,
-// 2 x 3 or 2 x 4 chunks per lane, spills its loaded chunks under the 64-register cap: ptxas -v.)
-constexpr int kDeepSendUnroll = 8;
 // Named barrier ids (0 is __syncthreads).
 constexpr int kBarrierAllSenders = 1;    // copy warps and the publisher, after the prologue
 constexpr int kBarrierRecvGroup0 = 2;    // + source index (up to kMaxRanks - 1 groups)
@@ -823,25 +820,6 @@ __device__ __noinline__ void reduce_two(const int4* a, bool a_ring, const int4* 
     }
 }
 
-// One warp: copies a row of `num_int4` 16-byte words from x to one destination with kU loads in flight per lane
-// (the combine sender with CombineArgs::deep_loads). Not inlined, for the same reason as reduce_two.
-template <int kU>
-__device__ __noinline__ void push_row(const int4* src, int4* dst, int64_t num_int4) {
-    for (int64_t base = lane_id(); base < num_int4; base += 32 * kU) {
-        int4 v[kU];
-#pragma unroll
-        for (int u = 0; u < kU; ++u) {
-            const int64_t i = base + u * 32;
-            if (i < num_int4) v[u] = ld_nc_int4(src + i);
-        }
-#pragma unroll
-        for (int u = 0; u < kU; ++u) {
-            const int64_t i = base + u * 32;
-            if (i < num_int4) st_na_int4(dst + i, v[u]);
-        }
-    }
-}
-
 __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
     uint32_t words[4];
 #pragma unroll
@@ -853,10 +831,6 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
                      static_cast<int>(words[3]));
 }
 
-// kDeep (CombineArgs::deep_loads): 8 loads in flight per lane in the ring sender instead of 4. A
-// template parameter, not a branch, so that the default instantiation keeps its registers (noinline callees of a
-// kernel with more call sites spill in their loops).
-template <bool kDeep>
 __global__ void __launch_bounds__(kChannelThreads, 1)
     combine_kernel(KernelContext ctx, CombineArgs args, CombineGeometry geo) {
     // Warps [0, W) push rows of my receive blocks back to their owners' rings: warp w serves destination index
@@ -944,10 +918,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             char* rec = static_cast<char*>(ctx.buffers[dst]) + geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
             int4* rec_row = reinterpret_cast<int4*>(rec);
             const int4* src_row = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2);
-            if (kDeep)
-                push_row<kDeepSendUnroll>(src_row, rec_row, row_int4);
-            else
-                warp_copy_row<false>(src_row, row_int4, &rec_row, 1);
+            warp_copy_row<false>(src_row, row_int4, &rec_row, 1);
             if (lane < args.num_topk)
                 reinterpret_cast<float*>(rec + geo.weights_offset)[lane] = args.topk_weights[row * args.num_topk + lane];
             release_progress(progress, warp, j + stride);
@@ -1267,10 +1238,7 @@ void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaSt
         if (geo.ring.capacity < 1) geo.ring.capacity = 1;
     }
     check_resident("combine", args.num_channels);
-    if (args.deep_loads)
-        combine_kernel<true><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
-    else
-        combine_kernel<false><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    combine_kernel<<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -74,8 +74,6 @@ class Case:
     # None: the tuned table deep_ep.config.INTRANODE_SEND_WARP_TABLE).
     dispatch_warps: Optional[int] = 16
     combine_warps: Optional[int] = 8
-    # Combine ring senders with 8 loads in flight per lane (deep_ep.config.INTRANODE_COMBINE_DEEP_LOADS).
-    combine_deep: bool = False
     # Dispatch receive path: 'auto', 'rings', 'direct' (deep_ep.config.INTRANODE_DISPATCH_RECEIVE) or 'mixed'
     # (rank 0 direct, the other ranks rings: each receiver chooses for itself).
     receive: str = "auto"
@@ -105,7 +103,6 @@ def case_strategy(num_ranks: int, max_tokens: int = 300):
                     alloc_on_comm=draw(st.booleans()),
                     dispatch_warps=draw(st.sampled_from([None, 1, 9, 16, 31])),
                     combine_warps=draw(st.sampled_from([None, 1, 4, 8, 30])),
-                    combine_deep=draw(st.booleans()),
                     receive=draw(st.sampled_from(["auto", "rings", "direct", "mixed"])))
     return st.composite(lambda draw: build(draw))()
 
@@ -367,7 +364,6 @@ def _apply_tuning(case: Case, rank: int) -> None:
     """The case's warp split and receive path for this worker's next calls."""
     import deep_ep.config
     deep_ep.config.INTRANODE_SEND_WARPS.update(dispatch=case.dispatch_warps, combine=case.combine_warps)
-    deep_ep.config.INTRANODE_COMBINE_DEEP_LOADS = case.combine_deep
     receive = case.receive if case.receive != "mixed" else ("direct" if rank == 0 else "rings")
     deep_ep.config.INTRANODE_DISPATCH_RECEIVE = receive
 
