@@ -3,7 +3,8 @@
 //
 // Data path (design guide §3): one message per (token, destination rank) in dispatch, expanded into the per-expert
 // packed layout by the receiver; one row per (token, expert) in combine, written straight into the owner's
-// [expert][token] slot, with a per-token arrival word so the reduction starts as soon as a token is complete.
+// [expert][token] slot, with an arrival word per (token, expert owner) so the reduction starts as soon as a token
+// is complete and a missing owner is known by name (shrink masks it, otherwise it is reported).
 // NVLink peers (nvshmem_ptr != nullptr) are written with plain stores; other peers get a put-with-signal from the
 // local symmetric staging area. Every wait is bounded (DEEP_EP_TIMEOUT_S) and reports to the host-mapped
 // ErrorRecord of api.cuh; with enable_shrink a timed-out peer is masked instead.
@@ -36,7 +37,7 @@ enum LlKernel : int32_t { kKernelLlDispatch = 20, kKernelLlCombine = 21, kKernel
 enum LlPhase : int32_t {
     kPhaseLlDispatchWaitCounts = 100,   // peer = source, expected = epoch, observed = epoch seen
     kPhaseLlDispatchWaitData = 101,     // peer = source, expected / observed = arrival counter
-    kPhaseLlCombineWaitToken = 102,     // peer = -1 (several owners), channel = token, arrivals expected / seen
+    kPhaseLlCombineWaitToken = 102,     // peer = owner of the missing rows, channel = token, rows expected / seen
     kPhaseLlBarrierWait = 103,          // peer = -1, expected / observed = barrier counter
     kPhaseLlBadRouting = 104,           // expert id >= num_experts (expected = E, observed = id)
 };
@@ -45,10 +46,17 @@ const char* ll_phase_name(int32_t phase);
 
 // Byte carving of the symmetric buffer (identical on every rank):
 //   [global: barrier word (u64) | pad to 128]
-//   half h = 0, 1: [ctrl: count words [R][L+1] u64 | dispatch arrival [R] u64 | token arrival [T] u64]
-//                  [data: csend [L][R*T] x cmsg | crecv [E][T] x 2H | LogFMT chunk flags [E][T] u32] (combine)
-//                  [data: drecv [R][T] x dmsg | dstage [T] x dmsg]      (dispatch, overlays the combine regions)
+//   half h = 0, 1: [ctrl: count words [R][L+1] u64 | dispatch arrival [R] u64 | combine arrival [T][R] u64]
+//                  [data: csend [L][R*T] x cmsg | crecv [E][T] x 2H]                 (combine)
+//                  [data: drecv [R][T] x dmsg | dstage [T] x dmsg (R > 1 only)]    (dispatch, overlays the combine)
 // A half serves one LL call at a time (calls alternate halves), so dispatch and combine regions may overlap.
+// Combine arrival word (t, o) of a half counts the rows owner o has delivered for this rank's token t (ctrl: zeroed
+// by clean, consumed by the reducer). The cmsg - 2H = H/32 >= 32 tail bytes of each csend slot hold two u32 words
+// outside the zero-copy view: at +0 the sender's RDMA staging of its row's LogFMT chunk flags, at +4 the receiver's
+// word of (expert, token) = (slot / T, slot % T): the LogFMT chunk flags of that row, or, for a row read in place,
+// its packed index (combine_flag_off). Both are written before the arrival that the reader waits for, in the same
+// call, so they need no zeroing. This keeps the carving inside DeepEP's hint with the [T][R] arrival words (every
+// allowed (T, H, R, E); tests/test_layout.py sweeps a mirror of make_layout).
 struct Layout {
     int num_ranks, num_tokens_max, hidden, num_experts, num_local, num_topk_max;
     int64_t cmsg;            // combine slot: H/128 * 4 + 2H (spec's zero-copy row stride)
@@ -56,9 +64,19 @@ struct Layout {
     int64_t header_bytes;    // int32 [1 + kMaxTopk]: source token, then per k (expert << 16 | row) or -1
     int64_t half_offset[2];  // start of each half
     int64_t count_off, darrive_off, carrive_off, data_off;  // relative to a half
-    int64_t csend_off, crecv_off, cflag_off, drecv_off, dstage_off;  // relative to a half
+    int64_t csend_off, crecv_off, drecv_off, dstage_off;  // relative to a half
     int64_t total_bytes;
 };
+
+// Offset (relative to a half) of the receiver's u32 word of (expert e, token t): LogFMT chunk flags, or the packed
+// index of an own row read in place. Lives in the tail of csend slot e * T + t (see the carving above).
+inline __host__ __device__ int64_t combine_flag_off(const Layout& lay, int64_t e, int64_t t) {
+    return lay.csend_off + (e * lay.num_tokens_max + t) * lay.cmsg + int64_t(lay.hidden) * 2 + 4;
+}
+// Offset (relative to a half) of the combine arrival word of token t from expert owner (sender) o.
+inline __host__ __device__ int64_t combine_arrive_off(const Layout& lay, int64_t t, int64_t o) {
+    return lay.carrive_off + (t * lay.num_ranks + o) * 8;
+}
 
 // Computes the carving; throws std::invalid_argument (naming the sizes) if it needs more than `num_rdma_bytes`.
 Layout make_layout(int num_ranks, int num_tokens_max, int hidden, int num_experts, int64_t num_rdma_bytes);

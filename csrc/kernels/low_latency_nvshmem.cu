@@ -9,10 +9,11 @@
 //   dispatch recv   every CTA waits for all count words of epoch n, derives the per-(expert, source) blocks in
 //                   source order, waits until each source's arrival word reaches its private base + messages, and
 //                   expands its share of the messages into the packed outputs.
-//   combine send    one warp per received row writes the row into the owner's [expert][token] slot and adds 1 to the
-//                   owner's arrival word of that token.
-//   combine recv    one CTA per token waits for the token's expected arrivals, consumes them (subtracts), and reduces
-//                   sum_k w_k * y_k in fp32 in ascending k, rounding to BF16 once.
+//   combine send    one warp per received row writes the row into the token owner's [expert][token] slot and adds 1
+//                   to the token owner's arrival word (token, sender).
+//   combine recv    one CTA per token; warp 0's lanes wait in parallel, one per distinct expert owner, for that
+//                   owner's rows, consume them (subtract), and (shrink) mask an owner that times out; then the CTA
+//                   reduces sum_k w_k * y_k over the arrived entries in fp32 in ascending k, rounding to BF16 once.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <nvshmem.h>
@@ -77,14 +78,14 @@ Layout make_layout(int num_ranks, int num_tokens_max, int hidden, int num_expert
     l.count_off = 0;
     l.darrive_off = l.count_off + R * (L + 1) * 8;
     l.carrive_off = l.darrive_off + R * 8;
-    l.data_off = align_up(l.carrive_off + T * 8, kAlign);
+    l.data_off = align_up(l.carrive_off + T * R * 8, kAlign);
     l.csend_off = l.data_off;
     l.crecv_off = l.csend_off + align_up(E * T * l.cmsg, kAlign);
-    l.cflag_off = l.crecv_off + align_up(E * T * int64_t(hidden) * 2, kAlign);
-    const int64_t combine_end = l.cflag_off + E * T * 4;
+    const int64_t combine_end = l.crecv_off + E * T * int64_t(hidden) * 2;  // (expert, token) words: csend tails
     l.drecv_off = l.data_off;
     l.dstage_off = l.drecv_off + R * T * l.dmsg;
-    const int64_t dispatch_end = l.dstage_off + T * l.dmsg;
+    // A world of one rank has no remote peer (nvshmem_ptr resolves the rank itself), so no dispatch staging.
+    const int64_t dispatch_end = l.dstage_off + (R > 1 ? T * l.dmsg : 0);
     const int64_t half = align_up(std::max(combine_end, dispatch_end), kAlign);
     l.half_offset[0] = kGlobalBytes;
     l.half_offset[1] = kGlobalBytes + half;
@@ -159,13 +160,16 @@ static __device__ __noinline__ void report(const Context& ctx, int32_t code, int
     __threadfence_system();
 }
 
-enum WaitResult { kWaitOk = 0, kWaitTimeout = 1, kWaitAborted = 2 };
+// kWaitMasked: the awaited peer was masked meanwhile (by another thread's timeout in shrink mode).
+enum WaitResult { kWaitOk = 0, kWaitTimeout = 1, kWaitAborted = 2, kWaitMasked = 3 };
 
-// Bounded spin until pred(value) holds on a local symmetric word. Every 64 spins: abort word and deadline.
+// Bounded spin until pred(value) holds on a local symmetric word. Every 64 spins: abort word, deadline and, when
+// `watch_peer` >= 0, its mask bit (so waits on a peer that another CTA has just masked stop within ~64 spins
+// instead of each running its own full timeout).
 // Uses nvshmem_uint64_test when some peer is remote (its success path runs the proxy transports' consistency op).
 template <typename Pred>
 __device__ __forceinline__ WaitResult wait_word(const Context& ctx, uint64_t* addr, Pred pred, uint64_t* seen,
-                                                uint64_t* elapsed_ns) {
+                                                uint64_t* elapsed_ns, int watch_peer = -1) {
     const uint64_t* abort = reinterpret_cast<const uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset);
     const uint64_t start = global_timer_ns();
     for (uint64_t spins = 0;; ++spins) {
@@ -181,6 +185,7 @@ __device__ __forceinline__ WaitResult wait_word(const Context& ctx, uint64_t* ad
             *seen = v;
             *elapsed_ns = elapsed;
             if (ld_acquire_sys_u64(abort) != 0) return kWaitAborted;
+            if (watch_peer >= 0 && is_masked(ctx, watch_peer)) return kWaitMasked;
             if (elapsed > ctx.timeout_ns) return kWaitTimeout;
             if (spins > 4096) __nanosleep(64);
         }
@@ -863,10 +868,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             const int64_t dst_off = lay.crecv_off + (int64_t(e) * T + t) * row_bytes;
             char* dst = p2p ? half_base(ctx, ctx.peers[s], h) + dst_off : send_slot;
             if (s == me && in_place) {
-                if (lane == 0) reinterpret_cast<int*>(my_half + lay.cflag_off)[int64_t(e) * T + t] = j * RT + i;
+                if (lane == 0) *reinterpret_cast<int*>(my_half + combine_flag_off(lay, e, t)) = j * RT + i;
             } else if (a.use_logfmt) {
                 const uint32_t flags = logfmt_encode_row(src, dst, H, lane);
-                const int64_t flag_off = lay.cflag_off + (int64_t(e) * T + t) * 4;
+                const int64_t flag_off = combine_flag_off(lay, e, t);
                 if (lane == 0) {
                     if (p2p) {
                         *reinterpret_cast<uint32_t*>(half_base(ctx, ctx.peers[s], h) + flag_off) = flags;
@@ -901,9 +906,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                 }
             }
             __syncwarp();
-            const int64_t arrive_off = lay.half_offset[h] + lay.carrive_off + int64_t(t) * 8;
+            const int64_t arrive_off = lay.half_offset[h] + combine_arrive_off(lay, t, me);  // (t, sender) at s
             if (p2p) {
-                if (lane == 0) red_add_release_sys_u64(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[s]) + arrive_off), 1);
+                auto* arrive = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[s]) + arrive_off);
+                if (lane == 0) red_add_release_sys_u64(arrive, 1);
             } else {
                 nvshmemx_putmem_signal_nbi_warp(my_half + dst_off, send_slot, row_bytes,
                                                 reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + arrive_off),
@@ -922,54 +928,58 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
     }
     const int groups = H / 16;
     for (int t = b; t < N; t += nb) {
-        // Warp 0 reads the token's routing (lane k: entry k), waits for its rows and finds where each is read.
+        // Warp 0 reads the token's routing (lane k: entry k). One arrival word per (token, expert owner): the first
+        // lane of each distinct owner waits for that owner's rows, all owners in parallel lanes, so a missing owner
+        // is known by name. Then every lane finds where its row is read.
         if (warp == 0) {
             int64_t e = -1;
             if (lane < K) e = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + lane);
             const bool valid = lane < K && e >= 0 && e < E && !is_masked(ctx, int(e) / L);
             const float w = valid ? a.topk_weights[int64_t(t) * K + lane] : 0.0f;
-            const unsigned valid_mask = __ballot_sync(0xffffffffu, valid);
-            const int expected = __popc(valid_mask), pos = __popc(valid_mask & ((1u << lane) - 1));
+            const int owner = valid ? int(e) / L : -1 - lane;
+            const unsigned same = __match_any_sync(0xffffffffu, owner);
+            const int leader = __ffs(same) - 1;
+            WaitResult res = kWaitOk;
             int ok = 1;
-            uint64_t elapsed = 0;
-            if (lane == 0 && expected > 0) {
-                uint64_t* word = reinterpret_cast<uint64_t*>(my_half + lay.carrive_off + int64_t(t) * 8);
-                uint64_t seen = 0;
-                const WaitResult res = wait_word(
-                    ctx, word, [expected](uint64_t v) { return v >= uint64_t(expected); }, &seen, &elapsed);
+            // The wait is the only divergent part: every lane meets the others at the __syncwarp below, and the
+            // whole warp reaches the CTA's __syncthreads after it (no lane is left waiting behind a barrier).
+            if (valid && leader == lane) {
+                const uint64_t expected = __popc(same);
+                uint64_t* word = reinterpret_cast<uint64_t*>(my_half + combine_arrive_off(lay, t, owner));
+                uint64_t seen = 0, elapsed = 0;
+                res = wait_word(ctx, word, [expected](uint64_t v) { return v >= expected; }, &seen, &elapsed,
+                                ctx.mask != nullptr ? owner : -1);
                 if (res == kWaitOk) {
                     // Consume this call's arrivals: the word returns to what later calls' senders add.
                     atomicAdd(reinterpret_cast<unsigned long long*>(word),
                               static_cast<unsigned long long>(-int64_t(expected)));
-                } else {
-                    on_wait_failure(ctx, res, kKernelLlCombine, kPhaseLlCombineWaitToken, -1, t, expected, seen,
-                                    elapsed);
-                    ok = 0;
+                    if (a.wait_stats != nullptr)
+                        atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + owner), elapsed);
+                } else if (res != kWaitMasked) {
+                    // Shrink: a timeout masks the owner and the token goes on without its experts (true).
+                    ok = on_wait_failure(ctx, res, kKernelLlCombine, kPhaseLlCombineWaitToken, owner, t,
+                                         int64_t(expected), seen, elapsed);
                 }
             }
-            __syncwarp();  // lane 0's acquire orders the other lanes' reads of the rows' index words
-            ok = __shfl_sync(0xffffffffu, ok, 0);
-            elapsed = __shfl_sync(0xffffffffu, elapsed, 0);
-            if (valid && ok) {
+            __syncwarp();  // each leader's acquire orders its owner's lanes' reads of the own rows' index words
+            ok = __all_sync(0xffffffffu, ok);
+            const bool in = valid && __shfl_sync(0xffffffffu, int(res), leader) == kWaitOk;
+            const unsigned in_mask = __ballot_sync(0xffffffffu, in);
+            const int pos = __popc(in_mask & ((1u << lane) - 1));
+            if (in && ok) {
                 sh.expert[pos] = e;
                 sh.weight[pos] = w;
-                if (in_place && e / L == me) {
-                    const int64_t idx = ld_ring_int(reinterpret_cast<const int*>(my_half + lay.cflag_off) + e * T + t);
+                if (in_place && owner == me) {
+                    const int64_t idx =
+                        ld_ring_int(reinterpret_cast<const int*>(my_half + combine_flag_off(lay, e, t)));
                     sh.row[pos] = a.zero_copy ? my_half + lay.csend_off + idx * lay.cmsg
                                               : static_cast<const char*>(a.x) + idx * row_bytes;
                 } else {
                     sh.row[pos] = my_half + lay.crecv_off + (e * T + t) * row_bytes;
                 }
             }
-            // The token waited for all its experts' owners: charge the wait to each distinct owner once.
-            if (ok && a.wait_stats != nullptr) {
-                const int owner = valid ? int(e) / L : -1 - lane;
-                const unsigned same = __match_any_sync(0xffffffffu, owner);
-                if (valid && (same & ((1u << lane) - 1)) == 0)
-                    atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + owner), elapsed);
-            }
             if (lane == 0) {
-                sh.num = expected;
+                sh.num = __popc(in_mask);
                 sh.ok = ok;
             }
         }
@@ -983,7 +993,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                     const int64_t e = sh.expert[k];
                     float y[16];
                     const uint32_t flags = static_cast<uint32_t>(
-                        ld_ring_int(reinterpret_cast<const int*>(my_half + lay.cflag_off + (e * T + t) * 4)));
+                        ld_ring_int(reinterpret_cast<const int*>(my_half + combine_flag_off(lay, e, t))));
                     logfmt_decode_group(sh.row[k], flags, H, gc, y);
                     for (int v = 0; v < 16; ++v) acc[v] = __fadd_rn(acc[v], __fmul_rn(sh.weight[k], y[v]));
                 }
