@@ -251,3 +251,67 @@ def test_channel_token_range_examples():
     assert [layout.channel_token_range(10, 4, c) for c in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert [layout.channel_token_range(2, 4, c) for c in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
     assert layout.channel_token_range(5, 0, 0) == (0, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Carving of the CUDA LL kernels (make_layout in csrc/kernels/low_latency_nvshmem.cu) against DeepEP's size hint
+# ---------------------------------------------------------------------------------------------------------------
+def _ll_carving(num_ranks: int, tokens: int, hidden: int, experts: int) -> dict:
+    """A line-by-line mirror of ``make_layout`` (change both together): offsets relative to a half, and the total."""
+    def up(v: int) -> int:
+        return (v + 127) // 128 * 128
+    R, T, H, E = num_ranks, tokens, hidden, experts
+    L, num_scales = E // R, H // 128
+    cmsg = num_scales * 4 + 2 * H
+    dmsg = (17 * 4 + 15) // 16 * 16 + max(2 * H, H + num_scales * 4)
+    # ctrl: count words [R][L+1], dispatch arrivals [R], combine arrivals [T][R] (token, expert owner); all u64
+    carrive = R * (L + 1) * 8 + R * 8
+    data = up(carrive + T * R * 8)
+    crecv = data + up(E * T * cmsg)
+    combine_end = crecv + E * T * 2 * H  # the (expert, token) words sit in the csend slots' tails
+    dispatch_end = data + R * T * dmsg + (T * dmsg if R > 1 else 0)  # no staging in a one-rank world
+    return {"cmsg": cmsg, "carrive": carrive, "data": data, "crecv": crecv,
+            "total": 128 + 2 * up(max(combine_end, dispatch_end))}
+
+
+LL_CARVING_HIDDENS = tuple(range(1024, 2049, 128)) + (2560, 4096, 7168, 8192, 16384)
+
+
+@pytest.mark.parametrize("hidden", LL_CARVING_HIDDENS)
+def test_ll_kernel_carving_fits_the_hint(hidden):
+    """Every (T, R, E) the LL kernels accept (T <= 1024, R <= 1024, E = L * R <= 8192, R * T % 4 == 0) fits in
+    ``get_low_latency_rdma_size_hint``; the tight corners are one local expert per rank, T = 1..8 and small H."""
+    tokens = list(range(1, 33)) + [63, 64, 100, 127, 128, 255, 256, 511, 512, 1000, 1023, 1024]
+    ranks = list(range(1, 33)) + [48, 64, 96, 128, 255, 256, 512, 1000, 1024]
+    for num_ranks in ranks:
+        for num_local in (1, 2, 3, 4, 8, 9, 16, 288):
+            experts = num_local * num_ranks
+            if experts > 8192:
+                continue
+            for t in tokens:
+                if num_ranks * t % 4:
+                    continue
+                need = _ll_carving(num_ranks, t, hidden, experts)["total"]
+                hint = layout.low_latency_rdma_size_hint(t, hidden, num_ranks, experts)
+                assert need <= hint, f"{t=} {hidden=} {num_ranks=} {experts=}: carving {need} > hint {hint}"
+
+
+@pytest.mark.parametrize("hidden", (1024, 1152, 7168, 16384))
+def test_ll_kernel_flag_words_stay_in_the_slot_tails(hidden):
+    """The receiver's (expert, token) word sits at byte 2H + 4 of csend slot e * T + t: past the zero-copy view (2H
+    bytes), past the sender's staging word at 2H, inside the slot (H / 32 >= 32 tail bytes), and the last slot's word
+    ends before the receive slots. The [T][R] arrival words end before the data."""
+    for num_ranks, tokens, experts in ((1, 4, 12), (2, 2, 2), (2, 128, 288), (8, 1, 8)):
+        c = _ll_carving(num_ranks, tokens, hidden, experts)
+        assert 2 * hidden + 8 <= c["cmsg"]
+        last_word_end = c["data"] + (experts * tokens - 1) * c["cmsg"] + 2 * hidden + 8
+        assert last_word_end <= c["crecv"]
+        assert c["carrive"] + tokens * num_ranks * 8 <= c["data"]
+
+
+def test_ll_kernel_carving_example_ep2():
+    # EP2, T=128, H=7168, E=16: ctrl = counts 2*9*8 + dispatch arrivals 2*8 + combine arrivals [128][2]*8 = 2208
+    # bytes (2304 aligned) per half, then the combine send and receive areas; the hint keeps ~0.9 MB of slack.
+    need = _ll_carving(2, 128, 7168, 16)["total"]
+    assert need == 128 + 2 * (2304 + 16 * 128 * (56 * 4 + 7168 * 2) + 16 * 128 * 7168 * 2)
+    assert layout.low_latency_rdma_size_hint(128, 7168, 2, 16) - need > 900_000
