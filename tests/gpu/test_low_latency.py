@@ -428,11 +428,52 @@ def task_shrink(buffer, rank: int, case: Case) -> str:
     comb = buffer.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], res.handle)
     torch.cuda.synchronize()
     _eq("combined_x without the masked rank", comb.combined_x, want)
+    # Rank 1 rejoins for the next example: unmask it here; the worker's collective clean_low_latency_buffer then
+    # zeroes any stale words (docs/low_latency.md, "Shrink").
+    buffer.low_latency_clean_mask_buffer()
     return "ok"
 
 
-TASKS = {"shrink": task_shrink, "round": task_round, "graph": task_graph, "normal_then_clean": task_normal_then_clean,
-         "bad_input": task_bad_input}
+def task_shrink_combine(buffer, rank: int, case: Case) -> str:
+    """Rank 1 completes the dispatch but never runs the combine: rank 0's combine waits for rank 1's rows on the
+    (token, rank 1) arrival words, times out once (DEEP_EP_TIMEOUT_S), masks rank 1 and finishes without rank 1's
+    experts and without an error; the mask query reports rank 1."""
+    import reference
+    inputs = [make_inputs(case, r) for r in range(case.num_ranks)]
+    refs = reference.low_latency_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs], case.max_tokens,
+                                          case.num_experts, use_fp8=case.use_fp8)
+    mine = {k: v.cuda() for k, v in inputs[rank].items()}
+    res = buffer.low_latency_dispatch(mine["x"], mine["topk_idx"], case.max_tokens, case.num_experts,
+                                      use_fp8=case.use_fp8)
+    torch.cuda.synchronize()
+    _check_dispatch(case, rank, res, refs[rank])
+    if rank == 1:
+        # The silent rank skips the combine, so its parity is one call behind rank 0's; a real job rebuilds or
+        # realigns it before it rejoins. The test flips it so that the pool serves the next example.
+        buffer._cuda_ll.parity ^= 1
+        return "ok"
+    y = expert_output(res.recv_x, case.use_fp8)
+    ys = [expert_output(r.recv_x, case.use_fp8) for r in refs]
+    want = reference.low_latency_combine(ys, [i["topk_idx"] for i in inputs], [i["topk_weights"] for i in inputs],
+                                         [r.handle for r in refs], masked_ranks=[1])[0]
+    budget = float(WORKER_TIMEOUT_S)
+    start = time.monotonic()
+    comb = buffer.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], res.handle)
+    torch.cuda.synchronize()
+    elapsed = time.monotonic() - start
+    # One timeout for the whole call: the other CTAs' waits on rank 1 stop as soon as one of them has masked it.
+    assert 0.9 * budget <= elapsed < budget + 5.0, f"combine took {elapsed:.1f} s with a {budget} s timeout"
+    buffer._cuda_ll.check_errors()  # shrink: masked, not reported
+    mask = torch.zeros(case.num_ranks, dtype=torch.int32, device="cuda")
+    buffer.low_latency_query_mask_buffer(mask)
+    _eq("mask after the timed-out combine", mask, torch.tensor([0, 1], dtype=torch.int32))
+    _eq("combined_x without the masked owner", comb.combined_x, want)
+    buffer.low_latency_clean_mask_buffer()  # rank 1 rejoins: the worker's next clean zeroes its stale words
+    return "ok"
+
+
+TASKS = {"shrink": task_shrink, "shrink_combine": task_shrink_combine, "round": task_round, "graph": task_graph,
+         "normal_then_clean": task_normal_then_clean, "bad_input": task_bad_input}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -486,10 +527,20 @@ def test_ll_bad_input_keeps_buffer_usable(pools, world):
     pools(world).run("bad_input", case)
 
 
-@pytest.mark.multi_gpu(2)
-def test_ll_shrink_masks_a_silent_peer(pools):
-    case = Case(num_ranks=2, seed=11, num_tokens=(12, 12), max_tokens=16, hidden=2048, num_topk=4, num_experts=8,
+def _shrink_case(seed: int) -> Case:
+    """EP2, 12 tokens of top-4 over 8 experts, BF16: every token almost surely has rows from both ranks."""
+    return Case(num_ranks=2, seed=seed, num_tokens=(12, 12), max_tokens=16, hidden=2048, num_topk=4, num_experts=8,
                 mask_prob=0.0, use_fp8=False, round_scale=False, use_ue8m0=False, hook=False, async_finish=False,
                 use_logfmt=False, zero_copy=False, dispatch_twice=False, with_out=False, with_stats=False)
-    pools(2, shrink=True).run("shrink", case)
+
+
+@pytest.mark.multi_gpu(2)
+def test_ll_shrink_masks_a_silent_peer(pools):
+    pools(2, shrink=True).run("shrink", _shrink_case(11))
+
+
+@pytest.mark.multi_gpu(2)
+def test_ll_shrink_masks_a_peer_silent_in_combine(pools):
+    """Rank 1 dispatches, then never combines: rank 0's combine masks it within one timeout and completes."""
+    pools(2, shrink=True).run("shrink_combine", _shrink_case(13))
 
