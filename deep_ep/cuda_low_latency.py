@@ -16,8 +16,9 @@ This module owns:
   event object;
 * errors: a kernel wait that runs out of ``DEEP_EP_TIMEOUT_S`` fills a host-mapped record; the next call (or
   :meth:`LowLatencyCuda.check_errors`) raises ``CommTimeoutError`` / ``PeerAbortedError`` naming rank, peer and phase.
-  With ``enable_shrink`` a dispatch wait that times out masks the silent source instead (see
-  ``low_latency_query_mask_buffer``) and the call completes for the others.
+  With ``enable_shrink`` a dispatch or combine wait that times out masks the silent rank instead (see
+  ``low_latency_query_mask_buffer``) and the call completes for the others; to let it rejoin, every rank calls
+  ``low_latency_clean_mask_buffer`` then the collective ``clean_low_latency_buffer`` (docs/low_latency.md).
 """
 from __future__ import annotations
 
