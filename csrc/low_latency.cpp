@@ -71,6 +71,10 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_b
     sym_ = ll::nvshmem_alloc_zeroed(num_rdma_bytes);
     const auto peers = ll::nvshmem_peer_pointers(sym_, num_ranks);
     for (void* p : peers) all_p2p_ &= p != nullptr;
+    // make_layout gives a one-rank world no dispatch staging: its only peer (itself) must be reachable by pointer,
+    // otherwise the dispatch would stage messages past the end of a half.
+    if (num_ranks == 1 && peers[0] == nullptr)
+        throw std::runtime_error("nvshmem_ptr returned no local pointer for this PE in a one-rank world");
     DEEP_EP_CUDA_CHECK(cudaMalloc(&peers_, sizeof(void*) * num_ranks));
     DEEP_EP_CUDA_CHECK(cudaMemcpy(peers_, peers.data(), sizeof(void*) * num_ranks, cudaMemcpyHostToDevice));
     const int64_t ws = ll::workspace_bytes(num_ranks);

@@ -68,6 +68,8 @@ struct Layout {
     int64_t total_bytes;
 };
 
+// The two u32 words of a csend slot's tail (cmsg - 2H = H/32 bytes) need H >= 256; kMinHidden keeps them there.
+static_assert(kMinHidden / 32 >= 8, "the csend slot tail must hold the two u32 (expert, token) words");
 // Offset (relative to a half) of the receiver's u32 word of (expert e, token t): LogFMT chunk flags, or the packed
 // index of an own row read in place. Lives in the tail of csend slot e * T + t (see the carving above).
 inline __host__ __device__ int64_t combine_flag_off(const Layout& lay, int64_t e, int64_t t) {
