@@ -63,6 +63,7 @@ def measure(buffer, rank: int, args, x, x_fp8, topk_idx, topk_weights, rdma_pair
             kwargs["num_tokens_per_rdma_rank"] = layout.num_tokens_per_rdma_rank
         first = buffer.dispatch(x, **kwargs)
         handle = first.handle
+        channels = handle[1].size(1)  # the kernels' CTAs: below num_sms where deep_ep.config caps the channels
         rows = first.recv_x.size(0)
         nvl_bytes = rows * h * 2
         rdma_bytes = rdma_pairs * h * 2
@@ -92,7 +93,7 @@ def measure(buffer, rank: int, args, x, x_fp8, topk_idx, topk_weights, rdma_pair
                 kt = None
             wall = best[1]["mean"]
             report["points"].append({
-                "phase": phase, "op": op, "num_sms": num_sms, "chunk": best[0], "rows": rows,
+                "phase": phase, "op": op, "num_sms": num_sms, "channels": channels, "chunk": best[0], "rows": rows,
                 "wall_us": wall * 1e6, "wall_us_median": best[1]["median"] * 1e6,
                 "kernel_us": kt * 1e6 if kt else None,
                 "nvl_GBps": nvl_bytes * factor / 1e9 / wall, "rdma_GBps": rdma_bytes * factor / 1e9 / wall,

@@ -118,8 +118,11 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
     group, x, x_fp8, topk_idx, topk_weights = init_rank(rank, args, port)
     num_ranks = args.num_processes
     import deep_ep
+    import deep_ep.config
     n, h, e = args.num_tokens, args.hidden, args.num_experts
 
+    if args.uncapped:  # num_sms channels even above deep_ep.config.INTRANODE_MAX_CHANNELS (to re-measure the cap)
+        deep_ep.config.INTRANODE_MAX_CHANNELS.clear()
     buffer = deep_ep.Buffer(group, num_nvl_bytes=args.num_nvl_bytes, explicitly_destroy=True)
     report: dict = {"rank": rank, "backend": type(getattr(buffer, "_cuda", None)).__name__, "points": [],
                     "sweep": [], "errors": []}
@@ -147,6 +150,7 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
                                 num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=topk_idx,
                                 topk_weights=topk_weights, config=base)
         handle = first.handle
+        channels = handle.channel_prefix_matrix.size(1)  # below num_sms where deep_ep.config caps the channels
         recv_rows = first.recv_x.size(0)
         prefix = handle.rank_prefix_matrix[:, rank].tolist()
         local_rows = prefix[rank] - (prefix[rank - 1] if rank > 0 else 0)
@@ -172,8 +176,10 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
             if best is None:
                 continue
             kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "dispatch"))
+            warps = best[3] or deep_ep.config.intranode_send_warps("dispatch", num_ranks, channels,
+                                                                   base_label == "dispatch_fp8")
             report["points"].append(_point(label, num_sms, best[0], best[1], kt, logical_bytes, remote_bytes,
-                                           best[3]))
+                                           warps, channels))
         set_receive(buffer, "rings")
         combine_x = first.recv_x
         label = "combine_bf16"
@@ -188,8 +194,9 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
                 best = (chunk, t, fn, warps)
         if best is not None:
             kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "combine"))
+            warps = best[3] or deep_ep.config.intranode_send_warps("combine", num_ranks, channels)
             report["points"].append(_point(label, num_sms, best[0], best[1], kt, bf16_bytes,
-                                           remote_rows * h * 2, best[3]))
+                                           remote_rows * h * 2, warps, channels))
 
     # NCCL baseline: index_select by destination + all_to_all_single; back with all_to_all_single + index_add_.
     in_rank = layout.is_token_in_rank
@@ -241,14 +248,15 @@ def with_send_warps(kernel: str, warps: int, fn):
     import deep_ep.config
 
     def run():
-        deep_ep.config.INTRANODE_SEND_WARPS[kernel] = warps
+        deep_ep.config.INTRANODE_SEND_WARPS[kernel] = warps or None  # 0: the tuned table's row
         return fn()
     return run
 
 
 def _point(op: str, num_sms: int, chunk: int, t: dict, kernel_s, logical_bytes: float, remote_bytes: float,
-           send_warps: int | None = None) -> dict:
-    return {"op": op, "num_sms": num_sms, "chunk": chunk, "send_warps": send_warps, "wall_us_mean": t["mean"] * 1e6,
+           send_warps: int | None = None, channels: int | None = None) -> dict:
+    return {"op": op, "num_sms": num_sms, "channels": channels, "chunk": chunk, "send_warps": send_warps,
+            "wall_us_mean": t["mean"] * 1e6,
             "wall_us_median": t["median"] * 1e6, "wall_us_min": t["min"] * 1e6,
             "kernel_us": kernel_s * 1e6 if kernel_s else None,
             "logical_GBps": logical_bytes / 1e9 / t["mean"], "remote_GBps": remote_bytes / 1e9 / t["mean"],
@@ -299,10 +307,13 @@ def add_workload_args(parser: argparse.ArgumentParser, sms: list[int]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(parser, [8, 16, 24, 32, 48])
-    parser.add_argument("--dispatch-warps", type=int, nargs="+", default=[16],
-                        help="copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS) to sweep in dispatch")
-    parser.add_argument("--combine-warps", type=int, nargs="+", default=[8],
-                        help="ring-sender warps per channel to sweep in combine")
+    parser.add_argument("--dispatch-warps", type=int, nargs="+", default=[0],
+                        help="copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS) to sweep in dispatch; "
+                             "0: the tuned table's row (Buffer's default)")
+    parser.add_argument("--combine-warps", type=int, nargs="+", default=[0],
+                        help="ring-sender warps per channel to sweep in combine; 0: the tuned table's row")
+    parser.add_argument("--uncapped", action="store_true",
+                        help="run num_sms channels even where deep_ep.config.INTRANODE_MAX_CHANNELS caps them")
     parser.add_argument("--receive", nargs="+", default=["rings"], choices=["rings", "direct", "skipcopy"],
                         help="dispatch receive paths to measure (skipcopy: diagnostic, wrong outputs)")
     parser.add_argument("--json", type=str, default="bench_intranode.json")
@@ -319,14 +330,15 @@ def print_table(summary: dict) -> None:
     rep = summary["ranks"][0]
     print(f"\n# {summary['date']}  {summary['machine']}  backend={rep['backend']}  layout {rep['layout_us']:.1f} us"
           f" (kernel {rep.get('layout_kernel_us') or 0:.1f} us)")
-    print(f"{'op':<20}{'SMs':>5}{'chunk':>6}{'warps':>6}{'wall us':>10}{'kern us':>10}{'GB/s':>9}{'GB/s kern':>10}"
+    print(f"{'op':<20}{'SMs':>5}{'ch':>4}{'chunk':>6}{'warps':>6}{'wall us':>10}{'kern us':>10}{'GB/s':>9}{'GB/s kern':>10}"
           f"{'remote':>8}{'DeepEP':>8}{'ratio':>7}")
     for p in rep["points"]:
         ref = DEEPEP_V1.get((p["op"].replace("_direct", "").replace("_skipcopy", ""),
                              p["num_sms"]))
         kern = f"{p['kernel_us']:.1f}" if p["kernel_us"] else "-"
         kern_bw = f"{p['logical_GBps_kernel']:.0f}" if p["logical_GBps_kernel"] else "-"
-        print(f"{p['op']:<20}{p['num_sms']:>5}{p['chunk']:>6}{p.get('send_warps') or '-':>6}{p['wall_us_mean']:>10.1f}{kern:>10}"
+        print(f"{p['op']:<20}{p['num_sms']:>5}{p.get('channels') or '-':>4}{p['chunk']:>6}"
+              f"{p.get('send_warps') or '-':>6}{p['wall_us_mean']:>10.1f}{kern:>10}"
               f"{p['logical_GBps']:>9.0f}{kern_bw:>10}{p['remote_GBps']:>8.0f}{ref or '-':>8}"
               f"{(p['logical_GBps'] / ref if ref else 0):>7.2f}")
     for op, sms, chunk, warps, us in rep.get("sweep", []):

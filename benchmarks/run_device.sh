@@ -10,7 +10,7 @@
 #   test_intranode   GPU property suite of the intranode kernels (both receive paths) + the host-path test
 #   test_ll          GPU property suite of the low-latency kernels (LL_EXAMPLES examples per property, default 5)
 #   test_internode   GPU property suite of the internode backend on 2 virtual nodes x 1 GPU
-#   bench_intranode  rings and direct receive at 24 and 8 SMs (DeepEP's EP2 workload) -> intra.json
+#   bench_intranode  Buffer defaults (direct receive) at 24, 16 and 8 SMs, DeepEP's EP2 workload -> intra.json
 #   bench_ll         LL sweep of tokens per rank 1..256 (128 is the bar) -> ll.json
 #   bench_internode  2 virtual nodes x 1 GPU next to the intranode kernels, simulator prediction -> inter.json
 #   test_ep          EP4/EP8 property tests, one rank per GPU (intranode + LL; issue 7: x4 / x8 machines)
@@ -69,10 +69,11 @@ for step in "$@"; do
         tail -n 3 "$OUT/test_internode.log" >> "$S"
         grep -E "^E " "$OUT/test_internode.log" | head -30 >> "$S" ;;
     bench_intranode)
-        # INTRA_ARGS replaces the sweep (default: direct receive at 24, 16 and 8 SMs, combine with and without deep loads).
+        # INTRA_ARGS replaces the default: Buffer's defaults (tuned warps, channel cap) at 24, 16 and 8 SMs, direct
+        # receive. A sweep of channels and warps: INTRA_ARGS="--uncapped --sms 24 20 16 12 8 --dispatch-warps 8 12 16
+        # 20 24 --combine-warps 4 6 8 10 12 --dispatch-chunks 32 --combine-chunks 8 --receive direct".
         run_step bench_intranode 140 python3 benchmarks/bench_intranode.py ${INTRA_ARGS:---sms 24 16 8 \
-            --dispatch-chunks 32 --combine-chunks 8 --dispatch-warps 12 16 24 --combine-warps 6 7 8 --combine-deep 0 1 \
-            --receive direct} \
+            --dispatch-chunks 32 --combine-chunks 8 --receive direct} \
             --json "$OUT/intra.json"
         grep -E "^(#|op|dispatch|combine|nccl)" "$OUT/bench_intranode.log" >> "$S" ;;
     bench_ll)

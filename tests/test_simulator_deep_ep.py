@@ -62,12 +62,13 @@ def _synthetic_bench(tmp_path: Path, truth: dek.DeepEpProfile) -> Path:
                                                      ("dispatch_bf16", ("dispatch", "bf16", "rings"), 8),
                                                      ("dispatch_bf16_direct", ("dispatch", "bf16", "direct"), 8),
                                                      ("combine_bf16", ("combine", "bf16", "rings"), 4)):
-            point = bench_fit.BenchPoint(op, dtype, sms, chunk, 1.0, receive)
+            point = bench_fit.BenchPoint(op, dtype, sms, chunk, 1.0, receive, channels=sms)  # an --uncapped run
             t = bench_fit.predict_point(run_, point, truth, traffic)
             points.append({"op": op_name, "num_sms": sms, "chunk": chunk, "wall_us_mean": t})
     points.append({"op": "nccl_dispatch_bf16", "num_sms": 0, "chunk": 0, "wall_us_mean": 300.0})
     data = {"date": "synthetic", "machine": "NVIDIA H200 x2",
-            "args": {"num_processes": 2, "num_tokens": 4096, "hidden": 7168, "num_topk": 8, "num_experts": 256},
+            "args": {"num_processes": 2, "num_tokens": 4096, "hidden": 7168, "num_topk": 8, "num_experts": 256,
+                     "uncapped": True},
             "ranks": [{"rank": r, "points": points, "errors": []} for r in range(2)]}
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(data))
