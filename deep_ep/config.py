@@ -65,7 +65,8 @@ class Config:
     """Tuning of the normal dispatch/combine kernels (DeepEP V1 ``Config``).
 
     Args (DeepEP's positional order):
-        num_sms: SMs (thread blocks) per kernel; even, because a channel is a pair of SMs.
+        num_sms: SMs (thread blocks) per kernel; even, because a channel is a pair of SMs. The CUDA intranode
+            kernels treat it as a budget: one CTA per channel, at most ``INTRANODE_MAX_CHANNELS[R]`` channels.
         num_max_nvl_chunked_send_tokens: tokens moved per step over the scale-up link before a tail publish (``Sn``).
         num_max_nvl_chunked_recv_tokens: scale-up ring capacity per (channel, peer), in tokens (``Nn``).
         num_max_rdma_chunked_send_tokens: tokens per scale-out put (``Sr``).
