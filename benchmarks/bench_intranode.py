@@ -330,8 +330,8 @@ def print_table(summary: dict) -> None:
     rep = summary["ranks"][0]
     print(f"\n# {summary['date']}  {summary['machine']}  backend={rep['backend']}  layout {rep['layout_us']:.1f} us"
           f" (kernel {rep.get('layout_kernel_us') or 0:.1f} us)")
-    print(f"{'op':<20}{'SMs':>5}{'ch':>4}{'chunk':>6}{'warps':>6}{'wall us':>10}{'kern us':>10}{'GB/s':>9}{'GB/s kern':>10}"
-          f"{'remote':>8}{'DeepEP':>8}{'ratio':>7}")
+    print(f"{'op':<20}{'SMs':>5}{'ch':>4}{'chunk':>6}{'warps':>6}{'wall us':>10}{'kern us':>10}{'GB/s':>9}"
+          f"{'GB/s kern':>10}{'remote':>8}{'DeepEP':>8}{'ratio':>7}")
     for p in rep["points"]:
         ref = DEEPEP_V1.get((p["op"].replace("_direct", "").replace("_skipcopy", ""),
                              p["num_sms"]))

@@ -232,7 +232,8 @@ INTRANODE_SEND_WARPS: dict[str, Optional[int]] = {"dispatch": None, "combine": N
 # 4096 tokens, hidden 7168 (docs/performance.md, "Channel and warp sweep"), wall us by warps:
 #   dispatch BF16   8 ch: 24 -> 321, 16 -> 325 | 12 ch: 24 -> 223 | 16 ch: 12 -> 195 (191 at 10:46), 16 -> 209
 #   dispatch FP8    8 ch: 24 -> 196, 20 -> 198 | 12 ch: 24 -> 144 | 16 ch: 24 -> 116 (116 at 10:46), 16 -> 129
-#   combine         8 ch: 8 -> 420, 10 -> 436  | 12 ch: 8 -> 302  | 16 ch: 8 -> 241, 10 -> 264 | 24 ch: 6 -> 231, 5 -> 237
+#   combine         8 ch: 8 -> 420, 10 -> 436  | 12 ch: 8 -> 302  | 16 ch: 8 -> 241, 10 -> 264
+#                   24 ch: 6 -> 231, 5 -> 237
 INTRANODE_SEND_WARP_TABLE: dict[tuple[str, str], tuple[tuple[int, int], ...]] = {
     ("dispatch", "bf16"): ((12, 24), (16, 12), (24, 16)),
     ("dispatch", "fp8"): ((16, 24), (24, 12)),
