@@ -169,9 +169,10 @@ class Buffer:
         """``(ComposedInternode, device type)`` for ``N x G`` groups with ``G > 1`` when ``DEEP_EP_INTERNODE``
         selects it, else ``(None, None)``.
 
-        Stages: CUDA intranode kernels (``CudaBackend``) when the group is NCCL, the extension serves ``N`` and
-        ``G`` ranks, ``num_nvl_bytes > 0``, ``DEEP_EP_BACKEND`` is not ``torch`` and every rank is on one host
-        (CUDA IPC); torch stages otherwise, used only under ``DEEP_EP_INTERNODE=composed``. Collective: every rank
+        Stages: CUDA intranode kernels (``CudaBackend``, serving CUDA tensors; the group may be gloo or NCCL: the
+        stages only exchange objects through it) when CUDA and the extension are available, ``num_nvl_bytes > 0``,
+        ``DEEP_EP_BACKEND`` is not ``torch``, ``N <= 8`` and every rank is on one host (CUDA IPC); torch stages over
+        the group's backend otherwise, used only under ``DEEP_EP_INTERNODE=composed``. Collective: every rank
         creates every subgroup (``make_stage_groups``)."""
         topo = self.topology
         choice = _internode_choice()
@@ -179,9 +180,7 @@ class Buffer:
             return None, None
         import torch.distributed as dist
         reason = None
-        if dist.get_backend(group) != "nccl":
-            reason = "the group is not NCCL"
-        elif _backend_choice() == "torch":
+        if _backend_choice() == "torch":
             reason = "DEEP_EP_BACKEND=torch"
         elif self.num_nvl_bytes <= 0:
             reason = "num_nvl_bytes is 0"

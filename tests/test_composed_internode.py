@@ -21,7 +21,7 @@ import dist
 import test_buffer_torch as tbt
 
 # (world size, GPUs per node) -> examples: the 8-rank pool is the slowest.
-TOPOLOGIES = {(4, 2): 20, (8, 4): 8, (8, 2): 4}
+TOPOLOGIES = {(4, 2): 30, (8, 4): 10, (8, 2): 5}
 
 
 def _examples(count: int) -> int:
