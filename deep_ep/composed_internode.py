@@ -104,9 +104,8 @@ class _Plan(NamedTuple):
 
     Fields:
         rail_handle / node_handle: the stages' intranode handles.
-        inverse: ``[M]`` int64, node-stage row of each final row's position: ``final = node_rows[order]`` and
-            ``node_rows = final[inverse]``.
-        order: ``[M]`` int64 final order as node-stage row indices.
+        order: ``[M]`` int64, the node-stage row of each final row: ``final = node_rows[order]``.
+        inverse: ``[M]`` int64, the final row of each node-stage row: ``node_rows = final[inverse]``.
     """
 
     rail_handle: Any
@@ -311,7 +310,7 @@ class ComposedInternode:
         topo, device = self.topology, data.device
         num_nodes, per_node = topo.num_scaleout_ranks, topo.num_scaleup_ranks
         num_tokens = data.size(0)
-        num_channels = stage["config"].num_channels
+        num_channels = self.num_channels(stage["config"])
         mask = mask.to(torch.bool)
         has_topk = topk_idx is not None
         num_experts = num_tokens_per_expert.numel()
@@ -319,7 +318,7 @@ class ComposedInternode:
 
         # (1) Rail stage: one record per token, to every node it needs.
         channel = hd.token_channels(num_tokens, num_channels, device).to(torch.int32)
-        bits = hd.pack_rank_bits(mask.view(num_tokens, num_nodes, per_node))                   # [T, N] int32
+        bits = hd.pack_rank_bits(mask.reshape(num_tokens, num_nodes, per_node))                 # [T, N] int32
         payload = self._payload(data, scales)
         parts = payload + ([topk_idx, topk_weights] if has_topk else []) + [channel.view(-1, 1), bits]
         record, widths = _record(parts, num_tokens, device)
