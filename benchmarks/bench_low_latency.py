@@ -189,12 +189,15 @@ def main() -> None:
              for r in range(args.num_processes)]
     for p in procs:
         p.start()
-    replies = sorted(results.get(timeout=900) for _ in procs)
+    replies = []
+    for _ in procs:  # an error is printed when it arrives: a peer left waiting may never answer
+        replies.append(results.get(timeout=900))
+        if replies[-1][1] != "ok":
+            print(f"rank {replies[-1][0]}: {replies[-1][2]}", file=sys.stderr, flush=True)
+    replies.sort()
     for p in procs:
         p.join(timeout=60)
-    errors = [msg for _, status, msg in replies if status != "ok"]
-    if errors:
-        print("\n".join(errors), file=sys.stderr)
+    if any(status != "ok" for _, status, _ in replies):
         sys.exit(1)
     per_rank = [msg for _, _, msg in replies]
     print(f"{'T':>5} {'disp us':>8} {'comb us':>8} {'disp GB/s':>9} {'comb GB/s':>9} {'wall d':>7} {'wall c':>7} "

@@ -59,9 +59,12 @@ for step in "$@"; do
         tail -n 3 "$OUT/test_intranode.log" >> "$S"
         grep -E "^E " "$OUT/test_intranode.log" | head -30 >> "$S" ;;
     test_ll)
-        run_step test_ll 220 env LL_EXAMPLES="${LL_EXAMPLES:-5}" python3 -m pytest -q -rfE -p no:cacheprovider \
-            tests/gpu/test_low_latency.py
+        # LL_FAILURE_LOG: each failing example's text as it happens (the summary at the end is lost if the step is
+        # killed at its time limit).
+        run_step test_ll 220 env LL_EXAMPLES="${LL_EXAMPLES:-5}" LL_FAILURE_LOG="$OUT/ll_failures.log" \
+            python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_low_latency.py
         tail -n 3 "$OUT/test_ll.log" >> "$S"
+        [ -f "$OUT/ll_failures.log" ] && head -c 4000 "$OUT/ll_failures.log" >> "$S"
         grep -E "^E " "$OUT/test_ll.log" | head -30 >> "$S" ;;
     test_internode)
         run_step test_internode 190 env DEEP_EP_GPU_EXAMPLES_INTERNODE="${INTERNODE_EXAMPLES:-8}" \
