@@ -201,17 +201,18 @@ class Buffer:
         from deep_ep.torch_backend import TorchBackend
         groups = make_stage_groups(group, topo)
         num_nodes, per_node = topo.num_scaleout_ranks, topo.num_scaleup_ranks
+        ring_bytes = None
         if reason is None:
             rail = backend_cls.from_group(groups.rail, self.num_nvl_bytes)
             node = backend_cls.from_group(groups.node, self.num_nvl_bytes)
-            device = "cuda"
+            device, ring_bytes = "cuda", self.num_nvl_bytes
         else:
             rail = TorchBackend(groups.rail, topo.node_of(self.rank), num_nodes, Topology(num_nodes, num_nodes),
                                 self.num_nvl_bytes, 0, False)
             node = TorchBackend(groups.node, topo.local_of(self.rank), per_node, Topology(per_node, per_node),
                                 self.num_nvl_bytes, 0, False)
             device = rail.device.type
-        return ComposedInternode(rail, node, self.rank, topo), device
+        return ComposedInternode(rail, node, self.rank, topo, ring_bytes), device
 
     def _make_cuda_low_latency(self, group: Any, comm: Any) -> Any:
         """The CUDA low-latency backend (NVSHMEM) when ``low_latency_mode`` has an RDMA buffer, the extension has

@@ -36,6 +36,15 @@ biases and the partials in ascending node order in float32 and rounds once more 
 Host synchronisations: only those of the stage dispatches (each non-cached stage dispatch waits for its receive
 counts) and the per-expert list; the permutation and handle fields are device ops.
 
+Stream order: every stage call is synchronous with the current stream and orders after it (a
+``previous_event`` is waited for on the current stream first: the records are built there, after the event).
+
+CUDA stages (``ring_bytes`` given): each stage runs the intranode kernels in its own IPC buffer of the Buffer's
+``num_nvl_bytes``, with records wider than the hidden size (payload + top-k + metadata, padded to 16 bytes). Every
+call checks first, on every rank alike and before any communication, that the rings of both stages hold
+``2 * num_max_nvl_chunked_send_tokens`` records per (channel, source), and raises a ValueError naming the
+``num_nvl_bytes`` needed otherwise (:func:`stage_nvl_bytes`); likewise top-k <= 16 and ``E / N`` <= 1024.
+
 Not supported (raise): ``num_worst_tokens > 0``; more than 8 nodes (the rail stage is an intranode backend).
 """
 from __future__ import annotations
@@ -46,7 +55,9 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 
 from deep_ep import handle as hd
-from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config, Topology
+from deep_ep import layout as lay
+from deep_ep.config import (BUFFER_ALIGNMENT, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_SCALEUP_RANKS, Config, Topology,
+                            align_up, intranode_channels)
 from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
 from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
 from deep_ep.torch_backend import _as_bytes, _from_bytes
@@ -114,15 +125,33 @@ class _Plan(NamedTuple):
     inverse: torch.Tensor
 
 
+def _padded(num_bytes: int) -> int:
+    """Bytes of a record whose parts take ``num_bytes``: padded to 16, at least 16."""
+    return num_bytes + (-num_bytes % _RECORD_ALIGN) if num_bytes > 0 else _RECORD_ALIGN
+
+
+def _widths(parts: Sequence[torch.Tensor]) -> list[int]:
+    """Byte width of each ``[rows, cols]`` part of a record."""
+    return [p.size(1) * p.element_size() for p in parts]
+
+
 def _record(parts: Sequence[torch.Tensor], num_rows: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """Concatenate ``[rows, *]`` tensors as bytes into ``[rows, W / 4]`` int32 (``W`` padded to 16 bytes);
+    """Concatenate ``[rows, *]`` tensors as bytes into ``[rows, W / 4]`` int32 (``W = _padded(sum of widths)``);
     returns the record and each part's byte width."""
     raw = [_as_bytes(p) for p in parts]
     widths = [r.size(1) for r in raw]
-    pad = -sum(widths) % _RECORD_ALIGN
-    if pad or not raw:
-        raw.append(torch.zeros(num_rows, pad or _RECORD_ALIGN, dtype=torch.uint8, device=device))
+    pad = _padded(sum(widths)) - sum(widths)
+    if pad:
+        raw.append(torch.zeros(num_rows, pad, dtype=torch.uint8, device=device))
     return torch.cat(raw, dim=1).view(torch.int32), widths
+
+
+def stage_nvl_bytes(record_bytes: int, num_ranks: int, num_channels: int, num_send_tokens: int) -> int:
+    """Smallest ``num_nvl_bytes`` of a CUDA stage of ``num_ranks`` ranks whose rings hold ``2 * num_send_tokens``
+    records of ``record_bytes`` (the kernels' ring slot: ``deep_ep.layout.intranode_dispatch_record_bytes`` /
+    ``intranode_combine_record_bytes``) per (channel, source); may exceed what a ring half can be (256 MiB)."""
+    source = align_up(2 * num_send_tokens * num_channels * record_bytes, BUFFER_ALIGNMENT)
+    return lay.intranode_control_bytes() + 2 * num_ranks * source
 
 
 def _fields(record: torch.Tensor, widths: Sequence[int]) -> list[torch.Tensor]:
@@ -192,6 +221,8 @@ class ComposedInternode:
         node: stage backend over node ``n``'s group (``G`` ranks; its rank = ``l``).
         rank: this rank in the Buffer's group.
         topology: ``N x G`` with ``N > 1``, ``1 < G``; ``N <= 8`` (the rail stage is intranode).
+        ring_bytes: the IPC buffer bytes of each CUDA stage (``num_nvl_bytes``): every call checks the stages' rings
+            and kernel limits first (see the module docstring); ``None`` for torch stages (no check).
 
     Both stages must offer ``dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
     num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
@@ -200,7 +231,7 @@ class ComposedInternode:
     ``deep_ep.Buffer``.
     """
 
-    def __init__(self, rail: Any, node: Any, rank: int, topology: Topology) -> None:
+    def __init__(self, rail: Any, node: Any, rank: int, topology: Topology, ring_bytes: Optional[int] = None) -> None:
         if not topology.is_internode or topology.num_scaleup_ranks < 2:
             raise ValueError(f"the composed internode path needs N > 1 nodes of G > 1 ranks, got "
                              f"{topology.num_scaleout_ranks} x {topology.num_scaleup_ranks}")
@@ -208,6 +239,7 @@ class ComposedInternode:
             raise ValueError(f"the composed internode path serves at most {NUM_MAX_SCALEUP_RANKS} nodes (its rail "
                              f"stage is an intranode backend), got {topology.num_scaleout_ranks}")
         self.rail, self.node, self.rank, self.topology = rail, node, rank, topology
+        self.ring_bytes = ring_bytes
         self.my_node, self.my_local = topology.node_of(rank), topology.local_of(rank)
         # id(handle.recv_src_meta) -> (weak reference to it, _Plan): the stage handles behind each returned handle.
         self._plans: dict[int, tuple[weakref.ref, _Plan]] = {}
@@ -242,10 +274,63 @@ class ComposedInternode:
         return EventOverlap(CudaEventHandle() if device.type == "cuda" else COMPLETED)
 
     def destroy(self) -> None:
-        for stage in (self.rail, self.node):
-            if hasattr(stage, "destroy"):
-                stage.destroy()
+        self._each_stage("destroy")
         self._plans.clear()
+
+    def reset(self) -> None:
+        """Collective: the stages' recovery after a failed call (rail stage, then node stage)."""
+        self._each_stage("reset")
+
+    def check_errors(self) -> None:
+        """Raise a stage's pending device error, if any."""
+        self._each_stage("check_errors")
+
+    def _each_stage(self, method: str) -> None:
+        for stage in (self.rail, self.node):
+            if hasattr(stage, method):
+                getattr(stage, method)()
+
+    def _check_stage(self, stage: str, kind: str, record_bytes: int, config: Config) -> None:
+        """Raise ValueError unless the CUDA ``stage`` ('rail' / 'node') rings hold ``2 * num_max_nvl_chunked_send_
+        tokens`` ring slots of ``record_bytes`` for ``kind`` ('dispatch' / 'combine') per (channel, source)."""
+        if self.ring_bytes is None:
+            return
+        num_ranks = self.topology.num_scaleout_ranks if stage == "rail" else self.topology.num_scaleup_ranks
+        channels = intranode_channels(config.num_sms, num_ranks)
+        geometry = lay.intranode_ring_geometry(self.ring_bytes, num_ranks, channels, record_bytes,
+                                               config.num_max_nvl_chunked_recv_tokens, kind == "combine")
+        need = 2 * config.num_max_nvl_chunked_send_tokens
+        if geometry.capacity >= need:
+            return
+        want = stage_nvl_bytes(record_bytes, num_ranks, channels, config.num_max_nvl_chunked_send_tokens)
+        fix = f"build the Buffer with num_nvl_bytes >= {want}" \
+            if want <= lay.intranode_control_bytes() + 2 * lay.INTRANODE_MAX_RING_HALF_BYTES else \
+            "lower config.num_sms or num_max_nvl_chunked_send_tokens (no buffer size fits)"
+        raise ValueError(f"num_nvl_bytes={self.ring_bytes} is too small for the composed internode path's {stage} "
+                         f"stage {kind}: its rings hold {geometry.capacity} slots of {record_bytes} bytes (payload, "
+                         f"top-k and metadata) per (channel, rank) with {channels} channels and {num_ranks} ranks, "
+                         f"need >= 2 * num_max_nvl_chunked_send_tokens = {need}; {fix}")
+
+    def _check_dispatch(self, payload: list[torch.Tensor], topk_idx: Optional[torch.Tensor], num_experts: int,
+                        config: Config) -> None:
+        """Checks of a non-cached dispatch on CUDA stages, before any communication (equal on every rank)."""
+        if self.ring_bytes is None:
+            return
+        num_nodes = self.topology.num_scaleout_ranks
+        num_topk = topk_idx.size(1) if topk_idx is not None else 0
+        if num_topk > lay.INTRANODE_MAX_TOPK:
+            raise ValueError(f"the composed internode path on CUDA stages carries at most {lay.INTRANODE_MAX_TOPK} "
+                             f"top-k entries per token (the intranode kernels' limit), got {num_topk}")
+        if num_experts // num_nodes > NUM_MAX_LOCAL_EXPERTS:
+            raise ValueError(f"the composed internode path on CUDA stages needs num_experts / nodes <= "
+                             f"{NUM_MAX_LOCAL_EXPERTS} (the rail stage's local experts), got {num_experts} / "
+                             f"{num_nodes}")
+        payload_bytes = sum(_widths(payload))
+        topk_bytes = num_topk * (topk_idx.element_size() + 4) if topk_idx is not None else 0  # ids and weights
+        rail = _padded(payload_bytes + topk_bytes + 4 + 4 * num_nodes)
+        node = _padded(payload_bytes + 12)
+        self._check_stage("rail", "dispatch", lay.intranode_dispatch_record_bytes(rail, 0, 0), config)
+        self._check_stage("node", "dispatch", lay.intranode_dispatch_record_bytes(node, 0, num_topk), config)
 
     def get_comm_stream(self) -> Any:
         return self.node.get_comm_stream() if hasattr(self.node, "get_comm_stream") else None
@@ -280,11 +365,22 @@ class ComposedInternode:
         data, scales = x if isinstance(x, tuple) else (x, None)
         stage = dict(config=config, async_finish=False, allocate_on_comm_stream=False)
         if handle is not None:
-            recv_x = self._cached_dispatch(data, scales, self._plan(handle), previous_event, stage)
+            plan = self._plan(handle)
+            self._wait(previous_event)
+            recv_x = self._cached_dispatch(data, scales, plan, stage)
             return DispatchResult(recv_x, None, None, None, None, self._event(data.device, async_finish))
+        self._check_dispatch(self._payload(data, scales), topk_idx, num_tokens_per_expert.numel(), config)
+        self._wait(previous_event)
         out = self._dispatch(data, scales, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                             expert_alignment, previous_event, stage)
+                             expert_alignment, stage)
         return DispatchResult(*out, self._event(data.device, async_finish))
+
+    @staticmethod
+    def _wait(previous_event: Any) -> None:
+        """Order the call after ``previous_event`` on the current stream, where the stage records are built: the
+        stages then order after the current stream (a stage given the event would wait for it alone)."""
+        if previous_event is not None:
+            previous_event.current_stream_wait()
 
     def _payload(self, data: torch.Tensor, scales: Optional[torch.Tensor]) -> list[torch.Tensor]:
         return [data] if scales is None else [data, scales.contiguous()]
@@ -296,17 +392,16 @@ class ComposedInternode:
         return recv_data, _from_bytes(cols[1], scales.dtype, scales.size(1))
 
     def _rail_dispatch(self, record: torch.Tensor, node_mask: torch.Tensor, num_tokens_per_expert: torch.Tensor,
-                       previous_event: Any, stage: dict) -> DispatchResult:
+                       stage: dict) -> DispatchResult:
         """Rail-stage dispatch. Its "experts" are the global experts grouped by node, so that its per-expert list
         on the forwarder ``(n, l)`` is the rail sources' ``num_tokens_per_expert`` summed over node ``n``'s
         experts: what the node stage needs to report DeepEP's counts."""
         return self.rail.dispatch(record, None, node_mask.sum(0, dtype=torch.int32), None, node_mask,
-                                  num_tokens_per_expert, None, None, 1, 0, previous_event=previous_event, **stage)
+                                  num_tokens_per_expert, None, None, 1, 0, previous_event=None, **stage)
 
     def _dispatch(self, data: torch.Tensor, scales: Optional[torch.Tensor], mask: torch.Tensor,
                   num_tokens_per_expert: torch.Tensor, topk_idx: Optional[torch.Tensor],
-                  topk_weights: Optional[torch.Tensor], expert_alignment: int, previous_event: Any,
-                  stage: dict) -> tuple:
+                  topk_weights: Optional[torch.Tensor], expert_alignment: int, stage: dict) -> tuple:
         topo, device = self.topology, data.device
         num_nodes, per_node = topo.num_scaleout_ranks, topo.num_scaleup_ranks
         num_tokens = data.size(0)
@@ -322,7 +417,7 @@ class ComposedInternode:
         payload = self._payload(data, scales)
         parts = payload + ([topk_idx, topk_weights] if has_topk else []) + [channel.view(-1, 1), bits]
         record, widths = _record(parts, num_tokens, device)
-        rail = self._rail_dispatch(record, hd.node_mask(mask, topo), num_tokens_per_expert, previous_event, stage)
+        rail = self._rail_dispatch(record, hd.node_mask(mask, topo), num_tokens_per_expert, stage)
         cols = _fields(rail.recv_x, widths)
         num_fwd = rail.recv_x.size(0)
         num_payload = len(payload)
@@ -367,11 +462,15 @@ class ComposedInternode:
         self._keep(new_handle, _Plan(rail.handle, node.handle, order, inverse))
         return recv_x, recv_idx, recv_weights, node.num_recv_tokens_per_expert_list, new_handle
 
-    def _cached_dispatch(self, data: torch.Tensor, scales: Optional[torch.Tensor], plan: _Plan,
-                         previous_event: Any, stage: dict) -> Any:
+    def _cached_dispatch(self, data: torch.Tensor, scales: Optional[torch.Tensor], plan: _Plan, stage: dict) -> Any:
+        """Payload-only records (narrower than the dispatch's: the kernels size rings and output blocks per
+        call, from the call's own row width)."""
         payload = self._payload(data, scales)
+        width = lay.intranode_dispatch_record_bytes(_padded(sum(_widths(payload))), 0, 0)
+        for name in ("rail", "node"):
+            self._check_stage(name, "dispatch", width, stage["config"])
         record, widths = _record(payload, data.size(0), data.device)
-        rail = self.rail.dispatch(record, plan.rail_handle, previous_event=previous_event, **stage)
+        rail = self.rail.dispatch(record, plan.rail_handle, previous_event=None, **stage)
         node = self.node.dispatch(rail.recv_x, plan.node_handle, previous_event=None, **stage)
         rows = _as_bytes(node.recv_x)[plan.order]
         return self._unpack_payload(_split(rows, widths), data, scales)
@@ -387,9 +486,13 @@ class ComposedInternode:
         assert config is not None, "config is resolved by the Buffer front"
         plan = self._plan(handle)
         stage = dict(config=config, async_finish=False, allocate_on_comm_stream=False)
+        width = lay.intranode_combine_record_bytes(x.size(1), topk_weights.size(1) if topk_weights is not None else 0)
+        for name in ("rail", "node"):
+            self._check_stage(name, "combine", width, config)
+        self._wait(previous_event)
         node_x = x.index_select(0, plan.inverse)
         node_w = topk_weights.index_select(0, plan.inverse) if topk_weights is not None else None
-        node = self.node.combine(node_x, plan.node_handle, node_w, None, previous_event=previous_event, **stage)
+        node = self.node.combine(node_x, plan.node_handle, node_w, None, previous_event=None, **stage)
         rail = self.rail.combine(node.combined_x, plan.rail_handle, node.combined_topk_weights, bias,
                                  previous_event=None, **stage)
         return CombineResult(rail.combined_x, rail.combined_topk_weights, self._event(x.device, async_finish))

@@ -142,3 +142,21 @@ def test_auto_keeps_torch_backend_on_cpu(pools):
     """``DEEP_EP_INTERNODE=auto`` (the default) keeps the torch backend for gloo groups: the composed path with
     torch stages is only for tests and CPU runs that ask for it."""
     pools.get(4, {"DEEP_EP_GPUS_PER_NODE": "2"}).check("test_composed_internode", "run_auto_is_torch", None)
+
+
+def test_cuda_stage_ring_check():
+    """CUDA stages: a call whose stage records do not fit the rings raises ValueError naming the num_nvl_bytes
+    needed (``stage_nvl_bytes``), which fits exactly (128 bytes less does not)."""
+    from deep_ep import layout as lay
+    from deep_ep.composed_internode import ComposedInternode, stage_nvl_bytes
+    from deep_ep.config import Config, Topology, intranode_channels
+
+    topo, config = Topology(4, 2), Config(24, 8, 256)
+    record = lay.intranode_dispatch_record_bytes(14336 + 48, 0, 8)
+    need = stage_nvl_bytes(record, 2, intranode_channels(config.num_sms, 2), config.num_max_nvl_chunked_send_tokens)
+    ComposedInternode(None, None, 0, topo, ring_bytes=need)._check_stage("node", "dispatch", record, config)
+    ComposedInternode(None, None, 0, topo)._check_stage("node", "dispatch", record, config)  # torch stages: no check
+    for num_bytes in (1 << 20, need - 128):
+        with pytest.raises(ValueError, match=f"num_nvl_bytes >= {need}"):
+            ComposedInternode(None, None, 0, topo, ring_bytes=num_bytes)._check_stage("node", "dispatch", record,
+                                                                                      config)
