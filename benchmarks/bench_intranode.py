@@ -98,12 +98,14 @@ def per_token_cast_to_fp8(x: torch.Tensor):
 # ----------------------------------------------------------------------------------------------------------------
 # One rank
 # ----------------------------------------------------------------------------------------------------------------
-def init_rank(rank: int, args, port: int):
-    """Join the NCCL group on this rank's GPU and draw the workload: ``(group, x, x_fp8, topk_idx,
-    topk_weights)`` (uniform routing: top-k of ``|randn| + 1``, unit weights)."""
+def init_rank(rank: int, args, port: int, backend: str = "nccl"):
+    """Join the group (``backend``: NCCL, or gloo where ranks share GPUs) on GPU ``rank % GPUs`` and draw the
+    workload: ``(group, x, x_fp8, topk_idx, topk_weights)`` (uniform routing: top-k of ``|randn| + 1``, unit
+    weights)."""
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=args.num_processes, device_id=torch.device("cuda", torch.cuda.current_device()))
+    device = dict(device_id=torch.device("cuda", torch.cuda.current_device())) if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=args.num_processes, **device)
     import deep_ep
     torch.manual_seed(rank)
     n, h, k, e = args.num_tokens, args.hidden, args.num_topk, args.num_experts

@@ -10,9 +10,13 @@
 #   test_intranode   GPU property suite of the intranode kernels (both receive paths) + the host-path test
 #   test_ll          GPU property suite of the low-latency kernels (LL_EXAMPLES examples per property, default 5)
 #   test_internode   GPU property suite of the internode backend on 2 virtual nodes x 1 GPU
+#   test_composed    GPU tests of the composed internode path (CUDA stages), 4 ranks on GPUs 0,1,0,1 as 2 x 2
+#                    (COMPOSED_EXAMPLES hypothesis examples, default 6)
 #   bench_intranode  Buffer defaults (direct receive) at 24, 16 and 8 SMs, DeepEP's EP2 workload -> intra.json
 #   bench_ll         LL sweep of tokens per rank 1..256 (128 is the bar) -> ll.json
 #   bench_internode  2 virtual nodes x 1 GPU next to the intranode kernels, simulator prediction -> inter.json
+#   bench_composed   composed path (CUDA stages) next to the torch backend, 4 ranks sharing 2 GPUs as 2 x 2,
+#                    1024 tokens per rank -> composed.json
 #   test_ep          EP4/EP8 property tests, one rank per GPU (intranode + LL; issue 7: x4 / x8 machines)
 #   bench_ep         EP<all GPUs> intranode (24 SMs) and LL (T=128) benchmarks -> ep_intra.json, ep_ll.json
 #   trace_ll         debug rebuild, LL T=128 with the kernels' section trace (tools/ll_trace.py); run it last
@@ -71,6 +75,11 @@ for step in "$@"; do
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_internode.py
         tail -n 3 "$OUT/test_internode.log" >> "$S"
         grep -E "^E " "$OUT/test_internode.log" | head -30 >> "$S" ;;
+    test_composed)
+        run_step test_composed 170 env DEEP_EP_GPU_EXAMPLES_COMPOSED="${COMPOSED_EXAMPLES:-6}" \
+            python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_composed.py
+        tail -n 3 "$OUT/test_composed.log" >> "$S"
+        grep -E "^E " "$OUT/test_composed.log" | head -30 >> "$S" ;;
     bench_intranode)
         # INTRA_ARGS replaces the default: Buffer's defaults (tuned warps, channel cap) at 24, 16 and 8 SMs, direct
         # receive. A sweep of channels and warps: INTRA_ARGS="--uncapped --sms 24 20 16 12 8 --dispatch-warps 8 12 16
@@ -87,6 +96,10 @@ for step in "$@"; do
     bench_internode)
         run_step bench_internode 100 python3 benchmarks/bench_internode.py --json "$OUT/inter.json"
         tail -n 14 "$OUT/bench_internode.log" >> "$S" ;;
+    bench_composed)
+        run_step bench_composed 120 python3 benchmarks/bench_internode.py --composed --num-processes 4 \
+            --num-tokens 1024 --json "$OUT/composed.json"
+        tail -n 10 "$OUT/bench_composed.log" >> "$S" ;;
     test_ep)
         run_step test_ep 240 python3 -m pytest -q -rfE -p no:cacheprovider -k one_rank_per_gpu \
             tests/gpu/test_intranode.py tests/gpu/test_low_latency.py

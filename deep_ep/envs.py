@@ -59,6 +59,10 @@ DISPATCH_RECEIVE = EnvVar(
 GPUS_PER_NODE = EnvVar(
     "DEEP_EP_GPUS_PER_NODE", int, 8,
     "Ranks per scale-up (NVLink) domain; lower it to make one host act as several virtual nodes.")
+INTERNODE = EnvVar(
+    "DEEP_EP_INTERNODE", str, "auto",
+    "Normal dispatch/combine of N nodes x G > 1 GPUs: 'auto' (rail + node intranode stages of CUDA kernels for "
+    "CUDA tensors on one host, else torch), 'composed' (the stages for every tensor: torch stages on CPU) or 'torch'.")
 TOPK_IDX_BITS = EnvVar(
     "DEEP_EP_TOPK_IDX_BITS", int, 64,
     "Width of deep_ep.topk_idx_t: 64 (torch.int64, DeepEP's default) or 32 (torch.int32).")
@@ -76,7 +80,7 @@ NVSHMEM_DIR = EnvVar(
     "NVSHMEM_DIR", str, "",
     "Build-time: NVSHMEM installation (include/ and lib/); overrides the auto-detected nvidia-nvshmem wheel.")
 
-ALL: tuple[EnvVar, ...] = (TIMEOUT_S, BACKEND, DISPATCH_RECEIVE, GPUS_PER_NODE, TOPK_IDX_BITS, CPU_ONLY,
+ALL: tuple[EnvVar, ...] = (TIMEOUT_S, BACKEND, DISPATCH_RECEIVE, GPUS_PER_NODE, INTERNODE, TOPK_IDX_BITS, CPU_ONLY,
                            DISABLE_NVSHMEM, DEBUG_BUILD, NVSHMEM_DIR)
 
 
