@@ -359,8 +359,7 @@ class CudaBackend:
                 data_offset, meta_offset, num_worst_tokens > 0 and not cached, num_channels,
                 config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
                 intranode_send_warps("dispatch", self.num_ranks, num_channels, scales is not None), self._comm_ptr,
-                after_current,
-                scope.current_after)
+                after_current, scope.current_after)
 
             new_handle = None
             if not cached:
@@ -477,11 +476,11 @@ class CudaBackend:
         SMs per channel and has ``num_sms // 2``), capped by ``deep_ep.config.INTRANODE_MAX_CHANNELS`` for this
         rank count. The handle's prefix matrices are ``[R, num_channels]``."""
         num_sms = config.num_sms
-        if num_sms not in _VALID_SMS:  # the extension checks the range (ValueError); only valid counts are remembered
-            _C.num_channels_for_sms(num_sms)
-            _VALID_SMS.add(num_sms)
-        return intranode_channels(num_sms, self.num_ranks)
+        channels = _CHANNELS_FOR_SMS.get(num_sms)
+        if channels is None:  # the extension checks the range (ValueError); only valid counts are remembered
+            channels = _CHANNELS_FOR_SMS[num_sms] = int(_C.num_channels_for_sms(num_sms))
+        return intranode_channels(channels, self.num_ranks)
 
 
-# config.num_sms values the extension accepted, filled by CudaBackend.num_channels.
-_VALID_SMS: set[int] = set()
+# config.num_sms -> the kernels' channels before the cap, filled by CudaBackend.num_channels.
+_CHANNELS_FOR_SMS: dict[int, int] = {}

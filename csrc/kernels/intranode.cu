@@ -666,8 +666,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 cta_failed = 1;
             } else if (staged[d].data >= 0) {
                 if (staged[d].row_base + total[d] > staged_rows[d]) {
-                    report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d,
-                                                             channel}, staged_rows[d], staged[d].row_base + total[d], 0);
+                    report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d, channel},
+                                 staged_rows[d], staged[d].row_base + total[d], 0);
                     cta_failed = 1;
                 } else {
                     direct[d] = staged[d];
@@ -1089,7 +1089,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             const uint32_t slot = (tail_base[dst] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
             char* rec = static_cast<char*>(ctx.buffers[dst]) + geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
             int4* rec_row = reinterpret_cast<int4*>(rec);
-            const int4* src_row = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2);
+            const int4* src_row =
+                reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2);
             warp_copy_row<false>(src_row, row_int4, &rec_row, 1);
             if (lane < args.num_topk)
                 reinterpret_cast<float*>(rec + geo.weights_offset)[lane] = args.topk_weights[row * args.num_topk + lane];
