@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FP8_FACTOR = (1 + 4 / 128) / 2
+OPS = ("dispatch_fp8", "dispatch_bf16", "combine_bf16", "nccl")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -133,9 +134,10 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
     torch.cuda.synchronize()
     # The first profiler session pays CUPTI's start-up inside the first kernel it sees: spend it on a dummy.
     kernel_time(lambda: torch.ones(1024, device="cuda").sum(), "reduce", num_tests=2)
-    layout_t = bench(lambda: buffer.get_dispatch_layout(topk_idx, e))
+    iters, profiled = args.iters, min(args.iters, 20)
+    layout_t = bench(lambda: buffer.get_dispatch_layout(topk_idx, e), iters, iters)
     report["layout_us"] = layout_t["mean"] * 1e6
-    layout_kernel = kernel_time(lambda: buffer.get_dispatch_layout(topk_idx, e), "layout")
+    layout_kernel = kernel_time(lambda: buffer.get_dispatch_layout(topk_idx, e), "layout", profiled)
     report["layout_kernel_us"] = layout_kernel * 1e6 if layout_kernel else None
 
     def safe(label, fn):
@@ -159,8 +161,8 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
         remote_rows = recv_rows - local_rows
         bf16_bytes = recv_rows * h * 2
         fp8_wire_row = h + 4 * (h // 128)
-        variants = (("dispatch_fp8", x_fp8, bf16_bytes * FP8_FACTOR, remote_rows * fp8_wire_row),
-                    ("dispatch_bf16", x, bf16_bytes, remote_rows * h * 2))
+        variants = tuple(v for v in (("dispatch_fp8", x_fp8, bf16_bytes * FP8_FACTOR, remote_rows * fp8_wire_row),
+                                     ("dispatch_bf16", x, bf16_bytes, remote_rows * h * 2)) if v[0] in args.ops)
         for receive, (base_label, cur_x, logical_bytes, remote_bytes) in (
                 (r, v) for r in args.receive for v in variants):
             label = base_label + ("" if receive == "rings" else f"_{receive}")
@@ -170,14 +172,14 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
                 cfg = deep_ep.Config(num_sms, chunk, 256)
                 fn = with_send_warps("dispatch", warps,
                                      lambda c=cfg, cx=cur_x: buffer.dispatch(cx, handle=handle, config=c))
-                t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn))
+                t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn, iters, iters))
                 if t is not None:
                     report["sweep"].append([label, num_sms, chunk, warps, t["mean"] * 1e6])
                 if t is not None and (best is None or t["mean"] < best[1]["mean"]):
                     best = (chunk, t, fn, warps)
             if best is None:
                 continue
-            kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "dispatch"))
+            kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "dispatch", profiled))
             warps = best[3] or deep_ep.config.intranode_send_warps("dispatch", num_ranks, channels,
                                                                    base_label == "dispatch_fp8")
             report["points"].append(_point(label, num_sms, best[0], best[1], kt, logical_bytes, remote_bytes,
@@ -186,16 +188,17 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
         combine_x = first.recv_x
         label = "combine_bf16"
         best = None
-        for chunk, warps in ((c, w) for c in args.combine_chunks for w in args.combine_warps):
+        combine_points = ((c, w) for c in args.combine_chunks for w in args.combine_warps if label in args.ops)
+        for chunk, warps in combine_points:
             cfg = deep_ep.Config(num_sms, chunk, 256)
             fn = with_send_warps("combine", warps, lambda c=cfg: buffer.combine(combine_x, handle, config=c))
-            t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn))
+            t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn, iters, iters))
             if t is not None:
                 report["sweep"].append([label, num_sms, chunk, warps, t["mean"] * 1e6])
             if t is not None and (best is None or t["mean"] < best[1]["mean"]):
                 best = (chunk, t, fn, warps)
         if best is not None:
-            kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "combine"))
+            kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "combine", profiled))
             warps = best[3] or deep_ep.config.intranode_send_warps("combine", num_ranks, channels)
             report["points"].append(_point(label, num_sms, best[0], best[1], kt, bf16_bytes,
                                            remote_rows * h * 2, warps, channels))
@@ -225,7 +228,9 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
     rows = sum(recv_counts)
     nccl_local = recv_counts[rank]
     for label, fn in (("nccl_dispatch_bf16", nccl_dispatch), ("nccl_combine_bf16", nccl_combine)):
-        t = safe(label, lambda: bench(fn))
+        if "nccl" not in args.ops:
+            break
+        t = safe(label, lambda: bench(fn, iters, iters))
         if t is not None:
             report["points"].append(_point(label, 0, 0, t, None, rows * h * 2, (rows - nccl_local) * h * 2))
 
@@ -318,6 +323,10 @@ def main() -> None:
                         help="run num_sms channels even where deep_ep.config.INTRANODE_MAX_CHANNELS caps them")
     parser.add_argument("--receive", nargs="+", default=["rings"], choices=["rings", "direct", "skipcopy"],
                         help="dispatch receive paths to measure (skipcopy: diagnostic, wrong outputs)")
+    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS,
+                        help="what to measure (default: all); nccl is the NCCL baseline")
+    parser.add_argument("--iters", type=int, default=50,
+                        help="warm-up and timed calls per point (DeepEP: 50); profiled calls: min(20, this)")
     parser.add_argument("--json", type=str, default="bench_intranode.json")
     args = parser.parse_args()
     reports = spawn_ranks(run_rank, args)

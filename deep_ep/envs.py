@@ -74,8 +74,8 @@ DISABLE_NVSHMEM = EnvVar(
     "Build-time: build the CUDA extension without NVSHMEM (intranode kernels only).")
 DEBUG_BUILD = EnvVar(
     "DEEP_EP_DEBUG_BUILD", _parse_bool, False,
-    "Build-time: compile kernels with -lineinfo and DEEP_EP_DEBUG (the low-latency kernels print section "
-    "timestamps, tools/ll_trace.py).")
+    "Build-time: compile kernels with -lineinfo and DEEP_EP_DEBUG (the low-latency and intranode kernels print "
+    "section timestamps: tools/ll_trace.py, tools/intra_trace.py).")
 NVSHMEM_DIR = EnvVar(
     "NVSHMEM_DIR", str, "",
     "Build-time: NVSHMEM installation (include/ and lib/); overrides the auto-detected nvidia-nvshmem wheel.")
