@@ -99,10 +99,24 @@ def per_token_cast_to_fp8(x: torch.Tensor):
 # ----------------------------------------------------------------------------------------------------------------
 # One rank
 # ----------------------------------------------------------------------------------------------------------------
+def trace_to_rank_file(rank: int) -> None:
+    """With ``DEEP_EP_TRACE_DIR`` set (the kernels' printf trace of a debug build), this rank's stdout (fd 1, where
+    device printf lands) goes to ``<dir>/rank<r>.log``: the ranks' trace lines then never interleave."""
+    trace_dir = os.environ.get("DEEP_EP_TRACE_DIR")
+    if not trace_dir:
+        return
+    os.makedirs(trace_dir, exist_ok=True)
+    sys.stdout.flush()
+    fd = os.open(os.path.join(trace_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.close(fd)
+
+
 def init_rank(rank: int, args, port: int, backend: str = "nccl"):
     """Join the group (``backend``: NCCL, or gloo where ranks share GPUs) on GPU ``rank % GPUs`` and draw the
     workload: ``(group, x, x_fp8, topk_idx, topk_weights)`` (uniform routing: top-k of ``|randn| + 1``, unit
     weights)."""
+    trace_to_rank_file(rank)
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = dict(device_id=torch.device("cuda", torch.cuda.current_device())) if backend == "nccl" else {}
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,

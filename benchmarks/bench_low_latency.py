@@ -32,6 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_intranode import trace_to_rank_file  # noqa: E402
 
 
 def kernel_times(trace, names: dict) -> dict:
@@ -49,6 +51,7 @@ def kernel_times(trace, names: dict) -> dict:
 
 def run_rank(rank: int, world: int, port: int, args, results) -> None:
     try:
+        trace_to_rank_file(rank)
         torch.cuda.set_device(rank)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         import deep_ep

@@ -119,19 +119,20 @@ for step in "$@"; do
     trace_ll)  # debug rebuild (the LL kernels' section trace), T=128, summary by tools/ll_trace.py; leaves a debug build
         run_step build_debug 220 env DEEP_EP_DEBUG_BUILD=1 MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py \
             build_ext --inplace || continue
-        run_step trace_ll 90 python3 benchmarks/bench_low_latency.py --tokens 128 --warmups 10 --iters 20
+        run_step trace_ll 90 env DEEP_EP_TRACE_DIR="$OUT/trace_ll" python3 benchmarks/bench_low_latency.py \
+            --tokens 128 --warmups 10 --iters 20
         grep -vE "^LLTRACE|UserWarning|_warn_once" "$OUT/trace_ll.log" | tail -n 3 >> "$S"
-        python3 tools/ll_trace.py "$OUT/trace_ll.log" >> "$S" ;;
+        python3 tools/ll_trace.py "$OUT"/trace_ll/rank*.log >> "$S" ;;
     trace_intra)  # debug rebuild (the intranode kernels' role trace), EP2 at 16 channels; leaves a debug build
         run_step build_debug 200 env DEEP_EP_DEBUG_BUILD=1 MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py \
             build_ext --inplace || continue
         echo "note: the extension is now a DEBUG build (INTRATRACE printf in every intranode CTA); run the build" \
             "step before any timing" >> "$S"
-        run_step trace_intra 90 python3 benchmarks/bench_intranode.py --sms 16 --ops dispatch_bf16 combine_bf16 \
-            --iters "${TRACE_ITERS:-10}" --dispatch-chunks 32 --combine-chunks 8 --receive direct \
-            --json "$OUT/trace_intra.json"
+        run_step trace_intra 90 env DEEP_EP_TRACE_DIR="$OUT/trace_intra" python3 benchmarks/bench_intranode.py \
+            --sms 16 --ops dispatch_bf16 combine_bf16 --iters "${TRACE_ITERS:-10}" --dispatch-chunks 32 \
+            --combine-chunks 8 --receive direct --json "$OUT/trace_intra.json"
         grep -E "^(#|op|dispatch|combine)" "$OUT/trace_intra.log" >> "$S"
-        python3 tools/intra_trace.py "$OUT/trace_intra.log" >> "$S" ;;
+        python3 tools/intra_trace.py "$OUT"/trace_intra/rank*.log >> "$S" ;;
     launch_floor)
         run_step launch_floor 60 bash -c "nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
             benchmarks/launch_floor.cu -o /tmp/launch_floor && /tmp/launch_floor --json $OUT/launch_floor.json"

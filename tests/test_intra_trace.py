@@ -3,6 +3,7 @@ per-role table, the launch span and the critical path."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 from pathlib import Path
@@ -96,3 +97,29 @@ def test_main_without_trace_lines(tmp_path, capsys):
     log.write_text("nothing here\n")
     assert intra_trace.main([str(log)]) == 1
     assert "no trace lines" in capsys.readouterr().out
+
+
+def test_per_rank_files(tmp_path):
+    """A log per rank (benchmarks with DEEP_EP_TRACE_DIR): parse and main read every file, in order."""
+    whole = tmp_path / "trace.log"
+    _combine_log(whole)
+    lines = whole.read_text().splitlines(keepends=True)
+    paths = []
+    for rank in (0, 1):
+        path = tmp_path / f"rank{rank}.log"
+        path.write_text("".join(line for line in lines if f" r{rank} " in line))
+        paths.append(str(path))
+    ctas = intra_trace.parse(paths)
+    assert len(ctas) == 24 and [c.rank for c in ctas] == [0] * 12 + [1] * 12
+    assert intra_trace.main(paths + ["--kernel", "combine"]) == 0
+
+
+def test_trace_to_rank_file(tmp_path):
+    """bench_intranode.trace_to_rank_file sends fd 1 (where device printf lands) to <dir>/rank<r>.log."""
+    import subprocess
+    code = ("import os, sys; sys.path.insert(0, 'benchmarks'); from bench_intranode import trace_to_rank_file; "
+            "trace_to_rank_file(3); os.write(1, b'INTRATRACE line\\n')")
+    env = dict(os.environ, DEEP_EP_TRACE_DIR=str(tmp_path / "t"))
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "" and (tmp_path / "t" / "rank3.log").read_text() == "INTRATRACE line\n"

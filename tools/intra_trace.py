@@ -13,6 +13,7 @@ the role's warps, longest wait (ns), items (csrc/kernels/intranode.cu, RoleTrace
   waited on and for how long, and a hint of what that points to.
 
     python tools/intra_trace.py out/trace_intra.log [--kernel combine]
+    python tools/intra_trace.py out/trace_intra/rank*.log
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ class Cta:
         return max((r["out"] for r in self.roles.values() if r["warps"] > 0), default=-1)
 
 
-def parse(log: str) -> list[Cta]:
+def parse(log) -> list[Cta]:
     ctas = []
     for m in matches(log, LINE):
         roles = {}
@@ -186,12 +187,13 @@ def summarise(ctas: list[Cta], out=print) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("log")
+    parser.add_argument("log", nargs="+", help="the benchmark's log, or one file per rank (DEEP_EP_TRACE_DIR)")
     parser.add_argument("--kernel", choices=["dispatch", "combine"], help="only this kernel's lines")
     args = parser.parse_args(argv)
     ctas = [c for c in parse(args.log) if args.kernel is None or c.kernel == args.kernel]
     if not ctas:
-        print(f"INTRATRACE: no trace lines in {args.log} (a release build prints none: DEEP_EP_DEBUG_BUILD=1)")
+        print(f"INTRATRACE: no trace lines in {' '.join(args.log)} (a release build prints none: "
+              f"DEEP_EP_DEBUG_BUILD=1)")
         return 1
     summarise(ctas)
     return 0

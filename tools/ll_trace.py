@@ -6,6 +6,7 @@ Each launch prints, for thread 0 of its first and last CTA, ``LLTRACE <kernel> p
 entry skew between the first and the last CTA of a launch.
 
     python tools/ll_trace.py out/bench_ll.log [--ghz 1.98]
+    python tools/ll_trace.py out/trace_ll/rank*.log
 """
 from __future__ import annotations
 
@@ -17,19 +18,21 @@ from collections import defaultdict
 LINE = re.compile(r"LLTRACE (\w+) p(\d) r(\d+) b(\d+) g(\d+) ((?:-?\d+ ?){8})")
 
 
-def matches(log: str, pattern: re.Pattern):
-    """The matches of ``pattern`` in the lines of ``log`` (a path), in order; lines that do not match are skipped
-    (the kernels' printf lines are mixed with the benchmark's output and other ranks' lines)."""
-    with open(log, errors="replace") as f:
-        for line in f:
-            m = pattern.search(line)
-            if m:
-                yield m
+def matches(logs, pattern: re.Pattern):
+    """The matches of ``pattern`` in the lines of ``logs`` (a path, or several: one per rank when the benchmark ran
+    with DEEP_EP_TRACE_DIR), in order; lines that do not match are skipped (the kernels' printf lines are mixed with
+    the benchmark's output and, in one shared log, with other ranks' lines)."""
+    for log in [logs] if isinstance(logs, str) else logs:
+        with open(log, errors="replace") as f:
+            for line in f:
+                m = pattern.search(line)
+                if m:
+                    yield m
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("log")
+    parser.add_argument("log", nargs="+", help="the benchmark's log, or one file per rank (DEEP_EP_TRACE_DIR)")
     parser.add_argument("--ghz", type=float, default=1.98, help="SM clock for cycles -> us (H200 boost: 1.98)")
     args = parser.parse_args()
     stamps = defaultdict(list)
