@@ -1,8 +1,9 @@
 """GPU tests of the composed internode path (``deep_ep/composed_internode.py``) with CUDA stages.
 
-4 ranks on GPUs ``[0, 1, 0, 1]`` with ``DEEP_EP_GPUS_PER_NODE=2`` are 2 virtual nodes x 2 GPUs: node ``m`` holds
-ranks ``2m`` (GPU 0) and ``2m + 1`` (GPU 1), so the node stage spans both GPUs and each rail stage shares one GPU
-(ranks 0 and 2 on GPU 0, ranks 1 and 3 on GPU 1). The group is gloo (NCCL refuses two ranks on one GPU);
+4 ranks on GPUs ``[0, 1, 0, 1]`` (``[0, 1, 2, 3]`` on a machine with 4 or more GPUs) with ``DEEP_EP_GPUS_PER_NODE=2``
+are 2 virtual nodes x 2 GPUs: node ``m`` holds ranks ``2m`` (GPU 0) and ``2m + 1`` (GPU 1), so the node stage spans
+both GPUs and each rail stage shares one GPU (ranks 0 and 2 on GPU 0, ranks 1 and 3 on GPU 1). The group is gloo
+(NCCL refuses two ranks on one GPU);
 ``DEEP_EP_INTERNODE=auto`` must select the composed path with ``CudaBackend`` stages (one host, CUDA IPC).
 
 The worker pool is ``test_intranode.Pool``; every example runs ``test_internode.task_internode_roundtrip`` on the
@@ -38,7 +39,9 @@ def task_stages(buffer, rank: int, payload) -> str:
 
 @pytest.fixture(scope="module")
 def two_by_two():
-    pool = ti.Pool([0, 1, 0, 1], env=ENV)
+    # One rank per GPU where there are 4 (x4 / x8 machines), else GPUs 0, 1, 0, 1.
+    gpus = min(4, torch.cuda.device_count()) if ti.DEVICE == "cuda" and torch.cuda.is_available() else 2
+    pool = ti.Pool([rank % max(gpus, 1) for rank in range(4)], env=ENV)
     try:
         if ti.DEVICE == "cuda":
             assert pool.backends == {"ComposedInternode"}, f"Buffer did not pick the composed path: {pool.backends}"
