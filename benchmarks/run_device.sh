@@ -24,6 +24,9 @@
 #                    (tools/intra_trace.py); run it last (~150 s with the rebuild)
 #   launch_floor     duration of a near-empty cooperative 1-CTA-per-SM grid (the LL kernels' fixed-cost floor)
 #   nvlink           copy-engine ceiling (every pair and all-to-all) -> nvlink.json
+#   bench_tree       A/B in one call: builds another checkout TREE (a git worktree inside this one, named in the
+#                    device tool's `carry`) and runs its intranode benchmark with TREE_ARGS (default: INTRA_ARGS'
+#                    default) -> tree.json; run bench_intranode in the same call for this tree's side
 # Exit status: the number of failed steps (the build failing stops the call).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -137,6 +140,18 @@ for step in "$@"; do
         run_step launch_floor 60 bash -c "nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
             benchmarks/launch_floor.cu -o /tmp/launch_floor && /tmp/launch_floor --json $OUT/launch_floor.json"
         tail -n 5 "$OUT/launch_floor.log" >> "$S" ;;
+    bench_tree)
+        if [ -z "${TREE:-}" ] || [ ! -f "${TREE}/setup.py" ]; then
+            echo "bench_tree: TREE must name a checkout carried along, got '${TREE:-}'" | tee -a "$S"
+            failed=$((failed + 1))
+            continue
+        fi
+        run_step build_tree 150 bash -c "cd '$TREE' && MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py \
+            build_ext --inplace" || continue
+        run_step bench_tree 140 bash -c "cd '$TREE' && python3 benchmarks/bench_intranode.py ${TREE_ARGS:---sms 24 16 8 \
+            --dispatch-chunks 32 --combine-chunks 8 --receive direct} --json '$OUT/tree.json'"
+        echo "tree $TREE ($(git -C "$TREE" log --oneline -1 2>/dev/null || echo 'no git metadata')):" >> "$S"
+        grep -E "^(#|op|dispatch|combine|nccl|  sweep)" "$OUT/bench_tree.log" >> "$S" ;;
     nvlink)
         run_step nvlink 60 python3 benchmarks/bench_nvlink.py --bytes 536870912 --repeats 5 --json "$OUT/nvlink.json"
         tail -n 8 "$OUT/nvlink.log" >> "$S" ;;
