@@ -102,7 +102,8 @@ def per_token_cast_to_fp8(x: torch.Tensor):
 def trace_to_rank_file(rank: int) -> None:
     """With ``DEEP_EP_TRACE_DIR`` set (the kernels' printf trace of a debug build), this rank's stdout (fd 1, where
     device printf lands) goes to ``<dir>/rank<r>.log``: the ranks' trace lines then never interleave."""
-    trace_dir = os.environ.get("DEEP_EP_TRACE_DIR")
+    from deep_ep import envs
+    trace_dir = envs.TRACE_DIR.get()
     if not trace_dir:
         return
     os.makedirs(trace_dir, exist_ok=True)

@@ -76,12 +76,15 @@ DEBUG_BUILD = EnvVar(
     "DEEP_EP_DEBUG_BUILD", _parse_bool, False,
     "Build-time: compile kernels with -lineinfo and DEEP_EP_DEBUG (the low-latency and intranode kernels print "
     "section timestamps: tools/ll_trace.py, tools/intra_trace.py).")
+TRACE_DIR = EnvVar(
+    "DEEP_EP_TRACE_DIR", str, "",
+    "Benchmarks: with a debug build, each worker's stdout (the kernels' printf traces) goes to <dir>/rank<r>.log.")
 NVSHMEM_DIR = EnvVar(
     "NVSHMEM_DIR", str, "",
     "Build-time: NVSHMEM installation (include/ and lib/); overrides the auto-detected nvidia-nvshmem wheel.")
 
 ALL: tuple[EnvVar, ...] = (TIMEOUT_S, BACKEND, DISPATCH_RECEIVE, GPUS_PER_NODE, INTERNODE, TOPK_IDX_BITS, CPU_ONLY,
-                           DISABLE_NVSHMEM, DEBUG_BUILD, NVSHMEM_DIR)
+                           DISABLE_NVSHMEM, DEBUG_BUILD, TRACE_DIR, NVSHMEM_DIR)
 
 
 def describe() -> str:
