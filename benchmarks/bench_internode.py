@@ -24,6 +24,15 @@ simulator imports (it needs simpy); otherwise the stored rows of ``--predictions
 averaged over ranks (what the deep_ep simulator family is calibrated on, simulator/bench_fit.py), 24 SMs.
 
     python benchmarks/bench_internode.py --json $OUT/bench_internode.json
+
+``--composed``: the composed internode path (``deep_ep/composed_internode.py``) instead. ``--num-processes`` ranks
+(4) share the GPUs (rank ``r`` on GPU ``r % GPUs``) over a gloo group as 2 virtual nodes (``DEEP_EP_GPUS_PER_NODE``
+= ranks / 2); phase "composed" (``DEEP_EP_INTERNODE=auto``: CUDA rail and node stages) next to phase "torch"
+(``DEEP_EP_INTERNODE=torch``: the torch backend), on the same tensors, each at the first ``--dispatch-chunks`` /
+``--combine-chunks`` value, ``--iters`` timed calls after as many warm-ups; no kernel times (several kernels per
+call), no simulator rows; "vs torch" = torch wall time / composed wall time.
+
+    python benchmarks/bench_internode.py --composed --num-processes 4 --num-tokens 1024 --json $OUT/composed.json
 """
 from __future__ import annotations
 
@@ -63,6 +72,7 @@ def measure(buffer, rank: int, args, x, x_fp8, topk_idx, topk_weights, rdma_pair
             kwargs["num_tokens_per_rdma_rank"] = layout.num_tokens_per_rdma_rank
         first = buffer.dispatch(x, **kwargs)
         handle = first.handle
+        channels = handle[1].size(1)  # the kernels' CTAs: below num_sms where deep_ep.config caps the channels
         rows = first.recv_x.size(0)
         nvl_bytes = rows * h * 2
         rdma_bytes = rdma_pairs * h * 2
@@ -71,14 +81,14 @@ def measure(buffer, rank: int, args, x, x_fp8, topk_idx, topk_weights, rdma_pair
                ("combine_bf16", first.recv_x, 1.0, args.combine_chunks, "combine")]
         for op, cur, factor, chunks, keyword in ops:
             best = None
-            for chunk in chunks:
+            for chunk in (chunks[:1] if args.composed else chunks):
                 cfg = deep_ep.Config(num_sms, chunk, 256)
                 if keyword == "dispatch":
                     fn = (lambda c=cfg, cx=cur: buffer.dispatch(cx, handle=handle, config=c))
                 else:
                     fn = (lambda c=cfg, cx=cur: buffer.combine(cx, handle, config=c))
                 try:
-                    t = bench(fn)
+                    t = bench(fn, args.iters, args.iters) if args.composed else bench(fn)
                 except Exception:  # noqa: BLE001 - a failing point is reported, the sweep goes on
                     report["errors"].append(f"{phase} {op} sms={num_sms} chunk={chunk}: {traceback.format_exc()}")
                     continue
@@ -87,12 +97,12 @@ def measure(buffer, rank: int, args, x, x_fp8, topk_idx, topk_weights, rdma_pair
             if best is None:
                 continue
             try:
-                kt = kernel_time(best[2], keyword)
+                kt = None if args.composed else kernel_time(best[2], keyword)
             except Exception:  # noqa: BLE001
                 kt = None
             wall = best[1]["mean"]
             report["points"].append({
-                "phase": phase, "op": op, "num_sms": num_sms, "chunk": best[0], "rows": rows,
+                "phase": phase, "op": op, "num_sms": num_sms, "channels": channels, "chunk": best[0], "rows": rows,
                 "wall_us": wall * 1e6, "wall_us_median": best[1]["median"] * 1e6,
                 "kernel_us": kt * 1e6 if kt else None,
                 "nvl_GBps": nvl_bytes * factor / 1e9 / wall, "rdma_GBps": rdma_bytes * factor / 1e9 / wall,
@@ -100,7 +110,7 @@ def measure(buffer, rank: int, args, x, x_fp8, topk_idx, topk_weights, rdma_pair
 
 
 def run_rank(rank: int, args, port: int, result_path: str) -> None:
-    group, x, x_fp8, topk_idx, topk_weights = init_rank(rank, args, port)
+    group, x, x_fp8, topk_idx, topk_weights = init_rank(rank, args, port, "gloo" if args.composed else "nccl")
     import deep_ep
     n, e = args.num_tokens, args.num_experts
     report: dict = {"rank": rank, "points": [], "errors": [], "backends": {}}
@@ -111,6 +121,11 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
                dict(num_nvl_bytes=args.num_nvl_bytes)),
               ("internode", {"DEEP_EP_GPUS_PER_NODE": "1"},
                dict(num_nvl_bytes=0, num_rdma_bytes=args.num_rdma_bytes, num_qps_per_rank=24))]
+    if args.composed:  # 2 virtual nodes; the same tensors through both paths
+        per_node = str(args.num_processes // 2)
+        phases = [(phase, {"DEEP_EP_GPUS_PER_NODE": per_node, "DEEP_EP_INTERNODE": choice},
+                   dict(num_nvl_bytes=args.num_nvl_bytes)) for phase, choice in (("composed", "auto"),
+                                                                                  ("torch", "torch"))]
     for phase, env, sizes in phases:
         if args.skip_intranode and phase == "intranode":
             continue
@@ -160,11 +175,14 @@ def main() -> None:
     add_workload_args(parser, [24])
     parser.add_argument("--num-rdma-bytes", type=int, default=int(1e9) // 128 * 128)
     parser.add_argument("--skip-intranode", action="store_true", help="measure the internode phase only")
+    parser.add_argument("--composed", action="store_true",
+                        help="the composed path (CUDA stages) next to the torch backend, ranks sharing GPUs")
+    parser.add_argument("--iters", type=int, default=10, help="--composed: warm-ups and timed calls per point")
     parser.add_argument("--predictions", type=Path, default=HERE / "results" / "simulator_predict_deep_ep.json")
     parser.add_argument("--json", type=str, default="bench_internode.json")
     args = parser.parse_args()
     reports = spawn_ranks(run_rank, args)
-    predicted, source = predictions(args.predictions)
+    predicted, source = ({}, "none (--composed)") if args.composed else predictions(args.predictions)
     summary = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "machine": torch.cuda.get_device_name(0) + f" x{torch.cuda.device_count()}",
                "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()},
@@ -179,13 +197,14 @@ def print_table(summary: dict, predicted: dict) -> None:
     rep = summary["ranks"][0]
     print(f"\n# {summary['date']}  {summary['machine']}  backends={rep['backends']}")
     print(f"# simulator: {summary['prediction_source']}; NVSHMEM over P2P (no NIC: IBGDA untested)")
-    intra = {(p["op"], p["num_sms"]): p for p in rep["points"] if p["phase"] == "intranode"}
+    base = "torch" if any(p["phase"] == "torch" for p in rep["points"]) else "intranode"
+    intra = {(p["op"], p["num_sms"]): p for p in rep["points"] if p["phase"] == base}
     print(f"{'phase':<10}{'op':<15}{'SMs':>4}{'chunk':>6}{'wall us':>9}{'kern us':>9}{'NVL GB/s':>9}{'RDMA GB/s':>10}"
-          f"{'vs intra':>9}{'sim us':>8}{'sim err':>8}")
+          f"{'vs ' + base[:5]:>9}{'sim us':>8}{'sim err':>8}")
     for p in rep["points"]:
         ratio = sim = err = "-"
         ref = intra.get((p["op"], p["num_sms"]))
-        if p["phase"] == "internode" and ref is not None:
+        if p["phase"] in ("internode", "composed") and ref is not None:
             ratio = f"{p['nvl_GBps'] / ref['nvl_GBps']:.2f}"
         key = (p["phase"], *p["op"].split("_"))
         if key in predicted and p["num_sms"] == 24:  # the simulator's cases run 24 SMs

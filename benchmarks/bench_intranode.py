@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FP8_FACTOR = (1 + 4 / 128) / 2
+OPS = ("dispatch_fp8", "dispatch_bf16", "combine_bf16", "nccl")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -98,12 +99,29 @@ def per_token_cast_to_fp8(x: torch.Tensor):
 # ----------------------------------------------------------------------------------------------------------------
 # One rank
 # ----------------------------------------------------------------------------------------------------------------
-def init_rank(rank: int, args, port: int):
-    """Join the NCCL group on this rank's GPU and draw the workload: ``(group, x, x_fp8, topk_idx,
-    topk_weights)`` (uniform routing: top-k of ``|randn| + 1``, unit weights)."""
+def trace_to_rank_file(rank: int) -> None:
+    """With ``DEEP_EP_TRACE_DIR`` set (the kernels' printf trace of a debug build), this rank's stdout (fd 1, where
+    device printf lands) goes to ``<dir>/rank<r>.log``: the ranks' trace lines then never interleave."""
+    from deep_ep import envs
+    trace_dir = envs.TRACE_DIR.get()
+    if not trace_dir:
+        return
+    os.makedirs(trace_dir, exist_ok=True)
+    sys.stdout.flush()
+    fd = os.open(os.path.join(trace_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.close(fd)
+
+
+def init_rank(rank: int, args, port: int, backend: str = "nccl"):
+    """Join the group (``backend``: NCCL, or gloo where ranks share GPUs) on GPU ``rank % GPUs`` and draw the
+    workload: ``(group, x, x_fp8, topk_idx, topk_weights)`` (uniform routing: top-k of ``|randn| + 1``, unit
+    weights)."""
+    trace_to_rank_file(rank)
     torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=args.num_processes, device_id=torch.device("cuda", torch.cuda.current_device()))
+    device = dict(device_id=torch.device("cuda", torch.cuda.current_device())) if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=args.num_processes, **device)
     import deep_ep
     torch.manual_seed(rank)
     n, h, k, e = args.num_tokens, args.hidden, args.num_topk, args.num_experts
@@ -118,8 +136,11 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
     group, x, x_fp8, topk_idx, topk_weights = init_rank(rank, args, port)
     num_ranks = args.num_processes
     import deep_ep
+    import deep_ep.config
     n, h, e = args.num_tokens, args.hidden, args.num_experts
 
+    if args.uncapped:  # num_sms channels even above deep_ep.config.INTRANODE_MAX_CHANNELS (to re-measure the cap)
+        deep_ep.config.INTRANODE_MAX_CHANNELS.clear()
     buffer = deep_ep.Buffer(group, num_nvl_bytes=args.num_nvl_bytes, explicitly_destroy=True)
     report: dict = {"rank": rank, "backend": type(getattr(buffer, "_cuda", None)).__name__, "points": [],
                     "sweep": [], "errors": []}
@@ -128,9 +149,10 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
     torch.cuda.synchronize()
     # The first profiler session pays CUPTI's start-up inside the first kernel it sees: spend it on a dummy.
     kernel_time(lambda: torch.ones(1024, device="cuda").sum(), "reduce", num_tests=2)
-    layout_t = bench(lambda: buffer.get_dispatch_layout(topk_idx, e))
+    iters, profiled = args.iters, min(args.iters, 20)
+    layout_t = bench(lambda: buffer.get_dispatch_layout(topk_idx, e), iters, iters)
     report["layout_us"] = layout_t["mean"] * 1e6
-    layout_kernel = kernel_time(lambda: buffer.get_dispatch_layout(topk_idx, e), "layout")
+    layout_kernel = kernel_time(lambda: buffer.get_dispatch_layout(topk_idx, e), "layout", profiled)
     report["layout_kernel_us"] = layout_kernel * 1e6 if layout_kernel else None
 
     def safe(label, fn):
@@ -147,14 +169,15 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
                                 num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=topk_idx,
                                 topk_weights=topk_weights, config=base)
         handle = first.handle
+        channels = handle.channel_prefix_matrix.size(1)  # below num_sms where deep_ep.config caps the channels
         recv_rows = first.recv_x.size(0)
         prefix = handle.rank_prefix_matrix[:, rank].tolist()
         local_rows = prefix[rank] - (prefix[rank - 1] if rank > 0 else 0)
         remote_rows = recv_rows - local_rows
         bf16_bytes = recv_rows * h * 2
         fp8_wire_row = h + 4 * (h // 128)
-        variants = (("dispatch_fp8", x_fp8, bf16_bytes * FP8_FACTOR, remote_rows * fp8_wire_row),
-                    ("dispatch_bf16", x, bf16_bytes, remote_rows * h * 2))
+        variants = tuple(v for v in (("dispatch_fp8", x_fp8, bf16_bytes * FP8_FACTOR, remote_rows * fp8_wire_row),
+                                     ("dispatch_bf16", x, bf16_bytes, remote_rows * h * 2)) if v[0] in args.ops)
         for receive, (base_label, cur_x, logical_bytes, remote_bytes) in (
                 (r, v) for r in args.receive for v in variants):
             label = base_label + ("" if receive == "rings" else f"_{receive}")
@@ -164,32 +187,36 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
                 cfg = deep_ep.Config(num_sms, chunk, 256)
                 fn = with_send_warps("dispatch", warps,
                                      lambda c=cfg, cx=cur_x: buffer.dispatch(cx, handle=handle, config=c))
-                t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn))
+                t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn, iters, iters))
                 if t is not None:
                     report["sweep"].append([label, num_sms, chunk, warps, t["mean"] * 1e6])
                 if t is not None and (best is None or t["mean"] < best[1]["mean"]):
                     best = (chunk, t, fn, warps)
             if best is None:
                 continue
-            kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "dispatch"))
+            kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "dispatch", profiled))
+            warps = best[3] or deep_ep.config.intranode_send_warps("dispatch", num_ranks, channels,
+                                                                   base_label == "dispatch_fp8")
             report["points"].append(_point(label, num_sms, best[0], best[1], kt, logical_bytes, remote_bytes,
-                                           best[3]))
+                                           warps, channels))
         set_receive(buffer, "rings")
         combine_x = first.recv_x
         label = "combine_bf16"
         best = None
-        for chunk, warps in ((c, w) for c in args.combine_chunks for w in args.combine_warps):
+        combine_points = ((c, w) for c in args.combine_chunks for w in args.combine_warps if label in args.ops)
+        for chunk, warps in combine_points:
             cfg = deep_ep.Config(num_sms, chunk, 256)
             fn = with_send_warps("combine", warps, lambda c=cfg: buffer.combine(combine_x, handle, config=c))
-            t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn))
+            t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn, iters, iters))
             if t is not None:
                 report["sweep"].append([label, num_sms, chunk, warps, t["mean"] * 1e6])
             if t is not None and (best is None or t["mean"] < best[1]["mean"]):
                 best = (chunk, t, fn, warps)
         if best is not None:
-            kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "combine"))
+            kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "combine", profiled))
+            warps = best[3] or deep_ep.config.intranode_send_warps("combine", num_ranks, channels)
             report["points"].append(_point(label, num_sms, best[0], best[1], kt, bf16_bytes,
-                                           remote_rows * h * 2, best[3]))
+                                           remote_rows * h * 2, warps, channels))
 
     # NCCL baseline: index_select by destination + all_to_all_single; back with all_to_all_single + index_add_.
     in_rank = layout.is_token_in_rank
@@ -216,7 +243,9 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
     rows = sum(recv_counts)
     nccl_local = recv_counts[rank]
     for label, fn in (("nccl_dispatch_bf16", nccl_dispatch), ("nccl_combine_bf16", nccl_combine)):
-        t = safe(label, lambda: bench(fn))
+        if "nccl" not in args.ops:
+            break
+        t = safe(label, lambda: bench(fn, iters, iters))
         if t is not None:
             report["points"].append(_point(label, 0, 0, t, None, rows * h * 2, (rows - nccl_local) * h * 2))
 
@@ -241,14 +270,15 @@ def with_send_warps(kernel: str, warps: int, fn):
     import deep_ep.config
 
     def run():
-        deep_ep.config.INTRANODE_SEND_WARPS[kernel] = warps
+        deep_ep.config.INTRANODE_SEND_WARPS[kernel] = warps or None  # 0: the tuned table's row
         return fn()
     return run
 
 
 def _point(op: str, num_sms: int, chunk: int, t: dict, kernel_s, logical_bytes: float, remote_bytes: float,
-           send_warps: int | None = None) -> dict:
-    return {"op": op, "num_sms": num_sms, "chunk": chunk, "send_warps": send_warps, "wall_us_mean": t["mean"] * 1e6,
+           send_warps: int | None = None, channels: int | None = None) -> dict:
+    return {"op": op, "num_sms": num_sms, "channels": channels, "chunk": chunk, "send_warps": send_warps,
+            "wall_us_mean": t["mean"] * 1e6,
             "wall_us_median": t["median"] * 1e6, "wall_us_min": t["min"] * 1e6,
             "kernel_us": kernel_s * 1e6 if kernel_s else None,
             "logical_GBps": logical_bytes / 1e9 / t["mean"], "remote_GBps": remote_bytes / 1e9 / t["mean"],
@@ -299,12 +329,19 @@ def add_workload_args(parser: argparse.ArgumentParser, sms: list[int]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(parser, [8, 16, 24, 32, 48])
-    parser.add_argument("--dispatch-warps", type=int, nargs="+", default=[16],
-                        help="copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS) to sweep in dispatch")
-    parser.add_argument("--combine-warps", type=int, nargs="+", default=[8],
-                        help="ring-sender warps per channel to sweep in combine")
+    parser.add_argument("--dispatch-warps", type=int, nargs="+", default=[0],
+                        help="copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS) to sweep in dispatch; "
+                             "0: the tuned table's row (Buffer's default)")
+    parser.add_argument("--combine-warps", type=int, nargs="+", default=[0],
+                        help="ring-sender warps per channel to sweep in combine; 0: the tuned table's row")
+    parser.add_argument("--uncapped", action="store_true",
+                        help="run num_sms channels even where deep_ep.config.INTRANODE_MAX_CHANNELS caps them")
     parser.add_argument("--receive", nargs="+", default=["rings"], choices=["rings", "direct", "skipcopy"],
                         help="dispatch receive paths to measure (skipcopy: diagnostic, wrong outputs)")
+    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS,
+                        help="what to measure (default: all); nccl is the NCCL baseline")
+    parser.add_argument("--iters", type=int, default=50,
+                        help="warm-up and timed calls per point (DeepEP: 50); profiled calls: min(20, this)")
     parser.add_argument("--json", type=str, default="bench_intranode.json")
     args = parser.parse_args()
     reports = spawn_ranks(run_rank, args)
@@ -319,14 +356,14 @@ def print_table(summary: dict) -> None:
     rep = summary["ranks"][0]
     print(f"\n# {summary['date']}  {summary['machine']}  backend={rep['backend']}  layout {rep['layout_us']:.1f} us"
           f" (kernel {rep.get('layout_kernel_us') or 0:.1f} us)")
-    print(f"{'op':<20}{'SMs':>5}{'chunk':>6}{'warps':>6}{'wall us':>10}{'kern us':>10}{'GB/s':>9}{'GB/s kern':>10}"
-          f"{'remote':>8}{'DeepEP':>8}{'ratio':>7}")
+    print(f"{'op':<20}{'SMs':>5}{'ch':>4}{'chunk':>6}{'warps':>6}{'wall us':>10}{'kern us':>10}{'GB/s':>9}"
+          f"{'GB/s kern':>10}{'remote':>8}{'DeepEP':>8}{'ratio':>7}")
     for p in rep["points"]:
-        ref = DEEPEP_V1.get((p["op"].replace("_direct", "").replace("_skipcopy", ""),
-                             p["num_sms"]))
+        ref = DEEPEP_V1.get((p["op"].replace("_direct", "").replace("_skipcopy", ""), p["num_sms"]))
         kern = f"{p['kernel_us']:.1f}" if p["kernel_us"] else "-"
         kern_bw = f"{p['logical_GBps_kernel']:.0f}" if p["logical_GBps_kernel"] else "-"
-        print(f"{p['op']:<20}{p['num_sms']:>5}{p['chunk']:>6}{p.get('send_warps') or '-':>6}{p['wall_us_mean']:>10.1f}{kern:>10}"
+        print(f"{p['op']:<20}{p['num_sms']:>5}{p.get('channels') or '-':>4}{p['chunk']:>6}"
+              f"{p.get('send_warps') or '-':>6}{p['wall_us_mean']:>10.1f}{kern:>10}"
               f"{p['logical_GBps']:>9.0f}{kern_bw:>10}{p['remote_GBps']:>8.0f}{ref or '-':>8}"
               f"{(p['logical_GBps'] / ref if ref else 0):>7.2f}")
     for op, sms, chunk, warps, us in rep.get("sweep", []):

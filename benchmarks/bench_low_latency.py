@@ -32,6 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_intranode import trace_to_rank_file  # noqa: E402
 
 
 def kernel_times(trace, names: dict) -> dict:
@@ -49,6 +51,7 @@ def kernel_times(trace, names: dict) -> dict:
 
 def run_rank(rank: int, world: int, port: int, args, results) -> None:
     try:
+        trace_to_rank_file(rank)
         torch.cuda.set_device(rank)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         import deep_ep
@@ -189,12 +192,15 @@ def main() -> None:
              for r in range(args.num_processes)]
     for p in procs:
         p.start()
-    replies = sorted(results.get(timeout=900) for _ in procs)
+    replies = []
+    for _ in procs:  # an error is printed when it arrives: a peer left waiting may never answer
+        replies.append(results.get(timeout=900))
+        if replies[-1][1] != "ok":
+            print(f"rank {replies[-1][0]}: {replies[-1][2]}", file=sys.stderr, flush=True)
+    replies.sort()
     for p in procs:
         p.join(timeout=60)
-    errors = [msg for _, status, msg in replies if status != "ok"]
-    if errors:
-        print("\n".join(errors), file=sys.stderr)
+    if any(status != "ok" for _, status, _ in replies):
         sys.exit(1)
     per_rank = [msg for _, _, msg in replies]
     print(f"{'T':>5} {'disp us':>8} {'comb us':>8} {'disp GB/s':>9} {'comb GB/s':>9} {'wall d':>7} {'wall c':>7} "

@@ -10,14 +10,23 @@
 #   test_intranode   GPU property suite of the intranode kernels (both receive paths) + the host-path test
 #   test_ll          GPU property suite of the low-latency kernels (LL_EXAMPLES examples per property, default 5)
 #   test_internode   GPU property suite of the internode backend on 2 virtual nodes x 1 GPU
-#   bench_intranode  rings and direct receive at 24 and 8 SMs (DeepEP's EP2 workload) -> intra.json
+#   test_composed    GPU tests of the composed internode path (CUDA stages), 4 ranks on GPUs 0,1,0,1 as 2 x 2
+#                    (COMPOSED_EXAMPLES hypothesis examples, default 6)
+#   bench_intranode  Buffer defaults (direct receive) at 24, 16 and 8 SMs, DeepEP's EP2 workload -> intra.json
 #   bench_ll         LL sweep of tokens per rank 1..256 (128 is the bar) -> ll.json
 #   bench_internode  2 virtual nodes x 1 GPU next to the intranode kernels, simulator prediction -> inter.json
+#   bench_composed   composed path (CUDA stages) next to the torch backend, 4 ranks sharing 2 GPUs as 2 x 2,
+#                    1024 tokens per rank -> composed.json
 #   test_ep          EP4/EP8 property tests, one rank per GPU (intranode + LL; issue 7: x4 / x8 machines)
 #   bench_ep         EP<all GPUs> intranode (24 SMs) and LL (T=128) benchmarks -> ep_intra.json, ep_ll.json
 #   trace_ll         debug rebuild, LL T=128 with the kernels' section trace (tools/ll_trace.py); run it last
+#   trace_intra      debug rebuild, BF16 dispatch + combine at 16 channels with the intranode kernels' role trace
+#                    (tools/intra_trace.py); run it last (~150 s with the rebuild)
 #   launch_floor     duration of a near-empty cooperative 1-CTA-per-SM grid (the LL kernels' fixed-cost floor)
 #   nvlink           copy-engine ceiling (every pair and all-to-all) -> nvlink.json
+#   bench_tree       A/B in one call: builds another checkout TREE (a git worktree inside this one, named in the
+#                    device tool's `carry`) and runs its intranode benchmark with TREE_ARGS (default: INTRA_ARGS'
+#                    default) -> tree.json; run bench_intranode in the same call for this tree's side
 # Exit status: the number of failed steps (the build failing stops the call).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -59,20 +68,29 @@ for step in "$@"; do
         tail -n 3 "$OUT/test_intranode.log" >> "$S"
         grep -E "^E " "$OUT/test_intranode.log" | head -30 >> "$S" ;;
     test_ll)
-        run_step test_ll 220 env LL_EXAMPLES="${LL_EXAMPLES:-5}" python3 -m pytest -q -rfE -p no:cacheprovider \
-            tests/gpu/test_low_latency.py
+        # LL_FAILURE_LOG: each failing example's text as it happens (the summary at the end is lost if the step is
+        # killed at its time limit).
+        run_step test_ll 220 env LL_EXAMPLES="${LL_EXAMPLES:-5}" LL_FAILURE_LOG="$OUT/ll_failures.log" \
+            python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_low_latency.py
         tail -n 3 "$OUT/test_ll.log" >> "$S"
+        [ -f "$OUT/ll_failures.log" ] && head -c 4000 "$OUT/ll_failures.log" >> "$S"
         grep -E "^E " "$OUT/test_ll.log" | head -30 >> "$S" ;;
     test_internode)
         run_step test_internode 190 env DEEP_EP_GPU_EXAMPLES_INTERNODE="${INTERNODE_EXAMPLES:-8}" \
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_internode.py
         tail -n 3 "$OUT/test_internode.log" >> "$S"
         grep -E "^E " "$OUT/test_internode.log" | head -30 >> "$S" ;;
+    test_composed)
+        run_step test_composed 170 env DEEP_EP_GPU_EXAMPLES_COMPOSED="${COMPOSED_EXAMPLES:-6}" \
+            python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_composed.py
+        tail -n 3 "$OUT/test_composed.log" >> "$S"
+        grep -E "^E " "$OUT/test_composed.log" | head -30 >> "$S" ;;
     bench_intranode)
-        # INTRA_ARGS replaces the sweep (default: direct receive at 24, 16 and 8 SMs, combine with and without deep loads).
+        # INTRA_ARGS replaces the default: Buffer's defaults (tuned warps, channel cap) at 24, 16 and 8 SMs, direct
+        # receive. A sweep of channels and warps: INTRA_ARGS="--uncapped --sms 24 20 16 12 8 --dispatch-warps 8 12 16
+        # 20 24 --combine-warps 4 6 8 10 12 --dispatch-chunks 32 --combine-chunks 8 --receive direct".
         run_step bench_intranode 140 python3 benchmarks/bench_intranode.py ${INTRA_ARGS:---sms 24 16 8 \
-            --dispatch-chunks 32 --combine-chunks 8 --dispatch-warps 12 16 24 --combine-warps 6 7 8 --combine-deep 0 1 \
-            --receive direct} \
+            --dispatch-chunks 32 --combine-chunks 8 --receive direct} \
             --json "$OUT/intra.json"
         grep -E "^(#|op|dispatch|combine|nccl)" "$OUT/bench_intranode.log" >> "$S" ;;
     bench_ll)
@@ -83,6 +101,10 @@ for step in "$@"; do
     bench_internode)
         run_step bench_internode 100 python3 benchmarks/bench_internode.py --json "$OUT/inter.json"
         tail -n 14 "$OUT/bench_internode.log" >> "$S" ;;
+    bench_composed)
+        run_step bench_composed 120 python3 benchmarks/bench_internode.py --composed --num-processes 4 \
+            --num-tokens 1024 --json "$OUT/composed.json"
+        tail -n 10 "$OUT/bench_composed.log" >> "$S" ;;
     test_ep)
         run_step test_ep 240 python3 -m pytest -q -rfE -p no:cacheprovider -k one_rank_per_gpu \
             tests/gpu/test_intranode.py tests/gpu/test_low_latency.py
@@ -100,13 +122,36 @@ for step in "$@"; do
     trace_ll)  # debug rebuild (the LL kernels' section trace), T=128, summary by tools/ll_trace.py; leaves a debug build
         run_step build_debug 220 env DEEP_EP_DEBUG_BUILD=1 MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py \
             build_ext --inplace || continue
-        run_step trace_ll 90 python3 benchmarks/bench_low_latency.py --tokens 128 --warmups 10 --iters 20
+        run_step trace_ll 90 env DEEP_EP_TRACE_DIR="$OUT/trace_ll" python3 benchmarks/bench_low_latency.py \
+            --tokens 128 --warmups 10 --iters 20
         grep -vE "^LLTRACE|UserWarning|_warn_once" "$OUT/trace_ll.log" | tail -n 3 >> "$S"
-        python3 tools/ll_trace.py "$OUT/trace_ll.log" >> "$S" ;;
+        python3 tools/ll_trace.py "$OUT"/trace_ll/rank*.log >> "$S" ;;
+    trace_intra)  # debug rebuild (the intranode kernels' role trace), EP2 at 16 channels; leaves a debug build
+        run_step build_debug 200 env DEEP_EP_DEBUG_BUILD=1 MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py \
+            build_ext --inplace || continue
+        echo "note: the extension is now a DEBUG build (INTRATRACE printf in every intranode CTA); run the build" \
+            "step before any timing" >> "$S"
+        run_step trace_intra 90 env DEEP_EP_TRACE_DIR="$OUT/trace_intra" python3 benchmarks/bench_intranode.py \
+            --sms 16 --ops dispatch_bf16 combine_bf16 --iters "${TRACE_ITERS:-10}" --dispatch-chunks 32 \
+            --combine-chunks 8 --receive direct --json "$OUT/trace_intra.json"
+        grep -E "^(#|op|dispatch|combine)" "$OUT/trace_intra.log" >> "$S"
+        python3 tools/intra_trace.py "$OUT"/trace_intra/rank*.log >> "$S" ;;
     launch_floor)
         run_step launch_floor 60 bash -c "nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
             benchmarks/launch_floor.cu -o /tmp/launch_floor && /tmp/launch_floor --json $OUT/launch_floor.json"
         tail -n 5 "$OUT/launch_floor.log" >> "$S" ;;
+    bench_tree)
+        if [ -z "${TREE:-}" ] || [ ! -f "${TREE}/setup.py" ]; then
+            echo "bench_tree: TREE must name a checkout carried along, got '${TREE:-}'" | tee -a "$S"
+            failed=$((failed + 1))
+            continue
+        fi
+        run_step build_tree 150 bash -c "cd '$TREE' && MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py \
+            build_ext --inplace" || continue
+        run_step bench_tree 140 bash -c "cd '$TREE' && python3 benchmarks/bench_intranode.py ${TREE_ARGS:---sms 24 16 8 \
+            --dispatch-chunks 32 --combine-chunks 8 --receive direct} --json '$OUT/tree.json'"
+        echo "tree $TREE ($(git -C "$TREE" log --oneline -1 2>/dev/null || echo 'no git metadata')):" >> "$S"
+        grep -E "^(#|op|dispatch|combine|nccl|  sweep)" "$OUT/bench_tree.log" >> "$S" ;;
     nvlink)
         run_step nvlink 60 python3 benchmarks/bench_nvlink.py --bytes 536870912 --repeats 5 --json "$OUT/nvlink.json"
         tail -n 8 "$OUT/nvlink.log" >> "$S" ;;

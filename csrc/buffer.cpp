@@ -601,8 +601,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     const at::Tensor& x, const std::optional<at::Tensor>& topk_weights, const std::optional<at::Tensor>& bias_0,
     const std::optional<at::Tensor>& bias_1, const at::Tensor& rank_prefix_matrix,
     const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_channels,
-    int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream,
-    bool after_current, bool current_after) {
+    int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream, bool after_current,
+    bool current_after) {
     require_available("combine");
     check_device("x", x, device_id_);
     check_device("topk_weights", topk_weights, device_id_);

@@ -6,6 +6,9 @@ naming the argument, the rule and the value), resolves defaults and configs, and
 * ``deep_ep.cuda_backend.CudaBackend`` (the CUDA kernels) for CUDA tensors, when the extension is built, the
   topology is one it serves and ``DEEP_EP_BACKEND`` is ``auto`` or ``cuda``. Methods it lacks (e.g. the
   low-latency mode) fall back to the torch backend;
+* ``deep_ep.composed_internode.ComposedInternode`` for the normal mode of ``N`` nodes x ``G > 1`` GPUs: a rail
+  stage and a node stage, each an intranode backend over a subgroup (CUDA kernels for CUDA tensors on one host;
+  torch stages on CPU under ``DEEP_EP_INTERNODE=composed``);
 * ``deep_ep.torch_backend.TorchBackend`` otherwise: real communication over the process group (gloo on CPU,
   NCCL on GPU).
 
@@ -42,6 +45,13 @@ def _backend_choice() -> str:
     choice = envs.BACKEND.get()
     if choice not in ("auto", "torch", "cuda"):
         raise ValueError(f"DEEP_EP_BACKEND must be 'auto', 'torch' or 'cuda', got {choice!r}")
+    return choice
+
+
+def _internode_choice() -> str:
+    choice = envs.INTERNODE.get()
+    if choice not in ("auto", "composed", "torch"):
+        raise ValueError(f"DEEP_EP_INTERNODE must be 'auto', 'composed' or 'torch', got {choice!r}")
     return choice
 
 
@@ -149,8 +159,60 @@ class Buffer:
             self._torch = TorchBackend(group, rank, group_size, self.topology, num_nvl_bytes, num_rdma_bytes,
                                        enable_shrink)
         self._cuda_ll = self._make_cuda_low_latency(group, comm)
-        self._cuda = self._make_cuda_backend(group, comm)
-        self.runtime = next((b for b in (self._cuda, self._cuda_ll, self._torch) if b is not None), None)
+        # The composed internode path and the device type of the tensors it serves ('cuda' or 'cpu').
+        self._composed, self._composed_device = self._make_composed(group)
+        self._cuda = self._make_cuda_backend(group, comm) if self._composed_device != "cuda" else None
+        self.runtime = next((b for b in (self._cuda, self._composed, self._cuda_ll, self._torch) if b is not None),
+                            None)
+
+    def _make_composed(self, group: Any) -> tuple[Any, Optional[str]]:
+        """``(ComposedInternode, device type)`` for ``N x G`` groups with ``G > 1`` when ``DEEP_EP_INTERNODE``
+        selects it, else ``(None, None)``.
+
+        Stages: CUDA intranode kernels (``CudaBackend``, serving CUDA tensors; the group may be gloo or NCCL: the
+        stages only exchange objects through it) when CUDA and the extension are available, ``num_nvl_bytes > 0``,
+        ``DEEP_EP_BACKEND`` is not ``torch``, ``N <= 8`` and every rank is on one host (CUDA IPC); torch stages over
+        the group's backend otherwise, used only under ``DEEP_EP_INTERNODE=composed``. Collective: every rank
+        creates every subgroup (``make_stage_groups``)."""
+        topo = self.topology
+        choice = _internode_choice()
+        if group is None or choice == "torch" or not topo.is_internode or topo.num_scaleup_ranks < 2:
+            return None, None
+        import torch.distributed as dist
+        reason = None
+        if _backend_choice() == "torch":
+            reason = "DEEP_EP_BACKEND=torch"
+        elif self.num_nvl_bytes <= 0:
+            reason = "num_nvl_bytes is 0"
+        elif topo.num_scaleout_ranks > cfg.NUM_MAX_SCALEUP_RANKS:
+            reason = f"{topo.num_scaleout_ranks} nodes exceed the rail stage's {cfg.NUM_MAX_SCALEUP_RANKS} ranks"
+        backend_cls = None
+        if reason is None:
+            backend_cls, reason = _import_cuda("deep_ep.cuda_backend", "CudaBackend")
+        if reason is None:
+            import socket
+            hosts = [None] * self.group_size
+            dist.all_gather_object(hosts, socket.gethostname(), group=group)
+            if len(set(hosts)) > 1:
+                reason = f"the ranks span {len(set(hosts))} hosts (the CUDA stages need CUDA IPC)"
+        if reason is not None and choice == "auto":
+            return None, None
+        from deep_ep.composed_internode import ComposedInternode, make_stage_groups
+        from deep_ep.torch_backend import TorchBackend
+        groups = make_stage_groups(group, topo)
+        num_nodes, per_node = topo.num_scaleout_ranks, topo.num_scaleup_ranks
+        ring_bytes = None
+        if reason is None:
+            rail = backend_cls.from_group(groups.rail, self.num_nvl_bytes)
+            node = backend_cls.from_group(groups.node, self.num_nvl_bytes)
+            device, ring_bytes = "cuda", self.num_nvl_bytes
+        else:
+            rail = TorchBackend(groups.rail, topo.node_of(self.rank), num_nodes, Topology(num_nodes, num_nodes),
+                                self.num_nvl_bytes, 0, False)
+            node = TorchBackend(groups.node, topo.local_of(self.rank), per_node, Topology(per_node, per_node),
+                                self.num_nvl_bytes, 0, False)
+            device = rail.device.type
+        return ComposedInternode(rail, node, self.rank, topo, ring_bytes), device
 
     def _make_cuda_low_latency(self, group: Any, comm: Any) -> Any:
         """The CUDA low-latency backend (NVSHMEM) when ``low_latency_mode`` has an RDMA buffer, the extension has
@@ -227,6 +289,8 @@ class Buffer:
             raise RuntimeError(f"rank {self.rank}: this Buffer was already destroyed")
         if self._cuda is not None:
             self._cuda.destroy()
+        if self._composed is not None:
+            self._composed.destroy()
         if self._cuda_ll is not None:
             self._cuda_ll.destroy()
         if self._torch is not None:
@@ -257,12 +321,16 @@ class Buffer:
             return self._cuda_ll
         if self._cuda is not None and tensor is not None and tensor.is_cuda and hasattr(self._cuda, method):
             return self._cuda
+        if self._composed is not None and method in ("get_dispatch_layout", "dispatch", "combine") and \
+                tensor is not None and tensor.device.type == self._composed_device:
+            return self._composed
         if self._torch is None:
             raise RuntimeError(f"{method} needs the torch backend, which needs a torch.distributed group")
         return self._torch
 
     def _is_torch(self, backend: Any) -> bool:
-        return backend is self._torch
+        """True for the backends that rely on the front's data checks (expert range, counts vs routing)."""
+        return backend is self._torch or (backend is not None and backend is self._composed)
 
     # ------------------------------------------------------------------------------------------------------------
     # Handles
@@ -343,7 +411,7 @@ class Buffer:
     def get_comm_stream(self) -> "torch.cuda.Stream":
         """The communication stream (CUDA only)."""
         self._alive()
-        for backend in (self._cuda, self._cuda_ll, self._torch):
+        for backend in (self._cuda, self._composed, self._cuda_ll, self._torch):
             stream = backend.get_comm_stream() if backend is not None else None
             if stream is not None:
                 return stream

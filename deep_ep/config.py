@@ -65,7 +65,8 @@ class Config:
     """Tuning of the normal dispatch/combine kernels (DeepEP V1 ``Config``).
 
     Args (DeepEP's positional order):
-        num_sms: SMs (thread blocks) per kernel; even, because a channel is a pair of SMs.
+        num_sms: SMs (thread blocks) per kernel; even, because a channel is a pair of SMs. The CUDA intranode
+            kernels treat it as a budget: one CTA per channel, at most ``INTRANODE_MAX_CHANNELS[R]`` channels.
         num_max_nvl_chunked_send_tokens: tokens moved per step over the scale-up link before a tail publish (``Sn``).
         num_max_nvl_chunked_recv_tokens: scale-up ring capacity per (channel, peer), in tokens (``Nn``).
         num_max_rdma_chunked_send_tokens: tokens per scale-out put (``Sr``).
@@ -227,16 +228,28 @@ def _make(num_sms: int, row: dict[str, int]) -> Config:
 INTRANODE_SEND_WARPS: dict[str, Optional[int]] = {"dispatch": None, "combine": None}
 
 # Tuned copy warps by (kernel, dtype): rows (largest channel count, warps), the first row whose bound is >= the
-# call's channel count applies, the last row above it. Best split of the 2026-11-30 sweeps on 2 x H200, EP2, 4096
-# tokens, hidden 7168 (docs/performance.md, "Results"), wall us:
-#   dispatch BF16   8 ch: 24 -> 331.5, 16 -> 337.6 | 16 ch: 16 -> 200.9, 24 -> 205.9 | 24 ch: 16 -> 219.9, 24 -> 221.1
-#   dispatch FP8    8 ch: 24 -> 201.0, 16 -> 226.1 | 16 ch: 24 -> 117.5, 16 -> 129.1 | 24 ch: 12 -> 115.3, 16 -> 126.6
-#   combine         8 ch: 8 -> 415, 7 -> 434       | 16 ch: 7 -> 245.6, 6 -> 267     | 24 ch: 6 -> 220.2, 5 -> 230.6
+# call's channel count applies, the last row above it. Best split of the 2026-11-30 10:56 sweep on 2 x H200, EP2,
+# 4096 tokens, hidden 7168 (docs/performance.md, "Channel and warp sweep"), wall us by warps:
+#   dispatch BF16   8 ch: 24 -> 321, 16 -> 325 | 12 ch: 24 -> 223 | 16 ch: 12 -> 195 (191 at 10:46), 16 -> 209
+#   dispatch FP8    8 ch: 24 -> 196, 20 -> 198 | 12 ch: 24 -> 144 | 16 ch: 24 -> 116 (116 at 10:46), 16 -> 129
+#   combine         8 ch: 8 -> 420, 10 -> 436  | 12 ch: 8 -> 302  | 16 ch: 8 -> 241, 10 -> 264
+#                   24 ch: 6 -> 231, 5 -> 237
 INTRANODE_SEND_WARP_TABLE: dict[tuple[str, str], tuple[tuple[int, int], ...]] = {
-    ("dispatch", "bf16"): ((8, 24), (24, 16)),
+    ("dispatch", "bf16"): ((12, 24), (16, 12), (24, 16)),
     ("dispatch", "fp8"): ((16, 24), (24, 12)),
-    ("combine", "bf16"): ((8, 8), (16, 7), (24, 6)),
+    ("combine", "bf16"): ((16, 8), (24, 6)),
 }
+
+# Channels the intranode kernels use, by rank count: config.num_sms is a budget, and above this cap more channels
+# measured slower, so the kernels run the cap's count and leave the other SMs free. EP2 (10:46 and 10:56 sweeps):
+# BF16 dispatch 217 us at 24 channels, 191-195 us at 16; FP8 dispatch 120 vs 116 us; combine 231 vs 241 us. Rank
+# counts without a measured cap use config.num_sms channels.
+INTRANODE_MAX_CHANNELS: dict[int, int] = {2: 16}
+
+
+def intranode_channels(num_sms: int, num_ranks: int) -> int:
+    """Channels (one CTA each) of the intranode kernels for a budget of ``num_sms`` SMs and ``num_ranks`` ranks."""
+    return min(num_sms, INTRANODE_MAX_CHANNELS.get(num_ranks, num_sms))
 
 
 def intranode_send_warps(kernel: str, num_ranks: int, num_channels: int = 24, fp8: bool = False) -> int:

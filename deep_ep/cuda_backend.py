@@ -28,7 +28,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from deep_ep import envs
-from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config, dispatch_receive_mode, intranode_send_warps
+from deep_ep.config import (NUM_MAX_SCALEUP_RANKS, Config, dispatch_receive_mode, intranode_channels,
+                             intranode_send_warps)
 from deep_ep.errors import CommError, CommTimeoutError, PeerAbortedError, RoutingError  # noqa: F401 (also re-exported)
 from deep_ep.event import CudaEventHandle, EventOverlap
 from deep_ep.handle import IntranodeHandle
@@ -358,8 +359,7 @@ class CudaBackend:
                 data_offset, meta_offset, num_worst_tokens > 0 and not cached, num_channels,
                 config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
                 intranode_send_warps("dispatch", self.num_ranks, num_channels, scales is not None), self._comm_ptr,
-                after_current,
-                scope.current_after)
+                after_current, scope.current_after)
 
             new_handle = None
             if not cached:
@@ -471,16 +471,16 @@ class CudaBackend:
             raise
         return CombineResult(combined_x, combined_topk_weights, event)
 
-    @staticmethod
-    def num_channels(config: Config) -> int:
+    def num_channels(self, config: Config) -> int:
         """Channels of the kernels for ``config``: one CTA per channel, so ``config.num_sms`` (DeepEP pairs two
-        SMs per channel and has ``num_sms // 2``). The handle's prefix matrices are ``[R, num_channels]``."""
+        SMs per channel and has ``num_sms // 2``), capped by ``deep_ep.config.INTRANODE_MAX_CHANNELS`` for this
+        rank count. The handle's prefix matrices are ``[R, num_channels]``."""
         num_sms = config.num_sms
         channels = _CHANNELS_FOR_SMS.get(num_sms)
         if channels is None:  # the extension checks the range (ValueError); only valid counts are remembered
             channels = _CHANNELS_FOR_SMS[num_sms] = int(_C.num_channels_for_sms(num_sms))
-        return channels
+        return intranode_channels(channels, self.num_ranks)
 
 
-# config.num_sms -> channels, filled by CudaBackend.num_channels.
+# config.num_sms -> the kernels' channels before the cap, filled by CudaBackend.num_channels.
 _CHANNELS_FOR_SMS: dict[int, int] = {}

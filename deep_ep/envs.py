@@ -59,6 +59,10 @@ DISPATCH_RECEIVE = EnvVar(
 GPUS_PER_NODE = EnvVar(
     "DEEP_EP_GPUS_PER_NODE", int, 8,
     "Ranks per scale-up (NVLink) domain; lower it to make one host act as several virtual nodes.")
+INTERNODE = EnvVar(
+    "DEEP_EP_INTERNODE", str, "auto",
+    "Normal dispatch/combine of N nodes x G > 1 GPUs: 'auto' (rail + node intranode stages of CUDA kernels for "
+    "CUDA tensors on one host, else torch), 'composed' (the stages for every tensor: torch stages on CPU) or 'torch'.")
 TOPK_IDX_BITS = EnvVar(
     "DEEP_EP_TOPK_IDX_BITS", int, 64,
     "Width of deep_ep.topk_idx_t: 64 (torch.int64, DeepEP's default) or 32 (torch.int32).")
@@ -70,14 +74,17 @@ DISABLE_NVSHMEM = EnvVar(
     "Build-time: build the CUDA extension without NVSHMEM (intranode kernels only).")
 DEBUG_BUILD = EnvVar(
     "DEEP_EP_DEBUG_BUILD", _parse_bool, False,
-    "Build-time: compile kernels with -lineinfo and DEEP_EP_DEBUG (the low-latency kernels print section "
-    "timestamps, tools/ll_trace.py).")
+    "Build-time: compile kernels with -lineinfo and DEEP_EP_DEBUG (the low-latency and intranode kernels print "
+    "section timestamps: tools/ll_trace.py, tools/intra_trace.py).")
+TRACE_DIR = EnvVar(
+    "DEEP_EP_TRACE_DIR", str, "",
+    "Benchmarks: with a debug build, each worker's stdout (the kernels' printf traces) goes to <dir>/rank<r>.log.")
 NVSHMEM_DIR = EnvVar(
     "NVSHMEM_DIR", str, "",
     "Build-time: NVSHMEM installation (include/ and lib/); overrides the auto-detected nvidia-nvshmem wheel.")
 
-ALL: tuple[EnvVar, ...] = (TIMEOUT_S, BACKEND, DISPATCH_RECEIVE, GPUS_PER_NODE, TOPK_IDX_BITS, CPU_ONLY,
-                           DISABLE_NVSHMEM, DEBUG_BUILD, NVSHMEM_DIR)
+ALL: tuple[EnvVar, ...] = (TIMEOUT_S, BACKEND, DISPATCH_RECEIVE, GPUS_PER_NODE, INTERNODE, TOPK_IDX_BITS, CPU_ONLY,
+                           DISABLE_NVSHMEM, DEBUG_BUILD, TRACE_DIR, NVSHMEM_DIR)
 
 
 def describe() -> str:

@@ -406,19 +406,22 @@ def decode_src_meta(recv_src_meta: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return words[:, 0].to(torch.int64), unpack_rank_bits(words[:, 1], NUM_MAX_SCALEUP_RANKS)
 
 
-def forwarder_send_nvl_head(src_node: torch.Tensor, channel: torch.Tensor, local_mask: torch.Tensor) -> torch.Tensor:
+def forwarder_send_nvl_head(src_node: torch.Tensor, channel: torch.Tensor, local_mask: torch.Tensor,
+                            num_channels: Optional[int] = None) -> torch.Tensor:
     """Forwarder's ``send_nvl_head``.
 
     Args:
         src_node: ``[F]`` int64 source node of every forwarded token, non-decreasing.
         channel: ``[F]`` int64 channel of the token on its source rank (non-decreasing within a node).
         local_mask: ``[F, P]`` bool: local destination ranks of the token in this node.
+        num_channels: ``C`` when known (no host synchronisation); ``None`` derives a bound from ``channel``.
     Returns:
         ``[F, 8]`` int32: ring sequence number per (source node, channel, local destination), -1 where the token
         does not go to that local rank (and in columns ``>= P``).
     """
     num_rows, num_local = local_mask.shape
-    num_channels = int(channel.max()) + 1 if num_rows else 1
+    if num_channels is None:
+        num_channels = int(channel.max()) + 1 if num_rows else 1
     mask = torch.zeros(num_rows, NUM_MAX_SCALEUP_RANKS, dtype=torch.bool, device=local_mask.device)
     mask[:, :num_local] = local_mask
     return ring_sequence(src_node.to(torch.int64) * num_channels + channel.to(torch.int64), mask)

@@ -54,6 +54,8 @@ _NUM_TAG_SEQUENCES = 1 << 20
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """``[rows, ...]`` tensor -> ``[rows, row_bytes]`` uint8 (contiguous copy if needed)."""
     t = t.contiguous()
+    if t.dim() and t.stride(-1) != 1:  # "contiguous" with size-1 dims of odd strides: views need unit strides
+        t = t.clone(memory_format=torch.contiguous_format)
     rows = t.size(0)
     row_bytes = t.element_size()
     for size in t.shape[1:]:

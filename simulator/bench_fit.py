@@ -28,6 +28,8 @@ from typing import Callable
 
 import numpy as np
 
+from deep_ep.config import intranode_channels
+
 from simulator import deep_ep_kernels as dek
 from simulator import hardware, rank, workload
 from simulator.deep_ep_kernels import CALIBRATION_PATH, DeepEpProfile
@@ -57,6 +59,7 @@ class BenchPoint:
     num_nodes: int = 1
     tokens: int = 0
     phase: str = "fused"
+    channels: int = 0  # CTAs the kernels ran; 0: what deep_ep runs for num_sms now (capped intranode channels)
 
     @property
     def sweep_value(self) -> int:
@@ -166,6 +169,9 @@ def _read_intranode(data: dict, path: str, warps: str = "default") -> BenchRun:
         raise ValueError(f"warps must be one of {WARPS_CHOICES}, got {warps!r}")
     args = data.get("args", {})
     num_ranks = int(args.get("num_processes", len(data["ranks"])))
+    # Files written before deep_ep capped the intranode channels (no 'uncapped' argument) ran num_sms channels;
+    # newer ones ran the capped count unless --uncapped.
+    uncapped = bool(args.get("uncapped", True))
     samples: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for r in data["ranks"]:
         for p in r.get("points", []):
@@ -194,7 +200,8 @@ def _read_intranode(data: dict, path: str, warps: str = "default") -> BenchRun:
         op, dtype, receive = _INTRANODE_OPS[op_name]
         chunks = [c for c, _ in values]
         chunk = max(set(chunks), key=chunks.count)  # ranks pick their best chunk; take the most common
-        points.append(BenchPoint(op, dtype, sms, chunk, sum(t for _, t in values) / len(values), receive))
+        points.append(BenchPoint(op, dtype, sms, chunk, sum(t for _, t in values) / len(values), receive,
+                                 channels=sms if uncapped else intranode_channels(sms, num_ranks)))
     if not points:
         raise ValueError(f"bench {path}: no dispatch/combine points")
     return BenchRun("intranode", path, str(data.get("date", "unknown")), str(data.get("machine", "unknown")),
@@ -211,11 +218,13 @@ def _read_internode(data: dict, path: str, warps: str = "default") -> BenchRun:
     args = data.get("args", {})
     num_ranks = int(args.get("num_processes", len(data["ranks"])))
     samples: dict[tuple[int, str, int], list[tuple[int, float]]] = {}
+    channels: dict[tuple[int, str, int], int] = {}  # files before the channel cap ran num_sms channels
     for r in data["ranks"]:
         for p in r.get("points", []):
             if p.get("op") not in _INTRANODE_OPS or p.get("phase") not in ("intranode", "internode"):
                 continue
             nodes = 1 if p["phase"] == "intranode" else num_ranks
+            channels[(nodes, p["op"], int(p["num_sms"]))] = int(p.get("channels", p["num_sms"]))
             t = _positive(path, f"{p['phase']} point {p['op']} at {p.get('num_sms')} SMs", p.get("wall_us"))
             samples.setdefault((nodes, p["op"], int(p["num_sms"])), []).append((int(p.get("chunk", 0)), t))
     points = []
@@ -226,7 +235,8 @@ def _read_internode(data: dict, path: str, warps: str = "default") -> BenchRun:
         chunks = [c for c, _ in values]
         chunk = max(set(chunks), key=chunks.count)
         points.append(BenchPoint(op, dtype, sms, chunk, sum(t for _, t in values) / len(values),
-                                 "direct" if op == "dispatch" else "rings", nodes))
+                                 "direct" if op == "dispatch" else "rings", nodes,
+                                 channels=channels[(nodes, op_name, sms)]))
     if not points:
         raise ValueError(f"bench {path}: no intranode/internode dispatch or combine points")
     return BenchRun("internode", path, str(data.get("date", "unknown")), str(data.get("machine", "unknown")),
@@ -385,7 +395,7 @@ def predict_point(run: BenchRun, point: BenchPoint, prof: DeepEpProfile,
     spec = rank.OpSpec(mode, point.op, run.hidden, run.topk, payload, payload, point.num_nodes, per_node, None)
     prof = replace(prof, receive_copies=1 if point.receive == "rings" else 0)
     work = dek.normal_work(spec, _nodes_traffic(run, point.num_nodes, traffic_, seed), gpu, nic, prof,
-                           point.num_sms, point.chunk, point.dtype)
+                           point.num_sms, point.chunk, point.dtype, point.channels)
     return float(dek.closed_form_times(work, point.num_sms, run.num_ranks).mean())
 
 

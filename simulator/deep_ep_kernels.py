@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deep_ep.config import FP8_BLOCK, NUM_MAX_LL_TOPK, ceil_div
+from deep_ep.config import FP8_BLOCK, NUM_MAX_LL_TOPK, ceil_div, intranode_channels
 from deep_ep.layout import intranode_combine_record_bytes, intranode_dispatch_record_bytes
 from simulator.hardware import GpuProfile, NicProfile
 from simulator.links import GBPS
@@ -252,6 +252,7 @@ class NormalWork:
         flows: one flow per source rank (``FlowSpec``); the closed form uses their per-port loads.
         fixed_us: fixed cost of the call.
         alias: port kinds that are the same physical port as another (virtual nodes: ``nic_* -> nvl_*``).
+        channels: CTAs the op runs (``C``; below ``num_sms`` where deep_ep caps the intranode channels).
     """
 
     serial_sm_us: np.ndarray
@@ -260,6 +261,7 @@ class NormalWork:
     flows: list[FlowSpec]
     fixed_us: float
     alias: dict[str, str]
+    channels: int
 
 
 def _chunks(rows: np.ndarray, channels: int, chunk: int) -> np.ndarray:
@@ -270,8 +272,10 @@ def _chunks(rows: np.ndarray, channels: int, chunk: int) -> np.ndarray:
 
 
 def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
-                prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str) -> NormalWork:
-    """Per-rank SM work, fixed cost and flows of one deep_ep normal op (intranode when one node).
+                prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str, channels: int = 0) -> NormalWork:
+    """Per-rank SM work, fixed cost and flows of one deep_ep normal op (intranode when one node). ``channels``
+    (CTAs) defaults to what deep_ep runs for ``num_sms``: intranode ``deep_ep.config.intranode_channels``, else
+    ``num_sms``; measurements taken without the cap pass their own.
 
     Dispatch: source ``s`` puts one record per remote destination node ``n`` to the forwarder ``f = (n, local(s))``
     (no network stage on its own node, where ``s`` is its own forwarder); ``f`` stores the row into the ring of every
@@ -286,8 +290,11 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     if flat_p2p(spec, nic):
         per_node, num_nodes = num_ranks, 1
     dispatch = spec.op == "dispatch"
-    channels = max(num_sms, 1)
     internode = num_nodes > 1
+    # Intranode: deep_ep's channel cap by rank count (config.num_sms is a budget); forwarding kernels: num_sms.
+    if channels <= 0:
+        channels = num_sms if internode else intranode_channels(num_sms, num_ranks)
+    channels = max(channels, 1)
     p2p = internode and nic.shares_nvlink  # network puts are SM stores over NVLink (virtual nodes)
     payload = token_bytes(spec.hidden, dtype)
     record = (dispatch_record_bytes(spec.hidden, dtype, spec.topk) if dispatch
@@ -373,7 +380,7 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     serial += chunks * prof.chunk_sync_us
     fixed = prof.launch_us + (0.0 if dispatch else prof.combine_extra_us)
     fixed += prof.internode_extra_us if internode else 0.0
-    return NormalWork(serial, kinds, caps, flows, fixed, alias)
+    return NormalWork(serial, kinds, caps, flows, fixed, alias, channels)
 
 
 def flat_p2p(spec: OpSpec, nic: NicProfile) -> bool:
@@ -391,7 +398,7 @@ def time_components(work: NormalWork, num_sms: int, num_ranks: int) -> dict[str,
     for size, idx, coefs in work.flows:
         np.add.at(loads, idx, coefs * size)
     per_port = loads / np.asarray(ports.caps)
-    out = {"serial": work.serial_sm_us / max(num_sms, 1)}
+    out = {"serial": work.serial_sm_us / work.channels}
     for kind in ports.physical_kinds:
         lo = ports.offset[kind]
         out["push" if kind == "sm_push" else kind] = per_port[lo:lo + num_ranks]

@@ -276,3 +276,12 @@ def test_num_local_experts():
         num_local_experts(10, 4)
     with pytest.raises(ValueError, match="num_experts must be >= 1"):
         num_local_experts(0, 4)
+
+
+def test_intranode_channels_cap_by_rank_count():
+    from deep_ep.config import INTRANODE_MAX_CHANNELS, intranode_channels
+    cap = INTRANODE_MAX_CHANNELS[2]
+    assert intranode_channels(8, 2) == min(8, cap)
+    assert intranode_channels(24, 2) == cap < 24  # the budget is an upper bound
+    assert intranode_channels(24, 8) == 24  # no measured cap for EP8: the budget
+    assert all(intranode_channels(s, r) <= s for s in range(1, 65) for r in range(1, 9))

@@ -6,6 +6,7 @@ Each launch prints, for thread 0 of its first and last CTA, ``LLTRACE <kernel> p
 entry skew between the first and the last CTA of a launch.
 
     python tools/ll_trace.py out/bench_ll.log [--ghz 1.98]
+    python tools/ll_trace.py out/trace_ll/rank*.log
 """
 from __future__ import annotations
 
@@ -17,18 +18,27 @@ from collections import defaultdict
 LINE = re.compile(r"LLTRACE (\w+) p(\d) r(\d+) b(\d+) g(\d+) ((?:-?\d+ ?){8})")
 
 
+def matches(logs, pattern: re.Pattern):
+    """The matches of ``pattern`` in the lines of ``logs`` (a path, or several: one per rank when the benchmark ran
+    with DEEP_EP_TRACE_DIR), in order; lines that do not match are skipped (the kernels' printf lines are mixed with
+    the benchmark's output and, in one shared log, with other ranks' lines)."""
+    for log in [logs] if isinstance(logs, str) else logs:
+        with open(log, errors="replace") as f:
+            for line in f:
+                m = pattern.search(line)
+                if m:
+                    yield m
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("log")
+    parser.add_argument("log", nargs="+", help="the benchmark's log, or one file per rank (DEEP_EP_TRACE_DIR)")
     parser.add_argument("--ghz", type=float, default=1.98, help="SM clock for cycles -> us (H200 boost: 1.98)")
     args = parser.parse_args()
     stamps = defaultdict(list)
     entries = defaultdict(list)  # (kernel, phases, rank) -> [(cta, entry ns)] in order of appearance
-    for line in open(args.log, errors="replace"):
-        m = LINE.search(line)
-        if not m:
-            continue
-        kernel, phases, rank, cta, entry = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5))
+    for m in matches(args.log, LINE):
+        kernel, (phases, rank, cta, entry) = m.group(1), (int(m.group(i)) for i in range(2, 6))
         values = [int(v) for v in m.group(6).split()]
         stamps[(kernel, phases, "first" if cta == 0 else "last")].append(values)
         entries[(kernel, phases, rank)].append((cta, entry))
@@ -44,8 +54,8 @@ def main() -> None:
             if c0 == 0 and c1 != 0:
                 skews.append(abs(g1 - g0))
         if skews:
-            print(f"{key[0]:<9} p{key[1]} r{key[2]} entry skew first->last CTA: median {statistics.median(skews) / 1e3:.2f}"
-                  f" us, max {max(skews) / 1e3:.2f} us")
+            print(f"{key[0]:<9} p{key[1]} r{key[2]} entry skew first->last CTA: median "
+                  f"{statistics.median(skews) / 1e3:.2f} us, max {max(skews) / 1e3:.2f} us")
 
 
 if __name__ == "__main__":

@@ -247,7 +247,6 @@ struct CombineArgs {
     int num_max_send_tokens;           // Sn: fewest new rows / tokens per tail / head publication
     int num_max_recv_tokens;           // Nn (ring capacity bound)
     int num_send_warps;                // ring-sender warps per channel when R > 1, in [R - 1, 30]
-                                       // (deep_ep.config.INTRANODE_COMBINE_DEEP_LOADS)
 };
 
 void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaStream_t stream);

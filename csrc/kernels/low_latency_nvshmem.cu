@@ -464,7 +464,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
                 if (tl < per_warp && t < N) {
                     const int64_t v = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + k);
                     if (v >= E) {
-                        if (b == 0) report(ctx, kErrorBadRouting, kKernelLlDispatch, kPhaseLlBadRouting, -1, t, E, v, 0);
+                        if (b == 0)
+                            report(ctx, kErrorBadRouting, kKernelLlDispatch, kPhaseLlBadRouting, -1, t, E, v, 0);
                     } else if (v >= 0 && !is_masked(ctx, int(v) / L)) {
                         e = int(v);
                         d = e / L;

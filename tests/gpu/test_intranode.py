@@ -19,6 +19,7 @@ Every wait of the driver is bounded; a dead or hung worker fails the test with i
 """
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -175,6 +176,8 @@ def _worker(rank: int, world: int, device: int, port: int, env: dict, tasks, res
             finally:
                 results.put((rank, "stopped", ""))
             return
+        # A task that outlives the driver's patience leaves this worker's Python stack on stderr (a hang's where).
+        faulthandler.dump_traceback_later(EXAMPLE_TIMEOUT_S - 10)
         try:
             dist.barrier()  # every example starts on all ranks together
             message = _task(name)(buffer, rank, payload)
@@ -183,6 +186,8 @@ def _worker(rank: int, world: int, device: int, port: int, env: dict, tasks, res
             text = f"{getattr(payload, 'describe', lambda: payload)()}\n{traceback.format_exc()}"
             _abort_peers(buffer)
             results.put((rank, "fail", text))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def _task(name: str) -> Callable:

@@ -13,6 +13,7 @@ seed, runs the Buffer on its own part and compares with the global ``reference``
 """
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -156,6 +157,8 @@ def _worker(rank: int, world: int, port: int, env: dict, tasks, results) -> None
             except Exception:  # noqa: BLE001 - reported to the driver
                 results.put((rank, "fail", traceback.format_exc()))
             continue
+        # A task that outlives the driver's patience leaves this worker's Python stack on stderr (a hang's where).
+        faulthandler.dump_traceback_later(EXAMPLE_TIMEOUT_S - 10)
         try:
             dist.barrier()
             # Every example may change (T, H, E): the spec requires a (collective) clean then.
@@ -163,6 +166,8 @@ def _worker(rank: int, world: int, port: int, env: dict, tasks, results) -> None
             results.put((rank, "ok", TASKS[name](buffer, rank, payload)))
         except Exception:  # noqa: BLE001 - reported to the driver
             results.put((rank, "fail", f"{getattr(payload, 'describe', lambda: payload)()}\n{traceback.format_exc()}"))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 class Pool:

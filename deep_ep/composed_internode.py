@@ -1,0 +1,507 @@
+"""Internode dispatch/combine for ``N`` nodes x ``G > 1`` GPUs, composed of two intranode stages (design §4).
+
+Rank ``r = (m, l)`` sits on node ``m = r // G`` at local index ``l = r % G``. Two families of process subgroups:
+
+* the **rail group** of local index ``l``: ranks ``(0, l), (1, l), ..., (N-1, l)`` (rail rank = node);
+* the **node group** of node ``m``: ranks ``(m, 0), ..., (m, G-1)`` (node rank = local index).
+
+Each group is served by a *stage backend* with the intranode ``Buffer``-backend interface (``dispatch`` /
+``combine`` returning :mod:`deep_ep.results` NamedTuples with an :class:`deep_ep.handle.IntranodeHandle`):
+:class:`deep_ep.torch_backend.TorchBackend` on gloo subgroups (CPU) or :class:`deep_ep.cuda_backend.CudaBackend`
+(CUDA IPC, all ranks on one host). This module only moves bytes between the stages with device-agnostic torch
+ops; the stages do all communication.
+
+Dispatch (source ``(m, l)``):
+
+1. **rail stage**: every token goes once to each node ``n`` it needs, to the rail peer ``(n, l)`` (the
+   forwarder). The stage carries one record per token: payload (``x`` bytes, or FP8 bytes and scales), the
+   global top-k ids and weights, the token's channel on its source, and the token's local-rank bit mask of
+   every node.
+2. **node stage**: the forwarder ``(n, l)`` sends each received row to the ranks ``(n, l')`` of its bit mask for
+   node ``n`` (an intranode dispatch), with the top-k ids made node-local so that the stage's own top-k
+   forwarding yields the final local expert ids, weights and per-expert counts. The record carries the payload,
+   the channel, the global source rank and the bit mask.
+
+The node stage delivers rows ordered by (forwarder ``l``, source node ``m``, token); the contract orders them by
+(global source rank ``m * G + l``, token). A stable sort on the carried source rank gives the permutation; it and
+both stage handles are kept per dispatch (keyed by the returned handle) for cached dispatch and combine. The ten
+internode handle fields are computed from the carried source ranks, channels and masks (see
+:func:`internode_handle_fields`), equal to ``reference``'s.
+
+Combine (the reverse): the expert rows are put back into node-stage order; the **node-stage combine** reduces a
+token's rows of node ``n`` at the forwarder in float32 (ascending local rank) and rounds to BF16: the spec's
+per-node partial ``p_n``. The **rail-stage combine** brings one partial per node back to the owner, which adds the
+biases and the partials in ascending node order in float32 and rounds once more (spec §12).
+
+Host synchronisations: only those of the stage dispatches (each non-cached stage dispatch waits for its receive
+counts) and the per-expert list; the permutation and handle fields are device ops.
+
+Stream order: every stage call is synchronous with the current stream and orders after it (a
+``previous_event`` is waited for on the current stream first: the records are built there, after the event).
+
+CUDA stages (``ring_bytes`` given): each stage runs the intranode kernels in its own IPC buffer of the Buffer's
+``num_nvl_bytes``, with records wider than the hidden size (payload + top-k + metadata, padded to 16 bytes). Every
+call checks first, on every rank alike and before any communication, that the rings of both stages hold
+``2 * num_max_nvl_chunked_send_tokens`` records per (channel, source), and raises a ValueError naming the
+``num_nvl_bytes`` needed otherwise (:func:`stage_nvl_bytes`); likewise top-k <= 16 and ``E / N`` <= 1024.
+
+Not supported (raise): ``num_worst_tokens > 0``; more than 8 nodes (the rail stage is an intranode backend).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+
+from deep_ep import handle as hd
+from deep_ep import layout as lay
+from deep_ep.config import (BUFFER_ALIGNMENT, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_SCALEUP_RANKS, Config, Topology,
+                            align_up, intranode_channels)
+from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
+from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
+from deep_ep.torch_backend import _as_bytes, _from_bytes
+
+# Stage records are padded to a multiple of this many bytes (the CUDA kernels move rows in 16-byte units).
+_RECORD_ALIGN = 16
+
+
+class StageGroups(NamedTuple):
+    """This rank's two stage subgroups and its rank in each.
+
+    Fields:
+        rail: process group of the ranks with this rank's local index (``N`` ranks, rail rank = node).
+        node: process group of this rank's node (``G`` ranks, node rank = local index).
+    """
+
+    rail: Any
+    node: Any
+
+
+def make_stage_groups(group: Any, topology: Topology, backend: Optional[str] = None) -> StageGroups:
+    """Create every rail and node subgroup of ``group`` and return this rank's two.
+
+    Collective over the members of ``group``: every rank creates all ``G + N`` subgroups in the same order (rails
+    by local index, then nodes by index), with ``use_local_synchronization`` so that ranks outside ``group`` take
+    no part.
+
+    Args:
+        group: the Buffer's process group (ranks are group ranks, mapped to global ranks here).
+        topology: ``N`` nodes x ``G`` ranks.
+        backend: ``torch.distributed`` backend of the subgroups; ``None`` uses ``group``'s.
+    """
+    import torch.distributed as dist
+
+    num_nodes, per_node = topology.num_scaleout_ranks, topology.num_scaleup_ranks
+    backend = backend or dist.get_backend(group)
+    members = [dist.get_global_rank(group, r) for r in range(topology.num_ranks)]
+    me = group.rank()
+    rail = node = None
+    for local in range(per_node):
+        ranks = [members[n * per_node + local] for n in range(num_nodes)]
+        made = dist.new_group(ranks, backend=backend, use_local_synchronization=True) \
+            if topology.local_of(me) == local else None
+        rail = made if made is not None else rail
+    for n in range(num_nodes):
+        ranks = [members[n * per_node + local] for local in range(per_node)]
+        made = dist.new_group(ranks, backend=backend, use_local_synchronization=True) \
+            if topology.node_of(me) == n else None
+        node = made if made is not None else node
+    return StageGroups(rail, node)
+
+
+class _Plan(NamedTuple):
+    """What a dispatch keeps for its cached dispatch and combine.
+
+    Fields:
+        rail_handle / node_handle: the stages' intranode handles.
+        order: ``[M]`` int64, the node-stage row of each final row: ``final = node_rows[order]``.
+        inverse: ``[M]`` int64, the final row of each node-stage row: ``node_rows = final[inverse]``.
+    """
+
+    rail_handle: Any
+    node_handle: Any
+    order: torch.Tensor
+    inverse: torch.Tensor
+
+
+def _padded(num_bytes: int) -> int:
+    """Bytes of a record whose parts take ``num_bytes``: padded to 16, at least 16."""
+    return num_bytes + (-num_bytes % _RECORD_ALIGN) if num_bytes > 0 else _RECORD_ALIGN
+
+
+def _widths(parts: Sequence[torch.Tensor]) -> list[int]:
+    """Byte width of each ``[rows, cols]`` part of a record."""
+    return [p.size(1) * p.element_size() for p in parts]
+
+
+def _record(parts: Sequence[torch.Tensor], num_rows: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """Concatenate ``[rows, *]`` tensors as bytes into ``[rows, W / 4]`` int32 (``W = _padded(sum of widths)``);
+    returns the record and each part's byte width."""
+    raw = [_as_bytes(p) for p in parts]
+    widths = [r.size(1) for r in raw]
+    pad = _padded(sum(widths)) - sum(widths)
+    if pad:
+        raw.append(torch.zeros(num_rows, pad, dtype=torch.uint8, device=device))
+    return torch.cat(raw, dim=1).view(torch.int32), widths
+
+
+def stage_nvl_bytes(record_bytes: int, num_ranks: int, num_channels: int, num_send_tokens: int) -> int:
+    """Smallest ``num_nvl_bytes`` of a CUDA stage of ``num_ranks`` ranks whose rings hold ``2 * num_send_tokens``
+    records of ``record_bytes`` (the kernels' ring slot: ``deep_ep.layout.intranode_dispatch_record_bytes`` /
+    ``intranode_combine_record_bytes``) per (channel, source); may exceed what a ring half can be (256 MiB)."""
+    source = align_up(2 * num_send_tokens * num_channels * record_bytes, BUFFER_ALIGNMENT)
+    return lay.intranode_control_bytes() + 2 * num_ranks * source
+
+
+def _fields(record: torch.Tensor, widths: Sequence[int]) -> list[torch.Tensor]:
+    """Inverse of :func:`_record`: the ``[rows, width]`` uint8 byte columns of each part."""
+    return _split(_as_bytes(record), widths)
+
+
+def _channel_prefix(group_of_row: torch.Tensor, channel: torch.Tensor, num_groups: int,
+                    num_channels: int) -> torch.Tensor:
+    """``[G, C]`` int32 inclusive channel prefix of the rows of each group (e.g. rows per source and channel)."""
+    counts = torch.zeros(num_groups * num_channels, dtype=torch.int64, device=channel.device)
+    counts.index_add_(0, group_of_row.to(torch.int64) * num_channels + channel.to(torch.int64),
+                      torch.ones_like(channel, dtype=torch.int64))
+    return counts.view(num_groups, num_channels).cumsum(1).to(torch.int32)
+
+
+def _source_of_rows(inclusive_prefix: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``[M]`` int64 source of each row, given the inclusive prefix over sources of the rows received."""
+    rows = torch.arange(num_rows, dtype=inclusive_prefix.dtype, device=inclusive_prefix.device)
+    return torch.searchsorted(inclusive_prefix.contiguous(), rows, right=True)
+
+
+def internode_handle_fields(mask: torch.Tensor, topology: Topology, num_channels: int, rail_prefix: torch.Tensor,
+                            fwd_channel: torch.Tensor, fwd_local_mask: torch.Tensor, src_rank: torch.Tensor,
+                            src_channel: torch.Tensor, src_local_mask: torch.Tensor) -> hd.InternodeHandle:
+    """The ten internode handle fields of rank ``(n, l)`` from what the stages delivered (device ops only).
+
+    Args:
+        mask: ``[T, R]`` bool, this rank's ``is_token_in_rank`` (sender fields).
+        topology: ``N x G``.
+        num_channels: ``C``.
+        rail_prefix: ``[N]`` inclusive prefix over source nodes of the rows this rank forwards (the rail stage's
+            ``rank_prefix_matrix[:, n]``).
+        fwd_channel / fwd_local_mask: ``[F]`` source channel and ``[F, G]`` bool destinations in node ``n`` of every
+            forwarded row (rail-stage order: source node, then token).
+        src_rank / src_channel / src_local_mask: ``[M]`` global source rank, ``[M]`` source channel and ``[M, G]``
+            bool local destinations of every received row, in the final order.
+    """
+    sender = hd.internode_sender(mask, num_channels, topology)
+    num_nodes, per_node = topology.num_scaleout_ranks, topology.num_scaleup_ranks
+    fwd_node = _source_of_rows(rail_prefix, fwd_channel.size(0))
+    recv_rdma_prefix = hd.recv_rdma_channel_prefix_matrix(
+        _channel_prefix(fwd_node, fwd_channel, num_nodes, num_channels))
+    counts = torch.zeros(topology.num_ranks, dtype=torch.int64, device=src_rank.device)
+    counts.index_add_(0, src_rank.to(torch.int64), torch.ones_like(src_rank, dtype=torch.int64))
+    gbl_rank_prefix = hd.recv_gbl_rank_prefix_sum(counts)
+    gbl_channel_prefix = hd.recv_gbl_channel_prefix_matrix(
+        _channel_prefix(src_rank, src_channel, topology.num_ranks, num_channels), gbl_rank_prefix)
+    return hd.InternodeHandle(
+        is_token_in_rank=mask,
+        rdma_channel_prefix_matrix=sender.rdma_channel_prefix_matrix,
+        gbl_channel_prefix_matrix=sender.gbl_channel_prefix_matrix,
+        recv_rdma_channel_prefix_matrix=recv_rdma_prefix,
+        recv_rdma_rank_prefix_sum=rail_prefix.to(torch.int32).clone(),
+        recv_gbl_channel_prefix_matrix=gbl_channel_prefix,
+        recv_gbl_rank_prefix_sum=gbl_rank_prefix,
+        recv_src_meta=hd.encode_src_meta(src_rank.to(torch.int64) // per_node, src_local_mask),
+        send_rdma_head=sender.send_rdma_head,
+        send_nvl_head=hd.forwarder_send_nvl_head(fwd_node, fwd_channel, fwd_local_mask, num_channels))
+
+
+class ComposedInternode:
+    """Internode normal dispatch/combine of one rank ``(n, l)`` as a rail stage then a node stage.
+
+    Args:
+        rail: stage backend over the rail group of local index ``l`` (``N`` ranks; its rank = ``n``).
+        node: stage backend over node ``n``'s group (``G`` ranks; its rank = ``l``).
+        rank: this rank in the Buffer's group.
+        topology: ``N x G`` with ``N > 1``, ``1 < G``; ``N <= 8`` (the rail stage is intranode).
+        ring_bytes: the IPC buffer bytes of each CUDA stage (``num_nvl_bytes``): every call checks the stages' rings
+            and kernel limits first (see the module docstring); ``None`` for torch stages (no check).
+
+    Both stages must offer ``dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+    num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
+    async_finish, allocate_on_comm_stream)`` and ``combine(x, handle, topk_weights, bias, config, previous_event,
+    async_finish, allocate_on_comm_stream)`` as the intranode backends do. Arguments arrive validated by
+    ``deep_ep.Buffer``.
+    """
+
+    def __init__(self, rail: Any, node: Any, rank: int, topology: Topology, ring_bytes: Optional[int] = None) -> None:
+        if not topology.is_internode or topology.num_scaleup_ranks < 2:
+            raise ValueError(f"the composed internode path needs N > 1 nodes of G > 1 ranks, got "
+                             f"{topology.num_scaleout_ranks} x {topology.num_scaleup_ranks}")
+        if topology.num_scaleout_ranks > NUM_MAX_SCALEUP_RANKS:
+            raise ValueError(f"the composed internode path serves at most {NUM_MAX_SCALEUP_RANKS} nodes (its rail "
+                             f"stage is an intranode backend), got {topology.num_scaleout_ranks}")
+        self.rail, self.node, self.rank, self.topology = rail, node, rank, topology
+        self.ring_bytes = ring_bytes
+        self.my_node, self.my_local = topology.node_of(rank), topology.local_of(rank)
+        # id(handle.recv_src_meta) -> (weak reference to it, _Plan): the stage handles behind each returned handle.
+        self._plans: dict[int, tuple[weakref.ref, _Plan]] = {}
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Bookkeeping
+    # ------------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def num_channels(config: Config) -> int:
+        """Channels of the internode handle: ``config.num_sms // 2``, DeepEP's internode count."""
+        return config.num_channels
+
+    def _keep(self, handle: hd.InternodeHandle, plan: _Plan) -> None:
+        key = handle.recv_src_meta
+        ident = id(key)
+        self._plans[ident] = (weakref.ref(key, lambda _ref, ident=ident: self._plans.pop(ident, None)), plan)
+
+    def _plan(self, handle: Any) -> _Plan:
+        key = handle[7]  # recv_src_meta
+        entry = self._plans.get(id(key))
+        if entry is None or entry[0]() is not key:
+            raise ValueError(f"handle was not returned by this Buffer's composed internode dispatch (rank "
+                             f"{self.rank}); pass the handle of a dispatch made with the same Buffer")
+        return entry[1]
+
+    @staticmethod
+    def _event(device: torch.device, async_finish: bool) -> EventOverlap:
+        """The call's event: every stage ran synchronously with the current stream, so an asynchronous call gets
+        an event recorded on the current stream after the last step."""
+        if not async_finish:
+            return EventOverlap(None)
+        return EventOverlap(CudaEventHandle() if device.type == "cuda" else COMPLETED)
+
+    def destroy(self) -> None:
+        self._each_stage("destroy")
+        self._plans.clear()
+
+    def reset(self) -> None:
+        """Collective: the stages' recovery after a failed call (rail stage, then node stage)."""
+        self._each_stage("reset")
+
+    def check_errors(self) -> None:
+        """Raise a stage's pending device error, if any."""
+        self._each_stage("check_errors")
+
+    def _each_stage(self, method: str) -> None:
+        for stage in (self.rail, self.node):
+            if hasattr(stage, method):
+                getattr(stage, method)()
+
+    def _check_stage(self, stage: str, kind: str, record_bytes: int, config: Config) -> None:
+        """Raise ValueError unless the CUDA ``stage`` ('rail' / 'node') rings hold ``2 * num_max_nvl_chunked_send_
+        tokens`` ring slots of ``record_bytes`` for ``kind`` ('dispatch' / 'combine') per (channel, source)."""
+        if self.ring_bytes is None:
+            return
+        num_ranks = self.topology.num_scaleout_ranks if stage == "rail" else self.topology.num_scaleup_ranks
+        channels = intranode_channels(config.num_sms, num_ranks)
+        geometry = lay.intranode_ring_geometry(self.ring_bytes, num_ranks, channels, record_bytes,
+                                               config.num_max_nvl_chunked_recv_tokens, kind == "combine")
+        need = 2 * config.num_max_nvl_chunked_send_tokens
+        if geometry.capacity >= need:
+            return
+        want = stage_nvl_bytes(record_bytes, num_ranks, channels, config.num_max_nvl_chunked_send_tokens)
+        fix = f"build the Buffer with num_nvl_bytes >= {want}" \
+            if want <= lay.intranode_control_bytes() + 2 * lay.INTRANODE_MAX_RING_HALF_BYTES else \
+            "lower config.num_sms or num_max_nvl_chunked_send_tokens (no buffer size fits)"
+        raise ValueError(f"num_nvl_bytes={self.ring_bytes} is too small for the composed internode path's {stage} "
+                         f"stage {kind}: its rings hold {geometry.capacity} slots of {record_bytes} bytes (payload, "
+                         f"top-k and metadata) per (channel, rank) with {channels} channels and {num_ranks} ranks, "
+                         f"need >= 2 * num_max_nvl_chunked_send_tokens = {need}; {fix}")
+
+    def _check_dispatch(self, payload: list[torch.Tensor], topk_idx: Optional[torch.Tensor], num_experts: int,
+                        config: Config) -> None:
+        """Checks of a non-cached dispatch on CUDA stages, before any communication (equal on every rank)."""
+        if self.ring_bytes is None:
+            return
+        num_nodes = self.topology.num_scaleout_ranks
+        num_topk = topk_idx.size(1) if topk_idx is not None else 0
+        if num_topk > lay.INTRANODE_MAX_TOPK:
+            raise ValueError(f"the composed internode path on CUDA stages carries at most {lay.INTRANODE_MAX_TOPK} "
+                             f"top-k entries per token (the intranode kernels' limit), got {num_topk}")
+        if num_experts // num_nodes > NUM_MAX_LOCAL_EXPERTS:
+            raise ValueError(f"the composed internode path on CUDA stages needs num_experts / nodes <= "
+                             f"{NUM_MAX_LOCAL_EXPERTS} (the rail stage's local experts), got {num_experts} / "
+                             f"{num_nodes}")
+        payload_bytes = sum(_widths(payload))
+        topk_bytes = num_topk * (topk_idx.element_size() + 4) if topk_idx is not None else 0  # ids and weights
+        rail = _padded(payload_bytes + topk_bytes + 4 + 4 * num_nodes)
+        node = _padded(payload_bytes + 12)
+        self._check_stage("rail", "dispatch", lay.intranode_dispatch_record_bytes(rail, 0, 0), config)
+        self._check_stage("node", "dispatch", lay.intranode_dispatch_record_bytes(node, 0, num_topk), config)
+
+    def get_comm_stream(self) -> Any:
+        return self.node.get_comm_stream() if hasattr(self.node, "get_comm_stream") else None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Layout
+    # ------------------------------------------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False) -> DispatchLayout:
+        """Local computation (:func:`deep_ep.handle.layout_from_topk`) on the current stream."""
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        layout = hd.layout_from_topk(topk_idx, num_experts, self.topology)
+        return DispatchLayout(*layout, self._event(topk_idx.device, async_finish))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Dispatch
+    # ------------------------------------------------------------------------------------------------------------
+    def dispatch(self, x: Any, handle: Any = None, num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None, topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Optional[Config] = None, previous_event: Any = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> DispatchResult:
+        """Normal internode dispatch (see ``Buffer.dispatch``); ``handle`` given: cached dispatch."""
+        assert config is not None, "config is resolved by the Buffer front"
+        if num_worst_tokens > 0:
+            raise NotImplementedError(f"num_worst_tokens > 0 is not supported by the composed internode path "
+                                      f"(N x G with G > 1), got num_worst_tokens={num_worst_tokens}; use "
+                                      f"DEEP_EP_INTERNODE=torch")
+        data, scales = x if isinstance(x, tuple) else (x, None)
+        stage = dict(config=config, async_finish=False, allocate_on_comm_stream=False)
+        if handle is not None:
+            plan = self._plan(handle)
+            self._wait(previous_event)
+            recv_x = self._cached_dispatch(data, scales, plan, stage)
+            return DispatchResult(recv_x, None, None, None, None, self._event(data.device, async_finish))
+        self._check_dispatch(self._payload(data, scales), topk_idx, num_tokens_per_expert.numel(), config)
+        self._wait(previous_event)
+        out = self._dispatch(data, scales, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                             expert_alignment, stage)
+        return DispatchResult(*out, self._event(data.device, async_finish))
+
+    @staticmethod
+    def _wait(previous_event: Any) -> None:
+        """Order the call after ``previous_event`` on the current stream, where the stage records are built: the
+        stages then order after the current stream (a stage given the event would wait for it alone)."""
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+
+    def _payload(self, data: torch.Tensor, scales: Optional[torch.Tensor]) -> list[torch.Tensor]:
+        return [data] if scales is None else [data, scales.contiguous()]
+
+    def _unpack_payload(self, cols: list[torch.Tensor], data: torch.Tensor, scales: Optional[torch.Tensor]) -> Any:
+        recv_data = _from_bytes(cols[0], data.dtype, data.size(1))
+        if scales is None:
+            return recv_data
+        return recv_data, _from_bytes(cols[1], scales.dtype, scales.size(1))
+
+    def _rail_dispatch(self, record: torch.Tensor, node_mask: torch.Tensor, num_tokens_per_expert: torch.Tensor,
+                       stage: dict) -> DispatchResult:
+        """Rail-stage dispatch. Its "experts" are the global experts grouped by node, so that its per-expert list
+        on the forwarder ``(n, l)`` is the rail sources' ``num_tokens_per_expert`` summed over node ``n``'s
+        experts: what the node stage needs to report DeepEP's counts."""
+        return self.rail.dispatch(record, None, node_mask.sum(0, dtype=torch.int32), None, node_mask,
+                                  num_tokens_per_expert, None, None, 1, 0, previous_event=None, **stage)
+
+    def _dispatch(self, data: torch.Tensor, scales: Optional[torch.Tensor], mask: torch.Tensor,
+                  num_tokens_per_expert: torch.Tensor, topk_idx: Optional[torch.Tensor],
+                  topk_weights: Optional[torch.Tensor], expert_alignment: int, stage: dict) -> tuple:
+        topo, device = self.topology, data.device
+        num_nodes, per_node = topo.num_scaleout_ranks, topo.num_scaleup_ranks
+        num_tokens = data.size(0)
+        num_channels = self.num_channels(stage["config"])
+        mask = mask.to(torch.bool)
+        has_topk = topk_idx is not None
+        num_experts = num_tokens_per_expert.numel()
+        experts_per_node = num_experts // num_nodes
+
+        # (1) Rail stage: one record per token, to every node it needs.
+        channel = hd.token_channels(num_tokens, num_channels, device).to(torch.int32)
+        bits = hd.pack_rank_bits(mask.reshape(num_tokens, num_nodes, per_node))                 # [T, N] int32
+        payload = self._payload(data, scales)
+        parts = payload + ([topk_idx, topk_weights] if has_topk else []) + [channel.view(-1, 1), bits]
+        record, widths = _record(parts, num_tokens, device)
+        rail = self._rail_dispatch(record, hd.node_mask(mask, topo), num_tokens_per_expert, stage)
+        cols = _fields(rail.recv_x, widths)
+        num_fwd = rail.recv_x.size(0)
+        num_payload = len(payload)
+        fwd_channel = _from_bytes(cols[-2], torch.int32, 1).view(-1)
+        fwd_bits = _from_bytes(cols[-1], torch.int32, num_nodes)[:, self.my_node].contiguous()
+        fwd_mask = hd.unpack_rank_bits(fwd_bits, per_node)                                       # [F, G]
+        rail_prefix = rail.handle.rank_prefix_matrix[:, self.my_node]
+        fwd_node = _source_of_rows(rail_prefix, num_fwd)
+        fwd_src_rank = (fwd_node * per_node + self.my_local).to(torch.int32)
+
+        # (2) Node stage: forward each row to the local ranks of its mask, top-k ids made node-local.
+        node_topk = {}
+        if has_topk:
+            fwd_idx = _from_bytes(cols[num_payload], topk_idx.dtype, topk_idx.size(1))
+            fwd_weights = _from_bytes(cols[num_payload + 1], torch.float32, topk_idx.size(1))
+            local = fwd_idx - self.my_node * experts_per_node
+            local = torch.where((fwd_idx >= 0) & (local >= 0) & (local < experts_per_node), local,
+                                torch.full_like(local, -1))
+            node_topk = dict(topk_idx=local, topk_weights=fwd_weights)
+        node_counts = torch.tensor(rail.num_recv_tokens_per_expert_list, dtype=torch.int32, device=device)
+        node_record, node_widths = _record(
+            [_as_bytes(rail.recv_x)[:, :sum(widths[:num_payload])], fwd_channel.view(-1, 1),
+             fwd_src_rank.view(-1, 1), fwd_bits.view(-1, 1)], num_fwd, device)
+        node = self.node.dispatch(node_record, None, fwd_mask.sum(0, dtype=torch.int32), None, fwd_mask,
+                                  node_counts, node_topk.get("topk_idx"), node_topk.get("topk_weights"),
+                                  expert_alignment, 0, previous_event=None, **stage)
+
+        # (3) Final order: global source rank, then source token (stable sort of the node-stage order).
+        node_cols = _fields(node.recv_x, node_widths)
+        src_rank = _from_bytes(node_cols[2], torch.int32, 1).view(-1)
+        order = torch.sort(src_rank.to(torch.int64), stable=True).indices
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        recv_x = self._unpack_payload(_split(node_cols[0][order], widths[:num_payload]), data, scales)
+        recv_idx = recv_weights = None
+        if has_topk:
+            recv_idx, recv_weights = node.recv_topk_idx[order], node.recv_topk_weights[order]
+        recv_channel = _from_bytes(node_cols[1], torch.int32, 1).view(-1)[order]
+        recv_mask = hd.unpack_rank_bits(_from_bytes(node_cols[3], torch.int32, 1).view(-1)[order], per_node)
+        new_handle = internode_handle_fields(mask, topo, num_channels, rail_prefix, fwd_channel, fwd_mask,
+                                             src_rank[order], recv_channel, recv_mask)
+        self._keep(new_handle, _Plan(rail.handle, node.handle, order, inverse))
+        return recv_x, recv_idx, recv_weights, node.num_recv_tokens_per_expert_list, new_handle
+
+    def _cached_dispatch(self, data: torch.Tensor, scales: Optional[torch.Tensor], plan: _Plan, stage: dict) -> Any:
+        """Payload-only records (narrower than the dispatch's: the kernels size rings and output blocks per
+        call, from the call's own row width)."""
+        payload = self._payload(data, scales)
+        width = lay.intranode_dispatch_record_bytes(_padded(sum(_widths(payload))), 0, 0)
+        for name in ("rail", "node"):
+            self._check_stage(name, "dispatch", width, stage["config"])
+        record, widths = _record(payload, data.size(0), data.device)
+        rail = self.rail.dispatch(record, plan.rail_handle, previous_event=None, **stage)
+        node = self.node.dispatch(rail.recv_x, plan.node_handle, previous_event=None, **stage)
+        rows = _as_bytes(node.recv_x)[plan.order]
+        return self._unpack_payload(_split(rows, widths), data, scales)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Combine
+    # ------------------------------------------------------------------------------------------------------------
+    def combine(self, x: torch.Tensor, handle: Any, topk_weights: Optional[torch.Tensor] = None, bias: Any = None,
+                config: Optional[Config] = None, previous_event: Any = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> CombineResult:
+        """Node-stage combine (per-node float32 sum, BF16 partial at the forwarder), then rail-stage combine (biases
+        plus the partials in ascending node order, float32, one more BF16 rounding) at the owner."""
+        assert config is not None, "config is resolved by the Buffer front"
+        plan = self._plan(handle)
+        stage = dict(config=config, async_finish=False, allocate_on_comm_stream=False)
+        width = lay.intranode_combine_record_bytes(x.size(1), topk_weights.size(1) if topk_weights is not None else 0)
+        for name in ("rail", "node"):
+            self._check_stage(name, "combine", width, config)
+        self._wait(previous_event)
+        node_x = x.index_select(0, plan.inverse)
+        node_w = topk_weights.index_select(0, plan.inverse) if topk_weights is not None else None
+        node = self.node.combine(node_x, plan.node_handle, node_w, None, previous_event=None, **stage)
+        rail = self.rail.combine(node.combined_x, plan.rail_handle, node.combined_topk_weights, bias,
+                                 previous_event=None, **stage)
+        return CombineResult(rail.combined_x, rail.combined_topk_weights, self._event(x.device, async_finish))
+
+
+def _split(rows: torch.Tensor, widths: Sequence[int]) -> list[torch.Tensor]:
+    """``[M, >= sum(widths)]`` uint8 -> the byte columns of each width, in order."""
+    out, begin = [], 0
+    for width in widths:
+        out.append(rows[:, begin:begin + width])
+        begin += width
+    return out

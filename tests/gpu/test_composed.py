@@ -1,0 +1,68 @@
+"""GPU tests of the composed internode path (``deep_ep/composed_internode.py``) with CUDA stages.
+
+4 ranks on GPUs ``[0, 1, 0, 1]`` (``[0, 1, 2, 3]`` on a machine with 4 or more GPUs) with ``DEEP_EP_GPUS_PER_NODE=2``
+are 2 virtual nodes x 2 GPUs: node ``m`` holds ranks ``2m`` (GPU 0) and ``2m + 1`` (GPU 1), so the node stage spans
+both GPUs and each rail stage shares one GPU (ranks 0 and 2 on GPU 0, ranks 1 and 3 on GPU 1). The group is gloo
+(NCCL refuses two ranks on one GPU);
+``DEEP_EP_INTERNODE=auto`` must select the composed path with ``CudaBackend`` stages (one host, CUDA IPC).
+
+The worker pool is ``test_intranode.Pool``; every example runs ``test_internode.task_internode_roundtrip`` on the
+2 x 2 topology: layout, every dispatch output, all ten internode handle fields, cached dispatch and combine (with
+top-k weights and 0..2 biases, BF16 and FP8, -1 top-k slots, empty ranks) compared bit for bit with ``reference``
+(worst-token mode is skipped: the composed path rejects it). ``DEEP_EP_GPU_EXAMPLES_COMPOSED`` sets the number of
+hypothesis examples (default 6).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given
+
+torch = pytest.importorskip("torch")
+
+import test_internode as tn  # noqa: E402  (tests/gpu is on sys.path, as for test_internode.py)
+import test_intranode as ti  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.timeout(600)]
+
+ENV = {"DEEP_EP_GPUS_PER_NODE": "2", "DEEP_EP_INTERNODE": "auto"}
+STAGES = "ComposedInternode cuda CudaBackend CudaBackend"
+
+
+def task_stages(buffer, rank: int, payload) -> str:
+    """What the Buffer selected: the composed path, its device type and the two stage backends."""
+    composed = buffer._composed
+    return f"{type(composed).__name__} {buffer._composed_device} {type(composed.rail).__name__} " \
+        f"{type(composed.node).__name__}"
+
+
+@pytest.fixture(scope="module")
+def two_by_two():
+    # One rank per GPU where there are 4 (x4 / x8 machines), else GPUs 0, 1, 0, 1.
+    gpus = min(4, torch.cuda.device_count()) if ti.DEVICE == "cuda" and torch.cuda.is_available() else 2
+    pool = ti.Pool([rank % max(gpus, 1) for rank in range(4)], env=ENV)
+    try:
+        if ti.DEVICE == "cuda":
+            assert pool.backends == {"ComposedInternode"}, f"Buffer did not pick the composed path: {pool.backends}"
+            stages = set(pool.run("test_composed:task_stages", None))
+            assert stages == {STAGES}, f"the composed path does not run CUDA stages: {stages}"
+        yield pool
+    finally:
+        pool.close()
+
+
+@ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_COMPOSED", "6")))
+@given(case=ti.case_strategy(4, max_tokens=300))
+def test_two_by_two(two_by_two, case):
+    two_by_two.run(tn.TASK, case)
+
+
+def test_two_by_two_large(two_by_two):
+    """1024 tokens per rank, hidden 7168, top-8 of 64 experts, BF16 and FP8, 24 SMs, one bias."""
+    for use_fp8 in (False, True):
+        case = ti.Case(num_ranks=4, seed=11, num_tokens=(1024,) * 4, hidden=7168, num_topk=8, num_experts=64,
+                       use_fp8=use_fp8, with_topk=True, num_sms=24, expert_alignment=1, mask_prob=0.1,
+                       empty_rank=-1, async_mode=use_fp8, previous_mode=use_fp8, num_bias=1,
+                       scales_col_major=use_fp8)
+        two_by_two.run(tn.TASK, case)

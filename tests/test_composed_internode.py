@@ -1,0 +1,162 @@
+"""The composed internode path (``deep_ep/composed_internode.py``) on gloo: rail + node torch stages, vs ``reference``.
+
+``DEEP_EP_INTERNODE=composed`` makes ``deep_ep.Buffer`` run ``N x G`` groups with ``G > 1`` as a rail stage and a
+node stage (``TorchBackend`` instances over gloo subgroups). The cases are those of ``test_buffer_torch``'s normal
+mode (BF16/FP8, top-k with -1 slots and duplicates, empty ranks and nodes, expert alignment, cached dispatch,
+combine with 0..2 biases and top-k weights, async events) minus worst-token mode, which the path rejects; every
+output and all ten handle fields are compared bit for bit with ``reference``. Plus: a case where the per-node BF16
+rounding changes the result, and the clear error for ``num_worst_tokens``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import dist
+import test_buffer_torch as tbt
+
+# (world size, GPUs per node) -> examples: the 8-rank pool is the slowest.
+TOPOLOGIES = {(4, 2): 30, (8, 4): 10, (8, 2): 5}
+
+
+def _examples(count: int) -> int:
+    return max(1, int(count * float(os.environ.get("DEEP_EP_TEST_EXAMPLE_SCALE", "1"))))
+
+
+def _env(per_node: int) -> dict:
+    return {"DEEP_EP_GPUS_PER_NODE": str(per_node), "DEEP_EP_INTERNODE": "composed"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worker side.
+# ---------------------------------------------------------------------------------------------------------------
+
+def run_normal_composed(ctx: dist.WorkerContext, case: tbt.NormalCase) -> Optional[str]:
+    """``test_buffer_torch.run_normal`` on a Buffer that must have selected the composed path."""
+    from deep_ep.composed_internode import ComposedInternode
+    buf = tbt._buffer(ctx, "normal", num_nvl_bytes=1 << 20)
+    if not isinstance(buf._composed, ComposedInternode):
+        return f"rank {ctx.rank}: DEEP_EP_INTERNODE=composed did not select the composed path ({buf._composed!r})"
+    return tbt.run_normal(ctx, case)
+
+
+def run_per_node_rounding(ctx: dist.WorkerContext, case: None) -> Optional[str]:
+    """2 x 2: rank 0's token 0 goes to ranks 0, 1 (node 0) and 2 (node 1); the expert rows are 1, 2^-8 and 2^-8.
+    Per node: bf16(1 + 2^-8) = 1 (tie to even), then bf16(1 + 2^-8) = 1. One rounding would give 1 + 2^-7."""
+    import reference
+    from deep_ep.config import Config, Topology
+
+    topo = Topology(4, 2)
+    buf = tbt._buffer(ctx, "normal", num_nvl_bytes=1 << 20)
+    hidden, num_experts = 128, 4
+    idx = [torch.tensor([[0, 1, 2]]), *[torch.empty(0, 3, dtype=torch.int64)] * 3]
+    xs = [torch.ones(i.size(0), hidden, dtype=torch.bfloat16) for i in idx]
+    layout = buf.get_dispatch_layout(idx[ctx.rank], num_experts)
+    config = Config(num_sms=2)
+    result = buf.dispatch(xs[ctx.rank], num_tokens_per_rank=layout.num_tokens_per_rank,
+                          num_tokens_per_rdma_rank=layout.num_tokens_per_rdma_rank,
+                          is_token_in_rank=layout.is_token_in_rank,
+                          num_tokens_per_expert=layout.num_tokens_per_expert, config=config)
+    values = {0: 1.0, 1: 2.0 ** -8, 2: 2.0 ** -8, 3: 0.0}
+    ys = [torch.full((1 if r < 3 else 0, hidden), values[r], dtype=torch.bfloat16) for r in range(4)]
+    combined = buf.combine(ys[ctx.rank], result.handle, config=config)
+    masks = [reference.get_dispatch_layout(i, num_experts, topo).is_token_in_rank for i in idx]
+    refs = reference.dispatch(xs, masks, topo, num_channels=config.num_channels)
+    want = reference.combine(ys, [r.handle for r in refs], topo)[ctx.rank].combined_x
+    errors = []
+    tbt._expect(errors, "combined_x", combined.combined_x, want)
+    if ctx.rank == 0:
+        single = torch.full((1, hidden), 1.0 + 2.0 ** -7, dtype=torch.bfloat16)
+        if not torch.equal(want, torch.ones(1, hidden, dtype=torch.bfloat16)) or torch.equal(want, single):
+            errors.append(f"the case does not separate per-node from single rounding: reference gives {want[0, 0]}")
+    return "\n".join(errors) or None
+
+
+def run_worst_tokens_rejected(ctx: dist.WorkerContext, case: None) -> Optional[str]:
+    """``num_worst_tokens > 0`` raises NotImplementedError naming the argument, on every rank, before any
+    communication."""
+    buf = tbt._buffer(ctx, "normal", num_nvl_bytes=1 << 20)
+    idx = torch.tensor([[0], [1]])
+    layout = buf.get_dispatch_layout(idx, 4)
+    try:
+        buf.dispatch(torch.ones(2, 128, dtype=torch.bfloat16), num_tokens_per_rank=layout.num_tokens_per_rank,
+                     num_tokens_per_rdma_rank=layout.num_tokens_per_rdma_rank,
+                     is_token_in_rank=layout.is_token_in_rank, num_tokens_per_expert=layout.num_tokens_per_expert,
+                     topk_idx=idx, topk_weights=torch.ones(2, 1), num_worst_tokens=8)
+    except NotImplementedError as exc:
+        return None if "num_worst_tokens" in str(exc) else f"the error does not name num_worst_tokens: {exc}"
+    return "num_worst_tokens > 0 did not raise"
+
+
+def run_auto_is_torch(ctx: dist.WorkerContext, case: None) -> Optional[str]:
+    buf = tbt._buffer(ctx, "normal", num_nvl_bytes=1 << 20)
+    return None if buf._composed is None else f"rank {ctx.rank}: auto selected {buf._composed!r} on CPU"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver side.
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pools():
+    with dist.PoolManager() as manager:
+        yield manager
+
+
+@st.composite
+def composed_cases(draw: st.DrawFn, world: int, per_node: int) -> tbt.NormalCase:
+    case = draw(tbt.normal_cases(world, per_node))
+    return dataclasses.replace(case, worst_tokens=False)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("topology", list(TOPOLOGIES), ids=lambda t: f"{t[0]}ranks-{t[0] // t[1]}x{t[1]}")
+def test_composed_dispatch_combine(pools, topology):
+    world, per_node = topology
+
+    @settings(max_examples=_examples(TOPOLOGIES[topology]), phases=tbt.PHASES)
+    @given(case=composed_cases(world, per_node))
+    def check(case: tbt.NormalCase) -> None:
+        pools.get(world, _env(per_node)).check("test_composed_internode", "run_normal_composed", case)
+
+    check()
+
+
+@pytest.mark.timeout(300)
+def test_composed_per_node_rounding(pools):
+    pools.get(4, _env(2)).check("test_composed_internode", "run_per_node_rounding", None)
+
+
+@pytest.mark.timeout(300)
+def test_composed_rejects_worst_tokens(pools):
+    pools.get(4, _env(2)).check("test_composed_internode", "run_worst_tokens_rejected", None)
+
+
+@pytest.mark.timeout(300)
+def test_auto_keeps_torch_backend_on_cpu(pools):
+    """``DEEP_EP_INTERNODE=auto`` (the default) keeps the torch backend for gloo groups: the composed path with
+    torch stages is only for tests and CPU runs that ask for it."""
+    pools.get(4, {"DEEP_EP_GPUS_PER_NODE": "2"}).check("test_composed_internode", "run_auto_is_torch", None)
+
+
+def test_cuda_stage_ring_check():
+    """CUDA stages: a call whose stage records do not fit the rings raises ValueError naming the num_nvl_bytes
+    needed (``stage_nvl_bytes``), which fits exactly (128 bytes less does not)."""
+    from deep_ep import layout as lay
+    from deep_ep.composed_internode import ComposedInternode, stage_nvl_bytes
+    from deep_ep.config import Config, Topology, intranode_channels
+
+    topo, config = Topology(4, 2), Config(24, 8, 256)
+    record = lay.intranode_dispatch_record_bytes(14336 + 48, 0, 8)
+    need = stage_nvl_bytes(record, 2, intranode_channels(config.num_sms, 2), config.num_max_nvl_chunked_send_tokens)
+    ComposedInternode(None, None, 0, topo, ring_bytes=need)._check_stage("node", "dispatch", record, config)
+    ComposedInternode(None, None, 0, topo)._check_stage("node", "dispatch", record, config)  # torch stages: no check
+    for num_bytes in (1 << 20, need - 128):
+        with pytest.raises(ValueError, match=f"num_nvl_bytes >= {need}"):
+            ComposedInternode(None, None, 0, topo, ring_bytes=num_bytes)._check_stage("node", "dispatch", record,
+                                                                                      config)
