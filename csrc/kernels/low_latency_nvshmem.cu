@@ -964,7 +964,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             }
             __syncwarp();  // each leader's acquire orders its owner's lanes' reads of the own rows' index words
             ok = __all_sync(0xffffffffu, ok);
-            const bool in = valid && __shfl_sync(0xffffffffu, int(res), leader) == kWaitOk;
+            // Every lane must take part in the full-mask shuffle (a short-circuited `valid && __shfl_sync(...)` left
+            // the invalid lanes out and deadlocked the warp).
+            const int leader_res = __shfl_sync(0xffffffffu, int(res), leader);
+            const bool in = valid && leader_res == kWaitOk;
             const unsigned in_mask = __ballot_sync(0xffffffffu, in);
             const int pos = __popc(in_mask & ((1u << lane) - 1));
             if (in && ok) {
