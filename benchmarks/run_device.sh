@@ -36,6 +36,8 @@ export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=gpu DEEP_EP_TIMEOUT_S="${DEEP_EP_TI
 T0=$(date +%s)
 END=$((T0 + ${BUDGET_S:-560}))
 S="$OUT/summary.log"
+# The intranode benchmark's default points (bench_intranode and bench_tree).
+INTRA_DEFAULT="--sms 24 16 8 --dispatch-chunks 32 --combine-chunks 8 --receive direct"
 failed=0
 
 # limit WANT: WANT seconds, or what is left before the deadline when that is less (at least 5).
@@ -89,8 +91,7 @@ for step in "$@"; do
         # INTRA_ARGS replaces the default: Buffer's defaults (tuned warps, channel cap) at 24, 16 and 8 SMs, direct
         # receive. A sweep of channels and warps: INTRA_ARGS="--uncapped --sms 24 20 16 12 8 --dispatch-warps 8 12 16
         # 20 24 --combine-warps 4 6 8 10 12 --dispatch-chunks 32 --combine-chunks 8 --receive direct".
-        run_step bench_intranode 140 python3 benchmarks/bench_intranode.py ${INTRA_ARGS:---sms 24 16 8 \
-            --dispatch-chunks 32 --combine-chunks 8 --receive direct} \
+        run_step bench_intranode 140 python3 benchmarks/bench_intranode.py ${INTRA_ARGS:-$INTRA_DEFAULT} \
             --json "$OUT/intra.json"
         grep -E "^(#|op|dispatch|combine|nccl)" "$OUT/bench_intranode.log" >> "$S" ;;
     bench_ll)
@@ -148,8 +149,8 @@ for step in "$@"; do
         fi
         run_step build_tree 150 bash -c "cd '$TREE' && MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py \
             build_ext --inplace" || continue
-        run_step bench_tree 140 bash -c "cd '$TREE' && python3 benchmarks/bench_intranode.py ${TREE_ARGS:---sms 24 16 8 \
-            --dispatch-chunks 32 --combine-chunks 8 --receive direct} --json '$OUT/tree.json'"
+        run_step bench_tree 140 bash -c "cd '$TREE' && python3 benchmarks/bench_intranode.py \
+            ${TREE_ARGS:-$INTRA_DEFAULT} --json '$OUT/tree.json'"
         echo "tree $TREE ($(git -C "$TREE" log --oneline -1 2>/dev/null || echo 'no git metadata')):" >> "$S"
         grep -E "^(#|op|dispatch|combine|nccl|  sweep)" "$OUT/bench_tree.log" >> "$S" ;;
     nvlink)

@@ -127,7 +127,7 @@ class _Plan(NamedTuple):
 
 def _padded(num_bytes: int) -> int:
     """Bytes of a record whose parts take ``num_bytes``: padded to 16, at least 16."""
-    return num_bytes + (-num_bytes % _RECORD_ALIGN) if num_bytes > 0 else _RECORD_ALIGN
+    return align_up(max(num_bytes, 1), _RECORD_ALIGN)
 
 
 def _widths(parts: Sequence[torch.Tensor]) -> list[int]:
@@ -341,8 +341,7 @@ class ComposedInternode:
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False) -> DispatchLayout:
         """Local computation (:func:`deep_ep.handle.layout_from_topk`) on the current stream."""
-        if previous_event is not None:
-            previous_event.current_stream_wait()
+        self._wait(previous_event)
         layout = hd.layout_from_topk(topk_idx, num_experts, self.topology)
         return DispatchLayout(*layout, self._event(topk_idx.device, async_finish))
 
@@ -499,9 +498,5 @@ class ComposedInternode:
 
 
 def _split(rows: torch.Tensor, widths: Sequence[int]) -> list[torch.Tensor]:
-    """``[M, >= sum(widths)]`` uint8 -> the byte columns of each width, in order."""
-    out, begin = [], 0
-    for width in widths:
-        out.append(rows[:, begin:begin + width])
-        begin += width
-    return out
+    """``[M, >= sum(widths)]`` uint8 -> the byte columns of each width, in order (the padding is dropped)."""
+    return list(torch.split(rows[:, :sum(widths)], list(widths), dim=1))
