@@ -181,7 +181,7 @@ def make_fake_extension(torch):
         """The LL runtime. Two generations again: the first took the outputs from Python and returned nothing (and
         Python did the stream waits); the current one allocates them and returns them."""
 
-        def __init__(self, rank, num_ranks, num_rdma_bytes, timeout_s, enable_shrink, unique_id):
+        def __init__(self, rank, num_ranks, num_rdma_bytes, timeout_s, enable_shrink, unique_id, put_only=False):
             self.num_ranks = num_ranks
 
         def required_bytes(self, num_max_tokens, hidden, num_experts):

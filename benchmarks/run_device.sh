@@ -9,6 +9,8 @@
 #   build            the extension with NVSHMEM (pip wheel), sm_90a, 32 jobs
 #   test_intranode   GPU property suite of the intranode kernels (both receive paths) + the host-path test
 #   test_ll          GPU property suite of the low-latency kernels (LL_EXAMPLES examples per property, default 5)
+#   test_ll_put      the same suite with DEEP_EP_LL_PUT_ONLY=1: the RDMA code path (staging, put-with-signal) between
+#                    the two GPUs (LL_PUT_EXAMPLES, default 3), then the LL bench at T = 128 on that path -> ll_put.json
 #   test_internode   GPU property suite of the internode backend on 2 virtual nodes x 1 GPU
 #   test_composed    GPU tests of the composed internode path (CUDA stages), 4 ranks on GPUs 0,1,0,1 as 2 x 2
 #                    (COMPOSED_EXAMPLES hypothesis examples, default 6)
@@ -77,6 +79,16 @@ for step in "$@"; do
         tail -n 3 "$OUT/test_ll.log" >> "$S"
         [ -f "$OUT/ll_failures.log" ] && head -c 4000 "$OUT/ll_failures.log" >> "$S"
         grep -E "^E " "$OUT/test_ll.log" | head -30 >> "$S" ;;
+    test_ll_put)
+        run_step test_ll_put 200 env DEEP_EP_LL_PUT_ONLY=1 LL_EXAMPLES="${LL_PUT_EXAMPLES:-3}" \
+            LL_FAILURE_LOG="$OUT/ll_put_failures.log" python3 -m pytest -q -rfE -p no:cacheprovider \
+            tests/gpu/test_low_latency.py
+        tail -n 3 "$OUT/test_ll_put.log" >> "$S"
+        [ -f "$OUT/ll_put_failures.log" ] && head -c 4000 "$OUT/ll_put_failures.log" >> "$S"
+        grep -E "^E " "$OUT/test_ll_put.log" | head -30 >> "$S"
+        run_step bench_ll_put 60 env DEEP_EP_LL_PUT_ONLY=1 python3 benchmarks/bench_low_latency.py --tokens 128 \
+            --warmups 10 --iters 20 --json "$OUT/ll_put.json"
+        grep -vE "^LLTRACE|UserWarning|_warn_once" "$OUT/bench_ll_put.log" | tail -n 4 >> "$S" ;;
     test_internode)
         run_step test_internode 190 env DEEP_EP_GPU_EXAMPLES_INTERNODE="${INTERNODE_EXAMPLES:-8}" \
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_internode.py

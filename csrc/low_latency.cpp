@@ -52,7 +52,7 @@ std::string format_ll_error(const kernels::ErrorRecord& r) {
 }
 
 LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_bytes, double timeout_s,
-                                     bool enable_shrink, const std::string& unique_id)
+                                     bool enable_shrink, const std::string& unique_id, bool put_only)
     : rank_(rank), num_ranks_(num_ranks), num_rdma_bytes_(num_rdma_bytes), timeout_s_(timeout_s),
       enable_shrink_(enable_shrink) {
     DEEP_EP_CHECK_ARG(num_ranks >= 1 && num_ranks <= ll::kMaxRanks, "num_ranks must be in [1, ", ll::kMaxRanks,
@@ -69,7 +69,10 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_b
 
     ll::nvshmem_bootstrap(std::vector<uint8_t>(unique_id.begin(), unique_id.end()), rank, num_ranks);
     sym_ = ll::nvshmem_alloc_zeroed(num_rdma_bytes);
-    const auto peers = ll::nvshmem_peer_pointers(sym_, num_ranks);
+    auto peers = ll::nvshmem_peer_pointers(sym_, num_ranks);
+    if (put_only)
+        for (int r = 0; r < num_ranks; ++r)
+            if (r != rank) peers[r] = nullptr;
     for (void* p : peers) all_p2p_ &= p != nullptr;
     // make_layout gives a one-rank world no dispatch staging: its only peer (itself) must be reachable by pointer,
     // otherwise the dispatch would stage messages past the end of a half.

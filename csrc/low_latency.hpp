@@ -25,8 +25,10 @@ std::string ll_unique_id();
 
 class LowLatencyRuntime {
    public:
+    // put_only: reach every other rank through NVSHMEM put-with-signal (the RDMA path), even where nvshmem_ptr
+    // resolves it (DEEP_EP_LL_PUT_ONLY: runs that path on one host).
     LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_bytes, double timeout_s, bool enable_shrink,
-                      const std::string& unique_id);
+                      const std::string& unique_id, bool put_only = false);
     ~LowLatencyRuntime();
     LowLatencyRuntime(const LowLatencyRuntime&) = delete;
     LowLatencyRuntime& operator=(const LowLatencyRuntime&) = delete;

@@ -109,8 +109,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("LL_MAX_TOKENS") = deep_ep::kernels::ll::kMaxTokens;
     m.def("ll_unique_id", [] { return py::bytes(deep_ep::ll_unique_id()); });
     py::class_<deep_ep::LowLatencyRuntime>(m, "LowLatencyRuntime")
-        .def(py::init<int, int, int64_t, double, bool, const std::string&>(), py::arg("rank"), py::arg("num_ranks"),
-             py::arg("num_rdma_bytes"), py::arg("timeout_s"), py::arg("enable_shrink"), py::arg("unique_id"))
+        .def(py::init<int, int, int64_t, double, bool, const std::string&, bool>(), py::arg("rank"),
+             py::arg("num_ranks"), py::arg("num_rdma_bytes"), py::arg("timeout_s"), py::arg("enable_shrink"),
+             py::arg("unique_id"), py::arg("put_only") = false)
         .def("all_p2p", &deep_ep::LowLatencyRuntime::all_p2p)
         .def("num_blocks", &deep_ep::LowLatencyRuntime::num_blocks)
         .def("required_bytes", &deep_ep::LowLatencyRuntime::required_bytes)

@@ -98,7 +98,7 @@ class LowLatencyCuda:
         unique_id = join_nvshmem_world(rank, num_rdma_bytes, num_qps_per_rank, allow_nvlink, allow_mnnvl,
                                        all_gather)
         self.runtime = _C.LowLatencyRuntime(rank, num_ranks, num_rdma_bytes, envs.TIMEOUT_S.get(), enable_shrink,
-                                            unique_id)
+                                            unique_id, envs.LL_PUT_ONLY.get())
         self.comm_stream = torch.cuda.Stream(priority=-1)
         self._comm_ptr = self.comm_stream.cuda_stream
         self.parity = 0

@@ -66,6 +66,10 @@ INTERNODE = EnvVar(
 TOPK_IDX_BITS = EnvVar(
     "DEEP_EP_TOPK_IDX_BITS", int, 64,
     "Width of deep_ep.topk_idx_t: 64 (torch.int64, DeepEP's default) or 32 (torch.int32).")
+LL_PUT_ONLY = EnvVar(
+    "DEEP_EP_LL_PUT_ONLY", _parse_bool, False,
+    "Low-latency kernels: reach every other rank through NVSHMEM put-with-signal (the RDMA code path) even where "
+    "NVLink reaches it by pointer; for testing that path on one host.")
 CPU_ONLY = EnvVar(
     "DEEP_EP_CPU_ONLY", _parse_bool, False,
     "Build-time: install the pure-Python packages only, never the CUDA extension.")
