@@ -634,7 +634,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
     int* cnt = dyn;                  // [R][L] rows per (source, local expert)
     int* beg = cnt + E;              // [L][R] first row of (expert, source) block
     int* nmsg = beg + E;             // [R] messages per source
-    int* gone = nmsg + R;            // [R] 1 = source masked / skipped
+    int* mpre = nmsg + R;            // [R + 1] exclusive prefix of messages
+    int* gone = mpre + R + 1;        // [R] 1 = source masked / skipped
     for (int s = tid; s < R; s += kThreads) gone[s] = is_masked(ctx, s) ? 1 : 0;
     __syncthreads();
     for (int i = tid; i < R * (L + 1); i += kThreads) {
@@ -675,98 +676,107 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             if (a.cumulative_stats != nullptr) a.cumulative_stats[j] += acc;
         }
     }
-    // Per source, starting with this rank (its messages are in place once this grid's own sends are signalled, so
-    // their expansion overlaps the wait for the peers'): the source's arrival word reaches this CTA's base plus its
-    // message count, then the CTA expands its share of that source's messages.
+    if (tid == 0) {
+        int acc = 0;
+        for (int s = 0; s < R; ++s) {
+            mpre[s] = acc;
+            acc += gone[s] ? 0 : nmsg[s];
+        }
+        mpre[R] = acc;
+    }
+    // Data: the arrival word of each source reaches this CTA's base plus its message count.
+    for (int s = tid; s < R; s += kThreads) {
+        if (gone[s] || nmsg[s] == 0) continue;
+        const uint64_t target = bases[s] + uint64_t(nmsg[s]);
+        uint64_t seen = 0, elapsed = 0;
+        uint64_t* word = reinterpret_cast<uint64_t*>(my_half + lay.darrive_off + int64_t(s) * 8);
+        const WaitResult res =
+            wait_word(ctx, word, [target](uint64_t v) { return int64_t(v - target) >= 0; }, &seen, &elapsed);
+        if (res == kWaitOk) {
+            bases[s] = target;
+            if (b == 0 && a.wait_stats != nullptr)
+                atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + s), elapsed);
+        } else if (on_wait_failure(ctx, res, kKernelLlDispatch, kPhaseLlDispatchWaitData, s, -1, target, seen,
+                                   elapsed)) {
+            gone[s] = 1;
+        } else {
+            sh.failed = 1;
+        }
+    }
+    __syncthreads();
+    trace.mark();  // data arrived
+    if (sh.failed) return;
     // Expand: a warp copies one part (32 lanes x kUnroll x 16 bytes) of one message to each of its rows;
     // consecutive units on different SMs. The first part also writes the source info, the last the scales.
+    const int total = mpre[R];
     const int64_t out_row_bytes = a.use_fp8 ? H : int64_t(H) * 2;
     const int n16 = static_cast<int>(out_row_bytes / 16);
     constexpr int kUnroll = 4;
     const int parts = (n16 + 32 * kUnroll - 1) / (32 * kUnroll);
-    for (int r = 0; r < R; ++r) {
-        const int s = (me + r) % R;
-        if (tid == 0 && !gone[s] && nmsg[s] > 0) {
-            const uint64_t target = bases[s] + uint64_t(nmsg[s]);
-            uint64_t seen = 0, elapsed = 0;
-            uint64_t* word = reinterpret_cast<uint64_t*>(my_half + lay.darrive_off + int64_t(s) * 8);
-            const WaitResult res =
-                wait_word(ctx, word, [target](uint64_t v) { return int64_t(v - target) >= 0; }, &seen, &elapsed);
-            if (res == kWaitOk) {
-                bases[s] = target;
-                if (b == 0 && a.wait_stats != nullptr)
-                    atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + s), elapsed);
-            } else if (on_wait_failure(ctx, res, kKernelLlDispatch, kPhaseLlDispatchWaitData, s, -1, target, seen,
-                                       elapsed)) {
-                gone[s] = 1;
-            } else {
-                sh.failed = 1;
+    for (int g = warp * nb + b; g < total * parts; g += nb * kWarps) {
+        const int part = g % parts, msg_index = g / parts;
+        int s = 0;
+        while (mpre[s + 1] <= msg_index) ++s;
+        if (gone[s]) continue;
+        const int m = msg_index - mpre[s];
+        const char* msg = my_half + lay.drecv_off + (int64_t(s) * T + m) * lay.dmsg;
+        int head = lane < kHeaderInts ? ld_ring_int(reinterpret_cast<const int*>(msg) + lane) : -1;
+        const int t = __shfl_sync(0xffffffffu, head, 0);
+        int dest_j = -1, dest_row = 0;
+        if (lane >= 1 && lane < kHeaderInts && head >= 0) {
+            const int e = head >> 16;
+            if (e / L == me) {
+                dest_j = e % L;
+                dest_row = beg[dest_j * R + s] + (head & 0xffff);
             }
         }
-        __syncthreads();
-        if (sh.failed) return;
-        if (gone[s]) continue;
-        for (int g = warp * nb + b; g < nmsg[s] * parts; g += nb * kWarps) {
-            const int part = g % parts, m = g / parts;
-            const char* msg = my_half + lay.drecv_off + (int64_t(s) * T + m) * lay.dmsg;
-            int head = lane < kHeaderInts ? ld_ring_int(reinterpret_cast<const int*>(msg) + lane) : -1;
-            const int t = __shfl_sync(0xffffffffu, head, 0);
-            int dest_j = -1, dest_row = 0;
-            if (lane >= 1 && lane < kHeaderInts && head >= 0) {
-                const int e = head >> 16;
-                if (e / L == me) {
-                    dest_j = e % L;
-                    dest_row = beg[dest_j * R + s] + (head & 0xffff);
-                }
+        const unsigned dests = __ballot_sync(0xffffffffu, dest_j >= 0);
+        if (dest_j >= 0 && part == 0) a.src_info[int64_t(dest_j) * RT + dest_row] = t;
+        // Destination rows, broadcast to every lane (at most kMaxTopk).
+        int num_dests = 0;
+        int64_t out_rows[kMaxTopk];
+        for (unsigned rest = dests; rest != 0; rest &= rest - 1) {
+            const int src_lane = __ffs(rest) - 1;
+            const int j = __shfl_sync(0xffffffffu, dest_j, src_lane);
+            const int row = __shfl_sync(0xffffffffu, dest_row, src_lane);
+            out_rows[num_dests++] = int64_t(j) * RT + row;
+        }
+        const char* payload = msg + lay.header_bytes;
+        {
+            const int base = part * 32 * kUnroll;
+            int4 v[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int c = base + u * 32 + lane;
+                if (c < n16) v[u] = ld_ring_int4(reinterpret_cast<const int4*>(payload) + c);
             }
-            const unsigned dests = __ballot_sync(0xffffffffu, dest_j >= 0);
-            if (dest_j >= 0 && part == 0) a.src_info[int64_t(dest_j) * RT + dest_row] = t;
-            // Destination rows, broadcast to every lane (at most kMaxTopk).
-            int num_dests = 0;
-            int64_t out_rows[kMaxTopk];
-            for (unsigned rest = dests; rest != 0; rest &= rest - 1) {
-                const int src_lane = __ffs(rest) - 1;
-                const int j = __shfl_sync(0xffffffffu, dest_j, src_lane);
-                const int row = __shfl_sync(0xffffffffu, dest_row, src_lane);
-                out_rows[num_dests++] = int64_t(j) * RT + row;
-            }
-            const char* payload = msg + lay.header_bytes;
-            {
-                const int base = part * 32 * kUnroll;
-                int4 v[kUnroll];
-    #pragma unroll
+            for (int di = 0; di < num_dests; ++di) {
+                int4* out = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + out_rows[di] * out_row_bytes);
+#pragma unroll
                 for (int u = 0; u < kUnroll; ++u) {
                     const int c = base + u * 32 + lane;
-                    if (c < n16) v[u] = ld_ring_int4(reinterpret_cast<const int4*>(payload) + c);
-                }
-                for (int di = 0; di < num_dests; ++di) {
-                    int4* out = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + out_rows[di] * out_row_bytes);
-    #pragma unroll
-                    for (int u = 0; u < kUnroll; ++u) {
-                        const int c = base + u * 32 + lane;
-                        if (c < n16) st_na_int4(out + c, v[u]);
-                    }
+                    if (c < n16) st_na_int4(out + c, v[u]);
                 }
             }
-            if (a.use_fp8 && part == parts - 1) {
-                const float* scales = reinterpret_cast<const float*>(payload + H);
-                const int cols = a.use_ue8m0 ? S / 4 : S;
-                for (int c = lane; c < cols; c += 32) {
-                    uint32_t word = 0;
-                    if (a.use_ue8m0) {
-                        for (int q = 0; q < 4; ++q) {
-                            const uint32_t bits =
-                                static_cast<uint32_t>(ld_ring_int(reinterpret_cast<const int*>(scales + c * 4 + q)));
-                            word |= ((bits >> 23) & 0xffu) << (8 * q);
-                        }
-                    } else {
-                        word = static_cast<uint32_t>(ld_ring_int(reinterpret_cast<const int*>(scales + c)));
+        }
+        if (a.use_fp8 && part == parts - 1) {
+            const float* scales = reinterpret_cast<const float*>(payload + H);
+            const int cols = a.use_ue8m0 ? S / 4 : S;
+            for (int c = lane; c < cols; c += 32) {
+                uint32_t word = 0;
+                if (a.use_ue8m0) {
+                    for (int q = 0; q < 4; ++q) {
+                        const uint32_t bits =
+                            static_cast<uint32_t>(ld_ring_int(reinterpret_cast<const int*>(scales + c * 4 + q)));
+                        word |= ((bits >> 23) & 0xffu) << (8 * q);
                     }
-                    // Scales are [L, cols, R*T]: column-major in the last two dims.
-                    for (int di = 0; di < num_dests; ++di) {
-                        const int64_t j = out_rows[di] / RT, row = out_rows[di] % RT;
-                        reinterpret_cast<uint32_t*>(a.recv_scales)[(j * cols + c) * RT + row] = word;
-                    }
+                } else {
+                    word = static_cast<uint32_t>(ld_ring_int(reinterpret_cast<const int*>(scales + c)));
+                }
+                // Scales are [L, cols, R*T]: column-major in the last two dims.
+                for (int di = 0; di < num_dests; ++di) {
+                    const int64_t j = out_rows[di] / RT, row = out_rows[di] % RT;
+                    reinterpret_cast<uint32_t*>(a.recv_scales)[(j * cols + c) * RT + row] = word;
                 }
             }
         }
@@ -1075,7 +1085,7 @@ namespace {
 
 int dispatch_smem(const Context& ctx) {
     const int E = ctx.layout.num_experts, R = ctx.num_ranks;
-    return static_cast<int>((2 * E + 2 * R) * 4);  // cnt [R][L], beg [L][R], nmsg [R], gone [R]
+    return static_cast<int>(std::max<int64_t>(2 * E + 3 * R, 2 * E + 3 * R + 1) * 4);
 }
 
 constexpr int kMaxDynamicSmem = 160 * 1024;
