@@ -304,10 +304,18 @@ __device__ uint32_t logfmt_encode_row(const uint16_t* src, char* dst, int hidden
             const int g = lane + 32 * q;
             if (!present[q]) continue;
             if (!encode) {
+                // Raw chunk. `dst` is a send slot (stride H/128*4 + 2H: 4-byte aligned only when H % 512 != 0) on
+                // the put path, a 16-byte aligned receive slot on the NVLink path.
                 const int4* p = reinterpret_cast<const int4*>(src + c0 + g * 16);
                 int4* o = reinterpret_cast<int4*>(region + g * 32);
-                o[0] = ld_nc_int4(p);
-                o[1] = ld_nc_int4(p + 1);
+                const int4 v0 = ld_nc_int4(p), v1 = ld_nc_int4(p + 1);
+                if ((reinterpret_cast<uintptr_t>(o) & 15) == 0) {
+                    o[0] = v0;
+                    o[1] = v1;
+                } else {
+                    st_int4_words(o, v0);
+                    st_int4_words(o + 1, v1);
+                }
                 continue;
             }
             if (g % 8 == 0) {
