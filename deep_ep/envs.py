@@ -88,8 +88,7 @@ NVSHMEM_DIR = EnvVar(
     "Build-time: NVSHMEM installation (include/ and lib/); overrides the auto-detected nvidia-nvshmem wheel.")
 
 ALL: tuple[EnvVar, ...] = (TIMEOUT_S, BACKEND, DISPATCH_RECEIVE, GPUS_PER_NODE, INTERNODE, TOPK_IDX_BITS, LL_PUT_ONLY,
-                           CPU_ONLY,
-                           DISABLE_NVSHMEM, DEBUG_BUILD, TRACE_DIR, NVSHMEM_DIR)
+                           CPU_ONLY, DISABLE_NVSHMEM, DEBUG_BUILD, TRACE_DIR, NVSHMEM_DIR)
 
 
 def describe() -> str:
