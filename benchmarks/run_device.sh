@@ -13,7 +13,8 @@
 #                    the two GPUs (LL_PUT_EXAMPLES, default 3), then the LL bench at T = 128 on that path -> ll_put.json
 #   test_internode   GPU property suite of the internode backend on 2 virtual nodes x 1 GPU
 #   test_composed    GPU tests of the composed internode path (CUDA stages), 4 ranks on GPUs 0,1,0,1 as 2 x 2
-#                    (COMPOSED_EXAMPLES hypothesis examples, default 6)
+#                    (one per GPU on 4+ GPUs; with 8+ GPUs also 8 ranks as 2 x 4 and 4 x 2), COMPOSED_EXAMPLES
+#                    hypothesis examples (default 6)
 #   bench_intranode  Buffer defaults (direct receive) at 24, 16 and 8 SMs, DeepEP's EP2 workload -> intra.json
 #   bench_ll         LL sweep of tokens per rank 1..256 (128 is the bar) -> ll.json
 #   bench_internode  2 virtual nodes x 1 GPU next to the intranode kernels, simulator prediction -> inter.json

@@ -11,6 +11,9 @@ The worker pool is ``test_intranode.Pool``; every example runs ``test_internode.
 top-k weights and 0..2 biases, BF16 and FP8, -1 top-k slots, empty ranks) compared bit for bit with ``reference``
 (worst-token mode is skipped: the composed path rejects it). ``DEEP_EP_GPU_EXAMPLES_COMPOSED`` sets the number of
 hypothesis examples (default 6).
+
+On a machine with 8 or more GPUs the same round trip also runs with 8 ranks, one per GPU, as 2 nodes x 4 and as
+4 nodes x 2 (``test_eight_ranks``; skipped with fewer GPUs, issue 7).
 """
 from __future__ import annotations
 
@@ -66,3 +69,25 @@ def test_two_by_two_large(two_by_two):
                        empty_rank=-1, async_mode=use_fp8, previous_mode=use_fp8, num_bias=1,
                        scales_col_major=use_fp8)
         two_by_two.run(tn.TASK, case)
+
+
+@pytest.fixture(scope="module", params=[4, 2], ids=["2x4", "4x2"])
+def eight_ranks(request):
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < 8:
+        pytest.skip(f"needs >= 8 CUDA devices, found {found}")
+    env = {**ENV, "DEEP_EP_GPUS_PER_NODE": str(request.param)}
+    pool = ti.Pool(list(range(8)), env=env)
+    try:
+        assert pool.backends == {"ComposedInternode"}, f"Buffer did not pick the composed path: {pool.backends}"
+        stages = set(pool.run("test_composed:task_stages", None))
+        assert stages == {STAGES}, f"the composed path does not run CUDA stages: {stages}"
+        yield pool
+    finally:
+        pool.close()
+
+
+@ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_COMPOSED", "6")))
+@given(case=ti.case_strategy(8, max_tokens=300))
+def test_eight_ranks(eight_ranks, case):
+    eight_ranks.run(tn.TASK, case)
