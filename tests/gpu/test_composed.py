@@ -40,11 +40,10 @@ def task_stages(buffer, rank: int, payload) -> str:
         f"{type(composed.node).__name__}"
 
 
-@pytest.fixture(scope="module")
-def two_by_two():
-    # One rank per GPU where there are 4 (x4 / x8 machines), else GPUs 0, 1, 0, 1.
-    gpus = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 2
-    pool = ti.Pool([rank % gpus for rank in range(4)], env=ENV)
+def _composed_pool(devices: list, gpus_per_node: int):
+    """A worker pool on ``devices`` as nodes of ``gpus_per_node`` ranks, checked to run the composed path with CUDA
+    stages; yields it and closes it (the body of the module-scoped fixtures)."""
+    pool = ti.Pool(devices, env={**ENV, "DEEP_EP_GPUS_PER_NODE": str(gpus_per_node)})
     try:
         if ti.DEVICE == "cuda":
             assert pool.backends == {"ComposedInternode"}, f"Buffer did not pick the composed path: {pool.backends}"
@@ -53,6 +52,13 @@ def two_by_two():
         yield pool
     finally:
         pool.close()
+
+
+@pytest.fixture(scope="module")
+def two_by_two():
+    # One rank per GPU where there are 4 (x4 / x8 machines), else GPUs 0, 1, 0, 1.
+    gpus = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 2
+    yield from _composed_pool([rank % gpus for rank in range(4)], 2)
 
 
 @ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_COMPOSED", "6")))
@@ -76,15 +82,7 @@ def eight_ranks(request):
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if found < 8:
         pytest.skip(f"needs >= 8 CUDA devices, found {found}")
-    env = {**ENV, "DEEP_EP_GPUS_PER_NODE": str(request.param)}
-    pool = ti.Pool(list(range(8)), env=env)
-    try:
-        assert pool.backends == {"ComposedInternode"}, f"Buffer did not pick the composed path: {pool.backends}"
-        stages = set(pool.run("test_composed:task_stages", None))
-        assert stages == {STAGES}, f"the composed path does not run CUDA stages: {stages}"
-        yield pool
-    finally:
-        pool.close()
+    yield from _composed_pool(list(range(8)), request.param)
 
 
 @ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_COMPOSED", "6")))
