@@ -136,6 +136,9 @@ def _worker(rank: int, world: int, port: int, env: dict, tasks, results) -> None
         buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES, num_rdma_bytes=rdma,
                                 low_latency_mode=True, num_qps_per_rank=MAX_EXPERTS_PER_RANK,
                                 explicitly_destroy=True, enable_shrink=os.environ.get("LL_TEST_SHRINK") == "1")
+        # DEEP_EP_LL_PUT_ONLY=1 (run_device.sh test_ll_put) must really take the put path between ranks.
+        if deep_ep.envs.LL_PUT_ONLY.get() and world > 1:
+            assert not buffer._cuda_ll.runtime.all_p2p(), "DEEP_EP_LL_PUT_ONLY=1 but every peer is reached by pointer"
         results.put((rank, "ready", type(buffer._cuda_ll).__name__))
     except Exception:  # noqa: BLE001 - reported to the driver
         results.put((rank, "error", traceback.format_exc()))
