@@ -103,8 +103,12 @@ print(json.dumps(out))
 _LL_PROBE = _PRELUDE + r"""
 
 calls = []
+init_args = []  # the runtime constructor's arguments
 pending = []  # an error record the fake kernels left (the real runtime's launch then raises DeviceError)
 class Recording(ext.LowLatencyRuntime):
+    def __init__(self, *args):
+        init_args.append(list(args))
+        super().__init__(*args)
     def dispatch(self, *args):
         if pending:
             raise ext.DeviceError("a low-latency kernel error is pending")
@@ -130,7 +134,9 @@ x, topk_idx, topk_weights = bench.ll_scenario(torch, deep_ep, Args)
 out = {}
 with bench.patched(torch, cuda_tensors=True):
     os.environ["DEEP_EP_BACKEND"] = "cuda"
+    os.environ["DEEP_EP_LL_PUT_ONLY"] = "1"
     buffer = deep_ep.Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True)
+    out["init"] = [a if isinstance(a, (bool, int, float)) else type(a).__name__ for a in init_args[0]]
     compute = torch.cuda.current_stream()
     def current_stream(device=None):
         calls.append(["current_stream"])
@@ -265,6 +271,9 @@ def test_ll_launches_per_mode():
                         ["combine", 1, False, False, False], ["combine", 2, False, False, True],
                         ["dispatch", 1, False, False, 0], ["dispatch", 2, False, False, 5]], hook
     assert out["hook"]["hook_again"] == "this low-latency receive hook was already called"
+    # The runtime gets (rank, num_ranks, num_rdma_bytes, timeout_s, enable_shrink, unique_id, put_only):
+    # DEEP_EP_LL_PUT_ONLY=1 reaches it as put_only.
+    assert out["init"][:5] == [0, 1, 1 << 30, 100.0, False] and out["init"][6] is True, out["init"]
     # A kernel error left by an earlier call becomes its typed exception at the next launch.
     assert out["pending"] == ["CommTimeoutError", "ll_dispatch_wait_data: rank 0 peer 1 (fake)"]
     for mode in ("sync", "async", "hook"):
