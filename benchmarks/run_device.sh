@@ -41,6 +41,8 @@ END=$((T0 + ${BUDGET_S:-560}))
 S="$OUT/summary.log"
 # The intranode benchmark's default points (bench_intranode and bench_tree).
 INTRA_DEFAULT="--sms 24 16 8 --dispatch-chunks 32 --combine-chunks 8 --receive direct"
+# The extension build (build, the debug rebuilds, build_tree); prefix DEEP_EP_DEBUG_BUILD=1 for a debug build.
+BUILD=(env MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py build_ext --inplace)
 failed=0
 
 # limit WANT: WANT seconds, or what is left before the deadline when that is less (at least 5).
@@ -57,11 +59,17 @@ run_step() {  # run_step NAME WANT_S COMMAND...
     return $rc
 }
 
+test_summary() {  # test_summary NAME [FAILURE_LOG]: a pytest step's result lines and failures into the summary
+    tail -n 3 "$OUT/$1.log" >> "$S"
+    [ -n "${2:-}" ] && [ -f "$2" ] && head -c 4000 "$2" >> "$S"
+    grep -E "^E " "$OUT/$1.log" | head -30 >> "$S"
+}
+
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$S" 2>&1
 for step in "$@"; do
     case "$step" in
     build)  # DEEP_EP_DEBUG_BUILD=1 in the environment: the LL kernels' section trace (tools/ll_trace.py)
-        if ! run_step build 220 env MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py build_ext --inplace; then
+        if ! run_step build 220 "${BUILD[@]}"; then
             grep -iE "error|fatal" "$OUT/build.log" | head -20 >> "$S"
             exit 1
         fi
@@ -70,36 +78,29 @@ for step in "$@"; do
     test_intranode)
         run_step test_intranode 170 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_intranode.py \
             tests/test_cuda_host_path.py
-        tail -n 3 "$OUT/test_intranode.log" >> "$S"
-        grep -E "^E " "$OUT/test_intranode.log" | head -30 >> "$S" ;;
+        test_summary test_intranode ;;
     test_ll)
         # LL_FAILURE_LOG: each failing example's text as it happens (the summary at the end is lost if the step is
         # killed at its time limit).
         run_step test_ll 220 env LL_EXAMPLES="${LL_EXAMPLES:-5}" LL_FAILURE_LOG="$OUT/ll_failures.log" \
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_low_latency.py
-        tail -n 3 "$OUT/test_ll.log" >> "$S"
-        [ -f "$OUT/ll_failures.log" ] && head -c 4000 "$OUT/ll_failures.log" >> "$S"
-        grep -E "^E " "$OUT/test_ll.log" | head -30 >> "$S" ;;
+        test_summary test_ll "$OUT/ll_failures.log" ;;
     test_ll_put)
         run_step test_ll_put 200 env DEEP_EP_LL_PUT_ONLY=1 LL_EXAMPLES="${LL_PUT_EXAMPLES:-3}" \
             LL_FAILURE_LOG="$OUT/ll_put_failures.log" python3 -m pytest -q -rfE -p no:cacheprovider \
             tests/gpu/test_low_latency.py
-        tail -n 3 "$OUT/test_ll_put.log" >> "$S"
-        [ -f "$OUT/ll_put_failures.log" ] && head -c 4000 "$OUT/ll_put_failures.log" >> "$S"
-        grep -E "^E " "$OUT/test_ll_put.log" | head -30 >> "$S"
+        test_summary test_ll_put "$OUT/ll_put_failures.log"
         run_step bench_ll_put 60 env DEEP_EP_LL_PUT_ONLY=1 python3 benchmarks/bench_low_latency.py --tokens 128 \
             --warmups 10 --iters 20 --json "$OUT/ll_put.json"
         grep -vE "^LLTRACE|UserWarning|_warn_once" "$OUT/bench_ll_put.log" | tail -n 4 >> "$S" ;;
     test_internode)
         run_step test_internode 190 env DEEP_EP_GPU_EXAMPLES_INTERNODE="${INTERNODE_EXAMPLES:-8}" \
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_internode.py
-        tail -n 3 "$OUT/test_internode.log" >> "$S"
-        grep -E "^E " "$OUT/test_internode.log" | head -30 >> "$S" ;;
+        test_summary test_internode ;;
     test_composed)
         run_step test_composed 170 env DEEP_EP_GPU_EXAMPLES_COMPOSED="${COMPOSED_EXAMPLES:-6}" \
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_composed.py
-        tail -n 3 "$OUT/test_composed.log" >> "$S"
-        grep -E "^E " "$OUT/test_composed.log" | head -30 >> "$S" ;;
+        test_summary test_composed ;;
     bench_intranode)
         # INTRA_ARGS replaces the default: Buffer's defaults (tuned warps, channel cap) at 24, 16 and 8 SMs, direct
         # receive. A sweep of channels and warps: INTRA_ARGS="--uncapped --sms 24 20 16 12 8 --dispatch-warps 8 12 16
@@ -122,8 +123,7 @@ for step in "$@"; do
     test_ep)
         run_step test_ep 240 python3 -m pytest -q -rfE -p no:cacheprovider -k one_rank_per_gpu \
             tests/gpu/test_intranode.py tests/gpu/test_low_latency.py
-        tail -n 3 "$OUT/test_ep.log" >> "$S"
-        grep -E "^E " "$OUT/test_ep.log" | head -30 >> "$S" ;;
+        test_summary test_ep ;;
     bench_ep)
         gpus=$(nvidia-smi -L | wc -l)
         run_step bench_ep_intra 150 python3 benchmarks/bench_intranode.py --num-processes "$gpus" --sms 24 \
@@ -134,15 +134,13 @@ for step in "$@"; do
             --warmups 10 --iters 20 --json "$OUT/ep_ll.json"
         grep -vE "UserWarning|_warn_once" "$OUT/bench_ep_ll.log" | tail -n 3 >> "$S" ;;
     trace_ll)  # debug rebuild (the LL kernels' section trace), T=128, summary by tools/ll_trace.py; leaves a debug build
-        run_step build_debug 220 env DEEP_EP_DEBUG_BUILD=1 MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py \
-            build_ext --inplace || continue
+        run_step build_debug 220 env DEEP_EP_DEBUG_BUILD=1 "${BUILD[@]}" || continue
         run_step trace_ll 90 env DEEP_EP_TRACE_DIR="$OUT/trace_ll" python3 benchmarks/bench_low_latency.py \
             --tokens 128 --warmups 10 --iters 20
         grep -vE "^LLTRACE|UserWarning|_warn_once" "$OUT/trace_ll.log" | tail -n 3 >> "$S"
         python3 tools/ll_trace.py "$OUT"/trace_ll/rank*.log >> "$S" ;;
     trace_intra)  # debug rebuild (the intranode kernels' role trace), EP2 at 16 channels; leaves a debug build
-        run_step build_debug 200 env DEEP_EP_DEBUG_BUILD=1 MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py \
-            build_ext --inplace || continue
+        run_step build_debug 200 env DEEP_EP_DEBUG_BUILD=1 "${BUILD[@]}" || continue
         echo "note: the extension is now a DEBUG build (INTRATRACE printf in every intranode CTA); run the build" \
             "step before any timing" >> "$S"
         run_step trace_intra 90 env DEEP_EP_TRACE_DIR="$OUT/trace_intra" python3 benchmarks/bench_intranode.py \
@@ -160,8 +158,7 @@ for step in "$@"; do
             failed=$((failed + 1))
             continue
         fi
-        run_step build_tree 150 bash -c "cd '$TREE' && MAX_JOBS=32 TORCH_CUDA_ARCH_LIST=9.0a python3 setup.py \
-            build_ext --inplace" || continue
+        run_step build_tree 150 env -C "$TREE" "${BUILD[@]}" || continue
         run_step bench_tree 140 bash -c "cd '$TREE' && python3 benchmarks/bench_intranode.py \
             ${TREE_ARGS:-$INTRA_DEFAULT} --json '$OUT/tree.json'"
         echo "tree $TREE ($(git -C "$TREE" log --oneline -1 2>/dev/null || echo 'no git metadata')):" >> "$S"
