@@ -219,35 +219,34 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
                                            remote_rows * h * 2, warps, channels))
 
     # NCCL baseline: index_select by destination + all_to_all_single; back with all_to_all_single + index_add_.
-    in_rank = layout.is_token_in_rank
-    send_counts = in_rank.sum(0).tolist()
-    order = torch.cat([in_rank[:, d].nonzero().squeeze(1) for d in range(num_ranks)])
-    counts = torch.tensor(send_counts, dtype=torch.int64, device="cuda")
-    recv_counts_t = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts_t, counts)
-    recv_counts = recv_counts_t.tolist()
-    recv_buf = torch.empty(sum(recv_counts), h, dtype=torch.bfloat16, device="cuda")
-    back_buf = torch.empty(order.numel(), h, dtype=torch.bfloat16, device="cuda")
-    acc = torch.empty(n, h, dtype=torch.float32, device="cuda")
+    if "nccl" in args.ops:
+        in_rank = layout.is_token_in_rank
+        send_counts = in_rank.sum(0).tolist()
+        order = torch.cat([in_rank[:, d].nonzero().squeeze(1) for d in range(num_ranks)])
+        counts = torch.tensor(send_counts, dtype=torch.int64, device="cuda")
+        recv_counts_t = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts_t, counts)
+        recv_counts = recv_counts_t.tolist()
+        recv_buf = torch.empty(sum(recv_counts), h, dtype=torch.bfloat16, device="cuda")
+        back_buf = torch.empty(order.numel(), h, dtype=torch.bfloat16, device="cuda")
+        acc = torch.empty(n, h, dtype=torch.float32, device="cuda")
 
-    def nccl_dispatch():
-        send = x.index_select(0, order)
-        dist.all_to_all_single(recv_buf, send, recv_counts, send_counts)
+        def nccl_dispatch():
+            send = x.index_select(0, order)
+            dist.all_to_all_single(recv_buf, send, recv_counts, send_counts)
 
-    def nccl_combine():
-        dist.all_to_all_single(back_buf, recv_buf, send_counts, recv_counts)
-        acc.zero_()
-        acc.index_add_(0, order, back_buf.float())
-        return acc.to(torch.bfloat16)
+        def nccl_combine():
+            dist.all_to_all_single(back_buf, recv_buf, send_counts, recv_counts)
+            acc.zero_()
+            acc.index_add_(0, order, back_buf.float())
+            return acc.to(torch.bfloat16)
 
-    rows = sum(recv_counts)
-    nccl_local = recv_counts[rank]
-    for label, fn in (("nccl_dispatch_bf16", nccl_dispatch), ("nccl_combine_bf16", nccl_combine)):
-        if "nccl" not in args.ops:
-            break
-        t = safe(label, lambda: bench(fn, iters, iters))
-        if t is not None:
-            report["points"].append(_point(label, 0, 0, t, None, rows * h * 2, (rows - nccl_local) * h * 2))
+        rows = sum(recv_counts)
+        nccl_local = recv_counts[rank]
+        for label, fn in (("nccl_dispatch_bf16", nccl_dispatch), ("nccl_combine_bf16", nccl_combine)):
+            t = safe(label, lambda: bench(fn, iters, iters))
+            if t is not None:
+                report["points"].append(_point(label, 0, 0, t, None, rows * h * 2, (rows - nccl_local) * h * 2))
 
     with open(f"{result_path}.rank{rank}", "w") as f:
         json.dump(report, f)
