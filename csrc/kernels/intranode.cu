@@ -388,6 +388,11 @@ struct RoleTrace {
             ++mine().items;
         }
     }
+    // An item with no duration of its own (a publication).
+    __device__ static void item() {
+        item_begin();
+        item_end();
+    }
     // Any lane, around a wait of its own; then warp_wait() with the whole warp.
     __device__ static void wait_begin() { trace_lanes[threadIdx.x] = now(); }
     __device__ static void wait_end() { trace_lanes[threadIdx.x] = now() - trace_lanes[threadIdx.x]; }
@@ -468,6 +473,7 @@ struct RoleTrace {
     __device__ static void prologue() {}
     __device__ static void item_begin() {}
     __device__ static void item_end() {}
+    __device__ static void item() {}
     __device__ static void wait_begin() {}
     __device__ static void wait_end() {}
     __device__ static void warp_wait() {}
@@ -815,8 +821,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                     count = raise_counts(args.send_head, num_ranks, begin + published, begin + ready, count);
                     publish_tails(ctx, count, old, tail_base, channel, kDispatchTailOffset);
                     published = ready;
-                    RoleTrace::item_begin();
-                    RoleTrace::item_end();
+                    RoleTrace::item();
                 } else {
                     publisher_idle(ctx, &cta_failed, &spins);
                     RoleTrace::idle();
@@ -1131,10 +1136,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 reduced = done;
                 acted = true;
             }
-            if (acted) {
-                RoleTrace::item_begin();
-                RoleTrace::item_end();
-            }
+            if (acted) RoleTrace::item();
             const bool sends_done = ctx.skip_sends || __all_sync(0xffffffffu, sent == my_count);
             if (sends_done && reduced == num_channel_tokens) break;
             if (!acted) {
