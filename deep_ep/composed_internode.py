@@ -195,11 +195,9 @@ def internode_handle_fields(mask: torch.Tensor, topology: Topology, num_channels
     fwd_node = _source_of_rows(rail_prefix, fwd_channel.size(0))
     recv_rdma_prefix = hd.recv_rdma_channel_prefix_matrix(
         _channel_prefix(fwd_node, fwd_channel, num_nodes, num_channels))
-    counts = torch.zeros(topology.num_ranks, dtype=torch.int64, device=src_rank.device)
-    counts.index_add_(0, src_rank.to(torch.int64), torch.ones_like(src_rank, dtype=torch.int64))
-    gbl_rank_prefix = hd.recv_gbl_rank_prefix_sum(counts)
-    gbl_channel_prefix = hd.recv_gbl_channel_prefix_matrix(
-        _channel_prefix(src_rank, src_channel, topology.num_ranks, num_channels), gbl_rank_prefix)
+    src_prefix = _channel_prefix(src_rank, src_channel, topology.num_ranks, num_channels)
+    gbl_rank_prefix = hd.recv_gbl_rank_prefix_sum(src_prefix[:, -1])  # rows per source: its last channel's prefix
+    gbl_channel_prefix = hd.recv_gbl_channel_prefix_matrix(src_prefix, gbl_rank_prefix)
     return hd.InternodeHandle(
         is_token_in_rank=mask,
         rdma_channel_prefix_matrix=sender.rdma_channel_prefix_matrix,
