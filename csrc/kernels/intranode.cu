@@ -1157,14 +1157,23 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         // ------------------------------------------------------------------ reducer: my tokens of this channel
         const int reduce_warp = warp - first_reducer;
         const int64_t own_first = block_first[rank];
+        // Lane d (< R) holds send_head[t][d] of the warp's token, loaded one token ahead: the load of the next
+        // token's row is in flight while this token waits and reduces.
+        auto head_of = [&](int item) {
+            return lane < num_ranks && item < num_channel_tokens
+                ? args.send_head[static_cast<int64_t>(begin + item) * num_ranks + lane] : -1;
+        };
+        int next_head = head_of(reduce_warp);
         for (int item = reduce_warp; item < num_channel_tokens; item += num_reduce_warps) {
             if (cta_failed != 0) break;
             const int t = begin + item;
+            const int my_head = next_head;
+            next_head = head_of(item + num_reduce_warps);
             RoleTrace::item_begin();
             // Lane d: wait until the slot of my token in d's ring is written (its tail has passed it).
             bool ok = true;
             if (lane < num_ranks && lane != rank) {
-                const int j = args.send_head[static_cast<int64_t>(t) * num_ranks + lane];
+                const int j = my_head;
                 const uint32_t needed = head_base[lane] + static_cast<uint32_t>(j) + 1u;
                 if (j >= 0 && !seq_geq(tail_cache[lane], needed)) {
                     uint32_t seen;
@@ -1181,13 +1190,12 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 if (lane == 0) cta_failed = 1;
                 break;
             }
-            const int* head_row = args.send_head + static_cast<int64_t>(t) * num_ranks;
             // Contribution sources in ascending rank order; `own` is the index of my own row (-1 if none).
             const int4* srcs[kMaxRanks];
             const float* wsrcs[kMaxRanks];
             int num_srcs = 0, own = -1;
             for (int d = 0; d < num_ranks; ++d) {
-                const int j = head_row[d];
+                const int j = __shfl_sync(0xffffffffu, my_head, d);
                 if (j < 0) continue;
                 if (d == rank) {
                     const int64_t row = own_first + j;
