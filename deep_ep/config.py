@@ -270,6 +270,23 @@ INTRANODE_DISPATCH_RECEIVE: Optional[str] = None
 DISPATCH_RECEIVE_MODES = ("auto", "rings", "direct")
 
 
+# Send path of intranode combine: None follows DEEP_EP_COMBINE_COPY ('auto' or 'rings'); tests and the benchmark set
+# it here. COMBINE_COPY_CHUNK_ROWS: rows per copy-engine chunk (each chunk ends with a flag the reducers wait for;
+# the first chunks are smaller so that the reducers start early).
+INTRANODE_COMBINE_COPY: Optional[str] = None
+COMBINE_COPY_MODES = ("auto", "rings")
+COMBINE_COPY_CHUNK_ROWS = 512
+
+
+def combine_copy_mode() -> str:
+    """'auto' (copy engine where it applies) or 'rings'."""
+    mode = INTRANODE_COMBINE_COPY if INTRANODE_COMBINE_COPY is not None else envs.COMBINE_COPY.get()
+    if mode not in COMBINE_COPY_MODES:
+        raise ValueError(f"combine copy mode (DEEP_EP_COMBINE_COPY or deep_ep.config.INTRANODE_COMBINE_COPY) must "
+                         f"be one of {COMBINE_COPY_MODES}, got {mode!r}")
+    return mode
+
+
 def dispatch_receive_mode() -> str:
     """'auto' (direct-to-output when the output pool has room, else rings), 'rings' or 'direct'."""
     mode = INTRANODE_DISPATCH_RECEIVE if INTRANODE_DISPATCH_RECEIVE is not None else envs.DISPATCH_RECEIVE.get()

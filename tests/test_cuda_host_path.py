@@ -47,7 +47,7 @@ class Recording(ext.Runtime):
         offsets.append(list(args[12:14]))
         return super().dispatch(*args)
     def combine(self, *args):
-        calls.append(["combine", *args[-2:]])
+        calls.append(["combine", *args[12:14]])  # after_current, current_after (copy-engine arguments follow)
         return super().combine(*args)
 ext.Runtime = Recording
 ext.record_stream = lambda tensors, *stream: calls.append(["record_stream", len(tensors)])
