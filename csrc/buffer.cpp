@@ -686,10 +686,10 @@ void Runtime::combine_by_copy(const kernels::KernelContext& ctx, kernels::Combin
                               cudaStream_t stream) {
     const int R = num_ranks_, me = rank_;
     args.copy_epoch = ++copy_epoch_;
-    // The reducing kernel first, so that it waits for rows while the copies are still being enqueued.
+    // The copies and their flags are enqueued before the reducing kernel that spins on them: streams can share a
+    // hardware queue (CUDA_DEVICE_MAX_CONNECTIONS), and work queued behind a spinning kernel would never start.
     DEEP_EP_CUDA_CHECK(cudaEventRecord(copy_event_, stream));
     DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, copy_event_, 0));
-    kernels::intranode_combine_landed(ctx, args, copy_ctas, stream);
     kernels::intranode_combine_copy_prepare(ctx, args.copy_epoch, copy_stream_);
     // My receive block from d: x rows [first[d], first[d] + rows[d]), in d's token order; it lands in my zone at d.
     std::vector<int64_t> first(R), rows(R);
@@ -730,6 +730,7 @@ void Runtime::combine_by_copy(const kernels::KernelContext& ctx, kernels::Combin
             chunk = std::min(full, chunk * 2);
         }
     }
+    kernels::intranode_combine_landed(ctx, args, copy_ctas, stream);
     DEEP_EP_CUDA_CHECK(cudaEventRecord(copy_event_, copy_stream_));
     DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(stream, copy_event_, 0));
 }

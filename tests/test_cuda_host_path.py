@@ -185,7 +185,8 @@ print(json.dumps(out))
 
 
 def _run(args: list, timeout: int = 300) -> str:
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    # The probes check the knobs' defaults: the device scripts' own settings (DEEP_EP_TIMEOUT_S, ...) stay out.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DEEP_EP_")}, "PYTHONPATH": ROOT}
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
