@@ -210,10 +210,13 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
             safe(f"{label} probe", lambda: buffer.combine(combine_x, handle, config=base))
             by_copy = runtime is not None and runtime.get_copy_epoch() > epoch
             best = None
-            for chunk, warps in ((c, w) for c in args.combine_chunks
+            # Copy path: the "chunk" swept is deep_ep.config.COMBINE_COPY_CHUNK_ROWS (--copy-chunk-rows).
+            for chunk, warps in ((c, w) for c in (args.copy_chunk_rows if by_copy else args.combine_chunks)
                                  for w in ([0] if by_copy else args.combine_warps)):
-                cfg = deep_ep.Config(num_sms, chunk, 256)
+                cfg = deep_ep.Config(num_sms, 8 if by_copy else chunk, 256)
                 fn = with_send_warps("combine", warps, lambda c=cfg: buffer.combine(combine_x, handle, config=c))
+                if by_copy:
+                    fn = with_copy_chunk_rows(chunk, fn)
                 t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn, iters, iters))
                 if t is not None:
                     report["sweep"].append([label, num_sms, chunk, warps, t["mean"] * 1e6])
@@ -262,6 +265,20 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
     buffer.destroy()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def with_copy_chunk_rows(rows: int, fn):
+    """``fn`` with deep_ep.config.COMBINE_COPY_CHUNK_ROWS = rows for its duration."""
+    import deep_ep.config
+
+    def call():
+        old = deep_ep.config.COMBINE_COPY_CHUNK_ROWS
+        deep_ep.config.COMBINE_COPY_CHUNK_ROWS = rows
+        try:
+            return fn()
+        finally:
+            deep_ep.config.COMBINE_COPY_CHUNK_ROWS = old
+    return call
 
 
 def set_receive(buffer, receive: str) -> None:
@@ -347,6 +364,9 @@ def main() -> None:
     parser.add_argument("--combine-copy", nargs="+", default=["auto"], choices=["auto", "rings"],
                         help="combine send paths to measure: auto (the copy engine where it applies; op "
                              "combine_bf16) and/or rings (ring-sender warps; op combine_bf16_rings)")
+    parser.add_argument("--copy-chunk-rows", nargs="+", type=int, default=[512],
+                        help="rows per copy-engine chunk of the copy combine path to sweep "
+                             "(deep_ep.config.COMBINE_COPY_CHUNK_ROWS)")
     parser.add_argument("--receive", nargs="+", default=["rings"], choices=["rings", "direct", "skipcopy"],
                         help="dispatch receive paths to measure (skipcopy: diagnostic, wrong outputs)")
     parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS,

@@ -3,6 +3,8 @@
 
 #include <c10/cuda/CUDAStream.h>
 
+#include <cuda.h>  // types of cuStreamWriteValue32 (resolved at run time through the runtime's driver entry point)
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -670,6 +672,48 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     return {combined_x, combined_topk_weights};
 }
 
+namespace {
+
+// cuStreamWriteValue32 from the driver the runtime uses (no link against libcuda), or null where it is missing.
+using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+WriteValue32 driver_write_value32() {
+    static const WriteValue32 fn = [] {
+        void* p = nullptr;
+        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &p, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess || found != cudaDriverEntryPointSuccess) {
+            cudaGetLastError();
+            return static_cast<WriteValue32>(nullptr);
+        }
+        return reinterpret_cast<WriteValue32>(p);
+    }();
+    return fn;
+}
+
+}  // namespace
+
+void Runtime::publish_landed(const kernels::KernelContext& ctx, const kernels::LandedFlags& flags) {
+    // A stream write (with its default memory barrier after the chunk's copies) costs no kernel launch; the flag
+    // kernel is the fallback where the driver refuses it.
+    WriteValue32 write = stream_writes_ ? driver_write_value32() : nullptr;
+    if (write != nullptr) {
+        for (int d = 0; d < num_ranks_ && write != nullptr; ++d) {
+            if (flags.values[d] == 0u) continue;
+            auto* word = static_cast<char*>(peer_buffers_[d]) + kernels::kCombineLandedOffset + 4 * rank_;
+            if (write(reinterpret_cast<CUstream>(copy_stream_), reinterpret_cast<CUdeviceptr>(word), flags.values[d],
+                      CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
+                stream_writes_ = false;  // e.g. stream memory operations disabled: flag kernels from now on
+                write = nullptr;
+                kernels::LandedFlags rest{};
+                for (int r = d; r < num_ranks_; ++r) rest.values[r] = flags.values[r];
+                kernels::intranode_combine_copy_flag(ctx, rest, copy_stream_);
+            }
+        }
+        return;
+    }
+    kernels::intranode_combine_copy_flag(ctx, flags, copy_stream_);
+}
+
 bool Runtime::would_copy(const std::vector<int64_t>& pair_counts, int hidden, int num_topk) const {
     const int R = num_ranks_;
     if (R < 2 || static_cast<int>(pair_counts.size()) != R * R) return false;
@@ -725,7 +769,7 @@ void Runtime::combine_by_copy(const kernels::KernelContext& ctx, kernels::Combin
                                                    cudaMemcpyDeviceToDevice, copy_stream_));
                 flags.values[d] = (args.copy_epoch << kernels::kLandedRowBits) | static_cast<uint32_t>(stop);
             }
-            kernels::intranode_combine_copy_flag(ctx, flags, copy_stream_);
+            publish_landed(ctx, flags);
             done = end;
             chunk = std::min(full, chunk * 2);
         }

@@ -204,6 +204,7 @@ class Runtime {
     cudaStream_t copy_stream_ = nullptr;            // copy-engine combine: copies and their flags
     cudaEvent_t copy_event_ = nullptr;              // joins copy_stream_ back into the call's stream
     uint32_t copy_epoch_ = 0;                       // copy-engine combines so far (their flags' epoch)
+    bool stream_writes_ = true;                     // landed words by cuStreamWriteValue32 (false: flag kernel)
 
     // Output pool: blocks queued by deleters, then blocks whose events are recorded and not yet complete.
     struct PendingBlock {
@@ -222,6 +223,8 @@ class Runtime {
     // The copy-engine combine of combine(): reducing kernel on `stream`, copies and flags on copy_stream_.
     void combine_by_copy(const kernels::KernelContext& ctx, kernels::CombineArgs& args,
                          const std::vector<int64_t>& pair_counts, int copy_ctas, int chunk_rows, cudaStream_t stream);
+    // The landed words of one chunk of copies, on copy_stream_: stream writes, or the flag kernel.
+    void publish_landed(const kernels::KernelContext& ctx, const kernels::LandedFlags& flags);
     // Context of the next launch; increments the call counter.
     kernels::KernelContext next_context();
     void require_available(const char* what) const;

@@ -28,8 +28,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from deep_ep import envs
-from deep_ep.config import (COMBINE_COPY_CHUNK_ROWS, NUM_MAX_SCALEUP_RANKS, Config, combine_copy_mode,
-                            dispatch_receive_mode, intranode_channels, intranode_send_warps)
+from deep_ep import config as tuning
+from deep_ep.config import (NUM_MAX_SCALEUP_RANKS, Config, combine_copy_mode, dispatch_receive_mode,
+                            intranode_channels, intranode_send_warps)
 from deep_ep.errors import CommError, CommTimeoutError, PeerAbortedError, RoutingError  # noqa: F401 (also re-exported)
 from deep_ep.event import CudaEventHandle, EventOverlap
 from deep_ep.handle import IntranodeHandle
@@ -469,7 +470,7 @@ class CudaBackend:
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,
                 config.num_max_nvl_chunked_recv_tokens, intranode_send_warps("combine", self.num_ranks, num_channels),
                 self._comm_ptr, scope.after_current, scope.current_after, handle.channel_prefix_matrix,
-                pair_counts or [], copy_ctas, COMBINE_COPY_CHUNK_ROWS)
+                pair_counts or [], copy_ctas, tuning.COMBINE_COPY_CHUNK_ROWS)
             event = scope.finish((x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights, *handle))
         except BaseException:
             scope.restore()
