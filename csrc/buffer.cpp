@@ -138,7 +138,7 @@ Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_
     DEEP_EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_counters_), host_counters_, 0));
     DEEP_EP_CUDA_CHECK(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming));
     DEEP_EP_CUDA_CHECK(cudaEventCreateWithFlags(&copy_event_, cudaEventDisableTiming));
-    for (auto& s : copy_streams_) DEEP_EP_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    DEEP_EP_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
     DEEP_EP_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -231,11 +231,9 @@ void Runtime::destroy() {
     if (host_counters_) cudaFreeHost(host_counters_);
     if (order_event_) cudaEventDestroy(order_event_);
     if (copy_event_) cudaEventDestroy(copy_event_);
-    for (auto& s : copy_streams_) {
-        if (s) cudaStreamDestroy(s);
-        s = nullptr;
-    }
+    if (copy_stream_) cudaStreamDestroy(copy_stream_);
     order_event_ = copy_event_ = nullptr;
+    copy_stream_ = nullptr;
     local_buffer_ = workspace_ = nullptr;
     host_error_ = device_error_ = nullptr;
     host_counters_ = device_counters_ = nullptr;
@@ -666,7 +664,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
         would_copy(pair_counts, args.hidden, args.num_topk)) {
         check_device("handle.channel_prefix_matrix", channel_prefix_matrix, device_id_);
         args.channel_prefix_matrix = data_of<int>(*channel_prefix_matrix, workspace_);
-        combine_by_copy(ctx, args, pair_counts, copy_ctas, std::max(copy_chunk_rows, 1), as_stream(stream));
+        combine_by_copy(ctx, args, pair_counts, copy_ctas, copy_chunk_rows, as_stream(stream));
     } else {
         kernels::intranode_combine(ctx, args, as_stream(stream));
     }
@@ -701,21 +699,19 @@ void Runtime::publish_landed(const kernels::KernelContext& ctx, const kernels::L
     if (write != nullptr) {
         for (int d = 0; d < num_ranks_ && write != nullptr; ++d) {
             if (flags.values[d] == 0u) continue;
-            auto* word = static_cast<char*>(peer_buffers_[d]) + kernels::kCombineLandedOffset +
-                         4 * (rank_ * kernels::kCopyStreams + flags.stream);
-            if (write(reinterpret_cast<CUstream>(copy_streams_[flags.stream]), reinterpret_cast<CUdeviceptr>(word), flags.values[d],
+            auto* word = static_cast<char*>(peer_buffers_[d]) + kernels::kCombineLandedOffset + 4 * rank_;
+            if (write(reinterpret_cast<CUstream>(copy_stream_), reinterpret_cast<CUdeviceptr>(word), flags.values[d],
                       CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
                 stream_writes_ = false;  // e.g. stream memory operations disabled: flag kernels from now on
                 write = nullptr;
                 kernels::LandedFlags rest{};
-                rest.stream = flags.stream;
                 for (int r = d; r < num_ranks_; ++r) rest.values[r] = flags.values[r];
-                kernels::intranode_combine_copy_flag(ctx, rest, copy_streams_[flags.stream]);
+                kernels::intranode_combine_copy_flag(ctx, rest, copy_stream_);
             }
         }
         return;
     }
-    kernels::intranode_combine_copy_flag(ctx, flags, copy_streams_[flags.stream]);
+    kernels::intranode_combine_copy_flag(ctx, flags, copy_stream_);
 }
 
 bool Runtime::would_copy(const std::vector<int64_t>& pair_counts, int hidden, int num_topk) const {
@@ -734,13 +730,11 @@ void Runtime::combine_by_copy(const kernels::KernelContext& ctx, kernels::Combin
                               cudaStream_t stream) {
     const int R = num_ranks_, me = rank_;
     args.copy_epoch = ++copy_epoch_;
-    args.copy_chunk_rows = chunk_rows;
     // The copies and their flags are enqueued before the reducing kernel that spins on them: streams can share a
     // hardware queue (CUDA_DEVICE_MAX_CONNECTIONS), and work queued behind a spinning kernel would never start.
-    cudaStream_t first_stream = copy_streams_[0];
     DEEP_EP_CUDA_CHECK(cudaEventRecord(copy_event_, stream));
-    DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(first_stream, copy_event_, 0));
-    kernels::intranode_combine_copy_prepare(ctx, args.copy_epoch, first_stream);
+    DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, copy_event_, 0));
+    kernels::intranode_combine_copy_prepare(ctx, args.copy_epoch, copy_stream_);
     // My receive block from d: x rows [first[d], first[d] + rows[d]), in d's token order; it lands in my zone at d.
     std::vector<int64_t> first(R), rows(R);
     int64_t acc = 0, most = 0;
@@ -753,42 +747,36 @@ void Runtime::combine_by_copy(const kernels::KernelContext& ctx, kernels::Combin
     const int64_t row_bytes = static_cast<int64_t>(args.hidden) * 2;
     const char* x = static_cast<const char*>(args.x);
     if (ctx.skip_sends == 0) {
-        // The weights first: the reducers read a row's weights once its chunk has landed, on either stream.
         for (int d = 0; d < R; ++d) {
             if (d == me || rows[d] == 0 || args.num_topk == 0) continue;
             const auto zone = kernels::combine_landing_zone(num_nvl_bytes_, R, me, rows[d], args.hidden, args.num_topk);
             DEEP_EP_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(peer_buffers_[d]) + zone.weights,
                                                args.topk_weights + first[d] * args.num_topk,
-                                               rows[d] * args.num_topk * 4, cudaMemcpyDeviceToDevice, first_stream));
+                                               rows[d] * args.num_topk * 4, cudaMemcpyDeviceToDevice, copy_stream_));
         }
-    }
-    DEEP_EP_CUDA_CHECK(cudaEventRecord(copy_event_, first_stream));
-    for (int s = 1; s < kernels::kCopyStreams; ++s) DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(copy_streams_[s], copy_event_, 0));
-    if (ctx.skip_sends == 0) {
-        // Chunk i (kernels::copy_chunk_of: growing to chunk_rows) on copy stream i % kCopyStreams.
-        int64_t done = 0, size = kernels::copy_chunk_base(chunk_rows);
-        for (int i = 0; done < most; ++i, size = kernels::copy_chunk_next(size, chunk_rows)) {
-            const int64_t end = std::min(most, done + size);
+        // Chunks grow from 1/8 of chunk_rows so that the reducers start early, then stay at chunk_rows.
+        const int64_t full = std::max<int64_t>(chunk_rows, 8);
+        int64_t done = 0, chunk = std::max<int64_t>(full / 8, 1);
+        while (done < most) {
+            const int64_t end = std::min(most, done + chunk);
             kernels::LandedFlags flags{};
-            flags.stream = i % kernels::kCopyStreams;
             for (int d = 0; d < R; ++d) {
                 if (d == me || done >= rows[d]) continue;
                 const int64_t stop = std::min(end, rows[d]);
                 const auto zone = kernels::combine_landing_zone(num_nvl_bytes_, R, me, rows[d], args.hidden, args.num_topk);
                 DEEP_EP_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(peer_buffers_[d]) + zone.data + done * row_bytes,
                                                    x + (first[d] + done) * row_bytes, (stop - done) * row_bytes,
-                                                   cudaMemcpyDeviceToDevice, copy_streams_[flags.stream]));
+                                                   cudaMemcpyDeviceToDevice, copy_stream_));
                 flags.values[d] = (args.copy_epoch << kernels::kLandedRowBits) | static_cast<uint32_t>(stop);
             }
             publish_landed(ctx, flags);
             done = end;
+            chunk = std::min(full, chunk * 2);
         }
     }
     kernels::intranode_combine_landed(ctx, args, copy_ctas, stream);
-    for (cudaStream_t s : copy_streams_) {
-        DEEP_EP_CUDA_CHECK(cudaEventRecord(copy_event_, s));
-        DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(stream, copy_event_, 0));
-    }
+    DEEP_EP_CUDA_CHECK(cudaEventRecord(copy_event_, copy_stream_));
+    DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(stream, copy_event_, 0));
 }
 
 void Runtime::barrier(uintptr_t stream) {

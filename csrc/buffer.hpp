@@ -201,8 +201,8 @@ class Runtime {
     int* host_counters_ = nullptr;  // host-mapped [1 + kMaxLocalExperts + kMaxRanks^2]: rows, per expert, pairs
     int* device_counters_ = nullptr;
     cudaEvent_t order_event_ = nullptr;             // reused by order(): a wait snapshots the event's last record
-    cudaStream_t copy_streams_[kernels::kCopyStreams] = {};  // copy-engine combine: copies and their flags
-    cudaEvent_t copy_event_ = nullptr;              // forks the copy streams off the call's stream and joins them
+    cudaStream_t copy_stream_ = nullptr;            // copy-engine combine: copies and their flags
+    cudaEvent_t copy_event_ = nullptr;              // joins copy_stream_ back into the call's stream
     uint32_t copy_epoch_ = 0;                       // copy-engine combines so far (their flags' epoch)
     bool stream_writes_ = true;                     // landed words by cuStreamWriteValue32 (false: flag kernel)
 
@@ -220,10 +220,10 @@ class Runtime {
     // sharing its storage dies, its deleter queues the block with the stream current now and the one current then.
     at::Tensor pool_block(int64_t offset, int64_t num_bytes);
     void check_pool_block(int64_t offset, int64_t num_bytes) const;  // invalid() unless inside the pool, aligned
-    // The copy-engine combine of combine(): reducing kernel on `stream`, copies and flags on copy_streams_.
+    // The copy-engine combine of combine(): reducing kernel on `stream`, copies and flags on copy_stream_.
     void combine_by_copy(const kernels::KernelContext& ctx, kernels::CombineArgs& args,
                          const std::vector<int64_t>& pair_counts, int copy_ctas, int chunk_rows, cudaStream_t stream);
-    // The landed words of one chunk of copies, on its copy stream: stream writes, or the flag kernel.
+    // The landed words of one chunk of copies, on copy_stream_: stream writes, or the flag kernel.
     void publish_landed(const kernels::KernelContext& ctx, const kernels::LandedFlags& flags);
     // Context of the next launch; increments the call counter.
     kernels::KernelContext next_context();

@@ -189,8 +189,8 @@ def intranode_control_layout() -> Layout:
     * ``dispatch_output``: 16-byte words ``[160][8]`` ``(epoch, data_units, meta_units, rows)`` uint32, index
       ``channel * 8 + destination``, written by the destination at the start of every dispatch: where its outputs
       of the call lie in its output pool (offsets in units of ``BUFFER_ALIGNMENT``; ``0xffffffff`` = rings / none).
-    * ``combine_landed``: uint32 ``[8][2]``, per (source, copy stream): ``epoch << 20 | end row`` of the last chunk
-      of that source's copy-engine combine the stream landed here. ``combine_freed``: uint32 ``[8]``, index owner: the last copy-engine combine epoch whose
+    * ``combine_landed``: uint32 ``[8]``, index source: ``epoch << 20 | rows`` of that source's copy-engine combine
+      landed here. ``combine_freed``: uint32 ``[8]``, index owner: the last copy-engine combine epoch whose
       landing zone of this rank's rows the owner has finished reading.
     """
     notify_data = 2 * INTRANODE_MAX_RANKS * INTRANODE_NOTIFY_INTS * INT32_BYTES
@@ -203,7 +203,7 @@ def intranode_control_layout() -> Layout:
                  ("combine_tail", _COUNTER_BYTES),
                  ("combine_head", _COUNTER_BYTES),
                  ("dispatch_output", INTRANODE_MAX_CHANNELS * INTRANODE_MAX_RANKS * 16),
-                 ("combine_landed", INTRANODE_MAX_RANKS * 2 * INT32_BYTES),
+                 ("combine_landed", INTRANODE_MAX_RANKS * INT32_BYTES),
                  ("combine_freed", INTRANODE_MAX_RANKS * INT32_BYTES))
 
 

@@ -254,7 +254,6 @@ struct CombineArgs {
     // Copy-engine combine (intranode_combine_landed): the rows come through the copy engine into landing zones.
     const int* channel_prefix_matrix;  // [R, C] handle[1]: my tokens to d in channels <= c (landing row of a token)
     uint32_t copy_epoch;               // copy-engine combine calls so far, this one included if it is one
-    int copy_chunk_rows;               // rows per chunk (copy_chunk_of), the same on every rank
 };
 
 void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaStream_t stream);
@@ -269,7 +268,6 @@ void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaSt
 //   values[d] != 0 becomes values[d] in d's buffer.
 struct LandedFlags {
     uint32_t values[kMaxRanks];
-    int stream;  // the copy stream whose word is written
 };
 void intranode_combine_landed(const KernelContext& ctx, const CombineArgs& args, int num_ctas, cudaStream_t stream);
 void intranode_combine_copy_prepare(const KernelContext& ctx, uint32_t copy_epoch, cudaStream_t stream);

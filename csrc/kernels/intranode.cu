@@ -1314,8 +1314,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
 
 __global__ void __launch_bounds__(kChannelThreads, 1)
     combine_landed_kernel(KernelContext ctx, CombineArgs args) {
-    __shared__ volatile uint32_t landed_cache[kMaxRanks][kCopyStreams];  // a landed word seen earlier
-    __shared__ int zone_rows[kMaxRanks];                   // rows of my landing zone of source d
+    __shared__ volatile uint32_t landed_cache[kMaxRanks];  // a landed word seen earlier, per source
     __shared__ const char* zone_data[kMaxRanks];           // my landing zone of source d: rows, weights
     __shared__ const char* zone_weights[kMaxRanks];
     __shared__ volatile int cta_failed;
@@ -1328,12 +1327,10 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     if (threadIdx.x == 0) cta_failed = 0;
     if (threadIdx.x < kMaxRanks) {
         const int d = static_cast<int>(threadIdx.x);
-        for (int s = 0; s < kCopyStreams; ++s) landed_cache[d][s] = epoch_bits;
+        landed_cache[d] = epoch_bits;
         zone_data[d] = zone_weights[d] = nullptr;
-        zone_rows[d] = 0;
         if (d < num_ranks && d != rank) {
             const int rows = P[rank * num_ranks + d] - (rank > 0 ? P[(rank - 1) * num_ranks + d] : 0);
-            zone_rows[d] = rows;
             const CombineLandingZone z =
                 combine_landing_zone(ctx.num_nvl_bytes, num_ranks, d, rows, args.hidden, args.num_topk);
             zone_data[d] = static_cast<const char*>(ctx.buffers[rank]) + z.data;
@@ -1354,16 +1351,12 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         bool ok = true;
         if (j >= 0 && lane != rank) {
             k = (c > 0 ? args.channel_prefix_matrix[lane * num_channels + c - 1] : 0) + j;
-            // Row k landed once the stream of its chunk has landed the chunk (each stream lands its chunks in order).
-            int chunk;
-            const int64_t end = copy_chunk_of(k, args.copy_chunk_rows, &chunk);
-            const int s = chunk % kCopyStreams;
-            const uint32_t needed = epoch_bits | static_cast<uint32_t>(end < zone_rows[lane] ? end : zone_rows[lane]);
-            if (!seq_geq(landed_cache[lane][s], needed)) {
+            const uint32_t needed = epoch_bits | static_cast<uint32_t>(k + 1);
+            if (!seq_geq(landed_cache[lane], needed)) {
                 uint32_t seen;
-                ok = wait_geq(ctx, buffer_u32(ctx.buffers[rank], kCombineLandedOffset) + lane * kCopyStreams + s,
-                              needed, Site{kKernelCombine, kPhaseCombineRecvWaitLanded, lane, c}, &seen);
-                if (ok) landed_cache[lane][s] = seen;
+                ok = wait_geq(ctx, buffer_u32(ctx.buffers[rank], kCombineLandedOffset) + lane, needed,
+                              Site{kKernelCombine, kPhaseCombineRecvWaitLanded, lane, c}, &seen);
+                if (ok) landed_cache[lane] = seen;
             }
             __threadfence_block();  // acquire: a cached word was stored after its reader's acquire load
         }
@@ -1436,8 +1429,7 @@ __global__ void combine_copy_flag_kernel(KernelContext ctx, LandedFlags flags) {
     const int d = lane_id();
     if (d < ctx.num_ranks && flags.values[d] != 0u) {
         fence_acq_rel_sys();
-        st_release_sys(buffer_u32(ctx.buffers[d], kCombineLandedOffset) + ctx.rank * kCopyStreams + flags.stream,
-                       flags.values[d]);
+        st_release_sys(buffer_u32(ctx.buffers[d], kCombineLandedOffset) + ctx.rank, flags.values[d]);
     }
 }
 
@@ -1622,7 +1614,6 @@ void intranode_combine_landed(const KernelContext& ctx, const CombineArgs& args,
                       "combine: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
     DEEP_EP_CHECK_ARG(args.channel_prefix_matrix != nullptr && args.copy_epoch != 0,
                       "combine: the copy-engine path needs the handle's channel_prefix_matrix and an epoch");
-    DEEP_EP_CHECK_ARG(args.copy_chunk_rows >= 1, "combine: copy chunk rows must be >= 1, got ", args.copy_chunk_rows);
     DEEP_EP_CHECK_ARG(num_ctas >= 1 && num_ctas <= kMaxChannels, "combine: CTAs must be in [1, ", kMaxChannels,
                       "], got ", num_ctas);
     check_resident("combine", num_ctas);

@@ -20,8 +20,8 @@
 //     dispatch outputs  DispatchOutputWord [kMaxChannels][kMaxRanks]  index c*8+dst: written by dst (the receiver)
 //                                                   at the start of each dispatch: where its outputs of this call
 //                                                   lie (direct-to-output receive) or that it uses the rings
-//     combine landed    uint32 [kMaxRanks][kCopyStreams]  per (src, copy stream): (epoch << 20) | end row of the
-//                                                   last chunk of src's copy-engine combine that stream landed here
+//     combine landed    uint32 [kMaxRanks]          index src: (epoch << 20) | rows of src's copy-engine combine
+//                                                   that have landed in src's landing zone here (copy stream)
 //     combine freed     uint32 [kMaxRanks]          index owner: last copy-engine combine epoch whose landing zone
 //                                                   of my rows the owner has finished reading
 //   [dispatch half: per source s a sub-region of src_bytes; ring (c, s) = capacity records at c*capacity*record]
@@ -75,9 +75,6 @@ constexpr int64_t kControlBytes =
 // Copy-engine combine flags: the landed word packs the call's epoch above the row count, so it grows across calls.
 constexpr int kLandedRowBits = 20;
 constexpr int64_t kMaxLandedRows = (1 << kLandedRowBits) - 1;
-// Copy streams of a copy-engine combine: chunk i of every peer's rows goes on stream i % kCopyStreams, so that
-// one engine copies while the other's chunk ends with its flag.
-constexpr int kCopyStreams = 2;
 
 // Where receiver `dst` puts its outputs of one dispatch call (16 bytes, in every sender's control region at index
 // channel * kMaxRanks + dst). The receiver writes data_units, meta_units and rows, then (system fence) the epoch
@@ -186,28 +183,6 @@ DEEP_EP_HOST_DEVICE RingGeometry ring_geometry(int64_t num_nvl_bytes, int num_ra
     int64_t fit = (num_channels > 0 && record_bytes > 0) ? g.source_bytes / ((int64_t)num_channels * record_bytes) : 0;
     g.capacity = (int)(fit < max_capacity ? fit : max_capacity);
     return g;
-}
-
-// Copy-engine combine chunks for `chunk_rows` rows per chunk: chunk 0 has max(chunk_rows / 8, 1) rows, each next
-// one twice as many, up to chunk_rows (so that the reducers start early). The chunk holding row k: its index and
-// end row (exclusive, before clipping to a peer's row count).
-DEEP_EP_HOST_DEVICE int64_t copy_chunk_base(int64_t chunk_rows) {
-    const int64_t full = chunk_rows > 8 ? chunk_rows : 8;
-    return full / 8;
-}
-DEEP_EP_HOST_DEVICE int64_t copy_chunk_next(int64_t size, int64_t chunk_rows) {
-    const int64_t full = chunk_rows > 8 ? chunk_rows : 8;
-    return size * 2 < full ? size * 2 : full;
-}
-DEEP_EP_HOST_DEVICE int64_t copy_chunk_of(int64_t k, int64_t chunk_rows, int* index) {
-    int64_t end = 0, size = copy_chunk_base(chunk_rows);
-    int i = 0;
-    for (;; ++i, size = copy_chunk_next(size, chunk_rows)) {
-        end += size;
-        if (k < end) break;
-    }
-    *index = i;
-    return end;
 }
 
 // Copy-engine combine: where the rows that `source` sends back to this rank land in this rank's buffer (the
