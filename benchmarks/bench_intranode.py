@@ -361,9 +361,10 @@ def main() -> None:
                         help="ring-sender warps per channel to sweep in combine; 0: the tuned table's row")
     parser.add_argument("--uncapped", action="store_true",
                         help="run num_sms channels even where deep_ep.config.INTRANODE_MAX_CHANNELS caps them")
-    parser.add_argument("--combine-copy", nargs="+", default=["auto"], choices=["auto", "rings"],
-                        help="combine send paths to measure: auto (the copy engine where it applies; op "
-                             "combine_bf16) and/or rings (ring-sender warps; op combine_bf16_rings)")
+    parser.add_argument("--combine-copy", nargs="+", default=["auto"], choices=["auto", "copy", "rings"],
+                        help="combine send paths to measure: auto (the Buffer's default; op combine_bf16), copy "
+                             "(the copy engine; op combine_bf16_copy), rings (ring-sender warps; op "
+                             "combine_bf16_rings)")
     parser.add_argument("--copy-chunk-rows", nargs="+", type=int, default=[512],
                         help="rows per copy-engine chunk of the copy combine path to sweep "
                              "(deep_ep.config.COMBINE_COPY_CHUNK_ROWS)")
@@ -390,8 +391,8 @@ def print_table(summary: dict) -> None:
     print(f"{'op':<20}{'SMs':>5}{'ch':>4}{'chunk':>6}{'warps':>6}{'wall us':>10}{'kern us':>10}{'GB/s':>9}"
           f"{'GB/s kern':>10}{'remote':>8}{'DeepEP':>8}{'ratio':>7}")
     for p in rep["points"]:
-        ref = DEEPEP_V1.get((p["op"].replace("_direct", "").replace("_skipcopy", "").replace("_rings", ""),
-                             p["num_sms"]))
+        ref = DEEPEP_V1.get((p["op"].replace("_direct", "").replace("_skipcopy", "").replace("_rings", "")
+                             .replace("_copy", ""), p["num_sms"]))
         kern = f"{p['kernel_us']:.1f}" if p["kernel_us"] else "-"
         kern_bw = f"{p['logical_GBps_kernel']:.0f}" if p["logical_GBps_kernel"] else "-"
         print(f"{p['op']:<20}{p['num_sms']:>5}{p.get('channels') or '-':>4}{p['chunk']:>6}"

@@ -29,8 +29,8 @@ import torch
 
 from deep_ep import envs
 from deep_ep import config as tuning
-from deep_ep.config import (NUM_MAX_SCALEUP_RANKS, Config, combine_copy_mode, dispatch_receive_mode,
-                            intranode_channels, intranode_send_warps)
+from deep_ep.config import (NUM_MAX_SCALEUP_RANKS, Config, dispatch_receive_mode, intranode_channels,
+                            intranode_send_warps)
 from deep_ep.errors import CommError, CommTimeoutError, PeerAbortedError, RoutingError  # noqa: F401 (also re-exported)
 from deep_ep.event import CudaEventHandle, EventOverlap
 from deep_ep.handle import IntranodeHandle
@@ -464,7 +464,8 @@ class CudaBackend:
         try:
             handle = self._kernel_handle(handle)
             pair_counts = getattr(handle.rank_prefix_matrix, "_deep_ep_pair_counts", None)
-            copy_ctas = self._channels_for_sms(config.num_sms) if combine_copy_mode() == "auto" and pair_counts else 0
+            by_copy = bool(pair_counts) and tuning.combine_by_copy_engine(config.num_sms)
+            copy_ctas = self._channels_for_sms(config.num_sms) if by_copy else 0
             combined_x, combined_topk_weights = self.runtime.combine(
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,

@@ -19,6 +19,13 @@
 //   tokens of the channel (token i on reducer warp i % their count), each waiting only for its own slots, and add
 //   the own contribution (read straight from x) and the ring slots in ascending rank order in float32, plus the
 //   biases, rounding to BF16 once. The warp split is a launch argument (deep_ep.config.INTRANODE_SEND_WARPS).
+// * Copy-engine combine (Runtime::combine_by_copy; Buffer default for SM budgets <= COMBINE_COPY_MAX_SMS): the host
+//   knows the pair counts from the notify, so each peer's rows (a contiguous block of x) go by cudaMemcpyAsync into
+//   the owner's landing zone (the peer's sub-region of the combine half), in chunks growing to
+//   COMBINE_COPY_CHUNK_ROWS, each followed by a `landed` word (cuStreamWriteValue32, or a one-warp kernel). All
+//   CTAs of the budget reduce (combine_landed_kernel), token t on global warp t % warps, so the grid follows the
+//   copy front; the last CTA writes `freed` to every peer, which the next call's copies (and ring combines) wait
+//   for. No SM sends: the copy engine moves the bytes, the SMs only reduce.
 // * Failures never trap: sync.cuh's wait_geq reports to the error record and every role falls through to the end.
 #include <cuda_bf16.h>
 

@@ -78,8 +78,9 @@ class Case:
     # Dispatch receive path: 'auto', 'rings', 'direct' (deep_ep.config.INTRANODE_DISPATCH_RECEIVE) or 'mixed'
     # (rank 0 direct, the other ranks rings: each receiver chooses for itself).
     receive: str = "auto"
-    # Combine send path (deep_ep.config.INTRANODE_COMBINE_COPY): 'auto' (copy engine where it applies) or 'rings'.
-    # The case's second combine takes the other path, so the switch between the two is covered as well.
+    # Combine send path (deep_ep.config.INTRANODE_COMBINE_COPY): 'auto' (copy engine up to COMBINE_COPY_MAX_SMS),
+    # 'copy' (copy engine where it applies) or 'rings'. The case's second combine takes the other path ('copy' <->
+    # 'rings'), so the switch between the two is covered as well.
     combine_copy: str = "auto"
 
     def describe(self) -> str:
@@ -108,7 +109,7 @@ def case_strategy(num_ranks: int, max_tokens: int = 300):
                     dispatch_warps=draw(st.sampled_from([None, 1, 9, 16, 31])),
                     combine_warps=draw(st.sampled_from([None, 1, 4, 8, 30])),
                     receive=draw(st.sampled_from(["auto", "rings", "direct", "mixed"])),
-                    combine_copy=draw(st.sampled_from(["auto", "rings"])))
+                    combine_copy=draw(st.sampled_from(["auto", "copy", "rings"])))
     return st.composite(lambda draw: build(draw))()
 
 
@@ -408,13 +409,16 @@ def _copy_epoch(buffer) -> int:
 
 
 def _expect_combine_path(buffer, handle, case: Case, epoch_before: int, label: str) -> None:
-    """The combine just run took the copy engine exactly when it should: mode 'auto', several ranks, the handle's
-    pair counts known and every landing zone fitting."""
+    """The combine just run took the copy engine exactly when it should: mode 'copy' (or 'auto' within the SM budget
+    limit), several ranks, the handle's pair counts known and every landing zone fitting."""
     if epoch_before < 0:
         return
     runtime = buffer.runtime.runtime
     counts = getattr(handle.rank_prefix_matrix, "_deep_ep_pair_counts", None)
-    want = (case.combine_copy == "auto" and case.num_ranks > 1 and bool(counts) and
+    import deep_ep.config
+    asked = case.combine_copy == "copy" or (case.combine_copy == "auto" and
+                                            case.num_sms <= deep_ep.config.COMBINE_COPY_MAX_SMS)
+    want = (asked and case.num_ranks > 1 and bool(counts) and
             runtime.would_copy(counts, case.hidden, case.num_topk if case.with_topk else 0))
     used = _copy_epoch(buffer) == epoch_before + 1
     assert used == want, f"{label}: copy-engine path used={used}, expected {want} ({case.combine_copy})"
@@ -557,7 +561,7 @@ def task_roundtrip(buffer, rank: int, case: Case) -> str:
         assert comb.combined_topk_weights is None
     _expect_combine_path(buffer, handle, case, epoch, "combine")
     # Combine must leave the handle usable: a second combine gives the same bits, by the other send path.
-    deep_ep.config.INTRANODE_COMBINE_COPY = "rings" if case.combine_copy == "auto" else "auto"
+    deep_ep.config.INTRANODE_COMBINE_COPY = "copy" if case.combine_copy == "rings" else "rings"
     again = buffer.combine(ys[rank].to(DEVICE), handle, bias=bias_arg, config=config)
     deep_ep.config.INTRANODE_COMBINE_COPY = case.combine_copy
     _eq("second combined_x", again.combined_x, ref_comb[0])
