@@ -148,6 +148,9 @@ def make_fake_extension(torch):
         def wait_recv_counts(self, num_local_experts):
             return self.num_recv, self.per_expert
 
+        def pair_counts(self):
+            return [self.num_recv] * (self.num_ranks * self.num_ranks)
+
         def dispatch(self, x, x_scales, topk_idx, *rest):
             if len(rest) == 17:  # the first generation: recv_x given, nothing returned
                 return None

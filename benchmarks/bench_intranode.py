@@ -201,22 +201,34 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
                                            warps, channels))
         set_receive(buffer, "rings")
         combine_x = first.recv_x
-        label = "combine_bf16"
-        best = None
-        combine_points = ((c, w) for c in args.combine_chunks for w in args.combine_warps if label in args.ops)
-        for chunk, warps in combine_points:
-            cfg = deep_ep.Config(num_sms, chunk, 256)
-            fn = with_send_warps("combine", warps, lambda c=cfg: buffer.combine(combine_x, handle, config=c))
-            t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn, iters, iters))
-            if t is not None:
-                report["sweep"].append([label, num_sms, chunk, warps, t["mean"] * 1e6])
-            if t is not None and (best is None or t["mean"] < best[1]["mean"]):
-                best = (chunk, t, fn, warps)
-        if best is not None:
-            kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "combine", profiled))
-            warps = best[3] or deep_ep.config.intranode_send_warps("combine", num_ranks, channels)
-            report["points"].append(_point(label, num_sms, best[0], best[1], kt, bf16_bytes,
-                                           remote_rows * h * 2, warps, channels))
+        runtime = getattr(getattr(buffer, "runtime", None), "runtime", None)
+        for mode in args.combine_copy if "combine_bf16" in args.ops else ():
+            deep_ep.config.INTRANODE_COMBINE_COPY = mode
+            label = "combine_bf16" + ("" if mode == "auto" else f"_{mode}")
+            # The copy-engine path (taken by 'auto' where it applies) has no sender warps: sweep them only for rings.
+            epoch = runtime.get_copy_epoch() if runtime is not None else 0
+            safe(f"{label} probe", lambda: buffer.combine(combine_x, handle, config=base))
+            by_copy = runtime is not None and runtime.get_copy_epoch() > epoch
+            best = None
+            # Copy path: the "chunk" swept is deep_ep.config.COMBINE_COPY_CHUNK_ROWS (--copy-chunk-rows).
+            for chunk, warps in ((c, w) for c in (args.copy_chunk_rows if by_copy else args.combine_chunks)
+                                 for w in ([0] if by_copy else args.combine_warps)):
+                cfg = deep_ep.Config(num_sms, 8 if by_copy else chunk, 256)
+                fn = with_send_warps("combine", warps, lambda c=cfg: buffer.combine(combine_x, handle, config=c))
+                if by_copy:
+                    fn = with_copy_chunk_rows(chunk, fn)
+                t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn, iters, iters))
+                if t is not None:
+                    report["sweep"].append([label, num_sms, chunk, warps, t["mean"] * 1e6])
+                if t is not None and (best is None or t["mean"] < best[1]["mean"]):
+                    best = (chunk, t, fn, warps)
+            if best is not None:
+                keyword = "combine_landed" if by_copy else "combine"  # the reducing kernel spans the copies
+                kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], keyword, profiled))
+                warps = 0 if by_copy else best[3] or deep_ep.config.intranode_send_warps("combine", num_ranks, channels)
+                report["points"].append(_point(label, num_sms, best[0], best[1], kt, bf16_bytes,
+                                               remote_rows * h * 2, warps, num_sms if by_copy else channels))
+        deep_ep.config.INTRANODE_COMBINE_COPY = None
 
     # NCCL baseline: index_select by destination + all_to_all_single; back with all_to_all_single + index_add_.
     if "nccl" in args.ops:
@@ -253,6 +265,20 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
     buffer.destroy()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def with_copy_chunk_rows(rows: int, fn):
+    """``fn`` with deep_ep.config.COMBINE_COPY_CHUNK_ROWS = rows for its duration."""
+    import deep_ep.config
+
+    def call():
+        old = deep_ep.config.COMBINE_COPY_CHUNK_ROWS
+        deep_ep.config.COMBINE_COPY_CHUNK_ROWS = rows
+        try:
+            return fn()
+        finally:
+            deep_ep.config.COMBINE_COPY_CHUNK_ROWS = old
+    return call
 
 
 def set_receive(buffer, receive: str) -> None:
@@ -335,6 +361,13 @@ def main() -> None:
                         help="ring-sender warps per channel to sweep in combine; 0: the tuned table's row")
     parser.add_argument("--uncapped", action="store_true",
                         help="run num_sms channels even where deep_ep.config.INTRANODE_MAX_CHANNELS caps them")
+    parser.add_argument("--combine-copy", nargs="+", default=["auto"], choices=["auto", "copy", "rings"],
+                        help="combine send paths to measure: auto (the Buffer's default; op combine_bf16), copy "
+                             "(the copy engine; op combine_bf16_copy), rings (ring-sender warps; op "
+                             "combine_bf16_rings)")
+    parser.add_argument("--copy-chunk-rows", nargs="+", type=int, default=[512],
+                        help="rows per copy-engine chunk of the copy combine path to sweep "
+                             "(deep_ep.config.COMBINE_COPY_CHUNK_ROWS)")
     parser.add_argument("--receive", nargs="+", default=["rings"], choices=["rings", "direct", "skipcopy"],
                         help="dispatch receive paths to measure (skipcopy: diagnostic, wrong outputs)")
     parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS,
@@ -358,7 +391,8 @@ def print_table(summary: dict) -> None:
     print(f"{'op':<20}{'SMs':>5}{'ch':>4}{'chunk':>6}{'warps':>6}{'wall us':>10}{'kern us':>10}{'GB/s':>9}"
           f"{'GB/s kern':>10}{'remote':>8}{'DeepEP':>8}{'ratio':>7}")
     for p in rep["points"]:
-        ref = DEEPEP_V1.get((p["op"].replace("_direct", "").replace("_skipcopy", ""), p["num_sms"]))
+        ref = DEEPEP_V1.get((p["op"].replace("_direct", "").replace("_skipcopy", "").replace("_rings", "")
+                             .replace("_copy", ""), p["num_sms"]))
         kern = f"{p['kernel_us']:.1f}" if p["kernel_us"] else "-"
         kern_bw = f"{p['logical_GBps_kernel']:.0f}" if p["logical_GBps_kernel"] else "-"
         print(f"{p['op']:<20}{p['num_sms']:>5}{p.get('channels') or '-':>4}{p['chunk']:>6}"

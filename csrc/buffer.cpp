@@ -3,6 +3,8 @@
 
 #include <c10/cuda/CUDAStream.h>
 
+#include <cuda.h>  // types of cuStreamWriteValue32 (resolved at run time through the runtime's driver entry point)
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -130,11 +132,13 @@ Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
     DEEP_EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_error_), host_error_, 0));
 
-    const size_t counter_bytes = sizeof(int) * (1 + kernels::kMaxLocalExperts);
+    const size_t counter_bytes = sizeof(int) * (1 + kernels::kMaxLocalExperts + kernels::kMaxRanks * kernels::kMaxRanks);
     DEEP_EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_counters_), counter_bytes, cudaHostAllocMapped));
     for (int i = 0; i <= kernels::kMaxLocalExperts; ++i) host_counters_[i] = -1;
     DEEP_EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_counters_), host_counters_, 0));
     DEEP_EP_CUDA_CHECK(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming));
+    DEEP_EP_CUDA_CHECK(cudaEventCreateWithFlags(&copy_event_, cudaEventDisableTiming));
+    DEEP_EP_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
     DEEP_EP_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -226,7 +230,10 @@ void Runtime::destroy() {
     if (host_error_) cudaFreeHost(host_error_);
     if (host_counters_) cudaFreeHost(host_counters_);
     if (order_event_) cudaEventDestroy(order_event_);
-    order_event_ = nullptr;
+    if (copy_event_) cudaEventDestroy(copy_event_);
+    if (copy_stream_) cudaStreamDestroy(copy_stream_);
+    order_event_ = copy_event_ = nullptr;
+    copy_stream_ = nullptr;
     local_buffer_ = workspace_ = nullptr;
     host_error_ = device_error_ = nullptr;
     host_counters_ = device_counters_ = nullptr;
@@ -289,6 +296,7 @@ void Runtime::reset(uintptr_t stream) {
     DEEP_EP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
     for (int i = 0; i <= kernels::kMaxLocalExperts; ++i) host_counters_[i] = -1;
+    copy_epoch_ = 0;
     std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 
@@ -485,6 +493,13 @@ std::pair<int, std::vector<int>> Runtime::wait_recv_counts(int num_local_experts
     return {num_recv_tokens, per_expert};
 }
 
+std::vector<int64_t> Runtime::pair_counts() const {
+    std::vector<int64_t> counts(static_cast<size_t>(num_ranks_) * num_ranks_);
+    const volatile int* pairs = host_counters_ + 1 + kernels::kMaxLocalExperts;
+    for (size_t i = 0; i < counts.size(); ++i) counts[i] = pairs[i];
+    return counts;
+}
+
 std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>>
 Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
                   const std::optional<at::Tensor>& topk_idx, const std::optional<at::Tensor>& topk_weights,
@@ -602,7 +617,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     const std::optional<at::Tensor>& bias_1, const at::Tensor& rank_prefix_matrix,
     const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_channels,
     int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream, bool after_current,
-    bool current_after) {
+    bool current_after, const std::optional<at::Tensor>& channel_prefix_matrix,
+    const std::vector<int64_t>& pair_counts, int copy_ctas, int copy_chunk_rows) {
     require_available("combine");
     check_device("x", x, device_id_);
     check_device("topk_weights", topk_weights, device_id_);
@@ -639,11 +655,128 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     args.num_max_send_tokens = num_max_send_tokens;
     args.num_max_recv_tokens = num_max_recv_tokens;
     args.num_send_warps = num_send_warps;
+    args.copy_epoch = copy_epoch_;
     if (after_current) order(as_stream(stream), current_stream());
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    DEEP_EP_CUDA_CHECK(cudaStreamIsCapturing(as_stream(stream), &capture));
     auto ctx = next_context();
-    kernels::intranode_combine(ctx, args, as_stream(stream));
+    if (copy_ctas > 0 && channel_prefix_matrix.has_value() && capture == cudaStreamCaptureStatusNone &&
+        would_copy(pair_counts, args.hidden, args.num_topk)) {
+        check_device("handle.channel_prefix_matrix", channel_prefix_matrix, device_id_);
+        args.channel_prefix_matrix = data_of<int>(*channel_prefix_matrix, workspace_);
+        combine_by_copy(ctx, args, pair_counts, copy_ctas, copy_chunk_rows, as_stream(stream));
+    } else {
+        kernels::intranode_combine(ctx, args, as_stream(stream));
+    }
     if (current_after) order(current_stream(), as_stream(stream));
     return {combined_x, combined_topk_weights};
+}
+
+namespace {
+
+// cuStreamWriteValue32 from the driver the runtime uses (no link against libcuda), or null where it is missing.
+using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+WriteValue32 driver_write_value32() {
+    static const WriteValue32 fn = [] {
+        void* p = nullptr;
+        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &p, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess || found != cudaDriverEntryPointSuccess) {
+            cudaGetLastError();
+            return static_cast<WriteValue32>(nullptr);
+        }
+        return reinterpret_cast<WriteValue32>(p);
+    }();
+    return fn;
+}
+
+}  // namespace
+
+void Runtime::publish_landed(const kernels::KernelContext& ctx, const kernels::LandedFlags& flags) {
+    // A stream write (with its default memory barrier after the chunk's copies) costs no kernel launch; the flag
+    // kernel is the fallback where the driver refuses it.
+    WriteValue32 write = stream_writes_ ? driver_write_value32() : nullptr;
+    if (write != nullptr) {
+        for (int d = 0; d < num_ranks_ && write != nullptr; ++d) {
+            if (flags.values[d] == 0u) continue;
+            auto* word = static_cast<char*>(peer_buffers_[d]) + kernels::kCombineLandedOffset + 4 * rank_;
+            if (write(reinterpret_cast<CUstream>(copy_stream_), reinterpret_cast<CUdeviceptr>(word), flags.values[d],
+                      CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
+                stream_writes_ = false;  // e.g. stream memory operations disabled: flag kernels from now on
+                write = nullptr;
+                kernels::LandedFlags rest{};
+                for (int r = d; r < num_ranks_; ++r) rest.values[r] = flags.values[r];
+                kernels::intranode_combine_copy_flag(ctx, rest, copy_stream_);
+            }
+        }
+        return;
+    }
+    kernels::intranode_combine_copy_flag(ctx, flags, copy_stream_);
+}
+
+bool Runtime::would_copy(const std::vector<int64_t>& pair_counts, int hidden, int num_topk) const {
+    const int R = num_ranks_;
+    if (R < 2 || static_cast<int>(pair_counts.size()) != R * R) return false;
+    // The landing zone at owner o for source s holds the rows o sent to s.
+    for (int o = 0; o < R; ++o)
+        for (int s = 0; s < R; ++s)
+            if (o != s && !kernels::combine_landing_zone(num_nvl_bytes_, R, s, pair_counts[o * R + s], hidden, num_topk).fits)
+                return false;
+    return true;
+}
+
+void Runtime::combine_by_copy(const kernels::KernelContext& ctx, kernels::CombineArgs& args,
+                              const std::vector<int64_t>& pair_counts, int copy_ctas, int chunk_rows,
+                              cudaStream_t stream) {
+    const int R = num_ranks_, me = rank_;
+    args.copy_epoch = ++copy_epoch_;
+    // The copies and their flags are enqueued before the reducing kernel that spins on them: streams can share a
+    // hardware queue (CUDA_DEVICE_MAX_CONNECTIONS), and work queued behind a spinning kernel would never start.
+    DEEP_EP_CUDA_CHECK(cudaEventRecord(copy_event_, stream));
+    DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, copy_event_, 0));
+    kernels::intranode_combine_copy_prepare(ctx, args.copy_epoch, copy_stream_);
+    // My receive block from d: x rows [first[d], first[d] + rows[d]), in d's token order; it lands in my zone at d.
+    std::vector<int64_t> first(R), rows(R);
+    int64_t acc = 0, most = 0;
+    for (int d = 0; d < R; ++d) {
+        first[d] = acc;
+        rows[d] = pair_counts[d * R + me];
+        acc += rows[d];
+        if (d != me) most = std::max(most, rows[d]);
+    }
+    const int64_t row_bytes = static_cast<int64_t>(args.hidden) * 2;
+    const char* x = static_cast<const char*>(args.x);
+    if (ctx.skip_sends == 0) {
+        for (int d = 0; d < R; ++d) {
+            if (d == me || rows[d] == 0 || args.num_topk == 0) continue;
+            const auto zone = kernels::combine_landing_zone(num_nvl_bytes_, R, me, rows[d], args.hidden, args.num_topk);
+            DEEP_EP_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(peer_buffers_[d]) + zone.weights,
+                                               args.topk_weights + first[d] * args.num_topk,
+                                               rows[d] * args.num_topk * 4, cudaMemcpyDeviceToDevice, copy_stream_));
+        }
+        // Chunks grow from 1/8 of chunk_rows so that the reducers start early, then stay at chunk_rows.
+        const int64_t full = std::max<int64_t>(chunk_rows, 8);
+        int64_t done = 0, chunk = std::max<int64_t>(full / 8, 1);
+        while (done < most) {
+            const int64_t end = std::min(most, done + chunk);
+            kernels::LandedFlags flags{};
+            for (int d = 0; d < R; ++d) {
+                if (d == me || done >= rows[d]) continue;
+                const int64_t stop = std::min(end, rows[d]);
+                const auto zone = kernels::combine_landing_zone(num_nvl_bytes_, R, me, rows[d], args.hidden, args.num_topk);
+                DEEP_EP_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(peer_buffers_[d]) + zone.data + done * row_bytes,
+                                                   x + (first[d] + done) * row_bytes, (stop - done) * row_bytes,
+                                                   cudaMemcpyDeviceToDevice, copy_stream_));
+                flags.values[d] = (args.copy_epoch << kernels::kLandedRowBits) | static_cast<uint32_t>(stop);
+            }
+            publish_landed(ctx, flags);
+            done = end;
+            chunk = std::min(full, chunk * 2);
+        }
+    }
+    kernels::intranode_combine_landed(ctx, args, copy_ctas, stream);
+    DEEP_EP_CUDA_CHECK(cudaEventRecord(copy_event_, copy_stream_));
+    DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(stream, copy_event_, 0));
 }
 
 void Runtime::barrier(uintptr_t stream) {

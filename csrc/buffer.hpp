@@ -138,6 +138,8 @@ class Runtime {
 
     // Bounded CPU wait for the counts of the last non-worst notify: (rows received, aligned per-local-expert counts).
     std::pair<int, std::vector<int>> wait_recv_counts(int num_local_experts);
+    // After wait_recv_counts: count(s -> d) of the same notify for every pair, row-major [R * R].
+    std::vector<int64_t> pair_counts() const;
 
     // Returns (recv_x [num_recv_rows, H] of x's dtype, recv_x_scales [num_recv_rows, S] of the scales' dtype when
     // x_scales is given, recv_src_idx [num_recv_rows] int32 (the given one, else a new one), recv_topk_idx
@@ -165,7 +167,15 @@ class Runtime {
         const std::optional<at::Tensor>& bias_1, const at::Tensor& rank_prefix_matrix,
         const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_channels,
         int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream, bool after_current,
-        bool current_after);
+        bool current_after, const std::optional<at::Tensor>& channel_prefix_matrix = std::nullopt,
+        const std::vector<int64_t>& pair_counts = {}, int copy_ctas = 0, int copy_chunk_rows = 0);
+    // Copy-engine combine (csrc/kernels/intranode.cu, header): with the handle's channel_prefix_matrix, the
+    // dispatch's pair counts ([R * R], pair_counts()) and copy_ctas > 0, the rows travel by the copy engine instead
+    // of ring-sender warps whenever every landing zone fits (would_copy) and the stream is not capturing;
+    // copy_ctas CTAs reduce. Every rank must make the same choice: same counts, same copy_ctas > 0 decision.
+    bool would_copy(const std::vector<int64_t>& pair_counts, int hidden, int num_topk) const;
+    // Copy-engine combines so far (0 after reset).
+    int64_t get_copy_epoch() const { return copy_epoch_; }
 
     // Bounded cross-rank barrier kernel on `stream`.
     void barrier(uintptr_t stream);
@@ -189,9 +199,13 @@ class Runtime {
 
     kernels::ErrorRecord* host_error_ = nullptr;    // host-mapped error record
     kernels::ErrorRecord* device_error_ = nullptr;  // its device alias
-    int* host_counters_ = nullptr;                  // host-mapped [1 + kMaxLocalExperts]: rows, then per expert
+    int* host_counters_ = nullptr;  // host-mapped [1 + kMaxLocalExperts + kMaxRanks^2]: rows, per expert, pairs
     int* device_counters_ = nullptr;
     cudaEvent_t order_event_ = nullptr;             // reused by order(): a wait snapshots the event's last record
+    cudaStream_t copy_stream_ = nullptr;            // copy-engine combine: copies and their flags
+    cudaEvent_t copy_event_ = nullptr;              // joins copy_stream_ back into the call's stream
+    uint32_t copy_epoch_ = 0;                       // copy-engine combines so far (their flags' epoch)
+    bool stream_writes_ = true;                     // landed words by cuStreamWriteValue32 (false: flag kernel)
 
     // Output pool: blocks queued by deleters, then blocks whose events are recorded and not yet complete.
     struct PendingBlock {
@@ -207,6 +221,11 @@ class Runtime {
     // sharing its storage dies, its deleter queues the block with the stream current now and the one current then.
     at::Tensor pool_block(int64_t offset, int64_t num_bytes);
     void check_pool_block(int64_t offset, int64_t num_bytes) const;  // invalid() unless inside the pool, aligned
+    // The copy-engine combine of combine(): reducing kernel on `stream`, copies and flags on copy_stream_.
+    void combine_by_copy(const kernels::KernelContext& ctx, kernels::CombineArgs& args,
+                         const std::vector<int64_t>& pair_counts, int copy_ctas, int chunk_rows, cudaStream_t stream);
+    // The landed words of one chunk of copies, on copy_stream_: stream writes, or the flag kernel.
+    void publish_landed(const kernels::KernelContext& ctx, const kernels::LandedFlags& flags);
     // Context of the next launch; increments the call counter.
     kernels::KernelContext next_context();
     void require_available(const char* what) const;

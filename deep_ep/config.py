@@ -270,6 +270,34 @@ INTRANODE_DISPATCH_RECEIVE: Optional[str] = None
 DISPATCH_RECEIVE_MODES = ("auto", "rings", "direct")
 
 
+# Send path of intranode combine: None follows DEEP_EP_COMBINE_COPY ('auto', 'copy' or 'rings'); tests and the
+# benchmark set it here. 'auto' takes the copy engine for SM budgets up to COMBINE_COPY_MAX_SMS: 2 x H200, EP2,
+# 4096 tokens, hidden 7168 (docs/performance.md, "Copy-engine combine"), wall us copy engine vs rings: 8 SMs 315 vs
+# 436, 12 SMs 259 vs 306, 16 SMs 254 vs 241, 24 SMs 240 vs 241. COMBINE_COPY_CHUNK_ROWS: rows per copy-engine chunk
+# (each chunk ends with a flag the reducers wait for; the first chunks are smaller so that the reducers start early).
+INTRANODE_COMBINE_COPY: Optional[str] = None
+COMBINE_COPY_MODES = ("auto", "copy", "rings")
+COMBINE_COPY_MAX_SMS = 12
+COMBINE_COPY_CHUNK_ROWS = 512
+
+
+def combine_by_copy_engine(num_sms: int) -> bool:
+    """Whether an intranode combine with a budget of ``num_sms`` SMs asks for the copy-engine path (it still needs
+    the dispatch's counts on the host and landing zones that fit, else it takes the rings)."""
+    mode = combine_copy_mode()
+    return mode == "copy" or (mode == "auto" and num_sms <= COMBINE_COPY_MAX_SMS)
+
+
+def combine_copy_mode() -> str:
+    """'auto' (copy engine for budgets up to COMBINE_COPY_MAX_SMS SMs, where it applies), 'copy' (copy engine
+    wherever it applies) or 'rings'."""
+    mode = INTRANODE_COMBINE_COPY if INTRANODE_COMBINE_COPY is not None else envs.COMBINE_COPY.get()
+    if mode not in COMBINE_COPY_MODES:
+        raise ValueError(f"combine copy mode (DEEP_EP_COMBINE_COPY or deep_ep.config.INTRANODE_COMBINE_COPY) must "
+                         f"be one of {COMBINE_COPY_MODES}, got {mode!r}")
+    return mode
+
+
 def dispatch_receive_mode() -> str:
     """'auto' (direct-to-output when the output pool has room, else rings), 'rings' or 'direct'."""
     mode = INTRANODE_DISPATCH_RECEIVE if INTRANODE_DISPATCH_RECEIVE is not None else envs.DISPATCH_RECEIVE.get()

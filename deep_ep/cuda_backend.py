@@ -28,8 +28,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from deep_ep import envs
+from deep_ep import config as tuning
 from deep_ep.config import (NUM_MAX_SCALEUP_RANKS, Config, dispatch_receive_mode, intranode_channels,
-                             intranode_send_warps)
+                            intranode_send_warps)
 from deep_ep.errors import CommError, CommTimeoutError, PeerAbortedError, RoutingError  # noqa: F401 (also re-exported)
 from deep_ep.event import CudaEventHandle, EventOverlap
 from deep_ep.handle import IntranodeHandle
@@ -348,6 +349,8 @@ class CudaBackend:
                         self.check_errors()  # a device-side report names the missing peer: prefer it
                         raise CommTimeoutError(str(exc)) from None
                     per_expert_list = list(per_expert_list)
+                    # The pair counts size a copy-engine combine with this handle (attached to its first tensor).
+                    rank_prefix_matrix._deep_ep_pair_counts = self.runtime.pair_counts()
 
             data_offset, meta_offset = self._pool_blocks(num_recv_tokens, data, scales, topk_idx, cached,
                                                          ordered=previous_event is None)
@@ -460,11 +463,15 @@ class CudaBackend:
         scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
         try:
             handle = self._kernel_handle(handle)
+            pair_counts = getattr(handle.rank_prefix_matrix, "_deep_ep_pair_counts", None)
+            by_copy = bool(pair_counts) and tuning.combine_by_copy_engine(config.num_sms)
+            copy_ctas = self._channels_for_sms(config.num_sms) if by_copy else 0
             combined_x, combined_topk_weights = self.runtime.combine(
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,
                 config.num_max_nvl_chunked_recv_tokens, intranode_send_warps("combine", self.num_ranks, num_channels),
-                self._comm_ptr, scope.after_current, scope.current_after)
+                self._comm_ptr, scope.after_current, scope.current_after, handle.channel_prefix_matrix,
+                pair_counts or [], copy_ctas, tuning.COMBINE_COPY_CHUNK_ROWS)
             event = scope.finish((x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights, *handle))
         except BaseException:
             scope.restore()
@@ -475,11 +482,15 @@ class CudaBackend:
         """Channels of the kernels for ``config``: one CTA per channel, so ``config.num_sms`` (DeepEP pairs two
         SMs per channel and has ``num_sms // 2``), capped by ``deep_ep.config.INTRANODE_MAX_CHANNELS`` for this
         rank count. The handle's prefix matrices are ``[R, num_channels]``."""
-        num_sms = config.num_sms
+        return intranode_channels(self._channels_for_sms(config.num_sms), self.num_ranks)
+
+    @staticmethod
+    def _channels_for_sms(num_sms: int) -> int:
+        """CTAs for a budget of ``num_sms`` SMs before the ring kernels' cap (the copy-engine combine's reducers)."""
         channels = _CHANNELS_FOR_SMS.get(num_sms)
         if channels is None:  # the extension checks the range (ValueError); only valid counts are remembered
             channels = _CHANNELS_FOR_SMS[num_sms] = int(_C.num_channels_for_sms(num_sms))
-        return intranode_channels(channels, self.num_ranks)
+        return channels
 
 
 # config.num_sms -> the kernels' channels before the cap, filled by CudaBackend.num_channels.

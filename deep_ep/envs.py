@@ -56,6 +56,11 @@ DISPATCH_RECEIVE = EnvVar(
     "DEEP_EP_DISPATCH_RECEIVE", str, "auto",
     "Intranode dispatch receive path: 'auto' (outputs in the buffer's pool when it has room, else rings), 'rings' "
     "or 'direct' (pool only; raises when it has no room).")
+COMBINE_COPY = EnvVar(
+    "DEEP_EP_COMBINE_COPY", str, "auto",
+    "Intranode combine send path: 'auto' (the copy engine moves the rows for SM budgets up to "
+    "deep_ep.config.COMBINE_COPY_MAX_SMS when the dispatch's counts are known on the host and the landing zones fit, "
+    "else ring-sender warps), 'copy' (the copy engine wherever it applies) or 'rings'.")
 GPUS_PER_NODE = EnvVar(
     "DEEP_EP_GPUS_PER_NODE", int, 8,
     "Ranks per scale-up (NVLink) domain; lower it to make one host act as several virtual nodes.")
@@ -87,8 +92,8 @@ NVSHMEM_DIR = EnvVar(
     "NVSHMEM_DIR", str, "",
     "Build-time: NVSHMEM installation (include/ and lib/); overrides the auto-detected nvidia-nvshmem wheel.")
 
-ALL: tuple[EnvVar, ...] = (TIMEOUT_S, BACKEND, DISPATCH_RECEIVE, GPUS_PER_NODE, INTERNODE, TOPK_IDX_BITS, LL_PUT_ONLY,
-                           CPU_ONLY, DISABLE_NVSHMEM, DEBUG_BUILD, TRACE_DIR, NVSHMEM_DIR)
+ALL: tuple[EnvVar, ...] = (TIMEOUT_S, BACKEND, DISPATCH_RECEIVE, COMBINE_COPY, GPUS_PER_NODE, INTERNODE,
+                           TOPK_IDX_BITS, LL_PUT_ONLY, CPU_ONLY, DISABLE_NVSHMEM, DEBUG_BUILD, TRACE_DIR, NVSHMEM_DIR)
 
 
 def describe() -> str:

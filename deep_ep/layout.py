@@ -189,6 +189,9 @@ def intranode_control_layout() -> Layout:
     * ``dispatch_output``: 16-byte words ``[160][8]`` ``(epoch, data_units, meta_units, rows)`` uint32, index
       ``channel * 8 + destination``, written by the destination at the start of every dispatch: where its outputs
       of the call lie in its output pool (offsets in units of ``BUFFER_ALIGNMENT``; ``0xffffffff`` = rings / none).
+    * ``combine_landed``: uint32 ``[8]``, index source: ``epoch << 20 | rows`` of that source's copy-engine combine
+      landed here. ``combine_freed``: uint32 ``[8]``, index owner: the last copy-engine combine epoch whose
+      landing zone of this rank's rows the owner has finished reading.
     """
     notify_data = 2 * INTRANODE_MAX_RANKS * INTRANODE_NOTIFY_INTS * INT32_BYTES
     return chain(("abort", INT32_BYTES),
@@ -199,7 +202,9 @@ def intranode_control_layout() -> Layout:
                  ("dispatch_head", _COUNTER_BYTES),
                  ("combine_tail", _COUNTER_BYTES),
                  ("combine_head", _COUNTER_BYTES),
-                 ("dispatch_output", INTRANODE_MAX_CHANNELS * INTRANODE_MAX_RANKS * 16))
+                 ("dispatch_output", INTRANODE_MAX_CHANNELS * INTRANODE_MAX_RANKS * 16),
+                 ("combine_landed", INTRANODE_MAX_RANKS * INT32_BYTES),
+                 ("combine_freed", INTRANODE_MAX_RANKS * INT32_BYTES))
 
 
 def intranode_control_bytes() -> int:
@@ -216,7 +221,7 @@ def intranode_workspace_layout() -> Layout:
     host-mapped error record; the four shadows are uint32 ``[160][8]``: the sender's last published tail per
     (channel, destination) and the receiver's consumed head per (channel, source), for dispatch and combine;
     ``dispatch_epoch`` uint32 ``[160]`` counts the dispatch calls each channel took part in (the epoch of the
-    ``dispatch_output`` words).
+    ``dispatch_output`` words); ``combine_done`` counts the CTAs of a copy-engine combine that finished.
     """
     return chain(("notify_epoch", INT32_BYTES),
                  ("barrier_epoch", INT32_BYTES),
@@ -227,7 +232,8 @@ def intranode_workspace_layout() -> Layout:
                  ("dispatch_head_shadow", _COUNTER_BYTES),
                  ("combine_tail_shadow", _COUNTER_BYTES),
                  ("combine_head_shadow", _COUNTER_BYTES),
-                 ("dispatch_epoch", INTRANODE_MAX_CHANNELS * INT32_BYTES))
+                 ("dispatch_epoch", INTRANODE_MAX_CHANNELS * INT32_BYTES),
+                 ("combine_done", INT32_BYTES))
 
 
 def intranode_dispatch_record_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:

@@ -47,7 +47,7 @@ class Recording(ext.Runtime):
         offsets.append(list(args[12:14]))
         return super().dispatch(*args)
     def combine(self, *args):
-        calls.append(["combine", *args[-2:]])
+        calls.append(["combine", *args[12:14]])  # after_current, current_after (copy-engine arguments follow)
         return super().combine(*args)
 ext.Runtime = Recording
 ext.record_stream = lambda tensors, *stream: calls.append(["record_stream", len(tensors)])
@@ -185,7 +185,8 @@ print(json.dumps(out))
 
 
 def _run(args: list, timeout: int = 300) -> str:
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    # The probes check the knobs' defaults: the device scripts' own settings (DEEP_EP_TIMEOUT_S, ...) stay out.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DEEP_EP_")}, "PYTHONPATH": ROOT}
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

@@ -75,6 +75,8 @@ enum Phase : int32_t {
     kPhaseCombineRecvWaitTail = 9,
     kPhaseBarrierWait = 10,          // peer = rank whose arrival is missing
     kPhaseDispatchSendWaitOutput = 11,  // sender waits for the receiver's output word (expected = epoch)
+    kPhaseCombineCopyWaitFreed = 12,    // copy-engine combine: the owner has not finished reading the last call's rows
+    kPhaseCombineRecvWaitLanded = 13,   // copy-engine combine: rows not landed (expected / observed: epoch << 20 | rows)
 };
 
 inline const char* phase_name(int32_t phase) {
@@ -90,6 +92,8 @@ inline const char* phase_name(int32_t phase) {
         case kPhaseCombineRecvWaitTail: return "combine recv wait tail";
         case kPhaseBarrierWait: return "barrier wait";
         case kPhaseDispatchSendWaitOutput: return "dispatch send wait output";
+        case kPhaseCombineCopyWaitFreed: return "combine copy wait freed";
+        case kPhaseCombineRecvWaitLanded: return "combine recv wait landed";
         default: return "unknown phase";
     }
 }
@@ -247,9 +251,27 @@ struct CombineArgs {
     int num_max_send_tokens;           // Sn: fewest new rows / tokens per tail / head publication
     int num_max_recv_tokens;           // Nn (ring capacity bound)
     int num_send_warps;                // ring-sender warps per channel when R > 1, in [R - 1, 30]
+    // Copy-engine combine (intranode_combine_landed): the rows come through the copy engine into landing zones.
+    const int* channel_prefix_matrix;  // [R, C] handle[1]: my tokens to d in channels <= c (landing row of a token)
+    uint32_t copy_epoch;               // copy-engine combine calls so far, this one included if it is one
 };
 
 void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaStream_t stream);
+
+// Copy-engine combine, three launches (the host layer enqueues the copies between them, see Runtime::combine):
+// * intranode_combine_landed on the caller's stream: `num_ctas` CTAs reduce every token of this rank from x and
+//   the landing zones, each row as soon as its flag shows it landed; the last CTA tells every peer that its landing
+//   zone is free again (`freed` = args.copy_epoch).
+// * intranode_combine_copy_prepare on the copy stream, before the copies: waits until every peer has finished
+//   reading the previous call's rows (ring heads and `freed`), so the copies may overwrite them.
+// * intranode_combine_copy_flag on the copy stream after each chunk of copies: `landed[d]` of every peer d with
+//   values[d] != 0 becomes values[d] in d's buffer.
+struct LandedFlags {
+    uint32_t values[kMaxRanks];
+};
+void intranode_combine_landed(const KernelContext& ctx, const CombineArgs& args, int num_ctas, cudaStream_t stream);
+void intranode_combine_copy_prepare(const KernelContext& ctx, uint32_t copy_epoch, cudaStream_t stream);
+void intranode_combine_copy_flag(const KernelContext& ctx, const LandedFlags& flags, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Collective utilities

@@ -19,6 +19,13 @@
 //   tokens of the channel (token i on reducer warp i % their count), each waiting only for its own slots, and add
 //   the own contribution (read straight from x) and the ring slots in ascending rank order in float32, plus the
 //   biases, rounding to BF16 once. The warp split is a launch argument (deep_ep.config.INTRANODE_SEND_WARPS).
+// * Copy-engine combine (Runtime::combine_by_copy; Buffer default for SM budgets <= COMBINE_COPY_MAX_SMS): the host
+//   knows the pair counts from the notify, so each peer's rows (a contiguous block of x) go by cudaMemcpyAsync into
+//   the owner's landing zone (the peer's sub-region of the combine half), in chunks growing to
+//   COMBINE_COPY_CHUNK_ROWS, each followed by a `landed` word (cuStreamWriteValue32, or a one-warp kernel). All
+//   CTAs of the budget reduce (combine_landed_kernel), token t on global warp t % warps, so the grid follows the
+//   copy front; the last CTA writes `freed` to every peer, which the next call's copies (and ring combines) wait
+//   for. No SM sends: the copy engine moves the bytes, the SMs only reduce.
 // * Failures never trap: sync.cuh's wait_geq reports to the error record and every role falls through to the end.
 #include <cuda_bf16.h>
 
@@ -212,6 +219,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_counts_kernel(Kernel
             sum = (sum + align - 1) / align * align;
             reinterpret_cast<volatile int*>(args.host_counters)[1 + e] = static_cast<int>(sum);
         }
+        // Then count(s -> d) of every pair (row-major [R][R]): the host sizes copy-engine combines with them.
+        for (int i = static_cast<int>(threadIdx.x); i < num_ranks * num_ranks; i += static_cast<int>(blockDim.x))
+            reinterpret_cast<volatile int*>(args.host_counters)[1 + kMaxLocalExperts + i] =
+                all_counts[i / num_ranks][i % num_ranks];
         __threadfence_system();
     }
     __syncthreads();
@@ -246,6 +257,20 @@ __device__ bool warp_wait_drained(const KernelContext& ctx, uint32_t dst_mask, i
         if (seq_geq(ld_relaxed_sys(heads + counter_index(c, d)), target)) continue;
         uint32_t seen;
         ok = wait_geq(ctx, heads + counter_index(c, d), target, Site{kernel, phase, d, channel}, &seen);
+    }
+    fence_acq_rel_sys();
+    return __all_sync(0xffffffffu, ok);
+}
+
+// Whole warp: waits until every peer has finished reading the rows of this rank's copy-engine combines up to
+// `copy_epoch` (its `freed` word, written by the peer, reached it). Returns false on failure (reported).
+__device__ bool warp_wait_freed(const KernelContext& ctx, uint32_t copy_epoch, int channel) {
+    const int lane = lane_id();
+    bool ok = true;
+    if (copy_epoch != 0 && lane < ctx.num_ranks && lane != ctx.rank) {
+        uint32_t seen;
+        ok = wait_geq(ctx, buffer_u32(ctx.buffers[ctx.rank], kCombineFreedOffset) + lane, copy_epoch,
+                      Site{kKernelCombine, kPhaseCombineCopyWaitFreed, lane, channel}, &seen);
     }
     fence_acq_rel_sys();
     return __all_sync(0xffffffffu, ok);
@@ -1001,6 +1026,65 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
                      static_cast<int>(words[3]));
 }
 
+// One warp: token's combined row `out` = bf16(bias0 + bias1 + sum of srcs[0..num_srcs) in that order) in float32,
+// and (weights_out) its top-k weights summed likewise. srcs[own] is this rank's x row (non-coherent loads); the
+// others were written by peers or the copy engine (coherent loads).
+__device__ __forceinline__ void reduce_token(const int4* const* srcs, const float* const* wsrcs, int num_srcs, int own,
+                                             const int4* bias0, const int4* bias1, int4* out, int64_t row_int4,
+                                             float* weights_out, int num_topk) {
+    const int lane = lane_id();
+    if (num_srcs >= 1 && num_srcs <= 2 && bias0 == nullptr && bias1 == nullptr) {
+        reduce_two<kReduceUnroll>(srcs[0], own != 0, num_srcs > 1 ? srcs[1] : nullptr, own != 1, out, row_int4);
+    } else {
+        for (int64_t base_i = lane; base_i < row_int4; base_i += 32 * kReduceUnroll) {
+            float acc[kReduceUnroll][8];
+#pragma unroll
+            for (int u = 0; u < kReduceUnroll; ++u) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
+                const int64_t i = base_i + u * 32;
+                if (i < row_int4) {
+                    if (bias0 != nullptr) add_bf16x8(acc[u], ld_nc_int4(bias0 + i));
+                    if (bias1 != nullptr) add_bf16x8(acc[u], ld_nc_int4(bias1 + i));
+                }
+            }
+            // Two contributions in flight at a time; additions stay in ascending rank order.
+            for (int n = 0; n < num_srcs; n += 2) {
+                const bool has_second = n + 1 < num_srcs;
+                int4 v[2][kReduceUnroll];
+#pragma unroll
+                for (int u = 0; u < kReduceUnroll; ++u) {
+                    const int64_t i = base_i + u * 32;
+                    if (i < row_int4) {
+                        v[0][u] = n == own ? ld_nc_int4(srcs[n] + i) : ld_ring_int4(srcs[n] + i);
+                        if (has_second)
+                            v[1][u] = n + 1 == own ? ld_nc_int4(srcs[n + 1] + i) : ld_ring_int4(srcs[n + 1] + i);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < kReduceUnroll; ++u) {
+                    if (base_i + u * 32 >= row_int4) continue;
+                    add_bf16x8(acc[u], v[0][u]);
+                    if (has_second) add_bf16x8(acc[u], v[1][u]);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kReduceUnroll; ++u) {
+                const int64_t i = base_i + u * 32;
+                if (i < row_int4) st_na_int4(out + i, pack_bf16x8(acc[u]));
+            }
+        }
+    }
+    if (weights_out != nullptr && lane < num_topk) {
+        float w = 0.0f;
+        for (int n = 0; n < num_srcs; ++n) {
+            const bool is_own = n == own;
+            w += is_own ? wsrcs[n][lane] : reinterpret_cast<const volatile float*>(wsrcs[n])[lane];
+        }
+        weights_out[lane] = w;
+    }
+}
+
 __global__ void __launch_bounds__(kChannelThreads, 1)
     combine_kernel(KernelContext ctx, CombineArgs args, CombineGeometry geo) {
     // Warps [0, W) push rows of my receive blocks back to their owners' rings: warp w serves destination index
@@ -1063,6 +1147,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             if (!warp_wait_drained(ctx, peers, num_checked, kCombineHeadOffset, kWsCombineTailShadowOffset,
                                    kKernelCombine, kPhaseCombineSendDrain, channel) && lane == 0)
                 cta_failed = 1;
+            // The rings share the combine half with the landing zones of copy-engine combines: those must be read.
+            if (!warp_wait_freed(ctx, args.copy_epoch, channel) && lane == 0) cta_failed = 1;
         }
         named_barrier(kBarrierAllSenders, first_reducer * 32);
     }
@@ -1216,62 +1302,142 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             const int4* bias1 = args.bias_1 != nullptr
                 ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_1) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
             int4* out = reinterpret_cast<int4*>(static_cast<char*>(args.combined_x) + static_cast<int64_t>(t) * args.hidden * 2);
-            if (num_srcs >= 1 && num_srcs <= 2 && bias0 == nullptr && bias1 == nullptr) {
-                reduce_two<kReduceUnroll>(srcs[0], own != 0, num_srcs > 1 ? srcs[1] : nullptr, own != 1, out, row_int4);
-            } else {
-                for (int64_t base_i = lane; base_i < row_int4; base_i += 32 * kReduceUnroll) {
-                    float acc[kReduceUnroll][8];
-#pragma unroll
-                    for (int u = 0; u < kReduceUnroll; ++u) {
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
-                        const int64_t i = base_i + u * 32;
-                        if (i < row_int4) {
-                            if (bias0 != nullptr) add_bf16x8(acc[u], ld_nc_int4(bias0 + i));
-                            if (bias1 != nullptr) add_bf16x8(acc[u], ld_nc_int4(bias1 + i));
-                        }
-                    }
-                    // Two contributions in flight at a time; additions stay in ascending rank order.
-                    for (int n = 0; n < num_srcs; n += 2) {
-                        const bool has_second = n + 1 < num_srcs;
-                        int4 v[2][kReduceUnroll];
-#pragma unroll
-                        for (int u = 0; u < kReduceUnroll; ++u) {
-                            const int64_t i = base_i + u * 32;
-                            if (i < row_int4) {
-                                v[0][u] = n == own ? ld_nc_int4(srcs[n] + i) : ld_ring_int4(srcs[n] + i);
-                                if (has_second)
-                                    v[1][u] = n + 1 == own ? ld_nc_int4(srcs[n + 1] + i) : ld_ring_int4(srcs[n + 1] + i);
-                            }
-                        }
-#pragma unroll
-                        for (int u = 0; u < kReduceUnroll; ++u) {
-                            if (base_i + u * 32 >= row_int4) continue;
-                            add_bf16x8(acc[u], v[0][u]);
-                            if (has_second) add_bf16x8(acc[u], v[1][u]);
-                        }
-                    }
-#pragma unroll
-                    for (int u = 0; u < kReduceUnroll; ++u) {
-                        const int64_t i = base_i + u * 32;
-                        if (i < row_int4) st_na_int4(out + i, pack_bf16x8(acc[u]));
-                    }
-                }
-            }
-            if (args.combined_topk_weights != nullptr && lane < args.num_topk) {
-                float w = 0.0f;
-                for (int n = 0; n < num_srcs; ++n) {
-                    const bool is_own = n == own;
-                    w += is_own ? wsrcs[n][lane] : reinterpret_cast<const volatile float*>(wsrcs[n])[lane];
-                }
-                args.combined_topk_weights[static_cast<int64_t>(t) * args.num_topk + lane] = w;
-            }
+            reduce_token(srcs, wsrcs, num_srcs, own, bias0, bias1, out, row_int4,
+                         args.combined_topk_weights != nullptr ? args.combined_topk_weights + static_cast<int64_t>(t) * args.num_topk : nullptr,
+                         args.num_topk);
             release_progress(progress, warp, item + num_reduce_warps);
             RoleTrace::item_end();
         }
         RoleTrace::exit(kTraceRecv);
     }
     RoleTrace::print("combine", ctx);
+}
+
+// ---- copy-engine combine ----
+// The copy engine moves each peer's rows (its receive block from me, in my token order) into my landing zone for
+// that peer, in chunks, each followed by a `landed` flag (Runtime::combine enqueues them on its copy stream). This
+// kernel's warps, over all CTAs, reduce my tokens in order (token t on global warp t % warps), so the whole grid
+// follows the copy front; each lane d waits for the flag covering its token's landing row from peer d.
+
+__global__ void __launch_bounds__(kChannelThreads, 1)
+    combine_landed_kernel(KernelContext ctx, CombineArgs args) {
+    __shared__ volatile uint32_t landed_cache[kMaxRanks];  // a landed word seen earlier, per source
+    __shared__ const char* zone_data[kMaxRanks];           // my landing zone of source d: rows, weights
+    __shared__ const char* zone_weights[kMaxRanks];
+    __shared__ volatile int cta_failed;
+
+    const int rank = ctx.rank, num_ranks = ctx.num_ranks, num_channels = args.num_channels;
+    const int warp = static_cast<int>(threadIdx.x) / 32, lane = lane_id();
+    const int64_t row_int4 = static_cast<int64_t>(args.hidden) * 2 / 16;
+    const int* P = args.rank_prefix_matrix;
+    const uint32_t epoch_bits = args.copy_epoch << kLandedRowBits;
+    if (threadIdx.x == 0) cta_failed = 0;
+    if (threadIdx.x < kMaxRanks) {
+        const int d = static_cast<int>(threadIdx.x);
+        landed_cache[d] = epoch_bits;
+        zone_data[d] = zone_weights[d] = nullptr;
+        if (d < num_ranks && d != rank) {
+            const int rows = P[rank * num_ranks + d] - (rank > 0 ? P[(rank - 1) * num_ranks + d] : 0);
+            const CombineLandingZone z =
+                combine_landing_zone(ctx.num_nvl_bytes, num_ranks, d, rows, args.hidden, args.num_topk);
+            zone_data[d] = static_cast<const char*>(ctx.buffers[rank]) + z.data;
+            zone_weights[d] = static_cast<const char*>(ctx.buffers[rank]) + z.weights;
+        }
+    }
+    __syncthreads();
+
+    const int64_t own_block = rank > 0 ? P[(rank - 1) * num_ranks + rank] : 0;
+    const int per_channel = num_channels > 0 ? (args.num_tokens + num_channels - 1) / num_channels : 1;
+    const int num_warps = static_cast<int>(gridDim.x) * kChannelWarps;
+    for (int t = static_cast<int>(blockIdx.x) * kChannelWarps + warp; t < args.num_tokens; t += num_warps) {
+        if (cta_failed != 0) break;
+        const int c = t / per_channel;  // the dispatch channel of t (channel_range)
+        // Lane d: j = index of t among channel c's tokens to d; k = landing row of t at d (rows in my token order).
+        const int j = lane < num_ranks ? args.send_head[static_cast<int64_t>(t) * num_ranks + lane] : -1;
+        int k = -1;
+        bool ok = true;
+        if (j >= 0 && lane != rank) {
+            k = (c > 0 ? args.channel_prefix_matrix[lane * num_channels + c - 1] : 0) + j;
+            const uint32_t needed = epoch_bits | static_cast<uint32_t>(k + 1);
+            if (!seq_geq(landed_cache[lane], needed)) {
+                uint32_t seen;
+                ok = wait_geq(ctx, buffer_u32(ctx.buffers[rank], kCombineLandedOffset) + lane, needed,
+                              Site{kKernelCombine, kPhaseCombineRecvWaitLanded, lane, c}, &seen);
+                if (ok) landed_cache[lane] = seen;
+            }
+            __threadfence_block();  // acquire: a cached word was stored after its reader's acquire load
+        }
+        if (!__all_sync(0xffffffffu, ok)) {
+            if (lane == 0) cta_failed = 1;
+            break;
+        }
+        const int4* srcs[kMaxRanks];
+        const float* wsrcs[kMaxRanks];
+        int num_srcs = 0, own = -1;
+        for (int d = 0; d < num_ranks; ++d) {
+            const int jd = __shfl_sync(0xffffffffu, j, d);
+            const int kd = __shfl_sync(0xffffffffu, k, d);
+            if (jd < 0) continue;
+            if (d == rank) {
+                const int64_t row = own_block + args.recv_channel_prefix_matrix[rank * num_channels + c] + jd;
+                own = num_srcs;
+                srcs[num_srcs] = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2);
+                wsrcs[num_srcs] = args.num_topk > 0 ? args.topk_weights + row * args.num_topk : nullptr;
+            } else {
+                srcs[num_srcs] = reinterpret_cast<const int4*>(zone_data[d] + static_cast<int64_t>(kd) * args.hidden * 2);
+                wsrcs[num_srcs] = reinterpret_cast<const float*>(zone_weights[d]) + static_cast<int64_t>(kd) * args.num_topk;
+            }
+            ++num_srcs;
+        }
+        const int4* bias0 = args.bias_0 != nullptr
+            ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_0) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
+        const int4* bias1 = args.bias_1 != nullptr
+            ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_1) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
+        int4* out = reinterpret_cast<int4*>(static_cast<char*>(args.combined_x) + static_cast<int64_t>(t) * args.hidden * 2);
+        reduce_token(srcs, wsrcs, num_srcs, own, bias0, bias1, out, row_int4,
+                     args.combined_topk_weights != nullptr ? args.combined_topk_weights + static_cast<int64_t>(t) * args.num_topk : nullptr,
+                     args.num_topk);
+    }
+
+    // The last CTA to finish frees my landing zones: every CTA's loads of them are complete (their values were used).
+    __syncthreads();
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        last = false;
+        if (cta_failed == 0) {
+            __threadfence();
+            unsigned int* done = workspace_u32(ctx, kWsCombineDoneOffset);
+            if (atomicAdd(done, 1u) == gridDim.x - 1) {
+                *done = 0u;
+                last = true;
+            }
+        }
+    }
+    __syncthreads();
+    if (last && threadIdx.x < num_ranks && static_cast<int>(threadIdx.x) != rank) {
+        fence_acq_rel_sys();
+        st_release_sys(buffer_u32(ctx.buffers[threadIdx.x], kCombineFreedOffset) + rank, args.copy_epoch);
+    }
+}
+
+// One warp on the copy stream: the previous calls' rows of this rank in every peer's combine half are consumed
+// (ring heads; `freed` of the previous copy-engine combine), so the copies of call `copy_epoch` may land there.
+__global__ void combine_copy_prepare_kernel(KernelContext ctx, uint32_t copy_epoch) {
+    const uint32_t peers = ((1u << ctx.num_ranks) - 1u) & ~(1u << ctx.rank);
+    const int num_checked = static_cast<int>(*workspace_u32(ctx, kWsCombineMaxChannelsOffset));
+    if (warp_wait_drained(ctx, peers, num_checked, kCombineHeadOffset, kWsCombineTailShadowOffset, kKernelCombine,
+                          kPhaseCombineSendDrain, -1))
+        warp_wait_freed(ctx, copy_epoch - 1u, -1);
+}
+
+// One warp on the copy stream, after a chunk of copies: publishes the landed words (stream order puts the copies'
+// writes before this kernel).
+__global__ void combine_copy_flag_kernel(KernelContext ctx, LandedFlags flags) {
+    const int d = lane_id();
+    if (d < ctx.num_ranks && flags.values[d] != 0u) {
+        fence_acq_rel_sys();
+        st_release_sys(buffer_u32(ctx.buffers[d], kCombineLandedOffset) + ctx.rank, flags.values[d]);
+    }
 }
 
 // =============================================================================================================
@@ -1440,6 +1606,36 @@ void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaSt
     }
     check_resident("combine", args.num_channels);
     combine_kernel<<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void intranode_combine_landed(const KernelContext& ctx, const CombineArgs& args, int num_ctas, cudaStream_t stream) {
+    check_context(ctx, "combine");
+    DEEP_EP_CHECK_ARG(args.hidden > 0 && (args.hidden * 2) % 16 == 0,
+                      "combine: hidden * 2 bytes must be a positive multiple of 16, got hidden ", args.hidden);
+    DEEP_EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "combine: num_topk must be in [0, ", kMaxTopk,
+                      "], got ", args.num_topk);
+    DEEP_EP_CHECK_ARG(args.num_topk == 0 || args.topk_weights != nullptr,
+                      "combine: topk_weights must be given when num_topk > 0");
+    DEEP_EP_CHECK_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
+                      "combine: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
+    DEEP_EP_CHECK_ARG(args.channel_prefix_matrix != nullptr && args.copy_epoch != 0,
+                      "combine: the copy-engine path needs the handle's channel_prefix_matrix and an epoch");
+    DEEP_EP_CHECK_ARG(num_ctas >= 1 && num_ctas <= kMaxChannels, "combine: CTAs must be in [1, ", kMaxChannels,
+                      "], got ", num_ctas);
+    check_resident("combine", num_ctas);
+    combine_landed_kernel<<<num_ctas, kChannelThreads, 0, stream>>>(ctx, args);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void intranode_combine_copy_prepare(const KernelContext& ctx, uint32_t copy_epoch, cudaStream_t stream) {
+    check_context(ctx, "combine");
+    combine_copy_prepare_kernel<<<1, 32, 0, stream>>>(ctx, copy_epoch);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void intranode_combine_copy_flag(const KernelContext& ctx, const LandedFlags& flags, cudaStream_t stream) {
+    combine_copy_flag_kernel<<<1, 32, 0, stream>>>(ctx, flags);
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 

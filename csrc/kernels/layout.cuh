@@ -20,8 +20,13 @@
 //     dispatch outputs  DispatchOutputWord [kMaxChannels][kMaxRanks]  index c*8+dst: written by dst (the receiver)
 //                                                   at the start of each dispatch: where its outputs of this call
 //                                                   lie (direct-to-output receive) or that it uses the rings
+//     combine landed    uint32 [kMaxRanks]          index src: (epoch << 20) | rows of src's copy-engine combine
+//                                                   that have landed in src's landing zone here (copy stream)
+//     combine freed     uint32 [kMaxRanks]          index owner: last copy-engine combine epoch whose landing zone
+//                                                   of my rows the owner has finished reading
 //   [dispatch half: per source s a sub-region of src_bytes; ring (c, s) = capacity records at c*capacity*record]
-//   [combine half:  same shape with combine records]
+//   [combine half:  same shape with combine records; a copy-engine combine uses source s's sub-region as one
+//                   landing zone instead: [rows x hidden BF16][rows x K float32 weights] (CombineLandingZone)]
 //   (each half is at most kMaxRingHalfBytes)
 //   [output pool: the rest of the buffer; blocks of it hold dispatch outputs that peers write directly, see
 //    DispatchOutputLayout and deep_ep/pool.py]
@@ -63,9 +68,13 @@ constexpr int64_t kDispatchHeadOffset = kDispatchTailOffset + kCounterBytes;
 constexpr int64_t kCombineTailOffset = kDispatchHeadOffset + kCounterBytes;
 constexpr int64_t kCombineHeadOffset = kCombineTailOffset + kCounterBytes;
 constexpr int64_t kDispatchOutputOffset = kCombineHeadOffset + kCounterBytes;
+constexpr int64_t kCombineLandedOffset = kDispatchOutputOffset + (int64_t)kMaxChannels * kMaxRanks * 16;
+constexpr int64_t kCombineFreedOffset = kCombineLandedOffset + kBufferAlignment;
 constexpr int64_t kControlBytes =
-    (kDispatchOutputOffset + (int64_t)kMaxChannels * kMaxRanks * 16 + kBufferAlignment - 1) / kBufferAlignment *
-    kBufferAlignment;
+    (kCombineFreedOffset + (int64_t)kMaxRanks * 4 + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+// Copy-engine combine flags: the landed word packs the call's epoch above the row count, so it grows across calls.
+constexpr int kLandedRowBits = 20;
+constexpr int64_t kMaxLandedRows = (1 << kLandedRowBits) - 1;
 
 // Where receiver `dst` puts its outputs of one dispatch call (16 bytes, in every sender's control region at index
 // channel * kMaxRanks + dst). The receiver writes data_units, meta_units and rows, then (system fence) the epoch
@@ -93,7 +102,9 @@ constexpr int64_t kWsDispatchHeadShadowOffset = kWsDispatchTailShadowOffset + kC
 constexpr int64_t kWsCombineTailShadowOffset = kWsDispatchHeadShadowOffset + kCounterBytes;
 constexpr int64_t kWsCombineHeadShadowOffset = kWsCombineTailShadowOffset + kCounterBytes;
 constexpr int64_t kWsDispatchEpochOffset = kWsCombineHeadShadowOffset + kCounterBytes;  // uint32 [kMaxChannels]
-constexpr int64_t kWsUsedBytes = kWsDispatchEpochOffset + (int64_t)kMaxChannels * 4;
+// Copy-engine combine: CTAs of the reducing kernel that finished this call (the last one signals `freed`).
+constexpr int64_t kWsCombineDoneOffset = kWsDispatchEpochOffset + (int64_t)kMaxChannels * 4;
+constexpr int64_t kWsUsedBytes = kWsCombineDoneOffset + 4;
 static_assert(kWsUsedBytes <= kWorkspaceBytes, "workspace too small");
 
 // ---- ring records ----
@@ -172,6 +183,23 @@ DEEP_EP_HOST_DEVICE RingGeometry ring_geometry(int64_t num_nvl_bytes, int num_ra
     int64_t fit = (num_channels > 0 && record_bytes > 0) ? g.source_bytes / ((int64_t)num_channels * record_bytes) : 0;
     g.capacity = (int)(fit < max_capacity ? fit : max_capacity);
     return g;
+}
+
+// Copy-engine combine: where the rows that `source` sends back to this rank land in this rank's buffer (the
+// source's sub-region of the combine half), for `rows` rows. fits: the sub-region holds them.
+struct CombineLandingZone {
+    int64_t data;     // byte offset of [rows, hidden] BF16
+    int64_t weights;  // byte offset of [rows, num_topk] float32
+    bool fits;
+};
+DEEP_EP_HOST_DEVICE CombineLandingZone combine_landing_zone(int64_t num_nvl_bytes, int num_ranks, int source,
+                                                            int64_t rows, int64_t hidden, int num_topk) {
+    const RingGeometry g = ring_geometry(num_nvl_bytes, num_ranks, 1, 1, 1, true);
+    CombineLandingZone z;
+    z.data = g.half_offset + source * g.source_bytes;
+    z.weights = z.data + align_up64(rows * hidden * 2, kBufferAlignment);
+    z.fits = rows <= kMaxLandedRows && (z.weights - z.data) + rows * num_topk * 4 <= g.source_bytes;
+    return z;
 }
 
 }  // namespace kernels

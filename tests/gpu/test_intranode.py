@@ -78,6 +78,10 @@ class Case:
     # Dispatch receive path: 'auto', 'rings', 'direct' (deep_ep.config.INTRANODE_DISPATCH_RECEIVE) or 'mixed'
     # (rank 0 direct, the other ranks rings: each receiver chooses for itself).
     receive: str = "auto"
+    # Combine send path (deep_ep.config.INTRANODE_COMBINE_COPY): 'auto' (copy engine up to COMBINE_COPY_MAX_SMS),
+    # 'copy' (copy engine where it applies) or 'rings'. The case's second combine takes the other path ('copy' <->
+    # 'rings'), so the switch between the two is covered as well.
+    combine_copy: str = "auto"
 
     def describe(self) -> str:
         return "Case(" + ", ".join(f"{k}={v!r}" for k, v in asdict(self).items()) + ")"
@@ -104,7 +108,8 @@ def case_strategy(num_ranks: int, max_tokens: int = 300):
                     alloc_on_comm=draw(st.booleans()),
                     dispatch_warps=draw(st.sampled_from([None, 1, 9, 16, 31])),
                     combine_warps=draw(st.sampled_from([None, 1, 4, 8, 30])),
-                    receive=draw(st.sampled_from(["auto", "rings", "direct", "mixed"])))
+                    receive=draw(st.sampled_from(["auto", "rings", "direct", "mixed"])),
+                    combine_copy=draw(st.sampled_from(["auto", "copy", "rings"])))
     return st.composite(lambda draw: build(draw))()
 
 
@@ -371,6 +376,7 @@ def _apply_tuning(case: Case, rank: int) -> None:
     deep_ep.config.INTRANODE_SEND_WARPS.update(dispatch=case.dispatch_warps, combine=case.combine_warps)
     receive = case.receive if case.receive != "mixed" else ("direct" if rank == 0 else "rings")
     deep_ep.config.INTRANODE_DISPATCH_RECEIVE = receive
+    deep_ep.config.INTRANODE_COMBINE_COPY = case.combine_copy
 
 
 def _pool_range(buffer) -> tuple[int, int]:
@@ -394,6 +400,28 @@ def _expect_path(buffer, tensor: torch.Tensor, receive: str, rank: int, label: s
     if receive == "auto":
         return  # either, depending on the pool's room
     assert _in_pool(buffer, tensor) == want_direct, f"{label}: receive path is not {receive!r} on rank {rank}"
+
+
+def _copy_epoch(buffer) -> int:
+    """Copy-engine combines of this rank's runtime so far (-1 without the CUDA runtime)."""
+    runtime = getattr(getattr(buffer, "runtime", None), "runtime", None)
+    return runtime.get_copy_epoch() if DEVICE == "cuda" and hasattr(runtime, "get_copy_epoch") else -1
+
+
+def _expect_combine_path(buffer, handle, case: Case, epoch_before: int, label: str) -> None:
+    """The combine just run took the copy engine exactly when it should: mode 'copy' (or 'auto' within the SM budget
+    limit), several ranks, the handle's pair counts known and every landing zone fitting."""
+    if epoch_before < 0:
+        return
+    runtime = buffer.runtime.runtime
+    counts = getattr(handle.rank_prefix_matrix, "_deep_ep_pair_counts", None)
+    import deep_ep.config
+    asked = case.combine_copy == "copy" or (case.combine_copy == "auto" and
+                                            case.num_sms <= deep_ep.config.COMBINE_COPY_MAX_SMS)
+    want = (asked and case.num_ranks > 1 and bool(counts) and
+            runtime.would_copy(counts, case.hidden, case.num_topk if case.with_topk else 0))
+    used = _copy_epoch(buffer) == epoch_before + 1
+    assert used == want, f"{label}: copy-engine path used={used}, expected {want} ({case.combine_copy})"
 
 
 def _poison_pool(buffer) -> None:
@@ -520,6 +548,7 @@ def task_roundtrip(buffer, rank: int, case: Case) -> str:
         ref_kwargs["topk_weights"] = [d.recv_topk_weights for d in dispatched]
     ref_comb = reference.combine(ys, [d.handle for d in dispatched], topo, **ref_kwargs)[rank]
     _poison_allocator()
+    epoch = _copy_epoch(buffer)
     comb = buffer.combine(ys[rank].to(DEVICE), handle, topk_weights=out.recv_topk_weights if case.with_topk else None,
                           bias=bias_arg, config=config, async_finish=case.async_mode,
                           previous_event=buffer.capture() if case.previous_mode else None,
@@ -530,8 +559,11 @@ def task_roundtrip(buffer, rank: int, case: Case) -> str:
         _eq("combined_topk_weights", comb.combined_topk_weights, ref_comb[1])
     else:
         assert comb.combined_topk_weights is None
-    # Combine must leave the handle usable: a second combine gives the same bits.
+    _expect_combine_path(buffer, handle, case, epoch, "combine")
+    # Combine must leave the handle usable: a second combine gives the same bits, by the other send path.
+    deep_ep.config.INTRANODE_COMBINE_COPY = "copy" if case.combine_copy == "rings" else "rings"
     again = buffer.combine(ys[rank].to(DEVICE), handle, bias=bias_arg, config=config)
+    deep_ep.config.INTRANODE_COMBINE_COPY = case.combine_copy
     _eq("second combined_x", again.combined_x, ref_comb[0])
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -637,13 +669,23 @@ def task_stall(buffer, rank: int, payload: dict) -> str:
     if buffer.topology.is_internode:  # test_internode.py: every token goes to every node too
         layout["num_tokens_per_rdma_rank"] = torch.full((buffer.topology.num_scaleout_ranks,), n, dtype=torch.int32,
                                                         device=DEVICE)
+    op = payload.get("op", "dispatch")
+    if op == "combine":  # every rank dispatches; the stalled one then skips the combine
+        handle = buffer.dispatch(x, config=config, **layout).handle
+        torch.cuda.synchronize()
     if rank == stalled:
         return "stalled"
     start = time.monotonic()
     try:
-        buffer.dispatch(x, config=config, **layout)
-        torch.cuda.synchronize()
-        buffer.dispatch(x, config=config, **layout)  # the error record is read at the next call at the latest
+        if op == "combine":
+            y = torch.ones(handle.recv_src_idx.size(0), h, dtype=torch.bfloat16, device=DEVICE)
+            buffer.combine(y, handle, config=config)
+            torch.cuda.synchronize()
+            buffer.combine(y, handle, config=config)  # the error record is read at the next call at the latest
+        else:
+            buffer.dispatch(x, config=config, **layout)
+            torch.cuda.synchronize()
+            buffer.dispatch(x, config=config, **layout)  # the error record is read at the next call at the latest
     except TimeoutError as exc:
         elapsed = time.monotonic() - start
         text = str(exc)
@@ -652,7 +694,7 @@ def task_stall(buffer, rank: int, payload: dict) -> str:
         # The CUDA context must still work.
         assert float((torch.ones(4, device=DEVICE) * 2).sum()) == 8.0
         return f"timeout after {elapsed:.1f} s: {text}"
-    raise AssertionError("dispatch with a stalled peer did not raise a timeout")
+    raise AssertionError(f"{op} with a stalled peer did not raise a timeout")
 
 
 def task_bad_routing(buffer, rank: int, payload: dict) -> str:
@@ -896,13 +938,15 @@ def test_killed_peer_times_out():
         pool.kill()
 
 
-def test_stalled_peer_times_out():
-    """Rank 1 never joins the dispatch: rank 0 gets a timeout exception within the budget, no hang, no exit."""
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_stalled_peer_times_out(op):
+    """Rank 1 never joins the dispatch (or the combine, copy-engine path by default): rank 0 gets a timeout
+    exception within the budget, no hang, no exit."""
     timeout_s = 5
     world = 2
     pool = Pool(_devices(world, torch.cuda.device_count() >= 2), env={"DEEP_EP_TIMEOUT_S": str(timeout_s)})
     try:
-        replies = pool.run("stall", {"stalled": 1, "timeout_s": timeout_s}, timeout=timeout_s * 6 + 60)
+        replies = pool.run("stall", {"stalled": 1, "timeout_s": timeout_s, "op": op}, timeout=timeout_s * 6 + 60)
         assert "timeout" in replies[0], replies
     finally:
         # Rank 0's buffer is in the failed state; the pool is discarded (destroy may itself time out).
