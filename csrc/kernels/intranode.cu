@@ -1026,13 +1026,21 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
                      static_cast<int>(words[3]));
 }
 
-// One warp: token's combined row `out` = bf16(bias0 + bias1 + sum of srcs[0..num_srcs) in that order) in float32,
-// and (weights_out) its top-k weights summed likewise. srcs[own] is this rank's x row (non-coherent loads); the
+// One warp: combined_x[t] = bf16(bias_0[t] + bias_1[t] + sum of srcs[0..num_srcs) in that order) in float32, and
+// combined_topk_weights[t] summed likewise from wsrcs. srcs[own] is this rank's x row (non-coherent loads); the
 // others were written by peers or the copy engine (coherent loads).
-__device__ __forceinline__ void reduce_token(const int4* const* srcs, const float* const* wsrcs, int num_srcs, int own,
-                                             const int4* bias0, const int4* bias1, int4* out, int64_t row_int4,
-                                             float* weights_out, int num_topk) {
+__device__ __forceinline__ void reduce_token(const CombineArgs& args, int t, const int4* const* srcs,
+                                             const float* const* wsrcs, int num_srcs, int own, int64_t row_int4) {
     const int lane = lane_id();
+    const int64_t row_offset = static_cast<int64_t>(t) * args.hidden * 2;
+    const int4* bias0 = args.bias_0 != nullptr
+        ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_0) + row_offset) : nullptr;
+    const int4* bias1 = args.bias_1 != nullptr
+        ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_1) + row_offset) : nullptr;
+    int4* out = reinterpret_cast<int4*>(static_cast<char*>(args.combined_x) + row_offset);
+    const int num_topk = args.num_topk;
+    float* weights_out = args.combined_topk_weights != nullptr
+        ? args.combined_topk_weights + static_cast<int64_t>(t) * num_topk : nullptr;
     if (num_srcs >= 1 && num_srcs <= 2 && bias0 == nullptr && bias1 == nullptr) {
         reduce_two<kReduceUnroll>(srcs[0], own != 0, num_srcs > 1 ? srcs[1] : nullptr, own != 1, out, row_int4);
     } else {
@@ -1297,14 +1305,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 }
                 ++num_srcs;
             }
-            const int4* bias0 = args.bias_0 != nullptr
-                ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_0) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
-            const int4* bias1 = args.bias_1 != nullptr
-                ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_1) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
-            int4* out = reinterpret_cast<int4*>(static_cast<char*>(args.combined_x) + static_cast<int64_t>(t) * args.hidden * 2);
-            reduce_token(srcs, wsrcs, num_srcs, own, bias0, bias1, out, row_int4,
-                         args.combined_topk_weights != nullptr ? args.combined_topk_weights + static_cast<int64_t>(t) * args.num_topk : nullptr,
-                         args.num_topk);
+            reduce_token(args, t, srcs, wsrcs, num_srcs, own, row_int4);
             release_progress(progress, warp, item + num_reduce_warps);
             RoleTrace::item_end();
         }
@@ -1389,14 +1390,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             }
             ++num_srcs;
         }
-        const int4* bias0 = args.bias_0 != nullptr
-            ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_0) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
-        const int4* bias1 = args.bias_1 != nullptr
-            ? reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_1) + static_cast<int64_t>(t) * args.hidden * 2) : nullptr;
-        int4* out = reinterpret_cast<int4*>(static_cast<char*>(args.combined_x) + static_cast<int64_t>(t) * args.hidden * 2);
-        reduce_token(srcs, wsrcs, num_srcs, own, bias0, bias1, out, row_int4,
-                     args.combined_topk_weights != nullptr ? args.combined_topk_weights + static_cast<int64_t>(t) * args.num_topk : nullptr,
-                     args.num_topk);
+        reduce_token(args, t, srcs, wsrcs, num_srcs, own, row_int4);
     }
 
     // The last CTA to finish frees my landing zones: every CTA's loads of them are complete (their values were used).
