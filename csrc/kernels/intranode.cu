@@ -1026,6 +1026,13 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
                      static_cast<int>(words[3]));
 }
 
+// This rank's own contribution to a token: row `row` of x and of topk_weights (null without weights).
+__device__ __forceinline__ void own_contribution(const CombineArgs& args, int64_t row, const int4** src,
+                                                 const float** wsrc) {
+    *src = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2);
+    *wsrc = args.num_topk > 0 ? args.topk_weights + row * args.num_topk : nullptr;
+}
+
 // One warp: combined_x[t] = bf16(bias_0[t] + bias_1[t] + sum of srcs[0..num_srcs) in that order) in float32, and
 // combined_topk_weights[t] summed likewise from wsrcs. srcs[own] is this rank's x row (non-coherent loads); the
 // others were written by peers or the copy engine (coherent loads).
@@ -1292,10 +1299,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 const int j = __shfl_sync(0xffffffffu, my_head, d);
                 if (j < 0) continue;
                 if (d == rank) {
-                    const int64_t row = own_first + j;
                     own = num_srcs;
-                    srcs[num_srcs] = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2);
-                    wsrcs[num_srcs] = args.num_topk > 0 ? args.topk_weights + row * args.num_topk : nullptr;
+                    own_contribution(args, own_first + j, &srcs[num_srcs], &wsrcs[num_srcs]);
                 } else {
                     const uint32_t seq = head_base[d] + static_cast<uint32_t>(j);
                     const char* rec = static_cast<const char*>(ctx.buffers[rank]) +
@@ -1380,10 +1385,9 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             const int kd = __shfl_sync(0xffffffffu, k, d);
             if (jd < 0) continue;
             if (d == rank) {
-                const int64_t row = own_block + args.recv_channel_prefix_matrix[rank * num_channels + c] + jd;
                 own = num_srcs;
-                srcs[num_srcs] = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2);
-                wsrcs[num_srcs] = args.num_topk > 0 ? args.topk_weights + row * args.num_topk : nullptr;
+                own_contribution(args, own_block + args.recv_channel_prefix_matrix[rank * num_channels + c] + jd,
+                                 &srcs[num_srcs], &wsrcs[num_srcs]);
             } else {
                 srcs[num_srcs] = reinterpret_cast<const int4*>(zone_data[d] + static_cast<int64_t>(kd) * args.hidden * 2);
                 wsrcs[num_srcs] = reinterpret_cast<const float*>(zone_weights[d]) + static_cast<int64_t>(kd) * args.num_topk;
