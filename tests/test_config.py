@@ -285,3 +285,25 @@ def test_intranode_channels_cap_by_rank_count():
     assert intranode_channels(24, 2) == cap < 24  # the budget is an upper bound
     assert intranode_channels(24, 8) == 24  # no measured cap for EP8: the budget
     assert all(intranode_channels(s, r) <= s for s in range(1, 65) for r in range(1, 9))
+
+
+# ---- intranode combine send path (deep_ep.config.combine_by_copy_engine) ----
+
+@pytest.mark.parametrize("mode, num_sms, want", [
+    ("auto", 1, True), ("auto", 12, True), ("auto", 13, False), ("auto", 24, False),
+    ("copy", 24, True), ("copy", 160, True), ("rings", 8, False), ("rings", 1, False)])
+def test_combine_copy_engine_choice(monkeypatch, mode, num_sms, want):
+    import deep_ep.config as cfg
+    monkeypatch.setattr(cfg, "INTRANODE_COMBINE_COPY", mode)
+    monkeypatch.setattr(cfg, "COMBINE_COPY_MAX_SMS", 12)
+    assert cfg.combine_by_copy_engine(num_sms) is want
+
+
+def test_combine_copy_mode_follows_the_environment(monkeypatch):
+    import deep_ep.config as cfg
+    monkeypatch.setattr(cfg, "INTRANODE_COMBINE_COPY", None)
+    monkeypatch.setenv("DEEP_EP_COMBINE_COPY", "rings")
+    assert cfg.combine_copy_mode() == "rings" and not cfg.combine_by_copy_engine(4)
+    monkeypatch.setenv("DEEP_EP_COMBINE_COPY", "sideways")
+    with pytest.raises(ValueError, match="DEEP_EP_COMBINE_COPY.*'sideways'"):
+        cfg.combine_copy_mode()
