@@ -150,6 +150,9 @@ class CudaBackend:
     Construction is collective: every rank constructs with the same sizes.
     """
 
+    # The copy-engine combine (deep_ep.config.combine_by_copy_engine) over this backend's buffer.
+    copy_engine_combine = True
+
     def __init__(self, rank: int, num_ranks: int, num_nvl_bytes: int,
                  all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:
         if not 1 <= num_ranks <= NUM_MAX_SCALEUP_RANKS:
@@ -464,7 +467,7 @@ class CudaBackend:
         try:
             handle = self._kernel_handle(handle)
             pair_counts = getattr(handle.rank_prefix_matrix, "_deep_ep_pair_counts", None)
-            by_copy = bool(pair_counts) and tuning.combine_by_copy_engine(config.num_sms)
+            by_copy = self.copy_engine_combine and bool(pair_counts) and tuning.combine_by_copy_engine(config.num_sms)
             copy_ctas = self._channels_for_sms(config.num_sms) if by_copy else 0
             combined_x, combined_topk_weights = self.runtime.combine(
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,

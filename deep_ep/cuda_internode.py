@@ -57,6 +57,10 @@ class InternodeCuda(CudaBackend):
     Construction is collective.
     """
 
+    # The copy-engine combine copies into peers' buffers with cudaMemcpyAsync; over the NVSHMEM heap that has not
+    # run on a GPU yet, so this backend keeps its ring senders.
+    copy_engine_combine = False
+
     def __init__(self, rank: int, num_ranks: int, num_rdma_bytes: int, num_qps_per_rank: int, allow_mnnvl: bool,
                  all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:
         if not 2 <= num_ranks <= _C.MAX_RANKS:
