@@ -204,11 +204,12 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
         runtime = getattr(getattr(buffer, "runtime", None), "runtime", None)
         for mode in args.combine_copy if "combine_bf16" in args.ops else ():
             deep_ep.config.INTRANODE_COMBINE_COPY = mode
-            label = "combine_bf16" + ("" if mode == "auto" else f"_{mode}")
-            # The copy-engine path (taken by 'auto' where it applies) has no sender warps: sweep them only for rings.
+            # The copy-engine path has no sender warps: sweep them only for rings. Labels name the path that ran:
+            # combine_bf16 (rings, the Buffer's default), combine_bf16_copy, combine_bf16_rings (asked for rings).
             epoch = runtime.get_copy_epoch() if runtime is not None else 0
-            safe(f"{label} probe", lambda: buffer.combine(combine_x, handle, config=base))
+            safe(f"combine {mode} probe", lambda: buffer.combine(combine_x, handle, config=base))
             by_copy = runtime is not None and runtime.get_copy_epoch() > epoch
+            label = "combine_bf16_copy" if by_copy else "combine_bf16" + ("_rings" if mode == "rings" else "")
             best = None
             # Copy path: the "chunk" swept is deep_ep.config.COMBINE_COPY_CHUNK_ROWS (--copy-chunk-rows).
             for chunk, warps in ((c, w) for c in (args.copy_chunk_rows if by_copy else args.combine_chunks)

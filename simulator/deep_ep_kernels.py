@@ -42,7 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from deep_ep.config import FP8_BLOCK, NUM_MAX_LL_TOPK, ceil_div, intranode_channels
+from deep_ep.config import (COMBINE_COPY_CHUNK_ROWS, FP8_BLOCK, NUM_MAX_LL_TOPK, ceil_div, combine_by_copy_engine,
+                            intranode_channels)
 from deep_ep.layout import intranode_combine_record_bytes, intranode_dispatch_record_bytes
 from simulator.hardware import GpuProfile, NicProfile
 from simulator.links import GBPS
@@ -101,6 +102,9 @@ class DeepEpProfile:
             the kernels' ``NUM_MAX_LL_TOPK`` slots, after the int32 source token).
         internode_extra_us: added to ``launch_us`` for internode calls with a network stage (NVSHMEM signal round
             trip), µs; not for one GPU per virtual node, which runs the intranode kernels over P2P.
+        ce_gbps: copy-engine rate per direction of the copy-engine intranode combine while the SMs reduce, GB/s.
+        ce_chunk_us: copy-engine time lost per chunk of that combine (the chunk's end drains the engine), µs.
+        ce_reduce_gbps: per-SM rate at which its reducing kernel (every warp reduces) reads contributions, GB/s.
     """
 
     sm_push_gbps: float = 46.0
@@ -124,6 +128,9 @@ class DeepEpProfile:
     ll_nvl_efficiency: float = 1.0
     ll_header_bytes_per_topk: int = 4
     internode_extra_us: float = 5.0
+    ce_gbps: float = 310.0
+    ce_chunk_us: float = 6.0
+    ce_reduce_gbps: float = 48.0
     sources: tuple[tuple[str, str], ...] = ()
 
     def source_of(self, param: str) -> str:
@@ -150,6 +157,10 @@ _ASSUMED = {
                       "(deep_ep.config.dispatch_receive_mode 'auto'); 1 = rings (§2.4)",
     "dispatch_chunk": "assumed: best Sn of the 2026-11-30 sweep lies in 8..24",
     "combine_chunk": "assumed: best Sn of the 2026-11-30 sweep lies in 4..16",
+    "ce_gbps": "measured: copy-engine combine chunk sweep, 2026-11-30 (24 SMs, 128..1024-row chunks: time ~ 190-198 us "
+               "+ 6 us per chunk for 58.5 MB; docs/performance.md 'Copy-engine combine'); the 16 points within 12 %",
+    "ce_chunk_us": "measured: the same sweep's slope, 5.8-6.3 us per chunk",
+    "ce_reduce_gbps": "measured: copy-engine combine at 8 SMs, 305 us of reduction for 117 MB of contributions",
     "ll_fixed_us": "assumed: kernels.md §3.3 estimate (top-k scan ~2 µs, signal ~2 µs, launch ~3 µs)",
     "ll_hook_fixed_us": "assumed: one kernel launch + grid drain per hook-mode phase",
     "ll_hook_dispatch_extra_us": "assumed: kernels.md §3.3 top-k count pass (~2 µs)",
@@ -271,8 +282,56 @@ def _chunks(rows: np.ndarray, channels: int, chunk: int) -> np.ndarray:
     return (channels * np.ceil(per_channel / max(chunk, 1))).sum(axis=-1)
 
 
+def copy_chunks(rows: float, chunk_rows: int = COMBINE_COPY_CHUNK_ROWS) -> int:
+    """Chunks of a copy-engine combine moving ``rows`` rows (Runtime::combine_by_copy: the first chunk has
+    ``chunk_rows / 8`` rows, each next one twice as many, up to ``chunk_rows``)."""
+    full = max(chunk_rows, 8)
+    done, size, count = 0, max(full // 8, 1), 0
+    while done < rows:
+        done, size, count = done + size, min(full, size * 2), count + 1
+    return count
+
+
+def copy_combine_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, prof: DeepEpProfile,
+                      num_sms: int, chunk_rows: int = 0) -> NormalWork:
+    """The copy-engine intranode combine: each source's rows to a peer cross the link by the copy engine (its
+    ``copy_engine`` port, loaded with the rows plus ``ce_chunk_us`` of engine time per chunk), and the owner's
+    ``num_sms`` CTAs reduce every contribution (its ``sm_reduce`` port, ``num_sms * ce_reduce_gbps``) as the rows
+    land, so the reduction overlaps the copies; no SM sends. ``chunk_rows``: the chunk size (0: deep_ep's
+    ``COMBINE_COPY_CHUNK_ROWS``)."""
+    chunk_rows = chunk_rows or COMBINE_COPY_CHUNK_ROWS
+    num_ranks = spec.num_ranks
+    record = intranode_combine_record_bytes(spec.hidden, spec.topk)
+    payload = token_bytes(spec.hidden, "bf16")
+    rows = np.asarray([t.rows_to_rank for t in traffic], dtype=float)  # rows[s, d]
+    kinds = ("nvl_out", "nvl_in", "copy_engine", "sm_reduce")
+    nvl = gpu.nvlink_gbps * prof.nvl_efficiency * GBPS
+    ce = prof.ce_gbps * GBPS
+    caps = {"nvl_out": nvl, "nvl_in": nvl, "copy_engine": ce, "sm_reduce": num_sms * prof.ce_reduce_gbps * GBPS}
+    ports = _Ports(kinds, caps, num_ranks)
+    peers = np.arange(num_ranks)
+    # Combine runs the dispatch backwards: rows[s, d] rows of s's tokens return from d to s. Sender d's chunks
+    # cover all its owners at once (as many as its largest block needs); their engine time is shared out.
+    remote = rows * (1.0 - np.eye(num_ranks))
+    sent = remote.sum(axis=0)
+    gap_bytes = ce * prof.ce_chunk_us * np.array([copy_chunks(m, chunk_rows) for m in remote.max(axis=0)])
+    gap_share = np.divide(remote * gap_bytes, sent, out=np.zeros_like(remote), where=sent > 0)
+    flows: list[FlowSpec] = []
+    for s in range(num_ranks):
+        back = remote[s]
+        own = rows[s, s]
+        u = _Usage(ports)
+        u.add("copy_engine", peers, back * record + gap_share[s])
+        u.add("nvl_out", peers, back * record)
+        u.add("nvl_in", s, back.sum() * record)
+        u.add("sm_reduce", s, (back.sum() + own) * payload)
+        flows.append(u.flow(float(back.sum() * record + own * payload)))
+    return NormalWork(np.zeros(num_ranks), kinds, caps, flows, prof.launch_us, {}, max(num_sms, 1))
+
+
 def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
-                prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str, channels: int = 0) -> NormalWork:
+                prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str, channels: int = 0,
+                combine_copy: bool | None = None, copy_chunk_rows: int = 0) -> NormalWork:
     """Per-rank SM work, fixed cost and flows of one deep_ep normal op (intranode when one node). ``channels``
     (CTAs) defaults to what deep_ep runs for ``num_sms``: intranode ``deep_ep.config.intranode_channels``, else
     ``num_sms``; measurements taken without the cap pass their own.
@@ -285,7 +344,14 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     contributions; across nodes the owner reduces the forwarders' partials.
 
     One GPU per virtual node is the intranode model over all ranks (:func:`flat_p2p`).
+
+    Intranode combine takes the copy-engine path (:func:`copy_combine_work`) where deep_ep's Buffer would
+    (``deep_ep.config.combine_by_copy_engine(num_sms)``) unless ``combine_copy`` says which; ``copy_chunk_rows``
+    overrides its chunk size.
     """
+    if spec.op == "combine" and spec.num_nodes == 1 and spec.num_ranks > 1 and (
+            combine_by_copy_engine(num_sms) if combine_copy is None else combine_copy):
+        return copy_combine_work(spec, traffic, gpu, prof, num_sms, copy_chunk_rows)
     num_ranks, per_node, num_nodes = spec.num_ranks, spec.ranks_per_node, spec.num_nodes
     if flat_p2p(spec, nic):
         per_node, num_nodes = num_ranks, 1
@@ -413,7 +479,7 @@ def closed_form_times(work: NormalWork, num_sms: int, num_ranks: int) -> np.ndar
 
 
 _BOTTLENECK_LABELS = {"serial": "SM:copy", "push": "SM:push", "nvl_out": "NVLink", "nvl_in": "NVLink",
-                      "nic_out": "RDMA", "nic_in": "RDMA"}
+                      "nic_out": "RDMA", "nic_in": "RDMA", "copy_engine": "copy engine", "sm_reduce": "SM:reduce"}
 
 
 def bottleneck(work: NormalWork, num_sms: int, num_ranks: int) -> str:
