@@ -209,14 +209,16 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
             epoch = runtime.get_copy_epoch() if runtime is not None else 0
             safe(f"combine {mode} probe", lambda: buffer.combine(combine_x, handle, config=base))
             by_copy = runtime is not None and runtime.get_copy_epoch() > epoch
-            label = "combine_bf16_copy" if by_copy else "combine_bf16" + ("_rings" if mode == "rings" else "")
+            label = ("combine_bf16_zone" if mode == "zone" else "combine_bf16_copy") if by_copy else \
+                "combine_bf16" + ("_rings" if mode == "rings" else "")
             best = None
             # Copy path: the "chunk" swept is deep_ep.config.COMBINE_COPY_CHUNK_ROWS (--copy-chunk-rows).
-            for chunk, warps in ((c, w) for c in (args.copy_chunk_rows if by_copy else args.combine_chunks)
-                                 for w in ([0] if by_copy else args.combine_warps)):
-                cfg = deep_ep.Config(num_sms, 8 if by_copy else chunk, 256)
+            copy_engine = by_copy and mode != "zone"  # zone senders are warps: sweep them like the rings'
+            for chunk, warps in ((c, w) for c in (args.copy_chunk_rows if copy_engine else args.combine_chunks)
+                                 for w in ([0] if copy_engine else args.combine_warps)):
+                cfg = deep_ep.Config(num_sms, 8 if copy_engine else chunk, 256)
                 fn = with_send_warps("combine", warps, lambda c=cfg: buffer.combine(combine_x, handle, config=c))
-                if by_copy:
+                if copy_engine:
                     fn = with_copy_chunk_rows(chunk, fn)
                 t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn, iters, iters))
                 if t is not None:
@@ -226,7 +228,8 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
             if best is not None:
                 keyword = "combine_landed" if by_copy else "combine"  # the reducing kernel spans the copies
                 kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], keyword, profiled))
-                warps = 0 if by_copy else best[3] or deep_ep.config.intranode_send_warps("combine", num_ranks, channels)
+                warps = 0 if copy_engine else best[3] or deep_ep.config.intranode_send_warps(
+                    "combine", num_ranks, num_sms if by_copy else channels)
                 report["points"].append(_point(label, num_sms, best[0], best[1], kt, bf16_bytes,
                                                remote_rows * h * 2, warps, num_sms if by_copy else channels))
         deep_ep.config.INTRANODE_COMBINE_COPY = None
@@ -362,7 +365,7 @@ def main() -> None:
                         help="ring-sender warps per channel to sweep in combine; 0: the tuned table's row")
     parser.add_argument("--uncapped", action="store_true",
                         help="run num_sms channels even where deep_ep.config.INTRANODE_MAX_CHANNELS caps them")
-    parser.add_argument("--combine-copy", nargs="+", default=["auto"], choices=["auto", "copy", "rings"],
+    parser.add_argument("--combine-copy", nargs="+", default=["auto"], choices=["auto", "copy", "rings", "zone"],
                         help="combine send paths to measure: auto (the Buffer's default; op combine_bf16), copy "
                              "(the copy engine; op combine_bf16_copy), rings (ring-sender warps; op "
                              "combine_bf16_rings)")

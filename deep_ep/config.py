@@ -276,21 +276,29 @@ DISPATCH_RECEIVE_MODES = ("auto", "rings", "direct")
 # 436, 12 SMs 259 vs 306, 16 SMs 254 vs 241, 24 SMs 240 vs 241. COMBINE_COPY_CHUNK_ROWS: rows per copy-engine chunk
 # (each chunk ends with a flag the reducers wait for; the first chunks are smaller so that the reducers start early).
 INTRANODE_COMBINE_COPY: Optional[str] = None
-COMBINE_COPY_MODES = ("auto", "copy", "rings")
+COMBINE_COPY_MODES = ("auto", "copy", "rings", "zone")
 COMBINE_COPY_MAX_SMS = 12
 COMBINE_COPY_CHUNK_ROWS = 512
 
 
-def combine_by_copy_engine(num_sms: int) -> bool:
-    """Whether an intranode combine with a budget of ``num_sms`` SMs asks for the copy-engine path (it still needs
-    the dispatch's counts on the host and landing zones that fit, else it takes the rings)."""
+def combine_send_path(num_sms: int) -> str:
+    """The send path an intranode combine with a budget of ``num_sms`` SMs asks for: 'copy' (copy engine), 'zone'
+    (sender warps storing straight into the owners' landing zones, all CTAs reducing) or 'rings'. The landing-zone
+    paths still need the dispatch's counts on the host and zones that fit, else the call takes the rings."""
     mode = combine_copy_mode()
-    return mode == "copy" or (mode == "auto" and num_sms <= COMBINE_COPY_MAX_SMS)
+    if mode == "auto":
+        return "copy" if num_sms <= COMBINE_COPY_MAX_SMS else "rings"
+    return mode
+
+
+def combine_by_copy_engine(num_sms: int) -> bool:
+    """Whether an intranode combine with a budget of ``num_sms`` SMs asks for the copy-engine path."""
+    return combine_send_path(num_sms) == "copy"
 
 
 def combine_copy_mode() -> str:
     """'auto' (copy engine for budgets up to COMBINE_COPY_MAX_SMS SMs, where it applies), 'copy' (copy engine
-    wherever it applies) or 'rings'."""
+    wherever it applies), 'rings', or 'zone' (sender warps into landing zones; branch zonecombine, not measured)."""
     mode = INTRANODE_COMBINE_COPY if INTRANODE_COMBINE_COPY is not None else envs.COMBINE_COPY.get()
     if mode not in COMBINE_COPY_MODES:
         raise ValueError(f"combine copy mode (DEEP_EP_COMBINE_COPY or deep_ep.config.INTRANODE_COMBINE_COPY) must "

@@ -60,7 +60,8 @@ COMBINE_COPY = EnvVar(
     "DEEP_EP_COMBINE_COPY", str, "auto",
     "Intranode combine send path: 'auto' (the copy engine moves the rows for SM budgets up to "
     "deep_ep.config.COMBINE_COPY_MAX_SMS when the dispatch's counts are known on the host and the landing zones fit, "
-    "else ring-sender warps), 'copy' (the copy engine wherever it applies) or 'rings'.")
+    "else ring-sender warps), 'copy' (the copy engine wherever it applies), 'rings', or 'zone' (sender warps storing "
+    "into the landing zones, all CTAs reducing).")
 GPUS_PER_NODE = EnvVar(
     "DEEP_EP_GPUS_PER_NODE", int, 8,
     "Ranks per scale-up (NVLink) domain; lower it to make one host act as several virtual nodes.")

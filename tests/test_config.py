@@ -291,7 +291,7 @@ def test_intranode_channels_cap_by_rank_count():
 
 @pytest.mark.parametrize("mode, num_sms, want", [
     ("auto", 1, True), ("auto", 12, True), ("auto", 13, False), ("auto", 24, False),
-    ("copy", 24, True), ("copy", 160, True), ("rings", 8, False), ("rings", 1, False)])
+    ("copy", 24, True), ("copy", 160, True), ("rings", 8, False), ("rings", 1, False), ("zone", 8, False)])
 def test_combine_copy_engine_choice(monkeypatch, mode, num_sms, want):
     import deep_ep.config as cfg
     monkeypatch.setattr(cfg, "INTRANODE_COMBINE_COPY", mode)
@@ -307,3 +307,12 @@ def test_combine_copy_mode_follows_the_environment(monkeypatch):
     monkeypatch.setenv("DEEP_EP_COMBINE_COPY", "sideways")
     with pytest.raises(ValueError, match="DEEP_EP_COMBINE_COPY.*'sideways'"):
         cfg.combine_copy_mode()
+
+
+@pytest.mark.parametrize("mode, num_sms, want", [("auto", 8, "copy"), ("auto", 24, "rings"), ("zone", 8, "zone"),
+                                                 ("zone", 24, "zone"), ("rings", 4, "rings"), ("copy", 24, "copy")])
+def test_combine_send_path(monkeypatch, mode, num_sms, want):
+    import deep_ep.config as cfg
+    monkeypatch.setattr(cfg, "INTRANODE_COMBINE_COPY", mode)
+    monkeypatch.setattr(cfg, "COMBINE_COPY_MAX_SMS", 12)
+    assert cfg.combine_send_path(num_sms) == want

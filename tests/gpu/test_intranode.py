@@ -109,7 +109,7 @@ def case_strategy(num_ranks: int, max_tokens: int = 300):
                     dispatch_warps=draw(st.sampled_from([None, 1, 9, 16, 31])),
                     combine_warps=draw(st.sampled_from([None, 1, 4, 8, 30])),
                     receive=draw(st.sampled_from(["auto", "rings", "direct", "mixed"])),
-                    combine_copy=draw(st.sampled_from(["auto", "copy", "rings"])))
+                    combine_copy=draw(st.sampled_from(["auto", "copy", "rings", "zone"])))
     return st.composite(lambda draw: build(draw))()
 
 
@@ -416,8 +416,8 @@ def _expect_combine_path(buffer, handle, case: Case, epoch_before: int, label: s
     runtime = buffer.runtime.runtime
     counts = getattr(handle.rank_prefix_matrix, "_deep_ep_pair_counts", None)
     import deep_ep.config
-    asked = case.combine_copy == "copy" or (case.combine_copy == "auto" and
-                                            case.num_sms <= deep_ep.config.COMBINE_COPY_MAX_SMS)
+    asked = case.combine_copy in ("copy", "zone") or (case.combine_copy == "auto" and
+                                                      case.num_sms <= deep_ep.config.COMBINE_COPY_MAX_SMS)
     want = (asked and case.num_ranks > 1 and bool(counts) and
             runtime.would_copy(counts, case.hidden, case.num_topk if case.with_topk else 0))
     used = _copy_epoch(buffer) == epoch_before + 1
