@@ -1432,12 +1432,18 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             const int complete = lane < num_ranks && lane != rank ? (done - lane + num_ranks - 1) / num_ranks : 0;
             const bool advance = __any_sync(0xffffffffu, complete > published);
             if (advance) {
-                if (lane == 0) fence_acq_rel_sys();
-                __syncwarp();
-                if (lane < num_ranks && lane != rank && complete > published)
-                    st_release_sys(buffer_u32(ctx.buffers[lane], kCombineZoneLandedOffset) +
-                                   counter_index(static_cast<int>(blockIdx.x), rank),
-                                   epoch_bits | static_cast<uint32_t>(complete));
+                // Lane 0 fences once and stores every destination's count (as publish_tails does for the rings).
+                int counts[kMaxRanks];
+#pragma unroll
+                for (int d = 0; d < kMaxRanks; ++d) counts[d] = __shfl_sync(0xffffffffu, complete, d);
+                if (lane == 0) {
+                    fence_acq_rel_sys();
+                    for (int d = 0; d < num_ranks; ++d)
+                        if (d != rank && counts[d] > 0)
+                            st_release_sys(buffer_u32(ctx.buffers[d], kCombineZoneLandedOffset) +
+                                           counter_index(static_cast<int>(blockIdx.x), rank),
+                                           epoch_bits | static_cast<uint32_t>(counts[d]));
+                }
                 published = max(published, complete);
             }
             if (done >= total_items) break;
@@ -1471,6 +1477,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                     cached_cta = cta;
                     cached_word = seen;
                 }
+                __threadfence_block();  // acquire for the warp: lane d's acquire load came first
             } else {
                 const uint32_t needed = epoch_bits | static_cast<uint32_t>(k + 1);
                 if (!seq_geq(landed_cache[lane], needed)) {
