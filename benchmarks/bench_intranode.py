@@ -18,6 +18,12 @@ buffer's output pool; ops ``dispatch_*_direct``; needs ``--num-nvl-bytes`` above
 ``skipcopy`` (ops ``dispatch_*_skipcopy``: the ring path with the receivers' ring -> recv_x copy skipped, through
 the runtime's diagnostic hook; the outputs are wrong on purpose, the point is the time without that copy).
 
+Combine send paths (``--combine-copy``): ``auto`` (the Buffer's default: the copy engine for budgets up to
+``deep_ep.config.COMBINE_COPY_MAX_SMS``, ring senders above), ``copy`` and ``rings``; each point's op names the
+path that ran: ``combine_bf16`` (rings), ``combine_bf16_copy`` (copy engine; its "chunk" column is
+``COMBINE_COPY_CHUNK_ROWS``, swept with ``--copy-chunk-rows``; its kernel time is the reducing kernel's, which spans
+the copies), ``combine_bf16_rings`` (rings, asked for).
+
 Output: a table on stdout (rank 0) and JSON (``--json``) with every point of the SM sweep, the chunk-size sweep and
 the NCCL baseline. Run on the 2-GPU machine::
 
