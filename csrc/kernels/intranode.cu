@@ -1336,6 +1336,35 @@ __device__ __forceinline__ void zone_stripe_of(int64_t row, int rows_per_stripe,
     *local = static_cast<int>(stripe / num_ctas);
 }
 
+// Zone sender warp: item (q, d) = row (q * CTAs + this CTA) * W + warp of my block from d, for q < local_stripes,
+// stored into d's landing zone (row and weights); progress released after each stripe. Not inlined, so that the
+// reducers' registers stay out of this loop.
+__device__ __noinline__ void zone_send_rows(const KernelContext& ctx, const CombineArgs& args,
+                                            const int64_t* block_first, const int* block_rows,
+                                            const int64_t* dest_zone, const int64_t* dest_weights, int local_stripes,
+                                            int num_send_warps, volatile int* progress, volatile int* cta_failed) {
+    const int warp = static_cast<int>(threadIdx.x) / 32, lane = lane_id();
+    const int num_ctas = static_cast<int>(gridDim.x);
+    const int64_t row_bytes = static_cast<int64_t>(args.hidden) * 2;
+    int items = 0;
+    for (int q = 0; q < local_stripes; ++q) {
+        if (*cta_failed != 0) break;
+        const int64_t row = (static_cast<int64_t>(q) * num_ctas + blockIdx.x) * num_send_warps + warp;
+        for (int d = 0; d < ctx.num_ranks; ++d, ++items) {
+            if (d == ctx.rank || row >= block_rows[d]) continue;
+            char* base = static_cast<char*>(ctx.buffers[d]);
+            int4* dst = reinterpret_cast<int4*>(base + dest_zone[d] + row * row_bytes);
+            const int64_t src_row = block_first[d] + row;
+            const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + src_row * row_bytes);
+            warp_copy_row<false>(src, row_bytes / 16, &dst, 1);
+            if (lane < args.num_topk)
+                reinterpret_cast<float*>(base + dest_weights[d])[row * args.num_topk + lane] =
+                    args.topk_weights[src_row * args.num_topk + lane];
+        }
+        release_progress(progress, warp, items);
+    }
+}
+
 template <bool kZone>
 __global__ void __launch_bounds__(kChannelThreads, 1)
     combine_landed_kernel(KernelContext ctx, CombineArgs args) {
@@ -1403,24 +1432,9 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         local_stripes = max(stripes - static_cast<int>(blockIdx.x) + num_ctas - 1, 0) / num_ctas;
     }
     if (kZone && warp < num_send_warps) {
-        // Zone sender: item (q, d) = row (q * CTAs + this CTA) * W + warp of my block from d, for every q.
-        int items = 0;
-        for (int q = 0; q < local_stripes && !ctx.skip_sends; ++q) {
-            if (cta_failed != 0) break;
-            for (int d = 0; d < num_ranks; ++d, ++items) {
-                const int64_t row = (static_cast<int64_t>(q) * num_ctas + blockIdx.x) * num_send_warps + warp;
-                if (d == rank || row >= block_rows[d]) continue;
-                char* base = static_cast<char*>(ctx.buffers[d]);
-                int4* dst = reinterpret_cast<int4*>(base + dest_zone[d] + row * args.hidden * 2);
-                const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) +
-                                                                (block_first[d] + row) * args.hidden * 2);
-                warp_copy_row<false>(src, row_int4, &dst, 1);
-                if (lane < args.num_topk)
-                    reinterpret_cast<float*>(base + dest_weights[d])[row * args.num_topk + lane] =
-                        args.topk_weights[(block_first[d] + row) * args.num_topk + lane];
-            }
-            release_progress(progress, warp, items);
-        }
+        if (!ctx.skip_sends)
+            zone_send_rows(ctx, args, block_first, block_rows, dest_zone, dest_weights, local_stripes, num_send_warps,
+                           progress, &cta_failed);
     } else if (kZone && warp == num_send_warps) {
         // Zone publisher: lane d publishes the number of this CTA's stripes of my block from d that every sender
         // warp has finished (one system fence per publication).
