@@ -743,20 +743,21 @@ void Runtime::combine_by_copy(const kernels::KernelContext& ctx, kernels::Combin
     kernels::intranode_combine_copy_prepare(ctx, args.copy_epoch, copy_stream_);
     // My receive block from d: x rows [first[d], first[d] + rows[d]), in d's token order; it lands in my zone at d.
     std::vector<int64_t> first(R), rows(R);
+    std::vector<kernels::CombineLandingZone> zones(R);
     int64_t acc = 0, most = 0;
     for (int d = 0; d < R; ++d) {
         first[d] = acc;
         rows[d] = pair_counts[d * R + me];
         acc += rows[d];
         if (d != me) most = std::max(most, rows[d]);
+        zones[d] = kernels::combine_landing_zone(num_nvl_bytes_, R, me, rows[d], args.hidden, args.num_topk);
     }
     const int64_t row_bytes = static_cast<int64_t>(args.hidden) * 2;
     const char* x = static_cast<const char*>(args.x);
     if (ctx.skip_sends == 0) {
         for (int d = 0; d < R; ++d) {
             if (d == me || rows[d] == 0 || args.num_topk == 0) continue;
-            const auto zone = kernels::combine_landing_zone(num_nvl_bytes_, R, me, rows[d], args.hidden, args.num_topk);
-            DEEP_EP_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(peer_buffers_[d]) + zone.weights,
+            DEEP_EP_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(peer_buffers_[d]) + zones[d].weights,
                                                args.topk_weights + first[d] * args.num_topk,
                                                rows[d] * args.num_topk * 4, cudaMemcpyDeviceToDevice, copy_stream_));
         }
@@ -769,8 +770,7 @@ void Runtime::combine_by_copy(const kernels::KernelContext& ctx, kernels::Combin
             for (int d = 0; d < R; ++d) {
                 if (d == me || done >= rows[d]) continue;
                 const int64_t stop = std::min(end, rows[d]);
-                const auto zone = kernels::combine_landing_zone(num_nvl_bytes_, R, me, rows[d], args.hidden, args.num_topk);
-                DEEP_EP_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(peer_buffers_[d]) + zone.data + done * row_bytes,
+                DEEP_EP_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(peer_buffers_[d]) + zones[d].data + done * row_bytes,
                                                    x + (first[d] + done) * row_bytes, (stop - done) * row_bytes,
                                                    cudaMemcpyDeviceToDevice, copy_stream_));
                 flags.values[d] = (args.copy_epoch << kernels::kLandedRowBits) | static_cast<uint32_t>(stop);

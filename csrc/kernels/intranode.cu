@@ -1026,11 +1026,30 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
                      static_cast<int>(words[3]));
 }
 
-// This rank's own contribution to a token: row `row` of x and of topk_weights (null without weights).
-__device__ __forceinline__ void own_contribution(const CombineArgs& args, int64_t row, const int4** src,
-                                                 const float** wsrc) {
-    *src = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2);
-    *wsrc = args.num_topk > 0 ? args.topk_weights + row * args.num_topk : nullptr;
+// Whole warp: a token's contribution sources in ascending rank order; returns their count and sets `own` to the
+// index of this rank's own row (-1 if none). Lane d holds j_d = the token's index among its channel's tokens to d
+// (-1: not sent there). This rank's row is x[own_base + j] (and its topk_weights row); a peer's source comes from
+// peer_source(d, j, &src, &wsrc), called by the whole warp (d and j are the same on every lane).
+template <typename PeerSource>
+__device__ __forceinline__ int token_sources(const CombineArgs& args, int rank, int num_ranks, int lane_j,
+                                             int64_t own_base, PeerSource peer_source, const int4** srcs,
+                                             const float** wsrcs, int* own) {
+    int num_srcs = 0;
+    *own = -1;
+    for (int d = 0; d < num_ranks; ++d) {
+        const int j = __shfl_sync(0xffffffffu, lane_j, d);
+        if (j < 0) continue;
+        if (d == rank) {
+            const int64_t row = own_base + j;
+            *own = num_srcs;
+            srcs[num_srcs] = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2);
+            wsrcs[num_srcs] = args.num_topk > 0 ? args.topk_weights + row * args.num_topk : nullptr;
+        } else {
+            peer_source(d, j, &srcs[num_srcs], &wsrcs[num_srcs]);
+        }
+        ++num_srcs;
+    }
+    return num_srcs;
 }
 
 // One warp: combined_x[t] = bf16(bias_0[t] + bias_1[t] + sum of srcs[0..num_srcs) in that order) in float32, and
@@ -1291,25 +1310,20 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 if (lane == 0) cta_failed = 1;
                 break;
             }
-            // Contribution sources in ascending rank order; `own` is the index of my own row (-1 if none).
+            // Contribution sources: my row of x, and d's ring slot of sequence head_base[d] + j.
             const int4* srcs[kMaxRanks];
             const float* wsrcs[kMaxRanks];
-            int num_srcs = 0, own = -1;
-            for (int d = 0; d < num_ranks; ++d) {
-                const int j = __shfl_sync(0xffffffffu, my_head, d);
-                if (j < 0) continue;
-                if (d == rank) {
-                    own = num_srcs;
-                    own_contribution(args, own_first + j, &srcs[num_srcs], &wsrcs[num_srcs]);
-                } else {
+            int own;
+            const int num_srcs = token_sources(
+                args, rank, num_ranks, my_head, own_first,
+                [&](int d, int j, const int4** src, const float** wsrc) {
                     const uint32_t seq = head_base[d] + static_cast<uint32_t>(j);
                     const char* rec = static_cast<const char*>(ctx.buffers[rank]) +
                                       geo.ring.slot_offset(channel, d, static_cast<int>(seq % static_cast<uint32_t>(capacity)));
-                    srcs[num_srcs] = reinterpret_cast<const int4*>(rec);
-                    wsrcs[num_srcs] = reinterpret_cast<const float*>(rec + geo.weights_offset);
-                }
-                ++num_srcs;
-            }
+                    *src = reinterpret_cast<const int4*>(rec);
+                    *wsrc = reinterpret_cast<const float*>(rec + geo.weights_offset);
+                },
+                srcs, wsrcs, &own);
             reduce_token(args, t, srcs, wsrcs, num_srcs, own, row_int4);
             release_progress(progress, warp, item + num_reduce_warps);
             RoleTrace::item_end();
@@ -1507,23 +1521,18 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             if (lane == 0) cta_failed = 1;
             break;
         }
+        // Contribution sources: my row of x, and row k of my landing zone of d.
         const int4* srcs[kMaxRanks];
         const float* wsrcs[kMaxRanks];
-        int num_srcs = 0, own = -1;
-        for (int d = 0; d < num_ranks; ++d) {
-            const int jd = __shfl_sync(0xffffffffu, j, d);
-            const int kd = __shfl_sync(0xffffffffu, k, d);
-            if (jd < 0) continue;
-            if (d == rank) {
-                own = num_srcs;
-                own_contribution(args, own_block + args.recv_channel_prefix_matrix[rank * num_channels + c] + jd,
-                                 &srcs[num_srcs], &wsrcs[num_srcs]);
-            } else {
-                srcs[num_srcs] = reinterpret_cast<const int4*>(zone_data[d] + static_cast<int64_t>(kd) * args.hidden * 2);
-                wsrcs[num_srcs] = reinterpret_cast<const float*>(zone_weights[d]) + static_cast<int64_t>(kd) * args.num_topk;
-            }
-            ++num_srcs;
-        }
+        int own;
+        const int num_srcs = token_sources(
+            args, rank, num_ranks, j, own_block + args.recv_channel_prefix_matrix[rank * num_channels + c],
+            [&](int d, int, const int4** src, const float** wsrc) {
+                const int64_t kd = __shfl_sync(0xffffffffu, k, d);
+                *src = reinterpret_cast<const int4*>(zone_data[d] + kd * args.hidden * 2);
+                *wsrc = reinterpret_cast<const float*>(zone_weights[d]) + kd * args.num_topk;
+            },
+            srcs, wsrcs, &own);
         reduce_token(args, t, srcs, wsrcs, num_srcs, own, row_int4);
     }
     }
