@@ -470,7 +470,10 @@ class CudaBackend:
             path = tuning.combine_send_path(config.num_sms)
             landed = self.copy_engine_combine and bool(pair_counts) and path != "rings"
             copy_ctas = self._channels_for_sms(config.num_sms) if landed else 0
-            send_warps = intranode_send_warps("combine", self.num_ranks, copy_ctas if landed else num_channels)
+            if landed and path == "zone":
+                copy_ctas = tuning.zone_ctas(copy_ctas)
+            send_warps = tuning.zone_send_warps() if landed and path == "zone" else \
+                intranode_send_warps("combine", self.num_ranks, copy_ctas if landed else num_channels)
             combined_x, combined_topk_weights = self.runtime.combine(
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,

@@ -26,6 +26,10 @@
 //   CTAs of the budget reduce (combine_landed_kernel), token t on global warp t % warps, so the grid follows the
 //   copy front; the last CTA writes `freed` to every peer, which the next call's copies (and ring combines) wait
 //   for. No SM sends: the copy engine moves the bytes, the SMs only reduce.
+// * Zone-sender combine (Buffer default for SM budgets >= COMBINE_ZONE_MIN_SMS, at most COMBINE_ZONE_MAX_CTAS
+//   CTAs of kZoneWarps warps): the same landing zones, epochs and reducers, but sender warps of every CTA store the
+//   rows (stripes of W rows, stripe s on CTA s % CTAs) and a publisher warp per CTA publishes each (CTA, source)
+//   count of finished stripes; the combine's parallelism no longer depends on the dispatch's channel count.
 // * Failures never trap: sync.cuh's wait_geq reports to the error record and every role falls through to the end.
 #include <cuda_bf16.h>
 
@@ -45,6 +49,12 @@ namespace {
 constexpr int kUnroll = 4;               // 16-byte loads in flight per lane in row copies
 constexpr int kPrefixBatch = 8;          // groups of 32 tokens whose routing bytes one send_head warp loads at once
 constexpr int kReduceUnroll = 2;         // 16-byte chunks per lane (and contribution) in flight in the combine reducer
+// Zone-sender combine (measured 2026-11-30, 2 x H200, EP2, hidden 7168, 24 SMs: 20 warps, 7 loads in flight per
+// sender lane and 4 chunks per reducer lane and contribution: 222.5 us; 32 warps, 4 and 2: 254-270 us). With 20
+// warps a thread has 96 registers, so the deeper unrolls do not spill.
+constexpr int kZoneWarps = 20;
+constexpr int kZoneSendUnroll = 7;
+constexpr int kZoneReduceUnroll = 4;
 // Named barrier ids (0 is __syncthreads).
 constexpr int kBarrierAllSenders = 1;    // copy warps and the publisher, after the prologue
 constexpr int kBarrierRecvGroup0 = 2;    // + source index (up to kMaxRanks - 1 groups)
@@ -84,20 +94,20 @@ __device__ __forceinline__ int warp_sum(int v) {
 
 // Copies one row of `num_int4` 16-byte words from `src` to every pointer of `dsts[0..num_dsts)` (a warp).
 // kSrcIsRing selects the coherent load for ring data written by peers; inputs use the non-coherent path.
-template <bool kSrcIsRing>
+template <bool kSrcIsRing, int kCopyUnroll = kUnroll>
 __device__ __forceinline__ void warp_copy_row(const int4* src, int64_t num_int4, int4* const* dsts, int num_dsts) {
     const int lane = lane_id();
-    for (int64_t base = lane; base < num_int4; base += 32 * kUnroll) {
-        int4 v[kUnroll];
+    for (int64_t base = lane; base < num_int4; base += 32 * kCopyUnroll) {
+        int4 v[kCopyUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
+        for (int u = 0; u < kCopyUnroll; ++u) {
             const int64_t i = base + u * 32;
             if (i < num_int4) v[u] = kSrcIsRing ? ld_ring_int4(src + i) : ld_nc_int4(src + i);
         }
         for (int d = 0; d < num_dsts; ++d) {
             int4* dst = dsts[d];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
+            for (int u = 0; u < kCopyUnroll; ++u) {
                 const int64_t i = base + u * 32;
                 if (i < num_int4) st_na_int4(dst + i, v[u]);
             }
@@ -1056,7 +1066,8 @@ __device__ __forceinline__ int token_sources(const CombineArgs& args, int rank, 
 // combined_topk_weights[t] summed likewise from wsrcs. srcs[own] is this rank's x row (non-coherent loads); the
 // others were written by peers or the copy engine (coherent loads).
 __device__ __forceinline__ void reduce_token(const CombineArgs& args, int t, const int4* const* srcs,
-                                             const float* const* wsrcs, int num_srcs, int own, int64_t row_int4) {
+                                             const float* const* wsrcs, int num_srcs, int own, int64_t row_int4,
+                                             bool wide = false) {
     const int lane = lane_id();
     const int64_t row_offset = static_cast<int64_t>(t) * args.hidden * 2;
     const int4* bias0 = args.bias_0 != nullptr
@@ -1068,7 +1079,9 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& args, int t, con
     float* weights_out = args.combined_topk_weights != nullptr
         ? args.combined_topk_weights + static_cast<int64_t>(t) * num_topk : nullptr;
     if (num_srcs >= 1 && num_srcs <= 2 && bias0 == nullptr && bias1 == nullptr) {
-        reduce_two<kReduceUnroll>(srcs[0], own != 0, num_srcs > 1 ? srcs[1] : nullptr, own != 1, out, row_int4);
+        const int4* second = num_srcs > 1 ? srcs[1] : nullptr;
+        if (wide) reduce_two<kZoneReduceUnroll>(srcs[0], own != 0, second, own != 1, out, row_int4);
+        else reduce_two<kReduceUnroll>(srcs[0], own != 0, second, own != 1, out, row_int4);
     } else {
         for (int64_t base_i = lane; base_i < row_int4; base_i += 32 * kReduceUnroll) {
             float acc[kReduceUnroll][8];
@@ -1370,7 +1383,7 @@ __device__ __noinline__ void zone_send_rows(const KernelContext& ctx, const Comb
             int4* dst = reinterpret_cast<int4*>(base + dest_zone[d] + row * row_bytes);
             const int64_t src_row = block_first[d] + row;
             const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + src_row * row_bytes);
-            warp_copy_row<false>(src, row_bytes / 16, &dst, 1);
+            warp_copy_row<false, kZoneSendUnroll>(src, row_bytes / 16, &dst, 1);
             if (lane < args.num_topk)
                 reinterpret_cast<float*>(base + dest_weights[d])[row * args.num_topk + lane] =
                     args.topk_weights[src_row * args.num_topk + lane];
@@ -1379,8 +1392,8 @@ __device__ __noinline__ void zone_send_rows(const KernelContext& ctx, const Comb
     }
 }
 
-template <bool kZone>
-__global__ void __launch_bounds__(kChannelThreads, 1)
+template <bool kZone, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32, 1)
     combine_landed_kernel(KernelContext ctx, CombineArgs args) {
     __shared__ volatile uint32_t landed_cache[kMaxRanks];  // copy engine: a landed word seen earlier, per source
     __shared__ const char* zone_data[kMaxRanks];           // my landing zone of source d: rows, weights
@@ -1389,7 +1402,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     __shared__ int block_rows[kMaxRanks];                  // and its rows
     __shared__ int64_t dest_zone[kMaxRanks];               // byte offset of my landing zone in d's buffer (data)
     __shared__ int64_t dest_weights[kMaxRanks];            // and of its weights
-    __shared__ volatile int progress[kChannelWarps];       // zone senders: items done per sender warp
+    __shared__ volatile int progress[kWarps];              // zone senders: items done per sender warp
     __shared__ volatile int cta_failed;
 
     const int rank = ctx.rank, num_ranks = ctx.num_ranks, num_channels = args.num_channels;
@@ -1422,7 +1435,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             dest_weights[d] = out.weights;
         }
     }
-    if (threadIdx.x < kChannelWarps) progress[threadIdx.x] = 0;
+    if (threadIdx.x < kWarps) progress[threadIdx.x] = 0;
     __syncthreads();
 
     if (kZone && warp < first_reducer) {
@@ -1479,7 +1492,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         }
     } else {
     const int reducer = kZone ? warp - first_reducer : warp;
-    const int reducers_per_cta = kChannelWarps - first_reducer;
+    const int reducers_per_cta = kWarps - first_reducer;
     const int64_t own_block = rank > 0 ? P[(rank - 1) * num_ranks + rank] : 0;
     const int per_channel = num_channels > 0 ? (args.num_tokens + num_channels - 1) / num_channels : 1;
     const int num_warps = num_ctas * reducers_per_cta;
@@ -1533,7 +1546,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 *wsrc = reinterpret_cast<const float*>(zone_weights[d]) + kd * args.num_topk;
             },
             srcs, wsrcs, &own);
-        reduce_token(args, t, srcs, wsrcs, num_srcs, own, row_int4);
+        reduce_token(args, t, srcs, wsrcs, num_srcs, own, row_int4, kZone);
     }
     }
 
@@ -1765,10 +1778,10 @@ void intranode_combine_landed(const KernelContext& ctx, const CombineArgs& args,
     check_resident("combine", num_ctas);
     if (zone) {
         // Senders, the publisher and at least one reducer warp; the senders' count is the stripe's rows.
-        check_send_warps("combine", args.num_send_warps, 1, kChannelWarps - 2);
-        combine_landed_kernel<true><<<num_ctas, kChannelThreads, 0, stream>>>(ctx, args);
+        check_send_warps("combine", args.num_send_warps, 1, kZoneWarps - 2);
+        combine_landed_kernel<true, kZoneWarps><<<num_ctas, kZoneWarps * 32, 0, stream>>>(ctx, args);
     } else {
-        combine_landed_kernel<false><<<num_ctas, kChannelThreads, 0, stream>>>(ctx, args);
+        combine_landed_kernel<false, kChannelWarps><<<num_ctas, kChannelThreads, 0, stream>>>(ctx, args);
     }
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
