@@ -19,10 +19,12 @@ buffer's output pool; ops ``dispatch_*_direct``; needs ``--num-nvl-bytes`` above
 the runtime's diagnostic hook; the outputs are wrong on purpose, the point is the time without that copy).
 
 Combine send paths (``--combine-copy``): ``auto`` (the Buffer's default: the copy engine for budgets up to
-``deep_ep.config.COMBINE_COPY_MAX_SMS``, ring senders above), ``copy`` and ``rings``; each point's op names the
-path that ran: ``combine_bf16`` (rings), ``combine_bf16_copy`` (copy engine; its "chunk" column is
-``COMBINE_COPY_CHUNK_ROWS``, swept with ``--copy-chunk-rows``; its kernel time is the reducing kernel's, which spans
-the copies), ``combine_bf16_rings`` (rings, asked for).
+``deep_ep.config.COMBINE_COPY_MAX_SMS``, zone senders from ``COMBINE_ZONE_MIN_SMS``, ring senders between),
+``copy``, ``zone`` and ``rings``; each point's op names the path that ran: ``combine_bf16`` (rings),
+``combine_bf16_copy`` (copy engine; its "chunk" column is ``COMBINE_COPY_CHUNK_ROWS``, swept with
+``--copy-chunk-rows``; its kernel time is the reducing kernel's, which spans the copies), ``combine_bf16_zone`` (zone
+senders; its "warps" column is the sender warps per CTA, swept with ``--combine-warps``), ``combine_bf16_rings``
+(rings, asked for).
 
 Output: a table on stdout (rank 0) and JSON (``--json``) with every point of the SM sweep, the chunk-size sweep and
 the NCCL baseline. Run on the 2-GPU machine::
@@ -215,14 +217,17 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
             epoch = runtime.get_copy_epoch() if runtime is not None else 0
             safe(f"combine {mode} probe", lambda: buffer.combine(combine_x, handle, config=base))
             by_copy = runtime is not None and runtime.get_copy_epoch() > epoch
-            label = "combine_bf16_copy" if by_copy else "combine_bf16" + ("_rings" if mode == "rings" else "")
+            zone = by_copy and deep_ep.config.combine_send_path(num_sms) == "zone"
+            label = ("combine_bf16_zone" if zone else "combine_bf16_copy") if by_copy else \
+                "combine_bf16" + ("_rings" if mode == "rings" else "")
             best = None
             # Copy path: the "chunk" swept is deep_ep.config.COMBINE_COPY_CHUNK_ROWS (--copy-chunk-rows).
-            for chunk, warps in ((c, w) for c in (args.copy_chunk_rows if by_copy else args.combine_chunks)
-                                 for w in ([0] if by_copy else args.combine_warps)):
-                cfg = deep_ep.Config(num_sms, 8 if by_copy else chunk, 256)
+            copy_engine = by_copy and not zone  # zone senders are warps: sweep them like the rings'
+            for chunk, warps in ((c, w) for c in (args.copy_chunk_rows if copy_engine else args.combine_chunks)
+                                 for w in ([0] if copy_engine else args.combine_warps)):
+                cfg = deep_ep.Config(num_sms, 8 if copy_engine else chunk, 256)
                 fn = with_send_warps("combine", warps, lambda c=cfg: buffer.combine(combine_x, handle, config=c))
-                if by_copy:
+                if copy_engine:
                     fn = with_copy_chunk_rows(chunk, fn)
                 t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn, iters, iters))
                 if t is not None:
@@ -232,9 +237,14 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
             if best is not None:
                 keyword = "combine_landed" if by_copy else "combine"  # the reducing kernel spans the copies
                 kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], keyword, profiled))
-                warps = 0 if by_copy else best[3] or deep_ep.config.intranode_send_warps("combine", num_ranks, channels)
+                if copy_engine:
+                    warps, ctas = 0, num_sms
+                elif zone:
+                    warps, ctas = best[3] or deep_ep.config.zone_send_warps(), deep_ep.config.zone_ctas(num_sms)
+                else:
+                    warps, ctas = best[3] or deep_ep.config.intranode_send_warps("combine", num_ranks, channels), channels
                 report["points"].append(_point(label, num_sms, best[0], best[1], kt, bf16_bytes,
-                                               remote_rows * h * 2, warps, num_sms if by_copy else channels))
+                                               remote_rows * h * 2, warps, ctas))
         deep_ep.config.INTRANODE_COMBINE_COPY = None
 
     # NCCL baseline: index_select by destination + all_to_all_single; back with all_to_all_single + index_add_.
@@ -368,10 +378,10 @@ def main() -> None:
                         help="ring-sender warps per channel to sweep in combine; 0: the tuned table's row")
     parser.add_argument("--uncapped", action="store_true",
                         help="run num_sms channels even where deep_ep.config.INTRANODE_MAX_CHANNELS caps them")
-    parser.add_argument("--combine-copy", nargs="+", default=["auto"], choices=["auto", "copy", "rings"],
-                        help="combine send paths to measure: auto (the Buffer's default; op combine_bf16), copy "
-                             "(the copy engine; op combine_bf16_copy), rings (ring-sender warps; op "
-                             "combine_bf16_rings)")
+    parser.add_argument("--combine-copy", nargs="+", default=["auto"], choices=["auto", "copy", "rings", "zone"],
+                        help="combine send paths to measure: auto (the Buffer's default; the op names the path "
+                             "taken), copy (the copy engine; op combine_bf16_copy), zone (zone senders; op "
+                             "combine_bf16_zone), rings (ring-sender warps; op combine_bf16_rings)")
     parser.add_argument("--copy-chunk-rows", nargs="+", type=int, default=[512],
                         help="rows per copy-engine chunk of the copy combine path to sweep "
                              "(deep_ep.config.COMBINE_COPY_CHUNK_ROWS)")
@@ -399,7 +409,7 @@ def print_table(summary: dict) -> None:
           f"{'GB/s kern':>10}{'remote':>8}{'DeepEP':>8}{'ratio':>7}")
     for p in rep["points"]:
         ref = DEEPEP_V1.get((p["op"].replace("_direct", "").replace("_skipcopy", "").replace("_rings", "")
-                             .replace("_copy", ""), p["num_sms"]))
+                             .replace("_copy", "").replace("_zone", ""), p["num_sms"]))
         kern = f"{p['kernel_us']:.1f}" if p["kernel_us"] else "-"
         kern_bw = f"{p['logical_GBps_kernel']:.0f}" if p["logical_GBps_kernel"] else "-"
         print(f"{p['op']:<20}{p['num_sms']:>5}{p.get('channels') or '-':>4}{p['chunk']:>6}"

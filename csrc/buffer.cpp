@@ -618,7 +618,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_channels,
     int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream, bool after_current,
     bool current_after, const std::optional<at::Tensor>& channel_prefix_matrix,
-    const std::vector<int64_t>& pair_counts, int copy_ctas, int copy_chunk_rows) {
+    const std::vector<int64_t>& pair_counts, int copy_ctas, int copy_chunk_rows, bool zone) {
     require_available("combine");
     check_device("x", x, device_id_);
     check_device("topk_weights", topk_weights, device_id_);
@@ -664,7 +664,13 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
         would_copy(pair_counts, args.hidden, args.num_topk)) {
         check_device("handle.channel_prefix_matrix", channel_prefix_matrix, device_id_);
         args.channel_prefix_matrix = data_of<int>(*channel_prefix_matrix, workspace_);
-        combine_by_copy(ctx, args, pair_counts, copy_ctas, copy_chunk_rows, as_stream(stream));
+        if (zone) {
+            // Zone senders: the same landing zones and epochs, the rows stored by this kernel's own sender warps.
+            args.copy_epoch = ++copy_epoch_;
+            kernels::intranode_combine_landed(ctx, args, copy_ctas, true, as_stream(stream));
+        } else {
+            combine_by_copy(ctx, args, pair_counts, copy_ctas, copy_chunk_rows, as_stream(stream));
+        }
     } else {
         kernels::intranode_combine(ctx, args, as_stream(stream));
     }
@@ -774,7 +780,7 @@ void Runtime::combine_by_copy(const kernels::KernelContext& ctx, kernels::Combin
             chunk = std::min(full, chunk * 2);
         }
     }
-    kernels::intranode_combine_landed(ctx, args, copy_ctas, stream);
+    kernels::intranode_combine_landed(ctx, args, copy_ctas, false, stream);
     DEEP_EP_CUDA_CHECK(cudaEventRecord(copy_event_, copy_stream_));
     DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(stream, copy_event_, 0));
 }

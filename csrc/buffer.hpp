@@ -168,11 +168,13 @@ class Runtime {
         const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_channels,
         int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream, bool after_current,
         bool current_after, const std::optional<at::Tensor>& channel_prefix_matrix = std::nullopt,
-        const std::vector<int64_t>& pair_counts = {}, int copy_ctas = 0, int copy_chunk_rows = 0);
+        const std::vector<int64_t>& pair_counts = {}, int copy_ctas = 0, int copy_chunk_rows = 0, bool zone = false);
     // Copy-engine combine (csrc/kernels/intranode.cu, header): with the handle's channel_prefix_matrix, the
     // dispatch's pair counts ([R * R], pair_counts()) and copy_ctas > 0, the rows travel by the copy engine instead
     // of ring-sender warps whenever every landing zone fits (would_copy) and the stream is not capturing;
     // copy_ctas CTAs reduce. Every rank must make the same choice: same counts, same copy_ctas > 0 decision.
+    // zone: the rows are stored into the landing zones by num_send_warps sender warps of each of those CTAs instead
+    // (no copy engine).
     bool would_copy(const std::vector<int64_t>& pair_counts, int hidden, int num_topk) const;
     // Copy-engine combines so far (0 after reset).
     int64_t get_copy_epoch() const { return copy_epoch_; }

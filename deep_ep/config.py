@@ -270,27 +270,56 @@ INTRANODE_DISPATCH_RECEIVE: Optional[str] = None
 DISPATCH_RECEIVE_MODES = ("auto", "rings", "direct")
 
 
-# Send path of intranode combine: None follows DEEP_EP_COMBINE_COPY ('auto', 'copy' or 'rings'); tests and the
-# benchmark set it here. 'auto' takes the copy engine for SM budgets up to COMBINE_COPY_MAX_SMS: 2 x H200, EP2,
-# 4096 tokens, hidden 7168 (docs/performance.md, "Copy-engine combine"), wall us copy engine vs rings: 8 SMs 315 vs
-# 436, 12 SMs 259 vs 306, 16 SMs 254 vs 241, 24 SMs 240 vs 241. COMBINE_COPY_CHUNK_ROWS: rows per copy-engine chunk
-# (each chunk ends with a flag the reducers wait for; the first chunks are smaller so that the reducers start early).
+# Send path of intranode combine: None follows DEEP_EP_COMBINE_COPY ('auto', 'copy', 'rings' or 'zone'); tests and
+# the benchmark set it here. 'auto' takes the copy engine for SM budgets up to COMBINE_COPY_MAX_SMS and the zone
+# senders from COMBINE_ZONE_MIN_SMS up: 2 x H200, EP2, 4096 tokens, hidden 7168 (docs/performance.md, "Copy-engine
+# combine" and "Zone-sender combine"), wall us copy engine vs rings: 8 SMs 315 vs 436, 12 SMs 259 vs 306, 16 SMs 254
+# vs 241, 24 SMs 240 vs 241; zone senders (4 per CTA) vs rings: 20 SMs 229 vs 240, 24 SMs 214-235 vs 238-239, 32
+# SMs (32 CTAs) 246 vs 239, 48 SMs 223 vs 240. COMBINE_COPY_CHUNK_ROWS: rows per copy-engine chunk (each chunk ends
+# with a flag the reducers wait for; the first chunks are smaller so that the reducers start early).
+# COMBINE_ZONE_SEND_WARPS: sender warps per CTA of the zone kernel (20 warps; a stripe is that many rows), unless
+# INTRANODE_SEND_WARPS['combine'] overrides it; the zone kernel runs min(budget, COMBINE_ZONE_MAX_CTAS) CTAs.
 INTRANODE_COMBINE_COPY: Optional[str] = None
-COMBINE_COPY_MODES = ("auto", "copy", "rings")
+COMBINE_COPY_MODES = ("auto", "copy", "rings", "zone")
 COMBINE_COPY_MAX_SMS = 12
 COMBINE_COPY_CHUNK_ROWS = 512
+COMBINE_ZONE_MIN_SMS = 20
+COMBINE_ZONE_WARPS = 20  # the kernel's warps per CTA (csrc/kernels/intranode.cu, kZoneWarps)
+COMBINE_ZONE_SEND_WARPS = 4
+COMBINE_ZONE_MAX_CTAS = 24
+
+
+def combine_send_path(num_sms: int) -> str:
+    """The send path an intranode combine with a budget of ``num_sms`` SMs asks for: 'copy' (copy engine), 'zone'
+    (sender warps storing straight into the owners' landing zones, all CTAs reducing) or 'rings'. The landing-zone
+    paths still need the dispatch's counts on the host and zones that fit, else the call takes the rings."""
+    mode = combine_copy_mode()
+    if mode == "auto":
+        return "copy" if num_sms <= COMBINE_COPY_MAX_SMS else "zone" if num_sms >= COMBINE_ZONE_MIN_SMS else "rings"
+    return mode
+
+
+def zone_send_warps() -> int:
+    """Sender warps per CTA of the zone-sender combine: INTRANODE_SEND_WARPS['combine'] or COMBINE_ZONE_SEND_WARPS,
+    clamped to [1, COMBINE_ZONE_WARPS - 2] (the kernel also needs its publisher warp and a reducer)."""
+    warps = INTRANODE_SEND_WARPS["combine"]
+    return min(max(COMBINE_ZONE_SEND_WARPS if warps is None else warps, 1), COMBINE_ZONE_WARPS - 2)
+
+
+def zone_ctas(num_sms: int) -> int:
+    """CTAs of the zone-sender combine for a budget of ``num_sms`` SMs: at most COMBINE_ZONE_MAX_CTAS."""
+    return max(1, min(num_sms, COMBINE_ZONE_MAX_CTAS))
 
 
 def combine_by_copy_engine(num_sms: int) -> bool:
-    """Whether an intranode combine with a budget of ``num_sms`` SMs asks for the copy-engine path (it still needs
-    the dispatch's counts on the host and landing zones that fit, else it takes the rings)."""
-    mode = combine_copy_mode()
-    return mode == "copy" or (mode == "auto" and num_sms <= COMBINE_COPY_MAX_SMS)
+    """Whether an intranode combine with a budget of ``num_sms`` SMs asks for the copy-engine path."""
+    return combine_send_path(num_sms) == "copy"
 
 
 def combine_copy_mode() -> str:
-    """'auto' (copy engine for budgets up to COMBINE_COPY_MAX_SMS SMs, where it applies), 'copy' (copy engine
-    wherever it applies) or 'rings'."""
+    """'auto' (copy engine for budgets up to COMBINE_COPY_MAX_SMS SMs, zone senders from COMBINE_ZONE_MIN_SMS, where
+    they apply, else rings), 'copy' (copy engine wherever it applies), 'rings', or 'zone' (sender warps storing into
+    the landing zones wherever they apply)."""
     mode = INTRANODE_COMBINE_COPY if INTRANODE_COMBINE_COPY is not None else envs.COMBINE_COPY.get()
     if mode not in COMBINE_COPY_MODES:
         raise ValueError(f"combine copy mode (DEEP_EP_COMBINE_COPY or deep_ep.config.INTRANODE_COMBINE_COPY) must "

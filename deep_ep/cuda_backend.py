@@ -467,14 +467,19 @@ class CudaBackend:
         try:
             handle = self._kernel_handle(handle)
             pair_counts = getattr(handle.rank_prefix_matrix, "_deep_ep_pair_counts", None)
-            by_copy = self.copy_engine_combine and bool(pair_counts) and tuning.combine_by_copy_engine(config.num_sms)
-            copy_ctas = self._channels_for_sms(config.num_sms) if by_copy else 0
+            path = tuning.combine_send_path(config.num_sms)
+            landed = self.copy_engine_combine and bool(pair_counts) and path != "rings"
+            copy_ctas = self._channels_for_sms(config.num_sms) if landed else 0
+            if landed and path == "zone":
+                copy_ctas = tuning.zone_ctas(copy_ctas)
+            send_warps = tuning.zone_send_warps() if landed and path == "zone" else \
+                intranode_send_warps("combine", self.num_ranks, copy_ctas if landed else num_channels)
             combined_x, combined_topk_weights = self.runtime.combine(
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,
-                config.num_max_nvl_chunked_recv_tokens, intranode_send_warps("combine", self.num_ranks, num_channels),
-                self._comm_ptr, scope.after_current, scope.current_after, handle.channel_prefix_matrix,
-                pair_counts or [], copy_ctas, tuning.COMBINE_COPY_CHUNK_ROWS)
+                config.num_max_nvl_chunked_recv_tokens, send_warps, self._comm_ptr, scope.after_current,
+                scope.current_after, handle.channel_prefix_matrix, pair_counts or [], copy_ctas,
+                tuning.COMBINE_COPY_CHUNK_ROWS, path == "zone")
             event = scope.finish((x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights, *handle))
         except BaseException:
             scope.restore()

@@ -58,9 +58,10 @@ DISPATCH_RECEIVE = EnvVar(
     "or 'direct' (pool only; raises when it has no room).")
 COMBINE_COPY = EnvVar(
     "DEEP_EP_COMBINE_COPY", str, "auto",
-    "Intranode combine send path: 'auto' (the copy engine moves the rows for SM budgets up to "
-    "deep_ep.config.COMBINE_COPY_MAX_SMS when the dispatch's counts are known on the host and the landing zones fit, "
-    "else ring-sender warps), 'copy' (the copy engine wherever it applies) or 'rings'.")
+    "Intranode combine send path: 'auto' (when the dispatch's counts are known on the host and the landing zones "
+    "fit: the copy engine moves the rows for SM budgets up to deep_ep.config.COMBINE_COPY_MAX_SMS, sender warps store "
+    "them straight into the landing zones from COMBINE_ZONE_MIN_SMS; else ring-sender warps), 'copy' (the copy "
+    "engine wherever it applies), 'rings', or 'zone' (zone senders wherever they apply).")
 GPUS_PER_NODE = EnvVar(
     "DEEP_EP_GPUS_PER_NODE", int, 8,
     "Ranks per scale-up (NVLink) domain; lower it to make one host act as several virtual nodes.")

@@ -191,7 +191,8 @@ def intranode_control_layout() -> Layout:
       of the call lie in its output pool (offsets in units of ``BUFFER_ALIGNMENT``; ``0xffffffff`` = rings / none).
     * ``combine_landed``: uint32 ``[8]``, index source: ``epoch << 20 | rows`` of that source's copy-engine combine
       landed here. ``combine_freed``: uint32 ``[8]``, index owner: the last copy-engine combine epoch whose
-      landing zone of this rank's rows the owner has finished reading.
+      landing zone of this rank's rows the owner has finished reading. ``combine_zone_landed``: uint32 ``[160][8]``,
+      index ``cta * 8 + source``: ``epoch << 20 | stripes`` that source's CTA has stored into the landing zone here.
     """
     notify_data = 2 * INTRANODE_MAX_RANKS * INTRANODE_NOTIFY_INTS * INT32_BYTES
     return chain(("abort", INT32_BYTES),
@@ -204,7 +205,8 @@ def intranode_control_layout() -> Layout:
                  ("combine_head", _COUNTER_BYTES),
                  ("dispatch_output", INTRANODE_MAX_CHANNELS * INTRANODE_MAX_RANKS * 16),
                  ("combine_landed", INTRANODE_MAX_RANKS * INT32_BYTES),
-                 ("combine_freed", INTRANODE_MAX_RANKS * INT32_BYTES))
+                 ("combine_freed", INTRANODE_MAX_RANKS * INT32_BYTES),
+                 ("combine_zone_landed", _COUNTER_BYTES))
 
 
 def intranode_control_bytes() -> int:

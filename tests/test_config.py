@@ -291,7 +291,7 @@ def test_intranode_channels_cap_by_rank_count():
 
 @pytest.mark.parametrize("mode, num_sms, want", [
     ("auto", 1, True), ("auto", 12, True), ("auto", 13, False), ("auto", 24, False),
-    ("copy", 24, True), ("copy", 160, True), ("rings", 8, False), ("rings", 1, False)])
+    ("copy", 24, True), ("copy", 160, True), ("rings", 8, False), ("rings", 1, False), ("zone", 8, False)])
 def test_combine_copy_engine_choice(monkeypatch, mode, num_sms, want):
     import deep_ep.config as cfg
     monkeypatch.setattr(cfg, "INTRANODE_COMBINE_COPY", mode)
@@ -307,3 +307,31 @@ def test_combine_copy_mode_follows_the_environment(monkeypatch):
     monkeypatch.setenv("DEEP_EP_COMBINE_COPY", "sideways")
     with pytest.raises(ValueError, match="DEEP_EP_COMBINE_COPY.*'sideways'"):
         cfg.combine_copy_mode()
+
+
+@pytest.mark.parametrize("mode, num_sms, want", [
+    ("auto", 8, "copy"), ("auto", 12, "copy"), ("auto", 13, "rings"), ("auto", 19, "rings"), ("auto", 20, "zone"),
+    ("auto", 24, "zone"), ("zone", 8, "zone"), ("zone", 24, "zone"), ("rings", 4, "rings"), ("rings", 24, "rings"),
+    ("copy", 24, "copy")])
+def test_combine_send_path(monkeypatch, mode, num_sms, want):
+    import deep_ep.config as cfg
+    monkeypatch.setattr(cfg, "INTRANODE_COMBINE_COPY", mode)
+    monkeypatch.setattr(cfg, "COMBINE_COPY_MAX_SMS", 12)
+    monkeypatch.setattr(cfg, "COMBINE_ZONE_MIN_SMS", 20)
+    assert cfg.combine_send_path(num_sms) == want
+
+
+@pytest.mark.parametrize("override, want", [(None, 4), (1, 1), (0, 1), (7, 7), (18, 18), (30, 18)])
+def test_zone_send_warps_default_override_and_clamp(monkeypatch, override, want):
+    import deep_ep.config as cfg
+    monkeypatch.setattr(cfg, "COMBINE_ZONE_SEND_WARPS", 4)
+    monkeypatch.setattr(cfg, "COMBINE_ZONE_WARPS", 20)
+    monkeypatch.setitem(cfg.INTRANODE_SEND_WARPS, "combine", override)
+    assert cfg.zone_send_warps() == want
+
+
+@pytest.mark.parametrize("num_sms, want", [(1, 1), (20, 20), (24, 24), (32, 24), (160, 24)])
+def test_zone_ctas_capped(monkeypatch, num_sms, want):
+    import deep_ep.config as cfg
+    monkeypatch.setattr(cfg, "COMBINE_ZONE_MAX_CTAS", 24)
+    assert cfg.zone_ctas(num_sms) == want

@@ -269,7 +269,9 @@ void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaSt
 struct LandedFlags {
     uint32_t values[kMaxRanks];
 };
-void intranode_combine_landed(const KernelContext& ctx, const CombineArgs& args, int num_ctas, cudaStream_t stream);
+// zone: the same kernel with zone senders (args.num_send_warps per CTA) instead of copies: no copy-stream work.
+void intranode_combine_landed(const KernelContext& ctx, const CombineArgs& args, int num_ctas, bool zone,
+                              cudaStream_t stream);
 void intranode_combine_copy_prepare(const KernelContext& ctx, uint32_t copy_epoch, cudaStream_t stream);
 void intranode_combine_copy_flag(const KernelContext& ctx, const LandedFlags& flags, cudaStream_t stream);
 

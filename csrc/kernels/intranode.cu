@@ -26,6 +26,10 @@
 //   CTAs of the budget reduce (combine_landed_kernel), token t on global warp t % warps, so the grid follows the
 //   copy front; the last CTA writes `freed` to every peer, which the next call's copies (and ring combines) wait
 //   for. No SM sends: the copy engine moves the bytes, the SMs only reduce.
+// * Zone-sender combine (Buffer default for SM budgets >= COMBINE_ZONE_MIN_SMS, at most COMBINE_ZONE_MAX_CTAS
+//   CTAs of kZoneWarps warps): the same landing zones, epochs and reducers, but sender warps of every CTA store the
+//   rows (stripes of W rows, stripe s on CTA s % CTAs) and a publisher warp per CTA publishes each (CTA, source)
+//   count of finished stripes; the combine's parallelism no longer depends on the dispatch's channel count.
 // * Failures never trap: sync.cuh's wait_geq reports to the error record and every role falls through to the end.
 #include <cuda_bf16.h>
 
@@ -45,6 +49,12 @@ namespace {
 constexpr int kUnroll = 4;               // 16-byte loads in flight per lane in row copies
 constexpr int kPrefixBatch = 8;          // groups of 32 tokens whose routing bytes one send_head warp loads at once
 constexpr int kReduceUnroll = 2;         // 16-byte chunks per lane (and contribution) in flight in the combine reducer
+// Zone-sender combine (measured 2026-11-30, 2 x H200, EP2, hidden 7168, 24 SMs: 20 warps, 7 loads in flight per
+// sender lane and 4 chunks per reducer lane and contribution: 222.5 us; 32 warps, 4 and 2: 254-270 us). With 20
+// warps a thread has 96 registers, so the deeper unrolls do not spill.
+constexpr int kZoneWarps = 20;
+constexpr int kZoneSendUnroll = 7;
+constexpr int kZoneReduceUnroll = 4;
 // Named barrier ids (0 is __syncthreads).
 constexpr int kBarrierAllSenders = 1;    // copy warps and the publisher, after the prologue
 constexpr int kBarrierRecvGroup0 = 2;    // + source index (up to kMaxRanks - 1 groups)
@@ -84,20 +94,20 @@ __device__ __forceinline__ int warp_sum(int v) {
 
 // Copies one row of `num_int4` 16-byte words from `src` to every pointer of `dsts[0..num_dsts)` (a warp).
 // kSrcIsRing selects the coherent load for ring data written by peers; inputs use the non-coherent path.
-template <bool kSrcIsRing>
+template <bool kSrcIsRing, int kCopyUnroll = kUnroll>
 __device__ __forceinline__ void warp_copy_row(const int4* src, int64_t num_int4, int4* const* dsts, int num_dsts) {
     const int lane = lane_id();
-    for (int64_t base = lane; base < num_int4; base += 32 * kUnroll) {
-        int4 v[kUnroll];
+    for (int64_t base = lane; base < num_int4; base += 32 * kCopyUnroll) {
+        int4 v[kCopyUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
+        for (int u = 0; u < kCopyUnroll; ++u) {
             const int64_t i = base + u * 32;
             if (i < num_int4) v[u] = kSrcIsRing ? ld_ring_int4(src + i) : ld_nc_int4(src + i);
         }
         for (int d = 0; d < num_dsts; ++d) {
             int4* dst = dsts[d];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
+            for (int u = 0; u < kCopyUnroll; ++u) {
                 const int64_t i = base + u * 32;
                 if (i < num_int4) st_na_int4(dst + i, v[u]);
             }
@@ -1056,7 +1066,8 @@ __device__ __forceinline__ int token_sources(const CombineArgs& args, int rank, 
 // combined_topk_weights[t] summed likewise from wsrcs. srcs[own] is this rank's x row (non-coherent loads); the
 // others were written by peers or the copy engine (coherent loads).
 __device__ __forceinline__ void reduce_token(const CombineArgs& args, int t, const int4* const* srcs,
-                                             const float* const* wsrcs, int num_srcs, int own, int64_t row_int4) {
+                                             const float* const* wsrcs, int num_srcs, int own, int64_t row_int4,
+                                             bool wide = false) {
     const int lane = lane_id();
     const int64_t row_offset = static_cast<int64_t>(t) * args.hidden * 2;
     const int4* bias0 = args.bias_0 != nullptr
@@ -1068,7 +1079,9 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& args, int t, con
     float* weights_out = args.combined_topk_weights != nullptr
         ? args.combined_topk_weights + static_cast<int64_t>(t) * num_topk : nullptr;
     if (num_srcs >= 1 && num_srcs <= 2 && bias0 == nullptr && bias1 == nullptr) {
-        reduce_two<kReduceUnroll>(srcs[0], own != 0, num_srcs > 1 ? srcs[1] : nullptr, own != 1, out, row_int4);
+        const int4* second = num_srcs > 1 ? srcs[1] : nullptr;
+        if (wide) reduce_two<kZoneReduceUnroll>(srcs[0], own != 0, second, own != 1, out, row_int4);
+        else reduce_two<kReduceUnroll>(srcs[0], own != 0, second, own != 1, out, row_int4);
     } else {
         for (int64_t base_i = lane; base_i < row_int4; base_i += 32 * kReduceUnroll) {
             float acc[kReduceUnroll][8];
@@ -1333,17 +1346,63 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     RoleTrace::print("combine", ctx);
 }
 
-// ---- copy-engine combine ----
-// The copy engine moves each peer's rows (its receive block from me, in my token order) into my landing zone for
-// that peer, in chunks, each followed by a `landed` flag (Runtime::combine enqueues them on its copy stream). This
-// kernel's warps, over all CTAs, reduce my tokens in order (token t on global warp t % warps), so the whole grid
-// follows the copy front; each lane d waits for the flag covering its token's landing row from peer d.
+// ---- combines into landing zones: copy engine (kZone = false) or zone senders (kZone = true) ----
+// Copy engine: it moves each peer's rows (its receive block from me, in my token order) into my landing zone for
+// that peer, in chunks, each followed by a `landed` flag (Runtime::combine enqueues them on its copy stream).
+// Zone senders: warps [0, W) of every CTA store rows of my receive blocks straight into the owners' landing zones
+// (row k of a block: stripe k / W of W rows, stripe s on CTA s % CTAs, row k on its warp k % W) and warp W
+// publishes, per destination, how many of the CTA's stripes are complete (`zone landed`, one word per (CTA,
+// source) in the owner's buffer). Either way the reducing warps, over all CTAs, reduce my tokens in order (token t
+// on global reducer warp t % reducers), so the grid follows the landing front; lane d waits for the word covering
+// its token's landing row from peer d.
 
-__global__ void __launch_bounds__(kChannelThreads, 1)
+// Zone senders: rows of stripe `stripe` of a block live on CTA stripe % num_ctas as its local stripe stripe / num_ctas.
+__device__ __forceinline__ void zone_stripe_of(int64_t row, int rows_per_stripe, int num_ctas, int* cta, int* local) {
+    const int64_t stripe = row / rows_per_stripe;
+    *cta = static_cast<int>(stripe % num_ctas);
+    *local = static_cast<int>(stripe / num_ctas);
+}
+
+// Zone sender warp: item (q, d) = row (q * CTAs + this CTA) * W + warp of my block from d, for q < local_stripes,
+// stored into d's landing zone (row and weights); progress released after each stripe. Not inlined, so that the
+// reducers' registers stay out of this loop.
+__device__ __noinline__ void zone_send_rows(const KernelContext& ctx, const CombineArgs& args,
+                                            const int64_t* block_first, const int* block_rows,
+                                            const int64_t* dest_zone, const int64_t* dest_weights, int local_stripes,
+                                            int num_send_warps, volatile int* progress, volatile int* cta_failed) {
+    const int warp = static_cast<int>(threadIdx.x) / 32, lane = lane_id();
+    const int num_ctas = static_cast<int>(gridDim.x);
+    const int64_t row_bytes = static_cast<int64_t>(args.hidden) * 2;
+    int items = 0;
+    for (int q = 0; q < local_stripes; ++q) {
+        if (*cta_failed != 0) break;
+        const int64_t row = (static_cast<int64_t>(q) * num_ctas + blockIdx.x) * num_send_warps + warp;
+        for (int d = 0; d < ctx.num_ranks; ++d, ++items) {
+            if (d == ctx.rank || row >= block_rows[d]) continue;
+            char* base = static_cast<char*>(ctx.buffers[d]);
+            int4* dst = reinterpret_cast<int4*>(base + dest_zone[d] + row * row_bytes);
+            const int64_t src_row = block_first[d] + row;
+            const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + src_row * row_bytes);
+            warp_copy_row<false, kZoneSendUnroll>(src, row_bytes / 16, &dst, 1);
+            if (lane < args.num_topk)
+                reinterpret_cast<float*>(base + dest_weights[d])[row * args.num_topk + lane] =
+                    args.topk_weights[src_row * args.num_topk + lane];
+        }
+        release_progress(progress, warp, items);
+    }
+}
+
+template <bool kZone, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32, 1)
     combine_landed_kernel(KernelContext ctx, CombineArgs args) {
-    __shared__ volatile uint32_t landed_cache[kMaxRanks];  // a landed word seen earlier, per source
+    __shared__ volatile uint32_t landed_cache[kMaxRanks];  // copy engine: a landed word seen earlier, per source
     __shared__ const char* zone_data[kMaxRanks];           // my landing zone of source d: rows, weights
     __shared__ const char* zone_weights[kMaxRanks];
+    __shared__ int64_t block_first[kMaxRanks];             // zone senders: my receive block from d in x: first row
+    __shared__ int block_rows[kMaxRanks];                  // and its rows
+    __shared__ int64_t dest_zone[kMaxRanks];               // byte offset of my landing zone in d's buffer (data)
+    __shared__ int64_t dest_weights[kMaxRanks];            // and of its weights
+    __shared__ volatile int progress[kWarps];              // zone senders: items done per sender warp
     __shared__ volatile int cta_failed;
 
     const int rank = ctx.rank, num_ranks = ctx.num_ranks, num_channels = args.num_channels;
@@ -1351,25 +1410,95 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     const int64_t row_int4 = static_cast<int64_t>(args.hidden) * 2 / 16;
     const int* P = args.rank_prefix_matrix;
     const uint32_t epoch_bits = args.copy_epoch << kLandedRowBits;
+    const int num_ctas = static_cast<int>(gridDim.x);
+    const int num_send_warps = kZone ? args.num_send_warps : 0;  // zone senders per CTA (rows per stripe)
+    const int first_reducer = kZone ? num_send_warps + 1 : 0;
     if (threadIdx.x == 0) cta_failed = 0;
     if (threadIdx.x < kMaxRanks) {
         const int d = static_cast<int>(threadIdx.x);
         landed_cache[d] = epoch_bits;
         zone_data[d] = zone_weights[d] = nullptr;
+        block_first[d] = block_rows[d] = 0;
+        dest_zone[d] = dest_weights[d] = 0;
         if (d < num_ranks && d != rank) {
             const int rows = P[rank * num_ranks + d] - (rank > 0 ? P[(rank - 1) * num_ranks + d] : 0);
             const CombineLandingZone z =
                 combine_landing_zone(ctx.num_nvl_bytes, num_ranks, d, rows, args.hidden, args.num_topk);
             zone_data[d] = static_cast<const char*>(ctx.buffers[rank]) + z.data;
             zone_weights[d] = static_cast<const char*>(ctx.buffers[rank]) + z.weights;
+            // My receive block from d (rows of x, in d's token order) and where it lands in d's buffer.
+            block_first[d] = d > 0 ? P[(d - 1) * num_ranks + rank] : 0;
+            block_rows[d] = P[d * num_ranks + rank] - static_cast<int>(block_first[d]);
+            const CombineLandingZone out =
+                combine_landing_zone(ctx.num_nvl_bytes, num_ranks, rank, block_rows[d], args.hidden, args.num_topk);
+            dest_zone[d] = out.data;
+            dest_weights[d] = out.weights;
         }
     }
+    if (threadIdx.x < kWarps) progress[threadIdx.x] = 0;
     __syncthreads();
 
+    if (kZone && warp < first_reducer) {
+        // Warp 0: the previous calls' rows of this rank in every peer's combine half must be consumed first.
+        if (warp == 0 && !ctx.skip_sends) {
+            const uint32_t peers = ((1u << num_ranks) - 1u) & ~(1u << rank);
+            const int num_checked = static_cast<int>(*workspace_u32(ctx, kWsCombineMaxChannelsOffset));
+            const bool ok = warp_wait_drained(ctx, peers, num_checked, kCombineHeadOffset, kWsCombineTailShadowOffset,
+                                              kKernelCombine, kPhaseCombineSendDrain, -1) &&
+                            warp_wait_freed(ctx, args.copy_epoch - 1u, -1);
+            if (!ok && lane == 0) cta_failed = 1;
+        }
+        named_barrier(kBarrierAllSenders, first_reducer * 32);
+    }
+    // Zone senders: stripes of W rows of the largest block, stripe s on CTA s % CTAs; this CTA's count.
+    int local_stripes = 0;
+    if (kZone) {
+        int most = 0;
+        for (int d = 0; d < num_ranks; ++d) most = max(most, block_rows[d]);
+        const int stripes = (most + max(num_send_warps, 1) - 1) / max(num_send_warps, 1);
+        local_stripes = max(stripes - static_cast<int>(blockIdx.x) + num_ctas - 1, 0) / num_ctas;
+    }
+    if (kZone && warp < num_send_warps) {
+        if (!ctx.skip_sends)
+            zone_send_rows(ctx, args, block_first, block_rows, dest_zone, dest_weights, local_stripes, num_send_warps,
+                           progress, &cta_failed);
+    } else if (kZone && warp == num_send_warps) {
+        // Zone publisher: lane d publishes the number of this CTA's stripes of my block from d that every sender
+        // warp has finished (one system fence per publication).
+        const int total_items = ctx.skip_sends ? 0 : local_stripes * num_ranks;
+        int published = 0, spins = 0;
+        while (cta_failed == 0) {
+            const int done = min(min_progress(progress, 0, num_send_warps, 1, 0), total_items);
+            // Stripes complete for lane d: items (q, d') are done in order q-major, d' inner.
+            const int complete = lane < num_ranks && lane != rank ? (done - lane + num_ranks - 1) / num_ranks : 0;
+            const bool advance = __any_sync(0xffffffffu, complete > published);
+            if (advance) {
+                // Lane 0 fences once and stores every destination's count (as publish_tails does for the rings).
+                int counts[kMaxRanks];
+#pragma unroll
+                for (int d = 0; d < kMaxRanks; ++d) counts[d] = __shfl_sync(0xffffffffu, complete, d);
+                if (lane == 0) {
+                    fence_acq_rel_sys();
+                    for (int d = 0; d < num_ranks; ++d)
+                        if (d != rank && counts[d] > 0)
+                            st_release_sys(buffer_u32(ctx.buffers[d], kCombineZoneLandedOffset) +
+                                           counter_index(static_cast<int>(blockIdx.x), rank),
+                                           epoch_bits | static_cast<uint32_t>(counts[d]));
+                }
+                published = max(published, complete);
+            }
+            if (done >= total_items) break;
+            if (!advance) publisher_idle(ctx, &cta_failed, &spins);
+        }
+    } else {
+    const int reducer = kZone ? warp - first_reducer : warp;
+    const int reducers_per_cta = kWarps - first_reducer;
     const int64_t own_block = rank > 0 ? P[(rank - 1) * num_ranks + rank] : 0;
     const int per_channel = num_channels > 0 ? (args.num_tokens + num_channels - 1) / num_channels : 1;
-    const int num_warps = static_cast<int>(gridDim.x) * kChannelWarps;
-    for (int t = static_cast<int>(blockIdx.x) * kChannelWarps + warp; t < args.num_tokens; t += num_warps) {
+    const int num_warps = num_ctas * reducers_per_cta;
+    int cached_cta = -1;          // lane d, zone senders: the CTA of the last landed word it read, and that word
+    uint32_t cached_word = 0u;
+    for (int t = static_cast<int>(blockIdx.x) * reducers_per_cta + reducer; t < args.num_tokens; t += num_warps) {
         if (cta_failed != 0) break;
         const int c = t / per_channel;  // the dispatch channel of t (channel_range)
         // Lane d: j = index of t among channel c's tokens to d; k = landing row of t at d (rows in my token order).
@@ -1378,14 +1507,28 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         bool ok = true;
         if (j >= 0 && lane != rank) {
             k = (c > 0 ? args.channel_prefix_matrix[lane * num_channels + c - 1] : 0) + j;
-            const uint32_t needed = epoch_bits | static_cast<uint32_t>(k + 1);
-            if (!seq_geq(landed_cache[lane], needed)) {
-                uint32_t seen;
-                ok = wait_geq(ctx, buffer_u32(ctx.buffers[rank], kCombineLandedOffset) + lane, needed,
-                              Site{kKernelCombine, kPhaseCombineRecvWaitLanded, lane, c}, &seen);
-                if (ok) landed_cache[lane] = seen;
+            if (kZone) {
+                int cta, local;
+                zone_stripe_of(k, max(num_send_warps, 1), num_ctas, &cta, &local);
+                const uint32_t needed = epoch_bits | static_cast<uint32_t>(local + 1);
+                if (cta != cached_cta || !seq_geq(cached_word, needed)) {
+                    uint32_t seen;
+                    ok = wait_geq(ctx, buffer_u32(ctx.buffers[rank], kCombineZoneLandedOffset) + counter_index(cta, lane),
+                                  needed, Site{kKernelCombine, kPhaseCombineRecvWaitLanded, lane, cta}, &seen);
+                    cached_cta = cta;
+                    cached_word = seen;
+                }
+                __threadfence_block();  // acquire for the warp: lane d's acquire load came first
+            } else {
+                const uint32_t needed = epoch_bits | static_cast<uint32_t>(k + 1);
+                if (!seq_geq(landed_cache[lane], needed)) {
+                    uint32_t seen;
+                    ok = wait_geq(ctx, buffer_u32(ctx.buffers[rank], kCombineLandedOffset) + lane, needed,
+                                  Site{kKernelCombine, kPhaseCombineRecvWaitLanded, lane, c}, &seen);
+                    if (ok) landed_cache[lane] = seen;
+                }
+                __threadfence_block();  // acquire: a cached word was stored after its reader's acquire load
             }
-            __threadfence_block();  // acquire: a cached word was stored after its reader's acquire load
         }
         if (!__all_sync(0xffffffffu, ok)) {
             if (lane == 0) cta_failed = 1;
@@ -1403,7 +1546,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 *wsrc = reinterpret_cast<const float*>(zone_weights[d]) + kd * args.num_topk;
             },
             srcs, wsrcs, &own);
-        reduce_token(args, t, srcs, wsrcs, num_srcs, own, row_int4);
+        reduce_token(args, t, srcs, wsrcs, num_srcs, own, row_int4, kZone);
+    }
     }
 
     // The last CTA to finish frees my landing zones: every CTA's loads of them are complete (their values were used).
@@ -1616,7 +1760,8 @@ void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaSt
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 
-void intranode_combine_landed(const KernelContext& ctx, const CombineArgs& args, int num_ctas, cudaStream_t stream) {
+void intranode_combine_landed(const KernelContext& ctx, const CombineArgs& args, int num_ctas, bool zone,
+                              cudaStream_t stream) {
     check_context(ctx, "combine");
     DEEP_EP_CHECK_ARG(args.hidden > 0 && (args.hidden * 2) % 16 == 0,
                       "combine: hidden * 2 bytes must be a positive multiple of 16, got hidden ", args.hidden);
@@ -1631,7 +1776,13 @@ void intranode_combine_landed(const KernelContext& ctx, const CombineArgs& args,
     DEEP_EP_CHECK_ARG(num_ctas >= 1 && num_ctas <= kMaxChannels, "combine: CTAs must be in [1, ", kMaxChannels,
                       "], got ", num_ctas);
     check_resident("combine", num_ctas);
-    combine_landed_kernel<<<num_ctas, kChannelThreads, 0, stream>>>(ctx, args);
+    if (zone) {
+        // Senders, the publisher and at least one reducer warp; the senders' count is the stripe's rows.
+        check_send_warps("combine", args.num_send_warps, 1, kZoneWarps - 2);
+        combine_landed_kernel<true, kZoneWarps><<<num_ctas, kZoneWarps * 32, 0, stream>>>(ctx, args);
+    } else {
+        combine_landed_kernel<false, kChannelWarps><<<num_ctas, kChannelThreads, 0, stream>>>(ctx, args);
+    }
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 

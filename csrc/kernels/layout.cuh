@@ -24,6 +24,8 @@
 //                                                   that have landed in src's landing zone here (copy stream)
 //     combine freed     uint32 [kMaxRanks]          index owner: last copy-engine combine epoch whose landing zone
 //                                                   of my rows the owner has finished reading
+//     zone landed       uint32 [kMaxChannels][kMaxRanks]  index cta*8+src: (epoch << 20) | stripes of src's CTA cta
+//                                                   that its zone senders have stored into my landing zone
 //   [dispatch half: per source s a sub-region of src_bytes; ring (c, s) = capacity records at c*capacity*record]
 //   [combine half:  same shape with combine records; a copy-engine combine uses source s's sub-region as one
 //                   landing zone instead: [rows x hidden BF16][rows x K float32 weights] (CombineLandingZone)]
@@ -70,8 +72,9 @@ constexpr int64_t kCombineHeadOffset = kCombineTailOffset + kCounterBytes;
 constexpr int64_t kDispatchOutputOffset = kCombineHeadOffset + kCounterBytes;
 constexpr int64_t kCombineLandedOffset = kDispatchOutputOffset + (int64_t)kMaxChannels * kMaxRanks * 16;
 constexpr int64_t kCombineFreedOffset = kCombineLandedOffset + kBufferAlignment;
+constexpr int64_t kCombineZoneLandedOffset = kCombineFreedOffset + kBufferAlignment;
 constexpr int64_t kControlBytes =
-    (kCombineFreedOffset + (int64_t)kMaxRanks * 4 + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+    (kCombineZoneLandedOffset + kCounterBytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
 // Copy-engine combine flags: the landed word packs the call's epoch above the row count, so it grows across calls.
 constexpr int kLandedRowBits = 20;
 constexpr int64_t kMaxLandedRows = (1 << kLandedRowBits) - 1;

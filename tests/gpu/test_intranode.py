@@ -78,8 +78,9 @@ class Case:
     # Dispatch receive path: 'auto', 'rings', 'direct' (deep_ep.config.INTRANODE_DISPATCH_RECEIVE) or 'mixed'
     # (rank 0 direct, the other ranks rings: each receiver chooses for itself).
     receive: str = "auto"
-    # Combine send path (deep_ep.config.INTRANODE_COMBINE_COPY): 'auto' (copy engine up to COMBINE_COPY_MAX_SMS),
-    # 'copy' (copy engine where it applies) or 'rings'. The case's second combine takes the other path ('copy' <->
+    # Combine send path (deep_ep.config.INTRANODE_COMBINE_COPY): 'auto' (copy engine up to COMBINE_COPY_MAX_SMS, zone
+    # senders from COMBINE_ZONE_MIN_SMS), 'copy' (copy engine where it applies), 'zone' (zone senders where they apply)
+    # or 'rings'. The case's second combine takes the other path ('copy' <->
     # 'rings'), so the switch between the two is covered as well.
     combine_copy: str = "auto"
 
@@ -109,7 +110,7 @@ def case_strategy(num_ranks: int, max_tokens: int = 300):
                     dispatch_warps=draw(st.sampled_from([None, 1, 9, 16, 31])),
                     combine_warps=draw(st.sampled_from([None, 1, 4, 8, 30])),
                     receive=draw(st.sampled_from(["auto", "rings", "direct", "mixed"])),
-                    combine_copy=draw(st.sampled_from(["auto", "copy", "rings"])))
+                    combine_copy=draw(st.sampled_from(["auto", "copy", "rings", "zone"])))
     return st.composite(lambda draw: build(draw))()
 
 
@@ -416,8 +417,7 @@ def _expect_combine_path(buffer, handle, case: Case, epoch_before: int, label: s
     runtime = buffer.runtime.runtime
     counts = getattr(handle.rank_prefix_matrix, "_deep_ep_pair_counts", None)
     import deep_ep.config
-    asked = case.combine_copy == "copy" or (case.combine_copy == "auto" and
-                                            case.num_sms <= deep_ep.config.COMBINE_COPY_MAX_SMS)
+    asked = deep_ep.config.combine_send_path(case.num_sms) != "rings"
     want = (asked and case.num_ranks > 1 and bool(counts) and
             runtime.would_copy(counts, case.hidden, case.num_topk if case.with_topk else 0))
     used = _copy_epoch(buffer) == epoch_before + 1
@@ -670,11 +670,15 @@ def task_stall(buffer, rank: int, payload: dict) -> str:
         layout["num_tokens_per_rdma_rank"] = torch.full((buffer.topology.num_scaleout_ranks,), n, dtype=torch.int32,
                                                         device=DEVICE)
     op = payload.get("op", "dispatch")
+    deep_ep.config.INTRANODE_COMBINE_COPY = payload.get("combine_copy")  # the combine's send path (None: env / auto)
     if op == "combine":  # every rank dispatches; the stalled one then skips the combine
         handle = buffer.dispatch(x, config=config, **layout).handle
         torch.cuda.synchronize()
     if rank == stalled:
         return "stalled"
+    if op == "combine" and payload.get("combine_copy") in ("copy", "zone") and not buffer.topology.is_internode:
+        counts = getattr(handle.rank_prefix_matrix, "_deep_ep_pair_counts", None)
+        assert counts and buffer.runtime.runtime.would_copy(counts, h, 0), "the landing zones must apply here"
     start = time.monotonic()
     try:
         if op == "combine":
@@ -938,15 +942,17 @@ def test_killed_peer_times_out():
         pool.kill()
 
 
-@pytest.mark.parametrize("op", ["dispatch", "combine"])
-def test_stalled_peer_times_out(op):
-    """Rank 1 never joins the dispatch (or the combine, copy-engine path by default): rank 0 gets a timeout
-    exception within the budget, no hang, no exit."""
+@pytest.mark.parametrize("op, combine_copy", [("dispatch", None), ("combine", "copy"), ("combine", "zone"),
+                                              ("combine", "rings")])
+def test_stalled_peer_times_out(op, combine_copy):
+    """Rank 1 never joins the dispatch (or the combine, on each send path): rank 0 gets a timeout exception within
+    the budget naming the peer, no hang, no exit."""
     timeout_s = 5
     world = 2
     pool = Pool(_devices(world, torch.cuda.device_count() >= 2), env={"DEEP_EP_TIMEOUT_S": str(timeout_s)})
     try:
-        replies = pool.run("stall", {"stalled": 1, "timeout_s": timeout_s, "op": op}, timeout=timeout_s * 6 + 60)
+        replies = pool.run("stall", {"stalled": 1, "timeout_s": timeout_s, "op": op, "combine_copy": combine_copy},
+                           timeout=timeout_s * 6 + 60)
         assert "timeout" in replies[0], replies
     finally:
         # Rank 0's buffer is in the failed state; the pool is discarded (destroy may itself time out).
