@@ -395,11 +395,11 @@ def predict_point(run: BenchRun, point: BenchPoint, prof: DeepEpProfile,
     spec = rank.OpSpec(mode, point.op, run.hidden, run.topk, payload, payload, point.num_nodes, per_node, None)
     prof = replace(prof, receive_copies=1 if point.receive == "rings" else 0)
     # Combine points are ring-sender runs (op combine_bf16) unless receive is 'copy' (the copy-engine path, whose
-    # chunk is its rows per copy chunk).
-    copy = point.receive == "copy"
+    # chunk is its rows per copy chunk) or 'zone' (the zone senders).
+    path = point.receive if point.receive in ("copy", "zone") else "rings"
     work = dek.normal_work(spec, _nodes_traffic(run, point.num_nodes, traffic_, seed), gpu, nic, prof,
-                           point.num_sms, point.chunk, point.dtype, point.channels, combine_copy=copy,
-                           copy_chunk_rows=point.chunk if copy else 0)
+                           point.num_sms, point.chunk, point.dtype, point.channels, combine_path=path,
+                           copy_chunk_rows=point.chunk if path == "copy" else 0)
     return float(dek.closed_form_times(work, point.num_sms, run.num_ranks).mean())
 
 

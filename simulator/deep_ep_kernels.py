@@ -42,8 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from deep_ep.config import (COMBINE_COPY_CHUNK_ROWS, FP8_BLOCK, NUM_MAX_LL_TOPK, ceil_div, combine_by_copy_engine,
-                            intranode_channels)
+from deep_ep.config import (COMBINE_COPY_CHUNK_ROWS, FP8_BLOCK, NUM_MAX_LL_TOPK, ceil_div, combine_send_path,
+                            intranode_channels, zone_ctas)
 from deep_ep.layout import intranode_combine_record_bytes, intranode_dispatch_record_bytes
 from simulator.hardware import GpuProfile, NicProfile
 from simulator.links import GBPS
@@ -105,6 +105,10 @@ class DeepEpProfile:
         ce_gbps: copy-engine rate per direction of the copy-engine intranode combine while the SMs reduce, GB/s.
         ce_chunk_us: copy-engine time lost per chunk of that combine (the chunk's end drains the engine), µs.
         ce_reduce_gbps: per-SM rate at which its reducing kernel (every warp reduces) reads contributions, GB/s.
+        zone_link_gbps: rate per direction at which the zone-sender intranode combine's sender warps move the rows
+            to the peers while the other warps reduce, GB/s.
+        zone_reduce_gbps: per-CTA rate at which the zone kernel's reducer warps (those left by the default sender
+            warps and the publisher) read contributions, GB/s.
     """
 
     sm_push_gbps: float = 46.0
@@ -131,6 +135,8 @@ class DeepEpProfile:
     ce_gbps: float = 310.0
     ce_chunk_us: float = 6.0
     ce_reduce_gbps: float = 48.0
+    zone_link_gbps: float = 284.0
+    zone_reduce_gbps: float = 27.25
     sources: tuple[tuple[str, str], ...] = ()
 
     def source_of(self, param: str) -> str:
@@ -161,6 +167,10 @@ _ASSUMED = {
                "+ 6 us per chunk for 58.5 MB; docs/performance.md 'Copy-engine combine'); the 16 points within 12 %",
     "ce_chunk_us": "measured: the same sweep's slope, 5.8-6.3 us per chunk",
     "ce_reduce_gbps": "measured: copy-engine combine at 8 SMs, 305 us of reduction for 117 MB of contributions",
+    "zone_link_gbps": "measured: zone-sender combine, 2026-11-30 (benchmarks/results/intranode_h200x2_2026-11-30_zone_"
+                      "{final,rerun,sweep}.json, 4 sender warps, 16-24 CTAs: 212 us at 24 CTAs for 58.5 MB); the 9 "
+                      "points within 4 %",
+    "zone_reduce_gbps": "measured: the same points, 20 and 16 CTAs (reduction-bound: 229-233 and 271 us)",
     "ll_fixed_us": "assumed: kernels.md §3.3 estimate (top-k scan ~2 µs, signal ~2 µs, launch ~3 µs)",
     "ll_hook_fixed_us": "assumed: one kernel launch + grid drain per hook-mode phase",
     "ll_hook_dispatch_extra_us": "assumed: kernels.md §3.3 top-k count pass (~2 µs)",
@@ -300,38 +310,67 @@ def copy_combine_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfil
     land, so the reduction overlaps the copies; no SM sends. ``chunk_rows``: the chunk size (0: deep_ep's
     ``COMBINE_COPY_CHUNK_ROWS``)."""
     chunk_rows = chunk_rows or COMBINE_COPY_CHUNK_ROWS
+    ce = prof.ce_gbps * GBPS
+    remote = _remote_rows(traffic, spec.num_ranks)
+    # Sender d's chunks cover all its owners at once (as many as its largest block needs); their engine time is
+    # shared out over the owners.
+    sent = remote.sum(axis=0)
+    gap_bytes = ce * prof.ce_chunk_us * np.array([copy_chunks(m, chunk_rows) for m in remote.max(axis=0)])
+    gap_share = np.divide(remote * gap_bytes, sent, out=np.zeros_like(remote), where=sent > 0)
+    return _landing_zone_work(spec, traffic, gpu, prof, "copy_engine", ce, gap_share,
+                              num_sms * prof.ce_reduce_gbps * GBPS, num_sms)
+
+
+def zone_combine_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, prof: DeepEpProfile,
+                      num_sms: int) -> NormalWork:
+    """The zone-sender intranode combine (the Buffer's default from ``COMBINE_ZONE_MIN_SMS`` up): on
+    ``deep_ep.config.zone_ctas(num_sms)`` CTAs, sender warps store each source's rows into the owners' landing
+    zones (their ``zone_send`` port, ``zone_link_gbps`` per direction) while the other warps of the same CTAs reduce
+    (``sm_reduce``, ``CTAs * zone_reduce_gbps``), following the landing front. Calibrated at the default sender
+    warps (``COMBINE_ZONE_SEND_WARPS``) only."""
+    ctas = zone_ctas(num_sms)
+    remote = _remote_rows(traffic, spec.num_ranks)
+    return _landing_zone_work(spec, traffic, gpu, prof, "zone_send", prof.zone_link_gbps * GBPS,
+                              np.zeros_like(remote), ctas * prof.zone_reduce_gbps * GBPS, ctas)
+
+
+def _remote_rows(traffic: list[SourceTraffic], num_ranks: int) -> np.ndarray:
+    """``rows[s, d]`` of the dispatch with the diagonal (a rank's rows to itself) zeroed: the rows a combine moves."""
+    rows = np.asarray([t.rows_to_rank for t in traffic], dtype=float)
+    return rows * (1.0 - np.eye(num_ranks))
+
+
+def _landing_zone_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, prof: DeepEpProfile,
+                       mover: str, mover_cap: float, extra: np.ndarray, reduce_cap: float, ctas: int) -> NormalWork:
+    """Combine into landing zones: the rows of owner s held by peer d (``rows[s, d]``) leave d through its
+    ``mover`` port (capacity ``mover_cap``; ``extra[s, d]`` more bytes of its time) and NVLink, and s reduces them
+    with its own rows at ``reduce_cap`` (``sm_reduce``), overlapped with the transfer."""
     num_ranks = spec.num_ranks
     record = intranode_combine_record_bytes(spec.hidden, spec.topk)
     payload = token_bytes(spec.hidden, "bf16")
     rows = np.asarray([t.rows_to_rank for t in traffic], dtype=float)  # rows[s, d]
-    kinds = ("nvl_out", "nvl_in", "copy_engine", "sm_reduce")
+    remote = _remote_rows(traffic, num_ranks)
+    kinds = ("nvl_out", "nvl_in", mover, "sm_reduce")
     nvl = gpu.nvlink_gbps * prof.nvl_efficiency * GBPS
-    ce = prof.ce_gbps * GBPS
-    caps = {"nvl_out": nvl, "nvl_in": nvl, "copy_engine": ce, "sm_reduce": num_sms * prof.ce_reduce_gbps * GBPS}
+    caps = {"nvl_out": nvl, "nvl_in": nvl, mover: mover_cap, "sm_reduce": reduce_cap}
     ports = _Ports(kinds, caps, num_ranks)
     peers = np.arange(num_ranks)
-    # Combine runs the dispatch backwards: rows[s, d] rows of s's tokens return from d to s. Sender d's chunks
-    # cover all its owners at once (as many as its largest block needs); their engine time is shared out.
-    remote = rows * (1.0 - np.eye(num_ranks))
-    sent = remote.sum(axis=0)
-    gap_bytes = ce * prof.ce_chunk_us * np.array([copy_chunks(m, chunk_rows) for m in remote.max(axis=0)])
-    gap_share = np.divide(remote * gap_bytes, sent, out=np.zeros_like(remote), where=sent > 0)
     flows: list[FlowSpec] = []
     for s in range(num_ranks):
         back = remote[s]
         own = rows[s, s]
         u = _Usage(ports)
-        u.add("copy_engine", peers, back * record + gap_share[s])
+        u.add(mover, peers, back * record + extra[s])
         u.add("nvl_out", peers, back * record)
         u.add("nvl_in", s, back.sum() * record)
         u.add("sm_reduce", s, (back.sum() + own) * payload)
         flows.append(u.flow(float(back.sum() * record + own * payload)))
-    return NormalWork(np.zeros(num_ranks), kinds, caps, flows, prof.launch_us, {}, max(num_sms, 1))
+    return NormalWork(np.zeros(num_ranks), kinds, caps, flows, prof.launch_us, {}, max(ctas, 1))
 
 
 def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
                 prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str, channels: int = 0,
-                combine_copy: bool | None = None, copy_chunk_rows: int = 0) -> NormalWork:
+                combine_path: str | None = None, copy_chunk_rows: int = 0) -> NormalWork:
     """Per-rank SM work, fixed cost and flows of one deep_ep normal op (intranode when one node). ``channels``
     (CTAs) defaults to what deep_ep runs for ``num_sms``: intranode ``deep_ep.config.intranode_channels``, else
     ``num_sms``; measurements taken without the cap pass their own.
@@ -345,13 +384,17 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
 
     One GPU per virtual node is the intranode model over all ranks (:func:`flat_p2p`).
 
-    Intranode combine takes the copy-engine path (:func:`copy_combine_work`) where deep_ep's Buffer would
-    (``deep_ep.config.combine_by_copy_engine(num_sms)``) unless ``combine_copy`` says which; ``copy_chunk_rows``
-    overrides its chunk size.
+    Intranode combine takes the send path deep_ep's Buffer would (``deep_ep.config.combine_send_path(num_sms)``)
+    unless ``combine_path`` ('rings', 'copy' or 'zone') says which: the copy engine (:func:`copy_combine_work`;
+    ``copy_chunk_rows`` overrides its chunk size), the zone senders (:func:`zone_combine_work`) or the rings (below).
     """
-    if spec.op == "combine" and spec.num_nodes == 1 and spec.num_ranks > 1 and (
-            combine_by_copy_engine(num_sms) if combine_copy is None else combine_copy):
+    path = combine_send_path(num_sms) if combine_path is None else combine_path
+    if path not in ("rings", "copy", "zone"):
+        raise ValueError(f"combine_path must be 'rings', 'copy' or 'zone', got {combine_path!r}")
+    if spec.op == "combine" and spec.num_nodes == 1 and spec.num_ranks > 1 and path == "copy":
         return copy_combine_work(spec, traffic, gpu, prof, num_sms, copy_chunk_rows)
+    if spec.op == "combine" and spec.num_nodes == 1 and spec.num_ranks > 1 and path == "zone":
+        return zone_combine_work(spec, traffic, gpu, prof, num_sms)
     num_ranks, per_node, num_nodes = spec.num_ranks, spec.ranks_per_node, spec.num_nodes
     if flat_p2p(spec, nic):
         per_node, num_nodes = num_ranks, 1
@@ -479,7 +522,8 @@ def closed_form_times(work: NormalWork, num_sms: int, num_ranks: int) -> np.ndar
 
 
 _BOTTLENECK_LABELS = {"serial": "SM:copy", "push": "SM:push", "nvl_out": "NVLink", "nvl_in": "NVLink",
-                      "nic_out": "RDMA", "nic_in": "RDMA", "copy_engine": "copy engine", "sm_reduce": "SM:reduce"}
+                      "nic_out": "RDMA", "nic_in": "RDMA", "copy_engine": "copy engine", "zone_send": "SM:zone send",
+                      "sm_reduce": "SM:reduce"}
 
 
 def bottleneck(work: NormalWork, num_sms: int, num_ranks: int) -> str:

@@ -13,7 +13,10 @@ Cases (H200, hidden 7168, top-8, ``--kernels deep_ep``, the profile of ``simulat
 
 A row's ``measured_us`` is the calibration file's 24-SM point of that case (EP2 or 2 x 1 virtual nodes) on the
 profile's receive path: from the ``--check`` bench_internode run when the calibration has one, else from the fitted
-bench file; for low latency EP2, the fused kernel time at 128 tokens of the file's low-latency fit.
+bench file; for low latency EP2, the fused kernel time at 128 tokens of the file's low-latency fit. The calibration's
+combine points are ring-sender runs: the intranode EP2 combine row has none where the Buffer's 24-SM combine takes
+another path (``deep_ep.config.combine_send_path``; the zone senders' model is checked against their own
+measurements in tests/test_simulator_deep_ep.py).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from deep_ep.config import combine_send_path
 from simulator import deep_ep_kernels as dek
 from simulator.bench_fit import LL_SECTION
 from simulator.scenario import Scenario, run
@@ -67,6 +71,8 @@ def _measured(calibration: Path, prof: dek.DeepEpProfile) -> dict[tuple[str, str
         case = MEASURED_CASES.get(p.get("num_nodes", 0))
         if case is None or p.get("num_sms") != 24 or (p.get("op") == "dispatch" and p.get("receive") != receive):
             continue
+        if case == "intranode EP2" and p.get("op") == "combine" and combine_send_path(24) != "rings":
+            continue  # a ring measurement; the Buffer's 24-SM combine runs another path
         out[(case, p["op"], p["dtype"])] = float(p["measured_us"])
     ll = data.get(LL_SECTION, {})
     for p in ll.get("points", []) if ll.get("machine", "").endswith("x2") else []:

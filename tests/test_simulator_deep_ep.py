@@ -175,18 +175,18 @@ def test_load_profile_rejects_malformed_file(tmp_path):
 @pytest.mark.parametrize(("nodes", "per_node", "nic"), [(1, 2, "cx7"), (1, 8, "cx7"), (2, 2, "nvlink-p2p"),
                                                         (2, 8, "cx7")])
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
-@pytest.mark.parametrize("combine_copy", [False, True])
-def test_more_sms_is_never_slower(nodes, per_node, nic, op, combine_copy):
-    # Per path: the Buffer's choice between the two combine paths by SM budget is a tuning, not a law.
+@pytest.mark.parametrize("combine_path", ["rings", "copy", "zone"])
+def test_more_sms_is_never_slower(nodes, per_node, nic, op, combine_path):
+    # Per path: the Buffer's choice between the combine paths by SM budget is a tuning, not a law.
     traffic = _traffic(nodes, per_node, 512)
     spec = _spec(nodes, per_node, op, "bf16")
     prof, gpu, nic_p = dek.profile(), hardware.H200, hardware.get_nic(nic)
     times = []
     for sms in (4, 8, 16, 24, 32, 48, 64):
-        work = dek.normal_work(spec, traffic, gpu, nic_p, prof, sms, 8, "bf16", combine_copy=combine_copy)
+        work = dek.normal_work(spec, traffic, gpu, nic_p, prof, sms, 8, "bf16", combine_path=combine_path)
         times.append(float(dek.closed_form_times(work, sms, spec.num_ranks).max()))
     assert all(b <= a * (1 + 1e-9) for a, b in zip(times, times[1:])), times
-    if not combine_copy:
+    if combine_path == "rings":
         des = [dek.simulate_normal(spec, traffic, gpu, nic_p, prof, sms, 8, "bf16").max_time_us for sms in (8, 24)]
         assert des[1] <= des[0]
 
@@ -210,13 +210,15 @@ def test_normal_byte_conservation(nodes, per_node, nic, op):
                if d % per_node != s % per_node)
     network = sum(x for s, t in enumerate(traffic) for n, x in enumerate(t.records_to_node) if n != s // per_node)
     assert res.port_bytes["nvl_out"] == pytest.approx(res.port_bytes["nvl_in"])
+    # The pushing SMs: ring senders, or the zone senders of the Buffer's intranode combine at 24 SMs.
+    pusher = "zone_send" if "zone_send" in res.port_bytes else "sm_push"
     if nic_p.shares_nvlink:  # virtual nodes: the network puts ride the NVLink ports
         assert "nic_out" not in res.port_bytes
         assert res.port_bytes["nvl_out"] == pytest.approx((hops + network) * record)
-        assert res.port_bytes["sm_push"] == pytest.approx((hops + network) * record)
+        assert res.port_bytes[pusher] == pytest.approx((hops + network) * record)
     else:
         assert res.port_bytes["nvl_out"] == pytest.approx(hops * record)
-        assert res.port_bytes["sm_push"] == pytest.approx(hops * record)
+        assert res.port_bytes[pusher] == pytest.approx(hops * record)
         if nodes > 1:
             assert res.port_bytes["nic_out"] == pytest.approx(network * record)
             assert res.port_bytes["nic_in"] == pytest.approx(network * record)
@@ -277,7 +279,9 @@ def test_one_gpu_per_virtual_node_is_the_intranode_model(op):
     p2p = hardware.get_nic("nvlink-p2p")
     prof = replace(dek.profile(), internode_extra_us=100.0)
     virtual = dek.normal_work(_spec(2, 1, op, dtype), traffic, hardware.H200, p2p, prof, 24, 8, dtype)
-    intra = dek.normal_work(_spec(1, 2, op, dtype), traffic, hardware.H200, hardware.CX7, prof, 24, 8, dtype)
+    # That backend's combine keeps the ring senders (CudaBackend.copy_engine_combine is off there).
+    intra = dek.normal_work(_spec(1, 2, op, dtype), traffic, hardware.H200, hardware.CX7, prof, 24, 8, dtype,
+                            combine_path="rings")
     assert virtual.fixed_us == intra.fixed_us and virtual.alias == {} and "nic_out" not in virtual.kinds
     np.testing.assert_allclose(virtual.serial_sm_us, intra.serial_sm_us)
     np.testing.assert_allclose(dek.closed_form_times(virtual, 24, 2), dek.closed_form_times(intra, 24, 2))
@@ -363,16 +367,18 @@ def test_cli_predict_lists_every_case(tmp_path):
         assert {(f"low-latency EP{ep}", "dispatch", "fp8"), (f"low-latency EP{ep}", "combine", "bf16")} <= cases
     assert all(r["time_us"] > 0 for r in data["rows"])
     # The measured rows: EP2 and 2 x 1 virtual nodes (bench_internode, default receive path), within 10 %; the two
-    # cases are the same kernels, so the same prediction.
+    # cases' dispatches are the same kernels, so the same prediction. The calibration's combine points are ring runs:
+    # the intranode EP2 combine (zone senders at 24 SMs) has none; the 2 x 1 combine keeps the rings.
     measured = {(r["case"], r["op"], r["dtype"]): r for r in data["rows"] if r["measured_us"] is not None}
     assert {case for case, _, _ in measured} == {"intranode EP2", "internode 2x1 virtual", "low-latency EP2"}
-    assert len(measured) == 8
+    assert ("intranode EP2", "combine", "bf16") not in measured
+    assert len(measured) == 7
     assert all(abs(r["time_us"] / r["measured_us"] - 1) < 0.1 for r in measured.values())
     # The LL EP2 rows are compared with the fused kernel times of bench_low_latency at T = 128.
     assert measured[("low-latency EP2", "dispatch", "fp8")]["measured_us"] == pytest.approx(22.6, abs=0.05)
     assert measured[("low-latency EP2", "combine", "bf16")]["measured_us"] == pytest.approx(36.4, abs=0.05)
     for (case, op, dtype), r in measured.items():
-        if case == "internode 2x1 virtual":
+        if case == "internode 2x1 virtual" and op == "dispatch":
             assert r["time_us"] == pytest.approx(measured[("intranode EP2", op, dtype)]["time_us"], rel=0.01)
     # benchmarks/bench_internode.py reads the stored rows on the GPU machine: they must be this output.
     assert json.loads(STORED_PREDICTIONS.read_text()) == data
@@ -530,6 +536,27 @@ def test_ll_fused_combine_skips_own_rows():
     assert np.all(np.diag(fused.sent) == 0) and np.all(np.diag(hook.sent) > 0)
     np.testing.assert_allclose(fused.sent.sum() + np.trace(hook.sent), hook.sent.sum())
     assert dek.ll_dispatch_message_bytes(7168, "fp8", 8, dek.profile()) == 80 + 7392
+
+
+def test_zone_combine_model_predicts_its_points():
+    # The zone-sender combine on 2 x H200 at its default 4 sender warps (docs/performance.md, "Zone-sender
+    # combine"): Buffer-default points of the final and rerun calls (24 CTAs at budgets of 24, 32 and 48 SMs; 20
+    # CTAs) and the sweep's 4-warp points at 16-24 CTAs; the profile's zone_* parameters predict each within 6 %.
+    results = ROOT / "benchmarks" / "results"
+    run = bench_fit.read_bench(results / "intranode_h200x2_2026-11-30_zone_final.json")
+    traffic = bench_fit.bench_traffic(run)
+    points = []
+    for name in ("zone_final", "zone_rerun"):
+        rank0 = json.loads((results / f"intranode_h200x2_2026-11-30_{name}.json").read_text())["ranks"][0]
+        points += [(p["num_sms"], p["wall_us_mean"]) for p in rank0["points"] if p["op"] == "combine_bf16_zone"]
+    sweep = json.loads((results / "intranode_h200x2_2026-11-30_zone_sweep.json").read_text())["ranks"][0]["sweep"]
+    points += [(sms, us) for op, sms, _, warps, us in sweep if op == "combine_bf16_zone" and warps == 4 and sms <= 24]
+    assert len(points) == 9
+    errors = []
+    for sms, us in points:
+        point = bench_fit.BenchPoint("combine", "bf16", sms, 8, us, "zone", channels=sms)
+        errors.append(bench_fit.predict_point(run, point, dek.profile(), traffic) / us - 1)
+    assert max(abs(e) for e in errors) < 0.06, errors
 
 
 def test_copy_engine_combine_model_predicts_its_sweep():
