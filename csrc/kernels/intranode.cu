@@ -286,6 +286,16 @@ __device__ bool warp_wait_freed(const KernelContext& ctx, uint32_t copy_epoch, i
     return __all_sync(0xffffffffu, ok);
 }
 
+// One warp: this rank's rows of the previous calls in every peer's combine half are consumed (ring heads, and `freed`
+// of the previous landing-zone combine), so the rows of landing-zone combine `copy_epoch` may be stored there.
+__device__ bool warp_wait_landing_zones_free(const KernelContext& ctx, uint32_t copy_epoch) {
+    const uint32_t peers = ((1u << ctx.num_ranks) - 1u) & ~(1u << ctx.rank);
+    const int num_checked = static_cast<int>(*workspace_u32(ctx, kWsCombineMaxChannelsOffset));
+    return warp_wait_drained(ctx, peers, num_checked, kCombineHeadOffset, kWsCombineTailShadowOffset, kKernelCombine,
+                             kPhaseCombineSendDrain, -1) &&
+           warp_wait_freed(ctx, copy_epoch - 1u, -1);
+}
+
 // Number of channels whose rings a drain check must cover: the largest channel count of any call of this direction
 // since the last reset (raised here to include the current call).
 __device__ __forceinline__ int raise_max_channels(const KernelContext& ctx, int64_t offset, int num_channels) {
@@ -1440,14 +1450,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 
     if (kZone && warp < first_reducer) {
         // Warp 0: the previous calls' rows of this rank in every peer's combine half must be consumed first.
-        if (warp == 0 && !ctx.skip_sends) {
-            const uint32_t peers = ((1u << num_ranks) - 1u) & ~(1u << rank);
-            const int num_checked = static_cast<int>(*workspace_u32(ctx, kWsCombineMaxChannelsOffset));
-            const bool ok = warp_wait_drained(ctx, peers, num_checked, kCombineHeadOffset, kWsCombineTailShadowOffset,
-                                              kKernelCombine, kPhaseCombineSendDrain, -1) &&
-                            warp_wait_freed(ctx, args.copy_epoch - 1u, -1);
-            if (!ok && lane == 0) cta_failed = 1;
-        }
+        if (warp == 0 && !ctx.skip_sends && !warp_wait_landing_zones_free(ctx, args.copy_epoch) && lane == 0)
+            cta_failed = 1;
         named_barrier(kBarrierAllSenders, first_reducer * 32);
     }
     // Zone senders: stripes of W rows of the largest block, stripe s on CTA s % CTAs; this CTA's count.
@@ -1491,63 +1495,65 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
             if (!advance) publisher_idle(ctx, &cta_failed, &spins);
         }
     } else {
-    const int reducer = kZone ? warp - first_reducer : warp;
-    const int reducers_per_cta = kWarps - first_reducer;
-    const int64_t own_block = rank > 0 ? P[(rank - 1) * num_ranks + rank] : 0;
-    const int per_channel = num_channels > 0 ? (args.num_tokens + num_channels - 1) / num_channels : 1;
-    const int num_warps = num_ctas * reducers_per_cta;
-    int cached_cta = -1;          // lane d, zone senders: the CTA of the last landed word it read, and that word
-    uint32_t cached_word = 0u;
-    for (int t = static_cast<int>(blockIdx.x) * reducers_per_cta + reducer; t < args.num_tokens; t += num_warps) {
-        if (cta_failed != 0) break;
-        const int c = t / per_channel;  // the dispatch channel of t (channel_range)
-        // Lane d: j = index of t among channel c's tokens to d; k = landing row of t at d (rows in my token order).
-        const int j = lane < num_ranks ? args.send_head[static_cast<int64_t>(t) * num_ranks + lane] : -1;
-        int k = -1;
-        bool ok = true;
-        if (j >= 0 && lane != rank) {
-            k = (c > 0 ? args.channel_prefix_matrix[lane * num_channels + c - 1] : 0) + j;
-            if (kZone) {
-                int cta, local;
-                zone_stripe_of(k, max(num_send_warps, 1), num_ctas, &cta, &local);
-                const uint32_t needed = epoch_bits | static_cast<uint32_t>(local + 1);
-                if (cta != cached_cta || !seq_geq(cached_word, needed)) {
-                    uint32_t seen;
-                    ok = wait_geq(ctx, buffer_u32(ctx.buffers[rank], kCombineZoneLandedOffset) + counter_index(cta, lane),
-                                  needed, Site{kKernelCombine, kPhaseCombineRecvWaitLanded, lane, cta}, &seen);
-                    cached_cta = cta;
-                    cached_word = seen;
+        const int reducer = kZone ? warp - first_reducer : warp;
+        const int reducers_per_cta = kWarps - first_reducer;
+        const int64_t own_block = rank > 0 ? P[(rank - 1) * num_ranks + rank] : 0;
+        const int per_channel = num_channels > 0 ? (args.num_tokens + num_channels - 1) / num_channels : 1;
+        const int num_warps = num_ctas * reducers_per_cta;
+        int cached_cta = -1;          // lane d, zone senders: the CTA of the last landed word it read, and that word
+        uint32_t cached_word = 0u;
+        for (int t = static_cast<int>(blockIdx.x) * reducers_per_cta + reducer; t < args.num_tokens; t += num_warps) {
+            if (cta_failed != 0) break;
+            const int c = t / per_channel;  // the dispatch channel of t (channel_range)
+            // Lane d: j = index of t among channel c's tokens to d; k = landing row of t at d (rows in my token order).
+            const int j = lane < num_ranks ? args.send_head[static_cast<int64_t>(t) * num_ranks + lane] : -1;
+            int k = -1;
+            bool ok = true;
+            if (j >= 0 && lane != rank) {
+                k = (c > 0 ? args.channel_prefix_matrix[lane * num_channels + c - 1] : 0) + j;
+                if (kZone) {
+                    int cta, local;
+                    zone_stripe_of(k, max(num_send_warps, 1), num_ctas, &cta, &local);
+                    const uint32_t needed = epoch_bits | static_cast<uint32_t>(local + 1);
+                    if (cta != cached_cta || !seq_geq(cached_word, needed)) {
+                        uint32_t seen;
+                        ok = wait_geq(ctx,
+                                      buffer_u32(ctx.buffers[rank], kCombineZoneLandedOffset) +
+                                          counter_index(cta, lane),
+                                      needed, Site{kKernelCombine, kPhaseCombineRecvWaitLanded, lane, cta}, &seen);
+                        cached_cta = cta;
+                        cached_word = seen;
+                    }
+                    __threadfence_block();  // acquire for the warp: lane d's acquire load came first
+                } else {
+                    const uint32_t needed = epoch_bits | static_cast<uint32_t>(k + 1);
+                    if (!seq_geq(landed_cache[lane], needed)) {
+                        uint32_t seen;
+                        ok = wait_geq(ctx, buffer_u32(ctx.buffers[rank], kCombineLandedOffset) + lane, needed,
+                                      Site{kKernelCombine, kPhaseCombineRecvWaitLanded, lane, c}, &seen);
+                        if (ok) landed_cache[lane] = seen;
+                    }
+                    __threadfence_block();  // acquire: a cached word was stored after its reader's acquire load
                 }
-                __threadfence_block();  // acquire for the warp: lane d's acquire load came first
-            } else {
-                const uint32_t needed = epoch_bits | static_cast<uint32_t>(k + 1);
-                if (!seq_geq(landed_cache[lane], needed)) {
-                    uint32_t seen;
-                    ok = wait_geq(ctx, buffer_u32(ctx.buffers[rank], kCombineLandedOffset) + lane, needed,
-                                  Site{kKernelCombine, kPhaseCombineRecvWaitLanded, lane, c}, &seen);
-                    if (ok) landed_cache[lane] = seen;
-                }
-                __threadfence_block();  // acquire: a cached word was stored after its reader's acquire load
             }
+            if (!__all_sync(0xffffffffu, ok)) {
+                if (lane == 0) cta_failed = 1;
+                break;
+            }
+            // Contribution sources: my row of x, and row k of my landing zone of d.
+            const int4* srcs[kMaxRanks];
+            const float* wsrcs[kMaxRanks];
+            int own;
+            const int num_srcs = token_sources(
+                args, rank, num_ranks, j, own_block + args.recv_channel_prefix_matrix[rank * num_channels + c],
+                [&](int d, int, const int4** src, const float** wsrc) {
+                    const int64_t kd = __shfl_sync(0xffffffffu, k, d);
+                    *src = reinterpret_cast<const int4*>(zone_data[d] + kd * args.hidden * 2);
+                    *wsrc = reinterpret_cast<const float*>(zone_weights[d]) + kd * args.num_topk;
+                },
+                srcs, wsrcs, &own);
+            reduce_token(args, t, srcs, wsrcs, num_srcs, own, row_int4, kZone);
         }
-        if (!__all_sync(0xffffffffu, ok)) {
-            if (lane == 0) cta_failed = 1;
-            break;
-        }
-        // Contribution sources: my row of x, and row k of my landing zone of d.
-        const int4* srcs[kMaxRanks];
-        const float* wsrcs[kMaxRanks];
-        int own;
-        const int num_srcs = token_sources(
-            args, rank, num_ranks, j, own_block + args.recv_channel_prefix_matrix[rank * num_channels + c],
-            [&](int d, int, const int4** src, const float** wsrc) {
-                const int64_t kd = __shfl_sync(0xffffffffu, k, d);
-                *src = reinterpret_cast<const int4*>(zone_data[d] + kd * args.hidden * 2);
-                *wsrc = reinterpret_cast<const float*>(zone_weights[d]) + kd * args.num_topk;
-            },
-            srcs, wsrcs, &own);
-        reduce_token(args, t, srcs, wsrcs, num_srcs, own, row_int4, kZone);
-    }
     }
 
     // The last CTA to finish frees my landing zones: every CTA's loads of them are complete (their values were used).
@@ -1571,14 +1577,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     }
 }
 
-// One warp on the copy stream: the previous calls' rows of this rank in every peer's combine half are consumed
-// (ring heads; `freed` of the previous copy-engine combine), so the copies of call `copy_epoch` may land there.
+// One warp on the copy stream: the landing zones of call `copy_epoch` in every peer are free
+// (warp_wait_landing_zones_free), so its copies may land there.
 __global__ void combine_copy_prepare_kernel(KernelContext ctx, uint32_t copy_epoch) {
-    const uint32_t peers = ((1u << ctx.num_ranks) - 1u) & ~(1u << ctx.rank);
-    const int num_checked = static_cast<int>(*workspace_u32(ctx, kWsCombineMaxChannelsOffset));
-    if (warp_wait_drained(ctx, peers, num_checked, kCombineHeadOffset, kWsCombineTailShadowOffset, kKernelCombine,
-                          kPhaseCombineSendDrain, -1))
-        warp_wait_freed(ctx, copy_epoch - 1u, -1);
+    warp_wait_landing_zones_free(ctx, copy_epoch);
 }
 
 // One warp on the copy stream, after a chunk of copies: publishes the landed words (stream order puts the copies'
