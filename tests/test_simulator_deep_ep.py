@@ -574,3 +574,15 @@ def test_copy_engine_combine_model_predicts_its_sweep():
         point = bench_fit.BenchPoint("combine", "bf16", sms, rows, us, "copy", channels=sms)
         errors.append(bench_fit.predict_point(run, point, dek.profile(), traffic) / us - 1)
     assert max(abs(e) for e in errors) < 0.12, errors
+
+
+def test_normal_work_rejects_an_unknown_combine_path():
+    traffic = _traffic(1, 2, 64)
+    spec = _spec(1, 2, "combine", "bf16")
+    with pytest.raises(ValueError, match="combine_path must be 'rings', 'copy' or 'zone', got 'sideways'"):
+        dek.normal_work(spec, traffic, hardware.H200, hardware.CX7, dek.profile(), 24, 8, "bf16",
+                        combine_path="sideways")
+    # The next valid call still works.
+    work = dek.normal_work(spec, traffic, hardware.H200, hardware.CX7, dek.profile(), 24, 8, "bf16",
+                           combine_path="zone")
+    assert "zone_send" in work.kinds
