@@ -47,11 +47,18 @@ constexpr int64_t kWsBarrierBase = 8;
 constexpr int64_t kWsEpochs = 256;        // u32 [kMaxBlocks][2]
 constexpr int64_t kWsBases = 2048;        // u64 [kMaxBlocks][2][R]
 constexpr int kHeaderInts = 1 + kMaxTopk;
+// Debug builds' section trace (SectionTrace): a slot per (kernel, phases) after the bases.
+constexpr int kTraceSections = 8;
+constexpr int kTraceWords = 2 * (1 + kTraceSections) + 1;
+constexpr int kTraceSlots = 2 * 4;
+__host__ __device__ inline int64_t trace_offset(int num_ranks) {
+    return kWsBases + int64_t(kMaxBlocks) * 2 * num_ranks * 8;
+}
 
 int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 }  // namespace
 
-int64_t workspace_bytes(int num_ranks) { return kWsBases + int64_t(kMaxBlocks) * 2 * num_ranks * 8; }
+int64_t workspace_bytes(int num_ranks) { return trace_offset(num_ranks) + kTraceSlots * kTraceWords * 8; }
 
 Layout make_layout(int num_ranks, int num_tokens_max, int hidden, int num_experts, int64_t num_rdma_bytes) {
     DEEP_EP_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks must be in [1, ", kMaxRanks, "], got ",
@@ -129,7 +136,7 @@ __device__ __forceinline__ void st_int4_words(int4* ptr, const int4& v) {
 }
 
 __device__ __forceinline__ char* half_base(const Context& ctx, void* base, int half) {
-    return static_cast<char*>(base) + ctx.layout.half_offset[half];
+    return static_cast<char*>(base) + ctx.layout.half_start(half);
 }
 
 __device__ __forceinline__ int64_t load_topk(const void* topk, int bytes, int64_t i) {
@@ -141,7 +148,7 @@ __device__ __forceinline__ bool is_masked(const Context& ctx, int r) {
 }
 
 // First failing thread of this rank fills the record (claim word in the workspace), then raises every peer's abort.
-static __device__ __noinline__ void report(const Context& ctx, int32_t code, int32_t kernel, int32_t phase,
+static __device__ __noinline__ void report(const Context ctx, int32_t code, int32_t kernel, int32_t phase,
                                            int32_t peer, int32_t channel, int64_t expected, int64_t observed,
                                            int64_t elapsed) {
     auto* claim = reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsClaim);
@@ -379,33 +386,56 @@ __device__ __forceinline__ void logfmt_decode_group(const char* row, uint32_t fl
 // The kernels have external linkage so that profilers show readable names (deep_ep::kernels::ll::ll_*_kernel<N>).
 
 // ---------------------------------------------------------------------------------------------------------------
-// Section trace (debug builds, DEEP_EP_DEBUG_BUILD=1): thread 0 of the first and the last CTA stamps clock64 at the
-// section ends of a launch and prints one line at exit: "LLTRACE <kernel> p<phases> r<rank> b<cta> g<globaltimer at
-// entry> <cycles from entry to each stamp>" (tools/ll_trace.py summarises a log of them).
+// Section trace (debug builds, DEEP_EP_DEBUG_BUILD=1): thread 0 of every CTA stamps %globaltimer at its entry and at
+// each section end; per launch the earliest and the latest of each stamp over all CTAs are gathered with atomics in
+// the workspace's trace slot of (kernel, phases) (minima stored complemented, so the zeroed slot is neutral), and the
+// last CTA to finish prints one line and clears the slot: "LLTRACE <kernel> p<phases> r<rank> n<CTAs> <latest entry>
+// <earliest end> <latest end> per section", in ns from the earliest entry (tools/ll_trace.py summarises them).
 // ---------------------------------------------------------------------------------------------------------------
 #ifdef DEEP_EP_DEBUG
 struct SectionTrace {
-    long long start = 0, stamp[8] = {};
-    unsigned long long entry_ns = 0;
+    uint64_t* slot;  // [kTraceWords]: (~earliest, latest) for the entry and each section, then finished CTAs
     int n = 0;
-    __device__ void begin() {
-        if (threadIdx.x == 0) {
-            start = clock64();
-            entry_ns = global_timer_ns();
-        }
+    __device__ SectionTrace(const Context& ctx, int kernel, int phases)
+        : slot(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.workspace) + trace_offset(ctx.num_ranks)) +
+               (kernel * 4 + phases) * kTraceWords) {}
+    __device__ void stamp(int i) const {
+        const uint64_t now = global_timer_ns();
+        atomicMax(reinterpret_cast<unsigned long long*>(slot + 2 * i), ~now);
+        atomicMax(reinterpret_cast<unsigned long long*>(slot + 2 * i + 1), now);
+    }
+    __device__ void begin() const {
+        if (threadIdx.x == 0) stamp(0);
     }
     __device__ void mark() {
-        if (threadIdx.x == 0 && n < 8) stamp[n++] = clock64() - start;
+        if (threadIdx.x == 0 && n < kTraceSections) stamp(++n);
     }
     __device__ void print(const char* kernel, int phases, int rank) const {
-        if (threadIdx.x != 0 || (blockIdx.x != 0 && blockIdx.x != gridDim.x - 1)) return;
-        printf("LLTRACE %s p%d r%d b%d g%llu %lld %lld %lld %lld %lld %lld %lld %lld\n", kernel, phases, rank,
-               blockIdx.x, entry_ns, stamp[0], stamp[1], stamp[2], stamp[3], stamp[4], stamp[5], stamp[6], stamp[7]);
+        if (threadIdx.x != 0) return;
+        __threadfence();
+        auto* done = reinterpret_cast<unsigned long long*>(slot + kTraceWords - 1);
+        if (atomicAdd(done, 1ull) != gridDim.x - 1) return;
+        __threadfence();
+        volatile uint64_t* v = slot;
+        const uint64_t t0 = ~v[0];
+        long long rel[2 * kTraceSections + 1];
+        rel[0] = static_cast<long long>(v[1] - t0);
+        for (int i = 1; i <= kTraceSections; ++i) {
+            const bool used = v[2 * i + 1] != 0;
+            rel[2 * i - 1] = used ? static_cast<long long>(~v[2 * i] - t0) : -1;
+            rel[2 * i] = used ? static_cast<long long>(v[2 * i + 1] - t0) : -1;
+        }
+        printf("LLTRACE %s p%d r%d n%d %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld "
+               "%lld %lld\n", kernel, phases, rank, gridDim.x, rel[0], rel[1], rel[2], rel[3], rel[4], rel[5], rel[6],
+               rel[7], rel[8], rel[9], rel[10], rel[11], rel[12], rel[13], rel[14], rel[15], rel[16]);
+        for (int i = 0; i < kTraceWords; ++i) v[i] = 0;
+        __threadfence();
     }
 };
 #else
 struct SectionTrace {
-    __device__ void begin() {}
+    __device__ SectionTrace(const Context&, int, int) {}
+    __device__ void begin() const {}
     __device__ void mark() {}
     __device__ void print(const char*, int, int) const {}
 };
@@ -442,7 +472,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
     uint64_t* bases = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.workspace) + kWsBases) + (int64_t(b) * 2 + h) * R;
     const int64_t payload_bytes = a.use_fp8 ? H + S * 4 : int64_t(H) * 2;
     const int64_t msg_bytes = lay.header_bytes + payload_bytes;
-    SectionTrace trace;
+    SectionTrace trace(ctx, 0, kPhases);
     trace.begin();
     if (tid == 0) {
         sh.epoch = (kPhases & kPhaseSend) ? *epoch_ptr + 1 : *epoch_ptr;
@@ -499,7 +529,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             for (int j = tid; j <= L; j += kThreads) {
                 const uint32_t v = j < L ? tot_e[d * L + j] : tot_r[d];
                 const uint64_t word = (uint64_t(epoch) << 32) | v;
-                const int64_t off = lay.half_offset[h] + lay.count_off + (int64_t(me) * (L + 1) + j) * 8;
+                const int64_t off = lay.half_start(h) + lay.count_off + (int64_t(me) * (L + 1) + j) * 8;
                 if (ctx.peers[d] != nullptr) {
                     st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[d]) + off), word);
                 } else {
@@ -629,7 +659,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
         }
         for (int d = tid; d < R; d += kThreads)
             if (sent[d] > 0 && ctx.peers[d] != nullptr)
-                signal_add(ctx, d, lay.half_offset[h] + lay.darrive_off + int64_t(me) * 8, sent[d]);
+                signal_add(ctx, d, lay.half_start(h) + lay.darrive_off + int64_t(me) * 8, sent[d]);
         __syncthreads();
         trace.mark();  // 4: signalled
     }
@@ -828,7 +858,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
     char* my_half = half_base(ctx, ctx.sym, h);
     const int64_t row_bytes = int64_t(H) * 2;
     const bool in_place = own_rows_in_place(kPhases, lay, a);
-    SectionTrace trace;
+    SectionTrace trace(ctx, 1, kPhases);
     trace.begin();
 
     if (kPhases & kPhaseSend) {
@@ -915,7 +945,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                 }
             }
             __syncwarp();
-            const int64_t arrive_off = lay.half_offset[h] + combine_arrive_off(lay, t, me);  // (t, sender) at s
+            const int64_t arrive_off = lay.half_start(h) + combine_arrive_off(lay, t, me);  // (t, sender) at s
             if (p2p) {
                 auto* arrive = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[s]) + arrive_off);
                 if (lane == 0) red_add_release_sys_u64(arrive, 1);
@@ -997,6 +1027,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
         }
         __syncthreads();
         if (!sh.ok) break;
+        if (t == b) trace.mark();  // first token's rows arrived
         for (int gc = tid; gc < groups; gc += kThreads) {
             float acc[16];
             for (int v = 0; v < 16; ++v) acc[v] = 0.0f;
@@ -1083,7 +1114,7 @@ __global__ void ll_clean_kernel(Context ctx) {
         for (int64_t i = first; i < ctrl_words; i += stride) ctrl[i] = 0;
     }
     auto* ws = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.workspace) + kWsEpochs);
-    const int64_t ws_words = (kWsBases + int64_t(kMaxBlocks) * 2 * ctx.num_ranks * 8 - kWsEpochs) / 8;
+    const int64_t ws_words = (trace_offset(ctx.num_ranks) + kTraceSlots * kTraceWords * 8 - kWsEpochs) / 8;
     for (int64_t i = first; i < ws_words; i += stride) ws[i] = 0;
     if (first == 0) *reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset) = 0;
     if (first == 0) *reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsClaim) = 0;
