@@ -126,6 +126,7 @@ struct CombineArgs {
     void* out;                // [N, H] BF16
     int64_t* wait_stats;      // [R] or nullptr
     int half, phases;
+    int stage_slots, stage_offset;  // set by combine(): rows staged in shared memory, and where the stage starts
 };
 
 constexpr int kPhaseSend = 1;
