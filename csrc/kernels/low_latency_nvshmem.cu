@@ -847,7 +847,6 @@ struct CombineShared {
                                 // nullptr: its owner was masked
     int staged;                 // the rows are staged in shared memory (stage_bar's current phase)
     int senders_done;           // sender warps of this CTA done (debug trace)
-    int warp_rows[kWarps];      // the send phase's row prefix: rows of each warp's experts
     uint64_t stage_bar;
 };
 
@@ -871,42 +870,32 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
     char* my_half = half_base(ctx, ctx.sym, h);
     const int64_t row_bytes = int64_t(H) * 2;
     const bool in_place = own_rows_in_place(kPhases, lay, a);
-    int* rbeg = rowpre + L + 1;  // [L][R] first row of each (expert, source) block (send phase)
     SectionTrace trace(ctx, 1, kPhases);
     trace.begin();
 
     if (kPhases & kPhaseSend) {
-        // Rows per local expert and each (expert, source) block's first row into shared memory (one round of loads
-        // by every thread), then the exclusive prefix of the rows over experts (a chunk of experts per thread).
-        for (int idx = tid; idx < L * R; idx += kThreads) {
-            const int64_t r = a.layout_range[idx];
-            rbeg[idx] = int(r >> 32);
-            if (idx % R == R - 1) rowpre[idx / R] = int(r >> 32) + int(r & 0xffffffff);
+        if (warp == 0) {
+            int carry = 0;
+            for (int j0 = 0; j0 < L; j0 += 32) {
+                const int j = j0 + lane;
+                int v = 0;
+                if (j < L) {
+                    const int64_t last = a.layout_range[int64_t(j) * R + R - 1];
+                    v = int(last >> 32) + int(last & 0xffffffff);
+                }
+                int incl = v;
+                for (int m = 1; m < 32; m <<= 1) {
+                    const int o = __shfl_up_sync(0xffffffffu, incl, m);
+                    if (lane >= m) incl += o;
+                }
+                if (j < L) rowpre[j] = carry + incl - v;
+                carry += __shfl_sync(0xffffffffu, incl, 31);
+            }
+            if (lane == 0) rowpre[L] = carry;
         }
         if (tid == 0) {
             sh.senders_done = 0;
             if ((kPhases & kPhaseRecv) && a.stage_slots > 0) mbar_init(&sh.stage_bar, 1);
-        }
-        __syncthreads();
-        {
-            const int per = (L + kThreads - 1) / kThreads, j0 = min(L, tid * per), j1 = min(L, j0 + per);
-            int local = 0;
-            for (int j = j0; j < j1; ++j) local += rowpre[j];
-            int incl = local;
-            for (int m = 1; m < 32; m <<= 1) {
-                const int o = __shfl_up_sync(0xffffffffu, incl, m);
-                if (lane >= m) incl += o;
-            }
-            if (lane == 31) sh.warp_rows[warp] = incl;
-            __syncthreads();
-            int base = incl - local;
-            for (int w = 0; w < warp; ++w) base += sh.warp_rows[w];
-            for (int j = j0; j < j1; ++j) {
-                const int c = rowpre[j];
-                rowpre[j] = base;
-                base += c;
-            }
-            if (tid == kThreads - 1) rowpre[L] = base;
         }
         __syncthreads();
         trace.mark();  // row prefix
@@ -914,9 +903,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
         // In a fused launch warp 0 does not send: it starts on the receive at once (routing, own rows' copies).
         constexpr int kFirstSender = (kPhases & kPhaseRecv) ? 1 : 0;
         constexpr int kSenders = kWarps - kFirstSender;
-        constexpr int kUnroll = 7;  // 16-byte loads in flight per lane
-        const int n16 = H / 8;
-        const bool slot16 = lay.cmsg % 16 == 0;
         const int sw = warp - kFirstSender;
         for (int g = sw * nb + b; sw >= 0 && g < total; g += nb * kSenders) {
             int lo = 0, hi = L;  // last j with rowpre[j] <= g
@@ -928,33 +914,19 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             int slo = 0, shi = R;  // last s with begin <= i
             while (shi - slo > 1) {
                 const int mid = (slo + shi) / 2;
-                if (rbeg[j * R + mid] <= i) slo = mid; else shi = mid;
+                if (int(a.layout_range[int64_t(j) * R + mid] >> 32) <= i) slo = mid; else shi = mid;
             }
             const int s = slo;
             if (is_masked(ctx, s)) continue;
+            const int t = a.src_info[int64_t(j) * RT + i];
             const int e = me * L + j;
             char* send_slot = my_half + lay.csend_off + (int64_t(j) * RT + i) * lay.cmsg;
             const uint16_t* src = a.zero_copy ? reinterpret_cast<const uint16_t*>(send_slot)
                                               : static_cast<const uint16_t*>(a.x) + (int64_t(j) * RT + i) * H;
             const bool p2p = ctx.peers[s] != nullptr;
-            const bool own = s == me && in_place;
-            const bool copy = !own && !a.use_logfmt && !(a.zero_copy && !p2p);
-            const bool src16 = !a.zero_copy || slot16, dst16 = p2p || slot16;
-            int4 v[kUnroll];
-            auto load = [&](int base) {
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int c = base + u * 32 + lane;
-                    const int4* from = reinterpret_cast<const int4*>(src) + c;
-                    if (c < n16) v[u] = src16 ? ld_nc_int4(from) : ld_nc_int4_words(from);
-                }
-            };
-            // The row's first loads go out before the source-token lookup: they do not depend on it.
-            if (copy) load(0);
-            const int t = a.src_info[int64_t(j) * RT + i];
             const int64_t dst_off = lay.crecv_off + (int64_t(e) * T + t) * row_bytes;
             char* dst = p2p ? half_base(ctx, ctx.peers[s], h) + dst_off : send_slot;
-            if (own) {
+            if (s == me && in_place) {
                 if (lane == 0) *reinterpret_cast<int*>(my_half + combine_flag_off(lay, e, t)) = j * RT + i;
             } else if (a.use_logfmt) {
                 const uint32_t flags = logfmt_encode_row(src, dst, H, lane);
@@ -968,9 +940,19 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                         nvshmem_fence();
                     }
                 }
-            } else if (copy) {
+            } else if (!(a.zero_copy && !p2p)) {
+                const int n16 = H / 8;
+                const bool slot16 = lay.cmsg % 16 == 0;
+                const bool src16 = !a.zero_copy || slot16, dst16 = p2p || slot16;
+                constexpr int kUnroll = 7;
                 for (int base = 0; base < n16; base += 32 * kUnroll) {
-                    if (base > 0) load(base);
+                    int4 v[kUnroll];
+#pragma unroll
+                    for (int u = 0; u < kUnroll; ++u) {
+                        const int c = base + u * 32 + lane;
+                        const int4* from = reinterpret_cast<const int4*>(src) + c;
+                        if (c < n16) v[u] = src16 ? ld_nc_int4(from) : ld_nc_int4_words(from);
+                    }
 #pragma unroll
                     for (int u = 0; u < kUnroll; ++u) {
                         const int c = base + u * 32 + lane;
@@ -1290,13 +1272,11 @@ void dispatch(const Context& ctx, const DispatchArgs& args, cudaStream_t stream)
 void combine(const Context& ctx, const CombineArgs& args, cudaStream_t stream) {
     DEEP_EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "num_topk must be <= ", kMaxTopk, ", got ",
                       args.num_topk);
-    // Shared memory: the send phase's row prefix [L + 1] and block begins [L][R] (int32), then (receive, BF16 rows) as
-    // many staged rows of 2H bytes as fit, at most top-k; a token with more valid entries than slots is reduced from
-    // global memory.
+    // Shared memory: the send phase's row prefix [L + 1], then (receive, BF16 rows) as many staged rows of 2H bytes
+    // as fit, at most top-k; a token with more valid entries than slots is reduced from global memory.
     CombineArgs a = args;
     const int64_t row_bytes = int64_t(ctx.layout.hidden) * 2;
-    const int64_t L = ctx.layout.num_local;
-    a.stage_offset = static_cast<int>(((L + 1 + L * ctx.num_ranks) * 4 + 127) / 128 * 128);
+    a.stage_offset = static_cast<int>((int64_t(ctx.layout.num_local + 1) * 4 + 127) / 128 * 128);
     DEEP_EP_CHECK_ARG(a.stage_offset <= kMaxCombineSmem, "the low-latency combine needs ", a.stage_offset,
                       " bytes of shared memory (num_experts / num_ranks too large)");
     const bool stage = (a.phases & kPhaseRecv) && !a.use_logfmt && std::getenv("DEEP_EP_LL_NO_STAGE") == nullptr;
