@@ -849,11 +849,6 @@ struct CombineShared {
     uint64_t stage_bar;
 };
 
-// A combine row is sent in parts of kCombinePart16 16-byte chunks (32 lanes x 7 loads in flight); the token owner's
-// arrival word (token, sender) counts parts: every row adds combine_parts(H).
-constexpr int kCombinePart16 = 32 * 7;
-__device__ __forceinline__ int combine_parts(int hidden) { return (hidden / 8 + kCombinePart16 - 1) / kCombinePart16; }
-
 // Rows a rank sends to itself are not copied in a fused combine (both phases in one launch, so `x` is read while
 // the kernel runs): the sender writes the row's packed index into the (expert, token) word of the LogFMT flag area
 // (unused without LogFMT) and the reducer reads the row in place. Zero-copy slots qualify when 16-byte aligned.
@@ -907,15 +902,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
         // In a fused launch warp 0 does not send: it starts on the receive at once (routing, own rows' copies).
         constexpr int kFirstSender = (kPhases & kPhaseRecv) ? 1 : 0;
         constexpr int kSenders = kWarps - kFirstSender;
-        // A copied row goes out in parts of kCombinePart16 16-byte chunks, one part per warp unit (so every sender
-        // warp has bytes in flight, not one warp per row), each part followed by its own arrival; rows sent whole
-        // (own rows read in place, LogFMT, zero-copy puts) add all the row's parts at once.
-        const int n16 = H / 8;
-        const int parts = combine_parts(H);
-        const bool slot16 = lay.cmsg % 16 == 0;
         const int sw = warp - kFirstSender;
-        for (int unit = sw * nb + b; sw >= 0 && unit < total * parts; unit += nb * kSenders) {
-            const int g = unit / parts, part = unit % parts;
+        for (int g = sw * nb + b; sw >= 0 && g < total; g += nb * kSenders) {
             int lo = 0, hi = L;  // last j with rowpre[j] <= g
             while (hi - lo > 1) {
                 const int mid = (lo + hi) / 2;
@@ -929,19 +917,15 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             }
             const int s = slo;
             if (is_masked(ctx, s)) continue;
-            const bool p2p = ctx.peers[s] != nullptr;
-            const bool own = s == me && in_place;
-            const bool whole = own || a.use_logfmt || (a.zero_copy && !p2p);
-            if (whole && part > 0) continue;
             const int t = a.src_info[int64_t(j) * RT + i];
             const int e = me * L + j;
             char* send_slot = my_half + lay.csend_off + (int64_t(j) * RT + i) * lay.cmsg;
             const uint16_t* src = a.zero_copy ? reinterpret_cast<const uint16_t*>(send_slot)
                                               : static_cast<const uint16_t*>(a.x) + (int64_t(j) * RT + i) * H;
+            const bool p2p = ctx.peers[s] != nullptr;
             const int64_t dst_off = lay.crecv_off + (int64_t(e) * T + t) * row_bytes;
             char* dst = p2p ? half_base(ctx, ctx.peers[s], h) + dst_off : send_slot;
-            const int c0 = part * kCombinePart16, c1 = min(n16, c0 + kCombinePart16);
-            if (own) {
+            if (s == me && in_place) {
                 if (lane == 0) *reinterpret_cast<int*>(my_half + combine_flag_off(lay, e, t)) = j * RT + i;
             } else if (a.use_logfmt) {
                 const uint32_t flags = logfmt_encode_row(src, dst, H, lane);
@@ -955,38 +939,39 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                         nvshmem_fence();
                     }
                 }
-            } else if (!whole) {
+            } else if (!(a.zero_copy && !p2p)) {
+                const int n16 = H / 8;
+                const bool slot16 = lay.cmsg % 16 == 0;
                 const bool src16 = !a.zero_copy || slot16, dst16 = p2p || slot16;
-                constexpr int kUnroll = kCombinePart16 / 32;
-                int4 v[kUnroll];
+                constexpr int kUnroll = 7;
+                for (int base = 0; base < n16; base += 32 * kUnroll) {
+                    int4 v[kUnroll];
 #pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int c = c0 + u * 32 + lane;
-                    const int4* from = reinterpret_cast<const int4*>(src) + c;
-                    if (c < c1) v[u] = src16 ? ld_nc_int4(from) : ld_nc_int4_words(from);
-                }
+                    for (int u = 0; u < kUnroll; ++u) {
+                        const int c = base + u * 32 + lane;
+                        const int4* from = reinterpret_cast<const int4*>(src) + c;
+                        if (c < n16) v[u] = src16 ? ld_nc_int4(from) : ld_nc_int4_words(from);
+                    }
 #pragma unroll
-                for (int u = 0; u < kUnroll; ++u) {
-                    const int c = c0 + u * 32 + lane;
-                    int4* to = reinterpret_cast<int4*>(dst) + c;
-                    if (c < c1) {
-                        if (dst16) st_na_int4(to, v[u]);
-                        else st_int4_words(to, v[u]);
+                    for (int u = 0; u < kUnroll; ++u) {
+                        const int c = base + u * 32 + lane;
+                        int4* to = reinterpret_cast<int4*>(dst) + c;
+                        if (c < n16) {
+                            if (dst16) st_na_int4(to, v[u]);
+                            else st_int4_words(to, v[u]);
+                        }
                     }
                 }
             }
             __syncwarp();
-            const uint64_t added = whole ? uint64_t(parts) : 1;
             const int64_t arrive_off = lay.half_start(h) + combine_arrive_off(lay, t, me);  // (t, sender) at s
             if (p2p) {
                 auto* arrive = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[s]) + arrive_off);
-                if (lane == 0) red_add_release_sys_u64(arrive, added);
+                if (lane == 0) red_add_release_sys_u64(arrive, 1);
             } else {
-                // The part staged in the send slot (or, for a whole row, the row) goes with its arrival.
-                const int64_t off = whole ? 0 : int64_t(c0) * 16, bytes = whole ? row_bytes : int64_t(c1 - c0) * 16;
-                nvshmemx_putmem_signal_nbi_warp(my_half + dst_off + off, send_slot + off, bytes,
+                nvshmemx_putmem_signal_nbi_warp(my_half + dst_off, send_slot, row_bytes,
                                                 reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + arrive_off),
-                                                added, NVSHMEM_SIGNAL_ADD, s);
+                                                1, NVSHMEM_SIGNAL_ADD, s);
             }
         }
         trace.mark_last_of(sh.senders_done, kSenders, sw >= 0, lane);  // rows sent (last sender warp of the CTA)
@@ -1033,7 +1018,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                 WaitResult res = kWaitOk;
                 // The wait is the only divergent part: every lane meets the others at the __syncwarp below.
                 if (mine && leader == lane) {
-                    const uint64_t expected = uint64_t(__popc(same)) * combine_parts(H);
+                    const uint64_t expected = __popc(same);
                     uint64_t* word = reinterpret_cast<uint64_t*>(my_half + combine_arrive_off(lay, t, owner));
                     uint64_t seen = 0, elapsed = 0;
                     res = wait_word(ctx, word, [expected](uint64_t v) { return v >= expected; }, &seen, &elapsed,
