@@ -8,6 +8,8 @@ hosts enqueue the next calls meanwhile) and the L2 is flushed, so a kernel's tim
 * kernel time: mean duration of ``ll_dispatch_kernel`` / ``ll_combine_kernel`` in a torch-profiler trace (DeepEP's
   ``bench_kineto``); with ``return_recv_hook`` the send launch (template argument 1) and the receive launch (2) are
   reported separately;
+* kernel time by DeepEP's own method (``bench_kineto(..., barrier_comm_profiling=True)``: per profiled step an
+  8192^2 fp32 matmul and a barrier, then 30 dispatch + combine pairs back to back, no L2 flush), fused and with hooks;
 * wall time: median of CUDA-event intervals around each call (launch included), once with a barrier and an L2
   flush before every iteration, once back to back (calls enqueued one after another);
 * bytes (DeepEP's count): ``sum_t (#valid k) * (H + H/128*4 + 16)`` for FP8 dispatch and ``sum_t (#valid k) * 2H``
@@ -156,8 +158,37 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
                                           "dispatch_recv": "ll_dispatch_kernel<2>",
                                           "combine_send": "ll_combine_kernel<1>",
                                           "combine_recv": "ll_combine_kernel<2>"})
+            # DeepEP's own method (bench_kineto with barrier_comm_profiling, tests_and_perf.md §4.3): per profiled
+            # step an 8192^2 fp32 matmul and a GPU barrier line the ranks up, then 30 dispatch + combine pairs run
+            # back to back with no flush; the kernels' mean duration. Once more with hooks (a matmul before each
+            # hook) for the send / receive phases.
+            lhs = torch.randn(8192, 8192, device="cuda")
+
+            def deepep_step(hook: bool) -> None:
+                lhs @ lhs
+                ll.runtime.barrier(torch.cuda.current_stream().cuda_stream)
+                for _ in range(30):
+                    d = dispatch(hook=hook)
+                    if hook:
+                        big @ big
+                        d.hook()
+                    c = combine(hook=hook)
+                    if hook:
+                        big @ big
+                        c.hook()
+                torch.cuda.synchronize()
+
+            deepep = {}
+            for hook, names in ((False, {"dispatch": "ll_dispatch_kernel<3>", "combine": "ll_combine_kernel<3>"}),
+                                (True, {"dispatch_send": "ll_dispatch_kernel<1>", "dispatch_recv": "ll_dispatch_kernel<2>",
+                                        "combine_send": "ll_combine_kernel<1>", "combine_recv": "ll_combine_kernel<2>"})):
+                deepep_step(hook)  # DeepEP's profiler schedule records the second of two steps
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
+                    deepep_step(hook)
+                deepep.update(kernel_times(trace, names))
+            del lhs
             point = {"tokens": tokens, "dispatch_bytes": dispatch_bytes, "combine_bytes": combine_bytes,
-                     "kernel_s": fused, "phases_s": phases,
+                     "kernel_s": fused, "phases_s": phases, "deepep_method_s": deepep,
                      "wall_s": {k: statistics.median(v) for k, v in wall.items()},
                      "wall_back_to_back_s": {k: statistics.median(v) for k, v in piped.items()},
                      "dispatch_GBps": dispatch_bytes / fused["dispatch"] / 1e9,
@@ -220,12 +251,20 @@ def main() -> None:
                "wall_combine_us": avg(lambda r: r["wall_s"]["combine"]) * 1e6,
                "wall_b2b_dispatch_us": avg(lambda r: r["wall_back_to_back_s"]["dispatch"]) * 1e6,
                "wall_b2b_combine_us": avg(lambda r: r["wall_back_to_back_s"]["combine"]) * 1e6,
-               **{f"{k}_us": avg(lambda r, k=k: r["phases_s"][k]) * 1e6 for k in point["phases_s"]}}
+               **{f"{k}_us": avg(lambda r, k=k: r["phases_s"][k]) * 1e6 for k in point["phases_s"]},
+               **{f"deepep_{k}_us": avg(lambda r, k=k: r["deepep_method_s"][k]) * 1e6
+                  for k in point["deepep_method_s"]}}
         summary.append(row)
         print(f"{row['tokens']:>5} {row['dispatch_us']:>8.1f} {row['combine_us']:>8.1f} {row['dispatch_GBps']:>9.1f} "
               f"{row['combine_GBps']:>9.1f} {row['wall_dispatch_us']:>7.1f} {row['wall_combine_us']:>7.1f} "
               f"{row['dispatch_send_us']:>7.1f} {row['dispatch_recv_us']:>7.1f} {row['combine_send_us']:>7.1f} "
               f"{row['combine_recv_us']:>7.1f}")
+    print(f"DeepEP's method (matmul + barrier, then 30 pairs back to back, no flush), rank-averaged kernel us:")
+    print(f"{'T':>5} {'disp us':>8} {'comb us':>8} {'d send':>7} {'d recv':>7} {'c send':>7} {'c recv':>7}")
+    for row in summary:
+        print(f"{row['tokens']:>5} {row['deepep_dispatch_us']:>8.1f} {row['deepep_combine_us']:>8.1f} "
+              f"{row['deepep_dispatch_send_us']:>7.1f} {row['deepep_dispatch_recv_us']:>7.1f} "
+              f"{row['deepep_combine_send_us']:>7.1f} {row['deepep_combine_recv_us']:>7.1f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({

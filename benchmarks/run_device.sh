@@ -111,7 +111,7 @@ for step in "$@"; do
     bench_ll)
         run_step bench_ll 120 python3 benchmarks/bench_low_latency.py --tokens "${LL_TOKENS:-1,2,4,8,16,32,64,128,256}" \
             --warmups 10 --iters 20 --json "$OUT/ll.json"
-        grep -vE "^LLTRACE|UserWarning|_warn_once" "$OUT/bench_ll.log" | tail -n 14 >> "$S"
+        grep -vE "^LLTRACE|UserWarning|_warn_once" "$OUT/bench_ll.log" | tail -n 26 >> "$S"
         grep -q LLTRACE "$OUT/bench_ll.log" && python3 tools/ll_trace.py "$OUT/bench_ll.log" >> "$S" ;;
     bench_internode)
         run_step bench_internode 100 python3 benchmarks/bench_internode.py --json "$OUT/inter.json"

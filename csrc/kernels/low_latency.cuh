@@ -63,6 +63,8 @@ struct Layout {
     int64_t dmsg;            // dispatch message: header (16 B aligned) + max(2H, H + 4 H/128)
     int64_t header_bytes;    // int32 [1 + kMaxTopk]: source token, then per k (expert << 16 | row) or -1
     int64_t half_offset[2];  // start of each half
+    // Selects without indexing: a kernel-parameter array indexed at run time is copied to local memory first.
+    __host__ __device__ int64_t half_start(int h) const { return h != 0 ? half_offset[1] : half_offset[0]; }
     int64_t count_off, darrive_off, carrive_off, data_off;  // relative to a half
     int64_t csend_off, crecv_off, drecv_off, dstage_off;  // relative to a half
     int64_t total_bytes;
@@ -124,6 +126,7 @@ struct CombineArgs {
     void* out;                // [N, H] BF16
     int64_t* wait_stats;      // [R] or nullptr
     int half, phases;
+    int stage_slots, stage_offset;  // set by combine(): rows staged in shared memory, and where the stage starts
 };
 
 constexpr int kPhaseSend = 1;

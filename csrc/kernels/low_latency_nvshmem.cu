@@ -47,11 +47,18 @@ constexpr int64_t kWsBarrierBase = 8;
 constexpr int64_t kWsEpochs = 256;        // u32 [kMaxBlocks][2]
 constexpr int64_t kWsBases = 2048;        // u64 [kMaxBlocks][2][R]
 constexpr int kHeaderInts = 1 + kMaxTopk;
+// Debug builds' section trace (SectionTrace): a slot per (kernel, phases) after the bases.
+constexpr int kTraceSections = 8;
+constexpr int kTraceWords = 2 * (1 + kTraceSections) + 1;
+constexpr int kTraceSlots = 2 * 4;
+__host__ __device__ inline int64_t trace_offset(int num_ranks) {
+    return kWsBases + int64_t(kMaxBlocks) * 2 * num_ranks * 8;
+}
 
 int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 }  // namespace
 
-int64_t workspace_bytes(int num_ranks) { return kWsBases + int64_t(kMaxBlocks) * 2 * num_ranks * 8; }
+int64_t workspace_bytes(int num_ranks) { return trace_offset(num_ranks) + kTraceSlots * kTraceWords * 8; }
 
 Layout make_layout(int num_ranks, int num_tokens_max, int hidden, int num_experts, int64_t num_rdma_bytes) {
     DEEP_EP_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks must be in [1, ", kMaxRanks, "], got ",
@@ -129,7 +136,7 @@ __device__ __forceinline__ void st_int4_words(int4* ptr, const int4& v) {
 }
 
 __device__ __forceinline__ char* half_base(const Context& ctx, void* base, int half) {
-    return static_cast<char*>(base) + ctx.layout.half_offset[half];
+    return static_cast<char*>(base) + ctx.layout.half_start(half);
 }
 
 __device__ __forceinline__ int64_t load_topk(const void* topk, int bytes, int64_t i) {
@@ -141,7 +148,7 @@ __device__ __forceinline__ bool is_masked(const Context& ctx, int r) {
 }
 
 // First failing thread of this rank fills the record (claim word in the workspace), then raises every peer's abort.
-static __device__ __noinline__ void report(const Context& ctx, int32_t code, int32_t kernel, int32_t phase,
+static __device__ __noinline__ void report(const Context ctx, int32_t code, int32_t kernel, int32_t phase,
                                            int32_t peer, int32_t channel, int64_t expected, int64_t observed,
                                            int64_t elapsed) {
     auto* claim = reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsClaim);
@@ -379,34 +386,64 @@ __device__ __forceinline__ void logfmt_decode_group(const char* row, uint32_t fl
 // The kernels have external linkage so that profilers show readable names (deep_ep::kernels::ll::ll_*_kernel<N>).
 
 // ---------------------------------------------------------------------------------------------------------------
-// Section trace (debug builds, DEEP_EP_DEBUG_BUILD=1): thread 0 of the first and the last CTA stamps clock64 at the
-// section ends of a launch and prints one line at exit: "LLTRACE <kernel> p<phases> r<rank> b<cta> g<globaltimer at
-// entry> <cycles from entry to each stamp>" (tools/ll_trace.py summarises a log of them).
+// Section trace (debug builds, DEEP_EP_DEBUG_BUILD=1): thread 0 of every CTA stamps %globaltimer at its entry and at
+// each section end; per launch the earliest and the latest of each stamp over all CTAs are gathered with atomics in
+// the workspace's trace slot of (kernel, phases) (minima stored complemented, so the zeroed slot is neutral), and the
+// last CTA to finish prints one line and clears the slot: "LLTRACE <kernel> p<phases> r<rank> n<CTAs> <latest entry>
+// <earliest end> <latest end> per section", in ns from the earliest entry (tools/ll_trace.py summarises them).
 // ---------------------------------------------------------------------------------------------------------------
 #ifdef DEEP_EP_DEBUG
 struct SectionTrace {
-    long long start = 0, stamp[8] = {};
-    unsigned long long entry_ns = 0;
+    uint64_t* slot;  // [kTraceWords]: (~earliest, latest) for the entry and each section, then finished CTAs
     int n = 0;
-    __device__ void begin() {
-        if (threadIdx.x == 0) {
-            start = clock64();
-            entry_ns = global_timer_ns();
-        }
+    __device__ SectionTrace(const Context& ctx, int kernel, int phases)
+        : slot(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.workspace) + trace_offset(ctx.num_ranks)) +
+               (kernel * 4 + phases) * kTraceWords) {}
+    __device__ void stamp(int i) const {
+        const uint64_t now = global_timer_ns();
+        atomicMax(reinterpret_cast<unsigned long long*>(slot + 2 * i), ~now);
+        atomicMax(reinterpret_cast<unsigned long long*>(slot + 2 * i + 1), now);
     }
-    __device__ void mark() {
-        if (threadIdx.x == 0 && n < 8) stamp[n++] = clock64() - start;
+    __device__ void begin() const {
+        if (threadIdx.x == 0) stamp(0);
+    }
+    __device__ void mark() {  // every thread counts the sections; thread 0 stamps
+        if (n < kTraceSections && ++n && threadIdx.x == 0) stamp(n);
+    }
+    // The next section ends when the last of `parties` warps gets here (those with `party`) and stamps it.
+    __device__ void mark_last_of(int& counter, int parties, bool party, int lane) {
+        if (n >= kTraceSections) return;
+        ++n;
+        if (party && lane == 0 && atomicAdd(&counter, 1) == parties - 1) stamp(n);
     }
     __device__ void print(const char* kernel, int phases, int rank) const {
-        if (threadIdx.x != 0 || (blockIdx.x != 0 && blockIdx.x != gridDim.x - 1)) return;
-        printf("LLTRACE %s p%d r%d b%d g%llu %lld %lld %lld %lld %lld %lld %lld %lld\n", kernel, phases, rank,
-               blockIdx.x, entry_ns, stamp[0], stamp[1], stamp[2], stamp[3], stamp[4], stamp[5], stamp[6], stamp[7]);
+        if (threadIdx.x != 0) return;
+        __threadfence();
+        auto* done = reinterpret_cast<unsigned long long*>(slot + kTraceWords - 1);
+        if (atomicAdd(done, 1ull) != gridDim.x - 1) return;
+        __threadfence();
+        volatile uint64_t* v = slot;
+        const uint64_t t0 = ~v[0];
+        long long rel[2 * kTraceSections + 1];
+        rel[0] = static_cast<long long>(v[1] - t0);
+        for (int i = 1; i <= kTraceSections; ++i) {
+            const bool used = v[2 * i + 1] != 0;
+            rel[2 * i - 1] = used ? static_cast<long long>(~v[2 * i] - t0) : -1;
+            rel[2 * i] = used ? static_cast<long long>(v[2 * i + 1] - t0) : -1;
+        }
+        printf("LLTRACE %s p%d r%d n%d %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld "
+               "%lld %lld\n", kernel, phases, rank, gridDim.x, rel[0], rel[1], rel[2], rel[3], rel[4], rel[5], rel[6],
+               rel[7], rel[8], rel[9], rel[10], rel[11], rel[12], rel[13], rel[14], rel[15], rel[16]);
+        for (int i = 0; i < kTraceWords; ++i) v[i] = 0;
+        __threadfence();
     }
 };
 #else
 struct SectionTrace {
-    __device__ void begin() {}
+    __device__ SectionTrace(const Context&, int, int) {}
+    __device__ void begin() const {}
     __device__ void mark() {}
+    __device__ void mark_last_of(int&, int, bool, int) {}
     __device__ void print(const char*, int, int) const {}
 };
 #endif
@@ -442,7 +479,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
     uint64_t* bases = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.workspace) + kWsBases) + (int64_t(b) * 2 + h) * R;
     const int64_t payload_bytes = a.use_fp8 ? H + S * 4 : int64_t(H) * 2;
     const int64_t msg_bytes = lay.header_bytes + payload_bytes;
-    SectionTrace trace;
+    SectionTrace trace(ctx, 0, kPhases);
     trace.begin();
     if (tid == 0) {
         sh.epoch = (kPhases & kPhaseSend) ? *epoch_ptr + 1 : *epoch_ptr;
@@ -499,7 +536,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             for (int j = tid; j <= L; j += kThreads) {
                 const uint32_t v = j < L ? tot_e[d * L + j] : tot_r[d];
                 const uint64_t word = (uint64_t(epoch) << 32) | v;
-                const int64_t off = lay.half_offset[h] + lay.count_off + (int64_t(me) * (L + 1) + j) * 8;
+                const int64_t off = lay.half_start(h) + lay.count_off + (int64_t(me) * (L + 1) + j) * 8;
                 if (ctx.peers[d] != nullptr) {
                     st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[d]) + off), word);
                 } else {
@@ -629,7 +666,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
         }
         for (int d = tid; d < R; d += kThreads)
             if (sent[d] > 0 && ctx.peers[d] != nullptr)
-                signal_add(ctx, d, lay.half_offset[h] + lay.darrive_off + int64_t(me) * 8, sent[d]);
+                signal_add(ctx, d, lay.half_start(h) + lay.darrive_off + int64_t(me) * 8, sent[d]);
         __syncthreads();
         trace.mark();  // 4: signalled
     }
@@ -802,10 +839,14 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
 
 struct CombineShared {
     int ok;
-    int num;                   // valid, unmasked top-k entries of the current token
-    int64_t expert[kMaxTopk];  // their experts, ascending k
+    int num;                   // valid top-k entries of the current token (slots, ascending k)
+    int64_t expert[kMaxTopk];  // their experts
     float weight[kMaxTopk];
-    const char* row[kMaxTopk];  // where each expert's row is read (receive slot, or in place for own rows)
+    const char* row[kMaxTopk];  // where each expert's row is read (receive slot, or in place for own rows);
+                                // nullptr: its owner was masked
+    int staged;                 // the rows are staged in shared memory (stage_bar's current phase)
+    int senders_done;           // sender warps of this CTA done (debug trace)
+    uint64_t stage_bar;
 };
 
 // Rows a rank sends to itself are not copied in a fused combine (both phases in one launch, so `x` is read while
@@ -828,7 +869,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
     char* my_half = half_base(ctx, ctx.sym, h);
     const int64_t row_bytes = int64_t(H) * 2;
     const bool in_place = own_rows_in_place(kPhases, lay, a);
-    SectionTrace trace;
+    SectionTrace trace(ctx, 1, kPhases);
     trace.begin();
 
     if (kPhases & kPhaseSend) {
@@ -851,10 +892,18 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             }
             if (lane == 0) rowpre[L] = carry;
         }
+        if (tid == 0) {
+            sh.senders_done = 0;
+            if ((kPhases & kPhaseRecv) && a.stage_slots > 0) mbar_init(&sh.stage_bar, 1);
+        }
         __syncthreads();
         trace.mark();  // row prefix
         const int total = rowpre[L];
-        for (int g = warp * nb + b; g < total; g += nb * kWarps) {
+        // In a fused launch warp 0 does not send: it starts on the receive at once (routing, own rows' copies).
+        constexpr int kFirstSender = (kPhases & kPhaseRecv) ? 1 : 0;
+        constexpr int kSenders = kWarps - kFirstSender;
+        const int sw = warp - kFirstSender;
+        for (int g = sw * nb + b; sw >= 0 && g < total; g += nb * kSenders) {
             int lo = 0, hi = L;  // last j with rowpre[j] <= g
             while (hi - lo > 1) {
                 const int mid = (lo + hi) / 2;
@@ -915,7 +964,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                 }
             }
             __syncwarp();
-            const int64_t arrive_off = lay.half_offset[h] + combine_arrive_off(lay, t, me);  // (t, sender) at s
+            const int64_t arrive_off = lay.half_start(h) + combine_arrive_off(lay, t, me);  // (t, sender) at s
             if (p2p) {
                 auto* arrive = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[s]) + arrive_off);
                 if (lane == 0) red_add_release_sys_u64(arrive, 1);
@@ -925,21 +974,29 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                                                 1, NVSHMEM_SIGNAL_ADD, s);
             }
         }
-#ifdef DEEP_EP_DEBUG
-        __syncthreads();
-        trace.mark();  // rows sent
-#endif
+        trace.mark_last_of(sh.senders_done, kSenders, sw >= 0, lane);  // rows sent (last sender warp of the CTA)
     }
 
     if (!(kPhases & kPhaseRecv)) {
         trace.print("combine", kPhases, me);
         return;
     }
-    const int groups = H / 16;
+    // Staging: with a.stage_slots > 0 each row of the token is brought into shared memory by a bulk copy issued as
+    // soon as the row is known to be complete (own rows read in place: at once, their index words are written
+    // before the own arrival; other rows: when their owner's arrival word says so), so own rows load while the
+    // peers' rows are still in flight and the reduction after the last arrival reads shared memory only.
+    char* stage = reinterpret_cast<char*>(dyn_smem4) + a.stage_offset;
+    uint32_t stage_parity = 0;
+    if (!(kPhases & kPhaseSend)) {
+        if (tid == 0 && a.stage_slots > 0) mbar_init(&sh.stage_bar, 1);
+        __syncthreads();
+    }
+    const int n16 = H / 8;  // 16-byte chunks of a row
     for (int t = b; t < N; t += nb) {
-        // Warp 0 reads the token's routing (lane k: entry k). One arrival word per (token, expert owner): the first
-        // lane of each distinct owner waits for that owner's rows, all owners in parallel lanes, so a missing owner
-        // is known by name. Then every lane finds where its row is read.
+        // Warp 0 reads the token's routing (lane k: entry k); slot = rank of k among the valid entries (ascending
+        // k). One arrival word per (token, expert owner): the first lane of each distinct owner waits for that
+        // owner's rows, all owners in parallel lanes, so a missing owner is known by name. Own rows read in place
+        // are waited for first (pass 0), the peers' rows after (pass 1).
         if (warp == 0) {
             int64_t e = -1;
             if (lane < K) e = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + lane);
@@ -948,98 +1005,152 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             const int owner = valid ? int(e) / L : -1 - lane;
             const unsigned same = __match_any_sync(0xffffffffu, owner);
             const int leader = __ffs(same) - 1;
-            WaitResult res = kWaitOk;
+            const unsigned valid_mask = __ballot_sync(0xffffffffu, valid);
+            const int slot = __popc(valid_mask & ((1u << lane) - 1));
+            const int num = __popc(valid_mask);
+            const bool staged = a.stage_slots > 0 && num <= a.stage_slots;
+            const bool own_in_place = in_place && owner == me;
             int ok = 1;
-            // The wait is the only divergent part: every lane meets the others at the __syncwarp below, and the
-            // whole warp reaches the CTA's __syncthreads after it (no lane is left waiting behind a barrier).
-            if (valid && leader == lane) {
-                const uint64_t expected = __popc(same);
-                uint64_t* word = reinterpret_cast<uint64_t*>(my_half + combine_arrive_off(lay, t, owner));
-                uint64_t seen = 0, elapsed = 0;
-                res = wait_word(ctx, word, [expected](uint64_t v) { return v >= expected; }, &seen, &elapsed,
-                                ctx.mask != nullptr ? owner : -1);
-                if (res == kWaitOk) {
-                    // Consume this call's arrivals: the word returns to what later calls' senders add.
-                    atomicAdd(reinterpret_cast<unsigned long long*>(word),
-                              static_cast<unsigned long long>(-int64_t(expected)));
-                    if (a.wait_stats != nullptr)
-                        atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + owner), elapsed);
-                } else if (res != kWaitMasked) {
-                    // Shrink: a timeout masks the owner and the token goes on without its experts (true).
-                    ok = on_wait_failure(ctx, res, kKernelLlCombine, kPhaseLlCombineWaitToken, owner, t,
-                                         int64_t(expected), seen, elapsed);
+            uint32_t copied = 0;
+            const char* row = nullptr;
+            for (int pass = 0; pass < 2; ++pass) {
+                const bool mine = valid && own_in_place == (pass == 0);
+                WaitResult res = kWaitOk;
+                // The wait is the only divergent part: every lane meets the others at the __syncwarp below.
+                if (mine && leader == lane) {
+                    const uint64_t expected = __popc(same);
+                    uint64_t* word = reinterpret_cast<uint64_t*>(my_half + combine_arrive_off(lay, t, owner));
+                    uint64_t seen = 0, elapsed = 0;
+                    res = wait_word(ctx, word, [expected](uint64_t v) { return v >= expected; }, &seen, &elapsed,
+                                    ctx.mask != nullptr ? owner : -1);
+                    if (res == kWaitOk) {
+                        // Consume this call's arrivals: the word returns to what later calls' senders add.
+                        atomicAdd(reinterpret_cast<unsigned long long*>(word),
+                                  static_cast<unsigned long long>(-int64_t(expected)));
+                        if (a.wait_stats != nullptr)
+                            atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + owner), elapsed);
+                    } else if (res != kWaitMasked) {
+                        // Shrink: a timeout masks the owner and the token goes on without its experts (true).
+                        ok = on_wait_failure(ctx, res, kKernelLlCombine, kPhaseLlCombineWaitToken, owner, t,
+                                             int64_t(expected), seen, elapsed);
+                    }
+                }
+                __syncwarp();  // each leader's acquire orders its owner's lanes' reads below
+                // Every lane takes part in the full-mask shuffle (a short-circuited `valid && __shfl_sync(...)`
+                // left the invalid lanes out and deadlocked the warp).
+                const int leader_res = __shfl_sync(0xffffffffu, int(res), leader);
+                if (mine && leader_res == kWaitOk) {
+                    if (own_in_place) {
+                        const int64_t idx =
+                            ld_ring_int(reinterpret_cast<const int*>(my_half + combine_flag_off(lay, e, t)));
+                        row = a.zero_copy ? my_half + lay.csend_off + idx * lay.cmsg
+                                          : static_cast<const char*>(a.x) + idx * row_bytes;
+                    } else {
+                        row = my_half + lay.crecv_off + (e * T + t) * row_bytes;
+                    }
+                    if (staged) {
+                        fence_proxy_async_global();
+                        bulk_load_to_smem(stage + slot * row_bytes, row, uint32_t(row_bytes), &sh.stage_bar);
+                        copied = uint32_t(row_bytes);
+                    }
                 }
             }
-            __syncwarp();  // each leader's acquire orders its owner's lanes' reads of the own rows' index words
             ok = __all_sync(0xffffffffu, ok);
-            // Every lane must take part in the full-mask shuffle (a short-circuited `valid && __shfl_sync(...)` left
-            // the invalid lanes out and deadlocked the warp).
-            const int leader_res = __shfl_sync(0xffffffffu, int(res), leader);
-            const bool in = valid && leader_res == kWaitOk;
-            const unsigned in_mask = __ballot_sync(0xffffffffu, in);
-            const int pos = __popc(in_mask & ((1u << lane) - 1));
-            if (in && ok) {
-                sh.expert[pos] = e;
-                sh.weight[pos] = w;
-                if (in_place && owner == me) {
-                    const int64_t idx =
-                        ld_ring_int(reinterpret_cast<const int*>(my_half + combine_flag_off(lay, e, t)));
-                    sh.row[pos] = a.zero_copy ? my_half + lay.csend_off + idx * lay.cmsg
-                                              : static_cast<const char*>(a.x) + idx * row_bytes;
-                } else {
-                    sh.row[pos] = my_half + lay.crecv_off + (e * T + t) * row_bytes;
-                }
+            if (valid) {
+                sh.expert[slot] = e;
+                sh.weight[slot] = w;
+                sh.row[slot] = row;  // nullptr: the owner was masked, the entry is left out
             }
+            for (int m = 16; m >= 1; m >>= 1) copied += __shfl_xor_sync(0xffffffffu, copied, m);
             if (lane == 0) {
-                sh.num = __popc(in_mask);
+                sh.num = num;
                 sh.ok = ok;
+                sh.staged = staged;
+                if (staged) mbar_arrive_expect_tx(&sh.stage_bar, copied);
             }
         }
         __syncthreads();
-        if (!sh.ok) break;
-        for (int gc = tid; gc < groups; gc += kThreads) {
-            float acc[16];
-            for (int v = 0; v < 16; ++v) acc[v] = 0.0f;
-            if (a.use_logfmt) {
-                for (int k = 0; k < sh.num; ++k) {
-                    const int64_t e = sh.expert[k];
-                    float y[16];
-                    const uint32_t flags = static_cast<uint32_t>(
-                        ld_ring_int(reinterpret_cast<const int*>(my_half + combine_flag_off(lay, e, t))));
-                    logfmt_decode_group(sh.row[k], flags, H, gc, y);
-                    for (int v = 0; v < 16; ++v) acc[v] = __fadd_rn(acc[v], __fmul_rn(sh.weight[k], y[v]));
-                }
-            } else {
-                // Four rows' loads in flight at once, then accumulated in ascending k.
-                constexpr int kBatch = 4;
-                for (int k0 = 0; k0 < sh.num; k0 += kBatch) {
-                    int4 raw[kBatch][2];
-#pragma unroll
-                    for (int q = 0; q < kBatch; ++q) {
-                        if (k0 + q < sh.num) {
-                            const int4* p = reinterpret_cast<const int4*>(sh.row[k0 + q]) + gc * 2;
-                            raw[q][0] = ld_ring_int4(p);
-                            raw[q][1] = ld_ring_int4(p + 1);
-                        }
-                    }
-#pragma unroll
-                    for (int q = 0; q < kBatch; ++q) {
-                        if (k0 + q < sh.num) {
-                            const float w = sh.weight[k0 + q];
-                            const uint16_t* hv = reinterpret_cast<const uint16_t*>(raw[q]);
-                            for (int v = 0; v < 16; ++v) acc[v] = __fadd_rn(acc[v], __fmul_rn(w, bf16_to_float(hv[v])));
-                        }
-                    }
+        bool stage_failed = false;
+        if (sh.staged) {
+            // Bulk copies always complete (no peer is involved any more); bounded all the same.
+            const uint64_t start = global_timer_ns();
+            for (uint32_t spins = 0; !mbar_try_wait(&sh.stage_bar, stage_parity); ++spins) {
+                if ((spins & 1023) == 1023 && global_timer_ns() - start > ctx.timeout_ns) {
+                    if (tid == 0)
+                        report(ctx, kErrorTimeout, kKernelLlCombine, kPhaseLlCombineWaitToken, me, t, 0, 0,
+                               int64_t(global_timer_ns() - start));
+                    stage_failed = true;
+                    break;
                 }
             }
-            int4 o[2];
-            uint16_t* ov = reinterpret_cast<uint16_t*>(o);
-            for (int v = 0; v < 16; ++v) ov[v] = float_to_bf16(acc[v]);
-            int4* out = reinterpret_cast<int4*>(static_cast<char*>(a.out) + int64_t(t) * row_bytes) + gc * 2;
-            out[0] = o[0];
-            out[1] = o[1];
+            stage_parity ^= 1;
         }
-        __syncthreads();
+        if (__syncthreads_or(stage_failed) || !sh.ok) break;
+        if (t == b) trace.mark();  // first token's rows arrived
+        const int num = sh.num;
+        if (sh.staged) {
+            // Ascending k from shared memory: chunk c of every row, 8 channels per 16 bytes.
+            for (int c = tid; c < n16; c += kThreads) {
+                float acc[8];
+                for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
+                for (int k = 0; k < num; ++k) {
+                    if (sh.row[k] == nullptr) continue;
+                    const float w = sh.weight[k];
+                    const int4 raw = reinterpret_cast<const int4*>(stage + k * row_bytes)[c];
+                    const uint16_t* hv = reinterpret_cast<const uint16_t*>(&raw);
+                    for (int v = 0; v < 8; ++v) acc[v] = __fadd_rn(acc[v], __fmul_rn(w, bf16_to_float(hv[v])));
+                }
+                int4 o;
+                uint16_t* ov = reinterpret_cast<uint16_t*>(&o);
+                for (int v = 0; v < 8; ++v) ov[v] = float_to_bf16(acc[v]);
+                reinterpret_cast<int4*>(static_cast<char*>(a.out) + int64_t(t) * row_bytes)[c] = o;
+            }
+        } else {
+            for (int gc = tid; gc < H / 16; gc += kThreads) {
+                float acc[16];
+                for (int v = 0; v < 16; ++v) acc[v] = 0.0f;
+                if (a.use_logfmt) {
+                    for (int k = 0; k < num; ++k) {
+                        if (sh.row[k] == nullptr) continue;
+                        float y[16];
+                        const uint32_t flags = static_cast<uint32_t>(ld_ring_int(
+                            reinterpret_cast<const int*>(my_half + combine_flag_off(lay, sh.expert[k], t))));
+                        logfmt_decode_group(sh.row[k], flags, H, gc, y);
+                        for (int v = 0; v < 16; ++v) acc[v] = __fadd_rn(acc[v], __fmul_rn(sh.weight[k], y[v]));
+                    }
+                } else {
+                    // Four rows' loads in flight at once, then accumulated in ascending k.
+                    constexpr int kBatch = 4;
+                    for (int k0 = 0; k0 < num; k0 += kBatch) {
+                        int4 raw[kBatch][2];
+#pragma unroll
+                        for (int q = 0; q < kBatch; ++q) {
+                            if (k0 + q < num && sh.row[k0 + q] != nullptr) {
+                                const int4* p = reinterpret_cast<const int4*>(sh.row[k0 + q]) + gc * 2;
+                                raw[q][0] = ld_ring_int4(p);
+                                raw[q][1] = ld_ring_int4(p + 1);
+                            }
+                        }
+#pragma unroll
+                        for (int q = 0; q < kBatch; ++q) {
+                            if (k0 + q < num && sh.row[k0 + q] != nullptr) {
+                                const float w = sh.weight[k0 + q];
+                                const uint16_t* hv = reinterpret_cast<const uint16_t*>(raw[q]);
+                                for (int v = 0; v < 16; ++v)
+                                    acc[v] = __fadd_rn(acc[v], __fmul_rn(w, bf16_to_float(hv[v])));
+                            }
+                        }
+                    }
+                }
+                int4 o[2];
+                uint16_t* ov = reinterpret_cast<uint16_t*>(o);
+                for (int v = 0; v < 16; ++v) ov[v] = float_to_bf16(acc[v]);
+                int4* out = reinterpret_cast<int4*>(static_cast<char*>(a.out) + int64_t(t) * row_bytes) + gc * 2;
+                out[0] = o[0];
+                out[1] = o[1];
+            }
+        }
+        __syncthreads();  // the next token reuses the routing slots and the stage
         if (t == b) trace.mark();  // first token reduced
     }
     trace.mark();  // all tokens reduced
@@ -1083,7 +1194,7 @@ __global__ void ll_clean_kernel(Context ctx) {
         for (int64_t i = first; i < ctrl_words; i += stride) ctrl[i] = 0;
     }
     auto* ws = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.workspace) + kWsEpochs);
-    const int64_t ws_words = (kWsBases + int64_t(kMaxBlocks) * 2 * ctx.num_ranks * 8 - kWsEpochs) / 8;
+    const int64_t ws_words = (trace_offset(ctx.num_ranks) + kTraceSlots * kTraceWords * 8 - kWsEpochs) / 8;
     for (int64_t i = first; i < ws_words; i += stride) ws[i] = 0;
     if (first == 0) *reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset) = 0;
     if (first == 0) *reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsClaim) = 0;
@@ -1097,14 +1208,14 @@ int dispatch_smem(const Context& ctx) {
 }
 
 constexpr int kMaxDynamicSmem = 160 * 1024;
+// The combine kernels' ceiling: H100 / H200 allow 227 KB per CTA, static shared memory (< 1 KB here) included.
+constexpr int kMaxCombineSmem = 224 * 1024;
 
 // Cooperative launch: co-residency of every CTA is required, not a grid.sync() — in dispatch every CTA spins on the
 // count words that CTA (d mod nb) of each rank writes, its own grid's included, so a CTA left unscheduled would
 // stall the others (bounded, but a spurious timeout). The shared-memory ceiling is set once (configure_kernels).
 template <typename Kernel, typename... Args>
 void launch_cooperative(Kernel kernel, int blocks, int smem, cudaStream_t stream, Args... args) {
-    DEEP_EP_CHECK_ARG(smem <= kMaxDynamicSmem, "the low-latency kernels need ", smem,
-                      " bytes of shared memory (num_experts / num_ranks too large)");
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(blocks);
     cfg.blockDim = dim3(kThreads);
@@ -1129,8 +1240,9 @@ void configure_kernels() {
         reinterpret_cast<const void*>(&ll_combine_kernel<kPhaseRecv>),
         reinterpret_cast<const void*>(&ll_combine_kernel<kPhaseSend | kPhaseRecv>),
     };
-    for (const void* kernel : kernels)
-        DEEP_EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDynamicSmem));
+    for (int i = 0; i < 6; ++i)
+        DEEP_EP_CUDA_CHECK(cudaFuncSetAttribute(kernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                i < 3 ? kMaxDynamicSmem : kMaxCombineSmem));
 }
 
 void dispatch(const Context& ctx, const DispatchArgs& args, cudaStream_t stream) {
@@ -1144,6 +1256,8 @@ void dispatch(const Context& ctx, const DispatchArgs& args, cudaStream_t stream)
     DEEP_EP_CHECK_ARG(!args.use_ue8m0 || ctx.layout.hidden % 512 == 0,
                       "use_ue8m0 needs hidden to be a multiple of 512, got ", ctx.layout.hidden);
     const int smem = dispatch_smem(ctx);
+    DEEP_EP_CHECK_ARG(smem <= kMaxDynamicSmem, "the low-latency dispatch needs ", smem,
+                      " bytes of shared memory (num_experts too large)");
     switch (args.phases) {
         case kPhaseSend: launch_cooperative(ll_dispatch_kernel<kPhaseSend>, ctx.num_blocks, smem, stream, ctx, args); break;
         case kPhaseRecv: launch_cooperative(ll_dispatch_kernel<kPhaseRecv>, ctx.num_blocks, smem, stream, ctx, args); break;
@@ -1157,12 +1271,21 @@ void dispatch(const Context& ctx, const DispatchArgs& args, cudaStream_t stream)
 void combine(const Context& ctx, const CombineArgs& args, cudaStream_t stream) {
     DEEP_EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "num_topk must be <= ", kMaxTopk, ", got ",
                       args.num_topk);
-    const int smem = (ctx.layout.num_local + 1) * 4;
-    switch (args.phases) {
-        case kPhaseSend: launch_cooperative(ll_combine_kernel<kPhaseSend>, ctx.num_blocks, smem, stream, ctx, args); break;
-        case kPhaseRecv: launch_cooperative(ll_combine_kernel<kPhaseRecv>, ctx.num_blocks, smem, stream, ctx, args); break;
+    // Shared memory: the send phase's row prefix [L + 1], then (receive, BF16 rows) as many staged rows of 2H bytes
+    // as fit, at most top-k; a token with more valid entries than slots is reduced from global memory.
+    CombineArgs a = args;
+    const int64_t row_bytes = int64_t(ctx.layout.hidden) * 2;
+    a.stage_offset = static_cast<int>((int64_t(ctx.layout.num_local + 1) * 4 + 127) / 128 * 128);
+    DEEP_EP_CHECK_ARG(a.stage_offset <= kMaxCombineSmem, "the low-latency combine needs ", a.stage_offset,
+                      " bytes of shared memory (num_experts / num_ranks too large)");
+    const bool stage = (a.phases & kPhaseRecv) && !a.use_logfmt;
+    a.stage_slots = stage ? static_cast<int>(std::min<int64_t>(a.num_topk, (kMaxCombineSmem - a.stage_offset) / row_bytes)) : 0;
+    const int smem = static_cast<int>(a.stage_offset + a.stage_slots * row_bytes);
+    switch (a.phases) {
+        case kPhaseSend: launch_cooperative(ll_combine_kernel<kPhaseSend>, ctx.num_blocks, smem, stream, ctx, a); break;
+        case kPhaseRecv: launch_cooperative(ll_combine_kernel<kPhaseRecv>, ctx.num_blocks, smem, stream, ctx, a); break;
         case kPhaseSend | kPhaseRecv:
-            launch_cooperative(ll_combine_kernel<kPhaseSend | kPhaseRecv>, ctx.num_blocks, smem, stream, ctx, args);
+            launch_cooperative(ll_combine_kernel<kPhaseSend | kPhaseRecv>, ctx.num_blocks, smem, stream, ctx, a);
             break;
         default: DEEP_EP_CHECK_ARG(false, "phases must be 1, 2 or 3, got ", args.phases);
     }

@@ -500,6 +500,18 @@ def test_ll_two_ranks(pools, case):
     pools(2).run("round", case)
 
 
+@pytest.mark.parametrize("hook", [False, True])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.multi_gpu(2))])
+def test_ll_combine_staged_and_global_rows(pools, world, hook):
+    """H = 16384, top-16: the combine stages at most 7 rows of 32 KB in shared memory, so tokens with more valid
+    entries are reduced from global memory and the others from the stage, in the same launch; both bit-exact."""
+    case = Case(num_ranks=world, seed=5, num_tokens=(24,) * world, max_tokens=24, hidden=16384, num_topk=16,
+                num_experts=16 * world, mask_prob=0.5, use_fp8=False, round_scale=False, use_ue8m0=False, hook=hook,
+                async_finish=False, use_logfmt=False, zero_copy=False, dispatch_twice=False, with_out=False,
+                with_stats=True)
+    pools(world).run("round", case)
+
+
 @pytest.mark.parametrize("world", [pytest.param(4, marks=pytest.mark.multi_gpu(4)),
                                    pytest.param(8, marks=pytest.mark.multi_gpu(8))])
 @settings(max_examples=int(os.environ.get("LL_EXAMPLES", "25")), **NO_SHRINK)
