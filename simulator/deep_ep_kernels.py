@@ -598,7 +598,8 @@ def low_latency_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile
     stored by the send CTAs at ``ll_send_gbps`` per SM (the FP8 cast is part of it); the receiver expands each
     (token, expert) selection it holds into a row at ``ll_expand_gbps`` per SM. Combine: one BF16 row per selection
     back to the token's owner (a fused call skips the own rows, read in place), stored at ``sm_push_gbps`` per SM;
-    the owner reads every contribution of its tokens at ``ll_reduce_gbps`` per SM.
+    after the last arrival the owner reads the contributions at ``ll_reduce_gbps`` per SM: the peers' rows in a fused
+    call (its own rows are staged in shared memory while those travel), every row in the hook's receive launch.
     """
     num_ranks = spec.num_ranks
     selections = np.asarray([t.msgs_to_rank for t in traffic], dtype=float)  # [src, holder]
@@ -609,9 +610,9 @@ def low_latency_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile
         recv_sm_us = selections.sum(axis=0) * token_bytes(spec.hidden, dtype) * 1e-3 / prof.ll_expand_gbps
     else:
         sent = selections.T * (2 * spec.hidden)  # [holder, owner]
-        recv_sm_us = sent.sum(axis=0) * 1e-3 / prof.ll_reduce_gbps  # own rows included (read in place when fused)
         if not hook:
-            np.fill_diagonal(sent, 0.0)
+            np.fill_diagonal(sent, 0.0)  # own rows are read in place and staged while the peers' rows travel
+        recv_sm_us = sent.sum(axis=0) * 1e-3 / prof.ll_reduce_gbps  # the contributions read after the last arrival
         send_rate = prof.sm_push_gbps
     nvlink_peer = _nvlink_peers(spec) | nic.shares_nvlink  # virtual nodes: the "network" rides NVLink too
     np.fill_diagonal(nvlink_peer, False)
