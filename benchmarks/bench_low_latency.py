@@ -179,9 +179,10 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
                 torch.cuda.synchronize()
 
             deepep = {}
-            for hook, names in ((False, {"dispatch": "ll_dispatch_kernel<3>", "combine": "ll_combine_kernel<3>"}),
-                                (True, {"dispatch_send": "ll_dispatch_kernel<1>", "dispatch_recv": "ll_dispatch_kernel<2>",
-                                        "combine_send": "ll_combine_kernel<1>", "combine_recv": "ll_combine_kernel<2>"})):
+            fused_names = {"dispatch": "ll_dispatch_kernel<3>", "combine": "ll_combine_kernel<3>"}
+            hook_names = {"dispatch_send": "ll_dispatch_kernel<1>", "dispatch_recv": "ll_dispatch_kernel<2>",
+                          "combine_send": "ll_combine_kernel<1>", "combine_recv": "ll_combine_kernel<2>"}
+            for hook, names in ((False, fused_names), (True, hook_names)):
                 deepep_step(hook)  # DeepEP's profiler schedule records the second of two steps
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
                     deepep_step(hook)

@@ -1279,7 +1279,8 @@ void combine(const Context& ctx, const CombineArgs& args, cudaStream_t stream) {
     DEEP_EP_CHECK_ARG(a.stage_offset <= kMaxCombineSmem, "the low-latency combine needs ", a.stage_offset,
                       " bytes of shared memory (num_experts / num_ranks too large)");
     const bool stage = (a.phases & kPhaseRecv) && !a.use_logfmt;
-    a.stage_slots = stage ? static_cast<int>(std::min<int64_t>(a.num_topk, (kMaxCombineSmem - a.stage_offset) / row_bytes)) : 0;
+    const int64_t fit = (kMaxCombineSmem - a.stage_offset) / row_bytes;
+    a.stage_slots = stage ? static_cast<int>(std::min<int64_t>(a.num_topk, fit)) : 0;
     const int smem = static_cast<int>(a.stage_offset + a.stage_slots * row_bytes);
     switch (a.phases) {
         case kPhaseSend: launch_cooperative(ll_combine_kernel<kPhaseSend>, ctx.num_blocks, smem, stream, ctx, a); break;
