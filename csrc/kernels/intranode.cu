@@ -86,12 +86,6 @@ __device__ __forceinline__ int warp_max(int v) {
     return v;
 }
 
-__device__ __forceinline__ int warp_sum(int v) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    return v;
-}
-
 // Copies one row of `num_int4` 16-byte words from `src` to every pointer of `dsts[0..num_dsts)` (a warp).
 // kSrcIsRing selects the coherent load for ring data written by peers; inputs use the non-coherent path.
 template <bool kSrcIsRing, int kCopyUnroll = kUnroll>

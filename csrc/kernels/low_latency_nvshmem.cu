@@ -54,11 +54,14 @@ constexpr int kTraceSlots = 2 * 4;
 __host__ __device__ inline int64_t trace_offset(int num_ranks) {
     return kWsBases + int64_t(kMaxBlocks) * 2 * num_ranks * 8;
 }
+__host__ __device__ inline int64_t workspace_end(int num_ranks) {
+    return trace_offset(num_ranks) + kTraceSlots * kTraceWords * 8;
+}
 
 int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 }  // namespace
 
-int64_t workspace_bytes(int num_ranks) { return trace_offset(num_ranks) + kTraceSlots * kTraceWords * 8; }
+int64_t workspace_bytes(int num_ranks) { return workspace_end(num_ranks); }
 
 Layout make_layout(int num_ranks, int num_tokens_max, int hidden, int num_experts, int64_t num_rdma_bytes) {
     DEEP_EP_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks must be in [1, ", kMaxRanks, "], got ",
@@ -1061,12 +1064,12 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                 sh.weight[slot] = w;
                 sh.row[slot] = row;  // nullptr: the owner was masked, the entry is left out
             }
-            for (int m = 16; m >= 1; m >>= 1) copied += __shfl_xor_sync(0xffffffffu, copied, m);
+            const uint32_t bytes = static_cast<uint32_t>(warp_sum(static_cast<int>(copied)));
             if (lane == 0) {
                 sh.num = num;
                 sh.ok = ok;
                 sh.staged = staged;
-                if (staged) mbar_arrive_expect_tx(&sh.stage_bar, copied);
+                if (staged) mbar_arrive_expect_tx(&sh.stage_bar, bytes);
             }
         }
         __syncthreads();
@@ -1194,7 +1197,7 @@ __global__ void ll_clean_kernel(Context ctx) {
         for (int64_t i = first; i < ctrl_words; i += stride) ctrl[i] = 0;
     }
     auto* ws = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.workspace) + kWsEpochs);
-    const int64_t ws_words = (trace_offset(ctx.num_ranks) + kTraceSlots * kTraceWords * 8 - kWsEpochs) / 8;
+    const int64_t ws_words = (workspace_end(ctx.num_ranks) - kWsEpochs) / 8;
     for (int64_t i = first; i < ws_words; i += stride) ws[i] = 0;
     if (first == 0) *reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset) = 0;
     if (first == 0) *reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsClaim) = 0;

@@ -1,5 +1,5 @@
-// PTX primitives shared by every kernel file: clocks, system-scope ordered loads/stores, named barriers and the
-// 16-byte copy instructions. Header-only and force-inlined, so files built with -rdc (NVSHMEM) can include it too.
+// PTX primitives shared by every kernel file: clocks, system-scope ordered loads/stores, named barriers, the
+// 16-byte copy instructions, a warp sum and bulk copies into shared memory. Header-only and force-inlined, so files built with -rdc (NVSHMEM) can include it too.
 #pragma once
 
 #include <cstdint>
@@ -93,6 +93,14 @@ __device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* ptr, uint64_t v) {
 
 __device__ __forceinline__ void red_add_release_sys_u64(uint64_t* ptr, uint64_t v) {
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
+// ---- warp reductions ----
+
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
 }
 
 // ---- bulk copies into shared memory (TMA, sm_90) completing on an mbarrier ----
