@@ -329,9 +329,9 @@ def zone_combine_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfil
     (``sm_reduce``, ``CTAs * zone_reduce_gbps``), following the landing front. Calibrated at the default sender
     warps (``COMBINE_ZONE_SEND_WARPS``) only."""
     ctas = zone_ctas(num_sms)
-    remote = _remote_rows(traffic, spec.num_ranks)
-    return _landing_zone_work(spec, traffic, gpu, prof, "zone_send", prof.zone_link_gbps * GBPS,
-                              np.zeros_like(remote), ctas * prof.zone_reduce_gbps * GBPS, ctas)
+    no_extra = np.zeros((spec.num_ranks, spec.num_ranks))
+    return _landing_zone_work(spec, traffic, gpu, prof, "zone_send", prof.zone_link_gbps * GBPS, no_extra,
+                              ctas * prof.zone_reduce_gbps * GBPS, ctas)
 
 
 def _remote_rows(traffic: list[SourceTraffic], num_ranks: int) -> np.ndarray:
