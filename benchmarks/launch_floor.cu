@@ -13,6 +13,8 @@
 // kernels set it) and 2 KB requested; the same after an L2 flush (256 MB memset) instead of the spin kernel.
 #include <cuda_runtime.h>
 
+#include "bench_common.cuh"
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -20,20 +22,6 @@
 #include <string>
 #include <vector>
 
-#define CHECK(call)                                                                                  \
-    do {                                                                                             \
-        cudaError_t err_ = (call);                                                                   \
-        if (err_ != cudaSuccess) {                                                                   \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
-            std::exit(1);                                                                            \
-        }                                                                                            \
-    } while (0)
-
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 
 // stamps[0] = min entry, [1] = max entry, [2] = max exit (reset by the host before each launch).
 __global__ void __launch_bounds__(512, 1) floor_kernel(unsigned long long* stamps, int* sink) {

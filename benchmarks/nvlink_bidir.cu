@@ -10,16 +10,10 @@
 // Build and run on a 2-GPU machine:  nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/nvlink_bidir.cu -o /tmp/bidir && /tmp/bidir
 #include <cuda_runtime.h>
 
+#include "bench_common.cuh"
+
 #include <cstdio>
 
-#define CHECK(call)                                                                             \
-    do {                                                                                        \
-        cudaError_t status = (call);                                                            \
-        if (status != cudaSuccess) {                                                            \
-            std::printf("%s failed: %s\n", #call, cudaGetErrorString(status));                  \
-            return 1;                                                                           \
-        }                                                                                       \
-    } while (0)
 
 constexpr size_t kBytes = size_t(256) << 20;
 constexpr int kStageBytes = 32768;
@@ -27,16 +21,7 @@ constexpr int kStages = 4;
 
 // Grid-stride copy with four independent 16-byte loads per thread before the four stores.
 __global__ void __launch_bounds__(1024) copy_st(int4* __restrict__ dst, const int4* __restrict__ src, size_t n) {
-    const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-    size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    for (; i + 3 * stride < n; i += 4 * stride) {
-        int4 v[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) v[u] = src[i + u * stride];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) dst[i + u * stride] = v[u];
-    }
-    for (; i < n; i += stride) dst[i] = src[i];
+    copy4_grid_stride(dst, src, n);
 }
 
 // One thread per block drives a ring of shared-memory stages: bulk load (mbarrier completion), bulk store.
@@ -116,12 +101,7 @@ static float measure(Gpu* gpus, int v, int blocks, bool both) {
 }
 
 int main() {
-    int count = 0;
-    CHECK(cudaGetDeviceCount(&count));
-    if (count < 2) {
-        std::printf("need 2 GPUs, found %d\n", count);
-        return 0;
-    }
+    if (!have_two_gpus()) return 0;
     Gpu gpus[2];
     for (int g = 0; g < 2; ++g) {
         CHECK(cudaSetDevice(g));

@@ -27,6 +27,8 @@
 #                    (tools/intra_trace.py); run it last (~150 s with the rebuild)
 #   launch_floor     duration of a near-empty cooperative 1-CTA-per-SM grid (the LL kernels' fixed-cost floor)
 #   nvlink           copy-engine ceiling (every pair and all-to-all) -> nvlink.json
+#   burst            one burst of 14336-byte rows each way by SM stores (benchmarks/nvlink_burst.cu): the floor under the
+#                    LL combine's send phase, with and without a release-ordered signal per row -> burst.txt
 #   bench_tree       A/B in one call: builds another checkout TREE (a git worktree inside this one, named in the
 #                    device tool's `carry`) and runs its intranode benchmark with TREE_ARGS (default: INTRA_ARGS'
 #                    default) -> tree.json; run bench_intranode in the same call for this tree's side
@@ -163,6 +165,10 @@ for step in "$@"; do
             ${TREE_ARGS:-$INTRA_DEFAULT} --json '$OUT/tree.json'"
         echo "tree $TREE ($(git -C "$TREE" log --oneline -1 2>/dev/null || echo 'no git metadata')):" >> "$S"
         grep -E "^(#|op|dispatch|combine|nccl|  sweep)" "$OUT/bench_tree.log" >> "$S" ;;
+    burst)
+        run_step burst 90 bash -c "nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/nvlink_burst.cu -o /tmp/burst && /tmp/burst"
+        cp "$OUT/burst.log" "$OUT/burst.txt"
+        cat "$OUT/burst.txt" >> "$S" ;;
     nvlink)
         run_step nvlink 60 python3 benchmarks/bench_nvlink.py --bytes 536870912 --repeats 5 --json "$OUT/nvlink.json"
         tail -n 8 "$OUT/nvlink.log" >> "$S" ;;
