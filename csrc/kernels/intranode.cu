@@ -1657,7 +1657,7 @@ __global__ void barrier_kernel(KernelContext ctx) {
     const int64_t my_arrival = kBarrierOffset + 4 * ctx.rank, its_arrival = kBarrierOffset + 4 * lane;
     if (lane < ctx.num_ranks) {
         if (is_put_peer(ctx, lane))
-            put_signal_add(ctx, my_arrival, lane, 1u);
+            put_signal(ctx, my_arrival, lane, 1u, true);
         else
             red_add_release_sys(buffer_u32(ctx.buffers[lane], my_arrival), 1u);
     }

@@ -70,43 +70,38 @@ __device__ __forceinline__ void after_peer_wait(const KernelContext& ctx, int64_
     if (kPut && is_put_peer(ctx, peer)) put_wait_consistency(signal_twin(ctx, offset));
 }
 
-// One thread: `value` into the twin of the word at `offset` of put peer `pe`, after everything this thread wrote
-// or observed before (a system fence, then an NVSHMEM signal; nothing of this thread's is in flight as a put).
-static __device__ __noinline__ void put_signal_set(const KernelContext& ctx, int64_t offset, int pe, uint32_t value) {
+// One thread: `value` into the twin of the word at `offset` of put peer `pe` (`add`: added to it, else set), after
+// everything this thread wrote or observed before (a system fence, then an NVSHMEM signal; nothing of this
+// thread's is in flight as a put).
+static __device__ __noinline__ void put_signal(const KernelContext& ctx, int64_t offset, int pe, uint32_t value,
+                                               bool add = false) {
     fence_acq_rel_sys();
 #ifndef DEEP_EP_DISABLE_NVSHMEM
-    nvshmemx_signal_op(signal_twin(ctx, offset), value, NVSHMEM_SIGNAL_SET, pe);
+    nvshmemx_signal_op(signal_twin(ctx, offset), value, add ? NVSHMEM_SIGNAL_ADD : NVSHMEM_SIGNAL_SET, pe);
 #else
-    (void)ctx, (void)offset, (void)pe, (void)value;
+    (void)ctx, (void)offset, (void)pe, (void)value, (void)add;
 #endif
 }
 
 // One thread: `value` into `peer`'s word at control-region `offset`, release-ordered after this thread's earlier
-// writes and what it observed: a release store to `word` (that word, mapped) for a pointer peer, put_signal_set
-// for a put peer.
+// writes and what it observed: a release store to `word` (that word, mapped) for a pointer peer, put_signal for a
+// put peer.
 template <bool kPut>
 __device__ __forceinline__ void publish_word(const KernelContext& ctx, uint32_t* word, int64_t offset, int peer,
                                              uint32_t value) {
     if (kPut && is_put_peer(ctx, peer))
-        put_signal_set(ctx, offset, peer, value);
+        put_signal(ctx, offset, peer, value);
     else
         st_release_sys(word, value);
 }
 
-// One thread: adds `value` to the twin of the word at `offset` of put peer `pe` (barrier arrivals).
-static __device__ __noinline__ void put_signal_add(const KernelContext& ctx, int64_t offset, int pe, uint32_t value) {
-    fence_acq_rel_sys();
-#ifndef DEEP_EP_DISABLE_NVSHMEM
-    nvshmemx_signal_op(signal_twin(ctx, offset), value, NVSHMEM_SIGNAL_ADD, pe);
-#else
-    (void)ctx, (void)offset, (void)pe, (void)value;
-#endif
-}
-
-// One thread: the abort word of put peer `pe` becomes `word` unless it is set already (first aborter wins).
+// One thread: the abort word of put peer `pe` becomes `word` (a signal over the abort word and the unused word
+// after it; unlike the pointer path's compare-and-swap it may replace an earlier aborter's word, and it never
+// waits for the peer's answer, which a dead peer would not give).
 static __device__ __noinline__ void put_abort(const KernelContext& ctx, int pe, uint32_t word) {
+    static_assert(kAbortOffset % 8 == 0 && kAbortOffset + 8 <= kBarrierOffset, "the abort signal spans 8 bytes");
 #ifndef DEEP_EP_DISABLE_NVSHMEM
-    nvshmem_uint32_atomic_compare_swap(reinterpret_cast<uint32_t*>(own_buffer(ctx) + kAbortOffset), 0u, word, pe);
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(own_buffer(ctx) + kAbortOffset), word, NVSHMEM_SIGNAL_SET, pe);
 #else
     (void)ctx, (void)pe, (void)word;
 #endif
