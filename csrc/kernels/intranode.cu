@@ -189,11 +189,13 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_counts_kernel(Kernel
         st_release_sys(buffer_u32(ctx.buffers[d], kNotifyFlagOffset) + parity * kMaxRanks + rank, epoch);
     }
     // Put peer d: warp d puts my staged counts for d into my slot at d, with the flag as signal.
-    if (kPut && warp < num_ranks && is_put_peer(ctx, warp))
+    if (kPut && warp < num_ranks && is_put_peer(ctx, warp)) {
+        __syncwarp();  // the lanes of warp 0 that stored pointer peers' flags join first
         put_block_with_flag(ctx, own_buffer(ctx) + ctx.num_nvl_bytes + kPutNotifyStageOffset +
                                      static_cast<int64_t>(warp) * slot_ints * 4,
                             kNotifyDataOffset + my_slot * slot_ints * 4, static_cast<int64_t>(slot_ints) * 4, warp,
                             kNotifyFlagOffset + my_slot * 4, epoch);
+    }
 
     // 4. Wait until every source's counts of this epoch are here.
     if (threadIdx.x < num_ranks) {
