@@ -21,10 +21,15 @@ from hypothesis import given
 torch = pytest.importorskip("torch")
 
 import test_intranode as ti  # noqa: E402  (tests/gpu is on sys.path: pytest's rootdir-less import)
+from deep_ep import envs  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 NUM_RDMA_BYTES = 768 * 1024 * 1024  # 256 MB of output pool after the rings (direct receive)
+if envs.INTERNODE_PUT_ONLY.get():
+    # Put peers: the buffer also holds the put area (signal twins and two staging halves as large as the ring
+    # halves, csrc/kernels/layout.cuh put_layout). 1.5 GB keeps the rings at 256 MB each and leaves ~512 MB of pool.
+    NUM_RDMA_BYTES = 1536 * 1024 * 1024
 TASK = "test_internode:task_internode_roundtrip"
 
 
@@ -202,7 +207,6 @@ def test_put_peers_follow_the_switch(virtual_nodes):
     the switch, none is."""
     if ti.DEVICE != "cuda":
         pytest.skip("the CUDA internode backend only")
-    from deep_ep import envs
     replies = virtual_nodes.run("test_internode:task_put_peers", None)
     if envs.INTERNODE_PUT_ONLY.get():
         assert replies == [[[1], 0b10], [[0], 0b01]], replies
