@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from deep_ep import envs, handle as hd
-from deep_ep.config import Topology
+from deep_ep.config import Topology, put_peers
 from deep_ep.cuda_backend import _C, CudaBackend
 from deep_ep.cuda_low_latency import join_nvshmem_world
 from deep_ep.pool import OutputPool
@@ -52,17 +52,6 @@ from deep_ep.pool import OutputPool
 
 class UnsupportedTopology(RuntimeError):
     """Raised on every rank (collectively) when this backend cannot serve the group (the Buffer falls back)."""
-
-
-def put_peers(rank: int, unreachable: list, put_only: bool) -> list[int]:
-    """The ranks that ``rank`` reaches by NVSHMEM puts: those it cannot reach by ``nvshmem_ptr`` and those that
-    cannot reach it (the relation is symmetric: both sides of a pair must agree on it), or every other rank with
-    ``put_only``. ``unreachable[r]``: the ranks ``r`` cannot reach."""
-    num_ranks = len(unreachable)
-    if put_only:
-        return [r for r in range(num_ranks) if r != rank]
-    return [r for r in range(num_ranks)
-            if r != rank and (r in unreachable[rank] or rank in unreachable[r])]
 
 
 class InternodeCuda(CudaBackend):
