@@ -761,7 +761,8 @@ bool Runtime::would_copy(const std::vector<int64_t>& pair_counts, int hidden, in
     // The landing zone at owner o for source s holds the rows o sent to s.
     for (int o = 0; o < R; ++o)
         for (int s = 0; s < R; ++s)
-            if (o != s && !kernels::combine_landing_zone(ring_bytes_, R, s, pair_counts[o * R + s], hidden, num_topk).fits)
+            if (o != s &&
+                !kernels::combine_landing_zone(ring_bytes_, R, s, pair_counts[o * R + s], hidden, num_topk).fits)
                 return false;
     return true;
 }

@@ -99,7 +99,8 @@ NVSHMEM_DIR = EnvVar(
     "Build-time: NVSHMEM installation (include/ and lib/); overrides the auto-detected nvidia-nvshmem wheel.")
 
 ALL: tuple[EnvVar, ...] = (TIMEOUT_S, BACKEND, DISPATCH_RECEIVE, COMBINE_COPY, GPUS_PER_NODE, INTERNODE,
-                           TOPK_IDX_BITS, LL_PUT_ONLY, INTERNODE_PUT_ONLY, CPU_ONLY, DISABLE_NVSHMEM, DEBUG_BUILD, TRACE_DIR, NVSHMEM_DIR)
+                           TOPK_IDX_BITS, LL_PUT_ONLY, INTERNODE_PUT_ONLY, CPU_ONLY, DISABLE_NVSHMEM, DEBUG_BUILD,
+                           TRACE_DIR, NVSHMEM_DIR)
 
 
 def describe() -> str:

@@ -277,7 +277,8 @@ __device__ bool warp_wait_drained(const KernelContext& ctx, uint32_t dst_mask, i
         const int d = i % ctx.num_ranks, c = i / ctx.num_ranks;
         if (((dst_mask >> d) & 1u) == 0) continue;
         const uint32_t target = shadows[counter_index(c, d)];
-        const uint32_t* head = peer_word<kPut>(ctx, heads + counter_index(c, d), head_offset + 4 * counter_index(c, d), d);
+        const uint32_t* head =
+            peer_word<kPut>(ctx, heads + counter_index(c, d), head_offset + 4 * counter_index(c, d), d);
         if (seq_geq(ld_relaxed_sys(head), target)) continue;
         uint32_t seen;
         ok = wait_geq(ctx, head, target, Site{kernel, phase, d, channel}, &seen);
@@ -400,7 +401,8 @@ __device__ __forceinline__ void publish_tails(const KernelContext& ctx, int coun
             if (d != ctx.rank && c > old && !ctx.skip_sends) {
                 __syncwarp();  // lane 0's fence comes before the warp reads the staged records
                 put_records(ctx, ring, channel, d, tail_base[d] + static_cast<uint32_t>(old), c - old,
-                            tail_offset + 4 * counter_index(channel, ctx.rank), tail_base[d] + static_cast<uint32_t>(c));
+                            tail_offset + 4 * counter_index(channel, ctx.rank),
+                            tail_base[d] + static_cast<uint32_t>(c));
             }
         } else if (lane == 0 && d != ctx.rank && c > old && !ctx.skip_sends) {
             st_release_sys(buffer_u32(ctx.buffers[d], tail_offset) + counter_index(channel, ctx.rank),
@@ -1005,7 +1007,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 RoleTrace::item_end();
             }
             named_barrier(barrier_id, group_warps * 32);
-            if (warp_in_group == 0 && lane == 0) publish_word<kPut>(ctx, remote_head, head_offset, src, base + static_cast<uint32_t>(avail));
+            if (warp_in_group == 0 && lane == 0)
+                publish_word<kPut>(ctx, remote_head, head_offset, src, base + static_cast<uint32_t>(avail));
             done = avail;
         }
         if (warp_in_group == 0 && lane == 0 && !overflow) *head_shadow = base + static_cast<uint32_t>(num_slots);
@@ -1665,8 +1668,8 @@ __global__ void barrier_kernel(KernelContext ctx) {
     }
     if (lane < ctx.num_ranks) {
         uint32_t seen;
-        if (wait_geq(ctx, peer_word<true>(ctx, buffer_u32(ctx.buffers[ctx.rank], its_arrival), its_arrival, lane), epoch,
-                     Site{kKernelBarrier, kPhaseBarrierWait, lane, -1}, &seen))
+        if (wait_geq(ctx, peer_word<true>(ctx, buffer_u32(ctx.buffers[ctx.rank], its_arrival), its_arrival, lane),
+                     epoch, Site{kKernelBarrier, kPhaseBarrierWait, lane, -1}, &seen))
             after_peer_wait<true>(ctx, its_arrival, lane);
     }
     __syncwarp();

@@ -38,7 +38,9 @@ constexpr bool kHasPutPath = true;
 
 __device__ __forceinline__ bool is_put_peer(const KernelContext& ctx, int r) { return ((ctx.put_mask >> r) & 1u) != 0; }
 
-__device__ __forceinline__ char* own_buffer(const KernelContext& ctx) { return static_cast<char*>(ctx.buffers[ctx.rank]); }
+__device__ __forceinline__ char* own_buffer(const KernelContext& ctx) {
+    return static_cast<char*>(ctx.buffers[ctx.rank]);
+}
 
 // The uint64 twin (a symmetric address: the same offset on every rank) of the control-region word at `offset`.
 __device__ __forceinline__ uint64_t* signal_twin(const KernelContext& ctx, int64_t offset) {
