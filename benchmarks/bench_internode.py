@@ -25,6 +25,12 @@ averaged over ranks (what the deep_ep simulator family is calibrated on, simulat
 
     python benchmarks/bench_internode.py --json $OUT/bench_internode.json
 
+``--put``: a phase "internode_put" after "internode": the same backend with ``DEEP_EP_INTERNODE_PUT_ONLY=1`` (every
+peer reached by NVSHMEM puts and signals, the path of peers behind a NIC); its "vs" column is against the
+internode phase (pointer path). With ``--skip-intranode`` only the two internode phases run.
+
+    python benchmarks/bench_internode.py --skip-intranode --put --json $OUT/inter_put.json
+
 ``--composed``: the composed internode path (``deep_ep/composed_internode.py``) instead. ``--num-processes`` ranks
 (4) share the GPUs (rank ``r`` on GPU ``r % GPUs``) over a gloo group as 2 virtual nodes (``DEEP_EP_GPUS_PER_NODE``
 = ranks / 2); phase "composed" (``DEEP_EP_INTERNODE=auto``: CUDA rail and node stages) next to phase "torch"
@@ -121,6 +127,9 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
                dict(num_nvl_bytes=args.num_nvl_bytes)),
               ("internode", {"DEEP_EP_GPUS_PER_NODE": "1"},
                dict(num_nvl_bytes=0, num_rdma_bytes=args.num_rdma_bytes, num_qps_per_rank=24))]
+    if args.put:
+        phases.append(("internode_put", {"DEEP_EP_GPUS_PER_NODE": "1", "DEEP_EP_INTERNODE_PUT_ONLY": "1"},
+                       phases[1][2]))
     if args.composed:  # 2 virtual nodes; the same tensors through both paths
         per_node = str(args.num_processes // 2)
         phases = [(phase, {"DEEP_EP_GPUS_PER_NODE": per_node, "DEEP_EP_INTERNODE": choice},
@@ -174,7 +183,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(parser, [24])
     parser.add_argument("--num-rdma-bytes", type=int, default=int(1e9) // 128 * 128)
-    parser.add_argument("--skip-intranode", action="store_true", help="measure the internode phase only")
+    parser.add_argument("--skip-intranode", action="store_true", help="measure the internode phase(s) only")
+    parser.add_argument("--put", action="store_true",
+                        help="also the internode backend with DEEP_EP_INTERNODE_PUT_ONLY=1 (phase internode_put)")
     parser.add_argument("--composed", action="store_true",
                         help="the composed path (CUDA stages) next to the torch backend, ranks sharing GPUs")
     parser.add_argument("--iters", type=int, default=10, help="--composed: warm-ups and timed calls per point")
@@ -204,7 +215,10 @@ def print_table(summary: dict, predicted: dict) -> None:
     for p in rep["points"]:
         ratio = sim = err = "-"
         ref = intra.get((p["op"], p["num_sms"]))
-        if p["phase"] in ("internode", "composed") and ref is not None:
+        if p["phase"] == "internode_put":  # against the pointer path
+            ref = next((q for q in rep["points"] if q["phase"] == "internode" and q["op"] == p["op"]
+                        and q["num_sms"] == p["num_sms"]), None)
+        if p["phase"] in ("internode", "composed", "internode_put") and ref is not None:
             ratio = f"{p['nvl_GBps'] / ref['nvl_GBps']:.2f}"
         key = (p["phase"], *p["op"].split("_"))
         if key in predicted and p["num_sms"] == 24:  # the simulator's cases run 24 SMs

@@ -12,12 +12,16 @@
 #   test_ll_put      the same suite with DEEP_EP_LL_PUT_ONLY=1: the RDMA code path (staging, put-with-signal) between
 #                    the two GPUs (LL_PUT_EXAMPLES, default 3), then the LL bench at T = 128 on that path -> ll_put.json
 #   test_internode   GPU property suite of the internode backend on 2 virtual nodes x 1 GPU
+#   test_internode_put  the same suite with DEEP_EP_INTERNODE_PUT_ONLY=1: the path of peers behind a NIC (staged
+#                    records, put-with-signal, signal twins) between the two GPUs (INTERNODE_PUT_EXAMPLES, default 6)
 #   test_composed    GPU tests of the composed internode path (CUDA stages), 4 ranks on GPUs 0,1,0,1 as 2 x 2
 #                    (one per GPU on 4+ GPUs; with 8+ GPUs also 8 ranks as 2 x 4 and 4 x 2), COMPOSED_EXAMPLES
 #                    hypothesis examples (default 6)
 #   bench_intranode  Buffer defaults (direct receive) at 24, 16 and 8 SMs, DeepEP's EP2 workload -> intra.json
 #   bench_ll         LL sweep of tokens per rank 1..256 (128 is the bar) -> ll.json
 #   bench_internode  2 virtual nodes x 1 GPU next to the intranode kernels, simulator prediction -> inter.json
+#   bench_internode_put  2 virtual nodes x 1 GPU: the internode backend's pointer path next to its put path
+#                    (DEEP_EP_INTERNODE_PUT_ONLY=1), no intranode phase -> inter_put.json
 #   bench_composed   composed path (CUDA stages) next to the torch backend, 4 ranks sharing 2 GPUs as 2 x 2,
 #                    1024 tokens per rank -> composed.json
 #   test_ep          EP4/EP8 property tests, one rank per GPU (intranode + LL; issue 7: x4 / x8 machines)
@@ -99,6 +103,11 @@ for step in "$@"; do
         run_step test_internode 190 env DEEP_EP_GPU_EXAMPLES_INTERNODE="${INTERNODE_EXAMPLES:-8}" \
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_internode.py
         test_summary test_internode ;;
+    test_internode_put)
+        run_step test_internode_put 190 env DEEP_EP_INTERNODE_PUT_ONLY=1 \
+            DEEP_EP_GPU_EXAMPLES_INTERNODE="${INTERNODE_PUT_EXAMPLES:-6}" \
+            python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_internode.py
+        test_summary test_internode_put ;;
     test_composed)
         run_step test_composed 170 env DEEP_EP_GPU_EXAMPLES_COMPOSED="${COMPOSED_EXAMPLES:-6}" \
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_composed.py
@@ -118,6 +127,10 @@ for step in "$@"; do
     bench_internode)
         run_step bench_internode 100 python3 benchmarks/bench_internode.py --json "$OUT/inter.json"
         tail -n 14 "$OUT/bench_internode.log" >> "$S" ;;
+    bench_internode_put)
+        run_step bench_internode_put 100 python3 benchmarks/bench_internode.py --skip-intranode --put \
+            --json "$OUT/inter_put.json"
+        tail -n 10 "$OUT/bench_internode_put.log" >> "$S" ;;
     bench_composed)
         run_step bench_composed 120 python3 benchmarks/bench_internode.py --composed --num-processes 4 \
             --num-tokens 1024 --json "$OUT/composed.json"

@@ -103,7 +103,12 @@ std::string format_error(const kernels::ErrorRecord& r) {
 }
 
 Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s, bool symmetric)
-    : rank_(rank), num_ranks_(num_ranks), num_nvl_bytes_(num_nvl_bytes), timeout_s_(timeout_s), symmetric_(symmetric) {
+    : rank_(rank),
+      num_ranks_(num_ranks),
+      num_nvl_bytes_(num_nvl_bytes),
+      ring_bytes_(num_nvl_bytes),
+      timeout_s_(timeout_s),
+      symmetric_(symmetric) {
     if (num_ranks < 1 || num_ranks > kernels::kMaxRanks)
         invalid("num_ranks must be in [1, %d] for the intranode runtime, got %d", kernels::kMaxRanks, num_ranks);
     if (rank < 0 || rank >= num_ranks) invalid("rank must be in [0, %d), got %d", num_ranks, rank);
@@ -205,10 +210,38 @@ std::vector<int> Runtime::sync_symmetric(const std::string& unique_id) {
     peer_buffers_ = kernels::ll::nvshmem_peer_pointers(local_buffer_, num_ranks_);
     std::vector<int> unreachable;
     for (int r = 0; r < num_ranks_; ++r)
-        if (peer_buffers_[r] == nullptr) unreachable.push_back(r);
-    available_ = unreachable.empty();
+        if (peer_buffers_[r] == nullptr && r != rank_) unreachable.push_back(r);
+    peer_buffers_[rank_] = local_buffer_;  // the kernels' own buffer, and the symmetric address of NVSHMEM calls
     return unreachable;
 #endif
+}
+
+void Runtime::set_put_peers(const std::vector<int>& put_ranks, bool put_area) {
+    if (!symmetric_ || local_buffer_ == nullptr || available_ || destroyed_)
+        throw std::runtime_error("Runtime::set_put_peers needs a symmetric runtime right after sync_symmetric");
+    uint32_t mask = 0;
+    for (int r : put_ranks) {
+        if (r < 0 || r >= num_ranks_ || r == rank_)
+            invalid("put peers must be other ranks in [0, %d), got %d (this rank is %d)", num_ranks_, r, rank_);
+        mask |= 1u << r;
+    }
+    for (int r = 0; r < num_ranks_; ++r)
+        if (peer_buffers_[r] == nullptr && ((mask >> r) & 1u) == 0)
+            invalid("rank %d is not reachable by nvshmem_ptr from rank %d: it must be a put peer", r, rank_);
+    if (mask != 0 && !put_area) invalid("put peers (rank %d: mask 0x%x) need the put area", rank_, mask);
+    if (put_area) {
+        const kernels::PutLayout layout = kernels::put_layout(num_nvl_bytes_);
+        if (layout.half <= 0)
+            invalid("num_rdma_bytes %lld leaves no room for the rings and the put area of NVSHMEM put peers (need "
+                    "more than %lld)", static_cast<long long>(num_nvl_bytes_),
+                    static_cast<long long>(kernels::kControlBytes + kernels::kPutHeaderBytes));
+        ring_bytes_ = layout.ring_bytes;
+        put_area_ = true;
+    }
+    for (int r = 0; r < num_ranks_; ++r)
+        if ((mask >> r) & 1u) peer_buffers_[r] = nullptr;  // reached through NVSHMEM only
+    put_mask_ = mask;
+    available_ = true;
 }
 
 void Runtime::destroy() {
@@ -259,12 +292,13 @@ kernels::KernelContext Runtime::next_context() {
     for (int r = 0; r < kernels::kMaxRanks; ++r) ctx.buffers[r] = r < num_ranks_ ? peer_buffers_[r] : nullptr;
     ctx.workspace = workspace_;
     ctx.error = device_error_;
-    ctx.num_nvl_bytes = num_nvl_bytes_;
+    ctx.num_nvl_bytes = ring_bytes_;  // the kernels' region (a put area follows it when put_mask is set)
     ctx.timeout_ns = static_cast<uint64_t>(timeout_s_ * 1e9);
     ctx.call_seq = ++call_seq_;
     ctx.rank = rank_;
     ctx.num_ranks = num_ranks_;
     ctx.skip_sends = (fault_call_seq_ > 0 && ctx.call_seq >= fault_call_seq_) ? 1 : 0;
+    ctx.put_mask = put_mask_;
     return ctx;
 }
 
@@ -325,12 +359,12 @@ at::Tensor Runtime::get_local_buffer_tensor(at::ScalarType dtype, int64_t offset
 // ---------------------------------------------------------------------------------------------------------------
 
 void Runtime::check_pool_block(int64_t offset, int64_t num_bytes) const {
-    const int64_t first = kernels::pool_offset(num_nvl_bytes_);
+    const int64_t first = kernels::pool_offset(ring_bytes_);
     if (num_bytes <= 0 || offset < first || offset % kernels::kBufferAlignment != 0 ||
-        offset + num_bytes > num_nvl_bytes_)
+        offset + num_bytes > ring_bytes_)
         invalid("pool block [%lld, +%lld) must be 128-byte aligned, non-empty and inside the pool [%lld, %lld)",
                 static_cast<long long>(offset), static_cast<long long>(num_bytes), static_cast<long long>(first),
-                static_cast<long long>(num_nvl_bytes_));
+                static_cast<long long>(ring_bytes_));
 }
 
 at::Tensor Runtime::pool_block(int64_t offset, int64_t num_bytes) {
@@ -722,11 +756,13 @@ void Runtime::publish_landed(const kernels::KernelContext& ctx, const kernels::L
 
 bool Runtime::would_copy(const std::vector<int64_t>& pair_counts, int hidden, int num_topk) const {
     const int R = num_ranks_;
-    if (R < 2 || static_cast<int>(pair_counts.size()) != R * R) return false;
+    // Put peers have no pointer to copy into: a world with any combines through the rings on every rank.
+    if (R < 2 || put_area_ || static_cast<int>(pair_counts.size()) != R * R) return false;
     // The landing zone at owner o for source s holds the rows o sent to s.
     for (int o = 0; o < R; ++o)
         for (int s = 0; s < R; ++s)
-            if (o != s && !kernels::combine_landing_zone(num_nvl_bytes_, R, s, pair_counts[o * R + s], hidden, num_topk).fits)
+            if (o != s &&
+                !kernels::combine_landing_zone(ring_bytes_, R, s, pair_counts[o * R + s], hidden, num_topk).fits)
                 return false;
     return true;
 }
@@ -750,7 +786,7 @@ void Runtime::combine_by_copy(const kernels::KernelContext& ctx, kernels::Combin
         rows[d] = pair_counts[d * R + me];
         acc += rows[d];
         if (d != me) most = std::max(most, rows[d]);
-        zones[d] = kernels::combine_landing_zone(num_nvl_bytes_, R, me, rows[d], args.hidden, args.num_topk);
+        zones[d] = kernels::combine_landing_zone(ring_bytes_, R, me, rows[d], args.hidden, args.num_topk);
     }
     const int64_t row_bytes = static_cast<int64_t>(args.hidden) * 2;
     const char* x = static_cast<const char*>(args.x);

@@ -4,7 +4,8 @@
 //   * the scale-up (NVLink) buffer of `num_nvl_bytes`, allocated with cudaMalloc and shared with the other ranks of
 //     the node through CUDA IPC handles (several ranks may share one GPU: IPC works between processes on one device);
 //     or, for a `symmetric` runtime (internode groups of one GPU per node, deep_ep/cuda_internode.py), the same
-//     bytes on the NVSHMEM symmetric heap, every peer reached through nvshmem_ptr (see sync_symmetric);
+//     bytes on the NVSHMEM symmetric heap, every peer reached through nvshmem_ptr or, where there is none, by NVSHMEM
+//     puts and signals (see sync_symmetric and set_put_peers);
 //   * the device table of peer buffer pointers (index = rank);
 //   * a zeroed device workspace for the kernels' private state (ring shadows, epochs, call sequence words);
 //   * host-mapped memory: the error record the kernels fill instead of trapping, and the counters the notify kernel
@@ -78,9 +79,16 @@ class Runtime {
     // Symmetric runtime only (collective over the NVSHMEM world of all ranks, PE = rank): joins the world of
     // `unique_id` (shared with the low-latency runtime: one world per process), allocates the zeroed buffer on the
     // symmetric heap and maps every peer's copy with nvshmem_ptr. Returns the ranks whose buffer is not load/store
-    // reachable (a remote transport; the put path is not implemented); the runtime is usable only if none, else
-    // the caller agrees with its peers and calls destroy() on every rank.
+    // reachable (a remote transport). The runtime becomes usable with set_put_peers.
     std::vector<int> sync_symmetric(const std::string& unique_id);
+    // Symmetric runtime, after sync_symmetric: the ranks reached by NVSHMEM puts and signals instead of pointers
+    // (every unreachable one among them; the caller makes the relation symmetric across ranks). `put_area`: carve
+    // the put area (kernels/layout.cuh put_layout), which every rank of the world must do alike as soon as any
+    // pair of it is a put pair; required when `put_ranks` is not empty. Throws std::invalid_argument when
+    // num_nvl_bytes leaves no room for it.
+    void set_put_peers(const std::vector<int>& put_ranks, bool put_area);
+    // Bit r: rank r is a put peer.
+    uint32_t get_put_mask() const { return put_mask_; }
     bool is_symmetric() const { return symmetric_; }
     bool is_available() const { return available_; }
     // Releases the IPC mappings and allocations. Call after a cross-rank barrier so no peer still writes here.
@@ -106,8 +114,8 @@ class Runtime {
 
     // ---- output pool of direct-to-output dispatch (the bookkeeping is deep_ep/pool.py) ----
     // Byte range [offset, end) of the pool in the local buffer (layout.cuh pool_offset / pool_bytes).
-    int64_t get_pool_offset() const { return kernels::pool_offset(num_nvl_bytes_); }
-    int64_t get_pool_bytes() const { return kernels::pool_bytes(num_nvl_bytes_); }
+    int64_t get_pool_offset() const { return kernels::pool_offset(ring_bytes_); }
+    int64_t get_pool_bytes() const { return kernels::pool_bytes(ring_bytes_); }
     // Offsets of queued blocks (their tensors died) that are safe to reuse for a dispatch about to be enqueued on
     // `comm_stream`. A block is safe when `ordered` (comm_stream waits for all work enqueued so far on the caller's
     // current stream before that dispatch's kernel) and both of its streams are comm_stream or the current stream:
@@ -185,6 +193,9 @@ class Runtime {
    private:
     int rank_, num_ranks_;
     int64_t num_nvl_bytes_;
+    int64_t ring_bytes_;      // the kernels' region [0, ring_bytes_): num_nvl_bytes_, or less with a put area after it
+    uint32_t put_mask_ = 0;   // bit r: rank r is reached by NVSHMEM puts (KernelContext::put_mask)
+    bool put_area_ = false;   // the world has put pairs: the buffer ends with the put area
     double timeout_s_;
     int device_id_ = -1;
     int num_device_sms_ = 0;

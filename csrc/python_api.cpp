@@ -79,6 +79,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("get_local_ipc_handle", [](const deep_ep::Runtime& r) { return py::bytes(r.get_local_ipc_handle()); })
         .def("sync", &deep_ep::Runtime::sync)
         .def("sync_symmetric", &deep_ep::Runtime::sync_symmetric)
+        .def("set_put_peers", &deep_ep::Runtime::set_put_peers)
+        .def("get_put_mask", &deep_ep::Runtime::get_put_mask)
         .def("is_symmetric", &deep_ep::Runtime::is_symmetric)
         .def("is_available", &deep_ep::Runtime::is_available)
         .def("destroy", &deep_ep::Runtime::destroy)

@@ -165,6 +165,17 @@ class Topology:
         return rank % self.num_scaleup_ranks
 
 
+def put_peers(rank: int, unreachable: list, put_only: bool) -> list[int]:
+    """The ranks that ``rank`` reaches by NVSHMEM puts in the CUDA internode backend (``deep_ep/cuda_internode.py``):
+    those it cannot reach by ``nvshmem_ptr`` and those that cannot reach it (the relation is symmetric: both sides of
+    a pair must agree on it), or every other rank with ``put_only`` (``DEEP_EP_INTERNODE_PUT_ONLY``).
+    ``unreachable[r]``: the ranks that rank ``r`` cannot reach."""
+    num_ranks = len(unreachable)
+    if put_only:
+        return [r for r in range(num_ranks) if r != rank]
+    return [r for r in range(num_ranks) if r != rank and (r in unreachable[rank] or rank in unreachable[r])]
+
+
 def num_local_experts(num_experts: int, num_ranks: int) -> int:
     """Experts per rank; raises ``ValueError`` unless ``num_experts`` divides by ``num_ranks``."""
     check_int("num_experts", num_experts, 1)

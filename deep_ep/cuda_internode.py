@@ -4,9 +4,18 @@ With one GPU per node there is no NVLink forwarding stage (design guide §4, "G 
 peer and each token travels once, straight to the destination rank's final row, and each expert row travels once,
 straight back to its owner's combine slot. That is exactly the data flow of the intranode ring kernels, so this
 backend runs them (``csrc/kernels/intranode.cu``) over a buffer on the **NVSHMEM symmetric heap** of the world of
-all ranks (PE = rank, the world the low-latency runtime joins too: one per process), reaching every peer through
-``nvshmem_ptr`` instead of CUDA IPC. On one host with ``DEEP_EP_GPUS_PER_NODE=1`` that is NVSHMEM's P2P transport;
-the virtual nodes' "network" traffic is SM stores into the peers' symmetric buffers.
+all ranks (PE = rank, the world the low-latency runtime joins too: one per process), reaching a peer through
+``nvshmem_ptr`` instead of CUDA IPC where it can. On one host with ``DEEP_EP_GPUS_PER_NODE=1`` that is NVSHMEM's P2P
+transport; the virtual nodes' "network" traffic is SM stores into the peers' symmetric buffers.
+
+A peer that ``nvshmem_ptr`` cannot reach (behind a NIC) is a **put peer** (``csrc/kernels/put.cuh``): the kernels
+stage its ring records in this rank's put area and put them to the same ring slots at the peer with
+put-with-signal of the tail; tails, heads, notify flags and barrier arrivals of a put pair are NVSHMEM signals into
+64-bit twins of the counter words. Put pairs receive through the rings only. The relation is symmetric and per peer
+(a mixed world keeps pointers where it has them); once any pair of the world is a put pair, every rank carves the
+put area (``kernels/layout.cuh`` ``put_layout``: the rings get a quarter each of what the fixed regions leave, the
+staging the other half) and combines through the rings. ``DEEP_EP_INTERNODE_PUT_ONLY=1`` makes every pair a put
+pair, which runs this path on one host.
 
 What it adds on top of :class:`deep_ep.cuda_backend.CudaBackend`:
 
@@ -23,8 +32,8 @@ GPU per node a partial is one BF16 row, which rounds to itself, so the kernels' 
 (starting from the biases, ascending rank order, one rounding) is bit-identical to the reference.
 
 Not implemented here (the Buffer keeps the torch backend for these and says why): several GPUs per node (the
-forwarding stage of design §4), and peers that ``nvshmem_ptr`` cannot reach (a NIC between hosts: the
-put-with-signal path of design §3.2). In worst-token mode ``send_nvl_head`` has ``num_worst_tokens`` rows, the
+forwarding stage of design §4), and a world with put pairs whose ``num_rdma_bytes`` leaves no room for the put
+area (:class:`UnsupportedTopology`). In worst-token mode ``send_nvl_head`` has ``num_worst_tokens`` rows, the
 padding rows -1 (the torch backend sizes it with the real count, which needs a host synchronisation).
 """
 from __future__ import annotations
@@ -35,14 +44,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from deep_ep import envs, handle as hd
-from deep_ep.config import Topology
+from deep_ep.config import Topology, put_peers
 from deep_ep.cuda_backend import _C, CudaBackend
 from deep_ep.cuda_low_latency import join_nvshmem_world
 from deep_ep.pool import OutputPool
 
 
 class UnsupportedTopology(RuntimeError):
-    """Raised on every rank (collectively) when the group needs a data path this backend does not implement."""
+    """Raised on every rank (collectively) when this backend cannot serve the group (the Buffer falls back)."""
 
 
 class InternodeCuda(CudaBackend):
@@ -78,13 +87,16 @@ class InternodeCuda(CudaBackend):
         self._barrier = barrier
         unique_id = join_nvshmem_world(rank, num_rdma_bytes, num_qps_per_rank, True, allow_mnnvl, all_gather)
         self.runtime = _C.Runtime(rank, num_ranks, num_rdma_bytes, self.timeout_s, symmetric=True)
-        unreachable = all_gather(list(self.runtime.sync_symmetric(unique_id)))
-        if any(unreachable):  # every rank sees the same list: all release the symmetric buffer and raise
+        unreachable = [list(peers) for peers in all_gather(list(self.runtime.sync_symmetric(unique_id)))]
+        put_only = any(all_gather(envs.INTERNODE_PUT_ONLY.get()))
+        self.put_peers = put_peers(rank, unreachable, put_only)
+        put_area = put_only or any(unreachable)  # the same on every rank: the buffers' layout must agree
+        try:
+            self.runtime.set_put_peers(self.put_peers, put_area)
+        except ValueError as exc:  # num_rdma_bytes is equal on every rank, so every rank gets here together
             self.runtime.destroy()
             pairs = "; ".join(f"rank {r} cannot reach {peers}" for r, peers in enumerate(unreachable) if peers)
-            raise UnsupportedTopology(f"the CUDA internode kernels need every peer's symmetric buffer reachable by "
-                                      f"loads and stores (nvshmem_ptr), the put path for remote transports is not "
-                                      f"implemented: {pairs}")
+            raise UnsupportedTopology(f"NVSHMEM put peers ({pairs or 'DEEP_EP_INTERNODE_PUT_ONLY'}): {exc}") from None
         self.comm_stream = torch.cuda.Stream(priority=-1)
         self._comm_ptr = self.comm_stream.cuda_stream
         self.output_pool = OutputPool(self.runtime.get_pool_offset(), self.runtime.get_pool_bytes())

@@ -76,6 +76,11 @@ LL_PUT_ONLY = EnvVar(
     "DEEP_EP_LL_PUT_ONLY", _parse_bool, False,
     "Low-latency kernels: reach every other rank through NVSHMEM put-with-signal (the RDMA code path) even where "
     "NVLink reaches it by pointer; for testing that path on one host.")
+INTERNODE_PUT_ONLY = EnvVar(
+    "DEEP_EP_INTERNODE_PUT_ONLY", _parse_bool, False,
+    "CUDA internode backend (one GPU per node): reach every other rank through NVSHMEM puts and signals (the path of "
+    "peers behind a NIC) even where nvshmem_ptr reaches it; for testing that path on one host. Set on any rank, it "
+    "applies to the whole group.")
 CPU_ONLY = EnvVar(
     "DEEP_EP_CPU_ONLY", _parse_bool, False,
     "Build-time: install the pure-Python packages only, never the CUDA extension.")
@@ -94,7 +99,8 @@ NVSHMEM_DIR = EnvVar(
     "Build-time: NVSHMEM installation (include/ and lib/); overrides the auto-detected nvidia-nvshmem wheel.")
 
 ALL: tuple[EnvVar, ...] = (TIMEOUT_S, BACKEND, DISPATCH_RECEIVE, COMBINE_COPY, GPUS_PER_NODE, INTERNODE,
-                           TOPK_IDX_BITS, LL_PUT_ONLY, CPU_ONLY, DISABLE_NVSHMEM, DEBUG_BUILD, TRACE_DIR, NVSHMEM_DIR)
+                           TOPK_IDX_BITS, LL_PUT_ONLY, INTERNODE_PUT_ONLY, CPU_ONLY, DISABLE_NVSHMEM, DEBUG_BUILD,
+                           TRACE_DIR, NVSHMEM_DIR)
 
 
 def describe() -> str:

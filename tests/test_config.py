@@ -335,3 +335,13 @@ def test_zone_ctas_capped(monkeypatch, num_sms, want):
     import deep_ep.config as cfg
     monkeypatch.setattr(cfg, "COMBINE_ZONE_MAX_CTAS", 24)
     assert cfg.zone_ctas(num_sms) == want
+
+
+def test_put_peers_are_symmetric():
+    """A pair is a put pair when either side cannot reach the other; DEEP_EP_INTERNODE_PUT_ONLY makes every pair one."""
+    unreachable = [[2], [], [], [0, 1]]  # rank 0 cannot reach 2; rank 3 cannot reach 0 and 1
+    peers = [cfg.put_peers(r, unreachable, False) for r in range(4)]
+    assert peers == [[2, 3], [3], [0], [0, 1]]
+    assert all(r in peers[d] for r in range(4) for d in peers[r])
+    assert cfg.put_peers(1, [[], [], []], True) == [0, 2]
+    assert cfg.put_peers(0, [[], []], False) == []

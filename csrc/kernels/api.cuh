@@ -6,6 +6,8 @@
 //                   `code` is now written by the claimer (still first, before `ready`). No signature changed.
 //   v3 (branch d2o): DispatchArgs gains channel_prefix_matrix, direct_data_offset, direct_meta_offset and
 //                   skip_receive_copy (direct-to-output receive, design §2.8); phase kPhaseDispatchSendWaitOutput.
+//   v4 (branch nicput): KernelContext gains put_mask (NVSHMEM put peers of the internode backend;
+//                   rings only for them, no copy-engine or zone combine in such a world).
 //
 // Host obligations (beyond the arguments):
 //   * Zero the whole scale-up buffer (or at least kControlBytes of it) and the workspace before the first call;
@@ -132,7 +134,8 @@ struct ErrorRecord {
 // ---------------------------------------------------------------------------------------------------------------
 
 struct KernelContext {
-    void* buffers[kMaxRanks];  // scale-up buffer base of every rank of the node (own = local), IPC-mapped
+    // Scale-up buffer base of every rank (own = local): IPC- or nvshmem_ptr-mapped; null for a put peer.
+    void* buffers[kMaxRanks];
     void* workspace;           // this rank's private zeroed workspace (kWorkspaceBytes), see layout.cuh
     ErrorRecord* error;        // device alias of the host-mapped error record
     int64_t num_nvl_bytes;     // size of every rank's buffer (equal on all ranks)
@@ -141,6 +144,11 @@ struct KernelContext {
     int32_t rank;              // 0 <= rank < num_ranks
     int32_t num_ranks;         // 1..kMaxRanks
     int32_t skip_sends;        // fault injection (tests): 1 = this rank writes no ring data and publishes no tails
+    // NVSHMEM put peers (symmetric runtimes only; layout.cuh, "put area"). Bit r set: rank r has no pointer and is
+    // reached by puts from this rank's staging (buffers[rank] is the symmetric address) and signals. Ranks without
+    // the bit are reached by pointer as before. With a bit set the put area starts at byte num_nvl_bytes (the
+    // kernels' region ends there). Needs an NVSHMEM build. (Fills the struct's padding: the size is unchanged.)
+    uint32_t put_mask;
 };
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -113,6 +113,9 @@ __device__ __forceinline__ void warp_copy_row(const int4* src, int64_t num_int4,
 // Notify: exchange per-destination, per-expert and per-channel counts; build the handle's prefix matrices.
 // =============================================================================================================
 
+// kPut: some peers are NVSHMEM put peers (put.cuh): their counts are staged in this rank's put area and put with the
+// flag as signal.
+template <bool kPut>
 __global__ void __launch_bounds__(kNotifyThreads, 1) notify_counts_kernel(KernelContext ctx, NotifyArgs args) {
     __shared__ int channel_counts[kMaxRanks][kMaxChannels];  // my tokens to d in channel c
     __shared__ int rank_totals[kMaxRanks];
@@ -160,8 +163,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_counts_kernel(Kernel
     const int per_dst = num_ranks + num_local_experts + num_channels;
     for (int i = static_cast<int>(threadIdx.x); i < num_ranks * per_dst; i += static_cast<int>(blockDim.x)) {
         const int d = i / per_dst, k = i % per_dst;
-        int* slot = reinterpret_cast<int*>(buffer_u32(ctx.buffers[d], kNotifyDataOffset)) +
-                    (static_cast<int64_t>(parity) * kMaxRanks + rank) * slot_ints;
+        int* slot = kPut && is_put_peer(ctx, d)
+            ? reinterpret_cast<int*>(own_buffer(ctx) + ctx.num_nvl_bytes + kPutNotifyStageOffset) + d * slot_ints
+            : reinterpret_cast<int*>(buffer_u32(ctx.buffers[d], kNotifyDataOffset)) +
+                  (static_cast<int64_t>(parity) * kMaxRanks + rank) * slot_ints;
         int value, pos;
         if (k < num_ranks) {
             value = rank_totals[k];
@@ -177,19 +182,31 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_counts_kernel(Kernel
     }
     __threadfence_system();
     __syncthreads();
-    if (threadIdx.x < num_ranks) {
+    const int64_t my_slot = (static_cast<int64_t>(parity) * kMaxRanks + rank);
+    if (threadIdx.x < num_ranks && !(kPut && is_put_peer(ctx, static_cast<int>(threadIdx.x)))) {
         const int d = static_cast<int>(threadIdx.x);
         fence_acq_rel_sys();
         st_release_sys(buffer_u32(ctx.buffers[d], kNotifyFlagOffset) + parity * kMaxRanks + rank, epoch);
+    }
+    // Put peer d: warp d puts my staged counts for d into my slot at d, with the flag as signal.
+    if (kPut && warp < num_ranks && is_put_peer(ctx, warp)) {
+        __syncwarp();  // the lanes of warp 0 that stored pointer peers' flags join first
+        put_block_with_flag(ctx, own_buffer(ctx) + ctx.num_nvl_bytes + kPutNotifyStageOffset +
+                                     static_cast<int64_t>(warp) * slot_ints * 4,
+                            kNotifyDataOffset + my_slot * slot_ints * 4, static_cast<int64_t>(slot_ints) * 4, warp,
+                            kNotifyFlagOffset + my_slot * 4, epoch);
     }
 
     // 4. Wait until every source's counts of this epoch are here.
     if (threadIdx.x < num_ranks) {
         const int s = static_cast<int>(threadIdx.x);
+        const int64_t flag = kNotifyFlagOffset + 4 * (static_cast<int64_t>(parity) * kMaxRanks + s);
         uint32_t seen;
         // On failure the error is reported; the outputs below are then garbage but every write stays in bounds.
-        wait_geq(ctx, buffer_u32(ctx.buffers[rank], kNotifyFlagOffset) + parity * kMaxRanks + s, epoch,
-                 Site{kKernelNotify, kPhaseNotifyWaitCounts, s, -1}, &seen);
+        uint32_t* word = buffer_u32(ctx.buffers[rank], kNotifyFlagOffset) + parity * kMaxRanks + s;
+        if (wait_geq(ctx, peer_word<kPut>(ctx, word, flag, s), epoch,
+                     Site{kKernelNotify, kPhaseNotifyWaitCounts, s, -1}, &seen))
+            after_peer_wait<kPut>(ctx, flag, s);
     }
     __syncthreads();
 
@@ -249,18 +266,22 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_counts_kernel(Kernel
 // destination in `dst_mask` has been consumed, i.e. head[c'][d] >= tail_shadow[c'][d] for every channel c' that any
 // call used (`num_checked` channels). Needed because the ring geometry may change between calls. Fast path: relaxed
 // loads in parallel over lanes, then one system fence (acquire pattern). Returns false on failure (reported).
+// A put peer's heads are the low halves of signal twins (put.cuh); they guard no data this rank reads.
+template <bool kPut>
 __device__ bool warp_wait_drained(const KernelContext& ctx, uint32_t dst_mask, int num_checked, int64_t head_offset,
                                   int64_t shadow_offset, int kernel, int phase, int channel) {
-    const uint32_t* heads = buffer_u32(ctx.buffers[ctx.rank], head_offset);
+    uint32_t* heads = buffer_u32(ctx.buffers[ctx.rank], head_offset);
     const uint32_t* shadows = workspace_u32(ctx, shadow_offset);
     bool ok = true;
     for (int i = lane_id(); i < ctx.num_ranks * num_checked && ok; i += 32) {
         const int d = i % ctx.num_ranks, c = i / ctx.num_ranks;
         if (((dst_mask >> d) & 1u) == 0) continue;
         const uint32_t target = shadows[counter_index(c, d)];
-        if (seq_geq(ld_relaxed_sys(heads + counter_index(c, d)), target)) continue;
+        const uint32_t* head =
+            peer_word<kPut>(ctx, heads + counter_index(c, d), head_offset + 4 * counter_index(c, d), d);
+        if (seq_geq(ld_relaxed_sys(head), target)) continue;
         uint32_t seen;
-        ok = wait_geq(ctx, heads + counter_index(c, d), target, Site{kernel, phase, d, channel}, &seen);
+        ok = wait_geq(ctx, head, target, Site{kernel, phase, d, channel}, &seen);
     }
     fence_acq_rel_sys();
     return __all_sync(0xffffffffu, ok);
@@ -285,8 +306,8 @@ __device__ bool warp_wait_freed(const KernelContext& ctx, uint32_t copy_epoch, i
 __device__ bool warp_wait_landing_zones_free(const KernelContext& ctx, uint32_t copy_epoch) {
     const uint32_t peers = ((1u << ctx.num_ranks) - 1u) & ~(1u << ctx.rank);
     const int num_checked = static_cast<int>(*workspace_u32(ctx, kWsCombineMaxChannelsOffset));
-    return warp_wait_drained(ctx, peers, num_checked, kCombineHeadOffset, kWsCombineTailShadowOffset, kKernelCombine,
-                             kPhaseCombineSendDrain, -1) &&
+    return warp_wait_drained<false>(ctx, peers, num_checked, kCombineHeadOffset, kWsCombineTailShadowOffset,
+                                    kKernelCombine, kPhaseCombineSendDrain, -1) &&
            warp_wait_freed(ctx, copy_epoch - 1u, -1);
 }
 
@@ -351,29 +372,42 @@ __device__ __forceinline__ void publisher_idle(const KernelContext& ctx, volatil
 // One lane, before writing ring slot `needed_end - 1` of destination `dst`: waits until the slot is free, i.e. the
 // head (written by dst into my buffer) has reached needed_end - capacity. `head_cache` (shared, per destination)
 // holds a head value seen earlier by any warp: heads only grow, so any cached value is a valid lower bound.
+template <bool kPut>
 __device__ __forceinline__ bool wait_space(const KernelContext& ctx, volatile uint32_t* head_cache, int dst,
                                            int channel, uint32_t needed_end, int capacity, int64_t head_offset,
                                            int kernel, int phase) {
     const uint32_t needed_head = needed_end - static_cast<uint32_t>(capacity);
     if (seq_geq(head_cache[dst], needed_head)) return true;
     uint32_t seen;
-    const bool ok = wait_geq(ctx, buffer_u32(ctx.buffers[ctx.rank], head_offset) + counter_index(channel, dst),
+    uint32_t* word = buffer_u32(ctx.buffers[ctx.rank], head_offset) + counter_index(channel, dst);
+    const bool ok = wait_geq(ctx, peer_word<kPut>(ctx, word, head_offset + 4 * counter_index(channel, dst), dst),
                              needed_head, Site{kernel, phase, dst, channel}, &seen);
     if (ok) head_cache[dst] = seen;
     return ok;
 }
 
-// Publisher lane 0: one system fence, then the new tails of every peer d whose count changed.
+// Publisher lane 0: one system fence, then the new tails of every peer d whose count changed. A put peer's new
+// records (staged by the copy warps) go with its tail: the whole warp puts them (put.cuh put_records).
+template <bool kPut>
 __device__ __forceinline__ void publish_tails(const KernelContext& ctx, int count, int old_count,
-                                              const uint32_t* tail_base, int channel, int64_t tail_offset) {
+                                              const uint32_t* tail_base, int channel, int64_t tail_offset,
+                                              RingGeometry ring) {
     const int lane = lane_id();
     if (lane == 0) fence_acq_rel_sys();
     for (int d = 0; d < ctx.num_ranks; ++d) {
         const int c = __shfl_sync(0xffffffffu, count, d);
         const int old = __shfl_sync(0xffffffffu, old_count, d);
-        if (lane == 0 && d != ctx.rank && c > old && !ctx.skip_sends)
+        if (kPut && is_put_peer(ctx, d)) {
+            if (d != ctx.rank && c > old && !ctx.skip_sends) {
+                __syncwarp();  // lane 0's fence comes before the warp reads the staged records
+                put_records(ctx, ring, channel, d, tail_base[d] + static_cast<uint32_t>(old), c - old,
+                            tail_offset + 4 * counter_index(channel, ctx.rank),
+                            tail_base[d] + static_cast<uint32_t>(c));
+            }
+        } else if (lane == 0 && d != ctx.rank && c > old && !ctx.skip_sends) {
             st_release_sys(buffer_u32(ctx.buffers[d], tail_offset) + counter_index(channel, ctx.rank),
                            tail_base[d] + static_cast<uint32_t>(c));
+        }
     }
     __syncwarp();
 }
@@ -556,7 +590,10 @@ struct DirectOutput {
     int64_t row_base;  // row of this channel's first token to the receiver
 };
 
-template <typename IdxT>
+// kPut: some peers are NVSHMEM put peers (put.cuh). Rings only between put peers: a sender stages their records
+// in its put area and its publisher puts them with the tails; a receiver neither tells them where its outputs lie
+// nor receives their rows in place.
+template <typename IdxT, bool kPut>
 __global__ void __launch_bounds__(kChannelThreads, 1)
     dispatch_kernel(KernelContext ctx, DispatchArgs args, DispatchGeometry geo) {
     __shared__ uint32_t tail_base[kMaxRanks];       // tail shadow at kernel entry, per destination
@@ -616,8 +653,10 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     const bool overflow = cta_failed != 0;
     const bool receive_direct = args.direct_data_offset >= 0 && !overflow;
 
-    // Tell every sender where my outputs of this call lie (or that I use the rings), before anything waits.
-    if (static_cast<int>(threadIdx.x) < num_ranks && static_cast<int>(threadIdx.x) != rank) {
+    // Tell every sender where my outputs of this call lie (or that I use the rings), before anything waits. A put
+    // peer sends through the rings and reads no word.
+    if (static_cast<int>(threadIdx.x) < num_ranks && static_cast<int>(threadIdx.x) != rank &&
+        !(kPut && is_put_peer(ctx, static_cast<int>(threadIdx.x)))) {
         auto* word = reinterpret_cast<DispatchOutputWord*>(static_cast<char*>(ctx.buffers[threadIdx.x]) +
                                                            kDispatchOutputOffset) + counter_index(channel, rank);
         volatile uint32_t* fields = reinterpret_cast<volatile uint32_t*>(word);
@@ -658,8 +697,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         } else if (warp == num_ranks && !overflow) {
             const uint32_t peers = ((1u << num_ranks) - 1u) & ~(1u << rank);
             const int num_checked = raise_max_channels(ctx, kWsDispatchMaxChannelsOffset, num_channels);
-            if (!warp_wait_drained(ctx, peers, num_checked, kDispatchHeadOffset, kWsDispatchTailShadowOffset,
-                                   kKernelDispatch, kPhaseDispatchSendDrain, channel) && lane == 0)
+            if (!warp_wait_drained<kPut>(ctx, peers, num_checked, kDispatchHeadOffset, kWsDispatchTailShadowOffset,
+                                         kKernelDispatch, kPhaseDispatchSendDrain, channel) && lane == 0)
                 cta_failed = 1;
         } else if (warp == num_ranks + 1 && lane < num_ranks && lane != rank && !overflow && !ctx.skip_sends) {
             // Lane d: the handle's count of my tokens to d in this channel (channel_prefix_matrix is inclusive).
@@ -670,7 +709,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             const int* cpm_row = args.channel_prefix_matrix + d * num_channels;
             const int expected = cpm_row[channel] - (channel > 0 ? cpm_row[channel - 1] : 0);
             expected_total[d] = expected;
-            if (expected > 0) {
+            if (expected > 0 && !(kPut && is_put_peer(ctx, d))) {
                 auto* word = reinterpret_cast<DispatchOutputWord*>(static_cast<char*>(ctx.buffers[rank]) +
                                                                    kDispatchOutputOffset) + counter_index(channel, d);
                 uint32_t seen;
@@ -735,8 +774,9 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                     const int j = head_row[lane];
                     if (j >= 0) {
                         RoleTrace::wait_begin();
-                        ok = wait_space(ctx, head_cache, lane, channel, tail_base[lane] + static_cast<uint32_t>(j) + 1u,
-                                        capacity, kDispatchHeadOffset, kKernelDispatch, kPhaseDispatchSendWaitHead);
+                        ok = wait_space<kPut>(ctx, head_cache, lane, channel,
+                                              tail_base[lane] + static_cast<uint32_t>(j) + 1u, capacity,
+                                              kDispatchHeadOffset, kKernelDispatch, kPhaseDispatchSendWaitHead);
                         RoleTrace::wait_end();
                     }
                 }
@@ -762,15 +802,20 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                         const int j = head_row[d];
                         if (j < 0 || d == rank) continue;
                         int64_t byte_offset, row = -1;
+                        char* base = static_cast<char*>(ctx.buffers[d]);
                         if (direct[d].data >= 0) {  // straight into row `row` of d's recv_x
                             row = direct[d].row_base + j;
                             byte_offset = direct[d].data + row * args.hidden_bytes;
                         } else {
                             const uint32_t slot = (tail_base[d] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
                             byte_offset = geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
+                            if (kPut && is_put_peer(ctx, d)) {  // the staging twin; the publisher puts it
+                                base = own_buffer(ctx) + put_stage_shift(ctx.num_nvl_bytes);
+                                byte_offset = geo.ring.slot_offset(channel, d, static_cast<int>(slot));
+                            }
                         }
                         if (lane == 0) {
-                            dsts[num_dsts] = reinterpret_cast<int4*>(static_cast<char*>(ctx.buffers[d]) + byte_offset);
+                            dsts[num_dsts] = reinterpret_cast<int4*>(base + byte_offset);
                             warp_dst_rank[warp][num_dsts] = d;
                             warp_dst_row[warp][num_dsts] = row;
                         }
@@ -858,7 +903,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                     ((any_ring && ready - published >= args.num_max_send_tokens) || ready == num_channel_tokens)) {
                     const int old = count;
                     count = raise_counts(args.send_head, num_ranks, begin + published, begin + ready, count);
-                    publish_tails(ctx, count, old, tail_base, channel, kDispatchTailOffset);
+                    publish_tails<kPut>(ctx, count, old, tail_base, channel, kDispatchTailOffset, geo.ring);
                     published = ready;
                     RoleTrace::item();
                 } else {
@@ -891,12 +936,15 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         const int64_t row_base = static_cast<int64_t>(src_block) + channel_first;
         uint32_t* head_shadow = workspace_u32(ctx, kWsDispatchHeadShadowOffset + 4 * counter_index(channel, src));
         const uint32_t base = *head_shadow;
-        const uint32_t* tail_word = buffer_u32(ctx.buffers[rank], kDispatchTailOffset) + counter_index(channel, src);
-        uint32_t* remote_head = buffer_u32(ctx.buffers[src], kDispatchHeadOffset) + counter_index(channel, rank);
+        const int64_t tail_offset = kDispatchTailOffset + 4 * counter_index(channel, src);
+        const uint32_t* tail_word = peer_word<kPut>(
+            ctx, buffer_u32(ctx.buffers[rank], kDispatchTailOffset) + counter_index(channel, src), tail_offset, src);
+        const int64_t head_offset = kDispatchHeadOffset + 4 * counter_index(channel, rank);  // in src's buffer
+        uint32_t* remote_head = kPut && is_put_peer(ctx, src) ? nullptr : buffer_u32(ctx.buffers[src], head_offset);
         RoleTrace::prologue();
 
         int done = 0;
-        if (receive_direct) {
+        if (receive_direct && !(kPut && is_put_peer(ctx, src))) {
             // Senders wrote my rows in place: wait until their tails cover all of them, then free the sequence
             // numbers (the sender's next call checks the head before reusing the ring).
             if (warp_in_group == 0 && lane == 0 && num_slots > 0) {
@@ -904,7 +952,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 RoleTrace::wait_begin();
                 if (wait_geq(ctx, tail_word, base + static_cast<uint32_t>(num_slots),
                              Site{kKernelDispatch, kPhaseDispatchRecvWaitTail, src, channel}, &seen))
-                    st_release_sys(remote_head, base + static_cast<uint32_t>(num_slots));
+                    publish_word<kPut>(ctx, remote_head, head_offset, src, base + static_cast<uint32_t>(num_slots));
                 else
                     cta_failed = 1;
                 RoleTrace::wait_end();
@@ -920,6 +968,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 RoleTrace::wait_begin();
                 if (wait_geq(ctx, tail_word, base + static_cast<uint32_t>(done) + 1u,
                              Site{kKernelDispatch, kPhaseDispatchRecvWaitTail, src, channel}, &seen)) {
+                    after_peer_wait<kPut>(ctx, tail_offset, src);
                     avail = static_cast<int>(seen - base);
                     avail = avail < num_slots ? avail : num_slots;
                 } else {
@@ -958,7 +1007,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 RoleTrace::item_end();
             }
             named_barrier(barrier_id, group_warps * 32);
-            if (warp_in_group == 0 && lane == 0) st_release_sys(remote_head, base + static_cast<uint32_t>(avail));
+            if (warp_in_group == 0 && lane == 0)
+                publish_word<kPut>(ctx, remote_head, head_offset, src, base + static_cast<uint32_t>(avail));
             done = avail;
         }
         if (warp_in_group == 0 && lane == 0 && !overflow) *head_shadow = base + static_cast<uint32_t>(num_slots);
@@ -1136,6 +1186,8 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& args, int t, con
     }
 }
 
+// kPut: some peers are NVSHMEM put peers (put.cuh): rows for them are staged and put with the tails.
+template <bool kPut>
 __global__ void __launch_bounds__(kChannelThreads, 1)
     combine_kernel(KernelContext ctx, CombineArgs args, CombineGeometry geo) {
     // Warps [0, W) push rows of my receive blocks back to their owners' rings: warp w serves destination index
@@ -1195,8 +1247,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         if (warp == 0 && !ctx.skip_sends) {
             const uint32_t peers = ((1u << num_ranks) - 1u) & ~(1u << rank);
             const int num_checked = raise_max_channels(ctx, kWsCombineMaxChannelsOffset, num_channels);
-            if (!warp_wait_drained(ctx, peers, num_checked, kCombineHeadOffset, kWsCombineTailShadowOffset,
-                                   kKernelCombine, kPhaseCombineSendDrain, channel) && lane == 0)
+            if (!warp_wait_drained<kPut>(ctx, peers, num_checked, kCombineHeadOffset, kWsCombineTailShadowOffset,
+                                         kKernelCombine, kPhaseCombineSendDrain, channel) && lane == 0)
                 cta_failed = 1;
             // The rings share the combine half with the landing zones of copy-engine combines: those must be read.
             if (!warp_wait_freed(ctx, args.copy_epoch, channel) && lane == 0) cta_failed = 1;
@@ -1218,8 +1270,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             RoleTrace::item_begin();
             if (lane == 0) {
                 RoleTrace::wait_begin();
-                ok = wait_space(ctx, head_cache, dst, channel, tail_base[dst] + static_cast<uint32_t>(j) + 1u, capacity,
-                                kCombineHeadOffset, kKernelCombine, kPhaseCombineSendWaitHead);
+                ok = wait_space<kPut>(ctx, head_cache, dst, channel, tail_base[dst] + static_cast<uint32_t>(j) + 1u,
+                                      capacity, kCombineHeadOffset, kKernelCombine, kPhaseCombineSendWaitHead);
                 RoleTrace::wait_end();
             }
             RoleTrace::warp_wait();
@@ -1229,7 +1281,9 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             }
             const int64_t row = first + j;
             const uint32_t slot = (tail_base[dst] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
-            char* rec = static_cast<char*>(ctx.buffers[dst]) + geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
+            char* rec = kPut && is_put_peer(ctx, dst)  // the staging twin; the publisher puts it
+                ? staging_slot(ctx, geo.ring, channel, dst, static_cast<int>(slot))
+                : static_cast<char*>(ctx.buffers[dst]) + geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
             int4* rec_row = reinterpret_cast<int4*>(rec);
             const int4* src_row =
                 reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * args.hidden * 2);
@@ -1258,7 +1312,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                                  (ready - sent >= args.num_max_send_tokens || ready == my_count);
             if (__any_sync(0xffffffffu, publish)) {
                 const int next = publish ? ready : sent;
-                publish_tails(ctx, next, sent, tail_base, channel, kCombineTailOffset);
+                publish_tails<kPut>(ctx, next, sent, tail_base, channel, kCombineTailOffset, geo.ring);
                 sent = next;
                 acted = true;
             }
@@ -1268,8 +1322,10 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 const int old = consumed;
                 consumed = raise_counts(args.send_head, num_ranks, begin + reduced, begin + done, consumed);
                 if (lane < num_ranks && lane != rank && consumed > old)
-                    st_release_sys(buffer_u32(ctx.buffers[lane], kCombineHeadOffset) + counter_index(channel, rank),
-                                   head_base[lane] + static_cast<uint32_t>(consumed));
+                    publish_word<kPut>(ctx,
+                                       buffer_u32(ctx.buffers[lane], kCombineHeadOffset) + counter_index(channel, rank),
+                                       kCombineHeadOffset + 4 * counter_index(channel, rank), lane,
+                                       head_base[lane] + static_cast<uint32_t>(consumed));
                 reduced = done;
                 acted = true;
             }
@@ -1314,11 +1370,19 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 const uint32_t needed = head_base[lane] + static_cast<uint32_t>(j) + 1u;
                 if (j >= 0 && !seq_geq(tail_cache[lane], needed)) {
                     uint32_t seen;
+                    const int64_t tail_offset = kCombineTailOffset + 4 * counter_index(channel, lane);
                     RoleTrace::wait_begin();
-                    ok = wait_geq(ctx, buffer_u32(ctx.buffers[rank], kCombineTailOffset) + counter_index(channel, lane),
+                    ok = wait_geq(ctx,
+                                  peer_word<kPut>(ctx,
+                                                  buffer_u32(ctx.buffers[rank], kCombineTailOffset) +
+                                                      counter_index(channel, lane),
+                                                  tail_offset, lane),
                                   needed, Site{kKernelCombine, kPhaseCombineRecvWaitTail, lane, channel}, &seen);
                     RoleTrace::wait_end();
-                    if (ok) tail_cache[lane] = seen;
+                    if (ok) {
+                        after_peer_wait<kPut>(ctx, tail_offset, lane);
+                        tail_cache[lane] = seen;
+                    }
                 }
                 __threadfence_block();  // acquire: a cached tail was stored after its reader's acquire load
             }
@@ -1591,15 +1655,22 @@ __global__ void combine_copy_flag_kernel(KernelContext ctx, LandedFlags flags) {
 // Barrier, reset, abort
 // =============================================================================================================
 
+// Lane r signals rank r (an NVSHMEM signal for a put peer) and waits for r's arrival here.
 __global__ void barrier_kernel(KernelContext ctx) {
     const int lane = lane_id();
     const uint32_t epoch = *workspace_u32(ctx, kWsBarrierEpochOffset) + 1;
-    if (lane < ctx.num_ranks)
-        red_add_release_sys(buffer_u32(ctx.buffers[lane], kBarrierOffset) + ctx.rank, 1u);
+    const int64_t my_arrival = kBarrierOffset + 4 * ctx.rank, its_arrival = kBarrierOffset + 4 * lane;
+    if (lane < ctx.num_ranks) {
+        if (is_put_peer(ctx, lane))
+            put_signal(ctx, my_arrival, lane, 1u, true);
+        else
+            red_add_release_sys(buffer_u32(ctx.buffers[lane], my_arrival), 1u);
+    }
     if (lane < ctx.num_ranks) {
         uint32_t seen;
-        wait_geq(ctx, buffer_u32(ctx.buffers[ctx.rank], kBarrierOffset) + lane, epoch,
-                 Site{kKernelBarrier, kPhaseBarrierWait, lane, -1}, &seen);
+        if (wait_geq(ctx, peer_word<true>(ctx, buffer_u32(ctx.buffers[ctx.rank], its_arrival), its_arrival, lane),
+                     epoch, Site{kKernelBarrier, kPhaseBarrierWait, lane, -1}, &seen))
+            after_peer_wait<true>(ctx, its_arrival, lane);
     }
     __syncwarp();
     if (lane == 0) *workspace_u32(ctx, kWsBarrierEpochOffset) = epoch;
@@ -1614,12 +1685,21 @@ __global__ void reset_state_kernel(KernelContext ctx) {
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < kWsUsedBytes / 4;
          i += static_cast<int64_t>(gridDim.x) * blockDim.x)
         ws[i] = 0;
+    if (ctx.put_mask != 0) {  // the signal twins of the control region (put.cuh)
+        uint64_t* twins = signal_twin(ctx, 0);
+        for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < kControlBytes / 4;
+             i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+            twins[i] = 0;
+    }
 }
 
 __global__ void signal_abort_kernel(KernelContext ctx) {
     const uint32_t word = (static_cast<uint32_t>(kErrorPeerAborted) << 8) | static_cast<uint32_t>(ctx.rank + 1);
     const int r = static_cast<int>(threadIdx.x);
-    if (r < ctx.num_ranks) atomicCAS_system(reinterpret_cast<unsigned int*>(abort_word(ctx.buffers[r])), 0u, word);
+    if (r < ctx.num_ranks && is_put_peer(ctx, r))
+        put_abort(ctx, r, word);
+    else if (r < ctx.num_ranks)
+        atomicCAS_system(reinterpret_cast<unsigned int*>(abort_word(ctx.buffers[r])), 0u, word);
 }
 
 // ---- host-side checks ----
@@ -1629,8 +1709,12 @@ void check_context(const KernelContext& ctx, const char* what) {
                       "], got ", ctx.num_ranks);
     DEEP_EP_CHECK_ARG(ctx.rank >= 0 && ctx.rank < ctx.num_ranks, what, ": rank must be in [0, num_ranks), got ",
                       ctx.rank);
+    DEEP_EP_CHECK_ARG(ctx.put_mask == 0 || (kHasPutPath && ((ctx.put_mask >> ctx.rank) & 1u) == 0 &&
+                                            (ctx.put_mask >> ctx.num_ranks) == 0),
+                      what, ": put peers (mask ", ctx.put_mask, ") need an NVSHMEM build, a put area and a valid mask");
     for (int r = 0; r < ctx.num_ranks; ++r)
-        DEEP_EP_CHECK_ARG(ctx.buffers[r] != nullptr, what, ": the buffer of rank ", r, " is not mapped");
+        DEEP_EP_CHECK_ARG(ctx.buffers[r] != nullptr || ((ctx.put_mask >> r) & 1u) != 0, what, ": the buffer of rank ",
+                          r, " is not mapped");
     DEEP_EP_CHECK_ARG(ctx.workspace != nullptr, what, ": workspace must not be null");
     DEEP_EP_CHECK_ARG(ctx.num_nvl_bytes >= kControlBytes, what, ": num_nvl_bytes must be >= ", kControlBytes,
                       ", got ", ctx.num_nvl_bytes);
@@ -1679,7 +1763,10 @@ void intranode_notify(const KernelContext& ctx, const NotifyArgs& args, cudaStre
                       kMaxLocalExperts, ", got ", args.num_experts / ctx.num_ranks);
     DEEP_EP_CHECK_ARG(args.expert_alignment >= 1, "notify: expert_alignment must be >= 1, got ", args.expert_alignment);
     DEEP_EP_CHECK_ARG(args.num_tokens >= 0, "notify: num_tokens must be >= 0, got ", args.num_tokens);
-    notify_counts_kernel<<<1, kNotifyThreads, 0, stream>>>(ctx, args);
+    if (ctx.put_mask != 0)
+        notify_counts_kernel<true><<<1, kNotifyThreads, 0, stream>>>(ctx, args);
+    else
+        notify_counts_kernel<false><<<1, kNotifyThreads, 0, stream>>>(ctx, args);
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1719,10 +1806,15 @@ void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cuda
     if (ctx.num_ranks == 1 && geo.ring.capacity < 1) geo.ring.capacity = 1;  // no ring is used with one rank
 
     check_resident("dispatch", args.num_channels);
-    if (args.topk_idx_bytes == 8)
-        dispatch_kernel<int64_t><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    const bool put = ctx.put_mask != 0;
+    if (args.topk_idx_bytes == 8 && put)
+        dispatch_kernel<int64_t, true><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    else if (args.topk_idx_bytes == 8)
+        dispatch_kernel<int64_t, false><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    else if (put)
+        dispatch_kernel<int32_t, true><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
     else
-        dispatch_kernel<int32_t><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+        dispatch_kernel<int32_t, false><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -1752,13 +1844,18 @@ void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaSt
         if (geo.ring.capacity < 1) geo.ring.capacity = 1;
     }
     check_resident("combine", args.num_channels);
-    combine_kernel<<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    if (ctx.put_mask != 0)
+        combine_kernel<true><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
+    else
+        combine_kernel<false><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 
 void intranode_combine_landed(const KernelContext& ctx, const CombineArgs& args, int num_ctas, bool zone,
                               cudaStream_t stream) {
     check_context(ctx, "combine");
+    DEEP_EP_CHECK_ARG(ctx.put_mask == 0, "combine: the landing-zone combines store into peers' buffers; a world with ",
+                      "NVSHMEM put peers (mask ", ctx.put_mask, ") combines through the rings");
     DEEP_EP_CHECK_ARG(args.hidden > 0 && (args.hidden * 2) % 16 == 0,
                       "combine: hidden * 2 bytes must be a positive multiple of 16, got hidden ", args.hidden);
     DEEP_EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "combine: num_topk must be in [0, ", kMaxTopk,

@@ -175,6 +175,42 @@ DEEP_EP_HOST_DEVICE DispatchOutputLayout dispatch_output_layout(int64_t rows, in
     return l;
 }
 
+// ---- put area (worlds with NVSHMEM put peers: deep_ep/cuda_internode.py, docs/multinode.md) ----
+// A rank that reaches a peer only through NVSHMEM (no nvshmem_ptr) cannot store into the peer's rings: it stages
+// each record in its own buffer and puts it to the same offset at the peer, then publishes the counter with a
+// signal. When some pair of the world is such a put pair, every rank's buffer of `num_nvl_bytes` is carved as
+//   [the kernels' region of ring_bytes: control, two ring halves, output pool (possibly empty)]
+//   [put area at put_offset = ring_bytes:
+//     signal twins   uint64 [kControlBytes / 4]  the twin of the control region's uint32 word at byte o lives at
+//                                                put_offset + 2 * o; a put peer publishes a flag or counter there
+//                                                (NVSHMEM signals are 64-bit), the low half holds the uint32 value
+//     notify staging int32 [kMaxRanks][kNotifyInts]  this rank's notify counts for each put destination
+//     dispatch staging, combine staging: the shape of the two ring halves; record slot k of ring (c, s) here
+//                                        stages what this rank puts into slot k of its own ring (c, me) at rank s]
+// The layout is the same on every rank of the world (ring_bytes is what the kernels see as num_nvl_bytes).
+constexpr int64_t kPutNotifyStageOffset = 2 * kControlBytes;
+constexpr int64_t kPutHeaderBytes =
+    kPutNotifyStageOffset + ((int64_t)kMaxRanks * kNotifyInts * 4 + kBufferAlignment - 1) / kBufferAlignment *
+                                kBufferAlignment;
+struct PutLayout {
+    int64_t ring_bytes;  // the kernels' region [0, ring_bytes); the put area starts here
+    int64_t half;        // bytes of each ring half, and of each staging half
+};
+// Each staging half equals a ring half, so the rings get a quarter of what is left after the fixed regions (at
+// most kMaxRingHalfBytes each); bytes beyond that stay the output pool. half = 0: num_nvl_bytes is too small.
+DEEP_EP_HOST_DEVICE PutLayout put_layout(int64_t num_nvl_bytes) {
+    PutLayout p;
+    const int64_t left = num_nvl_bytes - kControlBytes - kPutHeaderBytes;
+    p.half = left > 0 ? align_down64(left / 4, kBufferAlignment) : 0;
+    if (p.half > kMaxRingHalfBytes) p.half = kMaxRingHalfBytes;
+    p.ring_bytes = p.half < kMaxRingHalfBytes ? kControlBytes + 2 * p.half
+                                              : num_nvl_bytes - kPutHeaderBytes - 2 * p.half;
+    return p;
+}
+// Byte offset from slot offset `slot_offset` of ring (c, s) (RingGeometry::slot_offset, either half) to its
+// staging twin: the put area's staging halves mirror the ring halves.
+DEEP_EP_HOST_DEVICE int64_t put_stage_shift(int64_t put_offset) { return put_offset + kPutHeaderBytes - kControlBytes; }
+
 // is_combine selects the second half. capacity = min(max_capacity, source_bytes / (num_channels * record_bytes)).
 DEEP_EP_HOST_DEVICE RingGeometry ring_geometry(int64_t num_nvl_bytes, int num_ranks, int num_channels,
                                                int64_t record_bytes, int max_capacity, bool is_combine) {

@@ -15,6 +15,7 @@
 #include "layout.cuh"
 #include "error_record.cuh"
 #include "ptx.cuh"
+#include "put.cuh"
 
 namespace deep_ep {
 namespace kernels {
@@ -44,7 +45,12 @@ static __device__ __noinline__ void report_error(const KernelContext& ctx, int32
                       expected, observed, elapsed_ns);
     // Tell every rank (own included) to stop waiting. The word names the code and the first aborting rank.
     const uint32_t word = (static_cast<uint32_t>(code) << 8) | static_cast<uint32_t>(ctx.rank + 1);
-    for (int r = 0; r < ctx.num_ranks; ++r) atomicCAS_system(reinterpret_cast<unsigned int*>(abort_word(ctx.buffers[r])), 0u, word);
+    for (int r = 0; r < ctx.num_ranks; ++r) {
+        if (is_put_peer(ctx, r))
+            put_abort(ctx, r, word);
+        else
+            atomicCAS_system(reinterpret_cast<unsigned int*>(abort_word(ctx.buffers[r])), 0u, word);
+    }
     __threadfence_system();
 }
 

@@ -5,6 +5,11 @@
 GPU without MPS), and every example is checked against ``reference`` with the internode topology: recv_x (BF16 and
 FP8), top-k, the per-expert list, all ten handle fields, cached and worst-token dispatch, combine with biases and
 weights (the spec's per-node rounding). The worker pool and the inputs are those of ``test_intranode.py``.
+
+With ``DEEP_EP_INTERNODE_PUT_ONLY=1`` in the environment (``benchmarks/run_device.sh test_internode_put``) every pair
+is an NVSHMEM put pair: the same tests then run the path of peers behind a NIC (staged records, put-with-signal,
+signal twins; ``csrc/kernels/put.cuh``) over NVSHMEM's P2P transport, which ``test_put_peers_follow_the_switch``
+confirms.
 """
 from __future__ import annotations
 
@@ -16,10 +21,15 @@ from hypothesis import given
 torch = pytest.importorskip("torch")
 
 import test_intranode as ti  # noqa: E402  (tests/gpu is on sys.path: pytest's rootdir-less import)
+from deep_ep import envs  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 NUM_RDMA_BYTES = 768 * 1024 * 1024  # 256 MB of output pool after the rings (direct receive)
+if envs.INTERNODE_PUT_ONLY.get():
+    # Put peers: the buffer also holds the put area (signal twins and two staging halves as large as the ring
+    # halves, csrc/kernels/layout.cuh put_layout). 1.5 GB keeps the rings at 256 MB each and leaves ~512 MB of pool.
+    NUM_RDMA_BYTES = 1536 * 1024 * 1024
 TASK = "test_internode:task_internode_roundtrip"
 
 
@@ -183,6 +193,25 @@ def test_two_virtual_nodes_bench_shape(virtual_nodes):
                        use_fp8=use_fp8, with_topk=True, num_sms=24, expert_alignment=1, mask_prob=0.0,
                        empty_rank=-1, async_mode=False, previous_mode=False, num_bias=0, scales_col_major=False)
         virtual_nodes.run(TASK, case)
+
+
+def task_put_peers(buffer, rank: int, _payload) -> list:
+    """The ranks this rank reaches by NVSHMEM puts (``InternodeCuda.put_peers``) and the runtime's mask of them."""
+    backend = buffer.runtime
+    return [list(backend.put_peers), int(backend.runtime.get_put_mask())]
+
+
+@pytest.mark.multi_gpu
+def test_put_peers_follow_the_switch(virtual_nodes):
+    """Under ``DEEP_EP_INTERNODE_PUT_ONLY=1`` the other rank is a put peer on both sides; over NVLink (P2P) without
+    the switch, none is."""
+    if ti.DEVICE != "cuda":
+        pytest.skip("the CUDA internode backend only")
+    replies = virtual_nodes.run("test_internode:task_put_peers", None)
+    if envs.INTERNODE_PUT_ONLY.get():
+        assert replies == [[[1], 0b10], [[0], 0b01]], replies
+    else:
+        assert replies == [[[], 0], [[], 0]], replies
 
 
 @pytest.mark.multi_gpu
