@@ -16,6 +16,13 @@
 //            expert outputs after a GEMM)
 //   spread   signal to word row / 4 instead of one word (the combine's (token, sender) words hold ~4 rows each)
 //   relaxed  spread with red.relaxed.sys and no fence: unordered (the row may land after its signal), timing only
+// A second table times a full exchange: every warp sends its row and then receives the peer's row of the same
+// index, so a burst ends when every row has been received and read:
+//   ordered  the row, then red.release.sys on word row / 4 at the peer; the receiver waits for its word, then reads
+//   lines    LL128-style: the row as 120-byte payloads, each in a 128-byte line whose last 8 bytes carry the burst's
+//            epoch (+7 % bytes, no fence); the receiver polls every line until its flag is the epoch. The payloads
+//            are the source XOR the epoch and are checked: a line seen with its flag but not its payload counts as
+//            torn (128-byte stores landing whole is what this protocol assumes)
 // Build and run on a 2-GPU machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90a benchmarks/nvlink_burst.cu -o /tmp/burst && /tmp/burst
 #include <cuda_runtime.h>
@@ -33,6 +40,7 @@ constexpr int kUnroll = 7;
 struct Stamps {
     unsigned long long first_start;  // atomicMin
     unsigned long long last_end;     // atomicMax
+    unsigned long long bad;          // exchange: torn lines, wrong payloads or timed-out waits
 };
 
 
@@ -95,6 +103,92 @@ __global__ void __launch_bounds__(512) push_rows(char* dst, const char* src, int
     finish(st);
 }
 
+constexpr int kLineBytes = 128, kLinePayload = 120;
+constexpr int kLines = (kRowBytes + kLinePayload - 1) / kLinePayload;  // 120 lines of a 14336-byte row
+constexpr int kLineRowBytes = kLines * kLineBytes;                      // 15360 bytes on the wire
+constexpr unsigned long long kWaitNs = 1000000000ull;                   // every wait: at most 1 s, then counted bad
+
+__device__ __forceinline__ int4 ld_volatile_int4(const int4* p) {
+    int4 v;
+    asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// 64-bit word `w` (of 8-byte words) of a row of GPU g's source: every byte is g + 1 (cudaMemset).
+__device__ __forceinline__ unsigned long long source_word(int g) { return 0x0101010101010101ull * (g + 1); }
+
+// mode: 0 = ordered, 1 = lines. Every warp sends row q then receives row q (q = its rows, grid-strided).
+__global__ void __launch_bounds__(512) exchange_rows(char* dst, const char* inbox, int rows, int mode, int me,
+                                                     volatile unsigned* my_flag, unsigned* peer_flag, unsigned epoch,
+                                                     Stamps* st) {
+    start(my_flag, peer_flag, epoch, st);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    const unsigned long long tag = epoch, mine = source_word(me) ^ tag, theirs = source_word(1 - me) ^ tag;
+    unsigned long long bad = 0;
+    for (int row = warp * gridDim.x + blockIdx.x; row < rows; row += gridDim.x * warps) {
+        if (mode == 0) {
+            int4* to = reinterpret_cast<int4*>(dst + int64_t(row) * kRowBytes);
+            const int4 v = make_int4(int(mine), int(mine >> 32), int(mine), int(mine >> 32));
+            for (int c = lane; c < kRowBytes / 16; c += 32) to[c] = v;
+            __syncwarp();
+            auto* word = reinterpret_cast<unsigned long long*>(peer_flag) + 1 + row / 4;
+            if (lane == 0) asm volatile("red.release.sys.global.add.u64 [%0], 1;" ::"l"(word) : "memory");
+            // Receive: this row's word at home counts the rows of its group of four.
+            const unsigned long long want = min(4, rows - row / 4 * 4);
+            volatile unsigned long long* home =
+                reinterpret_cast<volatile unsigned long long*>(const_cast<unsigned*>(my_flag)) + 1 + row / 4;
+            const unsigned long long t0 = global_ns();
+            bool ok = true;
+            if (lane == 0)
+                while (*home < want)
+                    if (global_ns() - t0 > kWaitNs) { ok = false; break; }
+            ok = __shfl_sync(0xffffffffu, ok, 0);
+            asm volatile("fence.acq_rel.sys;" ::: "memory");
+            const int4* from = reinterpret_cast<const int4*>(inbox + int64_t(row) * kRowBytes);
+            for (int c = lane; c < kRowBytes / 16; c += 32) {
+                const int4 v2 = ld_volatile_int4(from + c);
+                const unsigned long long lo = (unsigned long long)(unsigned)v2.x | ((unsigned long long)(unsigned)v2.y << 32);
+                if (lo != theirs) ++bad;
+            }
+            if (!ok) ++bad;
+        } else {
+            // A warp stores 4 lines per instruction: lanes 8i..8i+7 cover line i, lane 8i+7 carries 8 payload
+            // bytes and the flag.
+            int4* to = reinterpret_cast<int4*>(dst + int64_t(row) * kLineRowBytes);
+            const int j = lane % 8;
+            for (int base = 0; base < kLines * 8; base += 32) {
+                const int c = base + lane;  // 16-byte unit of the line row
+                int4 v = make_int4(int(mine), int(mine >> 32), int(mine), int(mine >> 32));
+                if (j == 7) v = make_int4(int(mine), int(mine >> 32), int(tag), int(tag >> 32));
+                if (c < kLines * 8) to[c] = v;
+            }
+            const int4* from = reinterpret_cast<const int4*>(inbox + int64_t(row) * kLineRowBytes);
+            const unsigned long long t0 = global_ns();
+            for (int base = 0; base < kLines * 8; base += 32) {
+                const int c = base + lane;
+                int4 v{};
+                bool seen = false;
+                while (true) {
+                    if (c < kLines * 8) v = ld_volatile_int4(from + c);
+                    const bool flag = c >= kLines * 8 ||
+                                      ((unsigned long long)(unsigned)v.z | ((unsigned long long)(unsigned)v.w << 32)) == tag ||
+                                      j != 7;
+                    // Lanes 8i..8i+6 see their line's flag through lane 8i+7 of the same load.
+                    const unsigned flags = __ballot_sync(0xffffffffu, flag);
+                    const unsigned line_ok = ((flags >> (lane / 8 * 8)) & 0xffu) == 0xffu;
+                    if (__all_sync(0xffffffffu, line_ok)) { seen = true; break; }
+                    if (global_ns() - t0 > kWaitNs) break;
+                }
+                const unsigned long long lo = (unsigned long long)(unsigned)v.x | ((unsigned long long)(unsigned)v.y << 32);
+                if (!seen || (c < kLines * 8 && lo != theirs)) ++bad;
+            }
+        }
+    }
+    if (bad) atomicAdd(&st->bad, bad);
+    finish(st);
+}
+
 __global__ void __launch_bounds__(1024) push_stream(int4* dst, const int4* src, size_t n, volatile unsigned* my_flag,
                                                     unsigned* peer_flag, unsigned epoch, Stamps* st) {
     start(my_flag, peer_flag, epoch, st);
@@ -112,7 +206,7 @@ struct Gpu {
 int main() {
     if (!have_two_gpus()) return 0;
     const int max_rows = 1024;
-    const size_t bytes = size_t(max_rows) * kRowBytes + 4096;  // signal words first
+    const size_t bytes = size_t(max_rows) * kLineRowBytes + 4096;  // signal words first
     const size_t src_bytes = size_t(kScatterRows) * kRowBytes, flush_bytes = size_t(256) << 20;
     char* flush[2];
     Gpu gpus[2];
@@ -130,18 +224,22 @@ int main() {
         CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, g));
     }
     unsigned epoch = 0;
+    unsigned long long bad = 0;  // exchange variants: summed over the bursts of the last burst() call
     // Median over 20 bursts of the slower GPU's span, in microseconds; both = false: GPU 0 pushes alone.
     // variant: a push_rows mode, or -1 for push_stream.
     auto burst = [&](int variant, int rows, bool both) -> double {
         std::vector<double> spans;
+        bad = 0;
         for (int rep = 0; rep < 22; ++rep) {
             ++epoch;
             const int active = both ? 2 : 1;
             for (int g = 0; g < 2; ++g) {
                 cudaSetDevice(g);
-                Stamps init = {~0ull, 0ull};
+                Stamps init = {~0ull, 0ull, 0ull};
                 cudaMemcpyAsync(gpus[g].stamps, &init, sizeof(init), cudaMemcpyHostToDevice, gpus[g].stream);
-                if (variant >= 0 && (variant & kScattered)) cudaMemsetAsync(flush[g], rep, flush_bytes, gpus[g].stream);
+                if (variant >= 0 && variant < 100 && (variant & kScattered))
+                    cudaMemsetAsync(flush[g], rep, flush_bytes, gpus[g].stream);
+                cudaMemsetAsync(gpus[g].inbox, 0, 4096, gpus[g].stream);  // start flag and signal words
                 cudaStreamSynchronize(gpus[g].stream);
             }
             for (int g = 0; g < 2; ++g) {
@@ -152,7 +250,10 @@ int main() {
                 auto* peer_flag = reinterpret_cast<unsigned*>(peer.inbox);
                 char* dst = peer.inbox + 4096;
                 const int my_rows = (g < active) ? rows : 0;  // an idle GPU still raises the flag
-                if (variant < 0)
+                if (variant >= 100)
+                    exchange_rows<<<sms, 512, 0, me.stream>>>(dst, me.inbox + 4096, my_rows, variant - 100, g, my_flag,
+                                                              peer_flag, epoch, me.stamps);
+                else if (variant < 0)
                     push_stream<<<sms, 1024, 0, me.stream>>>(reinterpret_cast<int4*>(dst),
                                                              reinterpret_cast<const int4*>(me.local),
                                                              size_t(my_rows) * kRowBytes / 16, my_flag, peer_flag,
@@ -168,6 +269,7 @@ int main() {
                 Stamps s;
                 cudaMemcpy(&s, gpus[g].stamps, sizeof(s), cudaMemcpyDeviceToHost);
                 slowest = std::max(slowest, (s.last_end - s.first_start) * 1e-3);
+                bad += s.bad;
             }
             if (rep >= 2) spans.push_back(slowest);
         }
@@ -183,6 +285,14 @@ int main() {
         for (int v : {kHalves, -1, kSignal, kSignal | kScattered, kSignal | kSpread, kSignal | kSpread | kRelaxed})
             std::printf(" %9.2f", burst(v, rows, true));
         std::printf("\n");
+    }
+    std::printf("\nexchange (each row sent, then the peer's row of the same index received and read), us\n");
+    std::printf("%5s %9s %9s %11s\n", "rows", "ordered", "lines", "bad o/l");
+    for (int rows : {128, 256, 512, 1024}) {
+        const double ordered = burst(100, rows, true);
+        const unsigned long long bad_ordered = bad;
+        const double lines = burst(101, rows, true);
+        std::printf("%5d %9.2f %9.2f %5llu/%-5llu\n", rows, ordered, lines, bad_ordered, bad);
     }
     for (int g = 0; g < 2; ++g) {
         CHECK(cudaSetDevice(g));
