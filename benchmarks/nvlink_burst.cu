@@ -17,7 +17,8 @@
 //   spread   signal to word row / 4 instead of one word (the combine's (token, sender) words hold ~4 rows each)
 //   relaxed  spread with red.relaxed.sys and no fence: unordered (the row may land after its signal), timing only
 // A second table times a full exchange: every warp sends its row and then receives the peer's row of the same
-// index, so a burst ends when every row has been received and read:
+// index, so a burst ends when every row has been received and read (the receiver keeps kBatch 16-byte loads in flight
+// per lane):
 //   ordered  the row, then red.release.sys on word row / 4 at the peer; the receiver waits for its word, then reads
 //   lines    LL128-style: the row as 120-byte payloads, each in a 128-byte line whose last 8 bytes carry the burst's
 //            epoch (+7 % bytes, no fence); the receiver polls every line until its flag is the epoch. The payloads
@@ -107,6 +108,7 @@ constexpr int kLineBytes = 128, kLinePayload = 120;
 constexpr int kLines = (kRowBytes + kLinePayload - 1) / kLinePayload;  // 120 lines of a 14336-byte row
 constexpr int kLineRowBytes = kLines * kLineBytes;                      // 15360 bytes on the wire
 constexpr unsigned long long kWaitNs = 1000000000ull;                   // every wait: at most 1 s, then counted bad
+constexpr int kBatch = 8;                                               // receive loads in flight per lane
 
 __device__ __forceinline__ int4 ld_volatile_int4(const int4* p) {
     int4 v;
@@ -146,10 +148,20 @@ __global__ void __launch_bounds__(512) exchange_rows(char* dst, const char* inbo
             ok = __shfl_sync(0xffffffffu, ok, 0);
             asm volatile("fence.acq_rel.sys;" ::: "memory");
             const int4* from = reinterpret_cast<const int4*>(inbox + int64_t(row) * kRowBytes);
-            for (int c = lane; c < kRowBytes / 16; c += 32) {
-                const int4 v2 = ld_volatile_int4(from + c);
-                const unsigned long long lo = (unsigned long long)(unsigned)v2.x | ((unsigned long long)(unsigned)v2.y << 32);
-                if (lo != theirs) ++bad;
+            for (int base = 0; base < kRowBytes / 16; base += 32 * kBatch) {  // kBatch loads in flight per lane
+                int4 v2[kBatch];
+#pragma unroll
+                for (int u = 0; u < kBatch; ++u) {
+                    const int c = base + u * 32 + lane;
+                    if (c < kRowBytes / 16) v2[u] = ld_volatile_int4(from + c);
+                }
+#pragma unroll
+                for (int u = 0; u < kBatch; ++u) {
+                    const int c = base + u * 32 + lane;
+                    const unsigned long long lo = (unsigned long long)(unsigned)v2[u].x |
+                                                  ((unsigned long long)(unsigned)v2[u].y << 32);
+                    if (c < kRowBytes / 16 && lo != theirs) ++bad;
+                }
             }
             if (!ok) ++bad;
         } else {
@@ -165,23 +177,37 @@ __global__ void __launch_bounds__(512) exchange_rows(char* dst, const char* inbo
             }
             const int4* from = reinterpret_cast<const int4*>(inbox + int64_t(row) * kLineRowBytes);
             const unsigned long long t0 = global_ns();
-            for (int base = 0; base < kLines * 8; base += 32) {
-                const int c = base + lane;
-                int4 v{};
+            constexpr int kUnits = kLines * 8;  // 16-byte units of the line row
+            for (int base = 0; base < kUnits; base += 32 * kBatch) {  // kBatch loads in flight, reloaded until whole
+                int4 v[kBatch];
                 bool seen = false;
                 while (true) {
-                    if (c < kLines * 8) v = ld_volatile_int4(from + c);
-                    const bool flag = c >= kLines * 8 ||
-                                      ((unsigned long long)(unsigned)v.z | ((unsigned long long)(unsigned)v.w << 32)) == tag ||
-                                      j != 7;
-                    // Lanes 8i..8i+6 see their line's flag through lane 8i+7 of the same load.
-                    const unsigned flags = __ballot_sync(0xffffffffu, flag);
-                    const unsigned line_ok = ((flags >> (lane / 8 * 8)) & 0xffu) == 0xffu;
-                    if (__all_sync(0xffffffffu, line_ok)) { seen = true; break; }
+#pragma unroll
+                    for (int u = 0; u < kBatch; ++u) {
+                        const int c = base + u * 32 + lane;
+                        if (c < kUnits) v[u] = ld_volatile_int4(from + c);
+                    }
+                    bool lines_ok = true;
+#pragma unroll
+                    for (int u = 0; u < kBatch; ++u) {
+                        const int c = base + u * 32 + lane;
+                        const bool flag = c >= kUnits || j != 7 ||
+                                          ((unsigned long long)(unsigned)v[u].z |
+                                           ((unsigned long long)(unsigned)v[u].w << 32)) == tag;
+                        // Lanes 8i..8i+6 take their line's flag from lane 8i+7 of the same load.
+                        const unsigned flags = __ballot_sync(0xffffffffu, flag);
+                        lines_ok = lines_ok && ((flags >> (lane / 8 * 8)) & 0xffu) == 0xffu;
+                    }
+                    if (__all_sync(0xffffffffu, lines_ok)) { seen = true; break; }
                     if (global_ns() - t0 > kWaitNs) break;
                 }
-                const unsigned long long lo = (unsigned long long)(unsigned)v.x | ((unsigned long long)(unsigned)v.y << 32);
-                if (!seen || (c < kLines * 8 && lo != theirs)) ++bad;
+#pragma unroll
+                for (int u = 0; u < kBatch; ++u) {
+                    const int c = base + u * 32 + lane;
+                    const unsigned long long lo = (unsigned long long)(unsigned)v[u].x |
+                                                  ((unsigned long long)(unsigned)v[u].y << 32);
+                    if (c < kUnits && (!seen || lo != theirs)) ++bad;
+                }
             }
         }
     }
