@@ -32,7 +32,8 @@
 #   launch_floor     duration of a near-empty cooperative 1-CTA-per-SM grid (the LL kernels' fixed-cost floor)
 #   nvlink           copy-engine ceiling (every pair and all-to-all) -> nvlink.json
 #   burst            one burst of 14336-byte rows each way by SM stores (benchmarks/nvlink_burst.cu): the floor under the
-#                    LL combine's send phase, with and without a release-ordered signal per row -> burst.txt
+#                    LL combine's send phase, with and without a release-ordered signal per row, and a full exchange
+#                    with that signal against LL128-style lines (flag per 128-byte line) -> burst.txt
 #   bench_tree       A/B in one call: builds another checkout TREE (a git worktree inside this one, named in the
 #                    device tool's `carry`) and runs its intranode benchmark with TREE_ARGS (default: INTRA_ARGS'
 #                    default) -> tree.json; run bench_intranode in the same call for this tree's side
