@@ -874,6 +874,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
     const bool in_place = own_rows_in_place(kPhases, lay, a);
     SectionTrace trace(ctx, 1, kPhases);
     trace.begin();
+    // The receive's stage barrier, initialised once; the first __syncthreads of either phase publishes it.
+    if (tid == 0 && (kPhases & kPhaseRecv) && a.stage_slots > 0) mbar_init(&sh.stage_bar, 1);
 
     if (kPhases & kPhaseSend) {
         if (warp == 0) {
@@ -895,10 +897,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             }
             if (lane == 0) rowpre[L] = carry;
         }
-        if (tid == 0) {
-            sh.senders_done = 0;
-            if ((kPhases & kPhaseRecv) && a.stage_slots > 0) mbar_init(&sh.stage_bar, 1);
-        }
+        if (tid == 0) sh.senders_done = 0;
         __syncthreads();
         trace.mark();  // row prefix
         const int total = rowpre[L];
@@ -990,10 +989,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
     // peers' rows are still in flight and the reduction after the last arrival reads shared memory only.
     char* stage = reinterpret_cast<char*>(dyn_smem4) + a.stage_offset;
     uint32_t stage_parity = 0;
-    if (!(kPhases & kPhaseSend)) {
-        if (tid == 0 && a.stage_slots > 0) mbar_init(&sh.stage_bar, 1);
-        __syncthreads();
-    }
+    if (!(kPhases & kPhaseSend)) __syncthreads();  // the stage barrier's initialisation
     const int n16 = H / 8;  // 16-byte chunks of a row
     for (int t = b; t < N; t += nb) {
         // Warp 0 reads the token's routing (lane k: entry k); slot = rank of k among the valid entries (ascending

@@ -1,5 +1,6 @@
 // PTX primitives shared by every kernel file: clocks, system-scope ordered loads/stores, named barriers, the
-// 16-byte copy instructions, a warp sum and bulk copies into shared memory. Header-only and force-inlined, so files built with -rdc (NVSHMEM) can include it too.
+// 16-byte copy instructions, a warp sum and bulk copies into shared memory. Header-only and force-inlined, so files
+// built with -rdc (NVSHMEM) can include it too.
 #pragma once
 
 #include <cstdint>
