@@ -45,7 +45,10 @@ call checks first, on every rank alike and before any communication, that the ri
 ``2 * num_max_nvl_chunked_send_tokens`` records per (channel, source), and raises a ValueError naming the
 ``num_nvl_bytes`` needed otherwise (:func:`stage_nvl_bytes`); likewise top-k <= 16 and ``E / N`` <= 1024.
 
-Not supported (raise): ``num_worst_tokens > 0``; more than 8 nodes (the rail stage is an intranode backend).
+Worst-token mode (``num_worst_tokens > 0``): the outputs of a normal dispatch, padded to ``num_worst_tokens`` rows
+(:meth:`ComposedInternode._pad_to_worst`); the stages still synchronise with the host for their receive counts.
+
+Not supported (raise): more than 8 nodes (the rail stage is an intranode backend).
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ from deep_ep.config import (BUFFER_ALIGNMENT, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_SCA
                             align_up, intranode_channels)
 from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
 from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
-from deep_ep.torch_backend import _as_bytes, _from_bytes
+from deep_ep.torch_backend import _as_bytes, _from_bytes, pad_rows
 
 # Stage records are padded to a multiple of this many bytes (the CUDA kernels move rows in 16-byte units).
 _RECORD_ALIGN = 16
@@ -355,10 +358,6 @@ class ComposedInternode:
                  allocate_on_comm_stream: bool = False) -> DispatchResult:
         """Normal internode dispatch (see ``Buffer.dispatch``); ``handle`` given: cached dispatch."""
         assert config is not None, "config is resolved by the Buffer front"
-        if num_worst_tokens > 0:
-            raise NotImplementedError(f"num_worst_tokens > 0 is not supported by the composed internode path "
-                                      f"(N x G with G > 1), got num_worst_tokens={num_worst_tokens}; use "
-                                      f"DEEP_EP_INTERNODE=torch")
         data, scales = x if isinstance(x, tuple) else (x, None)
         stage = dict(config=config, async_finish=False, allocate_on_comm_stream=False)
         if handle is not None:
@@ -370,7 +369,28 @@ class ComposedInternode:
         self._wait(previous_event)
         out = self._dispatch(data, scales, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                              expert_alignment, stage)
+        if num_worst_tokens > 0:
+            out = self._pad_to_worst(out, num_worst_tokens)
         return DispatchResult(*out, self._event(data.device, async_finish))
+
+    def _pad_to_worst(self, out: tuple, num_worst_tokens: int) -> tuple:
+        """Worst-token mode (spec §9.2): every output padded to ``num_worst_tokens`` rows (payload and scales 0, top-k
+        ids -1, weights 0, the handle's ``recv_src_meta`` 0) and an empty per-expert list; the plan is kept under the
+        padded handle. The stages have synchronised with the host for their counts all the same: same outputs as
+        the kernels' worst-token mode, not its capturability."""
+        recv_x, recv_idx, recv_weights, _, handle = out
+        num_recv = recv_idx.size(0)
+        if num_recv > num_worst_tokens:
+            raise ValueError(f"num_worst_tokens must be >= the number of tokens rank {self.rank} receives, got "
+                             f"{num_worst_tokens} < {num_recv}")
+        if isinstance(recv_x, tuple):
+            recv_x = tuple(pad_rows(t, num_worst_tokens) for t in recv_x)
+        else:
+            recv_x = pad_rows(recv_x, num_worst_tokens)
+        padded = handle._replace(recv_src_meta=pad_rows(handle.recv_src_meta, num_worst_tokens))
+        self._keep(padded, self._plan(handle))
+        return (recv_x, pad_rows(recv_idx, num_worst_tokens, -1), pad_rows(recv_weights, num_worst_tokens), [],
+                padded)
 
     @staticmethod
     def _wait(previous_event: Any) -> None:

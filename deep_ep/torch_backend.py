@@ -74,6 +74,14 @@ def _from_bytes(raw: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tenso
     return numerics.dense_copy(raw).view(dtype).view(rows, cols)
 
 
+def pad_rows(t: Optional[torch.Tensor], num_rows: int, fill: float = 0) -> Optional[torch.Tensor]:
+    """``t`` with rows of ``fill`` appended up to ``num_rows`` rows (worst-token mode); ``None`` stays ``None``."""
+    if t is None:
+        return None
+    extra_rows = torch.full((num_rows - t.size(0), *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+    return torch.cat([t, extra_rows], dim=0)
+
+
 class _Pending:
     """Posted point-to-point operations of one phase; :meth:`wait` bounds every wait."""
 
@@ -389,17 +397,10 @@ class TorchBackend:
             if num_recv > num_worst_tokens:
                 raise ValueError(f"num_worst_tokens must be >= the number of tokens rank {rank} receives, got "
                                  f"{num_worst_tokens} < {num_recv}")
-            pad = num_worst_tokens - num_recv
-
-            def padded(t: Optional[torch.Tensor], fill: float = 0) -> Optional[torch.Tensor]:
-                if t is None:
-                    return None
-                extra_rows = torch.full((pad, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
-                return torch.cat([t, extra_rows], dim=0)
-
-            recv_data, recv_scales = padded(recv_data), padded(recv_scales)
-            recv_topk_idx, recv_topk_weights = padded(recv_topk_idx, -1), padded(recv_topk_weights)
-            recv_src_idx = padded(recv_src_idx)
+            recv_data, recv_scales = pad_rows(recv_data, num_worst_tokens), pad_rows(recv_scales, num_worst_tokens)
+            recv_topk_idx = pad_rows(recv_topk_idx, num_worst_tokens, -1)
+            recv_topk_weights = pad_rows(recv_topk_weights, num_worst_tokens)
+            recv_src_idx = pad_rows(recv_src_idx, num_worst_tokens)
 
         dev = data.device
         if internode:

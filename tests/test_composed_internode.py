@@ -3,19 +3,17 @@
 ``DEEP_EP_INTERNODE=composed`` makes ``deep_ep.Buffer`` run ``N x G`` groups with ``G > 1`` as a rail stage and a
 node stage (``TorchBackend`` instances over gloo subgroups). The cases are those of ``test_buffer_torch``'s normal
 mode (BF16/FP8, top-k with -1 slots and duplicates, empty ranks and nodes, expert alignment, cached dispatch,
-combine with 0..2 biases and top-k weights, async events) minus worst-token mode, which the path rejects; every
-output and all ten handle fields are compared bit for bit with ``reference``. Plus: a case where the per-node BF16
-rounding changes the result, and the clear error for ``num_worst_tokens``.
+worst-token mode, combine with 0..2 biases and top-k weights, async events); every output and all ten handle fields
+are compared bit for bit with ``reference``. Plus: a case where the per-node BF16 rounding changes the result.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Optional
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
 
 import dist
 import test_buffer_torch as tbt
@@ -77,22 +75,6 @@ def run_per_node_rounding(ctx: dist.WorkerContext, case: None) -> Optional[str]:
     return "\n".join(errors) or None
 
 
-def run_worst_tokens_rejected(ctx: dist.WorkerContext, case: None) -> Optional[str]:
-    """``num_worst_tokens > 0`` raises NotImplementedError naming the argument, on every rank, before any
-    communication."""
-    buf = tbt._buffer(ctx, "normal", num_nvl_bytes=1 << 20)
-    idx = torch.tensor([[0], [1]])
-    layout = buf.get_dispatch_layout(idx, 4)
-    try:
-        buf.dispatch(torch.ones(2, 128, dtype=torch.bfloat16), num_tokens_per_rank=layout.num_tokens_per_rank,
-                     num_tokens_per_rdma_rank=layout.num_tokens_per_rdma_rank,
-                     is_token_in_rank=layout.is_token_in_rank, num_tokens_per_expert=layout.num_tokens_per_expert,
-                     topk_idx=idx, topk_weights=torch.ones(2, 1), num_worst_tokens=8)
-    except NotImplementedError as exc:
-        return None if "num_worst_tokens" in str(exc) else f"the error does not name num_worst_tokens: {exc}"
-    return "num_worst_tokens > 0 did not raise"
-
-
 def run_auto_is_torch(ctx: dist.WorkerContext, case: None) -> Optional[str]:
     buf = tbt._buffer(ctx, "normal", num_nvl_bytes=1 << 20)
     return None if buf._composed is None else f"rank {ctx.rank}: auto selected {buf._composed!r} on CPU"
@@ -108,19 +90,13 @@ def pools():
         yield manager
 
 
-@st.composite
-def composed_cases(draw: st.DrawFn, world: int, per_node: int) -> tbt.NormalCase:
-    case = draw(tbt.normal_cases(world, per_node))
-    return dataclasses.replace(case, worst_tokens=False)
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("topology", list(TOPOLOGIES), ids=lambda t: f"{t[0]}ranks-{t[0] // t[1]}x{t[1]}")
 def test_composed_dispatch_combine(pools, topology):
     world, per_node = topology
 
     @settings(max_examples=_examples(TOPOLOGIES[topology]), phases=tbt.PHASES)
-    @given(case=composed_cases(world, per_node))
+    @given(case=tbt.normal_cases(world, per_node))
     def check(case: tbt.NormalCase) -> None:
         pools.get(world, _env(per_node)).check("test_composed_internode", "run_normal_composed", case)
 
@@ -130,11 +106,6 @@ def test_composed_dispatch_combine(pools, topology):
 @pytest.mark.timeout(300)
 def test_composed_per_node_rounding(pools):
     pools.get(4, _env(2)).check("test_composed_internode", "run_per_node_rounding", None)
-
-
-@pytest.mark.timeout(300)
-def test_composed_rejects_worst_tokens(pools):
-    pools.get(4, _env(2)).check("test_composed_internode", "run_worst_tokens_rejected", None)
 
 
 @pytest.mark.timeout(300)

@@ -8,9 +8,8 @@ both GPUs and each rail stage shares one GPU (ranks 0 and 2 on GPU 0, ranks 1 an
 
 The worker pool is ``test_intranode.Pool``; every example runs ``test_internode.task_internode_roundtrip`` on the
 2 x 2 topology: layout, every dispatch output, all ten internode handle fields, cached dispatch and combine (with
-top-k weights and 0..2 biases, BF16 and FP8, -1 top-k slots, empty ranks) compared bit for bit with ``reference``
-(worst-token mode is skipped: the composed path rejects it). ``DEEP_EP_GPU_EXAMPLES_COMPOSED`` sets the number of
-hypothesis examples (default 6).
+top-k weights and 0..2 biases, BF16 and FP8, -1 top-k slots, empty ranks) and worst-token dispatch compared bit for
+bit with ``reference``. ``DEEP_EP_GPU_EXAMPLES_COMPOSED`` sets the number of hypothesis examples (default 6).
 
 On a machine with 8 or more GPUs the same round trip also runs with 8 ranks, one per GPU, as 2 nodes x 4 and as
 4 nodes x 2 (``test_eight_ranks``; skipped with fewer GPUs, issue 7).

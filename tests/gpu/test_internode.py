@@ -80,8 +80,7 @@ def _check_recv_x(label: str, got, want, use_fp8: bool, rows: int | None = None)
 
 
 def task_internode_roundtrip(buffer, rank: int, case: ti.Case) -> str:
-    """Layout, dispatch, cached dispatch, worst-token dispatch (one rank per node only: the composed path of
-    tests/gpu/test_composed.py rejects it) and combine against the internode reference."""
+    """Layout, dispatch, cached dispatch, worst-token dispatch and combine against the internode reference."""
     import reference
     import deep_ep
     ti._apply_tuning(case, rank)
@@ -132,7 +131,7 @@ def task_internode_roundtrip(buffer, rank: int, case: ti.Case) -> str:
     _check_recv_x("cached recv_x", cached.recv_x, ref.recv_x, case.use_fp8)
 
     # ---- worst-token dispatch ----
-    if case.with_topk and _per_node() == 1:
+    if case.with_topk:
         worst = sum(case.num_tokens) + 3
         ti._poison_allocator()
         wout = buffer.dispatch(x, **{**kwargs, "num_worst_tokens": worst,
