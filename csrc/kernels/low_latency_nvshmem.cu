@@ -240,6 +240,17 @@ __device__ __forceinline__ uint16_t float_to_bf16(float v) {
     return *reinterpret_cast<uint16_t*>(&b);
 }
 
+// acc[i] += w * (BF16 value i of `raw`), i < 8: the product rounded, then the sum (no FMA), as the spec's formula. A
+// 32-bit word holds values 2i (low half) and 2i + 1 (high half): one shift or one mask each.
+__device__ __forceinline__ void add_weighted_bf16x8(float* acc, float w, const int4& raw) {
+    const uint32_t word[4] = {uint32_t(raw.x), uint32_t(raw.y), uint32_t(raw.z), uint32_t(raw.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(w, __uint_as_float(word[i] << 16)));
+        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(w, __uint_as_float(word[i] & 0xffff0000u)));
+    }
+}
+
 // ceil(log2(v)) from the float bits (positive normal v), as deep_ep.numerics.ceil_log2_bits.
 __device__ __forceinline__ int ceil_log2_bits(float v) {
     const uint32_t bits = __float_as_uint(v);
@@ -1095,9 +1106,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                 for (int k = 0; k < num; ++k) {
                     if (sh.row[k] == nullptr) continue;
                     const float w = sh.weight[k];
-                    const int4 raw = reinterpret_cast<const int4*>(stage + k * row_bytes)[c];
-                    const uint16_t* hv = reinterpret_cast<const uint16_t*>(&raw);
-                    for (int v = 0; v < 8; ++v) acc[v] = __fadd_rn(acc[v], __fmul_rn(w, bf16_to_float(hv[v])));
+                    add_weighted_bf16x8(acc, w, reinterpret_cast<const int4*>(stage + k * row_bytes)[c]);
                 }
                 int4 o;
                 uint16_t* ov = reinterpret_cast<uint16_t*>(&o);
@@ -1134,9 +1143,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                         for (int q = 0; q < kBatch; ++q) {
                             if (k0 + q < num && sh.row[k0 + q] != nullptr) {
                                 const float w = sh.weight[k0 + q];
-                                const uint16_t* hv = reinterpret_cast<const uint16_t*>(raw[q]);
-                                for (int v = 0; v < 16; ++v)
-                                    acc[v] = __fadd_rn(acc[v], __fmul_rn(w, bf16_to_float(hv[v])));
+                                add_weighted_bf16x8(acc, w, raw[q][0]);
+                                add_weighted_bf16x8(acc + 8, w, raw[q][1]);
                             }
                         }
                     }
