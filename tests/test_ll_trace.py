@@ -28,15 +28,18 @@ def test_kernel_printf_format_matches_the_tool():
 def test_medians_per_section(tmp_path: Path):
     log = tmp_path / "rank0.log"
     lines = ["T  disp us ...\n"]
-    # Fused combine: spread 300 ns; row prefix 1.0-1.4 us; rows sent 16-26 us; arrivals, reduced (3 launches).
+    # Fused combine: spread 300 ns; row prefix 1.0-1.4 us; rows sent 16-26 us; arrival words seen, rows staged,
+    # reduced (3 launches).
     for extra in (0, 1000, 2000):
-        lines.append(_line("combine", 3, 0, [300, 1000, 1400, 16000, 26000 + extra, 1800, 29000 + extra,
-                                             27700, 31000 + extra, 27800, 31100 + extra]))
+        lines.append(_line("combine", 3, 0, [300, 1000, 1400, 16000, 26000 + extra, 1700, 28500 + extra,
+                                             1800, 29000 + extra, 27700, 31000 + extra, 27800, 31100 + extra]))
         lines.append("noise between launches\n")
     log.write_text("".join(lines))
     out = ll_trace.summarise([str(log)])
     assert out[0].startswith("combine p3 (3 launches): CTA entries spread over 0.30 us")
     sections = {line.split("first CTA")[0].strip(): line for line in out[1:]}
-    assert list(sections) == ["row prefix", "rows sent", "first rows arrived", "first token reduced", "all reduced"]
+    assert list(sections) == ["row prefix", "rows sent", "arrivals seen", "first rows arrived", "first token reduced",
+                              "all reduced"]
+    assert "last CTA   29.50 us" in sections["arrivals seen"]
     assert "last CTA   27.00 us" in sections["rows sent"]  # median of 26, 27, 28 us
     assert "first CTA    1.80 us" in sections["first rows arrived"]

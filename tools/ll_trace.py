@@ -21,8 +21,9 @@ SECTIONS = {
     ("dispatch", 3): ["counted", "count words", "planned", "messages", "signalled", "counts received",
                       "data arrived", "expanded"],
     ("combine", 1): ["row prefix", "rows sent"],
-    ("combine", 2): ["first rows arrived", "first token reduced", "all reduced"],
-    ("combine", 3): ["row prefix", "rows sent", "first rows arrived", "first token reduced", "all reduced"],
+    ("combine", 2): ["arrivals seen", "first rows arrived", "first token reduced", "all reduced"],
+    ("combine", 3): ["row prefix", "rows sent", "arrivals seen", "first rows arrived", "first token reduced",
+                     "all reduced"],
 }
 
 

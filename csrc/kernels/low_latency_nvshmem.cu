@@ -1080,6 +1080,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             }
         }
         __syncthreads();
+        if (t == b) trace.mark();  // first token's arrival words seen (its copies issued)
         bool stage_failed = false;
         if (sh.staged) {
             // Bulk copies always complete (no peer is involved any more); bounded all the same.
@@ -1096,7 +1097,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             stage_parity ^= 1;
         }
         if (__syncthreads_or(stage_failed) || !sh.ok) break;
-        if (t == b) trace.mark();  // first token's rows arrived
+        if (t == b) trace.mark();  // first token's rows arrived (staged)
         const int num = sh.num;
         if (sh.staged) {
             // Ascending k from shared memory: chunk c of every row, 8 channels per 16 bytes.
