@@ -63,7 +63,7 @@ from deep_ep.config import (BUFFER_ALIGNMENT, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_SCA
                             align_up, intranode_channels)
 from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
 from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
-from deep_ep.torch_backend import _as_bytes, _from_bytes, pad_rows
+from deep_ep.torch_backend import _as_bytes, _from_bytes, check_worst_tokens, pad_rows
 
 # Stage records are padded to a multiple of this many bytes (the CUDA kernels move rows in 16-byte units).
 _RECORD_ALIGN = 16
@@ -379,10 +379,7 @@ class ComposedInternode:
         padded handle. The stages have synchronised with the host for their counts all the same: same outputs as
         the kernels' worst-token mode, not its capturability."""
         recv_x, recv_idx, recv_weights, _, handle = out
-        num_recv = recv_idx.size(0)
-        if num_recv > num_worst_tokens:
-            raise ValueError(f"num_worst_tokens must be >= the number of tokens rank {self.rank} receives, got "
-                             f"{num_worst_tokens} < {num_recv}")
+        check_worst_tokens(num_worst_tokens, recv_idx.size(0), self.rank)
         if isinstance(recv_x, tuple):
             recv_x = tuple(pad_rows(t, num_worst_tokens) for t in recv_x)
         else:

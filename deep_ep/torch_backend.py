@@ -74,6 +74,13 @@ def _from_bytes(raw: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tenso
     return numerics.dense_copy(raw).view(dtype).view(rows, cols)
 
 
+def check_worst_tokens(num_worst_tokens: int, num_recv: int, rank: int) -> None:
+    """Worst-token mode: ``rank`` receives ``num_recv`` tokens, which must fit in ``num_worst_tokens`` rows."""
+    if num_recv > num_worst_tokens:
+        raise ValueError(f"num_worst_tokens must be >= the number of tokens rank {rank} receives, got "
+                         f"{num_worst_tokens} < {num_recv}")
+
+
 def pad_rows(t: Optional[torch.Tensor], num_rows: int, fill: float = 0) -> Optional[torch.Tensor]:
     """``t`` with rows of ``fill`` appended up to ``num_rows`` rows (worst-token mode); ``None`` stays ``None``."""
     if t is None:
@@ -394,9 +401,7 @@ class TorchBackend:
         recv_src_idx = _from_bytes(next(cols), torch.int32, 1).view(-1)
 
         if num_worst_tokens > 0:
-            if num_recv > num_worst_tokens:
-                raise ValueError(f"num_worst_tokens must be >= the number of tokens rank {rank} receives, got "
-                                 f"{num_worst_tokens} < {num_recv}")
+            check_worst_tokens(num_worst_tokens, num_recv, rank)
             recv_data, recv_scales = pad_rows(recv_data, num_worst_tokens), pad_rows(recv_scales, num_worst_tokens)
             recv_topk_idx = pad_rows(recv_topk_idx, num_worst_tokens, -1)
             recv_topk_weights = pad_rows(recv_topk_weights, num_worst_tokens)

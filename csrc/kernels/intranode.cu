@@ -1696,10 +1696,7 @@ __global__ void reset_state_kernel(KernelContext ctx) {
 __global__ void signal_abort_kernel(KernelContext ctx) {
     const uint32_t word = (static_cast<uint32_t>(kErrorPeerAborted) << 8) | static_cast<uint32_t>(ctx.rank + 1);
     const int r = static_cast<int>(threadIdx.x);
-    if (r < ctx.num_ranks && is_put_peer(ctx, r))
-        put_abort(ctx, r, word);
-    else if (r < ctx.num_ranks)
-        atomicCAS_system(reinterpret_cast<unsigned int*>(abort_word(ctx.buffers[r])), 0u, word);
+    if (r < ctx.num_ranks) raise_abort(ctx, r, word);
 }
 
 // ---- host-side checks ----

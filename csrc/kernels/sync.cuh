@@ -34,6 +34,15 @@ __device__ __forceinline__ uint32_t* abort_word(void* buffer) {
     return reinterpret_cast<uint32_t*>(static_cast<char*>(buffer) + kAbortOffset);
 }
 
+// One thread: rank r's abort word becomes `word` unless an earlier aborter's word is there (a compare-and-swap for a
+// pointer peer; put.cuh put_abort for a put peer).
+__device__ __forceinline__ void raise_abort(const KernelContext& ctx, int r, uint32_t word) {
+    if (is_put_peer(ctx, r))
+        put_abort(ctx, r, word);
+    else
+        atomicCAS_system(reinterpret_cast<unsigned int*>(abort_word(ctx.buffers[r])), 0u, word);
+}
+
 // Fills the error record if nobody of this rank did before (first writer wins, error_record.cuh), then raises every
 // rank's abort word.
 // static: internal linkage lets ptxas fit it into the callers' register limit (__launch_bounds__) under -rdc=true;
@@ -45,12 +54,7 @@ static __device__ __noinline__ void report_error(const KernelContext& ctx, int32
                       expected, observed, elapsed_ns);
     // Tell every rank (own included) to stop waiting. The word names the code and the first aborting rank.
     const uint32_t word = (static_cast<uint32_t>(code) << 8) | static_cast<uint32_t>(ctx.rank + 1);
-    for (int r = 0; r < ctx.num_ranks; ++r) {
-        if (is_put_peer(ctx, r))
-            put_abort(ctx, r, word);
-        else
-            atomicCAS_system(reinterpret_cast<unsigned int*>(abort_word(ctx.buffers[r])), 0u, word);
-    }
+    for (int r = 0; r < ctx.num_ranks; ++r) raise_abort(ctx, r, word);
     __threadfence_system();
 }
 
