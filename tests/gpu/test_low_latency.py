@@ -130,7 +130,7 @@ def _worker(rank: int, world: int, port: int, env: dict, tasks, results) -> None
     os.environ.update(env)
     try:
         import torch.distributed as dist
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # ranks share GPUs when there are fewer
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         import deep_ep
         rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, MAX_HIDDEN, world,
