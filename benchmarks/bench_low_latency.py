@@ -199,6 +199,7 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
                 deepep.update(kernel_times(trace, names))
             del lhs
             point = {"tokens": tokens, "dispatch_bytes": dispatch_bytes, "combine_bytes": combine_bytes,
+                     "combine_partials": ll.combine_by_partials(topk, experts, hidden),
                      "kernel_s": fused, "phases_s": phases, "deepep_method_s": deepep,
                      "wall_s": {k: statistics.median(v) for k, v in wall.items()},
                      "wall_back_to_back_s": {k: statistics.median(v) for k, v in piped.items()},
