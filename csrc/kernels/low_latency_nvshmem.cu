@@ -1301,10 +1301,13 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_partial_kernel(Context
     if (warp == 0) {
         for (int t = b; t < N; t += nb) {
             int64_t e = -1;
-            if (lane < K) e = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + lane);
+            float w = 0.0f;
+            if (lane < K) {  // both loads in flight at once
+                e = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + lane);
+                w = a.topk_weights[int64_t(t) * K + lane];
+            }
             const bool valid = lane < K && e >= 0 && e < E && !is_masked(ctx, int(e) / L);
-            const int2 entry = make_int2(valid ? int(e) : -1,
-                                         __float_as_int(valid ? a.topk_weights[int64_t(t) * K + lane] : 0.0f));
+            const int2 entry = make_int2(valid ? int(e) : -1, __float_as_int(valid ? w : 0.0f));
             for (int d = 0; d < R; ++d)
                 if (d != me && lane < K && !is_masked(ctx, d))
                     *reinterpret_cast<int2*>(half_base(ctx, ctx.peers[d], h) + route_off(lay, me, t) + lane * 8) =
@@ -1403,9 +1406,11 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_partial_kernel(Context
         float w = 0.0f;
         bool valid = false;
         if (warp == 0) {
-            if (lane < K) e = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + lane);
+            if (lane < K) {
+                e = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + lane);
+                w = a.topk_weights[int64_t(t) * K + lane];
+            }
             valid = lane < K && e >= 0 && e < E && !is_masked(ctx, int(e) / L);
-            if (valid) w = a.topk_weights[int64_t(t) * K + lane];
             take_local_entries(ctx, a, sh, first + me * L, valid ? e : -1, w, lane);
         }
         __syncthreads();
