@@ -190,6 +190,12 @@ def make_fake_extension(torch):
         def required_bytes(self, num_max_tokens, hidden, num_experts):
             return 0
 
+        def all_p2p(self):
+            return True
+
+        def num_blocks(self):
+            return 132
+
         def read_error(self):
             return None
 
@@ -215,7 +221,7 @@ def make_fake_extension(torch):
 
         def combine(self, x, topk_idx, topk_weights, src_info, layout_range, tokens, num_experts, use_logfmt,
                     zero_copy, out, *rest):
-            if len(rest) != 5:
+            if len(rest) != 6:
                 return None
             return out if out is not None else torch.empty(topk_idx.size(0), x.size(2), dtype=x.dtype)
 

@@ -38,14 +38,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_intranode import trace_to_rank_file  # noqa: E402
 
 
+# The fused combine is one of two kernels: one row per expert, or per-rank partial sums (DEEP_EP_LL_PARTIALS).
+FUSED_COMBINE = ("ll_combine_kernel<3>", "ll_combine_partial_kernel")
+
+
 def kernel_times(trace, names: dict) -> dict:
-    """Mean device time (s) per kernel of a finished torch.profiler session, keyed like ``names`` (substrings)."""
+    """Mean device time (s) per kernel of a finished torch.profiler session, keyed like ``names`` (a substring or a
+    tuple of them, any of which matches)."""
     events = trace.key_averages()
     out = {}
-    for key, pattern in names.items():
+    for key, patterns in names.items():
         # "ll_dispatch_kernel<3>" demangled, or "ll_dispatch_kernelILi3E" if the profiler shows the mangled name.
-        name, arg = pattern.rstrip(">").split("<")
-        hits = [e for e in events if pattern in e.key or f"{name}ILi{arg}E" in e.key]
+        spellings = []
+        for pattern in (patterns,) if isinstance(patterns, str) else patterns:
+            spellings.append(pattern)
+            if "<" in pattern:
+                name, arg = pattern.rstrip(">").split("<")
+                spellings.append(f"{name}ILi{arg}E")
+        hits = [e for e in events if any(p in e.key for p in spellings)]
         count = sum(e.count for e in hits)
         out[key] = sum(e.device_time_total for e in hits) / count / 1e6 if count else float("nan")
     return out
@@ -141,7 +151,7 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
                     dispatch()
                     combine()
                 torch.cuda.synchronize()
-            fused = kernel_times(trace, {"dispatch": "ll_dispatch_kernel<3>", "combine": "ll_combine_kernel<3>"})
+            fused = kernel_times(trace, {"dispatch": "ll_dispatch_kernel<3>", "combine": FUSED_COMBINE})
             # Send / receive phases with hooks (a matmul between send and hook, as DeepEP imitates overlap).
             big = torch.randn(4096, 4096, device="cuda")
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
@@ -179,7 +189,7 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
                 torch.cuda.synchronize()
 
             deepep = {}
-            fused_names = {"dispatch": "ll_dispatch_kernel<3>", "combine": "ll_combine_kernel<3>"}
+            fused_names = {"dispatch": "ll_dispatch_kernel<3>", "combine": FUSED_COMBINE}
             hook_names = {"dispatch_send": "ll_dispatch_kernel<1>", "dispatch_recv": "ll_dispatch_kernel<2>",
                           "combine_send": "ll_combine_kernel<1>", "combine_recv": "ll_combine_kernel<2>"}
             for hook, names in ((False, fused_names), (True, hook_names)):
@@ -189,6 +199,7 @@ def run_rank(rank: int, world: int, port: int, args, results) -> None:
                 deepep.update(kernel_times(trace, names))
             del lhs
             point = {"tokens": tokens, "dispatch_bytes": dispatch_bytes, "combine_bytes": combine_bytes,
+                     "combine_partials": ll.combine_by_partials(topk, experts, hidden),
                      "kernel_s": fused, "phases_s": phases, "deepep_method_s": deepep,
                      "wall_s": {k: statistics.median(v) for k, v in wall.items()},
                      "wall_back_to_back_s": {k: statistics.median(v) for k, v in piped.items()},

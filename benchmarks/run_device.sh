@@ -11,6 +11,8 @@
 #   test_ll          GPU property suite of the low-latency kernels (LL_EXAMPLES examples per property, default 5)
 #   test_ll_put      the same suite with DEEP_EP_LL_PUT_ONLY=1: the RDMA code path (staging, put-with-signal) between
 #                    the two GPUs (LL_PUT_EXAMPLES, default 3), then the LL bench at T = 128 on that path -> ll_put.json
+#   test_ll_shared   the low-latency suite's 2-rank cases with both ranks on one GPU (TEST_RANKS_PER_GPU=2; NVSHMEM
+#                    runs two processes per GPU time-sliced): correctness when only nvidia-h200 is lent, never timing
 #   test_internode   GPU property suite of the internode backend on 2 virtual nodes x 1 GPU
 #   test_internode_put  the same suite with DEEP_EP_INTERNODE_PUT_ONLY=1: the path of peers behind a NIC (staged
 #                    records, put-with-signal, signal twins) between the two GPUs (INTERNODE_PUT_EXAMPLES, default 6)
@@ -92,6 +94,11 @@ for step in "$@"; do
         run_step test_ll 220 env LL_EXAMPLES="${LL_EXAMPLES:-5}" LL_FAILURE_LOG="$OUT/ll_failures.log" \
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_low_latency.py
         test_summary test_ll "$OUT/ll_failures.log" ;;
+    test_ll_shared)
+        run_step test_ll_shared 240 env TEST_RANKS_PER_GPU=2 LL_EXAMPLES="${LL_EXAMPLES:-5}" \
+            LL_FAILURE_LOG="$OUT/ll_shared_failures.log" python3 -m pytest -q -rfE -p no:cacheprovider \
+            -m multi_gpu tests/gpu/test_low_latency.py
+        test_summary test_ll_shared "$OUT/ll_shared_failures.log" ;;
     test_ll_put)
         run_step test_ll_put 200 env DEEP_EP_LL_PUT_ONLY=1 LL_EXAMPLES="${LL_PUT_EXAMPLES:-3}" \
             LL_FAILURE_LOG="$OUT/ll_put_failures.log" python3 -m pytest -q -rfE -p no:cacheprovider \

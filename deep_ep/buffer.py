@@ -705,6 +705,10 @@ class Buffer:
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> LowLatencyCombineResult:
         """Return the expert outputs to the token owners and reduce them with the top-k weights.
 
+        The sum runs in fp32 with one BF16 rounding, in ascending k; on the CUDA kernels with the opt-in combine by
+        partial sums (``DEEP_EP_LL_PARTIALS``, docs/low_latency.md), per expert rank first (ascending k), then over
+        ranks in ascending order.
+
         Args:
             x: ``[L, R*T, H]`` BF16, contiguous: expert outputs in the dispatch's packed layout.
             topk_idx: ``[N, K]`` ``topk_idx_t`` and topk_weights ``[N, K]`` float32: the routing of the matching

@@ -348,6 +348,24 @@ def dispatch_receive_mode() -> str:
     return mode
 
 
+def ll_combine_by_partials(mode: str, num_ranks: int, num_topk: int, num_experts: int, hidden: int, all_p2p: bool,
+                           use_logfmt: bool, zero_copy: bool, return_recv_hook: bool) -> bool:
+    """Whether the LL combine runs by per-rank fp32 partial sums (``DEEP_EP_LL_PARTIALS`` = ``mode``).
+
+    Structural conditions (the kernel's): a fused launch (no receive hook), no LogFMT, every peer reached by pointer
+    on every rank, 2 to 8 ranks, ``num_experts / num_ranks >= 3`` (the partial and routing areas fit the receive
+    area), and with ``zero_copy`` ``hidden % 512 == 0`` (16-byte aligned send slots). ``auto`` also asks for
+    ``num_topk >= 3 * num_ranks``: ~3 or more of a token's rows per rank, so one fp32 partial (4H bytes) replaces at
+    least 6H bytes of BF16 rows and pays for the owner's routing message. Same answer on every rank."""
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"DEEP_EP_LL_PARTIALS must be 'auto', '0' or '1', got {mode!r}")
+    if mode == "0":
+        return False
+    structural = (not return_recv_hook and not use_logfmt and all_p2p and 2 <= num_ranks <= 8
+                  and num_experts // num_ranks >= 3 and (not zero_copy or hidden % 512 == 0))
+    return structural and (mode == "1" or num_topk >= 3 * num_ranks)
+
+
 def get_dispatch_config(num_ranks: int, num_sms: int = 20) -> Config:
     """Tuned default dispatch config for ``num_ranks`` ranks and ``num_sms`` SMs."""
     return _make(num_sms, _table_row(num_ranks)[0])

@@ -24,7 +24,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from deep_ep.config import combine_send_path
+from deep_ep import envs
+from deep_ep.config import combine_send_path, ll_combine_by_partials
 from simulator import deep_ep_kernels as dek
 from simulator.bench_fit import LL_SECTION
 from simulator.scenario import Scenario, run
@@ -75,10 +76,22 @@ def _measured(calibration: Path, prof: dek.DeepEpProfile) -> dict[tuple[str, str
             continue  # a ring measurement; the Buffer's 24-SM combine runs another path
         out[(case, p["op"], p["dtype"])] = float(p["measured_us"])
     ll = data.get(LL_SECTION, {})
+    # A combine measured on the other path (one row per expert vs per-rank partial sums) is no reference.
+    partials = ll_ep2_partials()
     for p in ll.get("points", []) if ll.get("machine", "").endswith("x2") else []:
         if p.get("phase") == "fused" and p.get("tokens") == LL_TOKENS:
+            if p["op"] == "combine" and bool(ll.get("ll_partials", False)) != partials:
+                continue
             out[("low-latency EP2", p["op"], p["dtype"])] = float(p["measured_us"])
     return out
+
+
+def ll_ep2_partials() -> bool:
+    """Whether the "low-latency EP2" case's combine runs by per-rank partial sums (deep_ep's rule, as the
+    scenario applies it)."""
+    sc = dict(cases())["low-latency EP2"]
+    return ll_combine_by_partials(envs.LL_PARTIALS.get(), sc.num_ranks, sc.topk, sc.experts, sc.hidden,
+                                  sc.nodes == 1 and sc.ll_allow_nvlink, False, False, False)
 
 
 def cases() -> list[tuple[str, Scenario]]:

@@ -20,6 +20,9 @@ Markers:
 
 * ``@pytest.mark.gpu``: needs CUDA; skipped with a reason when ``torch.cuda.is_available()`` is false.
 * ``@pytest.mark.multi_gpu`` / ``@pytest.mark.multi_gpu(4)``: needs at least 2 (or n) CUDA devices.
+  ``TEST_RANKS_PER_GPU=n`` counts each device n times, so a test whose ranks share devices (rank % devices, as the
+  low-latency suite places them; NVSHMEM runs several processes per GPU time-sliced) runs on fewer GPUs: a check of
+  correctness only, never of timing (``run_device.sh test_ll_shared``).
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ def _cuda_device_count() -> tuple[int, str]:
         return 0, f"torch {torch.__version__} is a CPU-only build"
     if not torch.cuda.is_available():
         return 0, "torch.cuda.is_available() is False (no CUDA device or driver)"
-    return torch.cuda.device_count(), ""
+    return torch.cuda.device_count() * int(os.environ.get("TEST_RANKS_PER_GPU", "1")), ""
 
 
 def _required_gpus(item: pytest.Item) -> int:

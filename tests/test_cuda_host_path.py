@@ -116,7 +116,7 @@ class Recording(ext.LowLatencyRuntime):
         calls.append(["dispatch", phases, stream != 0, current_after, len(outputs)])
         return super().dispatch(*args)
     def combine(self, *args):
-        out, phases, stream, current_after = args[9], args[-3], args[-2], args[-1]
+        out, phases, stream, current_after = args[9], args[-4], args[-3], args[-2]
         calls.append(["combine", phases, stream != 0, current_after, out is not None])
         return super().combine(*args)
     def read_error(self):
@@ -284,3 +284,20 @@ def test_ll_launches_per_mode():
         assert out[mode]["shapes"] == [[8, 16, 1024], [8], [8, 16], [8, 1], [16, 1024]], mode
         # UE8M0 scales: [L, R*T, H/512] int32, column-major.
         assert out[mode]["scales"] == [[8, 16, 2], [32, 1, 16], "torch.int32"], mode
+
+
+def test_ll_combine_path_choice():
+    """DEEP_EP_LL_PARTIALS: 'auto' sums per rank from top-k >= 3 x ranks where the kernel allows it, '1' wherever it
+    allows it, '0' never; a bad value names the variable."""
+    from deep_ep.config import ll_combine_by_partials as choose
+
+    base = dict(num_ranks=2, num_topk=8, num_experts=288, hidden=7168, all_p2p=True, use_logfmt=False,
+                zero_copy=False, return_recv_hook=False)
+    assert choose("auto", **base) and choose("1", **base) and not choose("0", **base)
+    assert not choose("auto", **{**base, "num_topk": 5}) and choose("1", **{**base, "num_topk": 5})
+    for blocker in ({"return_recv_hook": True}, {"use_logfmt": True}, {"all_p2p": False}, {"num_ranks": 1},
+                    {"num_ranks": 16, "num_experts": 288}, {"num_experts": 4}, {"zero_copy": True, "hidden": 7424}):
+        assert not choose("1", **{**base, **blocker}), blocker
+    assert choose("auto", **{**base, "zero_copy": True})
+    with pytest.raises(ValueError, match="DEEP_EP_LL_PARTIALS"):
+        choose("yes", **base)

@@ -24,6 +24,7 @@ SECTIONS = {
     ("combine", 2): ["arrivals seen", "first rows arrived", "first token reduced", "all reduced"],
     ("combine", 3): ["row prefix", "rows sent", "arrivals seen", "first rows arrived", "first token reduced",
                      "all reduced"],
+    ("combine_partials", 3): ["routing published", "partials sent", "all reduced"],
 }
 
 

@@ -50,7 +50,7 @@ constexpr int kHeaderInts = 1 + kMaxTopk;
 // Debug builds' section trace (SectionTrace): a slot per (kernel, phases) after the bases.
 constexpr int kTraceSections = 8;
 constexpr int kTraceWords = 2 * (1 + kTraceSections) + 1;
-constexpr int kTraceSlots = 2 * 4;
+constexpr int kTraceSlots = 3 * 4;  // (kernel: dispatch, combine, combine by partials) x phases
 __host__ __device__ inline int64_t trace_offset(int num_ranks) {
     return kWsBases + int64_t(kMaxBlocks) * 2 * num_ranks * 8;
 }
@@ -112,6 +112,7 @@ const char* ll_phase_name(int32_t phase) {
         case kPhaseLlDispatchWaitCounts: return "low_latency_dispatch wait counts";
         case kPhaseLlDispatchWaitData: return "low_latency_dispatch wait data";
         case kPhaseLlCombineWaitToken: return "low_latency_combine wait token";
+        case kPhaseLlCombineWaitRouting: return "low_latency_combine wait routing";
         case kPhaseLlBarrierWait: return "low_latency barrier wait";
         case kPhaseLlBadRouting: return "low_latency_dispatch bad routing";
         default: return "unknown phase";
@@ -1166,6 +1167,320 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Combine by per-rank partial sums (fused launch; combine() chooses it, see CombineArgs::partials)
+// ---------------------------------------------------------------------------------------------------------------
+// Every rank sums, for each token of a source rank s that it holds rows of, its own experts' weighted rows in fp32
+// and sends one fp32 partial row instead of a BF16 row per expert: at EP2 with top-8 that is ~4 rows of 2H bytes
+// replaced by one of 4H. The weights live on the token's owner, so the owner first publishes its tokens' top-k
+// (expert, weight) to every other rank. The owner's result is bf16(sum over ranks r ascending of partial_r),
+// partial_r = sum over k ascending with owner(e_k) == r of w_k * y_k, all in fp32 (reference
+// low_latency_combine(..., per_rank_partials=True)).
+//
+// Work split, identical on every rank (same grid size, checked by the host): CTA b handles the tokens t = b (mod nb)
+// of every rank. As owner it publishes their routing to each peer d (entries, then its token count N, then one
+// release-add of kRouteUnit on d's arrival word (b, me)); as expert rank it waits for that word of each source s,
+// sends its partial of every (s, t) it holds rows of, and adds 1 on s's arrival word (t, me); as owner again it
+// adds its own partial and the peers' partials of its token t (their word (t, r), low half). The CTAs b >= T have
+// no token. The rows of (s, t = b) are looked up before any wait, while the routing travels.
+//
+// The crecv area of the half holds, in this mode: partial rows [R][T] x 4H (rank o's partial for this rank's token
+// t at o * T + t; channels in the order of partial_chunk), then routing entries [R][T][kMaxTopk] int2 (expert or
+// -1, weight bits) of source s's token t, then the sources' token counts [R] int32.
+constexpr int kMaxPartialRanks = 8;
+constexpr uint64_t kRouteUnit = 1ull << 32;
+
+__host__ __device__ inline int64_t partial_off(const Layout& lay, int64_t o, int64_t t) {
+    return lay.crecv_off + (o * lay.num_tokens_max + t) * int64_t(lay.hidden) * 4;
+}
+__host__ __device__ inline int64_t route_off(const Layout& lay, int64_t s, int64_t t) {
+    return partial_off(lay, lay.num_ranks, 0) + (s * lay.num_tokens_max + t) * kMaxTopk * 8;
+}
+__host__ __device__ inline int64_t route_count_off(const Layout& lay, int64_t s) {
+    return route_off(lay, lay.num_ranks, 0) + s * 4;
+}
+// The partial and routing areas fit in the crecv area [E][T] x 2H (true when E / R >= 3).
+inline bool partials_fit(const Layout& lay) {
+    return route_count_off(lay, lay.num_ranks) <=
+           lay.crecv_off + int64_t(lay.num_experts) * lay.num_tokens_max * lay.hidden * 2;
+}
+
+struct PartialShared {
+    int ok;
+    int num;                    // the current item's entries whose rows are here (ascending k)
+    float weight[kMaxTopk];
+    const char* row[kMaxTopk];
+    unsigned remote;            // ranks (bit r) whose partial the current token adds
+    int count[kMaxPartialRanks];  // tokens of each source (its routing message), or 0
+};
+
+// first[j] = the first packed row of local expert j's block of source s that holds token t, or -1, for j = `from`,
+// `from` + `step`, ... Rows of a block come in ascending token order (the dispatch's plan), so a binary search per
+// expert finds it.
+__device__ __forceinline__ void find_rows(const CombineArgs& a, int* first, int L, int R, int RT, int s, int t,
+                                          int from, int step) {
+    for (int j = from; j < L; j += step) {
+        const int64_t range = a.layout_range[int64_t(j) * R + s];
+        const int* info = a.src_info + int64_t(j) * RT;
+        int lo = int(range >> 32), hi = lo + int(range & 0xffffffff);  // lower bound of t in [lo, hi)
+        const int end = hi;
+        while (lo < hi) {
+            const int mid = (lo + hi) / 2;
+            if (info[mid] < t) lo = mid + 1; else hi = mid;
+        }
+        first[j] = lo < end && info[lo] == t ? lo : -1;
+    }
+}
+
+// Warp 0: entry k (lane k < K) of a token, expert `e` (-1: none) with weight `w`, is added here when its expert is
+// local: its row (`first`; a token that selected the expert twice reads the first row for both, as the reference)
+// and weight go to sh.row / sh.weight in ascending k, their number to sh.num.
+__device__ __forceinline__ void take_local_entries(const Context& ctx, const CombineArgs& a, PartialShared& sh,
+                                                   const int* first, int64_t e, float w, int lane) {
+    const Layout& lay = ctx.layout;
+    const int L = lay.num_local, RT = ctx.num_ranks * lay.num_tokens_max, me = ctx.rank;
+    const bool local = e >= 0 && int(e / L) == me;
+    const int j = local ? int(e) - me * L : 0;
+    const int row = local ? first[j] : -1;
+    const bool take = row >= 0;
+    const unsigned taken = __ballot_sync(0xffffffffu, take);
+    if (take) {
+        const int slot = __popc(taken & ((1u << lane) - 1));
+        const int64_t packed = int64_t(j) * RT + row;
+        sh.weight[slot] = w;
+        sh.row[slot] = a.zero_copy ? half_base(ctx, ctx.sym, a.half) + lay.csend_off + packed * lay.cmsg
+                                   : static_cast<const char*>(a.x) + packed * lay.hidden * 2;
+    }
+    if (lane == 0) sh.num = __popc(taken);
+}
+
+// Byte offset, in a partial row, of the first 4 fp32 channels of 16-byte chunk c (8 channels) of the BF16 row; the
+// other 4 follow at + `hi`. Chunks go in groups of 32 (one per lane of a warp's store): [32 x first 4][32 x last 4],
+// so each 16-byte store of a warp lands in one contiguous 512-byte run (a store of 32 bytes per lane would leave
+// every 32-byte sector half written per instruction).
+__device__ __forceinline__ int partial_chunk(int c, int n16, int* hi) {
+    const int group = c / 32, in_group = min(32, n16 - group * 32);
+    *hi = in_group * 16;
+    return group * 1024 + (c % 32) * 16;
+}
+
+// acc (8 channels of chunk c) = sum over the sh.num rows, ascending, of weight * row, from zero.
+__device__ __forceinline__ void local_partial(const PartialShared& sh, int c, float* acc) {
+    for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
+    constexpr int kBatch = 4;
+    const int num = sh.num;
+    for (int k0 = 0; k0 < num; k0 += kBatch) {
+        int4 raw[kBatch];
+#pragma unroll
+        for (int q = 0; q < kBatch; ++q)
+            if (k0 + q < num) raw[q] = ld_nc_int4(reinterpret_cast<const int4*>(sh.row[k0 + q]) + c);
+#pragma unroll
+        for (int q = 0; q < kBatch; ++q)
+            if (k0 + q < num) add_weighted_bf16x8(acc, sh.weight[k0 + q], raw[q]);
+    }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) ll_combine_partial_kernel(Context ctx, CombineArgs a) {
+    extern __shared__ int4 dyn_smem4[];
+    __shared__ PartialShared sh;
+    const Layout& lay = ctx.layout;
+    const int R = ctx.num_ranks, me = ctx.rank, E = lay.num_experts, L = lay.num_local, T = lay.num_tokens_max;
+    const int H = lay.hidden, RT = R * T, K = a.num_topk, N = a.num_tokens;
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, b = blockIdx.x, nb = gridDim.x;
+    const int h = a.half, n16 = H / 8;
+    char* my_half = half_base(ctx, ctx.sym, h);
+    int* first = reinterpret_cast<int*>(dyn_smem4);  // [R][L]: rows of (s, t = b) per local expert (find_rows)
+    SectionTrace trace(ctx, 2, kPhaseSend | kPhaseRecv);
+    trace.begin();
+    if (b >= T) {  // no token of any rank falls to this CTA
+        trace.print("combine_partials", kPhaseSend | kPhaseRecv, me);
+        return;
+    }
+
+    // 1. Warp 0 publishes the routing of tokens b, b + nb, ... to every other rank; the other warps look up the rows
+    //    of token b of every rank meanwhile.
+    if (warp == 0) {
+        for (int t = b; t < N; t += nb) {
+            int64_t e = -1;
+            float w = 0.0f;
+            if (lane < K) {  // both loads in flight at once
+                e = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + lane);
+                w = a.topk_weights[int64_t(t) * K + lane];
+            }
+            const bool valid = lane < K && e >= 0 && e < E && !is_masked(ctx, int(e) / L);
+            const int2 entry = make_int2(valid ? int(e) : -1, __float_as_int(valid ? w : 0.0f));
+            for (int d = 0; d < R; ++d)
+                if (d != me && lane < K && !is_masked(ctx, d))
+                    *reinterpret_cast<int2*>(half_base(ctx, ctx.peers[d], h) + route_off(lay, me, t) + lane * 8) =
+                        entry;
+        }
+        for (int d = lane; d < R; d += 32)
+            if (d != me && !is_masked(ctx, d))
+                *reinterpret_cast<int*>(half_base(ctx, ctx.peers[d], h) + route_count_off(lay, me)) = N;
+        __syncwarp();
+        for (int d = lane; d < R; d += 32)
+            if (d != me && !is_masked(ctx, d))
+                red_add_release_sys_u64(
+                    reinterpret_cast<uint64_t*>(half_base(ctx, ctx.peers[d], h) + combine_arrive_off(lay, b, me)),
+                    kRouteUnit);
+    } else {
+        for (int i = tid - 32; i < R * L; i += kThreads - 32)
+            find_rows(a, first + (i / L) * L, L, R, RT, i / L, b, i % L, L);  // one (s, j) each
+    }
+    // Wait for every source's routing of this CTA's tokens (lane s of warp 0).
+    if (warp == 0) {
+        int ok = 1, count = 0;
+        if (lane < R && lane != me && !is_masked(ctx, lane)) {
+            const int s = lane;
+            uint64_t* word = reinterpret_cast<uint64_t*>(my_half + combine_arrive_off(lay, b, s));
+            uint64_t seen = 0, elapsed = 0;
+            const WaitResult res = wait_word(ctx, word, [](uint64_t v) { return v >= kRouteUnit; }, &seen, &elapsed,
+                                             ctx.mask != nullptr ? s : -1);
+            if (res == kWaitOk) {
+                atomicAdd(reinterpret_cast<unsigned long long*>(word),
+                          static_cast<unsigned long long>(-int64_t(kRouteUnit)));
+                count = ld_ring_int(reinterpret_cast<const int*>(my_half + route_count_off(lay, s)));
+            } else if (res != kWaitMasked) {
+                ok = on_wait_failure(ctx, res, kKernelLlCombine, kPhaseLlCombineWaitRouting, s, b, 1, seen >> 32,
+                                     elapsed);
+            }
+        }
+        ok = __all_sync(0xffffffffu, ok);
+        if (lane < kMaxPartialRanks) sh.count[lane] = count;
+        if (lane == 0) sh.ok = ok;
+    }
+    __syncthreads();
+    trace.mark();  // routing published and received, rows of token b found
+    if (!sh.ok) {
+        trace.print("combine_partials", kPhaseSend | kPhaseRecv, me);
+        return;
+    }
+
+    // 2. Partials of the other ranks' tokens t = b (mod nb) that this rank holds rows of.
+    for (int s = 0; s < R; ++s) {
+        for (int t = b; t < sh.count[s]; t += nb) {  // 0 for s == me and for masked sources
+            if (t != b) {
+                find_rows(a, first + s * L, L, R, RT, s, t, tid, kThreads);
+                __syncthreads();
+            }
+            if (warp == 0) {
+                int64_t e = -1;
+                float w = 0.0f;
+                if (lane < K) {
+                    const int* entry = reinterpret_cast<const int*>(my_half + route_off(lay, s, t) + lane * 8);
+                    e = ld_ring_int(entry);
+                    w = __int_as_float(ld_ring_int(entry + 1));
+                }
+                take_local_entries(ctx, a, sh, first + s * L, e, w, lane);
+            }
+            __syncthreads();
+            if (sh.num > 0) {
+                char* dst = half_base(ctx, ctx.peers[s], h) + partial_off(lay, me, t);
+                for (int c = tid; c < n16; c += kThreads) {
+                    float acc[8];
+                    local_partial(sh, c, acc);
+                    int hi = 0;
+                    char* to = dst + partial_chunk(c, n16, &hi);
+                    st_na_int4(reinterpret_cast<int4*>(to), make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]),
+                                                                      __float_as_int(acc[2]), __float_as_int(acc[3])));
+                    st_na_int4(reinterpret_cast<int4*>(to + hi),
+                               make_int4(__float_as_int(acc[4]), __float_as_int(acc[5]), __float_as_int(acc[6]),
+                                         __float_as_int(acc[7])));
+                }
+            }
+            __syncthreads();  // every thread's stores precede the release below; sh and first are reused
+            if (tid == 0 && sh.num > 0)
+                red_add_release_sys_u64(
+                    reinterpret_cast<uint64_t*>(half_base(ctx, ctx.peers[s], h) + combine_arrive_off(lay, t, me)), 1);
+        }
+    }
+    trace.mark();  // partials sent
+
+    // 3. This rank's tokens: the own partial first (while the others' partials travel), then the others' in rank order.
+    constexpr int kMaxChunks = (kMaxHidden / 8 + kThreads - 1) / kThreads;
+    for (int t = b; t < N; t += nb) {
+        if (t != b) {
+            find_rows(a, first + me * L, L, R, RT, me, t, tid, kThreads);
+            __syncthreads();
+        }
+        int64_t e = -1;
+        float w = 0.0f;
+        bool valid = false;
+        if (warp == 0) {
+            if (lane < K) {
+                e = load_topk(a.topk_idx, a.topk_idx_bytes, int64_t(t) * K + lane);
+                w = a.topk_weights[int64_t(t) * K + lane];
+            }
+            valid = lane < K && e >= 0 && e < E && !is_masked(ctx, int(e) / L);
+            take_local_entries(ctx, a, sh, first + me * L, valid ? e : -1, w, lane);
+        }
+        __syncthreads();
+        float own[kMaxChunks][8];
+#pragma unroll
+        for (int q = 0; q < kMaxChunks; ++q)
+            if (tid + q * kThreads < n16) local_partial(sh, tid + q * kThreads, own[q]);
+        if (warp == 0) {
+            const int owner = valid ? int(e) / L : -1;
+            const unsigned owners = __reduce_or_sync(0xffffffffu, owner >= 0 && owner != me ? 1u << owner : 0u);
+            int ok = 1;
+            bool have = false;
+            if (lane < R && ((owners >> lane) & 1u)) {
+                const int r = lane;
+                uint64_t* word = reinterpret_cast<uint64_t*>(my_half + combine_arrive_off(lay, t, r));
+                uint64_t seen = 0, elapsed = 0;
+                const WaitResult res = wait_word(ctx, word, [](uint64_t v) { return (v & 0xffffffffu) != 0; },
+                                                 &seen, &elapsed, ctx.mask != nullptr ? r : -1);
+                if (res == kWaitOk) {
+                    have = true;
+                    atomicAdd(reinterpret_cast<unsigned long long*>(word), static_cast<unsigned long long>(-1ll));
+                    if (a.wait_stats != nullptr)
+                        atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + r), elapsed);
+                } else if (res != kWaitMasked) {
+                    ok = on_wait_failure(ctx, res, kKernelLlCombine, kPhaseLlCombineWaitToken, r, t, 1,
+                                         seen & 0xffffffffu, elapsed);
+                }
+            }
+            const unsigned remote = __ballot_sync(0xffffffffu, have);
+            ok = __all_sync(0xffffffffu, ok);
+            if (lane == 0) {
+                sh.remote = remote;
+                sh.ok = ok;
+            }
+        }
+        __syncthreads();
+        if (!sh.ok) break;
+        const unsigned remote = sh.remote;
+        const bool mine = sh.num > 0;
+#pragma unroll
+        for (int q = 0; q < kMaxChunks; ++q) {
+            const int c = tid + q * kThreads;
+            if (c >= n16) continue;
+            float acc[8];
+            for (int v = 0; v < 8; ++v) acc[v] = 0.0f;
+            for (int r = 0; r < R; ++r) {
+                if (r == me) {
+                    if (mine)
+                        for (int v = 0; v < 8; ++v) acc[v] = __fadd_rn(acc[v], own[q][v]);
+                } else if ((remote >> r) & 1u) {
+                    int hi = 0;
+                    const char* from = my_half + partial_off(lay, r, t) + partial_chunk(c, n16, &hi);
+                    const int4 lo4 = ld_ring_int4(reinterpret_cast<const int4*>(from));
+                    const int4 hi4 = ld_ring_int4(reinterpret_cast<const int4*>(from + hi));
+                    const int in[8] = {lo4.x, lo4.y, lo4.z, lo4.w, hi4.x, hi4.y, hi4.z, hi4.w};
+                    for (int v = 0; v < 8; ++v) acc[v] = __fadd_rn(acc[v], __int_as_float(in[v]));
+                }
+            }
+            int4 o;
+            uint16_t* ov = reinterpret_cast<uint16_t*>(&o);
+            for (int v = 0; v < 8; ++v) ov[v] = float_to_bf16(acc[v]);
+            reinterpret_cast<int4*>(static_cast<char*>(a.out) + int64_t(t) * H * 2)[c] = o;
+        }
+        __syncthreads();  // sh and first are reused by the next token
+    }
+    trace.mark();  // all tokens reduced
+    trace.print("combine_partials", kPhaseSend | kPhaseRecv, me);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Barrier and clean
 // ---------------------------------------------------------------------------------------------------------------
 
@@ -1247,8 +1562,9 @@ void configure_kernels() {
         reinterpret_cast<const void*>(&ll_combine_kernel<kPhaseSend>),
         reinterpret_cast<const void*>(&ll_combine_kernel<kPhaseRecv>),
         reinterpret_cast<const void*>(&ll_combine_kernel<kPhaseSend | kPhaseRecv>),
+        reinterpret_cast<const void*>(&ll_combine_partial_kernel),
     };
-    for (int i = 0; i < 6; ++i)
+    for (int i = 0; i < 7; ++i)
         DEEP_EP_CUDA_CHECK(cudaFuncSetAttribute(kernels[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                 i < 3 ? kMaxDynamicSmem : kMaxCombineSmem));
 }
@@ -1281,6 +1597,22 @@ void combine(const Context& ctx, const CombineArgs& args, cudaStream_t stream) {
                       args.num_topk);
     // Shared memory: the send phase's row prefix [L + 1], then (receive, BF16 rows) as many staged rows of 2H bytes
     // as fit, at most top-k; a token with more valid entries than slots is reduced from global memory.
+    if (args.partials) {
+        const Layout& lay = ctx.layout;
+        DEEP_EP_CHECK_ARG(args.phases == (kPhaseSend | kPhaseRecv) && !args.use_logfmt && ctx.all_p2p &&
+                              ctx.num_ranks >= 2 && ctx.num_ranks <= kMaxPartialRanks && partials_fit(lay) &&
+                              (!args.zero_copy || lay.cmsg % 16 == 0),
+                          "the combine by per-rank partials needs a fused launch (no receive hook), no LogFMT, every "
+                          "peer reachable by pointer, 2 to ", kMaxPartialRanks, " ranks, num_experts / num_ranks >= 3 "
+                          "and, with zero_copy, hidden % 512 == 0; got phases=", args.phases, ", use_logfmt=",
+                          args.use_logfmt, ", all_p2p=", ctx.all_p2p, ", num_ranks=", ctx.num_ranks, ", num_experts=",
+                          lay.num_experts, ", hidden=", lay.hidden);
+        const int smem = ctx.num_ranks * lay.num_local * 4;
+        DEEP_EP_CHECK_ARG(smem <= kMaxCombineSmem, "the combine by per-rank partials needs ", smem,
+                          " bytes of shared memory (num_experts / num_ranks too large)");
+        launch_cooperative(ll_combine_partial_kernel, ctx.num_blocks, smem, stream, ctx, args);
+        return;
+    }
     CombineArgs a = args;
     const int64_t row_bytes = int64_t(ctx.layout.hidden) * 2;
     a.stage_offset = static_cast<int>((int64_t(ctx.layout.num_local + 1) * 4 + 127) / 128 * 128);

@@ -60,6 +60,7 @@ class Case:
     dispatch_twice: bool
     with_out: bool
     with_stats: bool
+    partials: str = "auto"  # DEEP_EP_LL_PARTIALS during the example's calls
 
     def describe(self) -> str:
         return "Case(" + ", ".join(f"{k}={v!r}" for k, v in asdict(self).items()) + ")"
@@ -84,7 +85,8 @@ def case_strategy(num_ranks: int):
                     round_scale=round_scale, use_ue8m0=use_ue8m0, hook=hook,
                     async_finish=not hook and draw(st.booleans()), use_logfmt=use_logfmt,
                     zero_copy=not use_logfmt and draw(st.booleans()), dispatch_twice=draw(st.booleans()),
-                    with_out=draw(st.booleans()), with_stats=draw(st.booleans()))
+                    with_out=draw(st.booleans()), with_stats=draw(st.booleans()),
+                    partials=draw(st.sampled_from(["auto", "auto", "0", "1"])))
     return st.composite(lambda draw: build(draw))()
 
 
@@ -128,7 +130,7 @@ def _worker(rank: int, world: int, port: int, env: dict, tasks, results) -> None
     os.environ.update(env)
     try:
         import torch.distributed as dist
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # ranks share GPUs when there are fewer
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         import deep_ep
         rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, MAX_HIDDEN, world,
@@ -166,6 +168,7 @@ def _worker(rank: int, world: int, port: int, env: dict, tasks, results) -> None
             dist.barrier()
             # Every example may change (T, H, E): the spec requires a (collective) clean then.
             buffer.clean_low_latency_buffer(payload.max_tokens, payload.hidden, payload.num_experts)
+            os.environ["DEEP_EP_LL_PARTIALS"] = getattr(payload, "partials", "auto")
             results.put((rank, "ok", TASKS[name](buffer, rank, payload)))
         except Exception:  # noqa: BLE001 - reported to the driver
             results.put((rank, "fail", f"{getattr(payload, 'describe', lambda: payload)()}\n{traceback.format_exc()}"))
@@ -337,7 +340,16 @@ def _ll_round(buffer, case: Case, rank: int, inputs: list, mine: dict, refs: lis
         _eq("combined_x", got, want)
 
 
-def _references(case: Case):
+def _by_partials(buffer, case: Case, plain: bool = False) -> bool:
+    """Whether this case's combine sums per rank (the kernels' choice, which the reference then follows); `plain`:
+    a combine called without hook, LogFMT or zero-copy whatever the case says."""
+    if plain:
+        return buffer._cuda_ll.combine_by_partials(case.num_topk, case.num_experts, case.hidden)
+    return buffer._cuda_ll.combine_by_partials(case.num_topk, case.num_experts, case.hidden, case.use_logfmt,
+                                               case.zero_copy, case.hook)
+
+
+def _references(case: Case, partials: bool = False):
     import reference
     inputs = [make_inputs(case, r) for r in range(case.num_ranks)]
     refs = reference.low_latency_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs], case.max_tokens,
@@ -345,12 +357,13 @@ def _references(case: Case):
                                           use_ue8m0=case.use_ue8m0)
     ys = [expert_output(r.recv_x, case.use_fp8) for r in refs]
     ref_out = reference.low_latency_combine(ys, [i["topk_idx"] for i in inputs], [i["topk_weights"] for i in inputs],
-                                            [r.handle for r in refs], use_logfmt=case.use_logfmt)
+                                            [r.handle for r in refs], use_logfmt=case.use_logfmt,
+                                            per_rank_partials=partials)
     return inputs, refs, ref_out
 
 
 def task_round(buffer, rank: int, case: Case) -> str:
-    inputs, refs, ref_out = _references(case)
+    inputs, refs, ref_out = _references(case, _by_partials(buffer, case))
     _ll_round(buffer, case, rank, inputs, inputs[rank], refs, ref_out)
     return "ok"
 
@@ -372,7 +385,7 @@ def task_graph(buffer, rank: int, case: Case) -> str:
     torch.cuda.synchronize()
     for replay in range(3):
         fresh = Case(**{**asdict(case), "seed": case.seed + 1000 * (replay + 1)})
-        inputs, refs, ref_out = _references(fresh)
+        inputs, refs, ref_out = _references(fresh, _by_partials(buffer, fresh, plain=True))
         for key in ("x", "topk_idx", "topk_weights"):
             static[key].copy_(inputs[rank][key][:num_tokens])
         graph.replay()
@@ -392,7 +405,7 @@ def task_normal_then_clean(buffer, rank: int, case: Case) -> str:
                            topk_weights=mine["topk_weights"].cuda())
     buffer.combine(recv.recv_x, recv.handle)
     buffer.clean_low_latency_buffer(case.max_tokens, case.hidden, case.num_experts)
-    inputs, refs, ref_out = _references(case)
+    inputs, refs, ref_out = _references(case, _by_partials(buffer, case))
     _ll_round(buffer, case, rank, inputs, inputs[rank], refs, ref_out)
     return "ok"
 
@@ -407,7 +420,7 @@ def task_bad_input(buffer, rank: int, case: Case) -> str:
         assert "use_ue8m0" in str(exc)
     else:
         raise AssertionError("use_ue8m0 without round_scale was accepted")
-    inputs, refs, ref_out = _references(case)
+    inputs, refs, ref_out = _references(case, _by_partials(buffer, case))
     _ll_round(buffer, case, rank, inputs, inputs[rank], refs, ref_out)
     return "ok"
 
@@ -432,7 +445,8 @@ def task_shrink(buffer, rank: int, case: Case) -> str:
     y = expert_output(res.recv_x, case.use_fp8)
     ys = [expert_output(r.recv_x, case.use_fp8) for r in refs]
     want = reference.low_latency_combine(ys, [i["topk_idx"] for i in inputs], [i["topk_weights"] for i in inputs],
-                                         [r.handle for r in refs], masked_ranks=[1])[0]
+                                         [r.handle for r in refs], masked_ranks=[1],
+                                         per_rank_partials=_by_partials(buffer, case, plain=True))[0]
     comb = buffer.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], res.handle)
     torch.cuda.synchronize()
     _eq("combined_x without the masked rank", comb.combined_x, want)
@@ -463,7 +477,8 @@ def task_shrink_combine(buffer, rank: int, case: Case) -> str:
     y = expert_output(res.recv_x, case.use_fp8)
     ys = [expert_output(r.recv_x, case.use_fp8) for r in refs]
     want = reference.low_latency_combine(ys, [i["topk_idx"] for i in inputs], [i["topk_weights"] for i in inputs],
-                                         [r.handle for r in refs], masked_ranks=[1])[0]
+                                         [r.handle for r in refs], masked_ranks=[1],
+                                         per_rank_partials=_by_partials(buffer, case, plain=True))[0]
     budget = float(WORKER_TIMEOUT_S)
     start = time.monotonic()
     comb = buffer.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], res.handle)
@@ -500,15 +515,17 @@ def test_ll_two_ranks(pools, case):
     pools(2).run("round", case)
 
 
+@pytest.mark.parametrize("partials", ["0", "auto"])
 @pytest.mark.parametrize("hook", [False, True])
 @pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.multi_gpu(2))])
-def test_ll_combine_staged_and_global_rows(pools, world, hook):
+def test_ll_combine_staged_and_global_rows(pools, world, hook, partials):
     """H = 16384, top-16: the combine stages at most 7 rows of 32 KB in shared memory, so tokens with more valid
-    entries are reduced from global memory and the others from the stage, in the same launch; both bit-exact."""
+    entries are reduced from global memory and the others from the stage, in the same launch; both bit-exact. At
+    EP2 without the hook, "auto" sums per rank instead (the largest hidden size and top-k of that path)."""
     case = Case(num_ranks=world, seed=5, num_tokens=(24,) * world, max_tokens=24, hidden=16384, num_topk=16,
                 num_experts=16 * world, mask_prob=0.5, use_fp8=False, round_scale=False, use_ue8m0=False, hook=hook,
                 async_finish=False, use_logfmt=False, zero_copy=False, dispatch_twice=False, with_out=False,
-                with_stats=True)
+                with_stats=True, partials=partials)
     pools(world).run("round", case)
 
 
@@ -547,20 +564,24 @@ def test_ll_bad_input_keeps_buffer_usable(pools, world):
     pools(world).run("bad_input", case)
 
 
-def _shrink_case(seed: int) -> Case:
+def _shrink_case(seed: int, partials: str) -> Case:
     """EP2, 12 tokens of top-4 over 8 experts, BF16: every token almost surely has rows from both ranks."""
     return Case(num_ranks=2, seed=seed, num_tokens=(12, 12), max_tokens=16, hidden=2048, num_topk=4, num_experts=8,
                 mask_prob=0.0, use_fp8=False, round_scale=False, use_ue8m0=False, hook=False, async_finish=False,
-                use_logfmt=False, zero_copy=False, dispatch_twice=False, with_out=False, with_stats=False)
+                use_logfmt=False, zero_copy=False, dispatch_twice=False, with_out=False, with_stats=False,
+                partials=partials)
+
+
+# Both combine paths: one BF16 row per expert ("0") and per-rank partial sums ("1", which also waits on routing).
+@pytest.mark.multi_gpu(2)
+@pytest.mark.parametrize("partials", ["0", "1"])
+def test_ll_shrink_masks_a_silent_peer(pools, partials):
+    pools(2, shrink=True).run("shrink", _shrink_case(11, partials))
 
 
 @pytest.mark.multi_gpu(2)
-def test_ll_shrink_masks_a_silent_peer(pools):
-    pools(2, shrink=True).run("shrink", _shrink_case(11))
-
-
-@pytest.mark.multi_gpu(2)
-def test_ll_shrink_masks_a_peer_silent_in_combine(pools):
+@pytest.mark.parametrize("partials", ["0", "1"])
+def test_ll_shrink_masks_a_peer_silent_in_combine(pools, partials):
     """Rank 1 dispatches, then never combines: rank 0's combine masks it within one timeout and completes."""
-    pools(2, shrink=True).run("shrink_combine", _shrink_case(13))
+    pools(2, shrink=True).run("shrink_combine", _shrink_case(13, partials))
 
