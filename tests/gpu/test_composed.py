@@ -11,6 +11,11 @@ The worker pool is ``test_intranode.Pool``; every example runs ``test_internode.
 top-k weights and 0..2 biases, BF16 and FP8, -1 top-k slots, empty ranks) and worst-token dispatch compared bit for
 bit with ``reference``. ``DEEP_EP_GPU_EXAMPLES_COMPOSED`` sets the number of hypothesis examples (default 6).
 
+The rail stage across hosts (``SymmetricCuda``: the ring kernels on the NVSHMEM symmetric heap, rail rank ``n`` =
+PE ``2n + l``) runs here on one host with ``DEEP_EP_COMPOSED_RAIL=nvshmem`` (``test_two_by_two_nvshmem_rail``):
+once with rail peers reached by ``nvshmem_ptr``, once with ``DEEP_EP_INTERNODE_PUT_ONLY=1`` (every rail pair a put
+pair: staged records, put-with-signal, signal twins to the peer's PE, as behind a NIC).
+
 On a machine with 8 or more GPUs the same round trip also runs with 8 ranks, one per GPU, as 2 nodes x 4 and as
 4 nodes x 2 (``test_eight_ranks``; skipped with fewer GPUs, issue 7).
 """
@@ -30,6 +35,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.timeout(600)]
 
 ENV = {"DEEP_EP_GPUS_PER_NODE": "2", "DEEP_EP_INTERNODE": "auto"}
 STAGES = "ComposedInternode cuda CudaBackend CudaBackend"
+NVSHMEM_STAGES = "ComposedInternode cuda SymmetricCuda CudaBackend"
 
 
 def task_stages(buffer, rank: int, payload) -> str:
@@ -39,15 +45,21 @@ def task_stages(buffer, rank: int, payload) -> str:
         f"{type(composed.node).__name__}"
 
 
-def _composed_pool(devices: list, gpus_per_node: int):
+def task_rail_reach(buffer, rank: int, payload) -> tuple:
+    """The NVSHMEM rail stage's PE of each rail rank and its put peers (rail ranks)."""
+    rail = buffer._composed.rail
+    return list(rail.pes), list(rail.put_peers)
+
+
+def _composed_pool(devices: list, gpus_per_node: int, stages: str = STAGES, **env: str):
     """A worker pool on ``devices`` as nodes of ``gpus_per_node`` ranks, checked to run the composed path with CUDA
-    stages; yields it and closes it (the body of the module-scoped fixtures)."""
-    pool = ti.Pool(devices, env={**ENV, "DEEP_EP_GPUS_PER_NODE": str(gpus_per_node)})
+    stages ``stages``; yields it and closes it (the body of the module-scoped fixtures)."""
+    pool = ti.Pool(devices, env={**ENV, "DEEP_EP_GPUS_PER_NODE": str(gpus_per_node), **env})
     try:
         if ti.DEVICE == "cuda":
             assert pool.backends == {"ComposedInternode"}, f"Buffer did not pick the composed path: {pool.backends}"
-            stages = set(pool.run("test_composed:task_stages", None))
-            assert stages == {STAGES}, f"the composed path does not run CUDA stages: {stages}"
+            found = set(pool.run("test_composed:task_stages", None))
+            assert found == {stages}, f"the composed path does not run the expected CUDA stages: {found}"
         yield pool
     finally:
         pool.close()
@@ -74,6 +86,28 @@ def test_two_by_two_large(two_by_two):
                        empty_rank=-1, async_mode=use_fp8, previous_mode=use_fp8, num_bias=1,
                        scales_col_major=use_fp8)
         two_by_two.run(tn.TASK, case)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["pointers", "puts"])
+def two_by_two_nvshmem(request):
+    """2 x 2 with the rail stage on the NVSHMEM heap; ``puts``: every rail pair a put pair (its put area needs
+    about twice the rings' bytes)."""
+    gpus = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 2
+    rdma = (1536 if request.param else 768) * 1024 * 1024
+    env = {"DEEP_EP_COMPOSED_RAIL": "nvshmem", "DEEP_EP_TEST_NUM_RDMA_BYTES": str(rdma),
+           "DEEP_EP_INTERNODE_PUT_ONLY": "1" if request.param else "0"}
+    for pool in _composed_pool([rank % gpus for rank in range(4)], 2, NVSHMEM_STAGES, **env):
+        if ti.DEVICE == "cuda":
+            reach = pool.run("test_composed:task_rail_reach", None)
+            want = [([rank % 2, 2 + rank % 2], [1 - rank // 2] if request.param else []) for rank in range(4)]
+            assert [(list(p), list(q)) for p, q in reach] == want, reach
+        yield pool
+
+
+@ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_COMPOSED", "6")))
+@given(case=ti.case_strategy(4, max_tokens=300))
+def test_two_by_two_nvshmem_rail(two_by_two_nvshmem, case):
+    two_by_two_nvshmem.run(tn.TASK, case)
 
 
 @pytest.fixture(scope="module", params=[4, 2], ids=["2x4", "4x2"])
