@@ -7,8 +7,9 @@ naming the argument, the rule and the value), resolves defaults and configs, and
   topology is one it serves and ``DEEP_EP_BACKEND`` is ``auto`` or ``cuda``. Methods it lacks (e.g. the
   low-latency mode) fall back to the torch backend;
 * ``deep_ep.composed_internode.ComposedInternode`` for the normal mode of ``N`` nodes x ``G > 1`` GPUs: a rail
-  stage and a node stage, each an intranode backend over a subgroup (CUDA kernels for CUDA tensors on one host;
-  torch stages on CPU under ``DEEP_EP_INTERNODE=composed``);
+  stage and a node stage, each an intranode backend over a subgroup (CUDA kernels for CUDA tensors: the node stage
+  over CUDA IPC, the rail stage over IPC on one host or NVSHMEM across hosts; torch stages on CPU under
+  ``DEEP_EP_INTERNODE=composed``);
 * ``deep_ep.torch_backend.TorchBackend`` otherwise: real communication over the process group (gloo on CPU,
   NCCL on GPU).
 

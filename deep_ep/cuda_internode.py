@@ -34,8 +34,8 @@ Numerics: the spec's two-level combine rounds each node's partial sum to BF16 an
 GPU per node a partial is one BF16 row, which rounds to itself, so the kernels' single fp32 accumulation over ranks
 (starting from the biases, ascending rank order, one rounding) is bit-identical to the reference.
 
-Not implemented here (the Buffer keeps the torch backend for these and says why): several GPUs per node (the
-forwarding stage of design §4), and a world with put pairs whose ``num_rdma_bytes`` leaves no room for the put
+Not served here: several GPUs per node (the composed path, ``deep_ep/composed_internode.py``, whose rail stage across
+hosts is a :class:`SymmetricCuda`), and (the Buffer keeps the torch backend and says why) a world with put pairs whose ``num_rdma_bytes`` leaves no room for the put
 area (:class:`UnsupportedTopology`). In worst-token mode ``send_nvl_head`` has ``num_worst_tokens`` rows, the
 padding rows -1 (the torch backend sizes it with the real count, which needs a host synchronisation).
 """

@@ -12,7 +12,8 @@ top-k weights and 0..2 biases, BF16 and FP8, -1 top-k slots, empty ranks) and wo
 bit with ``reference``. ``DEEP_EP_GPU_EXAMPLES_COMPOSED`` sets the number of hypothesis examples (default 6).
 
 The rail stage across hosts (``SymmetricCuda``: the ring kernels on the NVSHMEM symmetric heap, rail rank ``n`` =
-PE ``2n + l``) runs here on one host with ``DEEP_EP_COMPOSED_RAIL=nvshmem`` (``test_two_by_two_nvshmem_rail``):
+PE ``2n + l``) runs here on one host with ``DEEP_EP_COMPOSED_RAIL=nvshmem`` (the ``two_by_two`` fixture's
+``nvshmem`` and ``nvshmem_puts`` parameters):
 once with rail peers reached by ``nvshmem_ptr``, once with ``DEEP_EP_INTERNODE_PUT_ONLY=1`` (every rail pair a put
 pair: staged records, put-with-signal, signal twins to the peer's PE, as behind a NIC).
 
@@ -65,11 +66,25 @@ def _composed_pool(devices: list, gpus_per_node: int, stages: str = STAGES, **en
         pool.close()
 
 
-@pytest.fixture(scope="module")
-def two_by_two():
-    # One rank per GPU where there are 4 (x4 / x8 machines), else GPUs 0, 1, 0, 1.
+@pytest.fixture(scope="module", params=["ipc", "nvshmem", "nvshmem_puts"])
+def two_by_two(request):
+    """2 x 2 with the rail stage over CUDA IPC (``auto`` on one host) or on the NVSHMEM heap
+    (``DEEP_EP_COMPOSED_RAIL=nvshmem``; ``nvshmem_puts``: every rail pair a put pair, whose put area needs about twice
+    the rings' bytes). One rank per GPU where there are 4 (x4 / x8 machines), else GPUs 0, 1, 0, 1."""
     gpus = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 2
-    yield from _composed_pool([rank % gpus for rank in range(4)], 2)
+    devices = [rank % gpus for rank in range(4)]
+    if request.param == "ipc":
+        yield from _composed_pool(devices, 2)
+        return
+    puts = request.param == "nvshmem_puts"
+    env = {"DEEP_EP_COMPOSED_RAIL": "nvshmem", "DEEP_EP_TEST_NUM_RDMA_BYTES": str((1536 if puts else 768) << 20),
+           "DEEP_EP_INTERNODE_PUT_ONLY": "1" if puts else "0"}
+    for pool in _composed_pool(devices, 2, NVSHMEM_STAGES, **env):
+        if ti.DEVICE == "cuda":  # rail rank n of local index l is PE 2n + l; its put peer the other rail rank
+            reach = pool.run("test_composed:task_rail_reach", None)
+            want = [([rank % 2, 2 + rank % 2], [1 - rank // 2] if puts else []) for rank in range(4)]
+            assert [(list(p), list(q)) for p, q in reach] == want, reach
+        yield pool
 
 
 @ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_COMPOSED", "6")))
@@ -86,28 +101,6 @@ def test_two_by_two_large(two_by_two):
                        empty_rank=-1, async_mode=use_fp8, previous_mode=use_fp8, num_bias=1,
                        scales_col_major=use_fp8)
         two_by_two.run(tn.TASK, case)
-
-
-@pytest.fixture(scope="module", params=[False, True], ids=["pointers", "puts"])
-def two_by_two_nvshmem(request):
-    """2 x 2 with the rail stage on the NVSHMEM heap; ``puts``: every rail pair a put pair (its put area needs
-    about twice the rings' bytes)."""
-    gpus = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 2
-    rdma = (1536 if request.param else 768) * 1024 * 1024
-    env = {"DEEP_EP_COMPOSED_RAIL": "nvshmem", "DEEP_EP_TEST_NUM_RDMA_BYTES": str(rdma),
-           "DEEP_EP_INTERNODE_PUT_ONLY": "1" if request.param else "0"}
-    for pool in _composed_pool([rank % gpus for rank in range(4)], 2, NVSHMEM_STAGES, **env):
-        if ti.DEVICE == "cuda":
-            reach = pool.run("test_composed:task_rail_reach", None)
-            want = [([rank % 2, 2 + rank % 2], [1 - rank // 2] if request.param else []) for rank in range(4)]
-            assert [(list(p), list(q)) for p, q in reach] == want, reach
-        yield pool
-
-
-@ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_COMPOSED", "6")))
-@given(case=ti.case_strategy(4, max_tokens=300))
-def test_two_by_two_nvshmem_rail(two_by_two_nvshmem, case):
-    two_by_two_nvshmem.run(tn.TASK, case)
 
 
 @pytest.fixture(scope="module", params=[4, 2], ids=["2x4", "4x2"])
