@@ -19,6 +19,10 @@
 #   test_composed    GPU tests of the composed internode path (CUDA stages), 4 ranks on GPUs 0,1,0,1 as 2 x 2
 #                    (one per GPU on 4+ GPUs; with 8+ GPUs also 8 ranks as 2 x 4 and 4 x 2), COMPOSED_EXAMPLES
 #                    hypothesis examples (default 6)
+#   test_internode_shared  the internode suite (2 x 1) with both ranks on one GPU (TEST_RANKS_PER_GPU=2): correctness
+#                    only, on the one-GPU machine
+#   test_composed_shared  the composed suite with its 4 ranks sharing fewer GPUs (TEST_RANKS_PER_GPU=2; on one GPU
+#                    all four: NVSHMEM and the IPC stages time-sliced), the NVSHMEM rail included: correctness only
 #   bench_intranode  Buffer defaults (direct receive) at 24, 16 and 8 SMs, DeepEP's EP2 workload -> intra.json
 #   bench_ll         LL sweep of tokens per rank 1..256 (128 is the bar) -> ll.json
 #   bench_internode  2 virtual nodes x 1 GPU next to the intranode kernels, simulator prediction -> inter.json
@@ -107,19 +111,21 @@ for step in "$@"; do
         run_step bench_ll_put 60 env DEEP_EP_LL_PUT_ONLY=1 python3 benchmarks/bench_low_latency.py --tokens 128 \
             --warmups 10 --iters 20 --json "$OUT/ll_put.json"
         grep -vE "^LLTRACE|UserWarning|_warn_once" "$OUT/bench_ll_put.log" | tail -n 4 >> "$S" ;;
-    test_internode)
-        run_step test_internode 190 env DEEP_EP_GPU_EXAMPLES_INTERNODE="${INTERNODE_EXAMPLES:-8}" \
+    test_internode|test_internode_shared)  # _shared: ranks share GPUs (TEST_RANKS_PER_GPU=2)
+        run_step "$step" 200 env TEST_RANKS_PER_GPU="$([[ $step == *_shared ]] && echo 2 || echo 1)" \
+            DEEP_EP_GPU_EXAMPLES_INTERNODE="${INTERNODE_EXAMPLES:-8}" \
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_internode.py
-        test_summary test_internode ;;
+        test_summary "$step" ;;
     test_internode_put)
         run_step test_internode_put 190 env DEEP_EP_INTERNODE_PUT_ONLY=1 \
             DEEP_EP_GPU_EXAMPLES_INTERNODE="${INTERNODE_PUT_EXAMPLES:-6}" \
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_internode.py
         test_summary test_internode_put ;;
-    test_composed)
-        run_step test_composed 170 env DEEP_EP_GPU_EXAMPLES_COMPOSED="${COMPOSED_EXAMPLES:-6}" \
+    test_composed|test_composed_shared)
+        run_step "$step" 320 env TEST_RANKS_PER_GPU="$([[ $step == *_shared ]] && echo 2 || echo 1)" \
+            DEEP_EP_GPU_EXAMPLES_COMPOSED="${COMPOSED_EXAMPLES:-6}" \
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_composed.py
-        test_summary test_composed ;;
+        test_summary "$step" ;;
     bench_intranode)
         # INTRA_ARGS replaces the default: Buffer's defaults (tuned warps, channel cap) at 24, 16 and 8 SMs, direct
         # receive. A sweep of channels and warps: INTRA_ARGS="--uncapped --sms 24 20 16 12 8 --dispatch-warps 8 12 16

@@ -7,8 +7,9 @@ naming the argument, the rule and the value), resolves defaults and configs, and
   topology is one it serves and ``DEEP_EP_BACKEND`` is ``auto`` or ``cuda``. Methods it lacks (e.g. the
   low-latency mode) fall back to the torch backend;
 * ``deep_ep.composed_internode.ComposedInternode`` for the normal mode of ``N`` nodes x ``G > 1`` GPUs: a rail
-  stage and a node stage, each an intranode backend over a subgroup (CUDA kernels for CUDA tensors on one host;
-  torch stages on CPU under ``DEEP_EP_INTERNODE=composed``);
+  stage and a node stage, each an intranode backend over a subgroup (CUDA kernels for CUDA tensors: the node stage
+  over CUDA IPC, the rail stage over IPC on one host or NVSHMEM across hosts; torch stages on CPU under
+  ``DEEP_EP_INTERNODE=composed``);
 * ``deep_ep.torch_backend.TorchBackend`` otherwise: real communication over the process group (gloo on CPU,
   NCCL on GPU).
 
@@ -169,11 +170,13 @@ class Buffer:
         """``(ComposedInternode, device type)`` for ``N x G`` groups with ``G > 1`` when ``DEEP_EP_INTERNODE``
         selects it, else ``(None, None)``.
 
-        Stages: CUDA intranode kernels (``CudaBackend``, serving CUDA tensors; the group may be gloo or NCCL: the
-        stages only exchange objects through it) when CUDA and the extension are available, ``num_nvl_bytes > 0``,
-        ``DEEP_EP_BACKEND`` is not ``torch``, ``N <= 8`` and every rank is on one host (CUDA IPC); torch stages over
-        the group's backend otherwise, used only under ``DEEP_EP_INTERNODE=composed``. Collective: every rank
-        creates every subgroup (``make_stage_groups``)."""
+        Stages: CUDA kernels (serving CUDA tensors; the group may be gloo or NCCL: the stages only exchange objects
+        through it) when CUDA and the extension are available, ``num_nvl_bytes > 0``, ``DEEP_EP_BACKEND`` is not
+        ``torch``, ``N <= 8`` and each node's ranks share a host: the node stage a ``CudaBackend`` (CUDA IPC), the
+        rail stage a ``CudaBackend`` when every rank is on one host, else a ``SymmetricCuda`` on the NVSHMEM heap
+        (``num_rdma_bytes``; ``deep_ep.config.composed_rail``). Torch stages over the group's backend otherwise,
+        used only under ``DEEP_EP_INTERNODE=composed``. Collective: every rank creates every subgroup
+        (``make_stage_groups``)."""
         topo = self.topology
         choice = _internode_choice()
         if group is None or choice == "torch" or not topo.is_internode or topo.num_scaleup_ranks < 2:
@@ -186,33 +189,58 @@ class Buffer:
             reason = "num_nvl_bytes is 0"
         elif topo.num_scaleout_ranks > cfg.NUM_MAX_SCALEUP_RANKS:
             reason = f"{topo.num_scaleout_ranks} nodes exceed the rail stage's {cfg.NUM_MAX_SCALEUP_RANKS} ranks"
-        backend_cls = None
+        backend_cls = rail_kind = None
         if reason is None:
             backend_cls, reason = _import_cuda("deep_ep.cuda_backend", "CudaBackend")
         if reason is None:
             import socket
             hosts = [None] * self.group_size
             dist.all_gather_object(hosts, socket.gethostname(), group=group)
-            if len(set(hosts)) > 1:
-                reason = f"the ranks span {len(set(hosts))} hosts (the CUDA stages need CUDA IPC)"
+            rail_kind, reason = cfg.composed_rail(envs.COMPOSED_RAIL.get(), hosts, topo, self.num_rdma_bytes,
+                                                  bool(getattr(importlib.import_module("deep_ep._C"),
+                                                               "HAS_LOW_LATENCY", False)))
         if reason is not None and choice == "auto":
             return None, None
         from deep_ep.composed_internode import ComposedInternode, make_stage_groups
         from deep_ep.torch_backend import TorchBackend
         groups = make_stage_groups(group, topo)
         num_nodes, per_node = topo.num_scaleout_ranks, topo.num_scaleup_ranks
-        ring_bytes = None
-        if reason is None:
-            rail = backend_cls.from_group(groups.rail, self.num_nvl_bytes)
+        cuda_stages = reason is None
+        if cuda_stages:
+            if rail_kind == "nvshmem":
+                rail = self._symmetric_rail(group, groups.rail)
+            else:
+                rail = backend_cls.from_group(groups.rail, self.num_nvl_bytes)
             node = backend_cls.from_group(groups.node, self.num_nvl_bytes)
-            device, ring_bytes = "cuda", self.num_nvl_bytes
+            device = "cuda"
         else:
             rail = TorchBackend(groups.rail, topo.node_of(self.rank), num_nodes, Topology(num_nodes, num_nodes),
                                 self.num_nvl_bytes, 0, False)
             node = TorchBackend(groups.node, topo.local_of(self.rank), per_node, Topology(per_node, per_node),
                                 self.num_nvl_bytes, 0, False)
             device = rail.device.type
-        return ComposedInternode(rail, node, self.rank, topo, ring_bytes), device
+        return ComposedInternode(rail, node, self.rank, topo, cuda_stages), device
+
+    def _symmetric_rail(self, group: Any, rail_group: Any) -> Any:
+        """The composed path's rail stage on the NVSHMEM symmetric heap of the Buffer's group (the NVSHMEM world:
+        PE = group rank; rail rank ``n`` of local index ``l`` is PE ``n * G + l``). Collective over the group."""
+        import torch.distributed as dist
+        from deep_ep.cuda_internode import SymmetricCuda
+        from deep_ep.cuda_low_latency import join_nvshmem_world
+
+        def gather(obj: Any, over: Any) -> list:
+            out = [None] * dist.get_world_size(over)
+            dist.all_gather_object(out, obj, group=over)
+            return out
+
+        topo = self.topology
+        unique_id = join_nvshmem_world(self.rank, self.num_rdma_bytes, self.num_qps_per_rank, True, self.allow_mnnvl,
+                                       lambda obj: gather(obj, group))
+        local = topo.local_of(self.rank)
+        pes = [node * topo.num_scaleup_ranks + local for node in range(topo.num_scaleout_ranks)]
+        return SymmetricCuda(topo.node_of(self.rank), topo.num_scaleout_ranks, self.num_rdma_bytes, unique_id,
+                             self.rank, self.group_size, pes, lambda obj: gather(obj, rail_group),
+                             lambda: dist.barrier(group=rail_group), world_all_gather=lambda obj: gather(obj, group))
 
     def _make_cuda_low_latency(self, group: Any, comm: Any) -> Any:
         """The CUDA low-latency backend (NVSHMEM) when ``low_latency_mode`` has an RDMA buffer, the extension has
@@ -227,9 +255,11 @@ class Buffer:
             if choice == "cuda":
                 raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the CUDA low-latency kernels cannot be used: {reason}")
             return None
+        # An internode group may allocate a second buffer of num_rdma_bytes on the symmetric heap after this one
+        # (the CUDA internode backend, or the composed path's rail stage across hosts): the heap holds both.
         options = dict(num_rdma_bytes=self.num_rdma_bytes, num_qps_per_rank=self.num_qps_per_rank,
                        allow_nvlink=self.allow_nvlink_for_low_latency_mode, allow_mnnvl=self.allow_mnnvl,
-                       enable_shrink=self.enable_shrink)
+                       enable_shrink=self.enable_shrink, symmetric_buffers=2 if self.topology.is_internode else 1)
         if group is not None:
             return backend_cls.from_group(group, **options)
         return backend_cls(self.rank, self.group_size, all_gather=comm.allgather, **options)

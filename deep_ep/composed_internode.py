@@ -7,9 +7,12 @@ Rank ``r = (m, l)`` sits on node ``m = r // G`` at local index ``l = r % G``. Tw
 
 Each group is served by a *stage backend* with the intranode ``Buffer``-backend interface (``dispatch`` /
 ``combine`` returning :mod:`deep_ep.results` NamedTuples with an :class:`deep_ep.handle.IntranodeHandle`):
-:class:`deep_ep.torch_backend.TorchBackend` on gloo subgroups (CPU) or :class:`deep_ep.cuda_backend.CudaBackend`
-(CUDA IPC, all ranks on one host). This module only moves bytes between the stages with device-agnostic torch
-ops; the stages do all communication.
+:class:`deep_ep.torch_backend.TorchBackend` on gloo subgroups (CPU) or the CUDA ring kernels: the node stage a
+:class:`deep_ep.cuda_backend.CudaBackend` (CUDA IPC inside the node's host), the rail stage a ``CudaBackend`` when
+all ranks share one host, else a :class:`deep_ep.cuda_internode.SymmetricCuda` (the same kernels on the NVSHMEM
+symmetric heap of the Buffer's ``num_rdma_bytes``: peers by ``nvshmem_ptr`` or by puts and signals; rail rank
+``n`` is PE ``n * G + l``). This module only moves bytes between the stages with device-agnostic torch ops; the
+stages do all communication.
 
 Dispatch (source ``(m, l)``):
 
@@ -39,16 +42,17 @@ counts) and the per-expert list; the permutation and handle fields are device op
 Stream order: every stage call is synchronous with the current stream and orders after it (a
 ``previous_event`` is waited for on the current stream first: the records are built there, after the event).
 
-CUDA stages (``ring_bytes`` given): each stage runs the intranode kernels in its own IPC buffer of the Buffer's
-``num_nvl_bytes``, with records wider than the hidden size (payload + top-k + metadata, padded to 16 bytes). Every
-call checks first, on every rank alike and before any communication, that the rings of both stages hold
-``2 * num_max_nvl_chunked_send_tokens`` records per (channel, source), and raises a ValueError naming the
-``num_nvl_bytes`` needed otherwise (:func:`stage_nvl_bytes`); likewise top-k <= 16 and ``E / N`` <= 1024.
+CUDA stages (``cuda_stages``): each stage runs the ring kernels in its own buffer (IPC: the Buffer's
+``num_nvl_bytes``; NVSHMEM rail: ``num_rdma_bytes``), with records wider than the hidden size (payload + top-k +
+metadata, padded to 16 bytes). Every call checks first, on every rank alike and before any communication, that the
+rings of both stages hold ``2 * num_max_nvl_chunked_send_tokens`` records per (channel, source), and raises a
+ValueError naming the buffer size needed otherwise (:func:`stage_nvl_bytes`); likewise top-k <= 16 and
+``E / N`` <= 1024.
 
 Worst-token mode (``num_worst_tokens > 0``): the outputs of a normal dispatch, padded to ``num_worst_tokens`` rows
 (:meth:`ComposedInternode._pad_to_worst`); the stages still synchronise with the host for their receive counts.
 
-Not supported (raise): more than 8 nodes (the rail stage is an intranode backend).
+Not supported (raise): more than 8 nodes (the rail stage runs the intranode ring kernels: at most 8 ranks).
 """
 from __future__ import annotations
 
@@ -222,8 +226,8 @@ class ComposedInternode:
         node: stage backend over node ``n``'s group (``G`` ranks; its rank = ``l``).
         rank: this rank in the Buffer's group.
         topology: ``N x G`` with ``N > 1``, ``1 < G``; ``N <= 8`` (the rail stage is intranode).
-        ring_bytes: the IPC buffer bytes of each CUDA stage (``num_nvl_bytes``): every call checks the stages' rings
-            and kernel limits first (see the module docstring); ``None`` for torch stages (no check).
+        cuda_stages: the stages are CUDA ring kernels (``ring_bytes()``, ``buffer_arg``): every call checks their
+            rings and the kernel limits first (see the module docstring); False for torch stages (no check).
 
     Both stages must offer ``dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
     num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
@@ -232,7 +236,7 @@ class ComposedInternode:
     ``deep_ep.Buffer``.
     """
 
-    def __init__(self, rail: Any, node: Any, rank: int, topology: Topology, ring_bytes: Optional[int] = None) -> None:
+    def __init__(self, rail: Any, node: Any, rank: int, topology: Topology, cuda_stages: bool = False) -> None:
         if not topology.is_internode or topology.num_scaleup_ranks < 2:
             raise ValueError(f"the composed internode path needs N > 1 nodes of G > 1 ranks, got "
                              f"{topology.num_scaleout_ranks} x {topology.num_scaleup_ranks}")
@@ -240,7 +244,7 @@ class ComposedInternode:
             raise ValueError(f"the composed internode path serves at most {NUM_MAX_SCALEUP_RANKS} nodes (its rail "
                              f"stage is an intranode backend), got {topology.num_scaleout_ranks}")
         self.rail, self.node, self.rank, self.topology = rail, node, rank, topology
-        self.ring_bytes = ring_bytes
+        self.cuda_stages = cuda_stages
         self.my_node, self.my_local = topology.node_of(rank), topology.local_of(rank)
         # id(handle.recv_src_meta) -> (weak reference to it, _Plan): the stage handles behind each returned handle.
         self._plans: dict[int, tuple[weakref.ref, _Plan]] = {}
@@ -294,20 +298,24 @@ class ComposedInternode:
     def _check_stage(self, stage: str, kind: str, record_bytes: int, config: Config) -> None:
         """Raise ValueError unless the CUDA ``stage`` ('rail' / 'node') rings hold ``2 * num_max_nvl_chunked_send_
         tokens`` ring slots of ``record_bytes`` for ``kind`` ('dispatch' / 'combine') per (channel, source)."""
-        if self.ring_bytes is None:
+        if not self.cuda_stages:
             return
         num_ranks = self.topology.num_scaleout_ranks if stage == "rail" else self.topology.num_scaleup_ranks
+        backend = self.rail if stage == "rail" else self.node
         channels = intranode_channels(config.num_sms, num_ranks)
-        geometry = lay.intranode_ring_geometry(self.ring_bytes, num_ranks, channels, record_bytes,
+        ring_bytes, arg = backend.ring_bytes(), backend.buffer_arg
+        geometry = lay.intranode_ring_geometry(ring_bytes, num_ranks, channels, record_bytes,
                                                config.num_max_nvl_chunked_recv_tokens, kind == "combine")
         need = 2 * config.num_max_nvl_chunked_send_tokens
         if geometry.capacity >= need:
             return
         want = stage_nvl_bytes(record_bytes, num_ranks, channels, config.num_max_nvl_chunked_send_tokens)
-        fix = f"build the Buffer with num_nvl_bytes >= {want}" \
+        fix = f"build the Buffer with {arg} >= {want}" \
             if want <= lay.intranode_control_bytes() + 2 * lay.INTRANODE_MAX_RING_HALF_BYTES else \
             "lower config.num_sms or num_max_nvl_chunked_send_tokens (no buffer size fits)"
-        raise ValueError(f"num_nvl_bytes={self.ring_bytes} is too small for the composed internode path's {stage} "
+        if ring_bytes < getattr(backend, "num_nvl_bytes", ring_bytes):
+            fix += " for the rings, about twice that with the put area of NVSHMEM put peers"
+        raise ValueError(f"{arg}={backend.num_nvl_bytes} is too small for the composed internode path's {stage} "
                          f"stage {kind}: its rings hold {geometry.capacity} slots of {record_bytes} bytes (payload, "
                          f"top-k and metadata) per (channel, rank) with {channels} channels and {num_ranks} ranks, "
                          f"need >= 2 * num_max_nvl_chunked_send_tokens = {need}; {fix}")
@@ -315,7 +323,7 @@ class ComposedInternode:
     def _check_dispatch(self, payload: list[torch.Tensor], topk_idx: Optional[torch.Tensor], num_experts: int,
                         config: Config) -> None:
         """Checks of a non-cached dispatch on CUDA stages, before any communication (equal on every rank)."""
-        if self.ring_bytes is None:
+        if not self.cuda_stages:
             return
         num_nodes = self.topology.num_scaleout_ranks
         num_topk = topk_idx.size(1) if topk_idx is not None else 0

@@ -12,7 +12,7 @@ Standard library only: importing this module loads neither torch nor the CUDA ex
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from deep_ep import envs
 
@@ -174,6 +174,33 @@ def put_peers(rank: int, unreachable: list, put_only: bool) -> list[int]:
     if put_only:
         return [r for r in range(num_ranks) if r != rank]
     return [r for r in range(num_ranks) if r != rank and (r in unreachable[rank] or rank in unreachable[r])]
+
+
+def composed_rail(mode: str, hosts: Sequence[str], topology: Topology, num_rdma_bytes: int,
+                  has_nvshmem: bool) -> tuple[Optional[str], Optional[str]]:
+    """How the composed internode path's CUDA rail stage reaches its peers (``DEEP_EP_COMPOSED_RAIL`` = ``mode``):
+    ``('ipc', None)`` (CUDA IPC buffers), ``('nvshmem', None)`` (the ring kernels on the NVSHMEM symmetric heap,
+    ``deep_ep.cuda_internode.SymmetricCuda``), or ``(None, why the CUDA stages cannot serve the group)``.
+    ``hosts[r]``: the host name of rank ``r``. The node stage always runs on CUDA IPC, so each node's ranks must share
+    a host; ``auto`` takes IPC when every rank does, NVSHMEM otherwise."""
+    if mode not in ("auto", "ipc", "nvshmem"):
+        raise ValueError(f"DEEP_EP_COMPOSED_RAIL must be 'auto', 'ipc' or 'nvshmem', got {mode!r}")
+    per_node = topology.num_scaleup_ranks
+    for node in range(topology.num_scaleout_ranks):
+        names = sorted(set(hosts[node * per_node:(node + 1) * per_node]))
+        if len(names) > 1:
+            return None, (f"the ranks of node {node} span hosts {names} (the node stage needs CUDA IPC; set "
+                          f"DEEP_EP_GPUS_PER_NODE to the GPUs per host)")
+    one_host = len(set(hosts)) == 1
+    if mode == "ipc" and not one_host:
+        return None, f"DEEP_EP_COMPOSED_RAIL=ipc but the ranks span {len(set(hosts))} hosts"
+    if mode == "ipc" or (mode == "auto" and one_host):
+        return "ipc", None
+    if not has_nvshmem:
+        return None, "the rail stage across hosts needs NVSHMEM, and the extension was built without it"
+    if num_rdma_bytes <= 0:
+        return None, "num_rdma_bytes is 0 (the rail stage across hosts runs on the NVSHMEM symmetric heap)"
+    return "nvshmem", None
 
 
 def num_local_experts(num_experts: int, num_ranks: int) -> int:

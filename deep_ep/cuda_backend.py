@@ -152,6 +152,8 @@ class CudaBackend:
 
     # The copy-engine combine (deep_ep.config.combine_by_copy_engine) over this backend's buffer.
     copy_engine_combine = True
+    # The Buffer argument that sizes this backend's buffer (named in messages).
+    buffer_arg = "num_nvl_bytes"
 
     def __init__(self, rank: int, num_ranks: int, num_nvl_bytes: int,
                  all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:
@@ -190,6 +192,11 @@ class CudaBackend:
 
         return cls(dist.get_rank(group), dist.get_world_size(group), num_nvl_bytes, all_gather,
                    lambda: dist.barrier(group=group))
+
+    def ring_bytes(self) -> int:
+        """Bytes of the kernels' region of the buffer (control, rings, output pool): all of it, unless NVSHMEM put
+        peers need a put area after it (``deep_ep.cuda_internode``)."""
+        return int(self.runtime.get_ring_bytes())
 
     @staticmethod
     def is_supported(num_ranks: int, num_scaleup_ranks: int) -> bool:

@@ -19,7 +19,10 @@ pair, which runs this path on one host.
 
 What it adds on top of :class:`deep_ep.cuda_backend.CudaBackend`:
 
-* construction over the symmetric heap (``num_rdma_bytes`` bytes: the internode kernels' buffer is the RDMA one);
+* construction over the symmetric heap (``num_rdma_bytes`` bytes: the internode kernels' buffer is the RDMA one),
+  in :class:`SymmetricCuda`, which keeps the intranode interface and also serves a subgroup of the NVSHMEM world
+  (the composed path's rail stage across hosts, ``deep_ep/composed_internode.py``: group rank ``r`` is PE
+  ``pes[r]``);
 * the internode 10-field handle (``deep_ep.handle.InternodeHandle``), built on the comm stream from the kernels'
   intranode fields (:func:`deep_ep.handle.single_gpu_nodes_handle`); cached dispatch and combine reuse the kernels'
   fields of that dispatch (or convert back, :func:`deep_ep.handle.single_gpu_nodes_kernel_handle`). With one GPU
@@ -31,15 +34,15 @@ Numerics: the spec's two-level combine rounds each node's partial sum to BF16 an
 GPU per node a partial is one BF16 row, which rounds to itself, so the kernels' single fp32 accumulation over ranks
 (starting from the biases, ascending rank order, one rounding) is bit-identical to the reference.
 
-Not implemented here (the Buffer keeps the torch backend for these and says why): several GPUs per node (the
-forwarding stage of design §4), and a world with put pairs whose ``num_rdma_bytes`` leaves no room for the put
+Not served here: several GPUs per node (the composed path, ``deep_ep/composed_internode.py``, whose rail stage across
+hosts is a :class:`SymmetricCuda`), and (the Buffer keeps the torch backend and says why) a world with put pairs whose ``num_rdma_bytes`` leaves no room for the put
 area (:class:`UnsupportedTopology`). In worst-token mode ``send_nvl_head`` has ``num_worst_tokens`` rows, the
 padding rows -1 (the torch backend sizes it with the real count, which needs a host synchronisation).
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -54,11 +57,74 @@ class UnsupportedTopology(RuntimeError):
     """Raised on every rank (collectively) when this backend cannot serve the group (the Buffer falls back)."""
 
 
-class InternodeCuda(CudaBackend):
+class SymmetricCuda(CudaBackend):
+    """The ring kernels of :class:`CudaBackend` over a buffer on the NVSHMEM symmetric heap, for one rank of a group
+    of 2..8 ranks that reach each other by ``nvshmem_ptr`` where they can and by NVSHMEM puts and signals where they
+    cannot (put peers). Intranode interface and handles.
+
+    Args:
+        rank, num_ranks: position in the group; ``2 <= num_ranks <= 8``.
+        num_rdma_bytes: bytes of the symmetric buffer the kernels carve (equal on every rank of the world).
+        unique_id: the NVSHMEM world's unique id (``join_nvshmem_world`` over the world's group).
+        world_rank, world_size: this process's PE and the world's size.
+        pes: the PE of every group rank (``pes[rank] == world_rank``); ``range(num_ranks)`` when the group is the
+            world.
+        all_gather: ``all_gather(obj) -> list`` over the group (bootstrap only); barrier: ``barrier()`` or None.
+        world_all_gather: the same over the whole world (``None``: the group is the world). Whether buffers carve a
+            put area is decided world-wide, so that a buffer too small for it fails on every rank of the world alike.
+
+    Construction is collective over the whole NVSHMEM world: the symmetric allocation (and its release) needs every
+    PE, with the same ``num_rdma_bytes``, so every rank of the world builds one such backend (of its own group) at
+    the same point, and destroys it at the same point.
+    """
+
+    # The copy-engine combine copies into peers' buffers with cudaMemcpyAsync; over the NVSHMEM heap that has not
+    # run on a GPU yet, so this backend keeps its ring senders.
+    copy_engine_combine = False
+    buffer_arg = "num_rdma_bytes"
+
+    def __init__(self, rank: int, num_ranks: int, num_rdma_bytes: int, unique_id: bytes, world_rank: int,
+                 world_size: int, pes: Sequence[int], all_gather: Callable[[object], list],
+                 barrier: Optional[Callable[[], None]] = None,
+                 world_all_gather: Optional[Callable[[object], list]] = None) -> None:
+        if not 2 <= num_ranks <= _C.MAX_RANKS:
+            raise ValueError(f"num_ranks must be in [2, {_C.MAX_RANKS}] for the CUDA kernels over NVSHMEM, got "
+                             f"{num_ranks}")
+        if num_rdma_bytes <= 0 or num_rdma_bytes % 128 != 0:
+            raise ValueError(f"num_rdma_bytes must be a positive multiple of 128 for the CUDA kernels over NVSHMEM, "
+                             f"got {num_rdma_bytes}")
+        sizes = all_gather(num_rdma_bytes)
+        if any(int(size) != num_rdma_bytes for size in sizes):
+            raise ValueError(f"num_rdma_bytes must be equal on every rank (the kernels carve every peer's buffer "
+                             f"with the same layout), got {sizes}")
+        self.rank, self.num_ranks, self.num_nvl_bytes = rank, num_ranks, num_rdma_bytes
+        self.pes = [int(pe) for pe in pes]
+        self.timeout_s = envs.TIMEOUT_S.get()
+        self._barrier = barrier
+        self.runtime = _C.Runtime(rank, num_ranks, num_rdma_bytes, self.timeout_s, symmetric=True)
+        reached = self.runtime.sync_symmetric(unique_id, world_rank, world_size, self.pes)
+        unreachable = [list(peers) for peers in all_gather(list(reached))]
+        # (some peer unreachable, DEEP_EP_INTERNODE_PUT_ONLY) of every rank of the world
+        flags = (world_all_gather or all_gather)((bool(reached), envs.INTERNODE_PUT_ONLY.get()))
+        put_only = any(only for _, only in flags)
+        self.put_peers = put_peers(rank, unreachable, put_only)
+        put_area = put_only or any(far for far, _ in flags)  # the same on every rank: the buffers' layout must agree
+        try:
+            self.runtime.set_put_peers(self.put_peers, put_area)
+        except ValueError as exc:  # num_rdma_bytes and put_area agree world-wide, so every rank gets here together
+            self.runtime.destroy()
+            pairs = "; ".join(f"rank {r} cannot reach {peers}" for r, peers in enumerate(unreachable) if peers)
+            raise UnsupportedTopology(f"NVSHMEM put peers ({pairs or 'DEEP_EP_INTERNODE_PUT_ONLY'}): {exc}") from None
+        self.comm_stream = torch.cuda.Stream(priority=-1)
+        self._comm_ptr = self.comm_stream.cuda_stream
+        self.output_pool = OutputPool(self.runtime.get_pool_offset(), self.runtime.get_pool_bytes())
+
+
+class InternodeCuda(SymmetricCuda):
     """Internode normal-mode dispatch/combine for one rank of a group of ``R`` nodes of one GPU each.
 
     Args:
-        rank, num_ranks: position in the group (NVSHMEM PE = rank); ``2 <= num_ranks <= 8``.
+        rank, num_ranks: position in the group (the NVSHMEM world: PE = rank); ``2 <= num_ranks <= 8``.
         num_rdma_bytes: bytes of the symmetric buffer the kernels carve (equal on every rank).
         num_qps_per_rank, allow_mnnvl: NVSHMEM environment, as for the low-latency runtime.
         all_gather: ``all_gather(obj) -> list`` over the group (bootstrap only); barrier: ``barrier()`` or None.
@@ -66,40 +132,11 @@ class InternodeCuda(CudaBackend):
     Construction is collective.
     """
 
-    # The copy-engine combine copies into peers' buffers with cudaMemcpyAsync; over the NVSHMEM heap that has not
-    # run on a GPU yet, so this backend keeps its ring senders.
-    copy_engine_combine = False
-
     def __init__(self, rank: int, num_ranks: int, num_rdma_bytes: int, num_qps_per_rank: int, allow_mnnvl: bool,
                  all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:
-        if not 2 <= num_ranks <= _C.MAX_RANKS:
-            raise ValueError(f"num_ranks must be in [2, {_C.MAX_RANKS}] for the CUDA internode backend (one GPU per "
-                             f"node), got {num_ranks}")
-        if num_rdma_bytes <= 0 or num_rdma_bytes % 128 != 0:
-            raise ValueError(f"num_rdma_bytes must be a positive multiple of 128 for the CUDA internode backend, got "
-                             f"{num_rdma_bytes}")
-        sizes = all_gather(num_rdma_bytes)
-        if any(int(size) != num_rdma_bytes for size in sizes):
-            raise ValueError(f"num_rdma_bytes must be equal on every rank (the kernels carve every peer's buffer "
-                             f"with the same layout), got {sizes}")
-        self.rank, self.num_ranks, self.num_nvl_bytes = rank, num_ranks, num_rdma_bytes
-        self.timeout_s = envs.TIMEOUT_S.get()
-        self._barrier = barrier
         unique_id = join_nvshmem_world(rank, num_rdma_bytes, num_qps_per_rank, True, allow_mnnvl, all_gather)
-        self.runtime = _C.Runtime(rank, num_ranks, num_rdma_bytes, self.timeout_s, symmetric=True)
-        unreachable = [list(peers) for peers in all_gather(list(self.runtime.sync_symmetric(unique_id)))]
-        put_only = any(all_gather(envs.INTERNODE_PUT_ONLY.get()))
-        self.put_peers = put_peers(rank, unreachable, put_only)
-        put_area = put_only or any(unreachable)  # the same on every rank: the buffers' layout must agree
-        try:
-            self.runtime.set_put_peers(self.put_peers, put_area)
-        except ValueError as exc:  # num_rdma_bytes is equal on every rank, so every rank gets here together
-            self.runtime.destroy()
-            pairs = "; ".join(f"rank {r} cannot reach {peers}" for r, peers in enumerate(unreachable) if peers)
-            raise UnsupportedTopology(f"NVSHMEM put peers ({pairs or 'DEEP_EP_INTERNODE_PUT_ONLY'}): {exc}") from None
-        self.comm_stream = torch.cuda.Stream(priority=-1)
-        self._comm_ptr = self.comm_stream.cuda_stream
-        self.output_pool = OutputPool(self.runtime.get_pool_offset(), self.runtime.get_pool_bytes())
+        super().__init__(rank, num_ranks, num_rdma_bytes, unique_id, rank, num_ranks, range(num_ranks), all_gather,
+                         barrier)
         # id(handle.recv_gbl_rank_prefix_sum) -> (weak reference to it, the kernels' IntranodeHandle of that dispatch)
         self._kernel_views: dict[int, tuple] = {}
 

@@ -47,7 +47,7 @@ def has_nic() -> bool:
         return False
 
 
-def nvshmem_environment(num_rdma_bytes: int, num_qps_per_rank: int, allow_nvlink: bool, allow_mnnvl: bool,
+def nvshmem_environment(heap_bytes: int, num_qps_per_rank: int, allow_nvlink: bool, allow_mnnvl: bool,
                         single_host: bool, nic: bool) -> dict[str, str]:
     """The NVSHMEM variables to set before initialisation (values that ``setdefault`` semantics apply to, except
     ``NVSHMEM_DISABLE_NVLS`` which is always 1: NVLink multicast is never used)."""
@@ -58,7 +58,7 @@ def nvshmem_environment(num_rdma_bytes: int, num_qps_per_rank: int, allow_nvlink
         "NVSHMEM_QP_DEPTH": "1024",
         "NVSHMEM_MAX_TEAMS": "7",
         "NVSHMEM_CUMEM_GRANULARITY": str(2 ** 29),
-        "NVSHMEM_SYMMETRIC_SIZE": str(max(2 ** 30, num_rdma_bytes + _HEAP_MARGIN)),
+        "NVSHMEM_SYMMETRIC_SIZE": str(max(2 ** 30, heap_bytes + _HEAP_MARGIN)),
     }
     if nic:
         env["NVSHMEM_IB_ENABLE_IBGDA"] = "1"
@@ -69,13 +69,14 @@ def nvshmem_environment(num_rdma_bytes: int, num_qps_per_rank: int, allow_nvlink
     return env
 
 
-def join_nvshmem_world(rank: int, num_rdma_bytes: int, num_qps_per_rank: int, allow_nvlink: bool,
+def join_nvshmem_world(rank: int, heap_bytes: int, num_qps_per_rank: int, allow_nvlink: bool,
                        allow_mnnvl: bool, all_gather: Callable[[object], list]) -> bytes:
     """Collective: set the NVSHMEM environment (user values win, ``NVSHMEM_DISABLE_NVLS=1`` always) and return
-    rank 0's unique id of the world of all ranks (PE = rank). The C++ runtimes pass it to the shared bootstrap,
+    rank 0's unique id of the world of all ranks (PE = rank). ``heap_bytes``: what this process allocates on the
+    symmetric heap (the sum of its symmetric buffers; the first join of a process sizes the heap). The C++ runtimes pass it to the shared bootstrap,
     which initialises NVSHMEM once per process: the low-latency and the internode runtimes join the same world."""
     hosts = all_gather(socket.gethostname())
-    for name, value in nvshmem_environment(num_rdma_bytes, num_qps_per_rank, allow_nvlink, allow_mnnvl,
+    for name, value in nvshmem_environment(heap_bytes, num_qps_per_rank, allow_nvlink, allow_mnnvl,
                                            len(set(hosts)) == 1, has_nic()).items():
         os.environ.setdefault(name, value)
     os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
@@ -90,13 +91,15 @@ class LowLatencyCuda:
         rank, num_ranks: position in the group (NVSHMEM PE = rank).
         num_rdma_bytes: symmetric buffer bytes (>= ``Buffer.get_low_latency_rdma_size_hint``).
         all_gather: ``all_gather(obj) -> list`` over the group (bootstrap only).
+        symmetric_buffers: buffers of ``num_rdma_bytes`` this process allocates on the symmetric heap (2 when an
+            internode backend of the same Buffer allocates one after this one).
     """
 
     def __init__(self, rank: int, num_ranks: int, num_rdma_bytes: int, num_qps_per_rank: int,
                  allow_nvlink: bool, allow_mnnvl: bool, enable_shrink: bool,
-                 all_gather: Callable[[object], list]) -> None:
+                 all_gather: Callable[[object], list], symmetric_buffers: int = 1) -> None:
         self.rank, self.num_ranks, self.num_rdma_bytes = rank, num_ranks, num_rdma_bytes
-        unique_id = join_nvshmem_world(rank, num_rdma_bytes, num_qps_per_rank, allow_nvlink, allow_mnnvl,
+        unique_id = join_nvshmem_world(rank, symmetric_buffers * num_rdma_bytes, num_qps_per_rank, allow_nvlink, allow_mnnvl,
                                        all_gather)
         self.runtime = _C.LowLatencyRuntime(rank, num_ranks, num_rdma_bytes, envs.TIMEOUT_S.get(), enable_shrink,
                                             unique_id, envs.LL_PUT_ONLY.get())

@@ -67,8 +67,13 @@ GPUS_PER_NODE = EnvVar(
     "Ranks per scale-up (NVLink) domain; lower it to make one host act as several virtual nodes.")
 INTERNODE = EnvVar(
     "DEEP_EP_INTERNODE", str, "auto",
-    "Normal dispatch/combine of N nodes x G > 1 GPUs: 'auto' (rail + node intranode stages of CUDA kernels for "
-    "CUDA tensors on one host, else torch), 'composed' (the stages for every tensor: torch stages on CPU) or 'torch'.")
+    "Normal dispatch/combine of N nodes x G > 1 GPUs: 'auto' (rail + node stages of CUDA kernels for CUDA tensors "
+    "when each node is on one host: the rail by CUDA IPC on one host, over NVSHMEM across hosts; else torch), "
+    "'composed' (the stages for every tensor: torch stages on CPU) or 'torch'.")
+COMPOSED_RAIL = EnvVar(
+    "DEEP_EP_COMPOSED_RAIL", str, "auto",
+    "Rail stage of the composed internode path on CUDA: 'auto' (CUDA IPC when every rank is on one host, else the "
+    "ring kernels over the NVSHMEM symmetric heap of num_rdma_bytes), 'ipc' or 'nvshmem' (also on one host: tests).")
 TOPK_IDX_BITS = EnvVar(
     "DEEP_EP_TOPK_IDX_BITS", int, 64,
     "Width of deep_ep.topk_idx_t: 64 (torch.int64, DeepEP's default) or 32 (torch.int32).")
@@ -105,6 +110,7 @@ NVSHMEM_DIR = EnvVar(
     "Build-time: NVSHMEM installation (include/ and lib/); overrides the auto-detected nvidia-nvshmem wheel.")
 
 ALL: tuple[EnvVar, ...] = (TIMEOUT_S, BACKEND, DISPATCH_RECEIVE, COMBINE_COPY, GPUS_PER_NODE, INTERNODE,
+                           COMPOSED_RAIL,
                            TOPK_IDX_BITS, LL_PUT_ONLY, LL_PARTIALS, INTERNODE_PUT_ONLY, CPU_ONLY, DISABLE_NVSHMEM, DEBUG_BUILD,
                            TRACE_DIR, NVSHMEM_DIR)
 

@@ -115,9 +115,20 @@ def test_auto_keeps_torch_backend_on_cpu(pools):
     pools.get(4, {"DEEP_EP_GPUS_PER_NODE": "2"}).check("test_composed_internode", "run_auto_is_torch", None)
 
 
+class _Stage:
+    """What the ring check reads of a CUDA stage backend."""
+
+    def __init__(self, num_bytes: int, ring: int | None = None, arg: str = "num_nvl_bytes") -> None:
+        self.num_nvl_bytes, self._ring, self.buffer_arg = num_bytes, num_bytes if ring is None else ring, arg
+
+    def ring_bytes(self) -> int:
+        return self._ring
+
+
 def test_cuda_stage_ring_check():
-    """CUDA stages: a call whose stage records do not fit the rings raises ValueError naming the num_nvl_bytes
-    needed (``stage_nvl_bytes``), which fits exactly (128 bytes less does not)."""
+    """CUDA stages: a call whose stage records do not fit the rings raises ValueError naming the buffer argument and
+    size needed (``stage_nvl_bytes``), which fits exactly (128 bytes less does not); an NVSHMEM rail stage names
+    num_rdma_bytes and, with a put area, says it needs about twice that."""
     from deep_ep import layout as lay
     from deep_ep.composed_internode import ComposedInternode, stage_nvl_bytes
     from deep_ep.config import Config, Topology, intranode_channels
@@ -125,9 +136,14 @@ def test_cuda_stage_ring_check():
     topo, config = Topology(4, 2), Config(24, 8, 256)
     record = lay.intranode_dispatch_record_bytes(14336 + 48, 0, 8)
     need = stage_nvl_bytes(record, 2, intranode_channels(config.num_sms, 2), config.num_max_nvl_chunked_send_tokens)
-    ComposedInternode(None, None, 0, topo, ring_bytes=need)._check_stage("node", "dispatch", record, config)
+    ComposedInternode(None, _Stage(need), 0, topo, cuda_stages=True)._check_stage("node", "dispatch", record, config)
     ComposedInternode(None, None, 0, topo)._check_stage("node", "dispatch", record, config)  # torch stages: no check
     for num_bytes in (1 << 20, need - 128):
         with pytest.raises(ValueError, match=f"num_nvl_bytes >= {need}"):
-            ComposedInternode(None, None, 0, topo, ring_bytes=num_bytes)._check_stage("node", "dispatch", record,
-                                                                                      config)
+            ComposedInternode(None, _Stage(num_bytes), 0, topo, cuda_stages=True)._check_stage(
+                "node", "dispatch", record, config)
+    rail_need = stage_nvl_bytes(record, 2, intranode_channels(config.num_sms, 2),
+                                config.num_max_nvl_chunked_send_tokens)
+    composed = ComposedInternode(_Stage(1 << 22, 1 << 20, "num_rdma_bytes"), None, 0, topo, cuda_stages=True)
+    with pytest.raises(ValueError, match=f"num_rdma_bytes=4194304 .*rail.*num_rdma_bytes >= {rail_need} .*twice"):
+        composed._check_stage("rail", "dispatch", record, config)

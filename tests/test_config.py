@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 from hypothesis import given
@@ -345,3 +346,23 @@ def test_put_peers_are_symmetric():
     assert all(r in peers[d] for r in range(4) for d in peers[r])
     assert cfg.put_peers(1, [[], [], []], True) == [0, 2]
     assert cfg.put_peers(0, [[], []], False) == []
+
+
+def test_composed_rail_choice():
+    """DEEP_EP_COMPOSED_RAIL: auto takes CUDA IPC on one host and NVSHMEM across hosts; each node's ranks must share a
+    host (the node stage is CUDA IPC); NVSHMEM needs the extension's NVSHMEM and num_rdma_bytes; bad values name the
+    variable."""
+    topo = cfg.Topology(4, 2)  # 2 nodes x 2
+    one, two, split = ["a"] * 4, ["a", "a", "b", "b"], ["a", "b", "a", "b"]
+    assert cfg.composed_rail("auto", one, topo, 0, False) == ("ipc", None)
+    assert cfg.composed_rail("auto", two, topo, 1 << 30, True) == ("nvshmem", None)
+    assert cfg.composed_rail("nvshmem", one, topo, 1 << 30, True) == ("nvshmem", None)
+    assert cfg.composed_rail("ipc", one, topo, 0, True) == ("ipc", None)
+    for mode, hosts, rdma, built, why in (("auto", split, 1 << 30, True, "node 0 span hosts"),
+                                          ("ipc", two, 1 << 30, True, "DEEP_EP_COMPOSED_RAIL=ipc .* 2 hosts"),
+                                          ("auto", two, 0, True, "num_rdma_bytes is 0"),
+                                          ("auto", two, 1 << 30, False, "without it")):
+        kind, reason = cfg.composed_rail(mode, hosts, topo, rdma, built)
+        assert kind is None and re.search(why, reason), (mode, hosts, reason)
+    with pytest.raises(ValueError, match="DEEP_EP_COMPOSED_RAIL must be"):
+        cfg.composed_rail("rdma", one, topo, 0, True)

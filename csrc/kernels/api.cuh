@@ -8,6 +8,8 @@
 //                   skip_receive_copy (direct-to-output receive, design §2.8); phase kPhaseDispatchSendWaitOutput.
 //   v4 (branch nicput): KernelContext gains put_mask (NVSHMEM put peers of the internode backend;
 //                   rings only for them, no copy-engine or zone combine in such a world).
+//   v5 (branch railnvshmem): KernelContext gains pe_of (the NVSHMEM PE of each group rank: a symmetric runtime may
+//                   serve a subgroup of the NVSHMEM world, e.g. the composed internode path's rail stage).
 //
 // Host obligations (beyond the arguments):
 //   * Zero the whole scale-up buffer (or at least kControlBytes of it) and the workspace before the first call;
@@ -149,6 +151,9 @@ struct KernelContext {
     // the bit are reached by pointer as before. With a bit set the put area starts at byte num_nvl_bytes (the
     // kernels' region ends there). Needs an NVSHMEM build. (Fills the struct's padding: the size is unchanged.)
     uint32_t put_mask;
+    // NVSHMEM PE of group rank r, for the NVSHMEM calls of put peers (put.cuh): r itself when the group is the whole
+    // NVSHMEM world, another PE when the runtime serves a subgroup (the composed path's rail stage).
+    int32_t pe_of[kMaxRanks];
 };
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -149,8 +149,8 @@ std::vector<uint8_t> nvshmem_unique_id();
 void nvshmem_bootstrap(const std::vector<uint8_t>& unique_id, int rank, int num_ranks);
 void* nvshmem_alloc_zeroed(int64_t bytes);   // collective
 void nvshmem_release(void* ptr);             // collective
-// nvshmem_ptr(ptr, pe) for every pe.
-std::vector<void*> nvshmem_peer_pointers(void* ptr, int num_ranks);
+// nvshmem_ptr(ptr, pes[r]) for every r.
+std::vector<void*> nvshmem_peer_pointers(void* ptr, const std::vector<int>& pes);
 
 }  // namespace ll
 }  // namespace kernels

@@ -1696,9 +1696,9 @@ void nvshmem_release(void* ptr) {
     if (ptr != nullptr) nvshmem_free(ptr);
 }
 
-std::vector<void*> nvshmem_peer_pointers(void* ptr, int num_ranks) {
-    std::vector<void*> out(num_ranks);
-    for (int r = 0; r < num_ranks; ++r) out[r] = nvshmem_ptr(ptr, r);
+std::vector<void*> nvshmem_peer_pointers(void* ptr, const std::vector<int>& pes) {
+    std::vector<void*> out(pes.size());
+    for (size_t r = 0; r < pes.size(); ++r) out[r] = nvshmem_ptr(ptr, pes[r]);
     return out;
 }
 

@@ -38,6 +38,9 @@ constexpr bool kHasPutPath = true;
 
 __device__ __forceinline__ bool is_put_peer(const KernelContext& ctx, int r) { return ((ctx.put_mask >> r) & 1u) != 0; }
 
+// The helpers below take group ranks (`pe` names the peer as the ring kernels number it); the NVSHMEM calls get the
+// peer's PE in the NVSHMEM world, KernelContext::pe_of.
+
 __device__ __forceinline__ char* own_buffer(const KernelContext& ctx) {
     return static_cast<char*>(ctx.buffers[ctx.rank]);
 }
@@ -79,7 +82,7 @@ static __device__ __noinline__ void put_signal(const KernelContext& ctx, int64_t
                                                bool add = false) {
     fence_acq_rel_sys();
 #ifndef DEEP_EP_DISABLE_NVSHMEM
-    nvshmemx_signal_op(signal_twin(ctx, offset), value, add ? NVSHMEM_SIGNAL_ADD : NVSHMEM_SIGNAL_SET, pe);
+    nvshmemx_signal_op(signal_twin(ctx, offset), value, add ? NVSHMEM_SIGNAL_ADD : NVSHMEM_SIGNAL_SET, ctx.pe_of[pe]);
 #else
     (void)ctx, (void)offset, (void)pe, (void)value, (void)add;
 #endif
@@ -103,7 +106,8 @@ __device__ __forceinline__ void publish_word(const KernelContext& ctx, uint32_t*
 static __device__ __noinline__ void put_abort(const KernelContext& ctx, int pe, uint32_t word) {
     static_assert(kAbortOffset % 8 == 0 && kAbortOffset + 8 <= kBarrierOffset, "the abort signal spans 8 bytes");
 #ifndef DEEP_EP_DISABLE_NVSHMEM
-    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(own_buffer(ctx) + kAbortOffset), word, NVSHMEM_SIGNAL_SET, pe);
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(own_buffer(ctx) + kAbortOffset), word, NVSHMEM_SIGNAL_SET,
+                       ctx.pe_of[pe]);
 #else
     (void)ctx, (void)pe, (void)word;
 #endif
@@ -128,15 +132,16 @@ static __device__ __noinline__ void put_records(const KernelContext& ctx, const 
     const int slot = static_cast<int>(first % static_cast<uint32_t>(capacity));
     const int head_part = count < capacity - slot ? count : capacity - slot;
     char* base = own_buffer(ctx);
+    const int target = ctx.pe_of[pe];
     auto put_range = [&](int from, int n, bool with_tail) {
         char* dst = base + ring.slot_offset(channel, ctx.rank, from);
         const char* src = staging_slot(ctx, ring, channel, pe, from);
         const size_t bytes = static_cast<size_t>(n) * static_cast<size_t>(ring.record_bytes);
         if (with_tail)
             nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, signal_twin(ctx, tail_offset), tail, NVSHMEM_SIGNAL_SET,
-                                            pe);
+                                            target);
         else
-            nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
+            nvshmemx_putmem_nbi_warp(dst, src, bytes, target);
     };
     if (head_part < count) {
         put_range(slot, head_part, false);
@@ -156,7 +161,7 @@ static __device__ __noinline__ void put_block_with_flag(const KernelContext& ctx
                                                         int64_t bytes, int pe, int64_t flag_offset, uint32_t flag) {
 #ifndef DEEP_EP_DISABLE_NVSHMEM
     nvshmemx_putmem_signal_nbi_warp(own_buffer(ctx) + offset, src, static_cast<size_t>(bytes),
-                                    signal_twin(ctx, flag_offset), flag, NVSHMEM_SIGNAL_SET, pe);
+                                    signal_twin(ctx, flag_offset), flag, NVSHMEM_SIGNAL_SET, ctx.pe_of[pe]);
     nvshmem_quiet();
 #else
     (void)ctx, (void)src, (void)offset, (void)bytes, (void)pe, (void)flag_offset, (void)flag;

@@ -11,6 +11,12 @@ The worker pool is ``test_intranode.Pool``; every example runs ``test_internode.
 top-k weights and 0..2 biases, BF16 and FP8, -1 top-k slots, empty ranks) and worst-token dispatch compared bit for
 bit with ``reference``. ``DEEP_EP_GPU_EXAMPLES_COMPOSED`` sets the number of hypothesis examples (default 6).
 
+The rail stage across hosts (``SymmetricCuda``: the ring kernels on the NVSHMEM symmetric heap, rail rank ``n`` =
+PE ``2n + l``) runs here on one host with ``DEEP_EP_COMPOSED_RAIL=nvshmem`` (the ``two_by_two`` fixture's
+``nvshmem`` and ``nvshmem_puts`` parameters):
+once with rail peers reached by ``nvshmem_ptr``, once with ``DEEP_EP_INTERNODE_PUT_ONLY=1`` (every rail pair a put
+pair: staged records, put-with-signal, signal twins to the peer's PE, as behind a NIC).
+
 On a machine with 8 or more GPUs the same round trip also runs with 8 ranks, one per GPU, as 2 nodes x 4 and as
 4 nodes x 2 (``test_eight_ranks``; skipped with fewer GPUs, issue 7).
 """
@@ -30,6 +36,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.timeout(600)]
 
 ENV = {"DEEP_EP_GPUS_PER_NODE": "2", "DEEP_EP_INTERNODE": "auto"}
 STAGES = "ComposedInternode cuda CudaBackend CudaBackend"
+NVSHMEM_STAGES = "ComposedInternode cuda SymmetricCuda CudaBackend"
 
 
 def task_stages(buffer, rank: int, payload) -> str:
@@ -39,25 +46,45 @@ def task_stages(buffer, rank: int, payload) -> str:
         f"{type(composed.node).__name__}"
 
 
-def _composed_pool(devices: list, gpus_per_node: int):
+def task_rail_reach(buffer, rank: int, payload) -> tuple:
+    """The NVSHMEM rail stage's PE of each rail rank and its put peers (rail ranks)."""
+    rail = buffer._composed.rail
+    return list(rail.pes), list(rail.put_peers)
+
+
+def _composed_pool(devices: list, gpus_per_node: int, stages: str = STAGES, **env: str):
     """A worker pool on ``devices`` as nodes of ``gpus_per_node`` ranks, checked to run the composed path with CUDA
-    stages; yields it and closes it (the body of the module-scoped fixtures)."""
-    pool = ti.Pool(devices, env={**ENV, "DEEP_EP_GPUS_PER_NODE": str(gpus_per_node)})
+    stages ``stages``; yields it and closes it (the body of the module-scoped fixtures)."""
+    pool = ti.Pool(devices, env={**ENV, "DEEP_EP_GPUS_PER_NODE": str(gpus_per_node), **env})
     try:
         if ti.DEVICE == "cuda":
             assert pool.backends == {"ComposedInternode"}, f"Buffer did not pick the composed path: {pool.backends}"
-            stages = set(pool.run("test_composed:task_stages", None))
-            assert stages == {STAGES}, f"the composed path does not run CUDA stages: {stages}"
+            found = set(pool.run("test_composed:task_stages", None))
+            assert found == {stages}, f"the composed path does not run the expected CUDA stages: {found}"
         yield pool
     finally:
         pool.close()
 
 
-@pytest.fixture(scope="module")
-def two_by_two():
-    # One rank per GPU where there are 4 (x4 / x8 machines), else GPUs 0, 1, 0, 1.
+@pytest.fixture(scope="module", params=["ipc", "nvshmem", "nvshmem_puts"])
+def two_by_two(request):
+    """2 x 2 with the rail stage over CUDA IPC (``auto`` on one host) or on the NVSHMEM heap
+    (``DEEP_EP_COMPOSED_RAIL=nvshmem``; ``nvshmem_puts``: every rail pair a put pair, whose put area needs about twice
+    the rings' bytes). One rank per GPU where there are 4 (x4 / x8 machines), else GPUs 0, 1, 0, 1."""
     gpus = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 2
-    yield from _composed_pool([rank % gpus for rank in range(4)], 2)
+    devices = [rank % gpus for rank in range(4)]
+    if request.param == "ipc":
+        yield from _composed_pool(devices, 2)
+        return
+    puts = request.param == "nvshmem_puts"
+    env = {"DEEP_EP_COMPOSED_RAIL": "nvshmem", "DEEP_EP_TEST_NUM_RDMA_BYTES": str((1536 if puts else 768) << 20),
+           "DEEP_EP_INTERNODE_PUT_ONLY": "1" if puts else "0"}
+    for pool in _composed_pool(devices, 2, NVSHMEM_STAGES, **env):
+        if ti.DEVICE == "cuda":  # rail rank n of local index l is PE 2n + l; its put peer the other rail rank
+            reach = pool.run("test_composed:task_rail_reach", None)
+            want = [([rank % 2, 2 + rank % 2], [1 - rank // 2] if puts else []) for rank in range(4)]
+            assert [(list(p), list(q)) for p, q in reach] == want, reach
+        yield pool
 
 
 @ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_COMPOSED", "6")))
