@@ -246,6 +246,14 @@ class ComposedInternode:
         self.rail, self.node, self.rank, self.topology = rail, node, rank, topology
         self.cuda_stages = cuda_stages
         self.my_node, self.my_local = topology.node_of(rank), topology.local_of(rank)
+        # Stage errors name the Buffer's ranks (the stages number their own): rail rank n is rank n * G + l, node
+        # rank l' is rank m * G + l'.
+        num_nodes, per_node = topology.num_scaleout_ranks, topology.num_scaleup_ranks
+        for stage, members, scope in (
+                (rail, [n * per_node + self.my_local for n in range(num_nodes)], "composed rail stage"),
+                (node, [self.my_node * per_node + local for local in range(per_node)], "composed node stage")):
+            if hasattr(stage, "set_rank_names"):
+                stage.set_rank_names(members, scope)
         # id(handle.recv_src_meta) -> (weak reference to it, _Plan): the stage handles behind each returned handle.
         self._plans: dict[int, tuple[weakref.ref, _Plan]] = {}
 

@@ -32,6 +32,7 @@ from deep_ep import config as tuning
 from deep_ep.config import (NUM_MAX_SCALEUP_RANKS, Config, dispatch_receive_mode, intranode_channels,
                             intranode_send_warps)
 from deep_ep.errors import CommError, CommTimeoutError, PeerAbortedError, RoutingError  # noqa: F401 (also re-exported)
+from deep_ep.errors import name_ranks
 from deep_ep.event import CudaEventHandle, EventOverlap
 from deep_ep.handle import IntranodeHandle
 from deep_ep.layout import intranode_dispatch_output_layout
@@ -45,12 +46,13 @@ except ImportError as exc:  # pragma: no cover - exercised only on machines with
                       "--inplace` on a CUDA machine (see docs/build.md)") from exc
 
 
-def _raise_from_record(record: Optional[dict]) -> None:
-    """Turn the dict of ``_C.Runtime.read_error()`` into the matching exception (no-op for ``None``)."""
+def _raise_from_record(record: Optional[dict], names: Optional[Sequence[int]] = None, scope: str = "") -> None:
+    """Turn the dict of ``_C.Runtime.read_error()`` into the matching exception (no-op for ``None``); ``names`` and
+    ``scope``: see :func:`name_ranks`."""
     if record is None:
         return
     code = record["code"]
-    message = record["message"]
+    message = name_ranks(record["message"], names, scope)
     if code == "timeout":
         raise CommTimeoutError(message)
     if code == "peer_aborted":
@@ -226,9 +228,18 @@ class CudaBackend:
                              f"{tensor.numel()}")
         return tensor[:size.numel()].view(size)
 
+    # Ranks in error reports: this group's rank r is reported as rank_names[r] (the Buffer's rank, when this
+    # backend is a stage of the composed path over a subgroup), with rank_scope naming the group (set_rank_names).
+    rank_names: Optional[list[int]] = None
+    rank_scope = ""
+
+    def set_rank_names(self, names: Sequence[int], scope: str) -> None:
+        """Report ranks in errors as ``names[r]`` instead of this group's ``r``; ``scope`` names the group."""
+        self.rank_names, self.rank_scope = [int(r) for r in names], scope
+
     def check_errors(self) -> None:
         """Raise the pending device error, if any (reads host-mapped memory; never synchronises)."""
-        _raise_from_record(self.runtime.read_error())
+        _raise_from_record(self.runtime.read_error(), self.rank_names, self.rank_scope)
 
     def reset(self) -> None:
         """Collective: clear the error record and the kernels' private state on every rank after a failure."""
@@ -357,7 +368,7 @@ class CudaBackend:
                         num_recv_tokens, per_expert_list = self.runtime.wait_recv_counts(num_local_experts)
                     except (_C.HostTimeout, _C.DeviceError) as exc:
                         self.check_errors()  # a device-side report names the missing peer: prefer it
-                        raise CommTimeoutError(str(exc)) from None
+                        raise CommTimeoutError(name_ranks(str(exc), self.rank_names, self.rank_scope)) from None
                     per_expert_list = list(per_expert_list)
                     # The pair counts size a copy-engine combine with this handle (attached to its first tensor).
                     rank_prefix_matrix._deep_ep_pair_counts = self.runtime.pair_counts()

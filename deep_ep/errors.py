@@ -5,6 +5,9 @@ rank, peer, phase (and channel where there is one) and what was awaited.
 """
 from __future__ import annotations
 
+import re
+from typing import Optional, Sequence
+
 
 class CommError(RuntimeError):
     """A communication kernel or host wait failed (a peer process died, a kernel reported an error)."""
@@ -20,3 +23,23 @@ class PeerAbortedError(CommError):
 
 class RoutingError(CommError, ValueError):
     """The kernels detected routing inconsistent with the counts or the handle (DeepEP would hang here)."""
+
+
+_RANK_PEER = re.compile(r"rank (-?\d+) peer (-?\d+)")
+
+
+def name_ranks(message: str, names: Optional[Sequence[int]], scope: str) -> str:
+    """``message`` of a runtime whose group is a subgroup: its first ``rank R peer P`` (group ranks) becomes
+    ``rank names[R] peer names[P] (scope ranks R / P)``, so the report names the ranks the user knows. Unchanged
+    without ``names``."""
+    if not names:
+        return message
+
+    def name(r: int) -> str:
+        return str(names[r]) if 0 <= r < len(names) else str(r)
+
+    def renamed(match: re.Match) -> str:
+        rank, peer = int(match.group(1)), int(match.group(2))
+        return f"rank {name(rank)} peer {name(peer)} ({scope} ranks {rank} / {peer})"
+
+    return _RANK_PEER.sub(renamed, message, count=1)

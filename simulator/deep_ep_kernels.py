@@ -15,13 +15,14 @@
   reads the rank's own rows in place) and the owner reduces each token. A fused call is ``ll_fixed_us`` + the send
   phase (SM stores overlapping the link) + the receive phase (expansion or reduction after the last arrival); with
   ``return_recv_hook`` each phase is its own launch of ``ll_hook_fixed_us`` (:func:`ll_phase_times`).
-* **Internode (§4)**: each token goes once per destination node (NVSHMEM put to the GPU with the same local index);
-  that forwarder copies it into the NVLink rings of the node's GPUs (itself by local bypass; the forwarded rows are
-  always received through rings). With one GPU per node there is no forwarding stage. The ``nvlink-p2p`` NIC
-  profile describes the virtual-node test setup, where the "network" puts ride the same NVLink ports as the
-  scale-up traffic. With one GPU per virtual node the internode backend runs the intranode kernels over the NVSHMEM
-  symmetric heap (peers reached by ``nvshmem_ptr``, i.e. NVLink P2P): the model is the intranode one over all
-  ranks, with no internode stage and no extra signal round trip (measured: the same times as intranode EP2).
+* **Internode, one GPU per node**: the ring kernels over the NVSHMEM symmetric heap. Behind a NIC each token is put
+  once per destination node (staged, put with a signal, received through the rings). The ``nvlink-p2p`` NIC profile
+  describes the virtual-node test setup, where peers are reached by ``nvshmem_ptr`` (NVLink P2P): the model is the
+  intranode one over all ranks, with no internode stage and no extra signal round trip (measured: the same times
+  as intranode EP2).
+* **Internode, several GPUs per node**: deep_ep's composed path, a rail stage then a node stage, each one of the
+  ops above over its subgroup, with the record copies between them (:mod:`simulator.deep_ep_composed`). deep_ep
+  has no fused forwarding kernels, so neither does this model (``simulator.rank`` models DeepEP's).
 
 Cost model of one rank (SM-µs are SM-time; ``C`` SMs share them):
 
@@ -39,12 +40,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
 from deep_ep.config import (COMBINE_COPY_CHUNK_ROWS, FP8_BLOCK, NUM_MAX_LL_TOPK, ceil_div, combine_send_path,
                             intranode_channels, zone_ctas)
 from deep_ep.layout import intranode_combine_record_bytes, intranode_dispatch_record_bytes
+from simulator.deep_ep_composed import composed_rank_times, composed_result, is_composed
 from simulator.hardware import GpuProfile, NicProfile
 from simulator.links import GBPS
 from simulator.rank import (
@@ -80,8 +83,8 @@ class DeepEpProfile:
         launch_us: fixed cost of a cached normal call (launch, first chunk, last drain), µs.
         combine_extra_us: extra fixed cost of a combine call (the reducer waits for the last ring slots), µs.
         receive_copies: receive copies per row of intranode dispatch: 0 = direct-to-output (§2.8, Buffer's default
-            when its output pool has room), 1 = rings (receiver warps copy each ring slot into ``recv_x``). The rows
-            an internode forwarder stores into its node's rings (G > 1) always take the ring copy.
+            when its output pool has room), 1 = rings (receiver warps copy each ring slot into ``recv_x``). Records
+            put over a NIC (one GPU per node) always take the ring copy.
         dispatch_chunk / combine_chunk: tokens per published chunk (``Sn``) used for predictions.
         ll_fixed_us: fixed part of a fused low-latency kernel (cooperative launch of the whole grid, top-k count
             pass, count signals, drain), µs.
@@ -111,6 +114,9 @@ class DeepEpProfile:
             to the peers while the other warps reduce, GB/s.
         zone_reduce_gbps: per-CTA rate at which the zone kernel's reducer warps (those left by the default sender
             warps and the publisher) read contributions, GB/s.
+        composed_copy_gbps: rate of the composed internode path's torch copies between its stages (bytes read plus
+            bytes written), GB/s (:mod:`simulator.deep_ep_composed`).
+        composed_host_us: fixed cost the composed path adds to a call (its own host work and launches), µs.
     """
 
     sm_push_gbps: float = 46.0
@@ -140,6 +146,8 @@ class DeepEpProfile:
     ce_reduce_gbps: float = 48.0
     zone_link_gbps: float = 284.0
     zone_reduce_gbps: float = 27.25
+    composed_copy_gbps: float = 3000.0
+    composed_host_us: float = 10.0
     sources: tuple[tuple[str, str], ...] = ()
 
     def source_of(self, param: str) -> str:
@@ -187,6 +195,9 @@ _ASSUMED = {
     "ll_header_bytes_per_topk": "design: csrc/kernels/low_latency.cuh header, int32 [1 + NUM_MAX_LL_TOPK] (source "
                                 "token, then expert << 16 | row per slot)",
     "internode_extra_us": "assumed: one NVSHMEM signal round trip per call (internode with a network stage)",
+    "composed_copy_gbps": "assumed: torch copy kernels at ~60 % of H200 HBM (4.8 TB/s), bytes read plus written; no "
+                          "composed measurement with one rank per GPU yet (needs >= 4 GPUs)",
+    "composed_host_us": "assumed: the composed layer's few torch ops per cached call, mostly hidden behind the GPU",
 }
 DEFAULTS = DeepEpProfile(sources=tuple(_ASSUMED.items()))
 # Parameters a bench JSON of the intranode kernels can fit (the rest stay at their labelled assumptions).
@@ -375,16 +386,19 @@ def _landing_zone_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfi
 def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
                 prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str, channels: int = 0,
                 combine_path: str | None = None, copy_chunk_rows: int = 0) -> NormalWork:
-    """Per-rank SM work, fixed cost and flows of one deep_ep normal op (intranode when one node). ``channels``
+    """Per-rank SM work, fixed cost and flows of one deep_ep ring op: intranode (one node), or one GPU per node
+    (virtual nodes: the intranode model over P2P; behind a NIC: network puts, ring receive). Several nodes of several
+    GPUs run as the composed path, two such ops (:mod:`simulator.deep_ep_composed`); ``channels``
     (CTAs) defaults to what deep_ep runs for ``num_sms``: intranode ``deep_ep.config.intranode_channels``, else
     ``num_sms``; measurements taken without the cap pass their own.
 
-    Dispatch: source ``s`` puts one record per remote destination node ``n`` to the forwarder ``f = (n, local(s))``
-    (no network stage on its own node, where ``s`` is its own forwarder); ``f`` stores the row into the ring of every
-    other destination GPU of its node and into its own ``recv_x`` (local bypass); receivers copy ring slots to
-    ``recv_x`` (intranode: ``prof.receive_copies`` copies, 0 with direct-to-output, where ``f`` stores straight into
-    the peer's ``recv_x``). Combine reverses the paths: GPUs push rows to the forwarder, which reduces the node's
-    contributions; across nodes the owner reduces the forwarders' partials.
+    Dispatch (the formulas take nodes of ``G`` GPUs; deep_ep runs them with one node or ``G = 1``): source ``s`` puts
+    one record per remote destination node ``n`` to ``f = (n, local(s))`` (no network stage on its own node, where
+    ``s`` is ``f``); ``f`` stores the row into the ring of every other destination GPU of its node and into its own
+    ``recv_x`` (local bypass); receivers copy ring slots to ``recv_x`` (intranode: ``prof.receive_copies`` copies, 0
+    with direct-to-output, where ``f`` stores straight into the peer's ``recv_x``; behind a NIC the put records
+    land in rings). Combine reverses the paths: GPUs push rows to ``f``, which reduces the node's contributions;
+    across nodes the owner reduces the nodes' partials.
 
     One GPU per virtual node is the intranode model over all ranks (:func:`flat_p2p`).
 
@@ -392,6 +406,9 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     unless ``combine_path`` ('rings', 'copy' or 'zone') says which: the copy engine (:func:`copy_combine_work`;
     ``copy_chunk_rows`` overrides its chunk size), the zone senders (:func:`zone_combine_work`) or the rings (below).
     """
+    if spec.num_nodes > 1 and spec.ranks_per_node > 1:
+        raise ValueError(f"{spec.num_nodes} nodes x {spec.ranks_per_node} GPUs run as deep_ep's composed path: "
+                         f"model it with simulator.deep_ep_composed (simulate_normal does), not as one ring op")
     path = combine_send_path(num_sms) if combine_path is None else combine_path
     if path not in ("rings", "copy", "zone"):
         raise ValueError(f"combine_path must be 'rings', 'copy' or 'zone', got {combine_path!r}")
@@ -408,7 +425,6 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     if channels <= 0:
         channels = num_sms if internode else intranode_channels(num_sms, num_ranks)
     channels = max(channels, 1)
-    p2p = internode and nic.shares_nvlink  # network puts are SM stores over NVLink (virtual nodes)
     payload = token_bytes(spec.hidden, dtype)
     record = (dispatch_record_bytes(spec.hidden, dtype, spec.topk) if dispatch
               else intranode_combine_record_bytes(spec.hidden, spec.topk))
@@ -422,7 +438,7 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     local_idx = all_ranks % per_node
     block = np.arange(num_nodes)[:, None] * per_node + np.arange(per_node)[None, :]  # [N, G] ranks
 
-    alias = {"nic_out": "nvl_out", "nic_in": "nvl_in"} if p2p else {}
+    alias: dict[str, str] = {}  # one GPU per virtual node is flat (above): internode records cross a real NIC
     kinds = ("nvl_out", "nvl_in", "sm_push") + (("nic_out", "nic_in") if internode else ())
     nvl = gpu.nvlink_gbps * prof.nvl_efficiency * GBPS
     caps = {"nvl_out": nvl, "nvl_in": nvl, "sm_push": channels * prof.sm_push_gbps * GBPS}
@@ -452,8 +468,6 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
             if internode:
                 u.add("nic_out", s, net_bytes.sum())
                 u.add("nic_in", fwd, net_bytes)
-                if p2p:
-                    u.add("sm_push", s, net_bytes.sum())
         else:
             u.add("sm_push", block.reshape(-1), hop_bytes.reshape(-1))
             u.add("nvl_out", block.reshape(-1), hop_bytes.reshape(-1))
@@ -461,8 +475,6 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
             if internode:
                 u.add("nic_out", fwd, net_bytes)
                 u.add("nic_in", s, net_bytes.sum())
-                if p2p:
-                    u.add("sm_push", fwd, net_bytes)
         flows.append(u.flow(float(hop_bytes.sum() + net_bytes.sum())))
 
     # Rows each forwarder handles: its hops plus its own rows (local bypass).
@@ -474,21 +486,19 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     serial = np.zeros(num_ranks)
     if dispatch:
         serial += handled * row_us + own * payload * local_us
-        receive_copies = 1 if internode else prof.receive_copies  # forwarded rows land in rings
+        receive_copies = 1 if internode else prof.receive_copies  # put records land in rings
         serial += receive_copies * hop.sum(axis=0) * payload * local_us
         chunks = _chunks(hop, channels, chunk)
         if internode:
             serial += records.sum(axis=1) * row_us          # the source packs one record per node
-            if not p2p:
-                serial += net.sum(axis=1) * record * local_us  # into the send area the NIC reads
+            serial += net.sum(axis=1) * record * local_us  # into the send area the NIC reads
             chunks = chunks + _chunks(net, channels, chunk)
     else:
         serial += handled * (row_us + payload * reduce_us)  # forwarder (or owner) reduces the node's rows
         chunks = _chunks(hop.T, channels, chunk)
         if internode:
             serial += records.sum(axis=1) * (row_us + payload * reduce_us)  # owner reduces the nodes' partials
-            if not p2p:
-                serial += net.sum(axis=0) * record * local_us
+            serial += net.sum(axis=0) * record * local_us
             chunks = chunks + _chunks(net.T, channels, chunk)
     serial += chunks * prof.chunk_sync_us
     fixed = prof.launch_us + (0.0 if dispatch else prof.combine_extra_us)
@@ -542,7 +552,11 @@ def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
                     prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str) -> OpResult:
     """DES of one deep_ep normal op: per rank, the fixed cost, its serial SM work, then its push flow through the
     fluid ports (SM push budget, NVLink / network egress and ingress); a rank is done when its own flow and every
-    flow into its ports have drained."""
+    flow into its ports have drained. Several nodes of several GPUs are the composed path
+    (:mod:`simulator.deep_ep_composed`), each stage simulated so."""
+    if is_composed(spec, nic):
+        return composed_result(spec, traffic, nic, dtype, prof.composed_copy_gbps, prof.composed_host_us,
+                               lambda s, t, d: simulate_normal(s, t, gpu, nic, prof, num_sms, chunk, d))
     work = normal_work(spec, traffic, gpu, nic, prof, num_sms, chunk, dtype)
     num_ranks = spec.num_ranks
     ports = _Ports(work.kinds, work.caps, num_ranks, work.alias)
@@ -556,13 +570,25 @@ def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
     return res
 
 
+def closed_form_rank_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
+                           prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str) -> np.ndarray:
+    """Per-rank closed-form time of one deep_ep normal op (the composed path from its stages' closed forms)."""
+    if is_composed(spec, nic):
+        def stage(s: OpSpec, t: list[SourceTraffic], d: str) -> SimpleNamespace:
+            rank_times = closed_form_rank_times(s, t, gpu, nic, prof, num_sms, chunk, d)
+            return SimpleNamespace(rank_time_us=[float(x) for x in rank_times])
+        return composed_rank_times(spec, traffic, nic, dtype, prof.composed_copy_gbps, prof.composed_host_us,
+                                   stage)[0]
+    work = normal_work(spec, traffic, gpu, nic, prof, num_sms, chunk, dtype)
+    return closed_form_times(work, num_sms, spec.num_ranks)
+
+
 def recommended_sms(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
                     prof: DeepEpProfile, chunk: int, dtype: str, max_sms: int, slack: float) -> int:
     """Smallest even SM count whose closed-form time is within ``slack`` of the best one up to ``max_sms``."""
     times = {}
     for sms in range(2, max_sms + 1, 2):
-        work = normal_work(spec, traffic, gpu, nic, prof, sms, chunk, dtype)
-        times[sms] = float(closed_form_times(work, sms, spec.num_ranks).max())
+        times[sms] = float(closed_form_rank_times(spec, traffic, gpu, nic, prof, sms, chunk, dtype).max())
     best = min(times.values())
     return min(s for s, t in times.items() if t <= best * slack)
 

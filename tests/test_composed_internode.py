@@ -147,3 +147,26 @@ def test_cuda_stage_ring_check():
     composed = ComposedInternode(_Stage(1 << 22, 1 << 20, "num_rdma_bytes"), None, 0, topo, cuda_stages=True)
     with pytest.raises(ValueError, match=f"num_rdma_bytes=4194304 .*rail.*num_rdma_bytes >= {rail_need} .*twice"):
         composed._check_stage("rail", "dispatch", record, config)
+
+
+def test_stage_errors_name_buffer_ranks():
+    """A stage numbers its own ranks; the composed path has each CUDA stage report the Buffer's ranks (rail rank n
+    of local index l is n * G + l, node rank l' of node m is m * G + l'), keeping the stage's numbers in brackets."""
+    from deep_ep.composed_internode import ComposedInternode
+    from deep_ep.config import Topology
+    from deep_ep.errors import name_ranks
+
+    class Named:
+        def set_rank_names(self, names, scope):
+            self.names, self.scope = list(names), scope
+
+    rail, node = Named(), Named()
+    ComposedInternode(rail, node, 5, Topology(8, 2))  # 4 nodes x 2: rank 5 = (node 2, local 1)
+    assert (rail.names, rail.scope) == ([1, 3, 5, 7], "composed rail stage")
+    assert (node.names, node.scope) == ([4, 5], "composed node stage")
+    text = "dispatch recv wait tail: rank 2 peer 3 channel 1 expected 5 observed 4 after 10.000 s (timeout; block 2)"
+    assert name_ranks(text, rail.names, rail.scope) == text.replace(
+        "rank 2 peer 3", "rank 5 peer 7 (composed rail stage ranks 2 / 3)")
+    host = "dispatch CPU wait for notify counts: rank 1 peer -1 channel -1 expected >= 0 rows observed -1"
+    assert "rank 5 peer -1 (composed node stage ranks 1 / -1)" in name_ranks(host, node.names, node.scope)
+    assert name_ranks(text, None, "") == text

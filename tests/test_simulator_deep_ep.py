@@ -174,8 +174,8 @@ def test_load_profile_rejects_malformed_file(tmp_path):
 # Model properties
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("nodes", "per_node", "nic"), [(1, 2, "cx7"), (1, 8, "cx7"), (2, 2, "nvlink-p2p"),
-                                                        (2, 8, "cx7")])
+@pytest.mark.parametrize(("nodes", "per_node", "nic"), [(1, 2, "cx7"), (1, 8, "cx7"), (2, 1, "nvlink-p2p"),
+                                                        (4, 1, "cx7")])
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 @pytest.mark.parametrize("combine_path", ["rings", "copy", "zone"])
 def test_more_sms_is_never_slower(nodes, per_node, nic, op, combine_path):
@@ -204,6 +204,8 @@ def test_normal_byte_conservation(nodes, per_node, nic, op):
                               "fp8" if op == "dispatch" else "bf16")
     record = (dek.dispatch_record_bytes(7168, "fp8", 8) if op == "dispatch"
               else dek.intranode_combine_record_bytes(7168, 8))
+    if nodes > 1 and per_node > 1 and op == "dispatch":  # the composed path's cached stage records: the payload
+        record = dek.intranode_dispatch_record_bytes(-(-rank.token_bytes(7168, "fp8") // 16) * 16, 0, 0)
     num_ranks = nodes * per_node
     same_node = [(s, d) for s in range(num_ranks) for d in range(num_ranks)
                  if s // per_node == d // per_node and s != d]
@@ -287,23 +289,70 @@ def test_one_gpu_per_virtual_node_is_the_intranode_model(op):
     assert virtual.fixed_us == intra.fixed_us and virtual.alias == {} and "nic_out" not in virtual.kinds
     np.testing.assert_allclose(virtual.serial_sm_us, intra.serial_sm_us)
     np.testing.assert_allclose(dek.closed_form_times(virtual, 24, 2), dek.closed_form_times(intra, 24, 2))
-    # A real NIC with one GPU per node, and virtual nodes of 2 GPUs, keep the internode model (network stage).
+    # A real NIC with one GPU per node keeps the internode model (network stage).
     real = dek.normal_work(_spec(2, 1, op, dtype), traffic, hardware.H200, hardware.CX7, prof, 24, 8, dtype)
     assert real.fixed_us == intra.fixed_us + 100.0 and "nic_out" in real.kinds
-    wide = dek.normal_work(_spec(2, 2, op, dtype), _traffic(2, 2, 1024), hardware.H200, p2p, prof, 24, 8, dtype)
-    assert wide.fixed_us == intra.fixed_us + 100.0 and wide.alias == {"nic_out": "nvl_out", "nic_in": "nvl_in"}
 
 
-def test_internode_forwarded_rows_keep_the_ring_receive():
-    # Direct-to-output is an intranode receive path: the rows a forwarder stores into its node's rings (G > 1) are
-    # still copied out of the rings, whatever receive_copies says.
-    traffic = _traffic(2, 4, 512)
-    spec = _spec(2, 4, "dispatch", "bf16")
+def test_put_records_keep_the_ring_receive():
+    # Direct-to-output is a pointer-path receive: records put over a NIC (one GPU per node) land in the rings and are
+    # copied out of them, whatever receive_copies says.
+    traffic = _traffic(4, 1, 512)
+    spec = _spec(4, 1, "dispatch", "bf16")
     prof = dek.profile()
     times = [float(dek.closed_form_times(dek.normal_work(spec, traffic, hardware.H200, hardware.CX7,
-                                                         replace(prof, receive_copies=c), 8, 8, "bf16"), 8, 8).max())
+                                                         replace(prof, receive_copies=c), 8, 8, "bf16"), 8, 4).max())
              for c in (0, 1)]
     assert times[0] == times[1]
+
+
+def test_composed_stage_traffic_conserves_rows():
+    # Rail stage: one record per (token, node); node stage: every (token, rank) row, sent by the rank's rail peer.
+    from simulator.deep_ep_composed import stage_traffic
+    nodes, per_node = 4, 2
+    traffic = _traffic(nodes, per_node, 256, seed=3)
+    rail, node = stage_traffic(traffic, nodes, per_node)
+    for local in range(per_node):
+        for n in range(nodes):
+            assert rail[local][n].rows_to_rank == traffic[n * per_node + local].records_to_node
+    for n in range(nodes):
+        for local in range(per_node):
+            want = [sum(traffic[m * per_node + local].rows_to_rank[n * per_node + d] for m in range(nodes))
+                    for d in range(per_node)]
+            assert list(node[n][local].rows_to_rank) == want
+    assert sum(t.num_rows for group in node for t in group) == sum(t.num_rows for t in traffic)
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_composed_runs_its_stages_in_turn(op):
+    # With free copies and no host cost, a composed op takes the rail stage then the node stage (dispatch) or the
+    # node stage then the rail stage (combine), each starting when the slowest rank of its group is ready.
+    from simulator import deep_ep_composed as comp
+    nodes, per_node = 2, 4
+    traffic = _traffic(nodes, per_node, 256, seed=4)
+    spec = _spec(nodes, per_node, op, "bf16")
+    rail_t, node_t = {}, {}
+
+    def stage(s, t, dtype):
+        rail = s.ranks_per_node == nodes or s.num_nodes == nodes  # the rail stage has one rank per node
+        times = [100.0 + 10 * i if rail else 50.0 + i for i in range(len(t))]
+        (rail_t if rail else node_t)[len(rail_t if rail else node_t)] = times
+        return rank.OpResult(float(np.mean(times)), max(times), times, [], [], {}, {}, "NVLink", 0.0)
+
+    times, parts = comp.composed_rank_times(spec, traffic, hardware.CX7, "bf16", float("inf"), 0.0, stage)
+    assert len(parts["rail"]) == per_node and len(parts["node"]) == nodes
+    if op == "dispatch":  # node n's stage starts when its ranks' rail stage ends (rail rank n: 100 + 10 n)
+        want = [100.0 + 10 * n + 50.0 + local for n in range(nodes) for local in range(per_node)]
+    else:  # rail group l starts when its ranks' node stage ends (node rank l: 50 + l)
+        want = [50.0 + local + 100.0 + 10 * n for n in range(nodes) for local in range(per_node)]
+    assert times.tolist() == pytest.approx(want)
+    assert not parts["copy_us"].any()
+
+
+def test_normal_work_is_not_the_composed_path():
+    with pytest.raises(ValueError, match="composed path"):
+        dek.normal_work(_spec(2, 4, "dispatch", "bf16"), _traffic(2, 4, 64), hardware.H200, hardware.CX7,
+                        dek.profile(), 24, 8, "bf16")
 
 
 def test_virtual_nodes_share_nvlink_ports():

@@ -103,6 +103,27 @@ def test_two_by_two_large(two_by_two):
         two_by_two.run(tn.TASK, case)
 
 
+@pytest.mark.parametrize("rail", ["ipc", "nvshmem"])
+def test_stalled_rank_times_out(rail):
+    """Rank 3 never joins the dispatch: rank 1 (its rail peer) and rank 2 (its node peer) time out naming it, rank 0
+    naming rank 1 (which left its node stage after its own timeout); each message names the Buffer's ranks (the
+    stages' own numbers in brackets, ``deep_ep.errors.name_ranks``) within the time budget
+    (``test_intranode.task_stall``)."""
+    timeout_s = 5
+    gpus = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 2
+    env = {**ENV, "DEEP_EP_TIMEOUT_S": str(timeout_s)}
+    if rail == "nvshmem":
+        env.update(DEEP_EP_COMPOSED_RAIL="nvshmem", DEEP_EP_TEST_NUM_RDMA_BYTES=str(768 << 20))
+    pool = ti.Pool([rank % gpus for rank in range(4)], env=env)
+    try:
+        replies = pool.run("stall", {"stalled": 3, "timeout_s": timeout_s, "expect_peer": {0: 1}},
+                           timeout=timeout_s * 8 + 60)
+        assert replies[3] == "stalled" and all("timeout" in replies[r] for r in range(3)), replies
+        assert "composed rail stage" in replies[1] and "composed node stage" in replies[2], replies
+    finally:
+        pool.kill()  # the Buffers are in the failed state: discard the pool
+
+
 @pytest.fixture(scope="module", params=[4, 2], ids=["2x4", "4x2"])
 def eight_ranks(request):
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0

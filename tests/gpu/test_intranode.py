@@ -693,7 +693,8 @@ def task_stall(buffer, rank: int, payload: dict) -> str:
     except TimeoutError as exc:
         elapsed = time.monotonic() - start
         text = str(exc)
-        assert f"rank {rank}" in text and f"peer {stalled}" in text, f"timeout message lacks rank/peer: {text}"
+        peer = payload.get("expect_peer", {}).get(rank, stalled)  # a later rank can wait for one that gave up first
+        assert f"rank {rank} peer {peer}" in text, f"timeout message lacks rank {rank} / peer {peer}: {text}"
         assert elapsed < float(payload["timeout_s"]) * 3 + 30, f"timeout took {elapsed:.1f} s"
         # The CUDA context must still work.
         assert float((torch.ones(4, device=DEVICE) * 2).sum()) == 8.0

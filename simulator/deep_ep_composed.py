@@ -1,0 +1,144 @@
+"""deep_ep's composed internode path in the ``--kernels deep_ep`` family: ``N`` nodes x ``G > 1`` GPUs.
+
+deep_ep runs that topology as two stage calls (``deep_ep/composed_internode.py``, docs/multinode.md), not as fused
+forwarding kernels, so this module models what it runs: a **rail stage** (the ``N`` ranks of one local index, one
+per node: each token goes once to each node it needs, to the rail peer there) and a **node stage** (the ``G`` ranks
+of one node: the forwarder sends each row to the local ranks that need it), each one of deep_ep's ring ops over its
+subgroup, costed by :func:`simulator.deep_ep_kernels.normal_work` / :func:`simulate_normal` with the stage's own
+ranks, traffic and record bytes. The stages run one after the other, and a stage starts when the last rank of its
+group is ready; around them the composed layer's torch copies move the rows (``composed_copy_gbps``, bytes read
+plus bytes written) and it adds ``composed_host_us`` per call.
+
+The model is that of a **cached** call (the benchmarks' metric; notify excluded), whose stage records carry the
+payload only:
+
+* dispatch: source copies ``x`` into records (``T x payload`` read and written), rail stage, node stage straight
+  from the rail output, then the gather into the contract's order (``rows x payload``; FP8 also splits the data
+  from the scales, one more copy);
+* combine: the expert rows are gathered into node-stage order (``rows x 2H``), node-stage combine (BF16 partial per
+  node at the forwarder), rail-stage combine (to the owner, biases and partials added there).
+
+Rail-stage links: one host (virtual nodes, ``nvlink-p2p``) is the CUDA-IPC rail that deep_ep picks there, i.e. the
+intranode model over ``N`` ranks; a real NIC is the NVSHMEM rail with one GPU per node (network puts, ring
+receive, ``internode_extra_us``). The node stage is always intranode over NVLink.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from simulator.hardware import GpuProfile, NicProfile
+from simulator.links import GBPS
+from simulator.rank import OpResult, OpSpec, normal_logical_bytes, token_bytes
+from simulator.workload import SourceTraffic
+
+# (stage spec, stage traffic, stage dtype) -> OpResult of that stage's ranks
+StageModel = Callable[[OpSpec, list[SourceTraffic], str], OpResult]
+
+
+def is_composed(spec: OpSpec, nic: NicProfile) -> bool:
+    """Whether deep_ep runs this normal op as the composed path: several nodes of several GPUs."""
+    del nic  # one GPU per node (virtual or behind a NIC) is the one-GPU-per-node backend, whatever the link
+    return spec.mode != "low-latency" and spec.num_nodes > 1 and spec.ranks_per_node > 1
+
+
+def stage_traffic(traffic: list[SourceTraffic], num_nodes: int, per_node: int
+                  ) -> tuple[list[list[SourceTraffic]], list[list[SourceTraffic]]]:
+    """``(rail, node)``: ``rail[l][n]`` is what rail rank ``n`` of local index ``l`` (global rank ``n * G + l``)
+    sends in its rail stage (one record per node its tokens need, its own node included); ``node[n][l]`` what the
+    forwarder ``(n, l)`` sends in node ``n``'s stage (for every local rank ``l'``, the rows of the sources
+    ``(m, l)`` for ``(n, l')``)."""
+    rows = np.asarray([t.rows_to_rank for t in traffic], dtype=np.int64)       # [R, R]
+    records = np.asarray([t.records_to_node for t in traffic], dtype=np.int64)  # [R, N]
+    rail = [[_traffic(traffic[n * per_node + local].num_tokens, records[n * per_node + local], True)
+             for n in range(num_nodes)] for local in range(per_node)]
+    node = []
+    for n in range(num_nodes):
+        group = []
+        for local in range(per_node):
+            sources = [m * per_node + local for m in range(num_nodes)]
+            to_local = rows[sources][:, n * per_node:(n + 1) * per_node].sum(axis=0)
+            group.append(_traffic(int(records[sources, n].sum()), to_local, False))
+        node.append(group)
+    return rail, node
+
+
+def _traffic(num_tokens: int, rows_to_rank: np.ndarray, rank_is_node: bool) -> SourceTraffic:
+    """A stage source's traffic; ``rank_is_node``: each stage rank is a node of its own (the rail stage)."""
+    rows = tuple(int(r) for r in rows_to_rank)
+    return SourceTraffic(num_tokens, 0, rows, rows, rows if rank_is_node else (sum(rows),))
+
+
+def _stage_spec(spec: OpSpec, row_bytes: int, topk: int, num_nodes: int, per_node: int) -> OpSpec:
+    """A stage op whose rows are ``row_bytes`` (a multiple of 2): BF16 rows of ``row_bytes / 2`` channels."""
+    mode = "internode" if num_nodes > 1 else "intranode"
+    return OpSpec(mode, spec.op, row_bytes // 2, topk, row_bytes, row_bytes, num_nodes, per_node, None)
+
+
+def composed_rank_times(spec: OpSpec, traffic: list[SourceTraffic], nic: NicProfile, dtype: str,
+                        copy_gbps: float, host_us: float, stage: StageModel) -> tuple[np.ndarray, dict]:
+    """Per-rank time of one composed op and its parts (``rail``, ``node``: the stages' OpResults per group;
+    ``copy_us``: per-rank copy time), with ``stage`` costing each stage op."""
+    num_nodes, per_node, num_ranks = spec.num_nodes, spec.ranks_per_node, spec.num_ranks
+    rail_traffic, node_traffic = stage_traffic(traffic, num_nodes, per_node)
+    dispatch = spec.op == "dispatch"
+    payload = token_bytes(spec.hidden, dtype)
+    row = -(-payload // 16) * 16 if dispatch else 2 * spec.hidden  # cached dispatch records: the payload, padded
+    topk = 0 if dispatch else spec.topk                              # combine carries the top-k weights
+    one_host = nic.shares_nvlink  # virtual nodes: deep_ep's rail stage is CUDA IPC, i.e. intranode over N ranks
+    rail_spec = (_stage_spec(spec, row, topk, 1, num_nodes) if one_host
+                 else _stage_spec(spec, row, topk, num_nodes, 1))
+    node_spec = _stage_spec(spec, row, topk, 1, per_node)
+    rail = [stage(rail_spec, rail_traffic[local], "bf16") for local in range(per_node)]
+    node = [stage(node_spec, node_traffic[n], "bf16") for n in range(num_nodes)]
+    rail_t = np.array([[rail[local].rank_time_us[n] for local in range(per_node)] for n in range(num_nodes)])
+    node_t = np.array([node[n].rank_time_us for n in range(num_nodes)])       # both [N, G]
+
+    rate = copy_gbps * GBPS
+    tokens = np.array([t.num_tokens for t in traffic], dtype=float).reshape(num_nodes, per_node)
+    received = np.array([sum(t.rows_to_rank[d] for t in traffic) for d in range(num_ranks)],
+                        dtype=float).reshape(num_nodes, per_node)
+    if dispatch:
+        before = 2 * tokens * payload / rate                                  # x -> records
+        after = 2 * received * payload * (2 if dtype == "fp8" else 1) / rate  # gather (+ FP8 data / scales split)
+        rail_end = before.max(axis=0, keepdims=True) + rail_t   # each rail group starts together
+        end = rail_end.max(axis=1, keepdims=True) + node_t + after
+    else:
+        before = 2 * received * 2 * spec.hidden / rate                        # expert rows into node-stage order
+        after = np.zeros_like(before)
+        node_end = before.max(axis=1, keepdims=True) + node_t
+        end = node_end.max(axis=0, keepdims=True) + rail_t
+    return (end + host_us).reshape(-1), {"rail": rail, "node": node, "copy_us": (before + after).reshape(-1)}
+
+
+def composed_result(spec: OpSpec, traffic: list[SourceTraffic], nic: NicProfile, dtype: str, copy_gbps: float,
+                    host_us: float, stage: StageModel) -> OpResult:
+    """The composed op as one OpResult: rank times from :func:`composed_rank_times`, DeepEP's byte counts of the
+    whole op, port bytes summed over the stages, each port's utilization as its busiest stage's share of the op,
+    and the bottleneck of the part that takes longest on the slowest rank (``rail:<stage bottleneck>``,
+    ``node:<...>`` or ``copies``)."""
+    times, parts = composed_rank_times(spec, traffic, nic, dtype, copy_gbps, host_us, stage)
+    logical, nvl_logical = normal_logical_bytes(spec, traffic)
+    stages = parts["rail"] + parts["node"]
+    port_bytes: dict[str, float] = {}
+    utilization: dict[str, float] = {}
+    total = max(float(times.max()), 1e-9)
+    for res in stages:
+        for kind, value in res.port_bytes.items():
+            port_bytes[kind] = port_bytes.get(kind, 0.0) + value
+        for kind, value in res.utilization.items():
+            utilization[kind] = max(utilization.get(kind, 0.0), value * res.max_time_us / total)
+    slowest = int(np.argmax(times))
+    per_node = spec.ranks_per_node
+    node_of, local_of = divmod(slowest, per_node)
+    rail_res, node_res = parts["rail"][local_of], parts["node"][node_of]
+    shares = {f"rail:{rail_res.bottleneck}": rail_res.rank_time_us[node_of],
+              f"node:{node_res.bottleneck}": node_res.rank_time_us[local_of],
+              "copies": float(parts["copy_us"][slowest])}
+    fixed = max(r.fixed_us for r in parts["rail"]) + max(r.fixed_us for r in parts["node"]) + host_us
+    extra = {"rail_us": float(np.mean([r.time_us for r in parts["rail"]])),
+             "node_us": float(np.mean([r.time_us for r in parts["node"]])),
+             "copy_us": float(parts["copy_us"].mean())}
+    return OpResult(float(times.mean()), float(times.max()), [float(t) for t in times], logical, nvl_logical,
+                    port_bytes, utilization, max(shares, key=lambda k: (shares[k], k)), fixed, extra=extra)
