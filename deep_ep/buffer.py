@@ -205,11 +205,18 @@ class Buffer:
         from deep_ep.torch_backend import TorchBackend
         groups = make_stage_groups(group, topo)
         num_nodes, per_node = topo.num_scaleout_ranks, topo.num_scaleup_ranks
+        rail = None
+        if reason is None and rail_kind == "nvshmem":
+            from deep_ep.cuda_internode import UnsupportedTopology
+            try:
+                rail = self._symmetric_rail(group, groups.rail)
+            except UnsupportedTopology as exc:  # decided world-wide: every rank gets here together
+                reason = f"the NVSHMEM rail stage: {exc}"
+                if choice == "auto":
+                    return None, None
         cuda_stages = reason is None
         if cuda_stages:
-            if rail_kind == "nvshmem":
-                rail = self._symmetric_rail(group, groups.rail)
-            else:
+            if rail is None:
                 rail = backend_cls.from_group(groups.rail, self.num_nvl_bytes)
             node = backend_cls.from_group(groups.node, self.num_nvl_bytes)
             device = "cuda"
