@@ -1,8 +1,8 @@
 """GPU property tests of the CUDA internode backend (``deep_ep/cuda_internode.py``) on virtual nodes.
 
 ``DEEP_EP_GPUS_PER_NODE=1`` turns 2 ranks on 2 GPUs of one host into 2 nodes of one GPU: the Buffer picks
-``InternodeCuda`` (NVSHMEM symmetric buffer, PE = rank, one PE per GPU since NVSHMEM cannot run several PEs on one
-GPU without MPS), and every example is checked against ``reference`` with the internode topology: recv_x (BF16 and
+``InternodeCuda`` (NVSHMEM symmetric buffer, PE = rank, one PE per GPU; with ``TEST_RANKS_PER_GPU=2`` on a one-GPU
+machine both PEs share GPU 0, time-sliced: correctness only), and every example is checked against ``reference`` with the internode topology: recv_x (BF16 and
 FP8), top-k, the per-expert list, all ten handle fields, cached and worst-token dispatch, combine with biases and
 weights (the spec's per-node rounding). The worker pool and the inputs are those of ``test_intranode.py``.
 
