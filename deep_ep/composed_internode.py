@@ -144,10 +144,13 @@ def _widths(parts: Sequence[torch.Tensor]) -> list[int]:
 
 def _record(parts: Sequence[torch.Tensor], num_rows: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """Concatenate ``[rows, *]`` tensors as bytes into ``[rows, W / 4]`` int32 (``W = _padded(sum of widths)``);
-    returns the record and each part's byte width."""
+    returns the record and each part's byte width. One part that needs no padding is its own record (a view: the
+    stages only read their input)."""
     raw = [_as_bytes(p) for p in parts]
     widths = [r.size(1) for r in raw]
     pad = _padded(sum(widths)) - sum(widths)
+    if len(raw) == 1 and pad == 0 and num_rows > 0:
+        return raw[0].view(torch.int32), widths
     if pad:
         raw.append(torch.zeros(num_rows, pad, dtype=torch.uint8, device=device))
     return torch.cat(raw, dim=1).view(torch.int32), widths
