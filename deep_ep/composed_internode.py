@@ -144,10 +144,13 @@ def _widths(parts: Sequence[torch.Tensor]) -> list[int]:
 
 def _record(parts: Sequence[torch.Tensor], num_rows: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """Concatenate ``[rows, *]`` tensors as bytes into ``[rows, W / 4]`` int32 (``W = _padded(sum of widths)``);
-    returns the record and each part's byte width."""
+    returns the record and each part's byte width. One part that needs no padding is its own record (a view: the
+    stages only read their input)."""
     raw = [_as_bytes(p) for p in parts]
     widths = [r.size(1) for r in raw]
     pad = _padded(sum(widths)) - sum(widths)
+    if len(raw) == 1 and pad == 0 and num_rows > 0:
+        return raw[0].view(torch.int32), widths
     if pad:
         raw.append(torch.zeros(num_rows, pad, dtype=torch.uint8, device=device))
     return torch.cat(raw, dim=1).view(torch.int32), widths
@@ -415,11 +418,14 @@ class ComposedInternode:
     def _payload(self, data: torch.Tensor, scales: Optional[torch.Tensor]) -> list[torch.Tensor]:
         return [data] if scales is None else [data, scales.contiguous()]
 
-    def _unpack_payload(self, cols: list[torch.Tensor], data: torch.Tensor, scales: Optional[torch.Tensor]) -> Any:
-        recv_data = _from_bytes(cols[0], data.dtype, data.size(1))
+    def _unpack_payload(self, cols: list[torch.Tensor], order: torch.Tensor, data: torch.Tensor,
+                        scales: Optional[torch.Tensor]) -> Any:
+        """The payload fields ``cols`` (byte columns of the node stage's rows) in the contract's row ``order``: one
+        gather per field, straight into its own tensor."""
+        recv_data = _gathered(cols[0], order, data.dtype, data.size(1))
         if scales is None:
             return recv_data
-        return recv_data, _from_bytes(cols[1], scales.dtype, scales.size(1))
+        return recv_data, _gathered(cols[1], order, scales.dtype, scales.size(1))
 
     def _rail_dispatch(self, record: torch.Tensor, node_mask: torch.Tensor, num_tokens_per_expert: torch.Tensor,
                        stage: dict) -> DispatchResult:
@@ -481,7 +487,7 @@ class ComposedInternode:
         order = torch.sort(src_rank.to(torch.int64), stable=True).indices
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        recv_x = self._unpack_payload(_split(node_cols[0][order], widths[:num_payload]), data, scales)
+        recv_x = self._unpack_payload(_split(node_cols[0], widths[:num_payload]), order, data, scales)
         recv_idx = recv_weights = None
         if has_topk:
             recv_idx, recv_weights = node.recv_topk_idx[order], node.recv_topk_weights[order]
@@ -502,8 +508,7 @@ class ComposedInternode:
         record, widths = _record(payload, data.size(0), data.device)
         rail = self.rail.dispatch(record, plan.rail_handle, previous_event=None, **stage)
         node = self.node.dispatch(rail.recv_x, plan.node_handle, previous_event=None, **stage)
-        rows = _as_bytes(node.recv_x)[plan.order]
-        return self._unpack_payload(_split(rows, widths), data, scales)
+        return self._unpack_payload(_split(_as_bytes(node.recv_x), widths), plan.order, data, scales)
 
     # ------------------------------------------------------------------------------------------------------------
     # Combine
@@ -526,6 +531,14 @@ class ComposedInternode:
         rail = self.rail.combine(node.combined_x, plan.rail_handle, node.combined_topk_weights, bias,
                                  previous_event=None, **stage)
         return CombineResult(rail.combined_x, rail.combined_topk_weights, self._event(x.device, async_finish))
+
+
+def _gathered(raw: torch.Tensor, order: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
+    """Rows ``order`` of a ``[rows, cols * itemsize]`` uint8 view (any column slice) as a fresh row-major
+    ``[len(order), cols]`` tensor of ``dtype``: one pass over the bytes."""
+    if order.numel() == 0 or cols == 0:
+        return torch.empty(order.numel(), cols, dtype=dtype, device=raw.device)
+    return raw.index_select(0, order).view(dtype).view(-1, cols)
 
 
 def _split(rows: torch.Tensor, widths: Sequence[int]) -> list[torch.Tensor]:

@@ -35,9 +35,10 @@ GPU per node a partial is one BF16 row, which rounds to itself, so the kernels' 
 (starting from the biases, ascending rank order, one rounding) is bit-identical to the reference.
 
 Not served here: several GPUs per node (the composed path, ``deep_ep/composed_internode.py``, whose rail stage across
-hosts is a :class:`SymmetricCuda`), and (the Buffer keeps the torch backend and says why) a world with put pairs whose ``num_rdma_bytes`` leaves no room for the put
-area (:class:`UnsupportedTopology`). In worst-token mode ``send_nvl_head`` has ``num_worst_tokens`` rows, the
-padding rows -1 (the torch backend sizes it with the real count, which needs a host synchronisation).
+hosts is a :class:`SymmetricCuda`), and (the Buffer keeps the torch backend and says why) a world with put pairs
+whose ``num_rdma_bytes`` leaves no room for the put area (:class:`UnsupportedTopology`). In worst-token mode
+``send_nvl_head`` has ``num_worst_tokens`` rows, the padding rows -1 (the torch backend sizes it with the real count,
+which needs a host synchronisation).
 """
 from __future__ import annotations
 
@@ -93,10 +94,10 @@ class SymmetricCuda(CudaBackend):
         if num_rdma_bytes <= 0 or num_rdma_bytes % 128 != 0:
             raise ValueError(f"num_rdma_bytes must be a positive multiple of 128 for the CUDA kernels over NVSHMEM, "
                              f"got {num_rdma_bytes}")
-        sizes = all_gather(num_rdma_bytes)
+        sizes = (world_all_gather or all_gather)(num_rdma_bytes)
         if any(int(size) != num_rdma_bytes for size in sizes):
             raise ValueError(f"num_rdma_bytes must be equal on every rank (the kernels carve every peer's buffer "
-                             f"with the same layout), got {sizes}")
+                             f"with the same layout, and the symmetric allocation is world-wide), got {sizes}")
         self.rank, self.num_ranks, self.num_nvl_bytes = rank, num_ranks, num_rdma_bytes
         self.pes = [int(pe) for pe in pes]
         self.timeout_s = envs.TIMEOUT_S.get()

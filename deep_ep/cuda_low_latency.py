@@ -73,8 +73,9 @@ def join_nvshmem_world(rank: int, heap_bytes: int, num_qps_per_rank: int, allow_
                        allow_mnnvl: bool, all_gather: Callable[[object], list]) -> bytes:
     """Collective: set the NVSHMEM environment (user values win, ``NVSHMEM_DISABLE_NVLS=1`` always) and return
     rank 0's unique id of the world of all ranks (PE = rank). ``heap_bytes``: what this process allocates on the
-    symmetric heap (the sum of its symmetric buffers; the first join of a process sizes the heap). The C++ runtimes pass it to the shared bootstrap,
-    which initialises NVSHMEM once per process: the low-latency and the internode runtimes join the same world."""
+    symmetric heap (the sum of its symmetric buffers; the first join of a process sizes the heap). The C++ runtimes
+    pass the id to the shared bootstrap, which initialises NVSHMEM once per process: the low-latency and the
+    internode runtimes join the same world."""
     hosts = all_gather(socket.gethostname())
     for name, value in nvshmem_environment(heap_bytes, num_qps_per_rank, allow_nvlink, allow_mnnvl,
                                            len(set(hosts)) == 1, has_nic()).items():
@@ -99,8 +100,8 @@ class LowLatencyCuda:
                  allow_nvlink: bool, allow_mnnvl: bool, enable_shrink: bool,
                  all_gather: Callable[[object], list], symmetric_buffers: int = 1) -> None:
         self.rank, self.num_ranks, self.num_rdma_bytes = rank, num_ranks, num_rdma_bytes
-        unique_id = join_nvshmem_world(rank, symmetric_buffers * num_rdma_bytes, num_qps_per_rank, allow_nvlink, allow_mnnvl,
-                                       all_gather)
+        unique_id = join_nvshmem_world(rank, symmetric_buffers * num_rdma_bytes, num_qps_per_rank, allow_nvlink,
+                                       allow_mnnvl, all_gather)
         self.runtime = _C.LowLatencyRuntime(rank, num_ranks, num_rdma_bytes, envs.TIMEOUT_S.get(), enable_shrink,
                                             unique_id, envs.LL_PUT_ONLY.get())
         # Every rank must choose the same combine path: pointer reach is all-gathered. The combine by partials also

@@ -83,7 +83,8 @@ LL_PUT_ONLY = EnvVar(
     "NVLink reaches it by pointer; for testing that path on one host.")
 LL_PARTIALS = EnvVar(
     "DEEP_EP_LL_PARTIALS", str, "0",
-    "Low-latency combine: '0' (default: one BF16 row per expert, ascending k), 'auto' (each rank sums its experts' weighted rows of a token in fp32 and sends one fp32 "
+    "Low-latency combine: '0' (default: one BF16 row per expert, ascending k), 'auto' (each rank sums its experts' "
+    "weighted rows of a token in fp32 and sends one fp32 "
     "partial when that carries fewer bytes: top-k >= 3 x ranks, no receive hook, no LogFMT, every peer by pointer, "
     "num_experts / num_ranks >= 3, <= 8 ranks; the sum then runs per rank, ranks ascending), '1' (whenever the "
     "structural conditions hold). Opt-in until measured at EP2 (docs/low_latency.md). Must agree on every rank.")
@@ -110,9 +111,8 @@ NVSHMEM_DIR = EnvVar(
     "Build-time: NVSHMEM installation (include/ and lib/); overrides the auto-detected nvidia-nvshmem wheel.")
 
 ALL: tuple[EnvVar, ...] = (TIMEOUT_S, BACKEND, DISPATCH_RECEIVE, COMBINE_COPY, GPUS_PER_NODE, INTERNODE,
-                           COMPOSED_RAIL,
-                           TOPK_IDX_BITS, LL_PUT_ONLY, LL_PARTIALS, INTERNODE_PUT_ONLY, CPU_ONLY, DISABLE_NVSHMEM, DEBUG_BUILD,
-                           TRACE_DIR, NVSHMEM_DIR)
+                           COMPOSED_RAIL, TOPK_IDX_BITS, LL_PUT_ONLY, LL_PARTIALS, INTERNODE_PUT_ONLY, CPU_ONLY,
+                           DISABLE_NVSHMEM, DEBUG_BUILD, TRACE_DIR, NVSHMEM_DIR)
 
 
 def describe() -> str:

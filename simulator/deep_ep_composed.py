@@ -12,9 +12,8 @@ plus bytes written) and it adds ``composed_host_us`` per call.
 The model is that of a **cached** call (the benchmarks' metric; notify excluded), whose stage records carry the
 payload only:
 
-* dispatch: source copies ``x`` into records (``T x payload`` read and written), rail stage, node stage straight
-  from the rail output, then the gather into the contract's order (``rows x payload``; FP8 also splits the data
-  from the scales, one more copy);
+* dispatch: source copies ``x`` into records (``T x payload`` read and written; not for BF16, whose rows are their
+  own records), rail stage, node stage straight from the rail output, then the gather of each payload field into the contract's order (``rows x payload``);
 * combine: the expert rows are gathered into node-stage order (``rows x 2H``), node-stage combine (BF16 partial per
   node at the forwarder), rail-stage combine (to the owner, biases and partials added there).
 
@@ -100,8 +99,9 @@ def composed_rank_times(spec: OpSpec, traffic: list[SourceTraffic], nic: NicProf
     received = np.array([sum(t.rows_to_rank[d] for t in traffic) for d in range(num_ranks)],
                         dtype=float).reshape(num_nodes, per_node)
     if dispatch:
-        before = 2 * tokens * payload / rate                                  # x -> records
-        after = 2 * received * payload * (2 if dtype == "fp8" else 1) / rate  # gather (+ FP8 data / scales split)
+        packed = dtype == "fp8" or payload % 16 != 0                          # BF16 rows are their own records
+        before = 2 * tokens * payload / rate if packed else np.zeros_like(tokens)
+        after = 2 * received * payload / rate                                 # gather, one per payload field
         rail_end = before.max(axis=0, keepdims=True) + rail_t   # each rail group starts together
         end = rail_end.max(axis=1, keepdims=True) + node_t + after
     else:

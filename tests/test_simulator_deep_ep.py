@@ -648,3 +648,13 @@ def test_normal_work_rejects_an_unknown_combine_path():
     work = dek.normal_work(spec, traffic, hardware.H200, hardware.CX7, dek.profile(), 24, 8, "bf16",
                            combine_path="zone")
     assert "zone_send" in work.kinds
+
+
+def test_more_nodes_than_the_kernels_serve_is_noted():
+    # Beyond 8 nodes deep_ep's Buffer falls back to its torch backend: the report says its normal rows are not that.
+    sc = Scenario(nodes=16, gpus_per_node=1, gpu="h200", mode="normal", kernels="deep_ep", tokens=256)
+    def notes(scenario):
+        return [note for scale in run(scenario).scales for note in scale.notes]
+
+    assert any("at most 8 nodes" in note for note in notes(sc))
+    assert not any("at most 8 nodes" in note for note in notes(replace(sc, nodes=8)))

@@ -1,10 +1,11 @@
 """GPU property tests of the CUDA internode backend (``deep_ep/cuda_internode.py``) on virtual nodes.
 
 ``DEEP_EP_GPUS_PER_NODE=1`` turns 2 ranks on 2 GPUs of one host into 2 nodes of one GPU: the Buffer picks
-``InternodeCuda`` (NVSHMEM symmetric buffer, PE = rank, one PE per GPU since NVSHMEM cannot run several PEs on one
-GPU without MPS), and every example is checked against ``reference`` with the internode topology: recv_x (BF16 and
-FP8), top-k, the per-expert list, all ten handle fields, cached and worst-token dispatch, combine with biases and
-weights (the spec's per-node rounding). The worker pool and the inputs are those of ``test_intranode.py``.
+``InternodeCuda`` (NVSHMEM symmetric buffer, PE = rank, one PE per GPU; with ``TEST_RANKS_PER_GPU=2`` on a one-GPU
+machine both PEs share GPU 0, time-sliced: correctness only), and every example is checked against ``reference``
+with the internode topology: recv_x (BF16 and FP8), top-k, the per-expert list, all ten handle fields, cached and
+worst-token dispatch, combine with biases and weights (the spec's per-node rounding). The worker pool and the
+inputs are those of ``test_intranode.py``.
 
 With ``DEEP_EP_INTERNODE_PUT_ONLY=1`` in the environment (``benchmarks/run_device.sh test_internode_put``) every pair
 is an NVSHMEM put pair: the same tests then run the path of peers behind a NIC (staged records, put-with-signal,
@@ -37,8 +38,8 @@ def _virtual_node_pool(**env: str) -> ti.Pool:
     """2 ranks on GPUs 0 and 1 (both on GPU 0 of a one-GPU machine under ``TEST_RANKS_PER_GPU=2``: NVSHMEM
     time-slices the two PEs, correctness only), each its own node, with an RDMA (NVSHMEM) buffer."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 2
-    return ti.Pool([rank % max(gpus, 1) for rank in range(2)], env={"DEEP_EP_GPUS_PER_NODE": "1", "DEEP_EP_TEST_NUM_RDMA_BYTES": str(NUM_RDMA_BYTES),
-                                **env})
+    return ti.Pool([rank % max(gpus, 1) for rank in range(2)],
+                   env={"DEEP_EP_GPUS_PER_NODE": "1", "DEEP_EP_TEST_NUM_RDMA_BYTES": str(NUM_RDMA_BYTES), **env})
 
 
 @pytest.fixture(scope="module")
