@@ -234,20 +234,16 @@ class Buffer:
         import torch.distributed as dist
         from deep_ep.cuda_internode import SymmetricCuda
         from deep_ep.cuda_low_latency import join_nvshmem_world
+        from deep_ep.torch_backend import object_all_gather
 
-        def gather(obj: Any, over: Any) -> list:
-            out = [None] * dist.get_world_size(over)
-            dist.all_gather_object(out, obj, group=over)
-            return out
-
-        topo = self.topology
+        topo, world_gather = self.topology, object_all_gather(group)
         unique_id = join_nvshmem_world(self.rank, self.num_rdma_bytes, self.num_qps_per_rank, True, self.allow_mnnvl,
-                                       lambda obj: gather(obj, group))
+                                       world_gather)
         local = topo.local_of(self.rank)
         pes = [node * topo.num_scaleup_ranks + local for node in range(topo.num_scaleout_ranks)]
         return SymmetricCuda(topo.node_of(self.rank), topo.num_scaleout_ranks, self.num_rdma_bytes, unique_id,
-                             self.rank, self.group_size, pes, lambda obj: gather(obj, rail_group),
-                             lambda: dist.barrier(group=rail_group), world_all_gather=lambda obj: gather(obj, group))
+                             self.rank, self.group_size, pes, object_all_gather(rail_group),
+                             lambda: dist.barrier(group=rail_group), world_all_gather=world_gather)
 
     def _make_cuda_low_latency(self, group: Any, comm: Any) -> Any:
         """The CUDA low-latency backend (NVSHMEM) when ``low_latency_mode`` has an RDMA buffer, the extension has

@@ -491,8 +491,8 @@ class ComposedInternode:
         recv_idx = recv_weights = None
         if has_topk:
             recv_idx, recv_weights = node.recv_topk_idx[order], node.recv_topk_weights[order]
-        recv_channel = _from_bytes(node_cols[1], torch.int32, 1).view(-1)[order]
-        recv_mask = hd.unpack_rank_bits(_from_bytes(node_cols[3], torch.int32, 1).view(-1)[order], per_node)
+        recv_channel = _gathered(node_cols[1], order, torch.int32, 1).view(-1)
+        recv_mask = hd.unpack_rank_bits(_gathered(node_cols[3], order, torch.int32, 1).view(-1), per_node)
         new_handle = internode_handle_fields(mask, topo, num_channels, rail_prefix, fwd_channel, fwd_mask,
                                              src_rank[order], recv_channel, recv_mask)
         self._keep(new_handle, _Plan(rail.handle, node.handle, order, inverse))

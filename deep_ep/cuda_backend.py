@@ -38,6 +38,7 @@ from deep_ep.handle import IntranodeHandle
 from deep_ep.layout import intranode_dispatch_output_layout
 from deep_ep.pool import OutputPool
 from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
+from deep_ep.torch_backend import object_all_gather
 
 try:  # The extension is optional: ``import deep_ep.cuda_backend`` raises ImportError without it.
     from deep_ep import _C
@@ -187,11 +188,7 @@ class CudaBackend:
         """Build from a ``torch.distributed`` process group."""
         import torch.distributed as dist
 
-        def all_gather(obj):
-            out = [None] * dist.get_world_size(group)
-            dist.all_gather_object(out, obj, group=group)
-            return out
-
+        all_gather = object_all_gather(group)
         return cls(dist.get_rank(group), dist.get_world_size(group), num_nvl_bytes, all_gather,
                    lambda: dist.barrier(group=group))
 

@@ -52,6 +52,7 @@ from deep_ep.config import Topology, put_peers
 from deep_ep.cuda_backend import _C, CudaBackend
 from deep_ep.cuda_low_latency import join_nvshmem_world
 from deep_ep.pool import OutputPool
+from deep_ep.torch_backend import object_all_gather
 
 
 class UnsupportedTopology(RuntimeError):
@@ -94,7 +95,8 @@ class SymmetricCuda(CudaBackend):
         if num_rdma_bytes <= 0 or num_rdma_bytes % 128 != 0:
             raise ValueError(f"num_rdma_bytes must be a positive multiple of 128 for the CUDA kernels over NVSHMEM, "
                              f"got {num_rdma_bytes}")
-        sizes = (world_all_gather or all_gather)(num_rdma_bytes)
+        world_all_gather = world_all_gather or all_gather
+        sizes = world_all_gather(num_rdma_bytes)
         if any(int(size) != num_rdma_bytes for size in sizes):
             raise ValueError(f"num_rdma_bytes must be equal on every rank (the kernels carve every peer's buffer "
                              f"with the same layout, and the symmetric allocation is world-wide), got {sizes}")
@@ -106,7 +108,7 @@ class SymmetricCuda(CudaBackend):
         reached = self.runtime.sync_symmetric(unique_id, world_rank, world_size, self.pes)
         unreachable = [list(peers) for peers in all_gather(list(reached))]
         # (some peer unreachable, DEEP_EP_INTERNODE_PUT_ONLY) of every rank of the world
-        flags = (world_all_gather or all_gather)((bool(reached), envs.INTERNODE_PUT_ONLY.get()))
+        flags = world_all_gather((bool(reached), envs.INTERNODE_PUT_ONLY.get()))
         put_only = any(only for _, only in flags)
         self.put_peers = put_peers(rank, unreachable, put_only)
         put_area = put_only or any(far for far, _ in flags)  # the same on every rank: the buffers' layout must agree
@@ -145,11 +147,7 @@ class InternodeCuda(SymmetricCuda):
     def from_group(cls, group, **kwargs: Any) -> "InternodeCuda":
         import torch.distributed as dist
 
-        def all_gather(obj):
-            out = [None] * dist.get_world_size(group)
-            dist.all_gather_object(out, obj, group=group)
-            return out
-
+        all_gather = object_all_gather(group)
         return cls(dist.get_rank(group), dist.get_world_size(group), all_gather=all_gather,
                    barrier=lambda: dist.barrier(group=group), **kwargs)
 

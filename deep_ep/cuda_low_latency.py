@@ -33,6 +33,7 @@ from deep_ep.config import ll_combine_by_partials
 from deep_ep.cuda_backend import _C, _raise_from_record, _record_stream
 from deep_ep.event import CudaEventHandle, EventOverlap
 from deep_ep.results import LowLatencyCombineResult, LowLatencyDispatchResult
+from deep_ep.torch_backend import object_all_gather
 
 # NVSHMEM's symmetric heap reserve beyond the LL buffer (teams, internal buffers).
 _HEAP_MARGIN = 256 * 1024 * 1024
@@ -117,11 +118,7 @@ class LowLatencyCuda:
     def from_group(cls, group: Any, **kwargs: Any) -> "LowLatencyCuda":
         import torch.distributed as dist
 
-        def all_gather(obj):
-            out = [None] * dist.get_world_size(group)
-            dist.all_gather_object(out, obj, group=group)
-            return out
-
+        all_gather = object_all_gather(group)
         return cls(dist.get_rank(group), dist.get_world_size(group), all_gather=all_gather, **kwargs)
 
     @staticmethod

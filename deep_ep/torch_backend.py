@@ -104,6 +104,17 @@ class _Pending:
         self.works = []
 
 
+def object_all_gather(group: Any) -> Callable[[object], list]:
+    """``all_gather(obj) -> list`` of every rank's ``obj`` over ``group`` (``all_gather_object``): the bootstrap
+    exchange the CUDA backends take."""
+    def all_gather(obj: object) -> list:
+        out = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return all_gather
+
+
 class _Comm:
     """Bounded collective and point-to-point helpers over one process group (ranks are group ranks)."""
 

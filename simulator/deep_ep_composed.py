@@ -13,7 +13,8 @@ The model is that of a **cached** call (the benchmarks' metric; notify excluded)
 payload only:
 
 * dispatch: source copies ``x`` into records (``T x payload`` read and written; not for BF16, whose rows are their
-  own records), rail stage, node stage straight from the rail output, then the gather of each payload field into the contract's order (``rows x payload``);
+  own records), rail stage, node stage straight from the rail output, then the gather of each payload field into
+  the contract's order (``rows x payload``);
 * combine: the expert rows are gathered into node-stage order (``rows x 2H``), node-stage combine (BF16 partial per
   node at the forwarder), rail-stage combine (to the owner, biases and partials added there).
 
@@ -27,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from simulator.hardware import GpuProfile, NicProfile
+from simulator.hardware import NicProfile
 from simulator.links import GBPS
 from simulator.rank import OpResult, OpSpec, normal_logical_bytes, token_bytes
 from simulator.workload import SourceTraffic
@@ -36,9 +37,9 @@ from simulator.workload import SourceTraffic
 StageModel = Callable[[OpSpec, list[SourceTraffic], str], OpResult]
 
 
-def is_composed(spec: OpSpec, nic: NicProfile) -> bool:
-    """Whether deep_ep runs this normal op as the composed path: several nodes of several GPUs."""
-    del nic  # one GPU per node (virtual or behind a NIC) is the one-GPU-per-node backend, whatever the link
+def is_composed(spec: OpSpec) -> bool:
+    """Whether deep_ep runs this normal op as the composed path: several nodes of several GPUs (one GPU per node,
+    virtual or behind a NIC, is the one-GPU-per-node backend)."""
     return spec.mode != "low-latency" and spec.num_nodes > 1 and spec.ranks_per_node > 1
 
 

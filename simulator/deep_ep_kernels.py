@@ -287,7 +287,6 @@ class NormalWork:
             stores (``C * sm_push_gbps``).
         flows: one flow per source rank (``FlowSpec``); the closed form uses their per-port loads.
         fixed_us: fixed cost of the call.
-        alias: port kinds that are the same physical port as another (virtual nodes: ``nic_* -> nvl_*``).
         channels: CTAs the op runs (``C``; below ``num_sms`` where deep_ep caps the intranode channels).
     """
 
@@ -296,7 +295,6 @@ class NormalWork:
     caps: dict[str, float]
     flows: list[FlowSpec]
     fixed_us: float
-    alias: dict[str, str]
     channels: int
 
 
@@ -380,7 +378,7 @@ def _landing_zone_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfi
         u.add("nvl_in", s, back.sum() * record)
         u.add("sm_reduce", s, (back.sum() + own) * payload)
         flows.append(u.flow(float(back.sum() * record + own * payload)))
-    return NormalWork(np.zeros(num_ranks), kinds, caps, flows, prof.launch_us, {}, max(ctas, 1))
+    return NormalWork(np.zeros(num_ranks), kinds, caps, flows, prof.launch_us, max(ctas, 1))
 
 
 def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
@@ -438,14 +436,13 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     local_idx = all_ranks % per_node
     block = np.arange(num_nodes)[:, None] * per_node + np.arange(per_node)[None, :]  # [N, G] ranks
 
-    alias: dict[str, str] = {}  # one GPU per virtual node is flat (above): internode records cross a real NIC
     kinds = ("nvl_out", "nvl_in", "sm_push") + (("nic_out", "nic_in") if internode else ())
     nvl = gpu.nvlink_gbps * prof.nvl_efficiency * GBPS
     caps = {"nvl_out": nvl, "nvl_in": nvl, "sm_push": channels * prof.sm_push_gbps * GBPS}
     if internode:
         rate = nic_rate(nic, nic.normal_efficiency, num_nodes - 1)
         caps.update(nic_out=rate, nic_in=rate)
-    ports = _Ports(kinds, caps, num_ranks, alias)
+    ports = _Ports(kinds, caps, num_ranks)  # one GPU per virtual node is flat (above): records cross a real NIC
 
     hop = np.zeros((num_ranks, num_ranks))   # hop[f, d]: rows forwarder f stores into d's ring (same node)
     net = np.zeros((num_ranks, num_ranks))   # net[s, f]: records s puts to forwarder f on another node
@@ -503,7 +500,7 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     serial += chunks * prof.chunk_sync_us
     fixed = prof.launch_us + (0.0 if dispatch else prof.combine_extra_us)
     fixed += prof.internode_extra_us if internode else 0.0
-    return NormalWork(serial, kinds, caps, flows, fixed, alias, channels)
+    return NormalWork(serial, kinds, caps, flows, fixed, channels)
 
 
 def flat_p2p(spec: OpSpec, nic: NicProfile) -> bool:
@@ -516,7 +513,7 @@ def flat_p2p(spec: OpSpec, nic: NicProfile) -> bool:
 def time_components(work: NormalWork, num_sms: int, num_ranks: int) -> dict[str, np.ndarray]:
     """Per-rank terms of the closed form (µs): ``serial`` (serial SM work / C), ``push`` (SM push budget) and one
     entry per physical link kind (its busiest load / capacity)."""
-    ports = _Ports(work.kinds, work.caps, num_ranks, work.alias)
+    ports = _Ports(work.kinds, work.caps, num_ranks)
     loads = np.zeros(len(ports.caps))
     for size, idx, coefs in work.flows:
         np.add.at(loads, idx, coefs * size)
@@ -554,12 +551,12 @@ def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
     fluid ports (SM push budget, NVLink / network egress and ingress); a rank is done when its own flow and every
     flow into its ports have drained. Several nodes of several GPUs are the composed path
     (:mod:`simulator.deep_ep_composed`), each stage simulated so."""
-    if is_composed(spec, nic):
+    if is_composed(spec):
         return composed_result(spec, traffic, nic, dtype, prof.composed_copy_gbps, prof.composed_host_us,
                                lambda s, t, d: simulate_normal(s, t, gpu, nic, prof, num_sms, chunk, d))
     work = normal_work(spec, traffic, gpu, nic, prof, num_sms, chunk, dtype)
     num_ranks = spec.num_ranks
-    ports = _Ports(work.kinds, work.caps, num_ranks, work.alias)
+    ports = _Ports(work.kinds, work.caps, num_ranks)
     net, finish = run_rank_flows(f"deep_ep_{spec.op}", ports, work.flows,
                                  list(work.fixed_us + work.serial_sm_us / max(num_sms, 1)))
     logical, nvl_logical = normal_logical_bytes(spec, traffic)
@@ -573,7 +570,7 @@ def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
 def closed_form_rank_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
                            prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str) -> np.ndarray:
     """Per-rank closed-form time of one deep_ep normal op (the composed path from its stages' closed forms)."""
-    if is_composed(spec, nic):
+    if is_composed(spec):
         def stage(s: OpSpec, t: list[SourceTraffic], d: str) -> SimpleNamespace:
             rank_times = closed_form_rank_times(s, t, gpu, nic, prof, num_sms, chunk, d)
             return SimpleNamespace(rank_time_us=[float(x) for x in rank_times])
