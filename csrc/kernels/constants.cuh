@@ -8,8 +8,11 @@
 namespace deep_ep {
 namespace kernels {
 
-// Largest NVLink domain the intranode kernels serve (ranks 1..8, any count).
-constexpr int kMaxRanks = 8;
+// Largest group of the ring kernels (ranks 1..16, any count): an NVLink domain of up to 8 GPUs for the intranode
+// Buffer, up to 16 nodes for the one-GPU-per-node internode backend and the composed path's rail stage. Lane-per-rank
+// code needs kMaxRanks <= 32; the dispatch's receiver groups (one per source, at least one warp each, beside at
+// least three sender warps) need 2 * kMaxRanks <= kChannelWarps (intranode.cu).
+constexpr int kMaxRanks = 16;
 // Largest number of channels (one CTA each) of a dispatch or combine kernel; Config.num_sms must not exceed it.
 constexpr int kMaxChannels = 160;
 // Largest top-k the intranode kernels carry per token.

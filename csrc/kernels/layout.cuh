@@ -13,18 +13,18 @@
 //     notify data       int32 [2][kMaxRanks][kNotifyInts]
 //                                                   per (parity, source s): [R counts s->d][L expert counts of my
 //                                                   experts][C channel counts s->me]
-//     dispatch tails    uint32 [kMaxChannels][kMaxRanks]   index c*8+src: written by src (sequence numbers)
-//     dispatch heads    uint32 [kMaxChannels][kMaxRanks]   index c*8+dst: written by dst, polled here by me
+//     dispatch tails    uint32 [kMaxChannels][kMaxRanks]   index c*kMaxRanks+src: written by src (sequence numbers)
+//     dispatch heads    uint32 [kMaxChannels][kMaxRanks]   index c*kMaxRanks+dst: written by dst, polled here by me
 //     combine tails     uint32 [kMaxChannels][kMaxRanks]
 //     combine heads     uint32 [kMaxChannels][kMaxRanks]
-//     dispatch outputs  DispatchOutputWord [kMaxChannels][kMaxRanks]  index c*8+dst: written by dst (the receiver)
+//     dispatch outputs  DispatchOutputWord [kMaxChannels][kMaxRanks]  index c*kMaxRanks+dst: written by dst (the receiver)
 //                                                   at the start of each dispatch: where its outputs of this call
 //                                                   lie (direct-to-output receive) or that it uses the rings
 //     combine landed    uint32 [kMaxRanks]          index src: (epoch << 20) | rows of src's copy-engine combine
 //                                                   that have landed in src's landing zone here (copy stream)
 //     combine freed     uint32 [kMaxRanks]          index owner: last copy-engine combine epoch whose landing zone
 //                                                   of my rows the owner has finished reading
-//     zone landed       uint32 [kMaxChannels][kMaxRanks]  index cta*8+src: (epoch << 20) | stripes of src's CTA cta
+//     zone landed       uint32 [kMaxChannels][kMaxRanks]  index cta*kMaxRanks+src: (epoch << 20) | stripes of src's CTA cta
 //                                                   that its zone senders have stored into my landing zone
 //   [dispatch half: per source s a sub-region of src_bytes; ring (c, s) = capacity records at c*capacity*record]
 //   [combine half:  same shape with combine records; a copy-engine combine uses source s's sub-region as one
