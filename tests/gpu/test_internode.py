@@ -201,15 +201,13 @@ def test_two_virtual_nodes_bench_shape(virtual_nodes):
 # They share the GPUs (rank % GPUs): on one GPU run it with TEST_RANKS_PER_GPU >= MANY_NODES (run_device.sh
 # test_many_nodes); the marker skips it where fewer slots exist.
 MANY_NODES = int(os.environ.get("INTERNODE_MANY_NODES", "16"))
-# Rings of 16 sources need less than the 2-node suite's 768 MB; 16 processes share one GPU's memory.
-MANY_NODES_RDMA_BYTES = 512 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")
 def many_nodes():
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
     pool = ti.Pool([rank % max(gpus, 1) for rank in range(MANY_NODES)],
-                   env={"DEEP_EP_GPUS_PER_NODE": "1", "DEEP_EP_TEST_NUM_RDMA_BYTES": str(MANY_NODES_RDMA_BYTES)})
+                   env={"DEEP_EP_GPUS_PER_NODE": "1", "DEEP_EP_TEST_NUM_RDMA_BYTES": str(NUM_RDMA_BYTES)})
     try:
         if ti.DEVICE == "cuda":
             assert pool.backends == {"InternodeCuda"}, f"Buffer did not pick the CUDA internode backend at " \
