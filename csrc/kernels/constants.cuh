@@ -8,11 +8,12 @@
 namespace deep_ep {
 namespace kernels {
 
-// Largest group of the ring kernels (ranks 1..16, any count): an NVLink domain of up to 8 GPUs for the intranode
-// Buffer, up to 16 nodes for the one-GPU-per-node internode backend and the composed path's rail stage. Lane-per-rank
-// code needs kMaxRanks <= 32; the dispatch's receiver groups (one per source, at least one warp each, beside at
-// least three sender warps) need 2 * kMaxRanks <= kChannelWarps (intranode.cu).
-constexpr int kMaxRanks = 16;
+// Largest group of the ring kernels (ranks 1..24, any count): an NVLink domain of up to 8 GPUs for the intranode
+// Buffer, up to 24 nodes for the one-GPU-per-node internode backend and the composed path's rail stage (DeepEP's
+// normal mode serves up to 20 nodes). Lane-per-rank code needs kMaxRanks < 32; the dispatch needs a receiver warp per
+// source beside three sender warps (kMaxRanks <= 30), the combine a ring-sender warp per destination beside the
+// publisher and a reducer (intranode.cu).
+constexpr int kMaxRanks = 24;
 // Largest number of channels (one CTA each) of a dispatch or combine kernel; Config.num_sms must not exceed it.
 constexpr int kMaxChannels = 160;
 // Largest top-k the intranode kernels carry per token.

@@ -62,7 +62,8 @@ constexpr int kBarrierRecvGroup0 = 2;    // + source index, for receiver groups 
 // publisher). A group of several warps syncs on its own named barrier, a one-warp group with __syncwarp. Groups
 // get warps round robin, so with S sources and Wr <= kChannelWarps - 3 receiver warps the first min(S, Wr - S) groups
 // have several: at most 14 (S <= 14, or Wr - S <= 29 - 15), ids 2..15 of the 16 hardware barriers.
-static_assert(2 * kMaxRanks <= kChannelWarps, "one receiver warp per source and the sender warps must fit a CTA");
+static_assert(kMaxRanks - 1 + 3 <= kChannelWarps, "one receiver warp per source and three sender warps must fit a CTA");
+static_assert(kMaxRanks < 32, "lane-per-rank masks (1u << num_ranks) and warp-wide rank loops");
 static_assert(kBarrierRecvGroup0 + 14 <= 16, "named barriers of the multi-warp receiver groups");
 
 __device__ __forceinline__ uint32_t* buffer_u32(void* buffer, int64_t offset) {
