@@ -21,7 +21,7 @@
 #                    hypothesis examples (default 6)
 #   test_internode_shared  the internode suite (2 x 1) with both ranks on one GPU (TEST_RANKS_PER_GPU=2): correctness
 #                    only, on the one-GPU machine
-#   test_many_nodes  the internode suite's many-node tests: INTERNODE_MANY_NODES (default 24) virtual nodes of one GPU
+#   test_many_nodes  the internode suite's many-node tests: INTERNODE_MANY_NODES (default 16) virtual nodes of one GPU
 #                    sharing the GPUs (TEST_RANKS_PER_GPU = that count; NVSHMEM time-slices the PEs): correctness only,
 #                    on any machine (MANY_NODES_EXAMPLES hypothesis examples, default 4); then the composed path's
 #                    COMPOSED_MANY_NODES (default 9) nodes x 2 GPUs, rail over IPC and over NVSHMEM (-> test_many_composed)
@@ -121,8 +121,8 @@ for step in "$@"; do
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_internode.py
         test_summary "$step" ;;
     test_many_nodes)
-        run_step test_many_nodes 300 env TEST_RANKS_PER_GPU="${INTERNODE_MANY_NODES:-24}" \
-            INTERNODE_MANY_NODES="${INTERNODE_MANY_NODES:-24}" \
+        run_step test_many_nodes 300 env TEST_RANKS_PER_GPU="${INTERNODE_MANY_NODES:-16}" \
+            INTERNODE_MANY_NODES="${INTERNODE_MANY_NODES:-16}" \
             DEEP_EP_GPU_EXAMPLES_MANY_NODES="${MANY_NODES_EXAMPLES:-4}" \
             python3 -m pytest -q -rfE -p no:cacheprovider -k many_virtual_nodes tests/gpu/test_internode.py
         test_summary test_many_nodes

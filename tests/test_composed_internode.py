@@ -173,19 +173,19 @@ def test_stage_errors_name_buffer_ranks():
 
 
 def test_node_count_follows_the_ring_kernels():
-    """The rail stage is one ring-kernel group, so the composed path serves up to ``NUM_MAX_RING_RANKS`` (24) nodes
+    """The rail stage is one ring-kernel group, so the composed path serves up to ``NUM_MAX_RING_RANKS`` (16) nodes
     and refuses more by name (the Buffer then keeps its torch backend)."""
     from deep_ep.composed_internode import ComposedInternode
     from deep_ep.config import NUM_MAX_RING_RANKS, Topology
 
-    assert NUM_MAX_RING_RANKS == 24
+    assert NUM_MAX_RING_RANKS == 16
     ComposedInternode(None, None, 0, Topology(2 * NUM_MAX_RING_RANKS, 2))
     with pytest.raises(ValueError, match=f"at most {NUM_MAX_RING_RANKS} nodes .*got {NUM_MAX_RING_RANKS + 1}"):
         ComposedInternode(None, None, 0, Topology(2 * (NUM_MAX_RING_RANKS + 1), 2))
 
 
 def test_send_warps_fit_every_ring_group():
-    """Copy warps per channel stay where each kernel accepts them for every group size up to 24 ranks, whatever the
+    """Copy warps per channel stay where each kernel accepts them for every group size up to 16 ranks, whatever the
     override: dispatch [2, 32 - R] (the receivers keep a warp per source), combine [R - 1, 30]."""
     from deep_ep import config as cfg
 

@@ -10,7 +10,7 @@
 //                   rings only for them, no copy-engine or zone combine in such a world).
 //   v5 (branch railnvshmem): KernelContext gains pe_of (the NVSHMEM PE of each group rank: a symmetric runtime may
 //                   serve a subgroup of the NVSHMEM world, e.g. the composed internode path's rail stage).
-//   v6 (branch ranks16): kMaxRanks 8 -> 24 (KernelContext's arrays, LandedFlags and the control region grow);
+//   v6 (branch ranks16): kMaxRanks 8 -> 16 (KernelContext's arrays, LandedFlags and the control region grow);
 //                   dispatch num_send_warps in [2, 32 - R] (was [R + 1, 32 - R]).
 //
 // Host obligations (beyond the arguments):

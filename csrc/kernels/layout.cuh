@@ -59,10 +59,13 @@ DEEP_EP_HOST_DEVICE int64_t align_down64(int64_t value, int64_t alignment) { ret
 
 // ---- control region (fixed offsets, independent of the call) ----
 constexpr int kNotifyInts = kMaxRanks + kMaxLocalExperts + kMaxChannels;
+// Every region starts at a multiple of kBufferAlignment (deep_ep/layout.py chain()); the first three grow with kMaxRanks.
 constexpr int64_t kAbortOffset = 0;
-constexpr int64_t kBarrierOffset = 128;
-constexpr int64_t kNotifyFlagOffset = 256;
-constexpr int64_t kNotifyDataOffset = 384;
+constexpr int64_t kBarrierOffset = kBufferAlignment;
+constexpr int64_t kNotifyFlagOffset =
+    kBarrierOffset + (4LL * kMaxRanks + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+constexpr int64_t kNotifyDataOffset =
+    kNotifyFlagOffset + (8LL * kMaxRanks + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
 constexpr int64_t kNotifyDataBytes = 2LL * kMaxRanks * kNotifyInts * 4;
 constexpr int64_t kCounterBytes = (int64_t)kMaxChannels * kMaxRanks * 4;
 constexpr int64_t kDispatchTailOffset = kNotifyDataOffset + kNotifyDataBytes;
@@ -73,6 +76,7 @@ constexpr int64_t kDispatchOutputOffset = kCombineHeadOffset + kCounterBytes;
 constexpr int64_t kCombineLandedOffset = kDispatchOutputOffset + (int64_t)kMaxChannels * kMaxRanks * 16;
 constexpr int64_t kCombineFreedOffset = kCombineLandedOffset + kBufferAlignment;
 constexpr int64_t kCombineZoneLandedOffset = kCombineFreedOffset + kBufferAlignment;
+static_assert(4 * kMaxRanks <= kBufferAlignment, "combine landed / freed: one uint32 per rank in one aligned region");
 constexpr int64_t kControlBytes =
     (kCombineZoneLandedOffset + kCounterBytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
 // Copy-engine combine flags: the landed word packs the call's epoch above the row count, so it grows across calls.

@@ -106,7 +106,7 @@ def test_two_by_two_large(two_by_two):
         two_by_two.run(tn.TASK, case)
 
 
-# Nodes of the many-node test (x 2 GPUs per node): past the 8 ranks a rail stage once had, up to 24. Its ranks share
+# Nodes of the many-node test (x 2 GPUs per node): past the 8 ranks a rail stage once had, up to 16. Its ranks share
 # the GPUs; on one GPU run it with TEST_RANKS_PER_GPU >= 2 x COMPOSED_MANY_NODES (run_device.sh test_many_nodes).
 MANY_NODES = int(os.environ.get("COMPOSED_MANY_NODES", "9"))
 
