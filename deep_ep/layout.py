@@ -183,7 +183,8 @@ def intranode_control_layout() -> Layout:
     * ``barrier``: int32 ``[16]``, slot ``s`` counts barrier arrivals of rank ``s`` (monotonic).
     * ``notify_flags``: uint32 ``[2][16]``, per (parity, source) the epoch of the notify data that source wrote here.
     * ``notify_data``: int32 ``[2][16][INTRANODE_NOTIFY_INTS]``.
-    * ``dispatch_tail`` / ``combine_tail``: uint32 ``[160][16]``, index ``channel * 16 + source``, written by the source.
+    * ``dispatch_tail`` / ``combine_tail``: uint32 ``[160][16]``, index ``channel * 16 + source``, written by the
+      source.
     * ``dispatch_head`` / ``combine_head``: uint32 ``[160][16]``, index ``channel * 16 + destination``, written by
       the destination (the receiver) and polled here by this rank as a sender.
     * ``dispatch_output``: 16-byte words ``[160][16]`` ``(epoch, data_units, meta_units, rows)`` uint32, index

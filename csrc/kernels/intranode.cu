@@ -57,7 +57,7 @@ constexpr int kZoneSendUnroll = 7;
 constexpr int kZoneReduceUnroll = 4;
 // Named barrier ids (0 is __syncthreads).
 constexpr int kBarrierAllSenders = 1;    // copy warps and the publisher, after the prologue
-constexpr int kBarrierRecvGroup0 = 2;    // + source index, for receiver groups of more than one warp (recv_group_sync)
+constexpr int kBarrierRecvGroup0 = 2;    // + source index, for receiver groups of more than one warp (group_sync)
 // Receivers: one group per source of at least one warp, beside at least three sender warps (two copy warps and the
 // publisher). A group of several warps syncs on its own named barrier, a one-warp group with __syncwarp. Groups
 // get warps round robin, so with S sources and Wr <= kChannelWarps - 3 receiver warps the first min(S, Wr - S) groups
@@ -935,7 +935,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         const int src = source_index < rank ? source_index : source_index + 1;
         const int warp_in_group = recv_warp / num_sources;
         const int group_warps = (num_recv_warps - source_index + num_sources - 1) / num_sources;
-        // A one-warp group (every group from R = 16 on, the groups past the first Wr - S below) needs no barrier.
+        // A one-warp group (the groups past the first Wr - S; every group when Wr = S) needs no named barrier.
         auto group_sync = [&]() {
             if (group_warps > 1) named_barrier(kBarrierRecvGroup0 + source_index, group_warps * 32);
             else __syncwarp();
