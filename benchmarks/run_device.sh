@@ -21,6 +21,10 @@
 #                    hypothesis examples (default 6)
 #   test_internode_shared  the internode suite (2 x 1) with both ranks on one GPU (TEST_RANKS_PER_GPU=2): correctness
 #                    only, on the one-GPU machine
+#   test_many_nodes  the internode suite's many-node tests: INTERNODE_MANY_NODES (default 16) virtual nodes of one GPU
+#                    sharing the GPUs (TEST_RANKS_PER_GPU = that count; NVSHMEM time-slices the PEs): correctness only,
+#                    on any machine (MANY_NODES_EXAMPLES hypothesis examples, default 4); then the composed path's
+#                    COMPOSED_MANY_NODES (default 9) nodes x 2 GPUs, rail over IPC and over NVSHMEM (-> test_many_composed)
 #   test_composed_shared  the composed suite with its 4 ranks sharing fewer GPUs (TEST_RANKS_PER_GPU=2; on one GPU
 #                    all four: NVSHMEM and the IPC stages time-sliced), the NVSHMEM rail included: correctness only
 #   bench_intranode  Buffer defaults (direct receive) at 24, 16 and 8 SMs, DeepEP's EP2 workload -> intra.json
@@ -116,6 +120,16 @@ for step in "$@"; do
             DEEP_EP_GPU_EXAMPLES_INTERNODE="${INTERNODE_EXAMPLES:-8}" \
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_internode.py
         test_summary "$step" ;;
+    test_many_nodes)
+        run_step test_many_nodes 300 env TEST_RANKS_PER_GPU="${INTERNODE_MANY_NODES:-16}" \
+            INTERNODE_MANY_NODES="${INTERNODE_MANY_NODES:-16}" \
+            DEEP_EP_GPU_EXAMPLES_MANY_NODES="${MANY_NODES_EXAMPLES:-4}" \
+            python3 -m pytest -q -rfE -p no:cacheprovider -k many_virtual_nodes tests/gpu/test_internode.py
+        test_summary test_many_nodes
+        run_step test_many_composed 240 env TEST_RANKS_PER_GPU=$((2 * ${COMPOSED_MANY_NODES:-9})) \
+            COMPOSED_MANY_NODES="${COMPOSED_MANY_NODES:-9}" DEEP_EP_GPU_EXAMPLES_MANY_NODES="${MANY_NODES_EXAMPLES:-4}" \
+            python3 -m pytest -q -rfE -p no:cacheprovider -k many_nodes tests/gpu/test_composed.py
+        test_summary test_many_composed ;;
     test_internode_put)
         run_step test_internode_put 190 env DEEP_EP_INTERNODE_PUT_ONLY=1 \
             DEEP_EP_GPU_EXAMPLES_INTERNODE="${INTERNODE_PUT_EXAMPLES:-6}" \

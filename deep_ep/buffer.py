@@ -172,8 +172,9 @@ class Buffer:
 
         Stages: CUDA kernels (serving CUDA tensors; the group may be gloo or NCCL: the stages only exchange objects
         through it) when CUDA and the extension are available, ``num_nvl_bytes > 0``, ``DEEP_EP_BACKEND`` is not
-        ``torch``, ``N <= 8`` and each node's ranks share a host: the node stage a ``CudaBackend`` (CUDA IPC), the
-        rail stage a ``CudaBackend`` when every rank is on one host, else a ``SymmetricCuda`` on the NVSHMEM heap
+        ``torch``, ``N <= 16`` (``NUM_MAX_RING_RANKS``) and each node's ranks share a host: the node stage a
+        ``CudaBackend`` (CUDA IPC), the rail stage a ``CudaBackend`` when every rank is on one host, else a
+        ``SymmetricCuda`` on the NVSHMEM heap
         (``num_rdma_bytes``; ``deep_ep.config.composed_rail``). Torch stages over the group's backend otherwise,
         used only under ``DEEP_EP_INTERNODE=composed``. Collective: every rank creates every subgroup
         (``make_stage_groups``)."""
@@ -187,8 +188,8 @@ class Buffer:
             reason = "DEEP_EP_BACKEND=torch"
         elif self.num_nvl_bytes <= 0:
             reason = "num_nvl_bytes is 0"
-        elif topo.num_scaleout_ranks > cfg.NUM_MAX_SCALEUP_RANKS:
-            reason = f"{topo.num_scaleout_ranks} nodes exceed the rail stage's {cfg.NUM_MAX_SCALEUP_RANKS} ranks"
+        elif topo.num_scaleout_ranks > cfg.NUM_MAX_RING_RANKS:
+            reason = f"{topo.num_scaleout_ranks} nodes exceed the rail stage's {cfg.NUM_MAX_RING_RANKS} ranks"
         backend_cls = rail_kind = None
         if reason is None:
             backend_cls, reason = _import_cuda("deep_ep.cuda_backend", "CudaBackend")

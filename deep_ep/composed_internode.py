@@ -63,7 +63,7 @@ import torch
 
 from deep_ep import handle as hd
 from deep_ep import layout as lay
-from deep_ep.config import (BUFFER_ALIGNMENT, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_SCALEUP_RANKS, Config, Topology,
+from deep_ep.config import (BUFFER_ALIGNMENT, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_RING_RANKS, Config, Topology,
                             align_up, intranode_channels)
 from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
 from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
@@ -228,7 +228,8 @@ class ComposedInternode:
         rail: stage backend over the rail group of local index ``l`` (``N`` ranks; its rank = ``n``).
         node: stage backend over node ``n``'s group (``G`` ranks; its rank = ``l``).
         rank: this rank in the Buffer's group.
-        topology: ``N x G`` with ``N > 1``, ``1 < G``; ``N <= 8`` (the rail stage is intranode).
+        topology: ``N x G`` with ``N > 1``, ``1 < G``; ``N <= NUM_MAX_RING_RANKS`` (16: the rail stage runs the
+            ring kernels).
         cuda_stages: the stages are CUDA ring kernels (``ring_bytes()``, ``buffer_arg``): every call checks their
             rings and the kernel limits first (see the module docstring); False for torch stages (no check).
 
@@ -243,9 +244,9 @@ class ComposedInternode:
         if not topology.is_internode or topology.num_scaleup_ranks < 2:
             raise ValueError(f"the composed internode path needs N > 1 nodes of G > 1 ranks, got "
                              f"{topology.num_scaleout_ranks} x {topology.num_scaleup_ranks}")
-        if topology.num_scaleout_ranks > NUM_MAX_SCALEUP_RANKS:
-            raise ValueError(f"the composed internode path serves at most {NUM_MAX_SCALEUP_RANKS} nodes (its rail "
-                             f"stage is an intranode backend), got {topology.num_scaleout_ranks}")
+        if topology.num_scaleout_ranks > NUM_MAX_RING_RANKS:
+            raise ValueError(f"the composed internode path serves at most {NUM_MAX_RING_RANKS} nodes (its rail "
+                             f"stage runs the ring kernels), got {topology.num_scaleout_ranks}")
         self.rail, self.node, self.rank, self.topology = rail, node, rank, topology
         self.cuda_stages = cuda_stages
         self.my_node, self.my_local = topology.node_of(rank), topology.local_of(rank)

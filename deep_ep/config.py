@@ -20,6 +20,10 @@ from deep_ep import envs
 NUM_MAX_SCALEUP_RANKS = 8
 # Largest number of scale-out peers (nodes) a normal internode kernel talks to.
 NUM_MAX_SCALEOUT_RANKS = 20
+# Largest group of this library's ring kernels (csrc/kernels/constants.cuh kMaxRanks): the intranode Buffer's NVLink
+# domain (at most NUM_MAX_SCALEUP_RANKS), the nodes of the one-GPU-per-node CUDA internode backend and of the composed
+# path's rail stage. Larger groups fall back to the torch backend.
+NUM_MAX_RING_RANKS = 16
 # Most local experts per rank that the host layer accepts (DeepEP's host limit).
 NUM_MAX_LOCAL_EXPERTS = 1024
 # Largest top-k the normal kernels carry per token (DeepEP's device limit).
@@ -293,8 +297,8 @@ def intranode_channels(num_sms: int, num_ranks: int) -> int:
 def intranode_send_warps(kernel: str, num_ranks: int, num_channels: int = 24, fp8: bool = False) -> int:
     """Copy warps per channel of the intranode ``kernel`` ('dispatch' or 'combine') for ``num_ranks`` ranks and
     ``num_channels`` channels (``fp8``: an FP8 dispatch): the override of ``INTRANODE_SEND_WARPS`` or the tuned
-    table's row, clamped to [R + 1, 32 - R] (dispatch) or [R - 1, 30] (combine)."""
-    lowest, highest = (num_ranks + 1, 32 - num_ranks) if kernel == "dispatch" else (num_ranks - 1, 30)
+    table's row, clamped to [2, 32 - R] (dispatch) or [R - 1, 30] (combine)."""
+    lowest, highest = (2, 32 - num_ranks) if kernel == "dispatch" else (num_ranks - 1, 30)
     warps = INTRANODE_SEND_WARPS[kernel]
     if warps is None:
         rows = INTRANODE_SEND_WARP_TABLE[(kernel, "fp8" if fp8 and kernel == "dispatch" else "bf16")]

@@ -29,8 +29,8 @@ import torch
 
 from deep_ep import envs
 from deep_ep import config as tuning
-from deep_ep.config import (NUM_MAX_SCALEUP_RANKS, Config, dispatch_receive_mode, intranode_channels,
-                            intranode_send_warps)
+from deep_ep.config import (NUM_MAX_RING_RANKS, NUM_MAX_SCALEUP_RANKS, Config, dispatch_receive_mode,
+                            intranode_channels, intranode_send_warps)
 from deep_ep.errors import CommError, CommTimeoutError, PeerAbortedError, RoutingError  # noqa: F401 (also re-exported)
 from deep_ep.errors import name_ranks
 from deep_ep.event import CudaEventHandle, EventOverlap
@@ -160,8 +160,8 @@ class CudaBackend:
 
     def __init__(self, rank: int, num_ranks: int, num_nvl_bytes: int,
                  all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:
-        if not 1 <= num_ranks <= NUM_MAX_SCALEUP_RANKS:
-            raise ValueError(f"num_ranks must be in [1, {NUM_MAX_SCALEUP_RANKS}] for the CUDA intranode backend, "
+        if not 1 <= num_ranks <= NUM_MAX_RING_RANKS:  # a Buffer's NVLink domain has <= 8; a rail stage up to 16
+            raise ValueError(f"num_ranks must be in [1, {NUM_MAX_RING_RANKS}] for the CUDA ring kernels, "
                              f"got {num_ranks}")
         if num_nvl_bytes <= 0 or num_nvl_bytes % 128 != 0:
             raise ValueError(f"num_nvl_bytes must be a positive multiple of 128 for the CUDA backend, got "

@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from deep_ep.config import (BUFFER_ALIGNMENT, NUM_HINT_MAX_SCALES, NUM_HINT_MAX_TOPK, NUM_MAX_SCALEUP_RANKS,
-                            SOURCE_META_BYTES, Config, align_up, ceil_div)
+from deep_ep.config import (BUFFER_ALIGNMENT, NUM_HINT_MAX_SCALES, NUM_HINT_MAX_TOPK, NUM_MAX_RING_RANKS,
+                            NUM_MAX_SCALEUP_RANKS, SOURCE_META_BYTES, Config, align_up, ceil_div)
 
 INT32_BYTES = 4
 FLOAT32_BYTES = 4
@@ -165,7 +165,7 @@ def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: in
 # control region, the receiver keeps its head in its workspace and publishes it into the sender's control region.
 # ---------------------------------------------------------------------------------------------------------------
 
-INTRANODE_MAX_RANKS = 8
+INTRANODE_MAX_RANKS = NUM_MAX_RING_RANKS
 INTRANODE_MAX_CHANNELS = 160
 INTRANODE_MAX_TOPK = 16
 INTRANODE_MAX_LOCAL_EXPERTS = 1024
@@ -180,19 +180,20 @@ def intranode_control_layout() -> Layout:
     """Fixed control region at the start of every rank's scale-up buffer (independent of the call).
 
     * ``abort``: int32, 0 or ``code << 8 | (aborting rank + 1)``; any rank's failure raises it on every rank.
-    * ``barrier``: int32 ``[8]``, slot ``s`` counts barrier arrivals of rank ``s`` (monotonic).
-    * ``notify_flags``: uint32 ``[2][8]``, per (parity, source) the epoch of the notify data that source wrote here.
-    * ``notify_data``: int32 ``[2][8][INTRANODE_NOTIFY_INTS]``.
-    * ``dispatch_tail`` / ``combine_tail``: uint32 ``[160][8]``, index ``channel * 8 + source``, written by the source.
-    * ``dispatch_head`` / ``combine_head``: uint32 ``[160][8]``, index ``channel * 8 + destination``, written by
+    * ``barrier``: int32 ``[16]``, slot ``s`` counts barrier arrivals of rank ``s`` (monotonic).
+    * ``notify_flags``: uint32 ``[2][16]``, per (parity, source) the epoch of the notify data that source wrote here.
+    * ``notify_data``: int32 ``[2][16][INTRANODE_NOTIFY_INTS]``.
+    * ``dispatch_tail`` / ``combine_tail``: uint32 ``[160][16]``, index ``channel * 16 + source``, written by the
+      source.
+    * ``dispatch_head`` / ``combine_head``: uint32 ``[160][16]``, index ``channel * 16 + destination``, written by
       the destination (the receiver) and polled here by this rank as a sender.
-    * ``dispatch_output``: 16-byte words ``[160][8]`` ``(epoch, data_units, meta_units, rows)`` uint32, index
-      ``channel * 8 + destination``, written by the destination at the start of every dispatch: where its outputs
+    * ``dispatch_output``: 16-byte words ``[160][16]`` ``(epoch, data_units, meta_units, rows)`` uint32, index
+      ``channel * 16 + destination``, written by the destination at the start of every dispatch: where its outputs
       of the call lie in its output pool (offsets in units of ``BUFFER_ALIGNMENT``; ``0xffffffff`` = rings / none).
-    * ``combine_landed``: uint32 ``[8]``, index source: ``epoch << 20 | rows`` of that source's copy-engine combine
-      landed here. ``combine_freed``: uint32 ``[8]``, index owner: the last copy-engine combine epoch whose
-      landing zone of this rank's rows the owner has finished reading. ``combine_zone_landed``: uint32 ``[160][8]``,
-      index ``cta * 8 + source``: ``epoch << 20 | stripes`` that source's CTA has stored into the landing zone here.
+    * ``combine_landed``: uint32 ``[16]``, index source: ``epoch << 20 | rows`` of that source's copy-engine combine
+      landed here. ``combine_freed``: uint32 ``[16]``, index owner: the last copy-engine combine epoch whose
+      landing zone of this rank's rows the owner has finished reading. ``combine_zone_landed``: uint32 ``[160][16]``,
+      index ``cta * 16 + source``: ``epoch << 20 | stripes`` that source's CTA has stored into the landing zone here.
     """
     notify_data = 2 * INTRANODE_MAX_RANKS * INTRANODE_NOTIFY_INTS * INT32_BYTES
     return chain(("abort", INT32_BYTES),
@@ -220,7 +221,7 @@ def intranode_workspace_layout() -> Layout:
     ``notify_epoch`` and ``barrier_epoch`` are uint32 call counters; ``dispatch_max_channels`` /
     ``combine_max_channels`` the largest channel count any call of that direction used (the rings a sender checks
     for leftovers before writing); ``error_claim`` is 0 until the first failing thread of this rank claims the
-    host-mapped error record; the four shadows are uint32 ``[160][8]``: the sender's last published tail per
+    host-mapped error record; the four shadows are uint32 ``[160][16]``: the sender's last published tail per
     (channel, destination) and the receiver's consumed head per (channel, source), for dispatch and combine;
     ``dispatch_epoch`` uint32 ``[160]`` counts the dispatch calls each channel took part in (the epoch of the
     ``dispatch_output`` words); ``combine_done`` counts the CTAs of a copy-engine combine that finished.

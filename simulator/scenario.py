@@ -4,8 +4,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from deep_ep import envs, layout
-from deep_ep.config import (NUM_MAX_LL_TOPK, NUM_MAX_SCALEUP_RANKS, NUM_MAX_TOPK, SUPPORTED_NORMAL_RANKS, Config,
-                            get_combine_config, get_dispatch_config, ll_combine_by_partials)
+from deep_ep.config import (NUM_MAX_LL_TOPK, NUM_MAX_RING_RANKS, NUM_MAX_SCALEUP_RANKS, NUM_MAX_TOPK,
+                            SUPPORTED_NORMAL_RANKS, Config, get_combine_config, get_dispatch_config,
+                            ll_combine_by_partials)
 from simulator import deep_ep_kernels, hardware, rank, workload
 from simulator.report import OpRow, Report, ScaleRow
 
@@ -272,9 +273,9 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
     notes = ["deep_ep kernels: normal-mode time is the wall time of a cached call (the bench's metric: launch "
              "included, no notify); parameters from simulator/calibration_deep_ep.json, the rest labelled "
              "assumed (python -m simulator.calibrate --show lists them)"]
-    if sc.mode in ("normal", "both") and sc.nodes > NUM_MAX_SCALEUP_RANKS:
-        notes.append(f"deep_ep's normal-mode kernels serve at most {NUM_MAX_SCALEUP_RANKS} nodes (each ring op, the "
-                     f"composed path's rail stage included, has at most {NUM_MAX_SCALEUP_RANKS} ranks): at "
+    if sc.mode in ("normal", "both") and sc.nodes > NUM_MAX_RING_RANKS:
+        notes.append(f"deep_ep's normal-mode kernels serve at most {NUM_MAX_RING_RANKS} nodes (each ring op, the "
+                     f"composed path's rail stage included, has at most {NUM_MAX_RING_RANKS} ranks): at "
                      f"{sc.nodes} nodes the Buffer runs its torch backend, which is not modelled; the normal rows "
                      f"show the kernels' model as if they served {sc.nodes} nodes")
     if nic.shares_nvlink and sc.nodes > 1:

@@ -170,3 +170,33 @@ def test_stage_errors_name_buffer_ranks():
     host = "dispatch CPU wait for notify counts: rank 1 peer -1 channel -1 expected >= 0 rows observed -1"
     assert "rank 5 peer -1 (composed node stage ranks 1 / -1)" in name_ranks(host, node.names, node.scope)
     assert name_ranks(text, None, "") == text
+
+
+def test_node_count_follows_the_ring_kernels():
+    """The rail stage is one ring-kernel group, so the composed path serves up to ``NUM_MAX_RING_RANKS`` (16) nodes
+    and refuses more by name (the Buffer then keeps its torch backend)."""
+    from deep_ep.composed_internode import ComposedInternode
+    from deep_ep.config import NUM_MAX_RING_RANKS, Topology
+
+    assert NUM_MAX_RING_RANKS == 16
+    ComposedInternode(None, None, 0, Topology(2 * NUM_MAX_RING_RANKS, 2))
+    with pytest.raises(ValueError, match=f"at most {NUM_MAX_RING_RANKS} nodes .*got {NUM_MAX_RING_RANKS + 1}"):
+        ComposedInternode(None, None, 0, Topology(2 * (NUM_MAX_RING_RANKS + 1), 2))
+
+
+def test_send_warps_fit_every_ring_group():
+    """Copy warps per channel stay where each kernel accepts them for every group size up to 16 ranks, whatever the
+    override: dispatch [2, 32 - R] (the receivers keep a warp per source), combine [R - 1, 30]."""
+    from deep_ep import config as cfg
+
+    saved = dict(cfg.INTRANODE_SEND_WARPS)
+    try:
+        for override in (None, 1, 16, 31):
+            cfg.INTRANODE_SEND_WARPS.update(dispatch=override, combine=override)
+            for num_ranks in range(2, cfg.NUM_MAX_RING_RANKS + 1):
+                for channels, fp8 in ((8, False), (16, True), (24, False)):
+                    d = cfg.intranode_send_warps("dispatch", num_ranks, channels, fp8)
+                    c = cfg.intranode_send_warps("combine", num_ranks, channels)
+                    assert 2 <= d <= 32 - num_ranks and num_ranks - 1 <= c <= 30, (override, num_ranks, d, c)
+    finally:
+        cfg.INTRANODE_SEND_WARPS.update(saved)

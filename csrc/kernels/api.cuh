@@ -10,6 +10,8 @@
 //                   rings only for them, no copy-engine or zone combine in such a world).
 //   v5 (branch railnvshmem): KernelContext gains pe_of (the NVSHMEM PE of each group rank: a symmetric runtime may
 //                   serve a subgroup of the NVSHMEM world, e.g. the composed internode path's rail stage).
+//   v6 (branch ranks16): kMaxRanks 8 -> 16 (KernelContext's arrays, LandedFlags and the control region grow);
+//                   dispatch num_send_warps in [2, 32 - R] (was [R + 1, 32 - R]).
 //
 // Host obligations (beyond the arguments):
 //   * Zero the whole scale-up buffer (or at least kControlBytes of it) and the workspace before the first call;
@@ -229,7 +231,7 @@ struct DispatchArgs {
     int num_channels;                  // C = config.num_sms (one CTA of kChannelThreads per channel)
     int num_max_send_tokens;           // Sn: fewest new tokens per tail publication (except a channel's last)
     int num_max_recv_tokens;           // Nn: upper bound of the ring capacity (slots per (channel, source))
-    int num_send_warps;                // copy warps per channel when R > 1, in [R + 1, 32 - R]
+    int num_send_warps;                // copy warps per channel when R > 1, in [2, 32 - R]
     // Direct-to-output receive (design §2.8). -1: this rank receives through the rings. Otherwise recv_x (with
     // recv_x_scales, recv_topk_idx, recv_topk_weights, as dispatch_output_layout places them) is the block at byte
     // direct_data_offset of this rank's buffer, inside the output pool, and senders write their rows there.

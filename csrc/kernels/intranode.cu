@@ -57,8 +57,14 @@ constexpr int kZoneSendUnroll = 7;
 constexpr int kZoneReduceUnroll = 4;
 // Named barrier ids (0 is __syncthreads).
 constexpr int kBarrierAllSenders = 1;    // copy warps and the publisher, after the prologue
-constexpr int kBarrierRecvGroup0 = 2;    // + source index (up to kMaxRanks - 1 groups)
-static_assert(kBarrierRecvGroup0 + kMaxRanks - 1 <= 16, "too many named barriers");
+constexpr int kBarrierRecvGroup0 = 2;    // + source index, for receiver groups of more than one warp (group_sync)
+// Receivers: one group per source of at least one warp, beside at least three sender warps (two copy warps and the
+// publisher). A group of several warps syncs on its own named barrier, a one-warp group with __syncwarp. Groups
+// get warps round robin, so with S sources and Wr <= kChannelWarps - 3 receiver warps the first min(S, Wr - S) groups
+// have several: at most 14 (S <= 14, or Wr - S <= 29 - 15), ids 2..15 of the 16 hardware barriers.
+static_assert(kMaxRanks - 1 + 3 <= kChannelWarps, "one receiver warp per source and three sender warps must fit a CTA");
+static_assert(kMaxRanks < 32, "lane-per-rank masks (1u << num_ranks) and warp-wide rank loops");
+static_assert(kBarrierRecvGroup0 + 14 <= 16, "named barriers of the multi-warp receiver groups");
 
 __device__ __forceinline__ uint32_t* buffer_u32(void* buffer, int64_t offset) {
     return reinterpret_cast<uint32_t*>(static_cast<char*>(buffer) + offset);
@@ -670,12 +676,12 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
 
     if (warp < num_send_warps) {
         // ------------------------------------------------------------------ sender
-        // Phase A: send_head (index j among the channel's tokens to d) by ballot prefix, one warp per destination,
-        // kPrefixBatch groups of 32 tokens loaded before their ballots (one memory latency per batch, not per
-        // group); warp num_ranks checks the previous call's data is drained (one lane per destination); warp
-        // num_ranks + 1 meanwhile waits for the receivers' output words (where each wants its rows).
-        if (warp < num_ranks) {
-            const int d = warp;
+        // Phase A: send_head (index j among the channel's tokens to d) by ballot prefix, destination d on sender
+        // warp d % (sender warps), kPrefixBatch groups of 32 tokens loaded before their ballots (one memory latency
+        // per batch, not per group); warp num_ranks (mod sender warps) checks the previous call's data is drained
+        // (one lane per destination); warp num_ranks + 1 (mod) waits for the receivers' output words (where each
+        // wants its rows). With at least R + 2 sender warps (every tuned split up to 8 ranks) each warp has one role.
+        for (int d = warp; d < num_ranks; d += num_send_warps) {
             int running = 0;
             for (int t0 = begin; t0 < end; t0 += 32 * kPrefixBatch) {
                 bool in[kPrefixBatch];
@@ -694,13 +700,16 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 }
             }
             if (lane == 0) total[d] = running;
-        } else if (warp == num_ranks && !overflow) {
+        }
+        if (warp == num_ranks % num_send_warps && !overflow) {
             const uint32_t peers = ((1u << num_ranks) - 1u) & ~(1u << rank);
             const int num_checked = raise_max_channels(ctx, kWsDispatchMaxChannelsOffset, num_channels);
             if (!warp_wait_drained<kPut>(ctx, peers, num_checked, kDispatchHeadOffset, kWsDispatchTailShadowOffset,
                                          kKernelDispatch, kPhaseDispatchSendDrain, channel) && lane == 0)
                 cta_failed = 1;
-        } else if (warp == num_ranks + 1 && lane < num_ranks && lane != rank && !overflow && !ctx.skip_sends) {
+        }
+        if (warp == (num_ranks + 1) % num_send_warps && lane < num_ranks && lane != rank && !overflow &&
+            !ctx.skip_sends) {
             // Lane d: the handle's count of my tokens to d in this channel (channel_prefix_matrix is inclusive).
             // A receiver that expects rows from me cannot start its next call before it has them, so its word
             // holds this call's epoch or an older one; one that expects none may already be a call ahead, so
@@ -926,7 +935,11 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         const int src = source_index < rank ? source_index : source_index + 1;
         const int warp_in_group = recv_warp / num_sources;
         const int group_warps = (num_recv_warps - source_index + num_sources - 1) / num_sources;
-        const int barrier_id = kBarrierRecvGroup0 + source_index;
+        // A one-warp group (the groups past the first Wr - S; every group when Wr = S) needs no named barrier.
+        auto group_sync = [&]() {
+            if (group_warps > 1) named_barrier(kBarrierRecvGroup0 + source_index, group_warps * 32);
+            else __syncwarp();
+        };
 
         const int src_block = src > 0 ? P[(src - 1) * num_ranks + rank] : 0;
         const int src_rows = P[src * num_ranks + rank] - src_block;
@@ -978,7 +991,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 recv_avail[source_index] = avail;
             }
             RoleTrace::warp_wait();
-            named_barrier(barrier_id, group_warps * 32);
+            group_sync();
             const int avail = recv_avail[source_index];
             if (avail < 0) break;
             for (int j = done + warp_in_group; j < avail && !args.skip_receive_copy; j += group_warps) {
@@ -1006,7 +1019,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 }
                 RoleTrace::item_end();
             }
-            named_barrier(barrier_id, group_warps * 32);
+            group_sync();
             if (warp_in_group == 0 && lane == 0)
                 publish_word<kPut>(ctx, remote_head, head_offset, src, base + static_cast<uint32_t>(avail));
             done = avail;
@@ -1794,9 +1807,9 @@ void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cuda
     if (ctx.num_ranks > 1) {
         check_channels("dispatch", args.num_channels, args.num_max_send_tokens, geo.ring.capacity, record,
                        ctx.num_nvl_bytes);
-        // Copy warps: one per destination plus the drain checker in the prologue; the publisher and one receiver
-        // warp per source remain.
-        check_send_warps("dispatch", args.num_send_warps, ctx.num_ranks + 1, kChannelWarps - ctx.num_ranks);
+        // Copy warps: at least two (with the publisher they share Phase A's destinations, the drain check and the
+        // output-word wait); the publisher and one receiver warp per source remain.
+        check_send_warps("dispatch", args.num_send_warps, 2, kChannelWarps - ctx.num_ranks);
     } else
         DEEP_EP_CHECK_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
                           "dispatch: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);

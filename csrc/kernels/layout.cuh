@@ -13,18 +13,18 @@
 //     notify data       int32 [2][kMaxRanks][kNotifyInts]
 //                                                   per (parity, source s): [R counts s->d][L expert counts of my
 //                                                   experts][C channel counts s->me]
-//     dispatch tails    uint32 [kMaxChannels][kMaxRanks]   index c*8+src: written by src (sequence numbers)
-//     dispatch heads    uint32 [kMaxChannels][kMaxRanks]   index c*8+dst: written by dst, polled here by me
+//     dispatch tails    uint32 [kMaxChannels][kMaxRanks]   index c*kMaxRanks+src: written by src (sequence numbers)
+//     dispatch heads    uint32 [kMaxChannels][kMaxRanks]   index c*kMaxRanks+dst: written by dst, polled here by me
 //     combine tails     uint32 [kMaxChannels][kMaxRanks]
 //     combine heads     uint32 [kMaxChannels][kMaxRanks]
-//     dispatch outputs  DispatchOutputWord [kMaxChannels][kMaxRanks]  index c*8+dst: written by dst (the receiver)
+//     dispatch outputs  DispatchOutputWord [kMaxChannels][kMaxRanks]  index c*kMaxRanks+dst: written by dst (the receiver)
 //                                                   at the start of each dispatch: where its outputs of this call
 //                                                   lie (direct-to-output receive) or that it uses the rings
 //     combine landed    uint32 [kMaxRanks]          index src: (epoch << 20) | rows of src's copy-engine combine
 //                                                   that have landed in src's landing zone here (copy stream)
 //     combine freed     uint32 [kMaxRanks]          index owner: last copy-engine combine epoch whose landing zone
 //                                                   of my rows the owner has finished reading
-//     zone landed       uint32 [kMaxChannels][kMaxRanks]  index cta*8+src: (epoch << 20) | stripes of src's CTA cta
+//     zone landed       uint32 [kMaxChannels][kMaxRanks]  index cta*kMaxRanks+src: (epoch << 20) | stripes of src's CTA cta
 //                                                   that its zone senders have stored into my landing zone
 //   [dispatch half: per source s a sub-region of src_bytes; ring (c, s) = capacity records at c*capacity*record]
 //   [combine half:  same shape with combine records; a copy-engine combine uses source s's sub-region as one
@@ -59,10 +59,13 @@ DEEP_EP_HOST_DEVICE int64_t align_down64(int64_t value, int64_t alignment) { ret
 
 // ---- control region (fixed offsets, independent of the call) ----
 constexpr int kNotifyInts = kMaxRanks + kMaxLocalExperts + kMaxChannels;
+// Every region starts at a multiple of kBufferAlignment (deep_ep/layout.py chain()); the first three grow with kMaxRanks.
 constexpr int64_t kAbortOffset = 0;
-constexpr int64_t kBarrierOffset = 128;
-constexpr int64_t kNotifyFlagOffset = 256;
-constexpr int64_t kNotifyDataOffset = 384;
+constexpr int64_t kBarrierOffset = kBufferAlignment;
+constexpr int64_t kNotifyFlagOffset =
+    kBarrierOffset + (4LL * kMaxRanks + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+constexpr int64_t kNotifyDataOffset =
+    kNotifyFlagOffset + (8LL * kMaxRanks + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
 constexpr int64_t kNotifyDataBytes = 2LL * kMaxRanks * kNotifyInts * 4;
 constexpr int64_t kCounterBytes = (int64_t)kMaxChannels * kMaxRanks * 4;
 constexpr int64_t kDispatchTailOffset = kNotifyDataOffset + kNotifyDataBytes;
@@ -73,6 +76,7 @@ constexpr int64_t kDispatchOutputOffset = kCombineHeadOffset + kCounterBytes;
 constexpr int64_t kCombineLandedOffset = kDispatchOutputOffset + (int64_t)kMaxChannels * kMaxRanks * 16;
 constexpr int64_t kCombineFreedOffset = kCombineLandedOffset + kBufferAlignment;
 constexpr int64_t kCombineZoneLandedOffset = kCombineFreedOffset + kBufferAlignment;
+static_assert(4 * kMaxRanks <= kBufferAlignment, "combine landed / freed: one uint32 per rank in one aligned region");
 constexpr int64_t kControlBytes =
     (kCombineZoneLandedOffset + kCounterBytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
 // Copy-engine combine flags: the landed word packs the call's epoch above the row count, so it grows across calls.

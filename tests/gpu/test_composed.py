@@ -17,6 +17,9 @@ PE ``2n + l``) runs here on one host with ``DEEP_EP_COMPOSED_RAIL=nvshmem`` (the
 once with rail peers reached by ``nvshmem_ptr``, once with ``DEEP_EP_INTERNODE_PUT_ONLY=1`` (every rail pair a put
 pair: staged records, put-with-signal, signal twins to the peer's PE, as behind a NIC).
 
+``test_many_nodes_by_two`` runs the round trip on ``COMPOSED_MANY_NODES`` (default 9) nodes x 2, past the 8 ranks a
+rail stage once had (``run_device.sh test_many_nodes``, all ranks on one GPU).
+
 On a machine with 8 or more GPUs the same round trip also runs with 8 ranks, one per GPU, as 2 nodes x 4 and as
 4 nodes x 2 (``test_eight_ranks``; skipped with fewer GPUs, issue 7).
 """
@@ -101,6 +104,30 @@ def test_two_by_two_large(two_by_two):
                        empty_rank=-1, async_mode=use_fp8, previous_mode=use_fp8, num_bias=1,
                        scales_col_major=use_fp8)
         two_by_two.run(tn.TASK, case)
+
+
+# Nodes of the many-node test (x 2 GPUs per node): past the 8 ranks a rail stage once had, up to 16. Its ranks share
+# the GPUs; on one GPU run it with TEST_RANKS_PER_GPU >= 2 x COMPOSED_MANY_NODES (run_device.sh test_many_nodes).
+MANY_NODES = int(os.environ.get("COMPOSED_MANY_NODES", "9"))
+
+
+@pytest.fixture(scope="module", params=["ipc", "nvshmem"])
+def many_by_two(request):
+    """MANY_NODES x 2: the rail stage (MANY_NODES ranks) over CUDA IPC or on the NVSHMEM heap."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    devices = [rank % gpus for rank in range(2 * MANY_NODES)]
+    if request.param == "ipc":
+        yield from _composed_pool(devices, 2)
+    else:
+        yield from _composed_pool(devices, 2, NVSHMEM_STAGES, DEEP_EP_COMPOSED_RAIL="nvshmem",
+                                  DEEP_EP_TEST_NUM_RDMA_BYTES=str(768 << 20))
+
+
+@pytest.mark.multi_gpu(2 * MANY_NODES)
+@ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_MANY_NODES", "4")))
+@given(case=ti.case_strategy(2 * MANY_NODES, max_tokens=160))
+def test_many_nodes_by_two(many_by_two, case):
+    many_by_two.run(tn.TASK, case)
 
 
 @pytest.mark.parametrize("rail", ["ipc", "nvshmem"])

@@ -197,6 +197,48 @@ def test_two_virtual_nodes_bench_shape(virtual_nodes):
         virtual_nodes.run(TASK, case)
 
 
+# Virtual nodes of the many-node test: past the 8 ranks the ring kernels once had, up to NUM_MAX_RING_RANKS (16).
+# They share the GPUs (rank % GPUs): on one GPU run it with TEST_RANKS_PER_GPU >= MANY_NODES (run_device.sh
+# test_many_nodes); the marker skips it where fewer slots exist.
+MANY_NODES = int(os.environ.get("INTERNODE_MANY_NODES", "16"))
+
+
+@pytest.fixture(scope="module")
+def many_nodes():
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    pool = ti.Pool([rank % max(gpus, 1) for rank in range(MANY_NODES)],
+                   env={"DEEP_EP_GPUS_PER_NODE": "1", "DEEP_EP_TEST_NUM_RDMA_BYTES": str(NUM_RDMA_BYTES)})
+    try:
+        if ti.DEVICE == "cuda":
+            assert pool.backends == {"InternodeCuda"}, f"Buffer did not pick the CUDA internode backend at " \
+                f"{MANY_NODES} nodes: {pool.backends}"
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.mark.multi_gpu(MANY_NODES)
+@ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_MANY_NODES", "4")))
+@given(case=ti.case_strategy(MANY_NODES, max_tokens=160))
+def test_many_virtual_nodes(many_nodes, case):
+    """More than 8 nodes of one GPU on the ring kernels: one receiver group per source of a single warp past the
+    first ones, Phase A's destinations shared by the sender warps; every output against ``reference``."""
+    many_nodes.run(TASK, case)
+
+
+@pytest.mark.multi_gpu(MANY_NODES)
+def test_many_virtual_nodes_fixed(many_nodes):
+    """A fixed large case at MANY_NODES nodes: FP8, top-8 of 16 experts per node, -1 masks, an empty node, both
+    directions through the rings, the fewest dispatch copy warps (2) and the most."""
+    for use_fp8, warps, receive in ((True, 2, "rings"), (False, 32 - MANY_NODES, "auto")):
+        case = ti.Case(num_ranks=MANY_NODES, seed=11, num_tokens=tuple(64 + 8 * r for r in range(MANY_NODES)),
+                       hidden=2048, num_topk=8, num_experts=16 * MANY_NODES, use_fp8=use_fp8, with_topk=True,
+                       num_sms=8, expert_alignment=4, mask_prob=0.1, empty_rank=MANY_NODES - 1, async_mode=False,
+                       previous_mode=False, num_bias=1, scales_col_major=False, dispatch_warps=warps,
+                       combine_warps=None, receive=receive, combine_copy="rings")
+        many_nodes.run(TASK, case)
+
+
 def task_put_peers(buffer, rank: int, _payload) -> list:
     """The ranks this rank reaches by NVSHMEM puts (``InternodeCuda.put_peers``) and the runtime's mask of them."""
     backend = buffer.runtime
