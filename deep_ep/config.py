@@ -294,11 +294,18 @@ def intranode_channels(num_sms: int, num_ranks: int) -> int:
     return min(num_sms, INTRANODE_MAX_CHANNELS.get(num_ranks, num_sms))
 
 
+def send_warp_range(kernel: str, num_ranks: int) -> tuple[int, int]:
+    """Copy warps per channel the ring ``kernel`` accepts with ``num_ranks`` ranks: dispatch [2, 32 - R] (the
+    publisher and a receiver warp per source remain), combine [R - 1, 30] (a ring sender per destination; the
+    publisher and a reducer remain)."""
+    return (2, 32 - num_ranks) if kernel == "dispatch" else (num_ranks - 1, 30)
+
+
 def intranode_send_warps(kernel: str, num_ranks: int, num_channels: int = 24, fp8: bool = False) -> int:
     """Copy warps per channel of the intranode ``kernel`` ('dispatch' or 'combine') for ``num_ranks`` ranks and
     ``num_channels`` channels (``fp8``: an FP8 dispatch): the override of ``INTRANODE_SEND_WARPS`` or the tuned
-    table's row, clamped to [2, 32 - R] (dispatch) or [R - 1, 30] (combine)."""
-    lowest, highest = (2, 32 - num_ranks) if kernel == "dispatch" else (num_ranks - 1, 30)
+    table's row, clamped to ``send_warp_range``."""
+    lowest, highest = send_warp_range(kernel, num_ranks)
     warps = INTRANODE_SEND_WARPS[kernel]
     if warps is None:
         rows = INTRANODE_SEND_WARP_TABLE[(kernel, "fp8" if fp8 and kernel == "dispatch" else "bf16")]

@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from deep_ep.config import intranode_channels
+from deep_ep.config import intranode_channels, send_warp_range
 
 from simulator import deep_ep_kernels as dek
 from simulator import hardware, rank, workload
@@ -126,7 +126,7 @@ CALIBRATION_SEND_WARPS = {"dispatch": 16, "combine": 8}
 
 def calibration_send_warps(kernel: str, num_ranks: int) -> int:
     """The calibration's warp count for ``kernel``, clamped like Buffer's (deep_ep.config.intranode_send_warps)."""
-    lowest, highest = (num_ranks + 1, 32 - num_ranks) if kernel == "dispatch" else (num_ranks - 1, 30)
+    lowest, highest = send_warp_range(kernel, num_ranks)
     return min(max(CALIBRATION_SEND_WARPS[kernel], lowest), highest)
 
 
