@@ -128,6 +128,7 @@ def _free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, env: dict, tasks, results) -> None:
     os.environ.update(env)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as test_intranode's workers: no OpenMP contention
     try:
         import torch.distributed as dist
         torch.cuda.set_device(rank % torch.cuda.device_count())  # ranks share GPUs when there are fewer
