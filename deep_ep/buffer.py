@@ -68,12 +68,17 @@ def _import_cuda(module: str, name: str) -> tuple[Any, Optional[str]]:
 
 def _without_cuda(choice: str, group: Any, what: str, reason: str) -> None:
     """``None`` (the torch backend serves the group), or the error when the CUDA backend was required:
-    ``DEEP_EP_BACKEND=cuda``, or ``comm=`` without a torch group."""
+    ``DEEP_EP_BACKEND=cuda``, or ``comm=`` without a torch group. With a GPU present, the automatic choice says
+    why in a ``RuntimeWarning`` (e.g. more nodes than the kernels serve): CUDA tensors then take the slow path."""
     if choice == "cuda":
         raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the {what} cannot be used: {reason}")
     if group is None:
         raise ValueError(f"comm= (mpi4py) without group= needs the CUDA backend, which is unavailable: {reason}; "
                          "pass a torch.distributed group")
+    if torch.cuda.is_available():
+        warnings.warn(f"deep_ep.Buffer: the {what} does not serve this group ({reason}); the torch backend "
+                      "(torch.distributed) carries its calls: correct, not fast. DEEP_EP_BACKEND=torch selects it "
+                      "without this warning", RuntimeWarning, stacklevel=4)
     return None
 
 
@@ -160,7 +165,9 @@ class Buffer:
             self._torch = TorchBackend(group, rank, group_size, self.topology, num_nvl_bytes, num_rdma_bytes,
                                        enable_shrink)
         self._cuda_ll = self._make_cuda_low_latency(group, comm)
-        # The composed internode path and the device type of the tensors it serves ('cuda' or 'cpu').
+        # The composed internode path and the device type of the tensors it serves ('cuda' or 'cpu'); why the
+        # automatic choice refused its CUDA stages, if it did.
+        self._composed_refusal: Optional[str] = None
         self._composed, self._composed_device = self._make_composed(group)
         self._cuda = self._make_cuda_backend(group, comm) if self._composed_device != "cuda" else None
         self.runtime = next((b for b in (self._cuda, self._composed, self._cuda_ll, self._torch) if b is not None),
@@ -201,6 +208,7 @@ class Buffer:
                                                   bool(getattr(importlib.import_module("deep_ep._C"),
                                                                "HAS_LOW_LATENCY", False)))
         if reason is not None and choice == "auto":
+            self._composed_refusal = reason
             return None, None
         from deep_ep.composed_internode import ComposedInternode, make_stage_groups
         from deep_ep.torch_backend import TorchBackend
@@ -214,6 +222,7 @@ class Buffer:
             except UnsupportedTopology as exc:  # decided world-wide: every rank gets here together
                 reason = f"the NVSHMEM rail stage: {exc}"
                 if choice == "auto":
+                    self._composed_refusal = reason
                     return None, None
         cuda_stages = reason is None
         if cuda_stages:
@@ -292,9 +301,13 @@ class Buffer:
     def _make_cuda_internode(self, group: Any, comm: Any, choice: str) -> Any:
         """The CUDA internode backend (one GPU per node, NVSHMEM) when it serves this group; else ``None``, or
         an error naming the reason under ``DEEP_EP_BACKEND=cuda`` or with ``comm=`` alone."""
+        if choice == "auto" and self.topology.num_scaleup_ranks > 1 and _internode_choice() == "torch":
+            return None  # asked for: DEEP_EP_INTERNODE=torch
         backend_cls, reason = _import_cuda("deep_ep.cuda_internode", "InternodeCuda")
         if backend_cls is not None:
             reason = backend_cls.unsupported_reason(self.topology, self.num_rdma_bytes)
+        if self._composed_refusal is not None:  # G > 1: the composed path's reason is the one that matters
+            reason = f"the composed path: {self._composed_refusal}"
         if reason is None:
             from deep_ep.cuda_internode import UnsupportedTopology
             options = dict(num_rdma_bytes=self.num_rdma_bytes, num_qps_per_rank=self.num_qps_per_rank,

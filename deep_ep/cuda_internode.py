@@ -157,8 +157,8 @@ class InternodeCuda(SymmetricCuda):
         if not getattr(_C, "HAS_LOW_LATENCY", False):
             return "the extension was built without NVSHMEM"
         if topology.num_scaleup_ranks != 1:
-            return (f"{topology.num_scaleup_ranks} GPUs per node need the NVLink forwarding stage, which the CUDA "
-                    "internode kernels do not implement yet (only one GPU per node)")
+            return (f"{topology.num_scaleup_ranks} GPUs per node run the composed path "
+                    "(deep_ep/composed_internode.py), this backend serves one GPU per node")
         if topology.num_ranks > _C.MAX_RANKS:
             return f"{topology.num_ranks} nodes exceed the kernels' {_C.MAX_RANKS} ranks"
         if num_rdma_bytes <= 0:

@@ -200,3 +200,25 @@ def test_send_warps_fit_every_ring_group():
                     assert 2 <= d <= 32 - num_ranks and num_ranks - 1 <= c <= 30, (override, num_ranks, d, c)
     finally:
         cfg.INTRANODE_SEND_WARPS.update(saved)
+
+
+def test_automatic_fallback_says_why(monkeypatch):
+    """With a GPU present, a group the kernels do not serve (here: more nodes than a ring group has ranks) falls back
+    to the torch backend with a RuntimeWarning naming the reason; without a GPU the torch backend is the plain choice
+    (no warning); ``DEEP_EP_BACKEND=cuda`` turns the reason into an error; ``comm=`` alone into a ValueError."""
+    import warnings
+
+    from deep_ep.buffer import _without_cuda
+
+    reason = "17 nodes exceed the kernels' 16 ranks"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.warns(RuntimeWarning, match=r"CUDA internode backend does not serve this group \(17 nodes exceed"):
+        assert _without_cuda("auto", object(), "CUDA internode backend", reason) is None
+    with pytest.raises(RuntimeError, match="DEEP_EP_BACKEND=cuda but the CUDA internode backend cannot be used: 17"):
+        _without_cuda("cuda", object(), "CUDA internode backend", reason)
+    with pytest.raises(ValueError, match="comm= .* without group="):
+        _without_cuda("auto", None, "CUDA internode backend", reason)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _without_cuda("auto", object(), "CUDA internode backend", "CUDA is not available") is None
