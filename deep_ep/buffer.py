@@ -319,6 +319,8 @@ class Buffer:
                                    **options)
             except UnsupportedTopology as exc:  # collective: every rank gets here together
                 reason = str(exc)
+        if choice == "auto" and self._cuda_ll is not None and self.num_nvl_bytes <= 0:
+            return None  # a low-latency Buffer (DeepEP's num_nvl_bytes=0 convention): the LL backend serves it
         return _without_cuda(choice, group, "CUDA internode backend", reason)
 
     # ------------------------------------------------------------------------------------------------------------
