@@ -221,8 +221,8 @@ def many_nodes():
 @ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_MANY_NODES", "4")))
 @given(case=ti.case_strategy(MANY_NODES, max_tokens=160))
 def test_many_virtual_nodes(many_nodes, case):
-    """More than 8 nodes of one GPU on the ring kernels: one receiver group per source of a single warp past the
-    first ones, Phase A's destinations shared by the sender warps; every output against ``reference``."""
+    """More than 8 nodes of one GPU on the ring kernels (receiver groups of one warp and of several, Phase A's
+    destinations shared by the sender warps, as the drawn warp split gives); every output against ``reference``."""
     many_nodes.run(TASK, case)
 
 
