@@ -18,8 +18,6 @@ from deep_ep import envs
 
 # Largest scale-up (NVLink) domain a node may have; DeepEP's NUM_MAX_NVL_PEERS.
 NUM_MAX_SCALEUP_RANKS = 8
-# Largest number of scale-out peers (nodes) a normal internode kernel talks to.
-NUM_MAX_SCALEOUT_RANKS = 20
 # Largest group of this library's ring kernels (csrc/kernels/constants.cuh kMaxRanks): the intranode Buffer's NVLink
 # domain (at most NUM_MAX_SCALEUP_RANKS), the nodes of the one-GPU-per-node CUDA internode backend and of the composed
 # path's rail stage. Larger groups fall back to the torch backend.
