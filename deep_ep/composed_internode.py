@@ -52,7 +52,7 @@ ValueError naming the buffer size needed otherwise (:func:`stage_nvl_bytes`); li
 Worst-token mode (``num_worst_tokens > 0``): the outputs of a normal dispatch, padded to ``num_worst_tokens`` rows
 (:meth:`ComposedInternode._pad_to_worst`); the stages still synchronise with the host for their receive counts.
 
-Not supported (raise): more than 8 nodes (the rail stage runs the intranode ring kernels: at most 8 ranks).
+Not supported (raise): more than ``NUM_MAX_RING_RANKS`` (16) nodes (the rail stage is one ring-kernel group).
 """
 from __future__ import annotations
 
