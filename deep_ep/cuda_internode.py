@@ -61,11 +61,11 @@ class UnsupportedTopology(RuntimeError):
 
 class SymmetricCuda(CudaBackend):
     """The ring kernels of :class:`CudaBackend` over a buffer on the NVSHMEM symmetric heap, for one rank of a group
-    of 2..8 ranks that reach each other by ``nvshmem_ptr`` where they can and by NVSHMEM puts and signals where they
+    of 2..16 ranks that reach each other by ``nvshmem_ptr`` where they can and by NVSHMEM puts and signals where they
     cannot (put peers). Intranode interface and handles.
 
     Args:
-        rank, num_ranks: position in the group; ``2 <= num_ranks <= 8``.
+        rank, num_ranks: position in the group; ``2 <= num_ranks <= 16`` (``_C.MAX_RANKS``).
         num_rdma_bytes: bytes of the symmetric buffer the kernels carve (equal on every rank of the world).
         unique_id: the NVSHMEM world's unique id (``join_nvshmem_world`` over the world's group).
         world_rank, world_size: this process's PE and the world's size.
@@ -127,7 +127,7 @@ class InternodeCuda(SymmetricCuda):
     """Internode normal-mode dispatch/combine for one rank of a group of ``R`` nodes of one GPU each.
 
     Args:
-        rank, num_ranks: position in the group (the NVSHMEM world: PE = rank); ``2 <= num_ranks <= 8``.
+        rank, num_ranks: position in the group (the NVSHMEM world: PE = rank); ``2 <= num_ranks <= 16``.
         num_rdma_bytes: bytes of the symmetric buffer the kernels carve (equal on every rank).
         num_qps_per_rank, allow_mnnvl: NVSHMEM environment, as for the low-latency runtime.
         all_gather: ``all_gather(obj) -> list`` over the group (bootstrap only); barrier: ``barrier()`` or None.
