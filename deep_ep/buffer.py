@@ -231,9 +231,9 @@ class Buffer:
             node = backend_cls.from_group(groups.node, self.num_nvl_bytes)
             device = "cuda"
         else:
-            rail = TorchBackend(groups.rail, topo.node_of(self.rank), num_nodes, Topology(num_nodes, num_nodes),
+            rail = TorchBackend(groups.rail, topo.node_of(self.rank), num_nodes, Topology.one_domain(num_nodes),
                                 self.num_nvl_bytes, 0, False)
-            node = TorchBackend(groups.node, topo.local_of(self.rank), per_node, Topology(per_node, per_node),
+            node = TorchBackend(groups.node, topo.local_of(self.rank), per_node, Topology.one_domain(per_node),
                                 self.num_nvl_bytes, 0, False)
             device = rail.device.type
         return ComposedInternode(rail, node, self.rank, topo, cuda_stages), device

@@ -148,6 +148,14 @@ class Topology:
                              f"({self.num_scaleup_ranks}) when the group spans several nodes")
 
     @classmethod
+    def one_domain(cls, num_ranks: int) -> "Topology":
+        """One scale-up domain of ``num_ranks`` ranks, whatever their count: the topology of a composed-path stage
+        (its rail stage has a rank per node, possibly more than a node's GPUs), never a Buffer's."""
+        topology = cls(num_ranks, 1)
+        object.__setattr__(topology, "num_scaleup_ranks", num_ranks)
+        return topology
+
+    @classmethod
     def from_env(cls, num_ranks: int) -> "Topology":
         return cls(num_ranks, envs.GPUS_PER_NODE.get())
 
