@@ -40,6 +40,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.timeout(600)]
 ENV = {"DEEP_EP_GPUS_PER_NODE": "2", "DEEP_EP_INTERNODE": "auto"}
 STAGES = "ComposedInternode cuda CudaBackend CudaBackend"
 NVSHMEM_STAGES = "ComposedInternode cuda SymmetricCuda CudaBackend"
+# The rail stage forced onto the NVSHMEM heap: 768 MB of RDMA buffer (two 256 MB ring halves and an output pool).
+NVSHMEM_RAIL = {"DEEP_EP_COMPOSED_RAIL": "nvshmem", "DEEP_EP_TEST_NUM_RDMA_BYTES": str(768 << 20)}
 
 
 def task_stages(buffer, rank: int, payload) -> str:
@@ -80,8 +82,9 @@ def two_by_two(request):
         yield from _composed_pool(devices, 2)
         return
     puts = request.param == "nvshmem_puts"
-    env = {"DEEP_EP_COMPOSED_RAIL": "nvshmem", "DEEP_EP_TEST_NUM_RDMA_BYTES": str((1536 if puts else 768) << 20),
-           "DEEP_EP_INTERNODE_PUT_ONLY": "1" if puts else "0"}
+    env = {**NVSHMEM_RAIL, "DEEP_EP_INTERNODE_PUT_ONLY": "1" if puts else "0"}
+    if puts:  # the put area beside the same rings
+        env["DEEP_EP_TEST_NUM_RDMA_BYTES"] = str(1536 << 20)
     for pool in _composed_pool(devices, 2, NVSHMEM_STAGES, **env):
         if ti.DEVICE == "cuda":  # rail rank n of local index l is PE 2n + l; its put peer the other rail rank
             reach = pool.run("test_composed:task_rail_reach", None)
@@ -119,8 +122,7 @@ def many_by_two(request):
     if request.param == "ipc":
         yield from _composed_pool(devices, 2)
     else:
-        yield from _composed_pool(devices, 2, NVSHMEM_STAGES, DEEP_EP_COMPOSED_RAIL="nvshmem",
-                                  DEEP_EP_TEST_NUM_RDMA_BYTES=str(768 << 20))
+        yield from _composed_pool(devices, 2, NVSHMEM_STAGES, **NVSHMEM_RAIL)
 
 
 @pytest.mark.multi_gpu(2 * MANY_NODES)
@@ -140,7 +142,7 @@ def test_stalled_rank_times_out(rail):
     gpus = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 2
     env = {**ENV, "DEEP_EP_TIMEOUT_S": str(timeout_s)}
     if rail == "nvshmem":
-        env.update(DEEP_EP_COMPOSED_RAIL="nvshmem", DEEP_EP_TEST_NUM_RDMA_BYTES=str(768 << 20))
+        env.update(NVSHMEM_RAIL)
     pool = ti.Pool([rank % gpus for rank in range(4)], env=env)
     try:
         replies = pool.run("stall", {"stalled": 3, "timeout_s": timeout_s, "expect_peer": {0: 1}},

@@ -34,24 +34,30 @@ if envs.INTERNODE_PUT_ONLY.get():
 TASK = "test_internode:task_internode_roundtrip"
 
 
-def _virtual_node_pool(**env: str) -> ti.Pool:
-    """2 ranks on GPUs 0 and 1 (both on GPU 0 of a one-GPU machine under ``TEST_RANKS_PER_GPU=2``: NVSHMEM
-    time-slices the two PEs, correctness only), each its own node, with an RDMA (NVSHMEM) buffer."""
+def _virtual_node_pool(num_nodes: int = 2, **env: str) -> ti.Pool:
+    """``num_nodes`` ranks on the GPUs in turn (all on GPU 0 of a one-GPU machine under ``TEST_RANKS_PER_GPU``:
+    NVSHMEM time-slices the PEs, correctness only), each its own node, with an RDMA (NVSHMEM) buffer."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 2
-    return ti.Pool([rank % max(gpus, 1) for rank in range(2)],
+    return ti.Pool([rank % max(gpus, 1) for rank in range(num_nodes)],
                    env={"DEEP_EP_GPUS_PER_NODE": "1", "DEEP_EP_TEST_NUM_RDMA_BYTES": str(NUM_RDMA_BYTES), **env})
+
+
+def _internode_pool(num_nodes: int):
+    """A pool of ``num_nodes`` virtual nodes checked to run ``InternodeCuda``; yields it and closes it (the body of
+    the module-scoped fixtures)."""
+    pool = _virtual_node_pool(num_nodes)
+    try:
+        if ti.DEVICE == "cuda":
+            assert pool.backends == {"InternodeCuda"}, f"Buffer did not pick the CUDA internode backend at " \
+                f"{num_nodes} nodes: {pool.backends}"
+        yield pool
+    finally:
+        pool.close()
 
 
 @pytest.fixture(scope="module")
 def virtual_nodes():
-    pool = _virtual_node_pool()
-    try:
-        if ti.DEVICE == "cuda":
-            assert pool.backends == {"InternodeCuda"}, f"Buffer did not pick the CUDA internode backend: " \
-                f"{pool.backends}"
-        yield pool
-    finally:
-        pool.close()
+    yield from _internode_pool(2)
 
 
 def _per_node() -> int:
@@ -205,16 +211,7 @@ MANY_NODES = int(os.environ.get("INTERNODE_MANY_NODES", "16"))
 
 @pytest.fixture(scope="module")
 def many_nodes():
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
-    pool = ti.Pool([rank % max(gpus, 1) for rank in range(MANY_NODES)],
-                   env={"DEEP_EP_GPUS_PER_NODE": "1", "DEEP_EP_TEST_NUM_RDMA_BYTES": str(NUM_RDMA_BYTES)})
-    try:
-        if ti.DEVICE == "cuda":
-            assert pool.backends == {"InternodeCuda"}, f"Buffer did not pick the CUDA internode backend at " \
-                f"{MANY_NODES} nodes: {pool.backends}"
-        yield pool
-    finally:
-        pool.close()
+    yield from _internode_pool(MANY_NODES)
 
 
 @pytest.mark.multi_gpu(MANY_NODES)
