@@ -189,7 +189,6 @@ class Buffer:
         choice = _internode_choice()
         if group is None or choice == "torch" or not topo.is_internode or topo.num_scaleup_ranks < 2:
             return None, None
-        import torch.distributed as dist
         reason = None
         if _backend_choice() == "torch":
             reason = "DEEP_EP_BACKEND=torch"
@@ -202,8 +201,9 @@ class Buffer:
             backend_cls, reason = _import_cuda("deep_ep.cuda_backend", "CudaBackend")
         if reason is None:
             import socket
-            hosts = [None] * self.group_size
-            dist.all_gather_object(hosts, socket.gethostname(), group=group)
+
+            from deep_ep.torch_backend import object_all_gather
+            hosts = object_all_gather(group)(socket.gethostname())
             rail_kind, reason = cfg.composed_rail(envs.COMPOSED_RAIL.get(), hosts, topo, self.num_rdma_bytes,
                                                   bool(getattr(importlib.import_module("deep_ep._C"),
                                                                "HAS_LOW_LATENCY", False)))

@@ -24,11 +24,10 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from deep_ep import envs
-from deep_ep.config import combine_send_path, ll_combine_by_partials
+from deep_ep.config import combine_send_path
 from simulator import deep_ep_kernels as dek
 from simulator.bench_fit import LL_SECTION
-from simulator.scenario import Scenario, run
+from simulator.scenario import Scenario, ll_partials, run
 
 
 @dataclass(frozen=True)
@@ -89,9 +88,7 @@ def _measured(calibration: Path, prof: dek.DeepEpProfile) -> dict[tuple[str, str
 def ll_ep2_partials() -> bool:
     """Whether the "low-latency EP2" case's combine runs by per-rank partial sums (deep_ep's rule, as the
     scenario applies it)."""
-    sc = dict(cases())["low-latency EP2"]
-    return ll_combine_by_partials(envs.LL_PARTIALS.get(), sc.num_ranks, sc.topk, sc.experts, sc.hidden,
-                                  sc.nodes == 1 and sc.ll_allow_nvlink, False, False, False)
+    return ll_partials(dict(cases())["low-latency EP2"])
 
 
 def cases() -> list[tuple[str, Scenario]]:

@@ -247,6 +247,13 @@ def _traffic(sc: Scenario, router: workload.Router, tokens: int, mask_ll: bool) 
     return _TRAFFIC_CACHE[key]
 
 
+def ll_partials(sc: Scenario) -> bool:
+    """Whether deep_ep's kernels run this scenario's LL combine by per-rank partial sums
+    (``deep_ep.config.ll_combine_by_partials``; every peer by pointer: one node with NVLink allowed)."""
+    return ll_combine_by_partials(envs.LL_PARTIALS.get(), sc.num_ranks, sc.topk, sc.experts, sc.hidden,
+                                  sc.nodes == 1 and sc.ll_allow_nvlink, False, False, False)
+
+
 def _ll_specs(sc: Scenario) -> tuple[int, list[workload.SourceTraffic], int, list[tuple[rank.OpSpec, str]]]:
     """LL workload of ``sc``: ``(tokens, traffic, physical experts, [(spec, dtype)] for dispatch and combine)``."""
     tokens = sc.low_latency_tokens
@@ -254,10 +261,7 @@ def _ll_specs(sc: Scenario) -> tuple[int, list[workload.SourceTraffic], int, lis
     traffic = _traffic(sc, _router(sc, sc.experts), tokens, mask_ll=sc.ll_mask)
     # Message bytes as DeepEP's LL test counts them: 16-byte header + payload (+ FP8 scales); BF16 combine.
     ll_msgs = {"dispatch": 16 + rank.token_bytes(sc.hidden, sc.dispatch_dtype), "combine": 2 * sc.hidden}
-    # The combine by per-rank partial sums where deep_ep's kernels would choose it (every peer by pointer: one
-    # node with NVLink allowed).
-    partials = ll_combine_by_partials(envs.LL_PARTIALS.get(), sc.num_ranks, sc.topk, sc.experts, sc.hidden,
-                                      sc.nodes == 1 and sc.ll_allow_nvlink, False, False, False)
+    partials = ll_partials(sc)
     specs = [(rank.OpSpec("low-latency", op, sc.hidden, sc.topk, ll_msgs[op], ll_msgs[op], sc.nodes,
                           sc.gpus_per_node, None, allow_nvlink=sc.ll_allow_nvlink,
                           ll_partials=partials and op == "combine"),
