@@ -21,7 +21,7 @@ NUM_MAX_SCALEUP_RANKS = 8
 # Largest group of this library's ring kernels (csrc/kernels/constants.cuh kMaxRanks): the intranode Buffer's NVLink
 # domain (at most NUM_MAX_SCALEUP_RANKS), the nodes of the one-GPU-per-node CUDA internode backend and of the composed
 # path's rail stage. Larger groups fall back to the torch backend.
-NUM_MAX_RING_RANKS = 16
+NUM_MAX_RING_RANKS = 24
 # Most local experts per rank that the host layer accepts (DeepEP's host limit).
 NUM_MAX_LOCAL_EXPERTS = 1024
 # Largest top-k the normal kernels carry per token (DeepEP's device limit).

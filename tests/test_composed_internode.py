@@ -179,7 +179,7 @@ def test_node_count_follows_the_ring_kernels():
     from deep_ep.composed_internode import ComposedInternode
     from deep_ep.config import NUM_MAX_RING_RANKS, Topology, composed_rail
 
-    assert NUM_MAX_RING_RANKS == 16
+    assert NUM_MAX_RING_RANKS == 24
     many = Topology(2 * (NUM_MAX_RING_RANKS + 1), 2)
     ComposedInternode(None, None, 0, Topology(2 * NUM_MAX_RING_RANKS, 2), cuda_stages=True)
     with pytest.raises(ValueError, match=f"CUDA rail stage serves at most {NUM_MAX_RING_RANKS} nodes .*got "

@@ -14,7 +14,7 @@ namespace kernels {
 // sender warps, the combine a ring-sender warp per destination beside the publisher and a reducer, intranode.cu);
 // 16 is the largest count run on a GPU (docs/multinode.md "More than 8 nodes"). Raising it: deep_ep.config
 // NUM_MAX_RING_RANKS too, then run_device.sh test_many_nodes with INTERNODE_MANY_NODES at the new cap.
-constexpr int kMaxRanks = 16;
+constexpr int kMaxRanks = 24;
 // Largest number of channels (one CTA each) of a dispatch or combine kernel; Config.num_sms must not exceed it.
 constexpr int kMaxChannels = 160;
 // Largest top-k the intranode kernels carry per token.
