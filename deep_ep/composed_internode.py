@@ -54,7 +54,7 @@ once per node, and the NVLink fan-out and the per-node reduction stay on the ker
 Worst-token mode (``num_worst_tokens > 0``): the outputs of a normal dispatch, padded to ``num_worst_tokens`` rows
 (:meth:`ComposedInternode._pad_to_worst`); the stages still synchronise with the host for their receive counts.
 
-Not supported (raise): a CUDA rail stage of more than ``NUM_MAX_RING_RANKS`` (16) nodes (use a torch rail).
+Not supported (raise): a CUDA rail stage of more than ``NUM_MAX_RING_RANKS`` (24) nodes (use a torch rail).
 """
 from __future__ import annotations
 

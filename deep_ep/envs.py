@@ -72,7 +72,7 @@ INTERNODE = EnvVar(
     "'composed' (the stages for every tensor: torch stages on CPU) or 'torch'.")
 COMPOSED_RAIL = EnvVar(
     "DEEP_EP_COMPOSED_RAIL", str, "auto",
-    "Rail stage of the composed internode path on CUDA: 'auto' (the torch backend over the rail subgroup beyond 16 "
+    "Rail stage of the composed internode path on CUDA: 'auto' (the torch backend over the rail subgroup beyond 24 "
     "nodes, else CUDA IPC when every rank is on one host, else the ring kernels over the NVSHMEM symmetric heap of "
     "num_rdma_bytes), 'ipc', 'nvshmem' (also on one host: tests) or 'torch' (any node count).")
 TOPK_IDX_BITS = EnvVar(

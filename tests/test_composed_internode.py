@@ -174,7 +174,7 @@ def test_stage_errors_name_buffer_ranks():
 
 
 def test_node_count_follows_the_ring_kernels():
-    """A CUDA rail stage is one ring-kernel group: up to ``NUM_MAX_RING_RANKS`` (16) nodes, more refused by name; a
+    """A CUDA rail stage is one ring-kernel group: up to ``NUM_MAX_RING_RANKS`` (24) nodes, more refused by name; a
     torch rail beside the CUDA node stage (or torch stages) serves any node count, and ``auto`` picks it there."""
     from deep_ep.composed_internode import ComposedInternode
     from deep_ep.config import NUM_MAX_RING_RANKS, Topology, composed_rail
@@ -222,7 +222,7 @@ def test_torch_rail_checks_only_the_node_stage():
 
 
 def test_send_warps_fit_every_ring_group():
-    """Copy warps per channel stay where each kernel accepts them for every group size up to 16 ranks, whatever the
+    """Copy warps per channel stay where each kernel accepts them for every group size up to NUM_MAX_RING_RANKS (24), whatever the
     override: dispatch [2, 32 - R] (the receivers keep a warp per source), combine [R - 1, 30]."""
     from deep_ep import config as cfg
 
@@ -247,11 +247,11 @@ def test_automatic_fallback_says_why(monkeypatch):
 
     from deep_ep.buffer import _without_cuda
 
-    reason = "17 nodes exceed the kernels' 16 ranks"
+    reason = "25 nodes exceed the kernels' 24 ranks"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.warns(RuntimeWarning, match=r"CUDA internode backend does not serve this group \(17 nodes exceed"):
+    with pytest.warns(RuntimeWarning, match=r"CUDA internode backend does not serve this group \(25 nodes exceed"):
         assert _without_cuda("auto", object(), "CUDA internode backend", reason) is None
-    with pytest.raises(RuntimeError, match="DEEP_EP_BACKEND=cuda but the CUDA internode backend cannot be used: 17"):
+    with pytest.raises(RuntimeError, match="DEEP_EP_BACKEND=cuda but the CUDA internode backend cannot be used: 25"):
         _without_cuda("cuda", object(), "CUDA internode backend", reason)
     with pytest.raises(ValueError, match="comm= .* without group="):
         _without_cuda("auto", None, "CUDA internode backend", reason)

@@ -113,7 +113,7 @@ def test_two_by_two_large(two_by_two):
         two_by_two.run(tn.TASK, case)
 
 
-# Nodes of the many-node test (x 2 GPUs per node): past the 8 ranks a rail stage once had, up to 16. Its ranks share
+# Nodes of the many-node test (x 2 GPUs per node): past the 8 ranks a rail stage once had, up to 24. Its ranks share
 # the GPUs; on one GPU run it with TEST_RANKS_PER_GPU >= 2 x COMPOSED_MANY_NODES (run_device.sh test_many_nodes).
 MANY_NODES = int(os.environ.get("COMPOSED_MANY_NODES", "9"))
 
@@ -121,7 +121,7 @@ MANY_NODES = int(os.environ.get("COMPOSED_MANY_NODES", "9"))
 @pytest.fixture(scope="module", params=["ipc", "nvshmem", "torch"])
 def many_by_two(request):
     """MANY_NODES x 2: the rail stage (MANY_NODES ranks) over CUDA IPC, on the NVSHMEM heap, or the torch rail
-    (forced; ``auto`` takes it beyond 16 nodes, where the ring-kernel rails do not apply)."""
+    (forced; ``auto`` takes it beyond 24 nodes, where the ring-kernel rails do not apply)."""
     from deep_ep.config import NUM_MAX_RING_RANKS
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 2
     devices = [rank % gpus for rank in range(2 * MANY_NODES)]
