@@ -121,8 +121,8 @@ for step in "$@"; do
             python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_internode.py
         test_summary "$step" ;;
     test_many_nodes)
-        run_step test_many_nodes 300 env TEST_RANKS_PER_GPU="${INTERNODE_MANY_NODES:-16}" \
-            INTERNODE_MANY_NODES="${INTERNODE_MANY_NODES:-16}" \
+        run_step test_many_nodes 300 env TEST_RANKS_PER_GPU="${INTERNODE_MANY_NODES:-24}" \
+            INTERNODE_MANY_NODES="${INTERNODE_MANY_NODES:-24}" \
             DEEP_EP_GPU_EXAMPLES_MANY_NODES="${MANY_NODES_EXAMPLES:-4}" \
             python3 -m pytest -q -rfE -p no:cacheprovider -k many_virtual_nodes tests/gpu/test_internode.py
         test_summary test_many_nodes

@@ -179,10 +179,9 @@ class Buffer:
 
         Stages: CUDA kernels (serving CUDA tensors; the group may be gloo or NCCL: the stages only exchange objects
         through it) when CUDA and the extension are available, ``num_nvl_bytes > 0``, ``DEEP_EP_BACKEND`` is not
-        ``torch``, ``N <= 16`` (``NUM_MAX_RING_RANKS``) and each node's ranks share a host: the node stage a
-        ``CudaBackend`` (CUDA IPC), the rail stage a ``CudaBackend`` when every rank is on one host, else a
-        ``SymmetricCuda`` on the NVSHMEM heap
-        (``num_rdma_bytes``; ``deep_ep.config.composed_rail``). Torch stages over the group's backend otherwise,
+        ``torch`` and each node's ranks share a host: the node stage a ``CudaBackend`` (CUDA IPC), the rail stage
+        a ``TorchBackend`` beyond ``NUM_MAX_RING_RANKS`` (24) nodes, else a ``CudaBackend`` when every rank is on
+        one host, else a ``SymmetricCuda`` on the NVSHMEM heap (``num_rdma_bytes``; ``deep_ep.config.composed_rail``). Torch stages over the group's backend otherwise,
         used only under ``DEEP_EP_INTERNODE=composed``. Collective: every rank creates every subgroup
         (``make_stage_groups``)."""
         topo = self.topology
@@ -194,8 +193,6 @@ class Buffer:
             reason = "DEEP_EP_BACKEND=torch"
         elif self.num_nvl_bytes <= 0:
             reason = "num_nvl_bytes is 0"
-        elif topo.num_scaleout_ranks > cfg.NUM_MAX_RING_RANKS:
-            reason = f"{topo.num_scaleout_ranks} nodes exceed the rail stage's {cfg.NUM_MAX_RING_RANKS} ranks"
         backend_cls = rail_kind = None
         if reason is None:
             backend_cls, reason = _import_cuda("deep_ep.cuda_backend", "CudaBackend")
@@ -224,18 +221,21 @@ class Buffer:
                 if choice == "auto":
                     self._composed_refusal = reason
                     return None, None
-        cuda_stages = reason is None
-        if cuda_stages:
-            if rail is None:
+        def torch_stage(stage_group: Any, stage_rank: int, size: int) -> Any:
+            return TorchBackend(stage_group, stage_rank, size, Topology.one_domain(size), self.num_nvl_bytes, 0,
+                                False)
+
+        if reason is None:  # a CUDA node stage; the rail on the ring kernels unless it is a torch rail
+            if rail_kind == "torch":
+                rail = torch_stage(groups.rail, topo.node_of(self.rank), num_nodes)
+            elif rail is None:
                 rail = backend_cls.from_group(groups.rail, self.num_nvl_bytes)
             node = backend_cls.from_group(groups.node, self.num_nvl_bytes)
-            device = "cuda"
+            cuda_stages, device = ("node",) if rail_kind == "torch" else ("rail", "node"), "cuda"
         else:
-            rail = TorchBackend(groups.rail, topo.node_of(self.rank), num_nodes, Topology.one_domain(num_nodes),
-                                self.num_nvl_bytes, 0, False)
-            node = TorchBackend(groups.node, topo.local_of(self.rank), per_node, Topology.one_domain(per_node),
-                                self.num_nvl_bytes, 0, False)
-            device = rail.device.type
+            rail = torch_stage(groups.rail, topo.node_of(self.rank), num_nodes)
+            node = torch_stage(groups.node, topo.local_of(self.rank), per_node)
+            cuda_stages, device = (), rail.device.type
         return ComposedInternode(rail, node, self.rank, topo, cuda_stages), device
 
     def _symmetric_rail(self, group: Any, rail_group: Any) -> Any:

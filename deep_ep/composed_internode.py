@@ -42,22 +42,24 @@ counts) and the per-expert list; the permutation and handle fields are device op
 Stream order: every stage call is synchronous with the current stream and orders after it (a
 ``previous_event`` is waited for on the current stream first: the records are built there, after the event).
 
-CUDA stages (``cuda_stages``): each stage runs the ring kernels in its own buffer (IPC: the Buffer's
+CUDA stages (``cuda_stages``): each such stage runs the ring kernels in its own buffer (IPC: the Buffer's
 ``num_nvl_bytes``; NVSHMEM rail: ``num_rdma_bytes``), with records wider than the hidden size (payload + top-k +
 metadata, padded to 16 bytes). Every call checks first, on every rank alike and before any communication, that the
-rings of both stages hold ``2 * num_max_nvl_chunked_send_tokens`` records per (channel, source), and raises a
-ValueError naming the buffer size needed otherwise (:func:`stage_nvl_bytes`); likewise top-k <= 16 and
-``E / N`` <= 1024.
+rings of the CUDA stages hold ``2 * num_max_nvl_chunked_send_tokens`` records per (channel, source), and raises a
+ValueError naming the buffer size needed otherwise (:func:`stage_nvl_bytes`); likewise top-k <= 16 (node stage)
+and ``E / N`` <= 1024 (rail stage). A **torch rail** (``TorchBackend`` over the rail subgroup: NCCL, or gloo with
+host copies) beside a CUDA node stage serves more nodes than a ring group has ranks: rows still cross the network
+once per node, and the NVLink fan-out and the per-node reduction stay on the kernels.
 
 Worst-token mode (``num_worst_tokens > 0``): the outputs of a normal dispatch, padded to ``num_worst_tokens`` rows
 (:meth:`ComposedInternode._pad_to_worst`); the stages still synchronise with the host for their receive counts.
 
-Not supported (raise): more than ``NUM_MAX_RING_RANKS`` (16) nodes (the rail stage is one ring-kernel group).
+Not supported (raise): a CUDA rail stage of more than ``NUM_MAX_RING_RANKS`` (24) nodes (use a torch rail).
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Collection, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -230,8 +232,9 @@ class ComposedInternode:
         rank: this rank in the Buffer's group.
         topology: ``N x G`` with ``N > 1``, ``1 < G``; ``N <= NUM_MAX_RING_RANKS`` (16: the rail stage runs the
             ring kernels).
-        cuda_stages: the stages are CUDA ring kernels (``ring_bytes()``, ``buffer_arg``): every call checks their
-            rings and the kernel limits first (see the module docstring); False for torch stages (no check).
+        cuda_stages: which stages are CUDA ring kernels (``ring_bytes()``, ``buffer_arg``): every call checks their
+            rings and the kernel limits first (see the module docstring). True: both; False: neither (torch
+            stages); or a collection of ``'rail'`` / ``'node'`` (a torch rail beside a CUDA node stage: ``{'node'}``).
 
     Both stages must offer ``dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
     num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
@@ -240,15 +243,20 @@ class ComposedInternode:
     ``deep_ep.Buffer``.
     """
 
-    def __init__(self, rail: Any, node: Any, rank: int, topology: Topology, cuda_stages: bool = False) -> None:
+    def __init__(self, rail: Any, node: Any, rank: int, topology: Topology,
+                 cuda_stages: Union[bool, Collection[str]] = False) -> None:
         if not topology.is_internode or topology.num_scaleup_ranks < 2:
             raise ValueError(f"the composed internode path needs N > 1 nodes of G > 1 ranks, got "
                              f"{topology.num_scaleout_ranks} x {topology.num_scaleup_ranks}")
-        if topology.num_scaleout_ranks > NUM_MAX_RING_RANKS:
-            raise ValueError(f"the composed internode path serves at most {NUM_MAX_RING_RANKS} nodes (its rail "
-                             f"stage runs the ring kernels), got {topology.num_scaleout_ranks}")
+        stages = ("rail", "node") if cuda_stages is True else () if cuda_stages is False else tuple(cuda_stages)
+        if not set(stages) <= {"rail", "node"}:
+            raise ValueError(f"cuda_stages must be a bool or a collection of 'rail' / 'node', got {cuda_stages!r}")
+        if "rail" in stages and topology.num_scaleout_ranks > NUM_MAX_RING_RANKS:
+            raise ValueError(f"the composed internode path's CUDA rail stage serves at most {NUM_MAX_RING_RANKS} "
+                             f"nodes (one ring-kernel group), got {topology.num_scaleout_ranks}; a torch rail "
+                             f"serves more")
         self.rail, self.node, self.rank, self.topology = rail, node, rank, topology
-        self.cuda_stages = cuda_stages
+        self.cuda_stages = frozenset(stages)
         self.my_node, self.my_local = topology.node_of(rank), topology.local_of(rank)
         # Stage errors name the Buffer's ranks (the stages number their own): rail rank n is rank n * G + l, node
         # rank l' is rank m * G + l'.
@@ -310,7 +318,7 @@ class ComposedInternode:
     def _check_stage(self, stage: str, kind: str, record_bytes: int, config: Config) -> None:
         """Raise ValueError unless the CUDA ``stage`` ('rail' / 'node') rings hold ``2 * num_max_nvl_chunked_send_
         tokens`` ring slots of ``record_bytes`` for ``kind`` ('dispatch' / 'combine') per (channel, source)."""
-        if not self.cuda_stages:
+        if stage not in self.cuda_stages:
             return
         num_ranks = self.topology.num_scaleout_ranks if stage == "rail" else self.topology.num_scaleup_ranks
         backend = self.rail if stage == "rail" else self.node
@@ -339,10 +347,10 @@ class ComposedInternode:
             return
         num_nodes = self.topology.num_scaleout_ranks
         num_topk = topk_idx.size(1) if topk_idx is not None else 0
-        if num_topk > lay.INTRANODE_MAX_TOPK:
+        if num_topk > lay.INTRANODE_MAX_TOPK and "node" in self.cuda_stages:
             raise ValueError(f"the composed internode path on CUDA stages carries at most {lay.INTRANODE_MAX_TOPK} "
                              f"top-k entries per token (the intranode kernels' limit), got {num_topk}")
-        if num_experts // num_nodes > NUM_MAX_LOCAL_EXPERTS:
+        if num_experts // num_nodes > NUM_MAX_LOCAL_EXPERTS and "rail" in self.cuda_stages:
             raise ValueError(f"the composed internode path on CUDA stages needs num_experts / nodes <= "
                              f"{NUM_MAX_LOCAL_EXPERTS} (the rail stage's local experts), got {num_experts} / "
                              f"{num_nodes}")

@@ -21,7 +21,7 @@ NUM_MAX_SCALEUP_RANKS = 8
 # Largest group of this library's ring kernels (csrc/kernels/constants.cuh kMaxRanks): the intranode Buffer's NVLink
 # domain (at most NUM_MAX_SCALEUP_RANKS), the nodes of the one-GPU-per-node CUDA internode backend and of the composed
 # path's rail stage. Larger groups fall back to the torch backend.
-NUM_MAX_RING_RANKS = 16
+NUM_MAX_RING_RANKS = 24
 # Most local experts per rank that the host layer accepts (DeepEP's host limit).
 NUM_MAX_LOCAL_EXPERTS = 1024
 # Largest top-k the normal kernels carry per token (DeepEP's device limit).
@@ -188,19 +188,26 @@ def put_peers(rank: int, unreachable: list, put_only: bool) -> list[int]:
 
 def composed_rail(mode: str, hosts: Sequence[str], topology: Topology, num_rdma_bytes: int,
                   has_nvshmem: bool) -> tuple[Optional[str], Optional[str]]:
-    """How the composed internode path's CUDA rail stage reaches its peers (``DEEP_EP_COMPOSED_RAIL`` = ``mode``):
-    ``('ipc', None)`` (CUDA IPC buffers), ``('nvshmem', None)`` (the ring kernels on the NVSHMEM symmetric heap,
-    ``deep_ep.cuda_internode.SymmetricCuda``), or ``(None, why the CUDA stages cannot serve the group)``.
-    ``hosts[r]``: the host name of rank ``r``. The node stage always runs on CUDA IPC, so each node's ranks must share
-    a host; ``auto`` takes IPC when every rank does, NVSHMEM otherwise."""
-    if mode not in ("auto", "ipc", "nvshmem"):
-        raise ValueError(f"DEEP_EP_COMPOSED_RAIL must be 'auto', 'ipc' or 'nvshmem', got {mode!r}")
+    """How the composed internode path's rail stage reaches its peers next to the CUDA node stage
+    (``DEEP_EP_COMPOSED_RAIL`` = ``mode``): ``('ipc', None)`` (the ring kernels in CUDA IPC buffers), ``('nvshmem',
+    None)`` (the ring kernels on the NVSHMEM symmetric heap, ``deep_ep.cuda_internode.SymmetricCuda``), ``('torch',
+    None)`` (``TorchBackend`` over the rail subgroup: any node count), or ``(None, why the CUDA node stage cannot
+    serve the group)``. ``hosts[r]``: the host name of rank ``r``. The node stage always runs on CUDA IPC, so each
+    node's ranks must share a host; ``auto`` takes torch beyond ``NUM_MAX_RING_RANKS`` nodes, else IPC when every
+    rank shares one host, else NVSHMEM."""
+    if mode not in ("auto", "ipc", "nvshmem", "torch"):
+        raise ValueError(f"DEEP_EP_COMPOSED_RAIL must be 'auto', 'ipc', 'nvshmem' or 'torch', got {mode!r}")
     per_node = topology.num_scaleup_ranks
     for node in range(topology.num_scaleout_ranks):
         names = sorted(set(hosts[node * per_node:(node + 1) * per_node]))
         if len(names) > 1:
             return None, (f"the ranks of node {node} span hosts {names} (the node stage needs CUDA IPC; set "
                           f"DEEP_EP_GPUS_PER_NODE to the GPUs per host)")
+    if mode == "torch" or (mode == "auto" and topology.num_scaleout_ranks > NUM_MAX_RING_RANKS):
+        return "torch", None
+    if topology.num_scaleout_ranks > NUM_MAX_RING_RANKS:
+        return None, (f"DEEP_EP_COMPOSED_RAIL={mode}: {topology.num_scaleout_ranks} nodes exceed the rail stage's "
+                      f"{NUM_MAX_RING_RANKS} ranks (a torch rail serves them)")
     one_host = len(set(hosts)) == 1
     if mode == "ipc" and not one_host:
         return None, f"DEEP_EP_COMPOSED_RAIL=ipc but the ranks span {len(set(hosts))} hosts"

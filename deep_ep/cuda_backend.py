@@ -161,7 +161,7 @@ class CudaBackend:
 
     def __init__(self, rank: int, num_ranks: int, num_nvl_bytes: int,
                  all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:
-        if not 1 <= num_ranks <= NUM_MAX_RING_RANKS:  # a Buffer's NVLink domain has <= 8; a rail stage up to 16
+        if not 1 <= num_ranks <= NUM_MAX_RING_RANKS:  # a Buffer's NVLink domain has <= 8; a rail stage up to 24
             raise ValueError(f"num_ranks must be in [1, {NUM_MAX_RING_RANKS}] for the CUDA ring kernels, "
                              f"got {num_ranks}")
         if num_nvl_bytes <= 0 or num_nvl_bytes % 128 != 0:

@@ -61,11 +61,11 @@ class UnsupportedTopology(RuntimeError):
 
 class SymmetricCuda(CudaBackend):
     """The ring kernels of :class:`CudaBackend` over a buffer on the NVSHMEM symmetric heap, for one rank of a group
-    of 2..16 ranks that reach each other by ``nvshmem_ptr`` where they can and by NVSHMEM puts and signals where they
+    of 2..24 ranks that reach each other by ``nvshmem_ptr`` where they can and by NVSHMEM puts and signals where they
     cannot (put peers). Intranode interface and handles.
 
     Args:
-        rank, num_ranks: position in the group; ``2 <= num_ranks <= 16`` (``_C.MAX_RANKS``).
+        rank, num_ranks: position in the group; ``2 <= num_ranks <= 24`` (``_C.MAX_RANKS``).
         num_rdma_bytes: bytes of the symmetric buffer the kernels carve (equal on every rank of the world).
         unique_id: the NVSHMEM world's unique id (``join_nvshmem_world`` over the world's group).
         world_rank, world_size: this process's PE and the world's size.

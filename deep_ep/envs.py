@@ -72,8 +72,9 @@ INTERNODE = EnvVar(
     "'composed' (the stages for every tensor: torch stages on CPU) or 'torch'.")
 COMPOSED_RAIL = EnvVar(
     "DEEP_EP_COMPOSED_RAIL", str, "auto",
-    "Rail stage of the composed internode path on CUDA: 'auto' (CUDA IPC when every rank is on one host, else the "
-    "ring kernels over the NVSHMEM symmetric heap of num_rdma_bytes), 'ipc' or 'nvshmem' (also on one host: tests).")
+    "Rail stage of the composed internode path on CUDA: 'auto' (the torch backend over the rail subgroup beyond 24 "
+    "nodes, else CUDA IPC when every rank is on one host, else the ring kernels over the NVSHMEM symmetric heap of "
+    "num_rdma_bytes), 'ipc', 'nvshmem' (also on one host: tests) or 'torch' (any node count).")
 TOPK_IDX_BITS = EnvVar(
     "DEEP_EP_TOPK_IDX_BITS", int, 64,
     "Width of deep_ep.topk_idx_t: 64 (torch.int64, DeepEP's default) or 32 (torch.int32).")

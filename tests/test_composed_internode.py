@@ -174,19 +174,55 @@ def test_stage_errors_name_buffer_ranks():
 
 
 def test_node_count_follows_the_ring_kernels():
-    """The rail stage is one ring-kernel group, so the composed path serves up to ``NUM_MAX_RING_RANKS`` (16) nodes
-    and refuses more by name (the Buffer then keeps its torch backend)."""
+    """A CUDA rail stage is one ring-kernel group: up to ``NUM_MAX_RING_RANKS`` (24) nodes, more refused by name; a
+    torch rail beside the CUDA node stage (or torch stages) serves any node count, and ``auto`` picks it there."""
     from deep_ep.composed_internode import ComposedInternode
-    from deep_ep.config import NUM_MAX_RING_RANKS, Topology
+    from deep_ep.config import NUM_MAX_RING_RANKS, Topology, composed_rail
 
-    assert NUM_MAX_RING_RANKS == 16
-    ComposedInternode(None, None, 0, Topology(2 * NUM_MAX_RING_RANKS, 2))
-    with pytest.raises(ValueError, match=f"at most {NUM_MAX_RING_RANKS} nodes .*got {NUM_MAX_RING_RANKS + 1}"):
-        ComposedInternode(None, None, 0, Topology(2 * (NUM_MAX_RING_RANKS + 1), 2))
+    assert NUM_MAX_RING_RANKS == 24
+    many = Topology(2 * (NUM_MAX_RING_RANKS + 1), 2)
+    ComposedInternode(None, None, 0, Topology(2 * NUM_MAX_RING_RANKS, 2), cuda_stages=True)
+    with pytest.raises(ValueError, match=f"CUDA rail stage serves at most {NUM_MAX_RING_RANKS} nodes .*got "
+                                         f"{NUM_MAX_RING_RANKS + 1}; a torch rail"):
+        ComposedInternode(None, None, 0, many, cuda_stages=True)
+    for stages in (("node",), False):
+        ComposedInternode(None, None, 0, many, cuda_stages=stages)
+    with pytest.raises(ValueError, match="cuda_stages must be"):
+        ComposedInternode(None, None, 0, many, cuda_stages=("rail", "nodes"))
+    hosts = ["h"] * many.num_ranks
+    assert composed_rail("auto", hosts, many, 0, False) == ("torch", None)
+    assert composed_rail("torch", hosts, Topology(4, 2), 0, False) == ("torch", None)
+    assert composed_rail("auto", hosts, Topology(2 * NUM_MAX_RING_RANKS, 2), 0, False) == ("ipc", None)
+    kind, why = composed_rail("ipc", hosts, many, 0, False)
+    assert kind is None and f"{NUM_MAX_RING_RANKS + 1} nodes exceed" in why and "torch rail" in why
+    with pytest.raises(ValueError, match="'auto', 'ipc', 'nvshmem' or 'torch'"):
+        composed_rail("nccl", hosts, many, 0, False)
+
+
+def test_torch_rail_checks_only_the_node_stage():
+    """With a torch rail, the ring check and the kernels' limits apply to the CUDA node stage only: a rail backend
+    without rings is never asked for them, and E / N beyond the rail kernels' local experts passes."""
+    from deep_ep import layout as lay
+    from deep_ep.composed_internode import ComposedInternode
+    from deep_ep.config import Config, Topology
+
+    topo, config = Topology(4, 2), Config(24, 8, 256)
+    record = lay.intranode_dispatch_record_bytes(14336 + 48, 0, 8)
+    composed = ComposedInternode(object(), _Stage(1 << 20), 0, topo, cuda_stages=("node",))
+    composed._check_stage("rail", "dispatch", record, config)  # object() has no rings: not consulted
+    with pytest.raises(ValueError, match="node stage dispatch"):
+        composed._check_stage("node", "dispatch", record, config)
+    x = torch.zeros(1, 128, dtype=torch.bfloat16)
+    idx = torch.zeros(1, 4, dtype=torch.int64)
+    composed_big = ComposedInternode(object(), _Stage(1 << 30), 0, topo, cuda_stages=("node",))
+    composed_big._check_dispatch([x], idx, 2 * 2048, Config(8, 8, 256))  # 2048 experts per node: rail is torch
+    with pytest.raises(ValueError, match="E / N|num_experts / nodes"):
+        ComposedInternode(_Stage(1 << 30), _Stage(1 << 30), 0, topo, cuda_stages=True)._check_dispatch(
+            [x], idx, 2 * 2048, Config(8, 8, 256))
 
 
 def test_send_warps_fit_every_ring_group():
-    """Copy warps per channel stay where each kernel accepts them for every group size up to 16 ranks, whatever the
+    """Copy warps per channel stay where each kernel accepts them for every group size up to NUM_MAX_RING_RANKS (24), whatever the
     override: dispatch [2, 32 - R] (the receivers keep a warp per source), combine [R - 1, 30]."""
     from deep_ep import config as cfg
 
@@ -211,11 +247,11 @@ def test_automatic_fallback_says_why(monkeypatch):
 
     from deep_ep.buffer import _without_cuda
 
-    reason = "17 nodes exceed the kernels' 16 ranks"
+    reason = "25 nodes exceed the kernels' 24 ranks"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.warns(RuntimeWarning, match=r"CUDA internode backend does not serve this group \(17 nodes exceed"):
+    with pytest.warns(RuntimeWarning, match=r"CUDA internode backend does not serve this group \(25 nodes exceed"):
         assert _without_cuda("auto", object(), "CUDA internode backend", reason) is None
-    with pytest.raises(RuntimeError, match="DEEP_EP_BACKEND=cuda but the CUDA internode backend cannot be used: 17"):
+    with pytest.raises(RuntimeError, match="DEEP_EP_BACKEND=cuda but the CUDA internode backend cannot be used: 25"):
         _without_cuda("cuda", object(), "CUDA internode backend", reason)
     with pytest.raises(ValueError, match="comm= .* without group="):
         _without_cuda("auto", None, "CUDA internode backend", reason)

@@ -651,10 +651,10 @@ def test_normal_work_rejects_an_unknown_combine_path():
 
 
 def test_more_nodes_than_the_kernels_serve_is_noted():
-    # Beyond 16 nodes deep_ep's Buffer falls back to its torch backend: the report says its normal rows are not that.
-    sc = Scenario(nodes=24, gpus_per_node=1, gpu="h200", mode="normal", kernels="deep_ep", tokens=256)
+    # Beyond 24 nodes deep_ep's Buffer falls back to its torch backend: the report says its normal rows are not that.
+    sc = Scenario(nodes=32, gpus_per_node=1, gpu="h200", mode="normal", kernels="deep_ep", tokens=256)
     def notes(scenario):
         return [note for scale in run(scenario).scales for note in scale.notes]
 
-    assert any("at most 16 nodes" in note for note in notes(sc))
-    assert not any("at most 16 nodes" in note for note in notes(replace(sc, nodes=16)))
+    assert any("at most 24 nodes" in note for note in notes(sc))
+    assert not any("at most 24 nodes" in note for note in notes(replace(sc, nodes=24)))

@@ -8,13 +8,13 @@
 namespace deep_ep {
 namespace kernels {
 
-// Largest group of the ring kernels (ranks 1..16, any count): an NVLink domain of up to 8 GPUs for the intranode
-// Buffer, up to 16 nodes for the one-GPU-per-node internode backend and the composed path's rail stage. The kernels'
+// Largest group of the ring kernels (ranks 1..24, any count): an NVLink domain of up to 8 GPUs for the intranode
+// Buffer, up to 24 nodes for the one-GPU-per-node internode backend and the composed path's rail stage. The kernels'
 // structure allows up to 30 (lane-per-rank code needs < 32; the dispatch a receiver warp per source beside three
 // sender warps, the combine a ring-sender warp per destination beside the publisher and a reducer, intranode.cu);
-// 16 is the largest count run on a GPU (docs/multinode.md "More than 8 nodes"). Raising it: deep_ep.config
+// 24 is the largest count run on a GPU (docs/multinode.md "More than 8 nodes"). Raising it: deep_ep.config
 // NUM_MAX_RING_RANKS too, then run_device.sh test_many_nodes with INTERNODE_MANY_NODES at the new cap.
-constexpr int kMaxRanks = 16;
+constexpr int kMaxRanks = 24;
 // Largest number of channels (one CTA each) of a dispatch or combine kernel; Config.num_sms must not exceed it.
 constexpr int kMaxChannels = 160;
 // Largest top-k the intranode kernels carry per token.

@@ -42,6 +42,7 @@ STAGES = "ComposedInternode cuda CudaBackend CudaBackend"
 NVSHMEM_STAGES = "ComposedInternode cuda SymmetricCuda CudaBackend"
 # The rail stage forced onto the NVSHMEM heap: 768 MB of RDMA buffer (two 256 MB ring halves and an output pool).
 NVSHMEM_RAIL = {"DEEP_EP_COMPOSED_RAIL": "nvshmem", "DEEP_EP_TEST_NUM_RDMA_BYTES": str(768 << 20)}
+TORCH_RAIL_STAGES = "ComposedInternode cuda TorchBackend CudaBackend"
 
 
 def task_stages(buffer, rank: int, payload) -> str:
@@ -71,7 +72,7 @@ def _composed_pool(devices: list, gpus_per_node: int, stages: str = STAGES, **en
         pool.close()
 
 
-@pytest.fixture(scope="module", params=["ipc", "nvshmem", "nvshmem_puts"])
+@pytest.fixture(scope="module", params=["ipc", "nvshmem", "nvshmem_puts", "torch"])
 def two_by_two(request):
     """2 x 2 with the rail stage over CUDA IPC (``auto`` on one host) or on the NVSHMEM heap
     (``DEEP_EP_COMPOSED_RAIL=nvshmem``; ``nvshmem_puts``: every rail pair a put pair, whose put area needs about twice
@@ -80,6 +81,9 @@ def two_by_two(request):
     devices = [rank % gpus for rank in range(4)]
     if request.param == "ipc":
         yield from _composed_pool(devices, 2)
+        return
+    if request.param == "torch":  # the torch rail (TorchBackend over the gloo rail subgroup) beside CUDA node stages
+        yield from _composed_pool(devices, 2, TORCH_RAIL_STAGES, DEEP_EP_COMPOSED_RAIL="torch")
         return
     puts = request.param == "nvshmem_puts"
     env = {**NVSHMEM_RAIL, "DEEP_EP_INTERNODE_PUT_ONLY": "1" if puts else "0"}
@@ -109,18 +113,25 @@ def test_two_by_two_large(two_by_two):
         two_by_two.run(tn.TASK, case)
 
 
-# Nodes of the many-node test (x 2 GPUs per node): past the 8 ranks a rail stage once had, up to 16. Its ranks share
+# Nodes of the many-node test (x 2 GPUs per node): past the 8 ranks a rail stage once had, up to 24. Its ranks share
 # the GPUs; on one GPU run it with TEST_RANKS_PER_GPU >= 2 x COMPOSED_MANY_NODES (run_device.sh test_many_nodes).
 MANY_NODES = int(os.environ.get("COMPOSED_MANY_NODES", "9"))
 
 
-@pytest.fixture(scope="module", params=["ipc", "nvshmem"])
+@pytest.fixture(scope="module", params=["ipc", "nvshmem", "torch"])
 def many_by_two(request):
-    """MANY_NODES x 2: the rail stage (MANY_NODES ranks) over CUDA IPC or on the NVSHMEM heap."""
+    """MANY_NODES x 2: the rail stage (MANY_NODES ranks) over CUDA IPC, on the NVSHMEM heap, or the torch rail
+    (forced; ``auto`` takes it beyond 24 nodes, where the ring-kernel rails do not apply)."""
+    from deep_ep.config import NUM_MAX_RING_RANKS
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 2
     devices = [rank % gpus for rank in range(2 * MANY_NODES)]
+    if MANY_NODES > NUM_MAX_RING_RANKS and request.param != "torch":
+        pytest.skip(f"a ring-kernel rail serves at most {NUM_MAX_RING_RANKS} nodes")
     if request.param == "ipc":
         yield from _composed_pool(devices, 2)
+    elif request.param == "torch":
+        yield from _composed_pool(devices, 2, TORCH_RAIL_STAGES,
+                                  **({} if MANY_NODES > NUM_MAX_RING_RANKS else {"DEEP_EP_COMPOSED_RAIL": "torch"}))
     else:
         yield from _composed_pool(devices, 2, NVSHMEM_STAGES, **NVSHMEM_RAIL)
 

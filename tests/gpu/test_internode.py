@@ -203,10 +203,10 @@ def test_two_virtual_nodes_bench_shape(virtual_nodes):
         virtual_nodes.run(TASK, case)
 
 
-# Virtual nodes of the many-node test: past the 8 ranks the ring kernels once had, up to NUM_MAX_RING_RANKS (16).
+# Virtual nodes of the many-node test: past the 8 ranks the ring kernels once had, up to NUM_MAX_RING_RANKS (24).
 # They share the GPUs (rank % GPUs): on one GPU run it with TEST_RANKS_PER_GPU >= MANY_NODES (run_device.sh
 # test_many_nodes); the marker skips it where fewer slots exist.
-MANY_NODES = int(os.environ.get("INTERNODE_MANY_NODES", "16"))
+MANY_NODES = int(os.environ.get("INTERNODE_MANY_NODES", "24"))
 
 
 @pytest.fixture(scope="module")
