@@ -278,10 +278,13 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
              "included, no notify); parameters from simulator/calibration_deep_ep.json, the rest labelled "
              "assumed (python -m simulator.calibrate --show lists them)"]
     if sc.mode in ("normal", "both") and sc.nodes > NUM_MAX_RING_RANKS:
+        beyond = (f"the composed path with a torch rail (NCCL over the rail subgroup; the node stage stays on the "
+                  f"kernels), whose rail is not modelled" if per_node > 1 else
+                  "its torch backend, which is not modelled")
         notes.append(f"deep_ep's normal-mode kernels serve at most {NUM_MAX_RING_RANKS} nodes (each ring op, the "
                      f"composed path's rail stage included, has at most {NUM_MAX_RING_RANKS} ranks): at "
-                     f"{sc.nodes} nodes the Buffer runs its torch backend, which is not modelled; the normal rows "
-                     f"show the kernels' model as if they served {sc.nodes} nodes")
+                     f"{sc.nodes} nodes the Buffer runs {beyond}; the normal rows show the kernels' model as if "
+                     f"they served {sc.nodes} nodes")
     if nic.shares_nvlink and sc.nodes > 1:
         notes.append(f"nic {nic.name}: virtual-node test setup, {sc.nodes} nodes x {per_node} GPUs on one NVLink "
                      f"host; the scale-out puts share the GPUs' NVLink ports (counted under NVL_GB/s)")

@@ -651,10 +651,12 @@ def test_normal_work_rejects_an_unknown_combine_path():
 
 
 def test_more_nodes_than_the_kernels_serve_is_noted():
-    # Beyond 24 nodes deep_ep's Buffer falls back to its torch backend: the report says its normal rows are not that.
+    # Beyond 24 nodes deep_ep's Buffer runs its torch backend (G = 1) or a torch rail (G > 1): the report says so.
     sc = Scenario(nodes=32, gpus_per_node=1, gpu="h200", mode="normal", kernels="deep_ep", tokens=256)
     def notes(scenario):
         return [note for scale in run(scenario).scales for note in scale.notes]
 
-    assert any("at most 24 nodes" in note for note in notes(sc))
+    assert any("at most 24 nodes" in note and "torch backend" in note for note in notes(sc))
     assert not any("at most 24 nodes" in note for note in notes(replace(sc, nodes=24)))
+    # With several GPUs per node the node stage stays on the kernels beside a torch rail (NCCL).
+    assert any("torch rail" in note for note in notes(replace(sc, gpus_per_node=2, tokens=64)))
