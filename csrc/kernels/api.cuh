@@ -12,7 +12,8 @@
 //                   serve a subgroup of the NVSHMEM world, e.g. the composed internode path's rail stage).
 //   v6 (branch ranks16): kMaxRanks 8 -> 16 (KernelContext's arrays, LandedFlags and the control region grow);
 //                   dispatch num_send_warps in [2, 32 - R] (was [R + 1, 32 - R]).
-//   v7 (branch ranks24): kMaxRanks 16 -> 24 (the same arrays and control region grow again). No signature changed.
+//   v7 (branch ranks24): kMaxRanks 16 -> 24 (the same arrays and control region grow again); the kernels take their
+//                   parameters as const __grid_constant__. No launcher signature changed.
 //
 // Host obligations (beyond the arguments):
 //   * Zero the whole scale-up buffer (or at least kControlBytes of it) and the workspace before the first call;

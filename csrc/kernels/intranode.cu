@@ -65,10 +65,11 @@ constexpr int kBarrierRecvGroup0 = 2;    // + source index, for receiver groups 
 static_assert(kMaxRanks - 1 + 3 <= kChannelWarps, "one receiver warp per source and three sender warps must fit a CTA");
 static_assert(kMaxRanks < 32, "lane-per-rank masks (1u << num_ranks) and warp-wide rank loops");
 static_assert(kBarrierRecvGroup0 + 14 <= 16, "named barriers of the multi-warp receiver groups");
-// Every kernel takes its KernelContext as `const __grid_constant__`: reads with a runtime rank index
-// (ctx.buffers[d], ctx.pe_of[d]) go to the parameter bank. A plain by-value parameter indexed at run time is copied
-// to local memory by every thread at entry (39 eight-byte words at kMaxRanks = 24); on one H200 that copy and its
-// loads cost the 1-rank dispatch 14-16 % of its kernel time (docs/performance.md, "KernelContext as a grid constant").
+// Every kernel takes its parameters (KernelContext, the Args and Geometry structs) as `const __grid_constant__`:
+// reads, also with a run-time index (ctx.buffers[d], ctx.pe_of[d]), go to the parameter bank. A plain by-value
+// parameter whose address is taken or that is indexed at run time is copied to local memory by every thread at entry
+// (the context alone 39 eight-byte words at kMaxRanks = 24); on one H200 those copies and their loads cost the 1-rank
+// dispatch 16-17 % of its kernel time (docs/performance.md, "Kernel parameters as grid constants").
 
 __device__ __forceinline__ uint32_t* buffer_u32(void* buffer, int64_t offset) {
     return reinterpret_cast<uint32_t*>(static_cast<char*>(buffer) + offset);
@@ -127,7 +128,7 @@ __device__ __forceinline__ void warp_copy_row(const int4* src, int64_t num_int4,
 // flag as signal.
 template <bool kPut>
 __global__ void __launch_bounds__(kNotifyThreads, 1)
-    notify_counts_kernel(const __grid_constant__ KernelContext ctx, NotifyArgs args) {
+    notify_counts_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ NotifyArgs args) {
     __shared__ int channel_counts[kMaxRanks][kMaxChannels];  // my tokens to d in channel c
     __shared__ int rank_totals[kMaxRanks];
     __shared__ int all_counts[kMaxRanks][kMaxRanks];           // count(s -> d) gathered from every source
@@ -606,7 +607,8 @@ struct DirectOutput {
 // nor receives their rows in place.
 template <typename IdxT, bool kPut>
 __global__ void __launch_bounds__(kChannelThreads, 1)
-    dispatch_kernel(const __grid_constant__ KernelContext ctx, DispatchArgs args, DispatchGeometry geo) {
+    dispatch_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ DispatchArgs args,
+                    const __grid_constant__ DispatchGeometry geo) {
     __shared__ uint32_t tail_base[kMaxRanks];       // tail shadow at kernel entry, per destination
     __shared__ volatile uint32_t head_cache[kMaxRanks];  // a head seen earlier, per destination
     __shared__ int total[kMaxRanks];                // tokens of this channel to each destination
@@ -1207,7 +1209,8 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& args, int t, con
 // kPut: some peers are NVSHMEM put peers (put.cuh): rows for them are staged and put with the tails.
 template <bool kPut>
 __global__ void __launch_bounds__(kChannelThreads, 1)
-    combine_kernel(const __grid_constant__ KernelContext ctx, CombineArgs args, CombineGeometry geo) {
+    combine_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ CombineArgs args,
+                   const __grid_constant__ CombineGeometry geo) {
     // Warps [0, W) push rows of my receive blocks back to their owners' rings: warp w serves destination index
     // w % (R - 1), so each destination's stream has its own warps and never waits on another stream. Warp W
     // publishes the tails of those streams and the heads of the rings it reduces from. The other warps reduce my
@@ -1480,7 +1483,7 @@ __device__ __noinline__ void zone_send_rows(const KernelContext& ctx, const Comb
 
 template <bool kZone, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32, 1)
-    combine_landed_kernel(const __grid_constant__ KernelContext ctx, CombineArgs args) {
+    combine_landed_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ CombineArgs args) {
     __shared__ volatile uint32_t landed_cache[kMaxRanks];  // copy engine: a landed word seen earlier, per source
     __shared__ const char* zone_data[kMaxRanks];           // my landing zone of source d: rows, weights
     __shared__ const char* zone_weights[kMaxRanks];
@@ -1661,7 +1664,7 @@ __global__ void combine_copy_prepare_kernel(const __grid_constant__ KernelContex
 
 // One warp on the copy stream, after a chunk of copies: publishes the landed words (stream order puts the copies'
 // writes before this kernel).
-__global__ void combine_copy_flag_kernel(const __grid_constant__ KernelContext ctx, LandedFlags flags) {
+__global__ void combine_copy_flag_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ LandedFlags flags) {
     const int d = lane_id();
     if (d < ctx.num_ranks && flags.values[d] != 0u) {
         fence_acq_rel_sys();
