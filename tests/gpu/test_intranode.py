@@ -166,7 +166,11 @@ def _worker(rank: int, world: int, device: int, port: int, env: dict, tasks, res
         import torch.distributed as dist
         if DEVICE == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        # DEEP_EP_TEST_GROUP=nccl: an NCCL group (one rank per GPU), for the torch backend's CUDA path.
+        group_backend = os.environ.get("DEEP_EP_TEST_GROUP", "gloo")
+        device_id = dict(device_id=torch.device("cuda", device)) if group_backend == "nccl" else {}
+        dist.init_process_group(group_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                **device_id)
         import deep_ep
         # tests/gpu/test_internode.py reuses this pool with an RDMA (NVSHMEM) buffer and virtual nodes.
         num_rdma_bytes = int(os.environ.get("DEEP_EP_TEST_NUM_RDMA_BYTES", "0"))
@@ -383,9 +387,14 @@ def _apply_tuning(case: Case, rank: int) -> None:
     deep_ep.config.INTRANODE_COMBINE_COPY = case.combine_copy
 
 
+def _kernel_runtime(buffer):
+    """The CUDA kernels' runtime behind this rank's Buffer, or None (CPU tests; the torch backend on CUDA tensors)."""
+    return getattr(getattr(buffer, "runtime", None), "runtime", None) if DEVICE == "cuda" else None
+
+
 def _pool_range(buffer) -> tuple[int, int]:
     """Device address range ``[begin, end)`` of this rank's output pool."""
-    runtime = buffer.runtime.runtime
+    runtime = _kernel_runtime(buffer)
     base = runtime.get_local_buffer_tensor(torch.uint8, 0).data_ptr()
     begin = base + runtime.get_pool_offset()
     return begin, begin + runtime.get_pool_bytes()
@@ -398,7 +407,7 @@ def _in_pool(buffer, tensor: torch.Tensor) -> bool:
 
 def _expect_path(buffer, tensor: torch.Tensor, receive: str, rank: int, label: str) -> None:
     """The receive path that produced ``tensor`` (rows > 0) is the one asked for."""
-    if DEVICE != "cuda" or tensor.numel() == 0:
+    if _kernel_runtime(buffer) is None or tensor.numel() == 0:
         return
     want_direct = receive == "direct" or (receive == "mixed" and rank == 0)
     if receive == "auto":
@@ -408,8 +417,8 @@ def _expect_path(buffer, tensor: torch.Tensor, receive: str, rank: int, label: s
 
 def _copy_epoch(buffer) -> int:
     """Copy-engine combines of this rank's runtime so far (-1 without the CUDA runtime)."""
-    runtime = getattr(getattr(buffer, "runtime", None), "runtime", None)
-    return runtime.get_copy_epoch() if DEVICE == "cuda" and hasattr(runtime, "get_copy_epoch") else -1
+    runtime = _kernel_runtime(buffer)
+    return runtime.get_copy_epoch() if hasattr(runtime, "get_copy_epoch") else -1
 
 
 def _expect_combine_path(buffer, handle, case: Case, epoch_before: int, label: str) -> None:
@@ -417,7 +426,7 @@ def _expect_combine_path(buffer, handle, case: Case, epoch_before: int, label: s
     limit), several ranks, the handle's pair counts known and every landing zone fitting."""
     if epoch_before < 0:
         return
-    runtime = buffer.runtime.runtime
+    runtime = _kernel_runtime(buffer)
     counts = getattr(handle.rank_prefix_matrix, "_deep_ep_pair_counts", None)
     import deep_ep.config
     asked = deep_ep.config.combine_send_path(case.num_sms) != "rings"
@@ -429,10 +438,10 @@ def _expect_combine_path(buffer, handle, case: Case, epoch_before: int, label: s
 
 def _poison_pool(buffer) -> None:
     """Fill the output pool with 0x7f (call with nothing in flight and no live pool tensor that matters)."""
-    if DEVICE != "cuda":
+    runtime = _kernel_runtime(buffer)
+    if runtime is None:
         return
     torch.cuda.synchronize()
-    runtime = buffer.runtime.runtime
     offset, size = runtime.get_pool_offset(), runtime.get_pool_bytes()
     if size > 0:
         runtime.get_local_buffer_tensor(torch.uint8, offset)[:size].fill_(0x7F)
@@ -885,6 +894,27 @@ def test_ranks_sharing_one_gpu(pools, world, data):
 @given(case=case_strategy(2, max_tokens=1200))
 def test_two_gpus(pools, case):
     pools(2, spread=True).run("roundtrip", case)
+
+
+@pytest.mark.multi_gpu
+@gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_NCCL", "6")))
+@given(case=case_strategy(2, max_tokens=600))
+def test_torch_backend_over_nccl(nccl_torch_pool, case):
+    """The torch backend's CUDA path (comm stream, events, NCCL batch_isend_irecv of CUDA rows): what a cluster runs
+    where the kernels do not serve the group (one GPU per node beyond NUM_MAX_RING_RANKS nodes, the composed path's
+    torch rail). Two ranks on two GPUs over NCCL (NCCL refuses two ranks of one communicator on one GPU), the same
+    round trip against the reference as the kernels' tests."""
+    nccl_torch_pool.run("roundtrip", case)
+
+
+@pytest.fixture(scope="module")
+def nccl_torch_pool():
+    pool = Pool(_devices(2, spread=True), env={"DEEP_EP_BACKEND": "torch", "DEEP_EP_TEST_GROUP": "nccl"})
+    try:
+        assert pool.backends == {"TorchBackend"}, f"DEEP_EP_BACKEND=torch gave {pool.backends}"
+        yield pool
+    finally:
+        pool.close()
 
 
 @pytest.mark.parametrize("world", [pytest.param(4, marks=pytest.mark.multi_gpu(4)),
