@@ -23,6 +23,8 @@
 * **Internode, several GPUs per node**: deep_ep's composed path, a rail stage then a node stage, each one of the
   ops above over its subgroup, with the record copies between them (:mod:`simulator.deep_ep_composed`). deep_ep
   has no fused forwarding kernels, so neither does this model (``simulator.rank`` models DeepEP's).
+* **Beyond ``NUM_MAX_RING_RANKS`` nodes**: the torch backend (NCCL point-to-point) for the whole op with one GPU per
+  node, for the composed path's rail stage with several (:mod:`simulator.deep_ep_torch`, assumed parameters).
 
 Cost model of one rank (SM-µs are SM-time; ``C`` SMs share them):
 
@@ -44,10 +46,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from deep_ep.config import (COMBINE_COPY_CHUNK_ROWS, FP8_BLOCK, NUM_MAX_LL_TOPK, ceil_div, combine_send_path,
-                            intranode_channels, zone_ctas)
+from deep_ep.config import (COMBINE_COPY_CHUNK_ROWS, FP8_BLOCK, NUM_MAX_LL_TOPK, NUM_MAX_RING_RANKS, ceil_div,
+                            combine_send_path, intranode_channels, zone_ctas)
 from deep_ep.layout import intranode_combine_record_bytes, intranode_dispatch_record_bytes
 from simulator.deep_ep_composed import composed_rank_times, composed_result, is_composed
+from simulator.deep_ep_torch import torch_rank_times, torch_result
 from simulator.hardware import GpuProfile, NicProfile
 from simulator.links import GBPS
 from simulator.rank import (
@@ -117,6 +120,9 @@ class DeepEpProfile:
         composed_copy_gbps: rate of the composed internode path's torch copies between its stages (bytes read plus
             bytes written), GB/s (:mod:`simulator.deep_ep_composed`).
         composed_host_us: fixed cost the composed path adds to a call (its own host work and launches), µs.
+        torch_call_us: host work of one torch-backend normal call (count exchange, the host syncs that size its
+            outputs, Python) where the kernels do not serve the group, µs (:mod:`simulator.deep_ep_torch`).
+        torch_p2p_efficiency: fraction of the link's rate the torch backend's NCCL point-to-point rows reach.
     """
 
     sm_push_gbps: float = 46.0
@@ -148,6 +154,8 @@ class DeepEpProfile:
     zone_reduce_gbps: float = 27.25
     composed_copy_gbps: float = 3000.0
     composed_host_us: float = 10.0
+    torch_call_us: float = 200.0
+    torch_p2p_efficiency: float = 0.8
     sources: tuple[tuple[str, str], ...] = ()
 
     def source_of(self, param: str) -> str:
@@ -198,6 +206,9 @@ _ASSUMED = {
     "composed_copy_gbps": "assumed: torch copy kernels at ~60 % of H200 HBM (4.8 TB/s), bytes read plus written; no "
                           "composed measurement with one rank per GPU yet (needs >= 4 GPUs)",
     "composed_host_us": "assumed: the composed layer's few torch ops per cached call, mostly hidden behind the GPU",
+    "torch_call_us": "assumed: a torch.distributed exchange of counts, two host syncs and Python per call (~0.1-0.3 "
+                     "ms); not measured over NCCL",
+    "torch_p2p_efficiency": "assumed: NCCL send/recv of MB-sized messages at ~80 % of the link's rate",
 }
 DEFAULTS = DeepEpProfile(sources=tuple(_ASSUMED.items()))
 # Parameters a bench JSON of the intranode kernels can fit (the rest stay at their labelled assumptions).
@@ -545,6 +556,17 @@ def bottleneck(work: NormalWork, num_sms: int, num_ranks: int) -> str:
     return _BOTTLENECK_LABELS[worst]
 
 
+def torch_served(spec: OpSpec) -> bool:
+    """Whether deep_ep's Buffer runs this normal op's scale-out part on its torch backend: more nodes than a ring
+    op has ranks (``NUM_MAX_RING_RANKS``): the whole op with one GPU per node, the composed path's rail stage with
+    several (``deep_ep.config.composed_rail`` ``auto``)."""
+    return spec.mode != "low-latency" and spec.num_nodes > NUM_MAX_RING_RANKS
+
+
+def _torch_params(prof: DeepEpProfile) -> tuple[float, float, float]:
+    return prof.torch_call_us, prof.torch_p2p_efficiency, prof.composed_copy_gbps
+
+
 def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
                     prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str) -> OpResult:
     """DES of one deep_ep normal op: per rank, the fixed cost, its serial SM work, then its push flow through the
@@ -552,8 +574,12 @@ def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
     flow into its ports have drained. Several nodes of several GPUs are the composed path
     (:mod:`simulator.deep_ep_composed`), each stage simulated so."""
     if is_composed(spec):
+        rail = ((lambda s, t, d: torch_result(s, t, gpu, nic, *_torch_params(prof))) if torch_served(spec)
+                else None)
         return composed_result(spec, traffic, nic, dtype, prof.composed_copy_gbps, prof.composed_host_us,
-                               lambda s, t, d: simulate_normal(s, t, gpu, nic, prof, num_sms, chunk, d))
+                               lambda s, t, d: simulate_normal(s, t, gpu, nic, prof, num_sms, chunk, d), rail)
+    if torch_served(spec):
+        return torch_result(spec, traffic, gpu, nic, *_torch_params(prof))
     work = normal_work(spec, traffic, gpu, nic, prof, num_sms, chunk, dtype)
     num_ranks = spec.num_ranks
     ports = _Ports(work.kinds, work.caps, num_ranks)
@@ -574,8 +600,13 @@ def closed_form_rank_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuP
         def stage(s: OpSpec, t: list[SourceTraffic], d: str) -> SimpleNamespace:
             rank_times = closed_form_rank_times(s, t, gpu, nic, prof, num_sms, chunk, d)
             return SimpleNamespace(rank_time_us=[float(x) for x in rank_times])
+        def rail(s: OpSpec, t: list[SourceTraffic], d: str) -> SimpleNamespace:
+            rank_times = torch_rank_times(s, t, gpu, nic, *_torch_params(prof))[0]
+            return SimpleNamespace(rank_time_us=[float(x) for x in rank_times])
         return composed_rank_times(spec, traffic, nic, dtype, prof.composed_copy_gbps, prof.composed_host_us,
-                                   stage)[0]
+                                   stage, rail if torch_served(spec) else None)[0]
+    if torch_served(spec):
+        return torch_rank_times(spec, traffic, gpu, nic, *_torch_params(prof))[0]
     work = normal_work(spec, traffic, gpu, nic, prof, num_sms, chunk, dtype)
     return closed_form_times(work, num_sms, spec.num_ranks)
 

@@ -278,13 +278,12 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
              "included, no notify); parameters from simulator/calibration_deep_ep.json, the rest labelled "
              "assumed (python -m simulator.calibrate --show lists them)"]
     if sc.mode in ("normal", "both") and sc.nodes > NUM_MAX_RING_RANKS:
-        beyond = (f"the composed path with a torch rail (NCCL over the rail subgroup; the node stage stays on the "
-                  f"kernels), whose rail is not modelled" if per_node > 1 else
-                  "its torch backend, which is not modelled")
+        beyond = ("the composed path with a torch rail (NCCL over the rail subgroup; the node stage stays on the "
+                  "kernels)" if per_node > 1 else "its torch backend (NCCL point-to-point)")
         notes.append(f"deep_ep's normal-mode kernels serve at most {NUM_MAX_RING_RANKS} nodes (each ring op, the "
                      f"composed path's rail stage included, has at most {NUM_MAX_RING_RANKS} ranks): at "
-                     f"{sc.nodes} nodes the Buffer runs {beyond}; the normal rows show the kernels' model as if "
-                     f"they served {sc.nodes} nodes")
+                     f"{sc.nodes} nodes the Buffer runs {beyond}; the normal rows model that torch part with "
+                     f"assumed parameters (torch_call_us, torch_p2p_efficiency: simulator/deep_ep_torch.py)")
     if nic.shares_nvlink and sc.nodes > 1:
         notes.append(f"nic {nic.name}: virtual-node test setup, {sc.nodes} nodes x {per_node} GPUs on one NVLink "
                      f"host; the scale-out puts share the GPUs' NVLink ports (counted under NVL_GB/s)")
@@ -301,8 +300,9 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
             spec = rank.OpSpec("internode" if sc.nodes > 1 else "intranode", op, sc.hidden, sc.topk, payload,
                                payload, sc.nodes, per_node, None)
             res = deep_ep_kernels.simulate_normal(spec, traffic, gpu, nic, prof, sc.num_sms, chunk, dtype)
-            recommended.append(deep_ep_kernels.recommended_sms(spec, traffic, gpu, nic, prof, chunk, dtype, max_sms,
-                                                               SM_RECOMMEND_SLACK))
+            if not (deep_ep_kernels.torch_served(spec) and per_node == 1):  # the torch backend takes no SM budget
+                recommended.append(deep_ep_kernels.recommended_sms(spec, traffic, gpu, nic, prof, chunk, dtype,
+                                                                   max_sms, SM_RECOMMEND_SLACK))
             chunks[f"{op}_chunk"] = chunk
             ops.append(OpRow.from_result(sc.nodes, num_ranks, "normal", op, dtype, sc.normal_tokens, res))
             try:  # our Buffer takes DeepEP's size hints
@@ -311,7 +311,7 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
                 rdma_bytes = max(rdma_bytes, layout.rdma_buffer_size_hint(cfg, sc.hidden * 2, num_ranks))
             except ValueError as exc:
                 notes.append(f"no DeepEP buffer size hint for EP{num_ranks}: {exc}")
-        rec_sms = max(recommended)
+        rec_sms = max(recommended, default=None)
     if sc.mode in ("low-latency", "both"):
         tokens, traffic, num_physical, specs = _ll_specs(sc)
         for spec, dtype in specs:

@@ -660,3 +660,50 @@ def test_more_nodes_than_the_kernels_serve_is_noted():
     assert not any("at most 24 nodes" in note for note in notes(replace(sc, nodes=24)))
     # With several GPUs per node the node stage stays on the kernels beside a torch rail (NCCL).
     assert any("torch rail" in note for note in notes(replace(sc, gpus_per_node=2, tokens=64)))
+
+
+def test_torch_backend_model_closed_form():
+    """Past NUM_MAX_RING_RANKS nodes of one GPU the op is the torch backend's: per rank the call's host cost, the
+    link latency, the slower direction over the link at the p2p efficiency, and the torch copies of every byte sent
+    and received; the DES entry point and the closed form agree; combine sends the rows back."""
+    from deep_ep.config import NUM_MAX_RING_RANKS
+
+    nodes = NUM_MAX_RING_RANKS + 1
+    prof, gpu, nic = dek.profile(), hardware.H200, hardware.get_nic("cx7")
+    rows = np.zeros((nodes, nodes), dtype=int)
+    rows[0, 1:] = 10   # rank 0 sends 10 rows to every other rank
+    rows[2, 0] = 40    # and receives 40 from rank 2
+    traffic = [workload.SourceTraffic(64, 64, tuple(int(x) for x in r), tuple(int(x) for x in r),
+                                      tuple(int(x) for x in r)) for r in rows]
+    for op in ("dispatch", "combine"):
+        row = 7168 * 2
+        spec = rank.OpSpec("internode", op, 7168, 8, row, row, nodes, 1, None)
+        assert dek.torch_served(spec)
+        flow = rows if op == "dispatch" else rows.T
+        sent, received = flow[0].sum() * row, flow[:, 0].sum() * row
+        want = (prof.torch_call_us + nic.latency_us + max(sent, received) / (nic.line_gbps * prof.torch_p2p_efficiency
+                * 1e3) + 2 * (sent + received) / (prof.composed_copy_gbps * 1e3))
+        res = dek.simulate_normal(spec, traffic, gpu, nic, prof, 24, 16, "bf16")
+        closed = dek.closed_form_rank_times(spec, traffic, gpu, nic, prof, 24, 16, "bf16")
+        assert res.rank_time_us[0] == pytest.approx(want)
+        assert np.allclose(closed, res.rank_time_us)
+        assert res.bottleneck.startswith("torch:")
+        assert res.port_bytes["nic_out"] == pytest.approx(flow.sum() * row)
+    assert not dek.torch_served(replace(spec, num_nodes=NUM_MAX_RING_RANKS))
+
+
+def test_beyond_the_ring_groups_the_rail_is_torch():
+    """With several GPUs per node the torch part is the rail stage only (bottleneck 'rail:torch:...' past the ring
+    groups' node count, the ring rail up to it); one GPU per node past it gets no SM recommendation (NCCL brings its
+    own CTAs)."""
+    from deep_ep.config import NUM_MAX_RING_RANKS
+
+    sc = Scenario(nodes=NUM_MAX_RING_RANKS + 1, gpus_per_node=2, gpu="h200", mode="normal", kernels="deep_ep",
+                  tokens=64)
+    beyond, within = run(sc), run(replace(sc, nodes=NUM_MAX_RING_RANKS))
+    assert all(op.bottleneck.startswith("rail:torch:") for op in beyond.ops), [op.bottleneck for op in beyond.ops]
+    assert not any("torch" in op.bottleneck for op in within.ops)
+    assert beyond.scales[0].recommended_num_sms is not None
+    one_gpu = run(replace(sc, gpus_per_node=1))
+    assert all(op.bottleneck.startswith("torch:") for op in one_gpu.ops)
+    assert one_gpu.scales[0].recommended_num_sms is None
