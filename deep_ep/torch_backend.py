@@ -126,22 +126,40 @@ class _Comm:
         # Every rank posts the same sequence of batches; numbering them in the tag keeps a message of one call from
         # ever matching a receive of another call (e.g. while a receive hook is still outstanding).
         self.num_posts = 0
+        # Errors name group rank r as rank_names[r] (the Buffer's rank, when this group is a stage of the composed
+        # path), with rank_scope naming the group (TorchBackend.set_rank_names).
+        self.rank_names: Optional[list[int]] = None
+        self.rank_scope = ""
+
+    def _ranks_text(self, peer: Optional[int]) -> tuple[str, str]:
+        """``(this rank, the peer or 'all ranks')`` as errors name them, with the group's own numbers in brackets
+        after the peer when the group is a subgroup."""
+        names = self.rank_names
+
+        def name(r: int) -> str:
+            return str(names[r]) if names and 0 <= r < len(names) else str(r)
+
+        if peer is None:
+            scope = f" ({self.rank_scope} rank {self.rank})" if names else ""
+            return f"{name(self.rank)}{scope}", "all ranks"
+        scope = f" ({self.rank_scope} ranks {self.rank} / {peer})" if names else ""
+        return name(self.rank), f"peer {name(peer)}{scope}"
 
     def timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=envs.TIMEOUT_S.get())
 
     def wait_work(self, work: Any, phase: str, what: str, peer: Optional[int]) -> None:
         """Wait for one ``torch.distributed`` work handle within ``DEEP_EP_TIMEOUT_S``."""
-        who = "all ranks" if peer is None else f"peer {peer}"
         try:
             work.wait(timeout=self.timeout())
         except RuntimeError as exc:
             text = str(exc)
+            me, who = self._ranks_text(peer)
             if "timed out" in text.lower() or "timeout" in text.lower():
                 raise CommTimeoutError(
-                    f"deep_ep torch backend: rank {self.rank} timed out after {envs.TIMEOUT_S.get()} s "
+                    f"deep_ep torch backend: rank {me} timed out after {envs.TIMEOUT_S.get()} s "
                     f"(DEEP_EP_TIMEOUT_S) in phase '{phase}' waiting for {what} from {who}: {text}") from exc
-            raise CommError(f"deep_ep torch backend: rank {self.rank} failed in phase '{phase}' waiting for {what} "
+            raise CommError(f"deep_ep torch backend: rank {me} failed in phase '{phase}' waiting for {what} "
                             f"from {who}: {text}") from exc
 
     def all_gather(self, tensor: torch.Tensor, phase: str, what: str) -> torch.Tensor:
@@ -239,6 +257,11 @@ class TorchBackend:
         self._rdma_buffer: Optional[torch.Tensor] = None
         self.ll_parity = 0
         self.mask = torch.zeros(num_ranks, dtype=torch.int32) if enable_shrink else None
+
+    def set_rank_names(self, names: Sequence[int], scope: str) -> None:
+        """Report ranks in errors as ``names[r]`` instead of this group's ``r``; ``scope`` names the group (the
+        composed path's stages: the Buffer's ranks)."""
+        self.comm.rank_names, self.comm.rank_scope = [int(r) for r in names], scope
 
     # ------------------------------------------------------------------------------------------------------------
     # Buffers

@@ -173,6 +173,34 @@ def test_stage_errors_name_buffer_ranks():
     assert name_ranks(text, None, "") == text
 
 
+def test_torch_stage_errors_name_the_buffer_ranks():
+    """A torch stage (the torch rail, or torch stages on CPU) reports its timeouts with the Buffer's ranks too: the
+    composed path gives it the names, its point-to-point and collective waits use them."""
+    from deep_ep.composed_internode import ComposedInternode
+    from deep_ep.config import Topology
+    from deep_ep.torch_backend import CommTimeoutError, TorchBackend, _Comm
+
+    class Stage(TorchBackend):
+        def __init__(self, rank: int) -> None:  # no process group: only the error path is exercised
+            self.comm = _Comm.__new__(_Comm)
+            self.comm.rank, self.comm.rank_names, self.comm.rank_scope = rank, None, ""
+
+    class Stalled:
+        def wait(self, timeout):
+            raise RuntimeError("Timed out waiting for recv")
+
+    rail, node = Stage(2), Stage(1)
+    ComposedInternode(rail, node, 5, Topology(8, 2))  # 4 nodes x 2: rank 5 = (node 2, local 1)
+    with pytest.raises(CommTimeoutError, match=r"rank 5 timed out .* waiting for receive of rows from peer 7 "
+                                               r"\(composed rail stage ranks 2 / 3\)"):
+        rail.comm.wait_work(Stalled(), "dispatch", "receive of rows", 3)
+    with pytest.raises(CommTimeoutError, match=r"rank 5 \(composed node stage rank 1\) timed out .* from all ranks"):
+        node.comm.wait_work(Stalled(), "dispatch", "counts", None)
+    plain = Stage(2)
+    with pytest.raises(CommTimeoutError, match=r"rank 2 timed out .* from peer 3: Timed out"):
+        plain.comm.wait_work(Stalled(), "dispatch", "receive of rows", 3)
+
+
 def test_node_count_follows_the_ring_kernels():
     """A CUDA rail stage is one ring-kernel group: up to ``NUM_MAX_RING_RANKS`` (24) nodes, more refused by name; a
     torch rail beside the CUDA node stage (or torch stages) serves any node count, and ``auto`` picks it there."""
