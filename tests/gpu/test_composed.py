@@ -143,7 +143,7 @@ def test_many_nodes_by_two(many_by_two, case):
     many_by_two.run(tn.TASK, case)
 
 
-@pytest.mark.parametrize("rail", ["ipc", "nvshmem"])
+@pytest.mark.parametrize("rail", ["ipc", "nvshmem", "torch"])
 def test_stalled_rank_times_out(rail):
     """Rank 3 never joins the dispatch: rank 1 (its rail peer) and rank 2 (its node peer) time out naming it, rank 0
     naming rank 1 (which left its node stage after its own timeout); each message names the Buffer's ranks (the
@@ -154,6 +154,8 @@ def test_stalled_rank_times_out(rail):
     env = {**ENV, "DEEP_EP_TIMEOUT_S": str(timeout_s)}
     if rail == "nvshmem":
         env.update(NVSHMEM_RAIL)
+    elif rail == "torch":  # the torch rail's gloo wait names the Buffer's ranks too (TorchBackend.set_rank_names)
+        env["DEEP_EP_COMPOSED_RAIL"] = "torch"
     pool = ti.Pool([rank % gpus for rank in range(4)], env=env)
     try:
         replies = pool.run("stall", {"stalled": 3, "timeout_s": timeout_s, "expect_peer": {0: 1}},

@@ -23,6 +23,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import re
 import socket
 import traceback
 from dataclasses import asdict, dataclass
@@ -706,7 +707,9 @@ def task_stall(buffer, rank: int, payload: dict) -> str:
         elapsed = time.monotonic() - start
         text = str(exc)
         peer = payload.get("expect_peer", {}).get(rank, stalled)  # a later rank can wait for one that gave up first
-        assert f"rank {rank} peer {peer}" in text, f"timeout message lacks rank {rank} / peer {peer}: {text}"
+        # "rank R peer P" (kernels) or "rank R timed out ... from peer P" (a torch stage)
+        assert re.search(rf"\brank {rank}\b.*\bpeer {peer}\b", text), \
+            f"timeout message lacks rank {rank} / peer {peer}: {text}"
         assert elapsed < float(payload["timeout_s"]) * 3 + 30, f"timeout took {elapsed:.1f} s"
         # The CUDA context must still work.
         assert float((torch.ones(4, device=DEVICE) * 2).sum()) == 8.0
