@@ -21,10 +21,11 @@
 #                    hypothesis examples (default 6)
 #   test_internode_shared  the internode suite (2 x 1) with both ranks on one GPU (TEST_RANKS_PER_GPU=2): correctness
 #                    only, on the one-GPU machine
-#   test_many_nodes  the internode suite's many-node tests: INTERNODE_MANY_NODES (default 16) virtual nodes of one GPU
+#   test_many_nodes  the internode suite's many-node tests: INTERNODE_MANY_NODES (default 24) virtual nodes of one GPU
 #                    sharing the GPUs (TEST_RANKS_PER_GPU = that count; NVSHMEM time-slices the PEs): correctness only,
 #                    on any machine (MANY_NODES_EXAMPLES hypothesis examples, default 4); then the composed path's
-#                    COMPOSED_MANY_NODES (default 9) nodes x 2 GPUs, rail over IPC and over NVSHMEM (-> test_many_composed)
+#                    COMPOSED_MANY_NODES (default 9) nodes x 2 GPUs, rail over IPC, NVSHMEM and torch
+#                    (-> test_many_composed)
 #   test_composed_shared  the composed suite with its 4 ranks sharing fewer GPUs (TEST_RANKS_PER_GPU=2; on one GPU
 #                    all four: NVSHMEM and the IPC stages time-sliced), the NVSHMEM rail included: correctness only
 #   bench_intranode  Buffer defaults (direct receive) at 24, 16 and 8 SMs, DeepEP's EP2 workload -> intra.json

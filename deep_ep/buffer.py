@@ -180,8 +180,9 @@ class Buffer:
         Stages: CUDA kernels (serving CUDA tensors; the group may be gloo or NCCL: the stages only exchange objects
         through it) when CUDA and the extension are available, ``num_nvl_bytes > 0``, ``DEEP_EP_BACKEND`` is not
         ``torch`` and each node's ranks share a host: the node stage a ``CudaBackend`` (CUDA IPC), the rail stage
-        a ``TorchBackend`` beyond ``NUM_MAX_RING_RANKS`` (24) nodes, else a ``CudaBackend`` when every rank is on
-        one host, else a ``SymmetricCuda`` on the NVSHMEM heap (``num_rdma_bytes``; ``deep_ep.config.composed_rail``). Torch stages over the group's backend otherwise,
+        a ``TorchBackend`` beyond ``NUM_MAX_RING_RANKS`` (24) nodes or under ``DEEP_EP_COMPOSED_RAIL=torch``, else
+        a ``CudaBackend`` when every rank is on one host, else a ``SymmetricCuda`` on the NVSHMEM heap
+        (``num_rdma_bytes``; ``deep_ep.config.composed_rail``). Torch stages over the group's backend otherwise,
         used only under ``DEEP_EP_INTERNODE=composed``. Collective: every rank creates every subgroup
         (``make_stage_groups``)."""
         topo = self.topology

@@ -230,8 +230,8 @@ class ComposedInternode:
         rail: stage backend over the rail group of local index ``l`` (``N`` ranks; its rank = ``n``).
         node: stage backend over node ``n``'s group (``G`` ranks; its rank = ``l``).
         rank: this rank in the Buffer's group.
-        topology: ``N x G`` with ``N > 1``, ``1 < G``; ``N <= NUM_MAX_RING_RANKS`` (16: the rail stage runs the
-            ring kernels).
+        topology: ``N x G`` with ``N > 1``, ``1 < G``; ``N <= NUM_MAX_RING_RANKS`` (24) when the rail stage runs
+            the ring kernels (any ``N`` with a torch rail).
         cuda_stages: which stages are CUDA ring kernels (``ring_bytes()``, ``buffer_arg``): every call checks their
             rings and the kernel limits first (see the module docstring). True: both; False: neither (torch
             stages); or a collection of ``'rail'`` / ``'node'`` (a torch rail beside a CUDA node stage: ``{'node'}``).

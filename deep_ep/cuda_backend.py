@@ -140,7 +140,7 @@ def _flatten_x(x):
 
 
 class CudaBackend:
-    """Intranode normal-mode dispatch/combine on CUDA tensors for one rank of a group of 1..8 ranks (1..16 as the
+    """Intranode normal-mode dispatch/combine on CUDA tensors for one rank of a group of 1..8 ranks (1..24 as the
     composed path's rail stage).
 
     Args:

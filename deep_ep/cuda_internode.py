@@ -127,7 +127,7 @@ class InternodeCuda(SymmetricCuda):
     """Internode normal-mode dispatch/combine for one rank of a group of ``R`` nodes of one GPU each.
 
     Args:
-        rank, num_ranks: position in the group (the NVSHMEM world: PE = rank); ``2 <= num_ranks <= 16``.
+        rank, num_ranks: position in the group (the NVSHMEM world: PE = rank); ``2 <= num_ranks <= 24``.
         num_rdma_bytes: bytes of the symmetric buffer the kernels carve (equal on every rank).
         num_qps_per_rank, allow_mnnvl: NVSHMEM environment, as for the low-latency runtime.
         all_gather: ``all_gather(obj) -> list`` over the group (bootstrap only); barrier: ``barrier()`` or None.

@@ -51,7 +51,7 @@ def torch_rank_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile
 def torch_result(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile, call_us: float,
                  p2p_efficiency: float, copy_gbps: float) -> OpResult:
     """:func:`torch_rank_times` as an OpResult: DeepEP's byte counts, the link's bytes and busiest share of the op,
-    bottleneck ``torch:<link>`` when the link takes most of the slowest rank's time, else ``torch:host``."""
+    bottleneck the largest part of the slowest rank's time: ``torch:<link>``, ``torch:host`` or ``torch:copies``."""
     times, parts = torch_rank_times(spec, traffic, gpu, nic, call_us, p2p_efficiency, copy_gbps)
     logical, nvl_logical = normal_logical_bytes(spec, traffic)
     out, into = ("nvl_out", "nvl_in") if parts["link"] == "NVLink" else ("nic_out", "nic_in")

@@ -250,8 +250,8 @@ def test_torch_rail_checks_only_the_node_stage():
 
 
 def test_send_warps_fit_every_ring_group():
-    """Copy warps per channel stay where each kernel accepts them for every group size up to NUM_MAX_RING_RANKS (24), whatever the
-    override: dispatch [2, 32 - R] (the receivers keep a warp per source), combine [R - 1, 30]."""
+    """Copy warps per channel stay where each kernel accepts them for every group size up to NUM_MAX_RING_RANKS
+    (24), whatever the override: dispatch [2, 32 - R] (the receivers keep a warp per source), combine [R - 1, 30]."""
     from deep_ep import config as cfg
 
     saved = dict(cfg.INTRANODE_SEND_WARPS)

@@ -68,7 +68,7 @@ static_assert(kBarrierRecvGroup0 + 14 <= 16, "named barriers of the multi-warp r
 // Every kernel takes its parameters (KernelContext, the Args and Geometry structs) as `const __grid_constant__`:
 // reads, also with a run-time index (ctx.buffers[d], ctx.pe_of[d]), go to the parameter bank. A plain by-value
 // parameter whose address is taken or that is indexed at run time is copied to local memory by every thread at entry
-// (the context alone 39 eight-byte words at kMaxRanks = 24); on one H200 those copies and their loads cost the 1-rank
+// (the context alone 43 eight-byte words at kMaxRanks = 24); on one H200 those copies and their loads cost the 1-rank
 // dispatch 16-17 % of its kernel time (docs/performance.md, "Kernel parameters as grid constants").
 
 __device__ __forceinline__ uint32_t* buffer_u32(void* buffer, int64_t offset) {
@@ -1664,7 +1664,8 @@ __global__ void combine_copy_prepare_kernel(const __grid_constant__ KernelContex
 
 // One warp on the copy stream, after a chunk of copies: publishes the landed words (stream order puts the copies'
 // writes before this kernel).
-__global__ void combine_copy_flag_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ LandedFlags flags) {
+__global__ void combine_copy_flag_kernel(const __grid_constant__ KernelContext ctx,
+                                         const __grid_constant__ LandedFlags flags) {
     const int d = lane_id();
     if (d < ctx.num_ranks && flags.values[d] != 0u) {
         fence_acq_rel_sys();

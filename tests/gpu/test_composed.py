@@ -154,11 +154,13 @@ def test_stalled_rank_times_out(rail):
     env = {**ENV, "DEEP_EP_TIMEOUT_S": str(timeout_s)}
     if rail == "nvshmem":
         env.update(NVSHMEM_RAIL)
-    elif rail == "torch":  # the torch rail's gloo wait names the Buffer's ranks too (TorchBackend.set_rank_names)
-        env["DEEP_EP_COMPOSED_RAIL"] = "torch"
+    expect_peer = {0: 1}
+    if rail == "torch":  # the torch rail names the Buffer's ranks too (TorchBackend.set_rank_names); rank 1 waits
+        env["DEEP_EP_COMPOSED_RAIL"] = "torch"  # first in its count all-gather, which names all ranks, not peer 3
+        expect_peer[1] = "all ranks"
     pool = ti.Pool([rank % gpus for rank in range(4)], env=env)
     try:
-        replies = pool.run("stall", {"stalled": 3, "timeout_s": timeout_s, "expect_peer": {0: 1}},
+        replies = pool.run("stall", {"stalled": 3, "timeout_s": timeout_s, "expect_peer": expect_peer},
                            timeout=timeout_s * 8 + 60)
         assert replies[3] == "stalled" and all("timeout" in replies[r] for r in range(3)), replies
         assert "composed rail stage" in replies[1] and "composed node stage" in replies[2], replies
