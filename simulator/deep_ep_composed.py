@@ -20,12 +20,12 @@ payload only:
 
 Rail-stage links: one host (virtual nodes, ``nvlink-p2p``) is the CUDA-IPC rail that deep_ep picks there, i.e. the
 intranode model over ``N`` ranks; a real NIC is the NVSHMEM rail with one GPU per node (network puts, ring
-receive, ``internode_extra_us``); beyond ``NUM_MAX_RING_RANKS`` nodes the torch rail
-(:mod:`simulator.deep_ep_torch`). The node stage is always intranode over NVLink.
+receive, ``internode_extra_us``); beyond ``NUM_MAX_RING_RANKS`` nodes the torch rail (the stage model routes a
+rail op of that many ranks to :mod:`simulator.deep_ep_torch`). The node stage is always intranode over NVLink.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 
@@ -78,11 +78,9 @@ def _stage_spec(spec: OpSpec, row_bytes: int, topk: int, num_nodes: int, per_nod
 
 
 def composed_rank_times(spec: OpSpec, traffic: list[SourceTraffic], nic: NicProfile, dtype: str,
-                        copy_gbps: float, host_us: float, stage: StageModel,
-                        rail_stage: Optional[StageModel] = None) -> tuple[np.ndarray, dict]:
+                        copy_gbps: float, host_us: float, stage: StageModel) -> tuple[np.ndarray, dict]:
     """Per-rank time of one composed op and its parts (``rail``, ``node``: the stages' OpResults per group;
-    ``copy_us``: per-rank copy time), with ``stage`` costing each stage op (``rail_stage`` the rail's instead, when
-    given: the torch rail beyond ``NUM_MAX_RING_RANKS`` nodes)."""
+    ``copy_us``: per-rank copy time), with ``stage`` costing each stage op."""
     num_nodes, per_node, num_ranks = spec.num_nodes, spec.ranks_per_node, spec.num_ranks
     rail_traffic, node_traffic = stage_traffic(traffic, num_nodes, per_node)
     dispatch = spec.op == "dispatch"
@@ -93,7 +91,7 @@ def composed_rank_times(spec: OpSpec, traffic: list[SourceTraffic], nic: NicProf
     rail_spec = (_stage_spec(spec, row, topk, 1, num_nodes) if one_host
                  else _stage_spec(spec, row, topk, num_nodes, 1))
     node_spec = _stage_spec(spec, row, topk, 1, per_node)
-    rail = [(rail_stage or stage)(rail_spec, rail_traffic[local], "bf16") for local in range(per_node)]
+    rail = [stage(rail_spec, rail_traffic[local], "bf16") for local in range(per_node)]
     node = [stage(node_spec, node_traffic[n], "bf16") for n in range(num_nodes)]
     rail_t = np.array([[rail[local].rank_time_us[n] for local in range(per_node)] for n in range(num_nodes)])
     node_t = np.array([node[n].rank_time_us for n in range(num_nodes)])       # both [N, G]
@@ -117,12 +115,12 @@ def composed_rank_times(spec: OpSpec, traffic: list[SourceTraffic], nic: NicProf
 
 
 def composed_result(spec: OpSpec, traffic: list[SourceTraffic], nic: NicProfile, dtype: str, copy_gbps: float,
-                    host_us: float, stage: StageModel, rail_stage: Optional[StageModel] = None) -> OpResult:
+                    host_us: float, stage: StageModel) -> OpResult:
     """The composed op as one OpResult: rank times from :func:`composed_rank_times`, DeepEP's byte counts of the
     whole op, port bytes summed over the stages, each port's utilization as its busiest stage's share of the op,
     and the bottleneck of the part that takes longest on the slowest rank (``rail:<stage bottleneck>``,
     ``node:<...>`` or ``copies``)."""
-    times, parts = composed_rank_times(spec, traffic, nic, dtype, copy_gbps, host_us, stage, rail_stage)
+    times, parts = composed_rank_times(spec, traffic, nic, dtype, copy_gbps, host_us, stage)
     logical, nvl_logical = normal_logical_bytes(spec, traffic)
     stages = parts["rail"] + parts["node"]
     port_bytes: dict[str, float] = {}

@@ -557,10 +557,10 @@ def bottleneck(work: NormalWork, num_sms: int, num_ranks: int) -> str:
 
 
 def torch_served(spec: OpSpec) -> bool:
-    """Whether deep_ep's Buffer runs this normal op's scale-out part on its torch backend: more nodes than a ring
-    op has ranks (``NUM_MAX_RING_RANKS``): the whole op with one GPU per node, the composed path's rail stage with
-    several (``deep_ep.config.composed_rail`` ``auto``)."""
-    return spec.mode != "low-latency" and spec.num_nodes > NUM_MAX_RING_RANKS
+    """Whether deep_ep runs this normal ring op on its torch backend: more ranks than a ring op has
+    (``NUM_MAX_RING_RANKS``), i.e. one GPU per node past that many nodes, or the composed path's rail stage there
+    (``deep_ep.config.composed_rail`` ``auto``: the composed op's stages come back here as ops of their own)."""
+    return spec.mode != "low-latency" and not is_composed(spec) and spec.num_ranks > NUM_MAX_RING_RANKS
 
 
 def _torch_params(prof: DeepEpProfile) -> tuple[float, float, float]:
@@ -574,10 +574,8 @@ def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
     flow into its ports have drained. Several nodes of several GPUs are the composed path
     (:mod:`simulator.deep_ep_composed`), each stage simulated so."""
     if is_composed(spec):
-        rail = ((lambda s, t, d: torch_result(s, t, gpu, nic, *_torch_params(prof))) if torch_served(spec)
-                else None)
         return composed_result(spec, traffic, nic, dtype, prof.composed_copy_gbps, prof.composed_host_us,
-                               lambda s, t, d: simulate_normal(s, t, gpu, nic, prof, num_sms, chunk, d), rail)
+                               lambda s, t, d: simulate_normal(s, t, gpu, nic, prof, num_sms, chunk, d))
     if torch_served(spec):
         return torch_result(spec, traffic, gpu, nic, *_torch_params(prof))
     work = normal_work(spec, traffic, gpu, nic, prof, num_sms, chunk, dtype)
@@ -600,11 +598,8 @@ def closed_form_rank_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuP
         def stage(s: OpSpec, t: list[SourceTraffic], d: str) -> SimpleNamespace:
             rank_times = closed_form_rank_times(s, t, gpu, nic, prof, num_sms, chunk, d)
             return SimpleNamespace(rank_time_us=[float(x) for x in rank_times])
-        def rail(s: OpSpec, t: list[SourceTraffic], d: str) -> SimpleNamespace:
-            rank_times = torch_rank_times(s, t, gpu, nic, *_torch_params(prof))[0]
-            return SimpleNamespace(rank_time_us=[float(x) for x in rank_times])
         return composed_rank_times(spec, traffic, nic, dtype, prof.composed_copy_gbps, prof.composed_host_us,
-                                   stage, rail if torch_served(spec) else None)[0]
+                                   stage)[0]
     if torch_served(spec):
         return torch_rank_times(spec, traffic, gpu, nic, *_torch_params(prof))[0]
     work = normal_work(spec, traffic, gpu, nic, prof, num_sms, chunk, dtype)

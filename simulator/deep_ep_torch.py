@@ -5,7 +5,7 @@ Past ``NUM_MAX_RING_RANKS`` nodes (a ring op has at most that many ranks) deep_e
 * one GPU per node: the whole normal op on ``deep_ep.torch_backend.TorchBackend`` (NCCL point-to-point of the rows);
 * several GPUs per node: the composed path with a **torch rail** (``DEEP_EP_COMPOSED_RAIL`` ``auto``): the rail
   stage on ``TorchBackend`` over the rail subgroup, the node stage still on the kernels
-  (:mod:`simulator.deep_ep_composed` costs the stage with :func:`torch_result`).
+  (:mod:`simulator.deep_ep_composed` costs that stage as an op of its own, which comes here).
 
 The model is a closed form per rank, with two assumed parameters of ``DeepEpProfile``:
 

@@ -300,7 +300,7 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
             spec = rank.OpSpec("internode" if sc.nodes > 1 else "intranode", op, sc.hidden, sc.topk, payload,
                                payload, sc.nodes, per_node, None)
             res = deep_ep_kernels.simulate_normal(spec, traffic, gpu, nic, prof, sc.num_sms, chunk, dtype)
-            if not (deep_ep_kernels.torch_served(spec) and per_node == 1):  # the torch backend takes no SM budget
+            if not deep_ep_kernels.torch_served(spec):  # the torch backend alone takes no SM budget
                 recommended.append(deep_ep_kernels.recommended_sms(spec, traffic, gpu, nic, prof, chunk, dtype,
                                                                    max_sms, SM_RECOMMEND_SLACK))
             chunks[f"{op}_chunk"] = chunk
