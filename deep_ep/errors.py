@@ -28,6 +28,12 @@ class RoutingError(CommError, ValueError):
 _RANK_PEER = re.compile(r"rank (-?\d+) peer (-?\d+)")
 
 
+def rank_name(names: Optional[Sequence[int]], rank: int) -> str:
+    """Group rank ``rank`` as reports name it: ``names[rank]`` (a subgroup's ranks in the Buffer's group), else
+    itself."""
+    return str(names[rank]) if names and 0 <= rank < len(names) else str(rank)
+
+
 def name_ranks(message: str, names: Optional[Sequence[int]], scope: str) -> str:
     """``message`` of a runtime whose group is a subgroup: its first ``rank R peer P`` (group ranks) becomes
     ``rank names[R] peer names[P] (scope ranks R / P)``, so the report names the ranks the user knows. Unchanged
@@ -35,11 +41,8 @@ def name_ranks(message: str, names: Optional[Sequence[int]], scope: str) -> str:
     if not names:
         return message
 
-    def name(r: int) -> str:
-        return str(names[r]) if 0 <= r < len(names) else str(r)
-
     def renamed(match: re.Match) -> str:
         rank, peer = int(match.group(1)), int(match.group(2))
-        return f"rank {name(rank)} peer {name(peer)} ({scope} ranks {rank} / {peer})"
+        return f"rank {rank_name(names, rank)} peer {rank_name(names, peer)} ({scope} ranks {rank} / {peer})"
 
     return _RANK_PEER.sub(renamed, message, count=1)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from deep_ep import envs, handle as hd, numerics
 from deep_ep.config import FP8_BLOCK, Config, Topology, align_up
-from deep_ep.errors import CommError, CommTimeoutError
+from deep_ep.errors import CommError, CommTimeoutError, rank_name
 from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
 from deep_ep.layout import low_latency_layout, low_latency_message_bytes
 from deep_ep.results import (CombineResult, DispatchLayout, DispatchResult, LowLatencyCombineResult,
@@ -135,15 +135,11 @@ class _Comm:
         """``(this rank, the peer or 'all ranks')`` as errors name them, with the group's own numbers in brackets
         after the peer when the group is a subgroup."""
         names = self.rank_names
-
-        def name(r: int) -> str:
-            return str(names[r]) if names and 0 <= r < len(names) else str(r)
-
         if peer is None:
             scope = f" ({self.rank_scope} rank {self.rank})" if names else ""
-            return f"{name(self.rank)}{scope}", "all ranks"
+            return f"{rank_name(names, self.rank)}{scope}", "all ranks"
         scope = f" ({self.rank_scope} ranks {self.rank} / {peer})" if names else ""
-        return name(self.rank), f"peer {name(peer)}{scope}"
+        return rank_name(names, self.rank), f"peer {rank_name(names, peer)}{scope}"
 
     def timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=envs.TIMEOUT_S.get())
