@@ -189,7 +189,8 @@ def main() -> None:
     parser.add_argument("--composed", action="store_true",
                         help="the composed path (CUDA stages) next to the torch backend, ranks sharing GPUs")
     parser.add_argument("--iters", type=int, default=10, help="--composed: warm-ups and timed calls per point")
-    parser.add_argument("--predictions", type=Path, default=HERE / "results" / "simulator_predict_deep_ep.json")
+    parser.add_argument("--predictions", type=Path,
+                        default=HERE.parent / "simulator" / "data" / "predictions_deep_ep.json")
     parser.add_argument("--json", type=str, default="bench_internode.json")
     args = parser.parse_args()
     reports = spawn_ranks(run_rank, args)

@@ -60,7 +60,7 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatch-dtype", choices=scenario.DTYPES, default=d.dispatch_dtype)
     p.add_argument("--kernels", choices=scenario.KERNELS, default=d.kernels,
                    help="kernel family: deepep (DeepEP V1's kernels, validated on published rows; default) or "
-                        "deep_ep (ours, calibrated on benchmarks/results; python -m simulator.calibrate "
+                        "deep_ep (ours, calibrated on simulator/data; python -m simulator.calibrate "
                         "--from-bench)")
     p.add_argument("--gpu", choices=sorted(hardware.GPUS), default=d.gpu)
     p.add_argument("--nic", choices=sorted(hardware.NICS), default=d.nic)
@@ -133,14 +133,15 @@ def run_predict(argv: list[str]) -> int:
                                                  "low-latency EP2/4/8, internode on 2 virtual nodes x 1/2/4 GPUs), "
                                                  "to be checked by measurement.")
     parser.add_argument("--calibration", default=None, metavar="FILE.json",
-                        help="deep_ep calibration to use (default simulator/calibration_deep_ep.json)")
+                        help="deep_ep calibration to use (default simulator/data/calibration_deep_ep.json)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
     try:
         rows = predictions.predict(args.calibration)
     except ValueError as exc:
         parser.error(str(exc))
-    print(predictions.to_json(rows) if args.json else predictions.to_markdown(rows), end="\n" if args.json else "")
+    print(predictions.to_json(rows, args.calibration) if args.json else predictions.to_markdown(rows),
+          end="\n" if args.json else "")
     return 0
 
 

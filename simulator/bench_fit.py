@@ -5,7 +5,8 @@ measured op); :func:`fit` least-squares the family's parameters on the points wh
 normal-mode benches, tokens per rank for the low-latency bench) is not held out (residual = log(predicted /
 measured), Levenberg-Marquardt in log-parameter space, so every parameter stays positive) and predicts the points of
 any ``check`` runs (other bench files, never fitted); :func:`to_text` prints measured vs predicted per point;
-:func:`write_calibration` stores the values with their source file and date in ``simulator/calibration_deep_ep.json``,
+:func:`write_calibration` stores the values with their source file and date in
+``simulator/data/calibration_deep_ep.json``,
 which ``deep_ep_kernels.profile()`` loads.
 
 Readers: ``benchmarks/bench_intranode.py`` (dispatch on the ring path, ops ``dispatch_*``, and on the
@@ -609,8 +610,9 @@ def to_text(result: FitResult) -> str:
 LL_SECTION = "low_latency"
 
 
-def write_calibration(result: FitResult, path: str | Path = CALIBRATION_PATH) -> None:
-    """Write the fitted (and ``--fix``-ed) parameters with their sources, plus the fit summary and its points.
+def write_calibration(result: FitResult, path: str | Path = CALIBRATION_PATH, command: str | None = None) -> None:
+    """Write the fitted (and ``--fix``-ed) parameters with their sources, plus the fit summary (bench file, its date
+    and machine, the fit's date and ``command``, the command line that ran the fit) and its points.
 
     Parameters an existing file holds that this fit does not touch (e.g. those of another bench kind) are kept. A
     normal-mode fit writes its summary and points at the top level and keeps the file's :data:`LL_SECTION`; a
@@ -637,6 +639,8 @@ def write_calibration(result: FitResult, path: str | Path = CALIBRATION_PATH) ->
         points += [entry(pt, pred, "check") for pt, pred in zip(c.run.points, c.predicted)]
     summary = {"bench": result.run.path, "bench_date": result.run.date, "machine": result.run.machine,
                "fitted": datetime.date.today().isoformat()}
+    if command:
+        summary["command"] = command
     if result.run.kind == "low-latency":
         section = {**summary, "ll_partials": result.run.ll_partials, "hold_out_tokens": list(result.hold_out),
                    "mape_fit": rounded(result.mape(False)),

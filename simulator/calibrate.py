@@ -6,12 +6,12 @@ fitted by bisection so that the signed error of its calibration row(s) is zero, 
 over the coupled low-latency parameters. The rows are those marked ``calib`` in ``simulator.validate.CALIBRATION``;
 every other row is a hold-out prediction.
 
-``python -m simulator.calibrate --from-bench benchmarks/results/FILE.json [--hold-out 16,32] [--check OTHER.json]
+``python -m simulator.calibrate --from-bench FILE.json [--hold-out 16,32] [--check OTHER.json]
 [--warps default|best] [--no-write]`` fits the parameters of deep_ep's own kernels (``simulator.deep_ep_kernels``)
 by least squares on the relative error of the bench points, holding the given SM counts out, predicts every point of
 the ``--check`` files (other bench runs, never fitted), prints measured vs predicted per point with the signed error
-and the MAPE of fitted, held-out and check points, and writes ``simulator/calibration_deep_ep.json`` (value, source
-file, date, every point). Readers of bench files live in :data:`BENCH_READERS` (see ``simulator/bench_fit.py``). A
+and the MAPE of fitted, held-out and check points, and writes ``simulator/data/calibration_deep_ep.json`` (value,
+source file, date, command, every point). Readers of bench files live in :data:`BENCH_READERS` (see ``simulator/bench_fit.py``). A
 ``benchmarks/bench_low_latency.py`` file fits the low-latency parameters instead; ``--hold-out`` then names token
 counts (default 2,4,16,32,128).
 """
@@ -109,6 +109,7 @@ def calibrate(verbose: bool = True) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
+    import shlex
     import sys
 
     from simulator import bench_fit
@@ -127,13 +128,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="bench_intranode sweeps: time of Buffer's default copy-warp count (default) or of the "
                              "best one per point")
     parser.add_argument("--output", default=str(bench_fit.CALIBRATION_PATH),
-                        help="calibration JSON to write (default simulator/calibration_deep_ep.json)")
+                        help="calibration JSON to write (default simulator/data/calibration_deep_ep.json)")
     parser.add_argument("--no-write", action="store_true", help="print the fit only")
     parser.add_argument("--fix", action="append", default=[], metavar="NAME=VALUE",
                         help="pin a parameter instead of fitting it (repeatable), e.g. --fix sm_local_gbps=75")
     parser.add_argument("--show", action="store_true",
                         help="print the deep_ep profile in use (value and source per parameter) and exit")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    raw_argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(raw_argv)
     if args.show:
         for name, value, source in bench_fit.dek.profile().describe():
             print(f"{name:<26} {value!s:>10}  {source}")
@@ -164,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     print(bench_fit.to_text(result), end="")
     if not args.no_write:
-        bench_fit.write_calibration(result, args.output)
+        command = " ".join(["python -m simulator.calibrate", *(shlex.quote(a) for a in raw_argv)])
+        bench_fit.write_calibration(result, args.output, command)
         print(f"wrote {args.output}")
     return 0
 

@@ -69,7 +69,9 @@ from simulator.rank import (
 )
 from simulator.workload import SourceTraffic, read_json
 
-CALIBRATION_PATH = Path(__file__).with_name("calibration_deep_ep.json")
+# Measurements and fits the simulator reads (each file names its machine, date and command).
+DATA_DIR = Path(__file__).with_name("data")
+CALIBRATION_PATH = DATA_DIR / "calibration_deep_ep.json"
 
 
 @dataclass(frozen=True)
@@ -182,13 +184,12 @@ _ASSUMED = {
                       "(deep_ep.config.dispatch_receive_mode 'auto'); 1 = rings (§2.4)",
     "dispatch_chunk": "assumed: best Sn of the 2026-11-30 sweep lies in 8..24",
     "combine_chunk": "assumed: best Sn of the 2026-11-30 sweep lies in 4..16",
-    "ce_gbps": "measured: copy-engine combine chunk sweep, 2026-11-30 (24 SMs, 128..1024-row chunks: time ~ 190-198 us "
-               "+ 6 us per chunk for 58.5 MB; docs/performance.md 'Copy-engine combine'); the 16 points within 12 %",
+    "ce_gbps": "measured: copy-engine combine chunk sweep on 2 x H200 (simulator/data/combine_copy_h200x2.json; 24 SMs, "
+               "128..1024-row chunks: time ~ 190-198 us + 6 us per chunk for 58.5 MB); its 16 points within 12 %",
     "ce_chunk_us": "measured: the same sweep's slope, 5.8-6.3 us per chunk",
     "ce_reduce_gbps": "measured: copy-engine combine at 8 SMs, 305 us of reduction for 117 MB of contributions",
-    "zone_link_gbps": "measured: zone-sender combine, 2026-11-30 (benchmarks/results/intranode_h200x2_2026-11-30_zone_"
-                      "{final,rerun,sweep}.json, 4 sender warps, 16-24 CTAs: 212 us at 24 CTAs for 58.5 MB); the 9 "
-                      "points within 4 %",
+    "zone_link_gbps": "measured: zone-sender combine on 2 x H200 (simulator/data/combine_zone_h200x2.json, 4 sender "
+                      "warps, 16-24 CTAs: 212 us at 24 CTAs for 58.5 MB); its 9 points within 4 %",
     "zone_reduce_gbps": "measured: the same points, 20 and 16 CTAs (reduction-bound: 229-233 and 271 us)",
     "ll_fixed_us": "assumed: kernels.md §3.3 estimate (top-k scan ~2 µs, signal ~2 µs, launch ~3 µs)",
     "ll_hook_fixed_us": "assumed: one kernel launch + grid drain per hook-mode phase",

@@ -145,5 +145,21 @@ def to_markdown(rows: list[Prediction]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_json(rows: list[Prediction]) -> str:
-    return json.dumps({"kernels": "deep_ep", "rows": [r.as_dict() for r in rows]}, indent=1)
+def provenance(calibration: Path | None = None) -> dict:
+    """Where the rows come from: the command, and the machine and dates of the calibration's measurements."""
+    path = Path(calibration) if calibration is not None else dek.CALIBRATION_PATH
+    data = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    data = data if isinstance(data, dict) else {}
+    ll = data.get(LL_SECTION, {})
+    command = "python -m simulator predict --json"
+    if calibration is not None:
+        command += f" --calibration {calibration}"
+    return {"machine": f"computed by the simulator; calibrated on {data.get('machine', 'defaults only')}",
+            "date": f"calibration fitted {data.get('fitted', '-')} (runs of {data.get('bench_date', '-')}, "
+                    f"low latency {ll.get('bench_date', '-')})",
+            "command": command}
+
+
+def to_json(rows: list[Prediction], calibration: Path | None = None) -> str:
+    return json.dumps({"provenance": provenance(calibration), "kernels": "deep_ep",
+                       "rows": [r.as_dict() for r in rows]}, indent=1)

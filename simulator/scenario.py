@@ -275,7 +275,7 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
     num_ranks, per_node = sc.num_ranks, sc.gpus_per_node
     ops: list[OpRow] = []
     notes = ["deep_ep kernels: normal-mode time is the wall time of a cached call (the bench's metric: launch "
-             "included, no notify); parameters from simulator/calibration_deep_ep.json, the rest labelled "
+             "included, no notify); parameters from simulator/data/calibration_deep_ep.json, the rest labelled "
              "assumed (python -m simulator.calibrate --show lists them)"]
     if sc.mode in ("normal", "both") and sc.nodes > NUM_MAX_RING_RANKS:
         beyond = ("the composed path with a torch rail (NCCL over the rail subgroup; the node stage stays on the "

@@ -2,8 +2,8 @@
 
 The family models deep_ep's own kernels (``simulator/deep_ep_kernels.py``); ``python -m simulator.calibrate
 --from-bench FILE --check OTHER`` fits it (``simulator/bench_fit.py``) and writes
-``simulator/calibration_deep_ep.json``; ``python -m simulator predict --json`` writes
-``benchmarks/results/simulator_predict_deep_ep.json``.
+``simulator/data/calibration_deep_ep.json``; ``python -m simulator predict --json`` writes
+``simulator/data/predictions_deep_ep.json``. Every measurement read here is a file of ``simulator/data/``.
 """
 from __future__ import annotations
 
@@ -20,17 +20,17 @@ from simulator import Scenario, bench_fit, hardware, rank, run, workload
 from simulator import deep_ep_kernels as dek
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-BENCH_RINGS = RESULTS / "intranode_h200x2_2026-11-30.json"          # rings only, SM sweep 8..48 (older kernels)
-BENCH_RECEIVE = RESULTS / "intranode_h200x2_2026-11-30_receive.json"  # rings and direct-to-output, 8 and 24 SMs
-BENCH_VIRTUAL = RESULTS / "internode_h200x2_2026-11-30_virtual.json"  # bench_internode: EP2 and 2 x 1 virtual nodes
-# The calibration's runs: direct receive, 8..24 channels x warps (uncapped, 10:56), and bench_internode after it.
-BENCH = RESULTS / "intranode_h200x2_2026-11-30_channels.json"
-BENCH_CHECK = RESULTS / "internode_h200x2_2026-11-30_intra3.json"
-BENCH_LL = RESULTS / "low_latency_h200x2_2026-11-30_staged.json"  # bench_low_latency: EP2, T = 1..256
+DATA = dek.DATA_DIR
+BENCH_RINGS = DATA / "intranode_rings_h200x2.json"      # rings only, SM sweep 8..48 (an earlier build)
+BENCH_RECEIVE = DATA / "intranode_receive_h200x2.json"  # rings and direct-to-output, 8 and 24 SMs
+BENCH_VIRTUAL = DATA / "internode_virtual_h200x2.json"  # bench_internode: EP2 and 2 x 1 virtual nodes
+# The calibration's runs: direct receive, 8..24 channels x warps (num_sms channels), and bench_internode after it.
+BENCH = DATA / "intranode_sweep_h200x2.json"
+BENCH_CHECK = DATA / "internode_check_h200x2.json"
+BENCH_LL = DATA / "low_latency_h200x2.json"  # bench_low_latency: EP2, T = 1..256
 # The LL fit holds these token counts out (T = 1: a peer-late hook receive of 77 us; T = 256: two tokens per CTA).
 LL_HOLD_OUT = "1,2,16,32,256"
-STORED_PREDICTIONS = RESULTS / "simulator_predict_deep_ep.json"
+STORED_PREDICTIONS = DATA / "predictions_deep_ep.json"
 # The calibration command of docs/simulator.md.
 CALIBRATE_ARGS = ("--from-bench", str(BENCH), "--check", str(BENCH_CHECK), "--warps", "best", "--hold-out", "12,20")
 
@@ -104,7 +104,7 @@ def test_repo_calibration_predicts_the_check_run():
     # The repository's calibration is the fit of BENCH; the bench_internode run (other chunks, EP2 on the default
     # receive path and 2 x 1 virtual nodes) is held out as a whole; both within 10 % per point.
     prof = dek.load_profile()
-    assert prof.source_of("row_ns").startswith("fit: intranode_h200x2_2026-11-30_channels.json")
+    assert prof.source_of("row_ns").startswith("fit: intranode_sweep_h200x2.json")
     assert prof.receive_copies == 0 and prof.source_of("receive_copies").startswith("design: direct-to-output")
     for path, worst in ((BENCH, 0.10), (BENCH_CHECK, 0.10)):
         bench = bench_fit.read_bench(path, warps="best")  # the fit's choice (Buffer runs the tuned warp table)
@@ -135,9 +135,6 @@ def test_bench_reader_receive_paths_and_warps():
     best = {p.label: p for p in bench_fit.read_bench(BENCH_RECEIVE, warps="best").points}
     assert best["24 SMs bf16 combine"].time_us == pytest.approx(221.7, abs=0.1)
     assert best["24 SMs fp8 dispatch direct"].time_us < by_label["24 SMs fp8 dispatch direct"].time_us
-    # The diagnostic skipcopy ops are not read.
-    d2o = bench_fit.read_bench(RESULTS / "intranode_h200x2_2026-11-30_d2o_branch.json")
-    assert len(d2o.points) == 10 and not any("skipcopy" in p.label for p in d2o.points)
 
 
 def test_bench_reader_internode_run():
@@ -405,7 +402,7 @@ def test_cli_calibrate_reproduces_the_repo_calibration(tmp_path):
     assert set(ours["params"]) == set(dek.INTRANODE_FIT_PARAMS)
     for name in dek.INTRANODE_FIT_PARAMS:
         assert ours["params"][name]["value"] == pytest.approx(repo["params"][name]["value"], rel=1e-3), name
-        assert ours["params"][name]["source"].startswith("fit: intranode_h200x2_2026-11-30_channels.json"), name
+        assert ours["params"][name]["source"].startswith("fit: intranode_sweep_h200x2.json"), name
 
 
 def test_cli_predict_lists_every_case(tmp_path):
@@ -527,7 +524,7 @@ def test_repo_ll_calibration_fits_the_bench():
     # at 0.92 (340 GB/s per direction, the measured both-ways slope); the other token counts are held out.
     prof = dek.load_profile()
     for name in dek.LL_FIT_PARAMS:
-        expected = "fixed by --fix" if name == "ll_nvl_efficiency" else "fit: low_latency_h200x2_2026-11-30_staged.json"
+        expected = "fixed by --fix" if name == "ll_nvl_efficiency" else "fit: low_latency_h200x2.json"
         assert prof.source_of(name).startswith(expected), name
     bench = bench_fit.read_bench(BENCH_LL)
     predicted = bench_fit.predict_points(bench, bench.points, prof, bench_fit.bench_traffic(bench))
@@ -600,19 +597,21 @@ def test_ll_fused_combine_skips_own_rows():
     assert dek.ll_dispatch_message_bytes(7168, "fp8", 8, dek.profile()) == 80 + 7392
 
 
+def _measured_run(data: dict) -> bench_fit.BenchRun:
+    """The workload of a ``simulator/data`` file of measured points (``args`` as bench_intranode.py writes them)."""
+    args = data["args"]
+    return bench_fit.BenchRun("intranode", "data", "", data["machine"], args["num_processes"], args["num_tokens"],
+                              args["hidden"], args["num_topk"], args["num_experts"], ())
+
+
 def test_zone_combine_model_predicts_its_points():
-    # The zone-sender combine on 2 x H200 at its default 4 sender warps (docs/performance.md, "Zone-sender
-    # combine"): Buffer-default points of the final and rerun calls (24 CTAs at budgets of 24, 32 and 48 SMs; 20
-    # CTAs) and the sweep's 4-warp points at 16-24 CTAs; the profile's zone_* parameters predict each within 6 %.
-    results = ROOT / "benchmarks" / "results"
-    run = bench_fit.read_bench(results / "intranode_h200x2_2026-11-30_zone_final.json")
+    # The zone-sender combine on 2 x H200 at its default 4 sender warps: Buffer-default points (24 CTAs at budgets
+    # of 24, 32 and 48 SMs; 20 CTAs) and a warp sweep's 4-warp points at 16-24 CTAs; the profile's zone_* parameters
+    # predict each within 6 %.
+    data = json.loads((DATA / "combine_zone_h200x2.json").read_text())
+    run = _measured_run(data)
     traffic = bench_fit.bench_traffic(run)
-    points = []
-    for name in ("zone_final", "zone_rerun"):
-        rank0 = json.loads((results / f"intranode_h200x2_2026-11-30_{name}.json").read_text())["ranks"][0]
-        points += [(p["num_sms"], p["wall_us_mean"]) for p in rank0["points"] if p["op"] == "combine_bf16_zone"]
-    sweep = json.loads((results / "intranode_h200x2_2026-11-30_zone_sweep.json").read_text())["ranks"][0]["sweep"]
-    points += [(sms, us) for op, sms, _, warps, us in sweep if op == "combine_bf16_zone" and warps == 4 and sms <= 24]
+    points = [(p["num_sms"], p["wall_us"]) for p in data["points"] if p["sender_warps"] == 4]
     assert len(points) == 9
     errors = []
     for sms, us in points:
@@ -622,14 +621,12 @@ def test_zone_combine_model_predicts_its_points():
 
 
 def test_copy_engine_combine_model_predicts_its_sweep():
-    # The copy-engine combine's chunk-row sweep on 2 x H200 (docs/performance.md, "Copy-engine combine", call 5; in
-    # that file every "combine_bf16" entry is the copy-engine path, which the Buffer took at every budget then):
-    # the model with the profile's ce_* parameters predicts every point within 12 %.
-    path = ROOT / "benchmarks" / "results" / "intranode_h200x2_2026-11-30_combine_copy.json"
-    run = bench_fit.read_bench(path)
+    # The copy-engine combine's chunk-row sweep on 2 x H200 at 8..24 SMs: the model with the profile's ce_*
+    # parameters predicts every point within 12 %.
+    data = json.loads((DATA / "combine_copy_h200x2.json").read_text())
+    run = _measured_run(data)
     traffic = bench_fit.bench_traffic(run)
-    sweep = json.loads(path.read_text())["ranks"][0]["sweep"]
-    points = [(int(sms), int(rows), float(us)) for op, sms, rows, _, us in sweep if op == "combine_bf16"]
+    points = [(p["num_sms"], p["copy_chunk_rows"], p["wall_us"]) for p in data["points"]]
     assert len(points) == 16
     errors = []
     for sms, rows, us in points:
