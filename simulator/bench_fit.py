@@ -101,9 +101,6 @@ class BenchRun:
     points: tuple[BenchPoint, ...]
     # Low latency: DeepEP's byte counts per (tokens, op), summed over ranks (valid selections x bytes per message).
     deepep_bytes: tuple[tuple[int, str, int], ...] = ()
-    # Low latency: the fused combine ran by per-rank partial sums (the bench JSON's "combine_partials"; absent in
-    # runs before that path existed, which sent one row per expert).
-    ll_partials: bool = False
 
     @property
     def gpu(self) -> str:
@@ -289,10 +286,9 @@ def _read_low_latency(data: dict, path: str, warps: str = "default") -> BenchRun
         raise ValueError(f"bench {path}: no low-latency points")
     machine = f"{data.get('gpu', 'unknown')} x{len(per_rank)}"
     num_ranks = int(args.get("num_processes", len(per_rank)))
-    partials = any(bool(p.get("combine_partials", False)) for r in per_rank for p in r)
     return BenchRun("low-latency", path, str(data.get("date", "unknown")), machine, num_ranks,
                     max(sweeps[0]), int(args.get("hidden", 7168)), int(args.get("num_topk", 8)),
-                    int(args.get("num_experts", 288)), tuple(points), tuple(deepep_bytes), partials)
+                    int(args.get("num_experts", 288)), tuple(points), tuple(deepep_bytes))
 
 
 # (name, detector, reader): the first detector that accepts the JSON object reads it.
@@ -378,8 +374,7 @@ _LL_PHASE_KEYS = {"fused": "fused", "send": "hook_send", "recv": "hook_recv"}
 def _ll_times(run: BenchRun, point: BenchPoint, prof: DeepEpProfile,
               traffic: dict[int, list[workload.SourceTraffic]]) -> dict[str, np.ndarray]:
     payload = rank.token_bytes(run.hidden, point.dtype)
-    spec = rank.OpSpec("low-latency", point.op, run.hidden, run.topk, payload, payload, 1, run.num_ranks, None,
-                       ll_partials=run.ll_partials)
+    spec = rank.OpSpec("low-latency", point.op, run.hidden, run.topk, payload, payload, 1, run.num_ranks, None)
     return dek.ll_phase_times(spec, traffic[point.tokens], hardware.get_gpu(run.gpu), hardware.CX7, prof,
                               point.dtype)
 
@@ -642,7 +637,7 @@ def write_calibration(result: FitResult, path: str | Path = CALIBRATION_PATH, co
     if command:
         summary["command"] = command
     if result.run.kind == "low-latency":
-        section = {**summary, "ll_partials": result.run.ll_partials, "hold_out_tokens": list(result.hold_out),
+        section = {**summary, "hold_out_tokens": list(result.hold_out),
                    "mape_fit": rounded(result.mape(False)),
                    "mape_hold_out": rounded(result.mape(True)), "points": points}
         data = {"family": "deep_ep", **{k: v for k, v in old.items() if k not in ("family", "params", LL_SECTION)},

@@ -106,8 +106,6 @@ class DeepEpProfile:
         ll_reduce_gbps: per-SM rate of the LL combine reduction (contribution bytes read, own rows included), GB/s.
         ll_nvl_efficiency: fraction of ``GpuProfile.nvlink_gbps`` the LL stores reach (per direction, both
             directions busy).
-        ll_partials_route_us: added to a fused LL combine by per-rank partial sums (``OpSpec.ll_partials``): the
-            owner's routing message must reach the expert ranks before their first partial leaves, µs.
         ll_header_bytes_per_topk: LL dispatch header bytes per top-k slot (``expert << 16 | row`` int32 per slot of
             the kernels' ``NUM_MAX_LL_TOPK`` slots, after the int32 source token).
         internode_extra_us: added to ``launch_us`` for internode calls with a network stage (NVSHMEM signal round
@@ -146,7 +144,6 @@ class DeepEpProfile:
     ll_expand_gbps: float = 75.0
     ll_reduce_gbps: float = 75.0
     ll_nvl_efficiency: float = 1.0
-    ll_partials_route_us: float = 2.0
     ll_header_bytes_per_topk: int = 4
     internode_extra_us: float = 5.0
     ce_gbps: float = 310.0
@@ -200,7 +197,6 @@ _ASSUMED = {
     "ll_expand_gbps": "assumed: as sm_local_gbps (local copies)",
     "ll_reduce_gbps": "assumed: as reduce_gbps",
     "ll_nvl_efficiency": "assumed: LL stores reach the measured SM-store peak (hardware.md)",
-    "ll_partials_route_us": "assumed: one NVLink store + release-add round (~2 µs) before the first partial",
     "ll_header_bytes_per_topk": "design: csrc/kernels/low_latency.cuh header, int32 [1 + NUM_MAX_LL_TOPK] (source "
                                 "token, then expert << 16 | row per slot)",
     "internode_extra_us": "assumed: one NVSHMEM signal round trip per call (internode with a network stage)",
@@ -633,7 +629,6 @@ class LowLatencyWork:
             arrival.
         nvl_rate / nic_rate: link rates, bytes/µs per direction.
         nvlink_peer: ``[src, dst]`` whether the pair talks over NVLink (the rest, but the own rank, over the NIC).
-        extra_us: fixed cost added to a fused call (the routing round of the combine by partial sums).
     """
 
     sent: np.ndarray
@@ -643,7 +638,6 @@ class LowLatencyWork:
     nic_rate: float
     nvlink_peer: np.ndarray
     send_cap: float
-    extra_us: float = 0.0
 
 
 def low_latency_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
@@ -656,8 +650,6 @@ def low_latency_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile
     back to the token's owner (a fused call skips the own rows, read in place), stored at ``sm_push_gbps`` per SM;
     after the last arrival the owner reads the contributions at ``ll_reduce_gbps`` per SM: the peers' rows in a fused
     call (its own rows are staged in shared memory while those travel), every row in the hook's receive launch.
-    A fused combine with ``spec.ll_partials`` sends one fp32 partial row (4H bytes) per (token, holding rank)
-    instead, after ``ll_partials_route_us``; the owner reads the peers' partials after the last arrival.
     """
     num_ranks = spec.num_ranks
     selections = np.asarray([t.msgs_to_rank for t in traffic], dtype=float)  # [src, holder]
@@ -667,16 +659,11 @@ def low_latency_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile
         send_rate = prof.ll_send_gbps
         recv_sm_us = selections.sum(axis=0) * token_bytes(spec.hidden, dtype) * 1e-3 / prof.ll_expand_gbps
     else:
-        partials = spec.ll_partials and not hook
-        if partials:  # one partial per (token, holder): the holders of a token are its dispatch messages
-            sent = np.asarray([t.rows_to_rank for t in traffic], dtype=float).T * (4 * spec.hidden)
-        else:
-            sent = selections.T * (2 * spec.hidden)  # [holder, owner]
+        sent = selections.T * (2 * spec.hidden)  # [holder, owner]
         if not hook:
-            np.fill_diagonal(sent, 0.0)  # own rows (or partial) are read in place while the peers' travel
+            np.fill_diagonal(sent, 0.0)  # own rows are read in place while the peers' travel
         recv_sm_us = sent.sum(axis=0) * 1e-3 / prof.ll_reduce_gbps  # the contributions read after the last arrival
         send_rate = prof.sm_push_gbps
-        extra_us = prof.ll_partials_route_us if partials else 0.0
     nvlink_peer = _nvlink_peers(spec) | nic.shares_nvlink  # virtual nodes: the "network" rides NVLink too
     np.fill_diagonal(nvlink_peer, False)
     remote_peers = 0 if nic.shares_nvlink else num_ranks - spec.ranks_per_node
@@ -684,7 +671,7 @@ def low_latency_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile
     sms = gpu.num_device_sms
     return LowLatencyWork(sent, sent.sum(axis=1) * 1e-3 / send_rate, recv_sm_us,
                           gpu.nvlink_gbps * prof.ll_nvl_efficiency * GBPS, nic_rate(nic, efficiency, remote_peers),
-                          nvlink_peer, sms * send_rate * GBPS, extra_us if spec.op == "combine" else 0.0)
+                          nvlink_peer, sms * send_rate * GBPS)
 
 
 def ll_phase_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
@@ -722,7 +709,7 @@ def ll_phase_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, 
             out["hook_send"] = hook_fixed + fixed + hidden(send, hook_fixed)
             out["hook_recv"] = hook_fixed + recv
         else:
-            out["fused"] = prof.ll_fixed_us + fixed + work.extra_us + hidden(arrival, prof.ll_fixed_us) + recv
+            out["fused"] = prof.ll_fixed_us + fixed + hidden(arrival, prof.ll_fixed_us) + recv
     return out
 
 
@@ -737,7 +724,7 @@ def simulate_low_latency(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuPro
     num_ranks = spec.num_ranks
     sms = gpu.num_device_sms
     work = low_latency_work(spec, traffic, gpu, nic, prof, dtype)
-    fixed_us = prof.ll_fixed_us + (prof.internode_extra_us if spec.num_nodes > 1 else 0.0) + work.extra_us
+    fixed_us = prof.ll_fixed_us + (prof.internode_extra_us if spec.num_nodes > 1 else 0.0)
     start_us = fixed_us - min(prof.ll_overlap_us, prof.ll_fixed_us)
     net, ports, send_end, recv_end = ll_send_recv(
         spec, work.sent, nvl_rate=work.nvl_rate, nic_rate_=work.nic_rate, sm_cap=work.send_cap, fixed_us=start_us,

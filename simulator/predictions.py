@@ -27,7 +27,7 @@ from pathlib import Path
 from deep_ep.config import combine_send_path
 from simulator import deep_ep_kernels as dek
 from simulator.bench_fit import LL_SECTION
-from simulator.scenario import Scenario, ll_partials, run
+from simulator.scenario import Scenario, run
 
 
 @dataclass(frozen=True)
@@ -75,20 +75,10 @@ def _measured(calibration: Path, prof: dek.DeepEpProfile) -> dict[tuple[str, str
             continue  # a ring measurement; the Buffer's 24-SM combine runs another path
         out[(case, p["op"], p["dtype"])] = float(p["measured_us"])
     ll = data.get(LL_SECTION, {})
-    # A combine measured on the other path (one row per expert vs per-rank partial sums) is no reference.
-    partials = ll_ep2_partials()
     for p in ll.get("points", []) if ll.get("machine", "").endswith("x2") else []:
         if p.get("phase") == "fused" and p.get("tokens") == LL_TOKENS:
-            if p["op"] == "combine" and bool(ll.get("ll_partials", False)) != partials:
-                continue
             out[("low-latency EP2", p["op"], p["dtype"])] = float(p["measured_us"])
     return out
-
-
-def ll_ep2_partials() -> bool:
-    """Whether the "low-latency EP2" case's combine runs by per-rank partial sums (deep_ep's rule, as the
-    scenario applies it)."""
-    return ll_partials(dict(cases())["low-latency EP2"])
 
 
 def cases() -> list[tuple[str, Scenario]]:

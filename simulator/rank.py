@@ -55,7 +55,6 @@ class OpSpec:
     ranks_per_node: int
     config: Config | None  # normal mode only
     allow_nvlink: bool = True
-    ll_partials: bool = False  # LL combine by per-rank fp32 partial sums (deep_ep.config.ll_combine_by_partials)
 
     @property
     def num_ranks(self) -> int:

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from deep_ep import envs, layout
+from deep_ep import layout
 from deep_ep.config import (NUM_MAX_LL_TOPK, NUM_MAX_RING_RANKS, NUM_MAX_SCALEUP_RANKS, NUM_MAX_TOPK,
-                            SUPPORTED_NORMAL_RANKS, Config, get_combine_config, get_dispatch_config,
-                            ll_combine_by_partials)
+                            SUPPORTED_NORMAL_RANKS, Config, get_combine_config, get_dispatch_config)
 from simulator import deep_ep_kernels, hardware, rank, workload
 from simulator.report import OpRow, Report, ScaleRow
 
@@ -247,13 +246,6 @@ def _traffic(sc: Scenario, router: workload.Router, tokens: int, mask_ll: bool) 
     return _TRAFFIC_CACHE[key]
 
 
-def ll_partials(sc: Scenario) -> bool:
-    """Whether deep_ep's kernels run this scenario's LL combine by per-rank partial sums
-    (``deep_ep.config.ll_combine_by_partials``; every peer by pointer: one node with NVLink allowed)."""
-    return ll_combine_by_partials(envs.LL_PARTIALS.get(), sc.num_ranks, sc.topk, sc.experts, sc.hidden,
-                                  sc.nodes == 1 and sc.ll_allow_nvlink, False, False, False)
-
-
 def _ll_specs(sc: Scenario) -> tuple[int, list[workload.SourceTraffic], int, list[tuple[rank.OpSpec, str]]]:
     """LL workload of ``sc``: ``(tokens, traffic, physical experts, [(spec, dtype)] for dispatch and combine)``."""
     tokens = sc.low_latency_tokens
@@ -261,10 +253,8 @@ def _ll_specs(sc: Scenario) -> tuple[int, list[workload.SourceTraffic], int, lis
     traffic = _traffic(sc, _router(sc, sc.experts), tokens, mask_ll=sc.ll_mask)
     # Message bytes as DeepEP's LL test counts them: 16-byte header + payload (+ FP8 scales); BF16 combine.
     ll_msgs = {"dispatch": 16 + rank.token_bytes(sc.hidden, sc.dispatch_dtype), "combine": 2 * sc.hidden}
-    partials = ll_partials(sc)
     specs = [(rank.OpSpec("low-latency", op, sc.hidden, sc.topk, ll_msgs[op], ll_msgs[op], sc.nodes,
-                          sc.gpus_per_node, None, allow_nvlink=sc.ll_allow_nvlink,
-                          ll_partials=partials and op == "combine"),
+                          sc.gpus_per_node, None, allow_nvlink=sc.ll_allow_nvlink),
               sc.dispatch_dtype if op == "dispatch" else "bf16") for op in ("dispatch", "combine")]
     return tokens, traffic, sc.experts + sc.num_redundant_experts, specs
 

@@ -420,13 +420,7 @@ def test_cli_predict_lists_every_case(tmp_path):
     measured = {(r["case"], r["op"], r["dtype"]): r for r in data["rows"] if r["measured_us"] is not None}
     assert {case for case, _, _ in measured} == {"intranode EP2", "internode 2x1 virtual", "low-latency EP2"}
     assert ("intranode EP2", "combine", "bf16") not in measured
-    # The LL combine's measurement is a reference only when it ran the path the case predicts (one row per expert,
-    # or per-rank partial sums: deep_ep.config.ll_combine_by_partials).
-    from simulator import predictions
-    calibration = json.loads(dek.CALIBRATION_PATH.read_text(encoding="utf-8"))[bench_fit.LL_SECTION]
-    same_path = bool(calibration.get("ll_partials", False)) == predictions.ll_ep2_partials()
-    assert (("low-latency EP2", "combine", "bf16") in measured) == same_path
-    assert len(measured) == (7 if same_path else 6)
+    assert ("low-latency EP2", "combine", "bf16") in measured and len(measured) == 7
     assert all(abs(r["time_us"] / r["measured_us"] - 1) < 0.1 for r in measured.values())
     # The LL EP2 rows are compared with the fused kernel times of bench_low_latency at T = 128.
     assert measured[("low-latency EP2", "dispatch", "fp8")]["measured_us"] == pytest.approx(21.0, abs=0.05)
