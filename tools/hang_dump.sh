@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Where is a hung GPU job stuck? Runs COMMAND; if it still runs after SECONDS, dumps for every python process of
-# this user: the Python and native stacks (py-spy, when installed: carry its wheel to the device machine) and, for
-# processes with a CUDA context, cuda-gdb's view of the running kernels (`info cuda kernels` and `info cuda
-# threads`: where every GPU thread is, as file:line when the extension was built with -lineinfo, e.g.
-# DEEP_EP_DEBUG_BUILD=1), then kills COMMAND. This found the LL combine deadlock of 2026-11-30 (a full-mask
-# __shfl_sync skipped by some lanes; docs/performance.md).
+# Where is a hung GPU job stuck? For a hang that no bounded wait reports (a deadlock inside a kernel, e.g. a
+# full-mask __shfl_sync that some lanes skip). Runs COMMAND; if it still runs after SECONDS, dumps for every python
+# process of this user the Python and native stacks (py-spy, when installed) and, for processes with a CUDA
+# context, cuda-gdb's view of the running kernels (`info cuda kernels` and `info cuda threads`: where every GPU
+# thread is, as file:line when the extension was built with -lineinfo, i.e. DEEP_EP_DEBUG_BUILD=1), then kills
+# COMMAND.
 #
 # Usage: tools/hang_dump.sh SECONDS OUTDIR COMMAND [ARGS...]
 #   e.g. tools/hang_dump.sh 60 $OUT/hang python3 -m pytest -x -q tests/gpu/test_low_latency.py
