@@ -1,6 +1,4 @@
-"""``python -m simulator``: the capacity planner CLI, and ``python -m simulator validate``.
-
-Plan one deployment (text table, or one JSON object with ``--json``)::
+"""``python -m simulator``: plan one deployment (text table, or one JSON object with ``--json``)::
 
     python -m simulator --nodes 8 [--gpus-per-node 8] [--mode normal|low-latency|both] [--tokens T]
         [--ll-tokens T] [--hidden H] [--topk K] [--experts E] [--redundant-experts N]
@@ -8,12 +6,9 @@ Plan one deployment (text table, or one JSON object with ``--json``)::
         [--routing uniform|group-limited|zipf:A|trace:FILE] [--seed S] [--json] [--plot FILE.png]
         [--sweep-nodes 1,2,4,8,16] [--preset v3-ep64|h200-ep2|decode-ep32] [--kernels deepep|deep_ep]
 
-Check the model against every published DeepEP row and the H200 measurements::
+Check the model against the published DeepEP rows and the H200 measurements, or predict deep_ep's own kernels::
 
     python -m simulator validate [--json] [--set normal-h800,ll-h800,...]
-
-Predictions for deep_ep's own kernels (docs/simulator.md, "Predictions for deep_ep's kernels")::
-
     python -m simulator predict [--json] [--calibration FILE.json]
 
 Exit status: 0 on success; 2 on bad arguments (the message names the argument, the rule and the value);

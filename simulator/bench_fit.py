@@ -1,22 +1,16 @@
 """Fit the ``deep_ep`` kernel family (``simulator.deep_ep_kernels``) to our own benchmark JSON files.
 
-Flow: :func:`read_bench` turns a bench file into a :class:`BenchRun` (the workload and one :class:`BenchPoint` per
-measured op); :func:`fit` least-squares the family's parameters on the points whose sweep value (SM count for the
-normal-mode benches, tokens per rank for the low-latency bench) is not held out (residual = log(predicted /
-measured), Levenberg-Marquardt in log-parameter space, so every parameter stays positive) and predicts the points of
-any ``check`` runs (other bench files, never fitted); :func:`to_text` prints measured vs predicted per point;
-:func:`write_calibration` stores the values with their source file and date in
-``simulator/data/calibration_deep_ep.json``,
-which ``deep_ep_kernels.profile()`` loads.
+:func:`read_bench` turns a bench file into a :class:`BenchRun` (workload and one :class:`BenchPoint` per measured
+op); :func:`fit` least-squares the family's parameters on the points whose sweep value (SM count; tokens per rank
+for the low-latency bench) is not held out (residual log(predicted / measured), Levenberg-Marquardt in log-parameter
+space, so every parameter stays positive) and predicts the points of ``check`` runs (never fitted);
+:func:`to_text` prints measured vs predicted per point; :func:`write_calibration` stores the values with their
+sources in ``simulator/data/calibration_deep_ep.json``, which ``deep_ep_kernels.profile()`` loads.
 
-Readers: ``benchmarks/bench_intranode.py`` (dispatch on the ring path, ops ``dispatch_*``, and on the
-direct-to-output path, ops ``dispatch_*_direct``; combine), ``benchmarks/bench_internode.py`` (its intranode phase
-on Buffer's default receive path, direct-to-output, and its internode phase on one GPU per virtual node) and
-``benchmarks/bench_low_latency.py`` (fused LL kernel times and the send/receive launches of hook mode, per ``T``).
-
-Adding a bench kind: write a reader ``data -> BenchRun``, register it in :data:`BENCH_READERS` with a detector, list
-the parameters it fits in :data:`FIT_PARAMS`, and add a branch to :func:`predict_point`. Unknown files raise
-``ValueError`` naming the keys found.
+Readers: ``benchmarks/bench_intranode.py``, ``benchmarks/bench_internode.py`` (its intranode phase and one GPU per
+virtual node) and ``benchmarks/bench_low_latency.py`` (fused kernels and the two launches of hook mode, per ``T``).
+A new bench kind needs a reader in :data:`BENCH_READERS`, its parameters in :data:`FIT_PARAMS` and a branch in
+:func:`predict_point`; unknown files raise ``ValueError`` naming the keys found.
 """
 from __future__ import annotations
 
@@ -60,7 +54,7 @@ class BenchPoint:
     num_nodes: int = 1
     tokens: int = 0
     phase: str = "fused"
-    channels: int = 0  # CTAs the kernels ran; 0: what deep_ep runs for num_sms now (capped intranode channels)
+    channels: int = 0  # CTAs the kernels ran; 0: what deep_ep runs for num_sms (capped intranode channels)
 
     @property
     def sweep_value(self) -> int:
@@ -114,20 +108,20 @@ class BenchRun:
 # Readers
 # ---------------------------------------------------------------------------------------------------------------
 
-# bench_intranode.py op -> (op, dtype, dispatch receive path); the ``_skipcopy`` diagnostic ops are not read.
-# Copy warps per channel that the stored calibration (simulator/calibration_deep_ep.json) was fit on: Buffer's
-# defaults until branch intra3 (dispatch 16, combine 8 for every channel count and dtype). Buffer now takes them
-# from deep_ep.config.INTRANODE_SEND_WARP_TABLE; refit on a sweep measured with the new defaults, then switch this
-# to deep_ep.config.intranode_send_warps (docs/simulator.md, calibration).
+# Copy warps per channel of the points the stored calibration is fit on (every channel count and dtype). The
+# Buffer's tuned warp table (deep_ep's ``intranode_send_warps``) differs; a fit on a sweep measured at the tuned
+# warps would take them from there instead.
 CALIBRATION_SEND_WARPS = {"dispatch": 16, "combine": 8}
 
 
 def calibration_send_warps(kernel: str, num_ranks: int) -> int:
-    """The calibration's warp count for ``kernel``, clamped like Buffer's (deep_ep.config.intranode_send_warps)."""
+    """The calibration's warp count for ``kernel``, clamped to deep_ep's ``send_warp_range`` as Buffer clamps."""
     lowest, highest = send_warp_range(kernel, num_ranks)
     return min(max(CALIBRATION_SEND_WARPS[kernel], lowest), highest)
 
 
+# bench_intranode.py op -> (op, dtype, dispatch receive path); other ops (the NCCL baseline, the combine entries
+# that name their send path) are not read.
 _INTRANODE_OPS = {"dispatch_fp8": ("dispatch", "fp8", "rings"), "dispatch_bf16": ("dispatch", "bf16", "rings"),
                   "dispatch_fp8_direct": ("dispatch", "fp8", "direct"),
                   "dispatch_bf16_direct": ("dispatch", "bf16", "direct"),
@@ -158,20 +152,18 @@ def _positive(path: str, what: str, t: object) -> float:
 
 def _read_intranode(data: dict, path: str, warps: str = "default") -> BenchRun:
     """``benchmarks/bench_intranode.py`` output: per rank a list of points ``{op, num_sms, chunk, wall_us_mean}``
-    (the best chunk and warp count of that rank) and, in newer files, the whole ``sweep`` of ``[op, num_sms, chunk,
-    send_warps, wall_us_mean]``; the NCCL baseline and ``_skipcopy`` points are skipped.
+    (the best chunk and warp count of that rank) and, where recorded, the whole ``sweep`` of ``[op, num_sms, chunk,
+    send_warps, wall_us_mean]``; ops outside :data:`_INTRANODE_OPS` are skipped.
 
-    ``warps='default'`` (the calibration's choice): where the sweep has the warp count Buffer uses by default
-    (``deep_ep.config.INTRANODE_SEND_WARPS``), a point's time is the best chunk at that warp count, averaged over
-    ranks, since the simulator predicts Buffer's default configuration; otherwise (and with ``warps='best'``) it is
-    the mean of the ranks' best ``wall_us_mean``.
+    ``warps='default'``: where the sweep has the calibration's warp count (:data:`CALIBRATION_SEND_WARPS`), a
+    point's time is the best chunk at that warp count, averaged over ranks; otherwise (and with ``warps='best'``)
+    it is the mean of the ranks' best ``wall_us_mean``.
     """
     if warps not in WARPS_CHOICES:
         raise ValueError(f"warps must be one of {WARPS_CHOICES}, got {warps!r}")
     args = data.get("args", {})
     num_ranks = int(args.get("num_processes", len(data["ranks"])))
-    # Files written before deep_ep capped the intranode channels (no 'uncapped' argument) ran num_sms channels;
-    # newer ones ran the capped count unless --uncapped.
+    # A file without the 'uncapped' argument ran num_sms channels; one with it ran the capped count unless uncapped.
     uncapped = bool(args.get("uncapped", True))
     samples: dict[tuple[str, int], list[tuple[int, float]]] = {}
     for r in data["ranks"]:
@@ -184,7 +176,7 @@ def _read_intranode(data: dict, path: str, warps: str = "default") -> BenchRun:
         for r in data["ranks"]:
             for entry in r.get("sweep", []):
                 if len(entry) != 5 or entry[0] not in _INTRANODE_OPS:
-                    continue  # older sweep layouts carry no single warp count
+                    continue  # a 4-field sweep entry carries no single warp count
                 op_name, sms, chunk, send_warps, t = entry
                 if send_warps == calibration_send_warps(_INTRANODE_OPS[op_name][0], num_ranks):
                     t = _positive(path, f"sweep {op_name} at {sms} SMs chunk {chunk}", t)
@@ -219,7 +211,7 @@ def _read_internode(data: dict, path: str, warps: str = "default") -> BenchRun:
     args = data.get("args", {})
     num_ranks = int(args.get("num_processes", len(data["ranks"])))
     samples: dict[tuple[int, str, int], list[tuple[int, float]]] = {}
-    channels: dict[tuple[int, str, int], int] = {}  # files before the channel cap ran num_sms channels
+    channels: dict[tuple[int, str, int], int] = {}  # points without 'channels' ran num_sms channels
     for r in data["ranks"]:
         for p in r.get("points", []):
             if p.get("op") not in _INTRANODE_OPS or p.get("phase") not in ("intranode", "internode"):
@@ -297,8 +289,8 @@ BENCH_READERS: list[tuple[str, Callable[[dict], bool], Callable[..., BenchRun]]]
     ("internode on virtual nodes (benchmarks/bench_internode.py)", _is_internode, _read_internode),
     ("low latency (benchmarks/bench_low_latency.py)", _is_low_latency, _read_low_latency),
 ]
-# Weight of the log-space prior toward the design-guide defaults, per parameter (a factor 2 away costs as much as
-# a point 3.5 % off).
+# Weight of the log-space prior toward the assumed defaults (dek.DEFAULTS), per parameter (a factor 2 away costs
+# as much as a point 3.5 % off).
 PRIOR_WEIGHT = 0.05
 DEFAULTS_FOR_PRIOR = dek.DEFAULTS
 # Parameters each bench kind fits; the others keep their values (and sources) from the current profile.
@@ -519,14 +511,14 @@ def fit(run: BenchRun, hold_out: list[int] | tuple[int, ...] | None = None, star
         prof = make(x)
         data = [math.log(t / p.time_us) for t, p in zip(predict_points(run, fit_points, prof, traffic, seed),
                                                          fit_points)]
-        # Weak prior toward the design-guide values: parameters the points cannot separate (at EP2 the local and
+        # Weak prior toward the assumed values: parameters the points cannot separate (at EP2 the local and
         # remote byte counts are equal) stay near their estimate instead of drifting to 0 or infinity.
         return np.concatenate([data, PRIOR_WEIGHT * (x - x0)])
 
     x, iterations = levenberg_marquardt(residual, x0)
     if run.kind in MULTI_START_KINDS:
         # The max() terms of the LL phases have flat directions (a rate that binds nowhere has no gradient): start
-        # again from every parameter 4x below and above its design value and keep the lowest cost.
+        # again from every parameter 4x below and above its assumed value and keep the lowest cost.
         cost = float(residual(x) @ residual(x))
         for j in range(len(names)):
             for shift in (-math.log(4), math.log(4)):

@@ -1,19 +1,15 @@
 """Calibration: re-derive the constants of ``simulator.hardware`` (DeepEP V1 family), or fit the ``deep_ep`` family
 from our own benchmark JSON.
 
-``python -m simulator.calibrate`` prints the fitted DeepEP V1 values (it does not edit files). Each parameter is
-fitted by bisection so that the signed error of its calibration row(s) is zero, in the order below, with two passes
-over the coupled low-latency parameters. The rows are those marked ``calib`` in ``simulator.validate.CALIBRATION``;
-every other row is a hold-out prediction.
+``python -m simulator.calibrate`` prints the fitted DeepEP V1 values (it does not edit files): each parameter is
+bisected until the signed error of its calibration row(s) (``calib`` in ``simulator.validate.CALIBRATION``) is zero,
+in the order below, with two passes over the coupled low-latency parameters; every other row is a hold-out.
 
-``python -m simulator.calibrate --from-bench FILE.json [--hold-out 16,32] [--check OTHER.json]
-[--warps default|best] [--no-write]`` fits the parameters of deep_ep's own kernels (``simulator.deep_ep_kernels``)
-by least squares on the relative error of the bench points, holding the given SM counts out, predicts every point of
-the ``--check`` files (other bench runs, never fitted), prints measured vs predicted per point with the signed error
-and the MAPE of fitted, held-out and check points, and writes ``simulator/data/calibration_deep_ep.json`` (value,
-source file, date, command, every point). Readers of bench files live in :data:`BENCH_READERS` (see ``simulator/bench_fit.py``). A
-``benchmarks/bench_low_latency.py`` file fits the low-latency parameters instead; ``--hold-out`` then names token
-counts (default 2,4,16,32,128).
+``python -m simulator.calibrate --from-bench FILE.json [--hold-out 16,32] [--check OTHER.json] [--warps default|best]
+[--fix NAME=VALUE] [--no-write]`` fits deep_ep's kernel parameters by least squares on the bench points (the given
+SM counts held out), predicts the ``--check`` files' points (never fitted), prints measured vs predicted per point
+and the MAPEs, and writes ``simulator/data/calibration_deep_ep.json`` (values, sources, command, every point). A
+``benchmarks/bench_low_latency.py`` file fits the low-latency parameters; ``--hold-out`` then names token counts.
 """
 from __future__ import annotations
 

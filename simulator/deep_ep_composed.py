@@ -1,27 +1,17 @@
 """deep_ep's composed internode path in the ``--kernels deep_ep`` family: ``N`` nodes x ``G > 1`` GPUs.
 
-deep_ep runs that topology as two stage calls (``deep_ep/composed_internode.py``, docs/multinode.md), not as fused
-forwarding kernels, so this module models what it runs: a **rail stage** (the ``N`` ranks of one local index, one
-per node: each token goes once to each node it needs, to the rail peer there) and a **node stage** (the ``G`` ranks
-of one node: the forwarder sends each row to the local ranks that need it), each one of deep_ep's ring ops over its
-subgroup, costed by :func:`simulator.deep_ep_kernels.normal_work` / :func:`simulate_normal` with the stage's own
-ranks, traffic and record bytes. The stages run one after the other, and a stage starts when the last rank of its
-group is ready; around them the composed layer's torch copies move the rows (``composed_copy_gbps``, bytes read
-plus bytes written) and it adds ``composed_host_us`` per call.
+deep_ep runs that topology as two stage calls, not as fused forwarding kernels: a **rail stage** (the ``N`` ranks of
+one local index: each token goes once to each node it needs, to the rail peer there) and a **node stage** (the ``G``
+ranks of one node: the forwarder sends each row to the local ranks that need it), each a ring op over its subgroup
+(costed by the stage model the caller passes). A stage starts when the last rank of its group is ready; around the
+stages the composed layer's torch copies move the rows (``composed_copy_gbps``, bytes read plus written) and it adds
+``composed_host_us`` per call. The model is a **cached** call (stage records carry the payload only): dispatch packs
+``x`` into records (not BF16), rail stage, node stage, gather into the contract's order; combine gathers the expert
+rows into node-stage order, node-stage combine (a BF16 partial per node), rail-stage combine at the owner.
 
-The model is that of a **cached** call (the benchmarks' metric; notify excluded), whose stage records carry the
-payload only:
-
-* dispatch: source copies ``x`` into records (``T x payload`` read and written; not for BF16, whose rows are their
-  own records), rail stage, node stage straight from the rail output, then the gather of each payload field into
-  the contract's order (``rows x payload``);
-* combine: the expert rows are gathered into node-stage order (``rows x 2H``), node-stage combine (BF16 partial per
-  node at the forwarder), rail-stage combine (to the owner, biases and partials added there).
-
-Rail-stage links: one host (virtual nodes, ``nvlink-p2p``) is the CUDA-IPC rail that deep_ep picks there, i.e. the
-intranode model over ``N`` ranks; a real NIC is the NVSHMEM rail with one GPU per node (network puts, ring
-receive, ``internode_extra_us``); beyond ``NUM_MAX_RING_RANKS`` nodes the torch rail (the stage model routes a
-rail op of that many ranks to :mod:`simulator.deep_ep_torch`). The node stage is always intranode over NVLink.
+Rail-stage links: virtual nodes on one host (``nvlink-p2p``) take the CUDA-IPC rail (the intranode model over ``N``
+ranks); a real NIC the NVSHMEM rail (network puts, ring receive); beyond ``NUM_MAX_RING_RANKS`` nodes the torch rail
+(:mod:`simulator.deep_ep_torch`). The node stage is intranode over NVLink.
 """
 from __future__ import annotations
 

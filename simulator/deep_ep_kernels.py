@@ -1,42 +1,17 @@
 """The ``--kernels deep_ep`` family: how deep_ep's own kernels move bytes, and their calibrated costs.
 
-``simulator.rank`` models DeepEP V1's kernels (the published rows); this module models ours, following
-``../shared/design/kernels.md``:
+* Intranode normal: sender warps load each row once and store it to every destination (the own ``recv_x``; a peer's
+  ``recv_x`` with the direct-to-output receive, ``receive_copies = 0``, or its ring, ``1``); combine by ring senders,
+  the copy engine or zone senders (:func:`normal_work`), the owner reducing in fp32.
+* Low latency: one dispatch message per (token, destination rank), expanded by the receiver; one BF16 combine row
+  per (token, expert) back to the owner, who reduces each token (:func:`ll_phase_times`).
+* Internode: one GPU per node runs the ring kernels over NVSHMEM (over NVLink P2P for virtual nodes, ``nvlink-p2p``);
+  several GPUs per node the composed path (:mod:`simulator.deep_ep_composed`); past ``NUM_MAX_RING_RANKS`` nodes the
+  torch backend (:mod:`simulator.deep_ep_torch`).
 
-* **Intranode normal (§2)**: one CTA of 1024 threads per channel, ``C = num_sms`` channels. Sender warps load each
-  token row once and store it to every destination: straight into ``recv_x`` for the own rank (local bypass), into
-  the peer's ring otherwise. The receive path is a switch (``receive_copies``): ``0`` is the direct-to-output
-  receive of §2.8, Buffer's default when its output pool has room (senders store each row straight into the peer's
-  ``recv_x``: one copy per byte); ``1`` is the ring path (receiver warps copy ring slots into ``recv_x``).
-  Combine: senders push rows back into the owner's ring, the reducer reads the own contribution straight from ``x``
-  and every ring slot, adds in fp32 and rounds once.
-* **Low latency (§3.3, §3.4)**: dispatch sends one message per (token, destination rank) and the receiver expands
-  it to every (expert, row) of that rank; combine returns one BF16 row per (token, expert) selection (a fused call
-  reads the rank's own rows in place) and the owner reduces each token. A fused call is ``ll_fixed_us`` + the send
-  phase (SM stores overlapping the link) + the receive phase (expansion or reduction after the last arrival); with
-  ``return_recv_hook`` each phase is its own launch of ``ll_hook_fixed_us`` (:func:`ll_phase_times`).
-* **Internode, one GPU per node**: the ring kernels over the NVSHMEM symmetric heap. Behind a NIC each token is put
-  once per destination node (staged, put with a signal, received through the rings). The ``nvlink-p2p`` NIC profile
-  describes the virtual-node test setup, where peers are reached by ``nvshmem_ptr`` (NVLink P2P): the model is the
-  intranode one over all ranks, with no internode stage and no extra signal round trip (measured: the same times
-  as intranode EP2).
-* **Internode, several GPUs per node**: deep_ep's composed path, a rail stage then a node stage, each one of the
-  ops above over its subgroup, with the record copies between them (:mod:`simulator.deep_ep_composed`). deep_ep
-  has no fused forwarding kernels, so neither does this model (``simulator.rank`` models DeepEP's).
-* **Beyond ``NUM_MAX_RING_RANKS`` nodes**: the torch backend (NCCL point-to-point) for the whole op with one GPU per
-  node, for the composed path's rail stage with several (:mod:`simulator.deep_ep_torch`, assumed parameters).
-
-Cost model of one rank (SM-µs are SM-time; ``C`` SMs share them):
-
-    time = fixed + serial_sm_us / C + max(push_bytes / (C * sm_push_gbps), busiest link port bytes / port rate)
-
-``serial_sm_us`` is the work that does not overlap the link (per-row costs, local copies, ring receive copies, the
-combine reduction, per-chunk publication); ``push_bytes`` are the remote stores, which overlap the transfer. The SM
-sweep of our intranode kernels fits this form (the knee between SM-bound and link-bound is the ``max``); the DES
-(:func:`simulate_normal`) runs the same costs through the fluid ports so that skewed traffic shares links fairly.
-
-Parameters come from :data:`DEFAULTS` (design-guide estimates, labelled ``assumed``) overridden by
-``simulator/calibration_deep_ep.json``, which ``python -m simulator.calibrate --from-bench FILE`` writes.
+Cost of one rank, ``C`` SMs sharing the SM-µs: ``fixed + serial_sm_us / C + max(push_bytes / (C * sm_push_gbps),
+busiest port bytes / port rate)``; the DES (:func:`simulate_normal`) runs the same costs through fluid ports.
+Parameters: :data:`DEFAULTS` (labelled ``assumed``) overridden by ``simulator/data/calibration_deep_ep.json``.
 """
 from __future__ import annotations
 
@@ -87,8 +62,8 @@ class DeepEpProfile:
         nvl_efficiency: fraction of ``GpuProfile.nvlink_gbps`` our pushes reach.
         launch_us: fixed cost of a cached normal call (launch, first chunk, last drain), µs.
         combine_extra_us: extra fixed cost of a combine call (the reducer waits for the last ring slots), µs.
-        receive_copies: receive copies per row of intranode dispatch: 0 = direct-to-output (§2.8, Buffer's default
-            when its output pool has room), 1 = rings (receiver warps copy each ring slot into ``recv_x``). Records
+        receive_copies: receive copies per row of intranode dispatch: 0 = direct-to-output (Buffer's default when
+            its output pool has room), 1 = rings (receiver warps copy each ring slot into ``recv_x``). Records
             put over a NIC (one GPU per node) always take the ring copy.
         dispatch_chunk / combine_chunk: tokens per published chunk (``Sn``) used for predictions.
         ll_fixed_us: fixed part of a fused low-latency kernel (cooperative launch of the whole grid, top-k count
@@ -164,44 +139,42 @@ class DeepEpProfile:
         return [(f.name, getattr(self, f.name), self.source_of(f.name)) for f in fields(self) if f.name != "sources"]
 
 
-# Design-guide estimates, used until a bench JSON calibrates them.
+# Source of every parameter a calibration file does not set: an estimate (``assumed``), the kernels' design or a
+# measurement the simulator's tests check.
 _ASSUMED = {
-    "sm_push_gbps": "assumed: kernels.md §1.4, one SM pushing 16-B stores with 4 loads in flight (46 GB/s measured "
-                    "by tools/nvlink_sm.cu)",
-    "sm_local_gbps": "assumed: kernels.md §1.4 estimate of local copies at high parallelism (60-90 GB/s per SM)",
+    "sm_push_gbps": "assumed: one SM pushing 16-byte stores over NVLink with 4 loads in flight (~46 GB/s)",
+    "sm_local_gbps": "assumed: local copies at high parallelism (60-90 GB/s per SM)",
     "row_ns": "assumed: per-row SM cost of DeepEP V1's fit (simulator/hardware.py sm_token_ns ~118 ns) halved for "
               "the load-once sender",
-    "chunk_sync_us": "assumed: kernels.md §2.3, system fence with remote stores outstanding (~1 µs), alternating "
-                     "sender groups hide the rest",
+    "chunk_sync_us": "assumed: a system fence with remote stores outstanding (~1 µs); alternating sender groups "
+                     "hide the rest",
     "reduce_gbps": "assumed: as sm_local_gbps (the reducer streams contributions from HBM)",
-    "nvl_efficiency": "assumed: pushes reach the measured SM-store peak (hardware.md)",
+    "nvl_efficiency": "assumed: pushes reach the GPU profile's SM-store peak",
     "launch_us": "assumed: kernel launch + first chunk + drain",
     "combine_extra_us": "assumed",
-    "receive_copies": "design: direct-to-output (kernels.md §2.8), Buffer's default when its output pool has room "
-                      "(deep_ep.config.dispatch_receive_mode 'auto'); 1 = rings (§2.4)",
-    "dispatch_chunk": "assumed: best Sn of the 2026-11-30 sweep lies in 8..24",
-    "combine_chunk": "assumed: best Sn of the 2026-11-30 sweep lies in 4..16",
-    "ce_gbps": "measured: copy-engine combine chunk sweep on 2 x H200 (simulator/data/combine_copy_h200x2.json; 24 SMs, "
-               "128..1024-row chunks: time ~ 190-198 us + 6 us per chunk for 58.5 MB); its 16 points within 12 %",
+    "receive_copies": "design: direct-to-output, Buffer's default when its output pool has room; 1 = rings",
+    "dispatch_chunk": "assumed: the best Sn of the intranode chunk sweeps lies in 8..24",
+    "combine_chunk": "assumed: the best Sn of the intranode chunk sweeps lies in 4..16",
+    "ce_gbps": "measured: copy-engine combine chunk sweep on 2 x H200 (simulator/data/combine_copy_h200x2.json; 24 "
+               "SMs, 128..1024-row chunks: time ~ 190-198 us + 6 us per chunk for 58.5 MB); its 16 points within 12 %",
     "ce_chunk_us": "measured: the same sweep's slope, 5.8-6.3 us per chunk",
     "ce_reduce_gbps": "measured: copy-engine combine at 8 SMs, 305 us of reduction for 117 MB of contributions",
     "zone_link_gbps": "measured: zone-sender combine on 2 x H200 (simulator/data/combine_zone_h200x2.json, 4 sender "
                       "warps, 16-24 CTAs: 212 us at 24 CTAs for 58.5 MB); its 9 points within 4 %",
     "zone_reduce_gbps": "measured: the same points, 20 and 16 CTAs (reduction-bound: 229-233 and 271 us)",
-    "ll_fixed_us": "assumed: kernels.md §3.3 estimate (top-k scan ~2 µs, signal ~2 µs, launch ~3 µs)",
+    "ll_fixed_us": "assumed: top-k scan ~2 µs, count signals ~2 µs, launch ~3 µs",
     "ll_hook_fixed_us": "assumed: one kernel launch + grid drain per hook-mode phase",
-    "ll_hook_dispatch_extra_us": "assumed: kernels.md §3.3 top-k count pass (~2 µs)",
-    "ll_overlap_us": "assumed: kernels.md §3.3 signal (~2 µs) overlaps the last stores",
-    "ll_send_gbps": "assumed: docs/performance.md LL trace at T = 128 (one token per CTA; cast and two 7472-B "
-                    "messages in ~2 µs)",
+    "ll_hook_dispatch_extra_us": "assumed: the top-k count pass (~2 µs)",
+    "ll_overlap_us": "assumed: the count signals (~2 µs) overlap the last stores",
+    "ll_send_gbps": "assumed: at T = 128 one token per CTA, its cast and two 7472-byte messages in ~2 µs",
     "ll_expand_gbps": "assumed: as sm_local_gbps (local copies)",
     "ll_reduce_gbps": "assumed: as reduce_gbps",
-    "ll_nvl_efficiency": "assumed: LL stores reach the measured SM-store peak (hardware.md)",
-    "ll_header_bytes_per_topk": "design: csrc/kernels/low_latency.cuh header, int32 [1 + NUM_MAX_LL_TOPK] (source "
-                                "token, then expert << 16 | row per slot)",
+    "ll_nvl_efficiency": "assumed: LL stores reach the GPU profile's SM-store peak",
+    "ll_header_bytes_per_topk": "design: the LL message header, int32 [1 + NUM_MAX_LL_TOPK] (source token, then "
+                                "expert << 16 | row per slot)",
     "internode_extra_us": "assumed: one NVSHMEM signal round trip per call (internode with a network stage)",
-    "composed_copy_gbps": "assumed: torch copy kernels at ~60 % of H200 HBM (4.8 TB/s), bytes read plus written; no "
-                          "composed measurement with one rank per GPU yet (needs >= 4 GPUs)",
+    "composed_copy_gbps": "assumed: torch copy kernels at ~60 % of H200 HBM (4.8 TB/s), bytes read plus written; "
+                          "not measured with one rank per GPU (that needs 4 or more GPUs)",
     "composed_host_us": "assumed: the composed layer's few torch ops per cached call, mostly hidden behind the GPU",
     "torch_call_us": "assumed: a torch.distributed exchange of counts, two host syncs and Python per call (~0.1-0.3 "
                      "ms); not measured over NCCL",
@@ -345,7 +318,7 @@ def copy_combine_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfil
 def zone_combine_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, prof: DeepEpProfile,
                       num_sms: int) -> NormalWork:
     """The zone-sender intranode combine (the Buffer's default from ``COMBINE_ZONE_MIN_SMS`` up): on
-    ``deep_ep.config.zone_ctas(num_sms)`` CTAs, sender warps store each source's rows into the owners' landing
+    deep_ep's ``zone_ctas(num_sms)`` CTAs, sender warps store each source's rows into the owners' landing
     zones (their ``zone_send`` port, ``zone_link_gbps`` per direction) while the other warps of the same CTAs reduce
     (``sm_reduce``, ``CTAs * zone_reduce_gbps``), following the landing front. Calibrated at the default sender
     warps (``COMBINE_ZONE_SEND_WARPS``) only."""
@@ -395,7 +368,7 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     """Per-rank SM work, fixed cost and flows of one deep_ep ring op: intranode (one node), or one GPU per node
     (virtual nodes: the intranode model over P2P; behind a NIC: network puts, ring receive). Several nodes of several
     GPUs run as the composed path, two such ops (:mod:`simulator.deep_ep_composed`); ``channels``
-    (CTAs) defaults to what deep_ep runs for ``num_sms``: intranode ``deep_ep.config.intranode_channels``, else
+    (CTAs) defaults to what deep_ep runs for ``num_sms``: intranode deep_ep's ``intranode_channels``, else
     ``num_sms``; measurements taken without the cap pass their own.
 
     Dispatch (the formulas take nodes of ``G`` GPUs; deep_ep runs them with one node or ``G = 1``): source ``s`` puts
@@ -408,7 +381,7 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
 
     One GPU per virtual node is the intranode model over all ranks (:func:`flat_p2p`).
 
-    Intranode combine takes the send path deep_ep's Buffer would (``deep_ep.config.combine_send_path(num_sms)``)
+    Intranode combine takes the send path deep_ep's Buffer would (deep_ep's ``combine_send_path(num_sms)``)
     unless ``combine_path`` ('rings', 'copy' or 'zone') says which: the copy engine (:func:`copy_combine_work`;
     ``copy_chunk_rows`` overrides its chunk size), the zone senders (:func:`zone_combine_work`) or the rings (below).
     """
@@ -555,8 +528,8 @@ def bottleneck(work: NormalWork, num_sms: int, num_ranks: int) -> str:
 
 def torch_served(spec: OpSpec) -> bool:
     """Whether deep_ep runs this normal ring op on its torch backend: more ranks than a ring op has
-    (``NUM_MAX_RING_RANKS``), i.e. one GPU per node past that many nodes, or the composed path's rail stage there
-    (``deep_ep.config.composed_rail`` ``auto``: the composed op's stages come back here as ops of their own)."""
+    (``NUM_MAX_RING_RANKS``), i.e. one GPU per node past that many nodes, or the composed path's rail stage past
+    that many nodes, which runs on the torch rail (the composed op's stages come back here as ops of their own)."""
     return spec.mode != "low-latency" and not is_composed(spec) and spec.num_ranks > NUM_MAX_RING_RANKS
 
 

@@ -1,23 +1,17 @@
 """deep_ep's torch backend where its ring kernels do not serve the group, in the ``--kernels deep_ep`` family.
 
-Past ``NUM_MAX_RING_RANKS`` nodes (a ring op has at most that many ranks) deep_ep runs:
-
-* one GPU per node: the whole normal op on ``deep_ep.torch_backend.TorchBackend`` (NCCL point-to-point of the rows);
-* several GPUs per node: the composed path with a **torch rail** (``DEEP_EP_COMPOSED_RAIL`` ``auto``): the rail
-  stage on ``TorchBackend`` over the rail subgroup, the node stage still on the kernels
-  (:mod:`simulator.deep_ep_composed` costs that stage as an op of its own, which comes here).
-
-The model is a closed form per rank, with two assumed parameters of ``DeepEpProfile``:
+Past ``NUM_MAX_RING_RANKS`` nodes (a ring op has at most that many ranks) deep_ep runs the whole normal op on its
+torch backend (NCCL point-to-point of the rows) with one GPU per node, and the composed path's rail stage on it
+with several (the node stage stays on the kernels; :mod:`simulator.deep_ep_composed` sends the rail op here).
+Closed form per rank, with assumed parameters of ``DeepEpProfile``:
 
     time = torch_call_us + latency + max(bytes sent, bytes received) / (link rate * torch_p2p_efficiency)
            + (bytes sent + bytes received) * 2 / composed_copy_gbps
 
-``torch_call_us``: the backend's host work per call (its count exchange, the host syncs that size the outputs,
-Python); the batched ``isend`` / ``irecv`` of one call run as one NCCL group, so a rank's sends and receives overlap
-and the slower direction counts. Link rate: the NIC's line rate, or NVLink for virtual nodes on one host. The
-copies: the rows are gathered into per-peer send buffers and scattered from the receive buffers by torch ops
-(read plus write of every byte sent and received). Nothing here uses the caller's SM budget (NCCL brings its own
-CTAs), so it never changes the recommended SMs.
+``torch_call_us`` is the host work per call (count exchange, the host syncs that size the outputs, Python); one
+call's ``isend`` / ``irecv`` run as one NCCL group, so the slower direction counts. Link rate: the NIC's line rate,
+or NVLink for virtual nodes on one host. The copies gather rows into per-peer send buffers and scatter the
+received ones (read plus write of every byte). NCCL brings its own CTAs: the recommended SMs do not change.
 """
 from __future__ import annotations
 

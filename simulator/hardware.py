@@ -4,9 +4,9 @@ Every parameter carries its unit in its name (``_gbps`` = GB/s = 1e9 bytes/s, ``
 ``_ns`` = nanoseconds) and a source string. Sources are one of:
 
 * ``datasheet``: vendor numbers (link counts, line rates);
-* ``measured``: the 2 x H200 probe in ``hardware.md`` (same machine, same day);
-* ``fit``: calibrated by ``simulator.validate`` on the calibration subset of published rows (see
-  ``docs/simulator.md``, section "Calibration"); the hold-out rows are never used for fitting;
+* ``measured``: a probe of one 2 x H200 NVLink machine (SM stores and copy-engine copies between the GPUs);
+* ``fit``: calibrated by ``python -m simulator.calibrate`` on the calibration subset of the rows of
+  ``simulator.validate``; the hold-out rows are never used for fitting;
 * ``assumed``: an engineering estimate with no direct measurement, used only for what-if profiles (H100, B200, non-CX7
   NICs) that have no published DeepEP numbers to check against.
 
@@ -102,15 +102,15 @@ class NicProfile:
 # ---------------------------------------------------------------------------------------------------------------
 
 _SM90_SOURCES = (
-    ("sm_copy_gbps", "fit: H200 EP2 intranode SM sweep, FP8 vs BF16 (hardware.md)"),
-    ("sm_token_ns", "fit: H200 EP2 intranode SM sweep, FP8 vs BF16 (hardware.md)"),
-    ("combine_tail_us", "fit: H200 EP2 intranode BF16 combine at 24 SMs (hardware.md)"),
+    ("sm_copy_gbps", "fit: DeepEP V1 on 2 x H200, EP2 intranode SM sweep, FP8 vs BF16"),
+    ("sm_token_ns", "fit: DeepEP V1 on 2 x H200, EP2 intranode SM sweep, FP8 vs BF16"),
+    ("combine_tail_us", "fit: DeepEP V1 on 2 x H200, EP2 intranode BF16 combine at 24 SMs"),
     ("num_device_sms", "datasheet"),
 )
 
 H800 = GpuProfile(
     name="h800", num_device_sms=132,
-    nvlink_gbps=160.0,          # 8 links x 25 GB/s = 200 nominal; ~160 achievable (DeepEP issue #16)
+    nvlink_gbps=160.0,          # 8 links x 25 GB/s = 200 nominal; ~160 achievable (DeepEP's maintainers)
     nvl_ring_efficiency=0.8845, # fit: normal EP8 intranode dispatch (153 GB/s logical)
     hbm_gbps=3350.0,
     sm_copy_gbps=45.0, sm_token_ns=118.5, combine_tail_us=46.9,
@@ -119,7 +119,7 @@ H800 = GpuProfile(
     ll_fixed_us=34.6,           # fit: LL EP8 dispatch (NVLink only)
     ll_rdma_extra_us=11.24,     # fit: LL EP16/EP32 dispatch
     sources=_SM90_SOURCES + (
-        ("nvlink_gbps", "DeepEP issue #16 (maintainers): ~160 GB/s achievable of 200 nominal (8 NVLink4 links)"),
+        ("nvlink_gbps", "DeepEP's maintainers: ~160 GB/s achievable of 200 nominal (8 NVLink4 links)"),
         ("nvl_ring_efficiency", "fit: DeepEP README normal EP8 dispatch row"),
         ("hbm_gbps", "datasheet"),
         ("fwd_sm_gbps", "fit: DeepEP README normal EP16 dispatch row"),
@@ -133,7 +133,7 @@ H800 = GpuProfile(
 
 H200 = GpuProfile(
     name="h200", num_device_sms=132,
-    nvlink_gbps=370.0,          # measured: SM-store peak over NV18 at 132 SMs (hardware.md); copy engine 394
+    nvlink_gbps=370.0,          # measured: SM-store peak over NV18 at 132 SMs; copy engine 394
     nvl_ring_efficiency=0.824,  # fit: H200 EP2 BF16 dispatch at 48 SMs
     hbm_gbps=4800.0,
     sm_copy_gbps=45.0, sm_token_ns=118.5, combine_tail_us=46.9,
@@ -143,12 +143,12 @@ H200 = GpuProfile(
     ll_fixed_us=18.1,           # fit: H200 EP2 LL dispatch kernel time
     ll_rdma_extra_us=11.24,
     sources=_SM90_SOURCES + (
-        ("nvlink_gbps", "measured: 16-B SM stores, 132 blocks, GPU0->GPU1 (hardware.md)"),
-        ("nvl_ring_efficiency", "fit: H200 EP2 intranode BF16 dispatch at 48 SMs (hardware.md)"),
+        ("nvlink_gbps", "measured: 16-byte SM stores, 132 blocks, GPU0->GPU1"),
+        ("nvl_ring_efficiency", "fit: DeepEP V1 on 2 x H200, EP2 intranode BF16 dispatch at 48 SMs"),
         ("hbm_gbps", "datasheet"),
         ("fwd_sm_gbps", "assumed equal to H800 (same SM90 core)"),
         ("launch_us", "assumed equal to H800"),
-        ("ll_fixed_us", "fit: H200 EP2 LL dispatch (hardware.md)"),
+        ("ll_fixed_us", "fit: DeepEP V1 on 2 x H200, EP2 LL dispatch"),
         ("ll_rdma_extra_us", "assumed equal to H800"),
     ))
 
@@ -190,12 +190,12 @@ ETH200 = replace(CX7, name="eth200", line_gbps=25.0, normal_efficiency=0.8, late
                  sources=(("line_gbps", "datasheet: 200 GbE RoCE"),
                           ("normal_efficiency", "assumed: RoCE with congestion control")))
 
-# The virtual-node test setup (issue 6): "2 nodes x G GPUs" on one NVLink host, NVSHMEM puts over P2P. Not a NIC:
+# The virtual-node test setup: "2 nodes x G GPUs" on one NVLink host, NVSHMEM puts over P2P. Not a NIC:
 # the scale-out traffic rides the same NVLink ports as the scale-up traffic (modelled as one port per direction).
 NVLINK_P2P = NicProfile(
     name="nvlink-p2p", line_gbps=H200.nvlink_gbps, normal_efficiency=1.0, ll_dispatch_efficiency=1.0,
     ll_combine_efficiency=1.0, qp_derate_per_doubling=0.0, latency_us=H200.nvl_latency_us, shares_nvlink=True,
-    sources=(("line_gbps", "measured: H200 SM-store NVLink peak (hardware.md); virtual-node test setup, "
+    sources=(("line_gbps", "measured: H200 SM-store NVLink peak; virtual-node test setup, "
                            "shares the GPU's NVLink ports"),
              ("normal_efficiency", "assumed: P2P puts are SM stores, no NIC protocol overhead"),
              ("ll_dispatch_efficiency", "assumed: as normal_efficiency"),
@@ -221,6 +221,6 @@ def get_nic(name: str) -> NicProfile:
 
 
 def describe_profile(profile: GpuProfile | NicProfile) -> list[tuple[str, object, str]]:
-    """``(parameter, value, source)`` rows, for ``docs/simulator.md`` and ``--json``."""
+    """``(parameter, value, source)`` rows of a profile."""
     return [(f.name, getattr(profile, f.name), profile.source_of(f.name))
             for f in fields(profile) if f.name not in ("name", "sources")]

@@ -1,22 +1,16 @@
-"""``python -m simulator predict``: the deep_ep-kernel predictions that issues 6 and 7 will check by measurement.
+"""``python -m simulator predict``: predictions of deep_ep's kernels on H200, to be checked by measurement.
 
-Cases (H200, hidden 7168, top-8, ``--kernels deep_ep``, the profile of ``simulator/calibration_deep_ep.json``):
-
-* normal intranode EP2 / EP4 / EP8: 4096 tokens per rank, 256 experts, uniform routing (DeepEP's intranode test),
-  24 SMs, FP8 and BF16 dispatch (Buffer's default receive path, direct-to-output), BF16 combine; EP2 is the
-  calibrated configuration;
-* low latency EP2 / EP4 / EP8: 128 tokens, 288 experts, uniform routing without masked entries (the workload of
-  ``benchmarks/bench_low_latency.py``), FP8 dispatch, BF16 combine; the time is the fused kernel's (no hook);
-* normal internode on virtual nodes (NIC profile ``nvlink-p2p``): 2 x 1, 2 x 2 and 2 x 4 GPUs, 4096 tokens,
-  256 experts, group-limited routing (DeepEP's internode test; with 2 nodes it is plain top-8); 2 x 1 runs the
-  intranode kernels over P2P.
+Cases (hidden 7168, top-8, ``--kernels deep_ep``, the profile of ``simulator/data/calibration_deep_ep.json``):
+intranode EP2 / EP4 / EP8 (4096 tokens per rank, 256 experts, uniform routing, 24 SMs, FP8 and BF16 dispatch on
+Buffer's default receive path, BF16 combine); low latency EP2 / EP4 / EP8 (128 tokens, 288 experts, uniform routing
+without masked entries as ``benchmarks/bench_low_latency.py``; the fused kernel's time); internode on virtual nodes
+(``nvlink-p2p``) 2 x 1, 2 x 2 and 2 x 4 GPUs (4096 tokens, group-limited routing; 2 x 1 runs the intranode kernels
+over P2P).
 
 A row's ``measured_us`` is the calibration file's 24-SM point of that case (EP2 or 2 x 1 virtual nodes) on the
-profile's receive path: from the ``--check`` bench_internode run when the calibration has one, else from the fitted
-bench file; for low latency EP2, the fused kernel time at 128 tokens of the file's low-latency fit. The calibration's
-combine points are ring-sender runs: the intranode EP2 combine row has none where the Buffer's 24-SM combine takes
-another path (``deep_ep.config.combine_send_path``; the zone senders' model is checked against their own
-measurements in tests/test_simulator_deep_ep.py).
+profile's receive path, the ``--check`` run's point winning over the fitted one; for low latency EP2 the fused time
+at 128 tokens of the low-latency fit. The calibration's combine points are ring-sender runs, so the intranode EP2
+combine has none where the Buffer's 24-SM combine takes another send path.
 """
 from __future__ import annotations
 

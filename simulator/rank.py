@@ -1,19 +1,16 @@
-"""Per-rank SimPy processes for one dispatch or combine, mirroring the kernel phases (buffer_api.md §14).
+"""Per-rank SimPy processes for one dispatch or combine of DeepEP V1's kernels, mirroring the kernel phases.
 
 Each op builds a :class:`~simulator.links.FluidNetwork` with, per GPU, full-duplex NVLink and NIC ports and one
 port per SM role (the SM budget), then runs one process per rank:
 
-* normal intranode (§14.2): ``launch`` -> pipeline fill -> one fluid flow per source rank that loads the sender
-  SMs, NVLink egress/ingress and the receiver SMs of every destination at once (chunked rings keep all stages
-  busy) -> done. Combine is the reverse flow per origin rank, with the reduction on the origin's receiver SMs.
-* normal internode (§14.3): one flow per source rank over: RDMA-sender SMs (one copy per destination node), NIC
-  egress, the forwarders' NIC ingress (GPU with the same local index on each remote node; the own node skips the
-  NIC), forwarder SMs, forwarder NVLink egress, NVLink ingress and NVL-receiver SMs of every destination GPU.
-  Combine reverses it: NVL senders -> forwarder reduction -> NIC -> final reduction on the origin.
-* low-latency (§14.4): fixed costs -> one egress flow per rank (its SMs issue one message per (token, expert)
-  selection; NVLink for same-node peers when allowed, the NIC for the rest) and one ingress flow per rank (NIC /
-  NVLink ingress) -> a rank is done when every sender that targets it has drained and its own ingress has
-  drained, plus the last source's unpack / reduce on all LL blocks.
+* normal intranode: launch -> pipeline fill -> one fluid flow per source rank loading the sender SMs, NVLink and
+  the receiver SMs of every destination at once (chunked rings keep all stages busy); combine is the reverse flow.
+* normal internode: one flow per source rank over RDMA-sender SMs (one copy per destination node), NIC egress, the
+  forwarders' NIC ingress (same local index on each remote node), forwarder SMs and NVLink, and the NVL-receiver
+  SMs of every destination; combine reverses it (NVL senders -> forwarder reduction -> NIC -> origin reduction).
+* low-latency: fixed costs -> one egress flow per rank (one message per (token, expert) selection; NVLink for
+  same-node peers when allowed, the NIC for the rest) and one ingress flow per rank; a rank is done when every
+  sender that targets it and its ingress have drained, plus the unpack / reduce on all LL blocks.
 
 All sizes are bytes, all times µs; a role's SM capacity is ``channels * per-SM rate``.
 """

@@ -51,7 +51,7 @@ class Scenario:
         redundant_experts: EPLB replicas of the hottest experts (experts + redundant must divide by EP size);
             ``None`` picks the fewest that make ``experts + redundant`` divisible by the EP size.
         ll_mask: mask 10 random top-k entries to -1 in LL mode, as DeepEP's LL test does.
-        ll_allow_nvlink: LL mode uses NVLink for same-node peers (DeepEP's default since 2025-06).
+        ll_allow_nvlink: LL mode uses NVLink for same-node peers (DeepEP's default).
         kernels: ``deepep`` (DeepEP V1's kernels) or ``deep_ep`` (ours: ``simulator.deep_ep_kernels``).
     """
 
@@ -145,7 +145,7 @@ class Scenario:
 PRESETS: dict[str, Scenario] = {
     # DeepSeek-V3 training/prefill-style EP64 on H800 + CX7 (DeepEP's published configuration).
     "v3-ep64": Scenario(nodes=8),
-    # The 2 x H200 box of hardware.md: EP2 over NV18, DeepEP's test routing.
+    # One 2 x H200 machine: EP2 over NV18, DeepEP's test routing.
     "h200-ep2": Scenario(nodes=1, gpus_per_node=2, gpu="h200", routing="uniform"),
     # Decode on 4 nodes: low-latency only, 128 tokens per rank.
     "decode-ep32": Scenario(nodes=4, mode="low-latency"),

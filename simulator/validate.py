@@ -3,7 +3,7 @@
 Each row names its source, its measurement method and whether it was used for calibration (``calib``) or is a
 hold-out prediction (``hold-out``). Errors are ``(predicted - measured) / measured``.
 
-Measurement methods (spec/tests_and_perf.md):
+Measurement methods:
 
 * ``kernel``: ``bench_kineto`` kernel time (normal internode, all low-latency rows): notify excluded.
 * ``wall``: ``bench`` / CUDA-event wall time around the whole call (normal intranode rows, the H200 sweep): adds
@@ -18,7 +18,7 @@ from simulator.report import OpRow
 from simulator.scenario import Scenario, run
 
 # Cached notify kernel + host launch gap seen by wall-time (bench / CUDA event) measurements, µs.
-# Fit: intercept of the H200 SM sweep (hardware.md), minus the in-kernel launch cost.
+# Fit: intercept of DeepEP V1's H200 SM sweep, minus the in-kernel launch cost.
 WALL_OVERHEAD_US = 26.8
 # Tolerances of the acceptance criteria.
 TOL_BANDWIDTH = 0.10
@@ -60,9 +60,9 @@ class Row:
         return TOL_BANDWIDTH if self.bound == "bandwidth" else TOL_LATENCY
 
 
-README = "DeepEP README / docs/legacy.md (H800, CX7)"
-README_RDMA = "DeepEP README 2025-02-24..2025-06-05 (LL over RDMA only)"
-H200_DOC = "hardware.md (2 x H200, DeepEP V1 567632d)"
+README = "DeepEP README (H800, CX7)"
+README_RDMA = "DeepEP README, the pure-RDMA LL table (LL over RDMA only)"
+H200_DOC = "DeepEP V1 (567632d) on 2 x H200"
 
 # Calibration subset (see docs/simulator.md): which rows fitted which parameter.
 CALIBRATION = {
@@ -106,8 +106,8 @@ def _ll_rows(set_name: str, allow_nvlink: bool, dispatch_us: tuple[int, ...], co
     rows = []
     for ep, d_us, c_us in zip((8, 16, 32, 64, 128, 256), dispatch_us, combine_us):
         experts = 288 if 288 % ep == 0 else 256  # DeepEP's LL test default is 288 when the EP size divides it
-        # The README's EP128/EP256 LL rows were never re-measured after LL started using NVLink (2025-06-05):
-        # they are the pure-RDMA release's numbers, so they are simulated without NVLink.
+        # The README's EP128/EP256 LL rows are the pure-RDMA table's numbers (not measured with LL over NVLink), so
+        # they are simulated without NVLink.
         nvlink = allow_nvlink and ep <= 64
         sc = Scenario(nodes=max(ep // 8, 1), mode="low-latency", ll_tokens=128, experts=experts,
                       routing="uniform", ll_mask=True, ll_allow_nvlink=nvlink, redundant_experts=0)

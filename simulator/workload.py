@@ -1,21 +1,16 @@
 """Routing workloads (which experts each token picks) and the traffic they induce.
 
-Pure Python, seeded with ``random.Random(seed)``; no torch, no numpy.
+Pure Python, seeded with ``random.Random(seed)``; no torch, no numpy. Routing kinds (``Workload.routing``):
 
-Routing kinds (``Workload.routing``):
-
-* ``uniform``: top-k of i.i.d. scores over all experts (DeepEP's intranode and low-latency tests). Scores are
-  i.i.d., so the top-k set is a uniformly random k-subset.
-* ``group-limited``: DeepEP's internode test / DeepSeek-V3 node-limited routing. Experts are grouped by node;
-  a token keeps the ``min(nodes, 4)`` nodes with the largest maximum score and takes its top-k inside them.
-  Sampled exactly without drawing 256 scores: with i.i.d. scores the experts in decreasing score order form a
-  uniformly random permutation, the first distinct groups met are the best groups (group score = max), and the
-  top-k inside them are the first k experts met that belong to them.
-* ``zipf:A``: expert popularity ``p_e ∝ 1 / rank^A`` (ranks randomly permuted over experts); top-k sampled
-  without replacement proportionally to ``p``.
+* ``uniform``: top-k of i.i.d. scores over all experts (DeepEP's intranode and low-latency tests): a uniformly
+  random k-subset.
+* ``group-limited``: DeepEP's internode test / DeepSeek-V3 node-limited routing: a token keeps the ``min(nodes, 4)``
+  nodes with the largest maximum score and takes its top-k inside them, sampled exactly from a uniformly random
+  permutation of the experts (the first distinct groups met are the best ones).
+* ``zipf:A``: expert popularity ``p_e ∝ 1 / rank^A`` (ranks randomly permuted); top-k sampled without replacement.
 * ``trace:FILE``: replay of saved ``topk_idx``; see :func:`load_trace` for the format.
 
-``redundant_experts > 0`` adds EPLB-style replicas of the hottest logical experts (placed by longest-processing-time
+``redundant_experts > 0`` adds EPLB-style replicas of the hottest logical experts (longest-processing-time placement
 onto the least loaded rank) and splits each replicated expert's tokens evenly between its copies.
 """
 from __future__ import annotations

@@ -105,7 +105,7 @@ def test_uniform_ranks_per_token_matches_closed_form():
 
 @pytest.mark.parametrize(("nodes", "expected"), [(2, 1.99), (4, 3.60), (8, 3.99)])
 def test_group_limited_nodes_per_token(nodes, expected):
-    # DeepEP's internode test routing: groups = nodes, top-min(nodes, 4) groups (design/simulator.md §2.4).
+    # DeepEP's internode test routing: groups = nodes, top-min(nodes, 4) groups.
     traffic = _traffic(nodes, 2048, "group-limited")
     per_token = sum(t.num_records for t in traffic[:8]) / sum(t.num_tokens for t in traffic[:8])
     assert per_token == pytest.approx(expected, abs=0.03)

@@ -31,7 +31,7 @@ BENCH_LL = DATA / "low_latency_h200x2.json"  # bench_low_latency: EP2, T = 1..25
 # The LL fit holds these token counts out (T = 1: a peer-late hook receive of 77 us; T = 256: two tokens per CTA).
 LL_HOLD_OUT = "1,2,16,32,256"
 STORED_PREDICTIONS = DATA / "predictions_deep_ep.json"
-# The calibration command of docs/simulator.md.
+# The command that wrote the stored calibration's normal-mode fit (its 'command').
 CALIBRATE_ARGS = ("--from-bench", str(BENCH), "--check", str(BENCH_CHECK), "--warps", "best", "--hold-out", "12,20")
 
 
@@ -440,7 +440,7 @@ def test_cli_predict_lists_every_case(tmp_path):
 # Low-latency calibration (benchmarks/bench_low_latency.py)
 # ---------------------------------------------------------------------------------------------------------------
 
-# Rank-averaged fused kernel µs of BENCH_LL (docs/performance.md "Low-latency kernels"): T -> (dispatch, combine).
+# Rank-averaged fused kernel µs of BENCH_LL (flushed, the file's summary): T -> (dispatch, combine).
 LL_FUSED_US = {1: (19.3, 16.0), 8: (14.5, 14.2), 32: (15.6, 17.0), 64: (16.8, 22.9), 128: (21.0, 33.1),
                256: (29.3, 66.0)}
 
