@@ -24,9 +24,12 @@ help:
 	@echo "make test           run the whole test suite (HYPOTHESIS_PROFILE=ci; GPU tests skip without CUDA)"
 	@echo "make test-fast      run the suite with the quick 'dev' hypothesis profile"
 	@echo "make run            simulator capacity plan + 4-process CPU dispatch/combine demo"
+	@echo "make sim            simulator capacity plan only (SIM_ARGS, default: $(SIM_ARGS))"
+	@echo "make demo           4-process CPU dispatch -> expert -> combine demo only (DEMO_ARGS)"
 	@echo "make compile-check  compile csrc/ for $(NVCC_ARCH) with nvcc, without linking"
 	@echo "make lint           ruff check (if ruff is installed in $(VENV))"
 	@echo "make clean          remove $(VENV) and build outputs"
+	@echo "make help           this list"
 
 setup: $(STAMP)
 
@@ -55,9 +58,8 @@ run: $(STAMP)
 	@echo "== (b) 4-process CPU dispatch -> expert -> combine demo"
 	$(PY) examples/cpu_demo.py $(DEMO_ARGS)
 
-# Compiles every CUDA source for $(NVCC_ARCH) without linking; needs nvcc, no GPU. The kernel owner's script
-# tools/compile_check.sh is the authority when present (kernels with nvcc, host files against torch's headers,
-# using the venv's torch). Without it, each torch-free kernel file csrc/kernels/*.cu is compiled alone with
+# Compiles every CUDA source for $(NVCC_ARCH) without linking; needs nvcc, no GPU. tools/compile_check.sh does it
+# when present (kernels with nvcc, host files against torch's headers, using the venv's torch). Without it, each torch-free kernel file csrc/kernels/*.cu is compiled alone with
 # nvcc -c; files that need NVSHMEM are compiled only when NVSHMEM_DIR is set.
 COMPILE_CHECK_SCRIPT := tools/compile_check.sh
 
