@@ -184,7 +184,7 @@ print(json.dumps(out))
 
 
 def _run(args: list, timeout: int = 300) -> str:
-    # The probes check the knobs' defaults: the device scripts' own settings (DEEP_EP_TIMEOUT_S, ...) stay out.
+    # The probes check the library's defaults: the caller's DEEP_EP_* settings (DEEP_EP_TIMEOUT_S, ...) stay out.
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("DEEP_EP_")}, "PYTHONPATH": ROOT}
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
