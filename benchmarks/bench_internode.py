@@ -1,44 +1,18 @@
-"""Internode normal-mode benchmark on virtual nodes: the CUDA internode backend against the intranode kernels on the
+"""Internode normal-mode benchmark on virtual nodes: the CUDA internode backend next to the intranode kernels on the
 same GPUs, with the simulator's prediction next to each measurement.
 
-Setup: ``--num-processes`` ranks (2), one per GPU. Phase 1 builds an intranode Buffer (one node) and measures it;
-phase 2 sets ``DEEP_EP_GPUS_PER_NODE=1`` so every rank is its own node, builds an internode Buffer over NVSHMEM
-(``--num-rdma-bytes``) and measures the same calls. Workload as DeepEP's tests: ``--num-tokens`` tokens per rank
-(4096), hidden 7168, top-8 of 256 experts; with 2 nodes DeepEP's group-limited routing keeps both nodes, so it is
-plain top-8 of ``|randn| + 1`` scores.
-
-Timing is ``bench_intranode.bench`` (DeepEP's: warm-ups, L2 flush, CUDA events per call, first sample dropped) on
-the cached dispatch and on combine, best over ``--dispatch-chunks`` / ``--combine-chunks``; kernel time from a
-profiler trace (``bench_intranode.kernel_time``).
-
-Bytes, as DeepEP V1's internode test counts them: "RDMA" = (token, node) pairs
-this rank sends, its own node included, × 2H (dispatch; combine receives the same); "NVL" = rows received × 2H
-(dispatch; combine sends the same); FP8 dispatch multiplies both by ``(1 + 4/128) / 2``. The intranode phase reports
-its logical bytes (= the NVL count). The acceptance ratio is internode NVL GB/s over intranode GB/s (= the ratio of
-times, same rows).
-
-Simulator: ``simulator.predictions`` for "internode 2x1 virtual" (``--kernels deep_ep --nic nvlink-p2p``; and
-"intranode EP2" for the intranode phase) when the
-simulator imports (it needs simpy); otherwise the stored rows of ``--predictions`` (made on a CPU machine with
-``python -m simulator predict --json``). Error = (predicted - measured) / measured, measured = the wall time
-averaged over ranks (what the deep_ep simulator family is calibrated on, simulator/bench_fit.py), 24 SMs.
+``--num-processes`` ranks (2), one per GPU: phase "intranode" (one node), then phase "internode" with
+``DEEP_EP_GPUS_PER_NODE=1`` (every rank its own node, NVSHMEM buffer of ``--num-rdma-bytes``), same workload as
+bench_intranode.py, same timing (its ``bench`` and ``kernel_time``), best over the chunk sweeps. Bytes as DeepEP V1's
+internode test counts them: "RDMA" = (token, node) pairs sent x 2H, "NVL" = rows received x 2H (FP8: x
+``(1 + 4/128) / 2``). Predictions: ``simulator.predictions`` when simpy imports, else the rows of ``--predictions``;
+error = (predicted - measured) / measured against the rank-averaged wall time, at 24 SMs. ``--put`` adds phase
+"internode_put" (the Buffer built under ``deep_ep.testing.overrides(internode_put_only=True)``: peers by NVSHMEM
+puts, the path behind a NIC). ``--composed``: the composed path next to the torch backend (``internode="torch"``),
+ranks sharing GPUs as 2 virtual nodes, wall times only::
 
     python benchmarks/bench_internode.py --json $OUT/bench_internode.json
-
-``--put``: a phase "internode_put" after "internode": the same backend built under
-``deep_ep.testing.overrides(internode_put_only=True)`` (every peer reached by NVSHMEM puts and signals, the path of
-peers behind a NIC); its "vs" column is against the internode phase (pointer path). With ``--skip-intranode`` only
-the two internode phases run.
-
     python benchmarks/bench_internode.py --skip-intranode --put --json $OUT/inter_put.json
-
-``--composed``: the composed internode path (``ComposedInternode``) instead. ``--num-processes`` ranks (4) share the
-GPUs (rank ``r`` on GPU ``r % GPUs``) over a gloo group as 2 virtual nodes (``DEEP_EP_GPUS_PER_NODE`` = ranks / 2);
-phase "composed" (the library's choice: CUDA rail and node stages) next to phase "torch" (the torch backend, under
-``deep_ep.testing.overrides(internode="torch")``), on the same tensors, each at the first ``--dispatch-chunks`` /
-``--combine-chunks`` value, ``--iters`` timed calls after as many warm-ups; no kernel times (several kernels per
-call), no simulator rows; "vs torch" = torch wall time / composed wall time.
-
     python benchmarks/bench_internode.py --composed --num-processes 4 --num-tokens 1024 --json $OUT/composed.json
 """
 from __future__ import annotations

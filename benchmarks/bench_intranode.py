@@ -1,31 +1,16 @@
 """Intranode normal-mode benchmark: deep_ep's CUDA kernels against the NCCL all-to-all baseline.
 
-Workload (DeepEP V1's intranode test): ``--num-tokens`` tokens per rank (4096), hidden 7168, top-8 of 256 experts,
-uniform random routing (``topk(|randn| + 1)``), one process per GPU.
+Workload of DeepEP V1's intranode test: ``--num-tokens`` tokens per rank (4096), hidden 7168, top-8 of 256 experts,
+uniform routing (``topk(|randn| + 1)``), one process per GPU. Timing as DeepEP's ``bench``: warm-ups, one L2 flush,
+then calls between CUDA events on the calling stream, first sample dropped (*wall time*); *kernel time* is the mean
+kernel duration in a torch-profiler trace. Dispatch is the cached dispatch (``handle=``), as a training step repeats.
+Bytes (DeepEP's "logical" count): rows received (own included) x hidden x 2 for BF16, x ``(1 + 4/128) / 2`` for
+FP8; "remote" GB/s counts only rows crossing NVLink, with their wire bytes.
 
-Timing, as DeepEP's ``bench``: 50 warm-up calls, one L2 flush (a 256 MB tensor zeroed), then 50 calls, each between
-two CUDA events on the calling stream; the first sample is dropped. The *wall time* is that event interval (it
-covers everything the call enqueues, the CPU launch included); the *kernel time* is the mean duration of the
-``dispatch``/``combine`` kernels in a torch-profiler trace. Dispatch is timed as DeepEP times it: the cached dispatch
-(``handle=``), which is what a training step repeats.
-
-Bytes (DeepEP's "logical" count): rows received by this rank (its own included) × hidden × 2 bytes for BF16, times
-``(1 + 4/128) / 2`` for FP8; combine counts the same rows. "Remote" GB/s counts only the rows that cross NVLink
-(rows from / to other ranks) with their real wire bytes (FP8: hidden + 4 × hidden/128).
-
-Variants, chosen through ``deep_ep.testing.overrides``: dispatch receive paths (``--receive``): ``rings`` (ops
-``dispatch_*``) and ``direct`` (direct-to-output into the buffer's output pool; ops ``dispatch_*_direct``; needs
-``--num-nvl-bytes`` above the two 256 MiB ring halves). Combine send paths (``--combine-copy``): ``auto`` (the
-library's choice: the copy engine for budgets up to ``COMBINE_COPY_MAX_SMS``, zone senders from
-``COMBINE_ZONE_MIN_SMS``, ring senders between), ``copy``, ``zone`` and ``rings``; each point's op names the path
-that ran: ``combine_bf16`` (rings), ``combine_bf16_copy`` (copy engine; its "chunk" column is the rows per copy
-chunk, swept with ``--copy-chunk-rows``; its kernel time is the reducing kernel's, which spans the copies),
-``combine_bf16_zone`` (zone senders; "warps" is the sender warps per CTA, swept with ``--combine-warps``),
-``combine_bf16_rings`` (rings, asked for). ``--dispatch-warps`` / ``--combine-warps`` sweep the copy warps per
-channel (0: the tuned choice); ``--uncapped`` runs ``num_sms`` channels above the channel cap.
-
-Output: a table on stdout (rank 0) and JSON (``--json``) with every point of the SM sweep, the chunk-size sweep and
-the NCCL baseline. Two GPUs::
+Variants through ``deep_ep.testing.overrides`` (see ``--help``): receive path (``--receive rings direct``; ops
+``dispatch_*``, ``dispatch_*_direct``), combine send path (``--combine-copy auto copy zone rings``; each op names the
+path that ran: ``combine_bf16``, ``_copy``, ``_zone``, ``_rings``), copy warps, copy chunk rows, ``--uncapped``.
+Output: a table on stdout (rank 0) and ``--json`` with every point of the sweeps and the NCCL baseline::
 
     python benchmarks/bench_intranode.py --num-processes 2 --json out/bench.json
 """

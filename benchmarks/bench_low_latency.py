@@ -1,24 +1,16 @@
-"""Low-latency benchmark of deep_ep's CUDA LL kernels (NVSHMEM), measured the way DeepEP's test_low_latency.py does.
+"""Low-latency benchmark of deep_ep's CUDA LL kernels (NVSHMEM), measured the way DeepEP V1's test_low_latency.py does.
 
-Workload (DeepEP V1's low-latency test): ``T`` tokens per rank (sweep 1..256; 128 is the bar), hidden 7168,
-top-8 of 288 experts (``topk(|randn| + 1)``), ``x = randn * 0.1`` BF16, FP8 dispatch, BF16 combine, one process per
-GPU. Before every profiled iteration the ranks meet in a bounded LL barrier kernel, the GPUs sleep ~300 us (both
-hosts enqueue the next calls meanwhile) and the L2 is flushed, so a kernel's time is not inflated by a late peer.
-
-* kernel time: mean duration of ``ll_dispatch_kernel`` / ``ll_combine_kernel`` in a torch-profiler trace (DeepEP's
-  ``bench_kineto``); with ``return_recv_hook`` the send launch (template argument 1) and the receive launch (2) are
-  reported separately;
-* kernel time by DeepEP's own method (``bench_kineto(..., barrier_comm_profiling=True)``: per profiled step an
-  8192^2 fp32 matmul and a barrier, then 30 dispatch + combine pairs back to back, no L2 flush), fused and with hooks;
-* wall time: median of CUDA-event intervals around each call (launch included), once with a barrier and an L2
-  flush before every iteration, once back to back (calls enqueued one after another);
-* bytes (DeepEP's count): ``sum_t (#valid k) * (H + H/128*4 + 16)`` for FP8 dispatch and ``sum_t (#valid k) * 2H``
-  for BF16 combine, local selections included.
+Workload: ``T`` tokens per rank (``--tokens``; 128 is the bar), hidden 7168, top-8 of 288 experts
+(``topk(|randn| + 1)``), ``x = randn * 0.1`` BF16, FP8 dispatch, BF16 combine, one process per GPU. Before each
+profiled iteration the ranks meet in a bounded LL barrier kernel, the GPUs sleep ~300 us and the L2 is flushed.
+Reported: kernel time (mean duration of ``ll_dispatch_kernel`` / ``ll_combine_kernel`` in a profiler trace; with
+``return_recv_hook`` the send and receive launches apart); the same by DeepEP's own method (an 8192^2 matmul and a
+barrier, then 30 dispatch + combine pairs back to back, no flush); wall time (median of CUDA-event intervals, with
+barrier and flush, and back to back); bytes as DeepEP counts them (FP8 dispatch ``(#valid k) * (H + H/128*4 + 16)``,
+BF16 combine ``(#valid k) * 2H``). ``--put`` builds the Buffer under ``deep_ep.testing.overrides(ll_put_only=True)``:
+every other rank reached by NVSHMEM put-with-signal (the path of peers behind a NIC)::
 
     python benchmarks/bench_low_latency.py --num-processes 2 --json out/ll.json
-
-``--put`` builds the Buffer with ``deep_ep.testing.overrides(ll_put_only=True)``: the kernels reach every other rank
-by NVSHMEM put-with-signal (the path of peers behind a NIC), here over NVLink.
 """
 from __future__ import annotations
 

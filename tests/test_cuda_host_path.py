@@ -33,8 +33,8 @@ import deep_ep.testing
 # and the output-pool offsets (data, meta) each dispatch was given, as JSON; then the pool's live blocks while the
 # results are held and after they are dropped.
 _PROBE = _PRELUDE + r"""
+import reference
 from deep_ep.config import Topology
-from deep_ep.handle import layout_from_topk
 
 calls, offsets = [], []
 class Recording(ext.Runtime):
@@ -57,12 +57,12 @@ os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(29400 + 
 dist.init_process_group("gloo", rank=0, world_size=1)
 group = dist.new_group([0])
 x, x_fp8, topk_idx, topk_weights = fake.scenario(torch, deep_ep, 16, 256, 4, 8)
+real = reference.get_dispatch_layout(topk_idx, 8, Topology(1, 1))  # what the fake layout kernel leaves unset
 out = {}
 with fake.patched(torch, cuda_tensors=True):
     torch.cuda.set_stream = lambda stream: calls.append(["set_stream"])
     os.environ["DEEP_EP_BACKEND"] = "cuda"
     buffer = deep_ep.Buffer(group, num_nvl_bytes=1 << 30)
-    real = layout_from_topk(topk_idx, 8, Topology(1, 1))
     runtime = buffer.runtime.runtime
     runtime.num_recv = int(real.is_token_in_rank.sum())
     runtime.per_expert = real.num_tokens_per_expert.tolist()

@@ -1,23 +1,17 @@
 """GPU tests of the composed internode path (``ComposedInternode``) with CUDA stages.
 
-4 ranks on GPUs ``[0, 1, 0, 1]`` (``[0, 1, 2, 3]`` on a machine with 4 or more GPUs) with ``DEEP_EP_GPUS_PER_NODE=2``
-are 2 virtual nodes x 2 GPUs: node ``m`` holds ranks ``2m`` (GPU 0) and ``2m + 1`` (GPU 1), so the node stage spans
-both GPUs and each rail stage shares one GPU. The group is gloo (NCCL refuses two ranks on one GPU); the Buffer's
-own choice must be the composed path with ``CudaBackend`` stages (one host, CUDA IPC).
+4 ranks on GPUs ``[0, 1, 0, 1]`` (one per GPU with 4 or more) with ``DEEP_EP_GPUS_PER_NODE=2`` are 2 virtual nodes
+x 2: the node stage spans both GPUs, each rail stage shares one (gloo group: NCCL refuses two ranks on one GPU). The
+Buffer's own choice must be the composed path with ``CudaBackend`` stages (one host, CUDA IPC); the NVSHMEM rail
+(``SymmetricCuda``, rail rank ``n`` = PE ``2n + l``, also as put pairs) and the torch rail run under
+``deep_ep.testing.overrides(composed_rail=...)``. Every example runs ``test_internode.task_internode_roundtrip``
+bit for bit against ``reference``. ``test_many_nodes_by_two``: ``TEST_COMPOSED_MANY_NODES`` (9) nodes x 2;
+``test_eight_ranks``: 2 x 4 and 4 x 2 on 8 GPUs. One GPU, all ranks time-sliced on it (correctness only)::
 
-Every example runs ``test_internode.task_internode_roundtrip`` on the ``test_intranode.Pool`` workers: layout, every
-dispatch output, all ten internode handle fields, cached dispatch, combine (top-k weights, 0..2 biases, BF16 and FP8,
--1 top-k slots, empty ranks) and worst-token dispatch, bit for bit against ``reference``. The rail stage across
-hosts (``SymmetricCuda``: the ring kernels on the NVSHMEM heap, rail rank ``n`` = PE ``2n + l``) runs on one host
-under ``deep_ep.testing.overrides(composed_rail="nvshmem")``, with rail peers reached by ``nvshmem_ptr`` and, with
-``internode_put_only``, as put pairs (staged records, put-with-signal, signal twins, as behind a NIC); the torch rail
-under ``composed_rail="torch"``. ``test_many_nodes_by_two`` runs ``TEST_COMPOSED_MANY_NODES`` (9) nodes x 2;
-``test_eight_ranks`` 8 ranks, one per GPU, as 2 x 4 and 4 x 2 (8 GPUs). ``TEST_EXAMPLES_COMPOSED``: examples (6).
-
-On one GPU, all ranks time-sliced on it (correctness only)::
-
-    TEST_RANKS_PER_GPU=2 python -m pytest tests/gpu/test_composed.py -k "not many_nodes"
+    TEST_RANKS_PER_GPU=2 python -m pytest tests/gpu/test_composed.py
     TEST_RANKS_PER_GPU=8 TEST_COMPOSED_MANY_NODES=4 python -m pytest tests/gpu/test_composed.py -k many_nodes
+
+``TEST_EXAMPLES_COMPOSED`` / ``TEST_EXAMPLES_MANY_NODES``: hypothesis examples (6 / 4).
 """
 from __future__ import annotations
 

@@ -1,19 +1,18 @@
 """GPU property tests of the CUDA internode backend (``InternodeCuda``) on virtual nodes.
 
-``DEEP_EP_GPUS_PER_NODE=1`` turns 2 ranks on 2 GPUs of one host into 2 nodes of one GPU: the Buffer picks
-``InternodeCuda`` (NVSHMEM symmetric buffer, PE = rank), and every example is checked against ``reference`` with the
-internode topology: recv_x (BF16 and FP8), top-k, the per-expert list, all ten handle fields, cached and worst-token
-dispatch, combine with biases and weights (per-node rounding, then across nodes). The worker pool and the inputs are
-those of ``test_intranode.py``.
-
-With ``TEST_INTERNODE_PUT_ONLY=1`` every Buffer is built with ``deep_ep.testing.overrides(internode_put_only=True)``:
-every pair is an NVSHMEM put pair, so the same tests run the path of peers behind a NIC (staged records,
-put-with-signal, signal twins) over NVSHMEM's P2P transport, which ``test_put_peers_follow_the_switch`` confirms.
-
-One GPU, both PEs time-sliced on it (correctness only)::
+``DEEP_EP_GPUS_PER_NODE=1`` turns 2 ranks of one host into 2 nodes of one GPU (NVSHMEM symmetric buffer, PE = rank);
+every example is checked against ``reference`` with the internode topology: recv_x (BF16 and FP8), top-k, the
+per-expert list, all ten handle fields, cached and worst-token dispatch, combine with biases and weights (per-node
+rounding, then across nodes). The worker pool and the inputs are those of ``test_intranode.py``.
+``TEST_INTERNODE_PUT_ONLY=1`` builds every Buffer with ``deep_ep.testing.overrides(internode_put_only=True)``: every
+pair is an NVSHMEM put pair (staged records, put-with-signal, signal twins: the path of peers behind a NIC) over
+NVSHMEM's P2P transport. One GPU, the PEs time-sliced on it (correctness only)::
 
     TEST_RANKS_PER_GPU=2 python -m pytest tests/gpu/test_internode.py
     TEST_RANKS_PER_GPU=2 TEST_INTERNODE_PUT_ONLY=1 python -m pytest tests/gpu/test_internode.py
+    TEST_RANKS_PER_GPU=8 TEST_INTERNODE_MANY_NODES=8 python -m pytest tests/gpu/test_internode.py -k many
+
+``TEST_EXAMPLES_INTERNODE`` / ``TEST_EXAMPLES_MANY_NODES``: hypothesis examples (12 / 4).
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ PUT_ONLY = os.environ.get("TEST_INTERNODE_PUT_ONLY", "0") == "1"
 NUM_RDMA_BYTES = 768 * 1024 * 1024  # 256 MB of output pool after the rings (direct receive)
 if PUT_ONLY:
     # Put peers: the buffer also holds the put area (signal twins and two staging halves as large as the ring
-    # halves, csrc/kernels/layout.cuh put_layout). 1.5 GB keeps the rings at 256 MB each and leaves ~512 MB of pool.
+    # halves). 1.5 GB keeps the rings at 256 MB each and leaves ~512 MB of pool.
     NUM_RDMA_BYTES = 1536 * 1024 * 1024
 TASK = "test_internode:task_internode_roundtrip"
 
@@ -96,8 +95,8 @@ def _check_recv_x(label: str, got, want, use_fp8: bool, rows: int | None = None)
 @ti.tuned
 def task_internode_roundtrip(buffer, rank: int, case: ti.Case) -> str:
     """Layout, dispatch, cached dispatch, worst-token dispatch and combine against the internode reference."""
-    import reference
     import deep_ep
+    import reference
     inputs = [ti.make_inputs(case, r) for r in range(case.num_ranks)]
     mine = inputs[rank]
     config = deep_ep.Config(case.num_sms, 8, 256)

@@ -1,24 +1,21 @@
-"""GPU property tests of the intranode CUDA kernels against ``reference`` (run on the device machine).
+"""GPU property tests of the intranode CUDA kernels against ``reference``.
 
-Layout of the suite:
+A pool is a set of worker processes, one per rank, alive for the whole module: each joins a gloo group (gloo allows
+several ranks per GPU) and builds one ``deep_ep.Buffer`` that serves every example. Hypothesis draws a small frozen
+:class:`Case` in the driver; every rank regenerates all ranks' inputs from its seed, runs its own part and checks
+it against ``reference`` on the CPU. Outputs are poisoned first (freed allocator blocks and the output pool filled
+with 0x7f), so rows a kernel forgets to write fail. Each case picks, through ``deep_ep.testing.overrides``, the copy
+warps, the dispatch receive path and the combine send path. Every driver wait is bounded.
 
-* A *pool* is a set of worker processes, one per rank, that live for the whole module: each sets its CUDA device,
-  joins a gloo process group (gloo allows several ranks per GPU; NCCL does not) and builds one
-  ``deep_ep.Buffer`` whose CUDA backend serves every example. Pools: 1 rank on GPU 0; 2, 3 and 4 ranks sharing
-  GPU 0; 2 ranks on 2 GPUs (``multi_gpu``).
-* Hypothesis draws a small frozen :class:`Case` in the pytest driver; every rank regenerates *all* ranks' inputs from
-  the case's seed, runs the Buffer on its own part, computes the global expectation with ``reference`` on the CPU
-  and checks its own outputs. A rank answers "ok" or a failure text that starts with ``case.describe()``.
-* Outputs are poisoned first (the caching allocator hands the next ``torch.empty`` the memory of a freed tensor
-  full of 0x7f bytes; the output pool of the IPC buffer is filled with 0x7f), so rows a kernel forgets to write
-  fail the comparison.
-* Each case picks the dispatch receive path (``Case.receive``): the output pool (direct-to-output), the rings, or
-  a mix (rank 0 direct, the others rings); the buffer is large enough to have a pool.
+    python -m pytest tests/gpu/test_intranode.py                         # 1..4 ranks on GPU 0, 2 GPUs
+    TEST_RANKS_PER_GPU=2 python -m pytest tests/gpu/test_intranode.py    # one GPU: the 2-GPU tests time-sliced
 
-Every wait of the driver is bounded; a dead or hung worker fails the test with its traceback.
+``TEST_EXAMPLES_<TEST>`` sets a test's hypothesis examples (``_1``, ``_SHARED``, ``_2GPU``, ``_NCCL``, ``_EP``,
+``_SEQ``); ``TEST_DEVICE=cpu`` puts the workers' tensors on the CPU (the torch backend then serves them).
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import multiprocessing as mp
@@ -118,8 +115,7 @@ def case_strategy(num_ranks: int, max_tokens: int = 300):
 
 def make_inputs(case: Case, rank: int) -> dict:
     """CPU tensors of ``rank`` for ``case``: x (BF16 or FP8 tuple), topk_idx/weights, combine input, biases."""
-    from deep_ep.numerics import per_token_cast_to_fp8
-    from deep_ep.validate import topk_idx_dtype
+    import deep_ep
     gen = torch.Generator().manual_seed(case.seed * 131 + rank)
     n, h, k, e = case.num_tokens[rank], case.hidden, case.num_topk, case.num_experts
     num_local = e // case.num_ranks
@@ -137,11 +133,11 @@ def make_inputs(case: Case, rank: int) -> dict:
         topk_idx = torch.cat([topk_idx, torch.full((n, k - topk_idx.size(1)), -1, dtype=torch.int64)], dim=1)
     if case.mask_prob > 0:
         topk_idx[torch.rand(n, k, generator=gen) < case.mask_prob] = -1
-    topk_idx = topk_idx.to(topk_idx_dtype())
+    topk_idx = topk_idx.to(deep_ep.topk_idx_t)
     topk_weights = torch.randn(n, k, generator=gen, dtype=torch.float32)
     out = {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights}
     if case.use_fp8:
-        fp8, scales = per_token_cast_to_fp8(torch.randn(n, h, generator=gen).to(torch.bfloat16))
+        fp8, scales = deep_ep.per_token_cast_to_fp8(torch.randn(n, h, generator=gen).to(torch.bfloat16))
         if case.scales_col_major:
             scales = scales.t().contiguous().t()
         out["x"] = (fp8, scales)
@@ -200,11 +196,16 @@ def _worker(rank: int, world: int, device: int, port: int, env: dict, overrides:
             message = _task(name)(buffer, rank, payload)
             results.put((rank, "ok", message))
         except Exception:  # noqa: BLE001 - reported to the driver
-            text = f"{getattr(payload, 'describe', lambda: payload)()}\n{traceback.format_exc()}"
+            text = f"{_describe(payload)}\n{traceback.format_exc()}"
             _abort_peers(buffer)
             results.put((rank, "fail", text))
         finally:
             faulthandler.cancel_dump_traceback_later()
+
+
+def _describe(payload) -> str:
+    """A failure's first line: the case's ``describe()``, or the payload itself."""
+    return payload.describe() if hasattr(payload, "describe") else str(payload)
 
 
 def _task(name: str) -> Callable:
@@ -223,10 +224,8 @@ def _abort_peers(buffer) -> None:
     runtime = getattr(backend, "runtime", None)
     if runtime is None or not hasattr(runtime, "signal_abort"):
         return
-    try:
+    with contextlib.suppress(Exception):  # best effort; the peers' timeouts remain
         runtime.signal_abort(torch.cuda.current_stream().cuda_stream)  # not comm: it may be blocked
-    except Exception:  # noqa: BLE001 - best effort; the peers' timeouts remain
-        pass
 
 
 def _backend_name(buffer) -> str:
@@ -324,7 +323,8 @@ def pools():
             opened.pop(key).kill()
         if key not in opened:
             opened[key] = Pool(_devices(world, spread))
-            assert opened[key].backends == {"CudaBackend"}, f"Buffer did not pick the CUDA backend: {opened[key].backends}"
+            backends = opened[key].backends
+            assert backends == {"CudaBackend"}, f"Buffer did not pick the CUDA backend: {backends}"
         return opened[key]
 
     yield get
@@ -353,8 +353,9 @@ def _eq(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     if not torch.equal(got, want):
         diff = (got != want) if not got.is_floating_point() else ~((got == want) | (got.isnan() & want.isnan()))
         where = diff.nonzero()[:5].tolist()
+        first_got, first_want = (got[tuple(where[0])], want[tuple(where[0])]) if where else ("?", "?")
         raise AssertionError(f"{name}: {int(diff.sum())} mismatching elements, first at {where}; "
-                             f"got {got[tuple(where[0])] if where else '?'} want {want[tuple(where[0])] if where else '?'}")
+                             f"got {first_got} want {first_want}")
 
 
 def _wait(event, async_mode: bool) -> None:
@@ -376,7 +377,8 @@ def _global_reference(case: Case, inputs: list, num_channels: int):
     layouts = [reference.get_dispatch_layout(inp["topk_idx"], case.num_experts, topo) for inp in inputs]
     kwargs = {}
     if case.with_topk:
-        kwargs = dict(topk_idx=[inp["topk_idx"] for inp in inputs], topk_weights=[inp["topk_weights"] for inp in inputs])
+        kwargs = dict(topk_idx=[inp["topk_idx"] for inp in inputs],
+                      topk_weights=[inp["topk_weights"] for inp in inputs])
     dispatched = reference.dispatch([inp["x"] for inp in inputs], [lay.is_token_in_rank for lay in layouts], topo,
                                     num_experts=case.num_experts, expert_alignment=case.expert_alignment,
                                     num_channels=num_channels, **kwargs)
@@ -471,11 +473,10 @@ def _poison_pool(buffer) -> None:
 @tuned
 def task_roundtrip(buffer, rank: int, case: Case) -> str:
     """Layout, dispatch (all modes), cached dispatch, worst-token dispatch and combine against the reference."""
-    import reference
     import deep_ep
     import deep_ep.testing
+    import reference
     _poison_pool(buffer)
-    from deep_ep.numerics import per_token_cast_back  # noqa: F401 (documented helper; FP8 compared bytewise)
     inputs = [make_inputs(case, r) for r in range(case.num_ranks)]
     mine = inputs[rank]
     config = deep_ep.Config(case.num_sms, 8, 256)
@@ -606,8 +607,8 @@ def task_roundtrip(buffer, rank: int, case: Case) -> str:
 def task_graph(buffer, rank: int, case: Case) -> str:
     """Worst-token dispatch -> toy expert (x * 2) -> combine captured in one CUDA graph, replayed on fresh inputs,
     interleaved with eager calls; every replay is compared with the reference."""
-    import reference
     import deep_ep
+    import reference
     config = deep_ep.Config(case.num_sms, 8, 256)
     worst = sum(case.num_tokens) + 1
     n, h, k = case.num_tokens[rank], case.hidden, case.num_topk
@@ -692,6 +693,7 @@ def task_stall(buffer, rank: int, payload: dict) -> str:
 
 def _stall(buffer, rank: int, payload: dict) -> str:
     import time
+
     import deep_ep
     stalled = payload["stalled"]
     if rank == stalled and payload.get("kill"):  # a killed peer: gone without a word, its process torn down
@@ -748,7 +750,7 @@ def task_bad_routing(buffer, rank: int, payload: dict) -> str:
     after a collective reset: (a) rank 0's num_tokens_per_rank disagrees with its is_token_in_rank; (b) more rows
     arrive than num_worst_tokens allows."""
     import deep_ep
-    from deep_ep.cuda_backend import CommError
+    from deep_ep import CommError
     n, h, world = 64, 256, buffer.group_size
     config = deep_ep.Config(4, 8, 256)
     x = torch.ones(n, h, dtype=torch.bfloat16, device=DEVICE)

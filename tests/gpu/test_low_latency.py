@@ -1,25 +1,21 @@
 """GPU property tests of the CUDA low-latency kernels (NVSHMEM) against ``reference``.
 
-Pools of 1 rank and of 2 ranks (``multi_gpu``; rank ``r`` on GPU ``r % GPUs``, so with ``TEST_RANKS_PER_GPU=2`` both
-PEs share one GPU, time-sliced: correctness only). Each worker builds one ``deep_ep.Buffer`` (low-latency mode, plus
-an NVL buffer for the normal-mode-then-clean property) that serves every example. Hypothesis draws a :class:`Case` in
-the driver; every rank rebuilds all ranks' inputs from its seed, runs the Buffer on its own part and compares with the
-global ``reference`` on the CPU:
+Pools of 1 and 2 ranks (rank ``r`` on GPU ``r % GPUs``); each worker builds one low-latency ``deep_ep.Buffer`` (plus
+an NVL buffer for the normal-mode-then-clean property) that serves every example. Every rank rebuilds all ranks'
+inputs from the drawn :class:`Case` and compares with the global ``reference``: dispatch packs rows in the
+reference's order (source rank, token, k), so valid rows, scales, ``src_info``, ``layout_range`` and counts match
+exactly; combine is bit-exact for BF16 and within a small tolerance for LogFMT. Outputs are poisoned first.
 
-* dispatch: the CUDA kernels pack rows in the reference's order (source rank, token, k ascending), so the valid rows,
-  scales, ``src_info``, ``layout_range`` and counts must match exactly (rows past the count are not compared);
-* combine: bit-exact for BF16 payloads; LogFMT within a small tolerance (its ``log2``/``exp2`` may round differently
-  on the CPU);
-* outputs are poisoned first (freed caching-allocator blocks filled with 0x7f).
+    TEST_RANKS_PER_GPU=2 python -m pytest tests/gpu/test_low_latency.py                      # one GPU
+    TEST_RANKS_PER_GPU=2 TEST_LL_PUT_ONLY=1 python -m pytest tests/gpu/test_low_latency.py   # peers by puts
 
-``TEST_EXAMPLES_LL``: examples per property (25); ``TEST_LL_PUT_ONLY=1``: every peer reached by NVSHMEM puts (the
-RDMA path); ``TEST_LL_FAILURE_LOG``: a file that gets each failure's text as it happens. On one GPU::
-
-    TEST_RANKS_PER_GPU=2 python -m pytest tests/gpu/test_low_latency.py
-    TEST_RANKS_PER_GPU=2 TEST_LL_PUT_ONLY=1 python -m pytest tests/gpu/test_low_latency.py
+``TEST_LL_PUT_ONLY=1`` builds every Buffer with ``deep_ep.testing.overrides(ll_put_only=True)`` (the RDMA path);
+``TEST_EXAMPLES_LL``: examples per property (25); ``TEST_LL_FAILURE_LOG``: a file that gets each failure as it
+happens.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -99,7 +95,7 @@ def case_strategy(num_ranks: int):
 
 def make_inputs(case: Case, rank: int) -> dict:
     """CPU tensors of ``rank``: x (BF16, values of mixed magnitude), distinct top-k experts with -1 holes, weights."""
-    from deep_ep.validate import topk_idx_dtype
+    import deep_ep
     gen = torch.Generator().manual_seed(case.seed * 131 + rank)
     n, h, k, e = case.num_tokens[rank], case.hidden, case.num_topk, case.num_experts
     x = (torch.randn(n, h, generator=gen) * torch.rand(n, 1, generator=gen) * 4).to(torch.bfloat16)
@@ -108,16 +104,16 @@ def make_inputs(case: Case, rank: int) -> dict:
     if case.mask_prob > 0 and n > 0:
         topk_idx[torch.rand(n, k, generator=gen) < case.mask_prob] = -1
     weights = torch.rand(n, k, generator=gen, dtype=torch.float32)
-    return {"x": x, "topk_idx": topk_idx.to(topk_idx_dtype()), "topk_weights": weights}
+    return {"x": x, "topk_idx": topk_idx.to(deep_ep.topk_idx_t), "topk_weights": weights}
 
 
 def expert_output(recv_x, use_fp8: bool) -> torch.Tensor:
     """A toy expert: dequantised input times 1.5 (exact in BF16 for the check), [L, R*T, H] BF16."""
-    from deep_ep import numerics
+    import deep_ep
     if use_fp8:
         data, scales = recv_x
         num_local, rows, hidden = data.shape
-        flat = numerics.per_token_cast_back(data.reshape(-1, hidden), scales.reshape(num_local * rows, -1))
+        flat = deep_ep.per_token_cast_back(data.reshape(-1, hidden), scales.reshape(num_local * rows, -1))
         y = flat.view(num_local, rows, hidden)
     else:
         y = recv_x
@@ -180,7 +176,8 @@ def _worker(rank: int, world: int, port: int, env: dict, shrink: bool, put_only:
             buffer.clean_low_latency_buffer(payload.max_tokens, payload.hidden, payload.num_experts)
             results.put((rank, "ok", TASKS[name](buffer, rank, payload)))
         except Exception:  # noqa: BLE001 - reported to the driver
-            results.put((rank, "fail", f"{getattr(payload, 'describe', lambda: payload)()}\n{traceback.format_exc()}"))
+            describe = payload.describe() if hasattr(payload, "describe") else str(payload)
+            results.put((rank, "fail", f"{describe}\n{traceback.format_exc()}"))
         finally:
             faulthandler.cancel_dump_traceback_later()
 
@@ -231,10 +228,8 @@ class Pool:
                 with open(log, "a") as f:
                     f.write(f"=== {name}\n{text}\n")
             if name != "reset":
-                try:
+                with contextlib.suppress(AssertionError, RuntimeError, TimeoutError):
                     self.run("reset", payload)
-                except (AssertionError, RuntimeError, TimeoutError):
-                    pass
             raise AssertionError(text)
         return [msg for _, _, msg in sorted(replies)]
 
