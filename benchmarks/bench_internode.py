@@ -1,49 +1,25 @@
-"""Internode normal-mode benchmark on virtual nodes: the CUDA internode backend against the intranode kernels on the
+"""Internode normal-mode benchmark on virtual nodes: the CUDA internode backend next to the intranode kernels on the
 same GPUs, with the simulator's prediction next to each measurement.
 
-Setup: ``--num-processes`` ranks (2), one per GPU. Phase 1 builds an intranode Buffer (one node) and measures it;
-phase 2 sets ``DEEP_EP_GPUS_PER_NODE=1`` so every rank is its own node, builds an internode Buffer over NVSHMEM
-(``--num-rdma-bytes``) and measures the same calls. Workload as DeepEP's tests: ``--num-tokens`` tokens per rank
-(4096), hidden 7168, top-8 of 256 experts; with 2 nodes DeepEP's group-limited routing keeps both nodes, so it is
-plain top-8 of ``|randn| + 1`` scores.
-
-Timing is ``bench_intranode.bench`` (DeepEP's: warm-ups, L2 flush, CUDA events per call, first sample dropped) on
-the cached dispatch and on combine, best over ``--dispatch-chunks`` / ``--combine-chunks``; kernel time from a
-profiler trace (``bench_intranode.kernel_time``).
-
-Bytes, as DeepEP's internode test counts them (../shared/spec/tests_and_perf.md §3.2): "RDMA" = (token, node) pairs
-this rank sends, its own node included, × 2H (dispatch; combine receives the same); "NVL" = rows received × 2H
-(dispatch; combine sends the same); FP8 dispatch multiplies both by ``(1 + 4/128) / 2``. The intranode phase reports
-its logical bytes (= the NVL count). The acceptance ratio is internode NVL GB/s over intranode GB/s (= the ratio of
-times, same rows).
-
-Simulator: ``simulator.predictions`` for "internode 2x1 virtual" (``--kernels deep_ep --nic nvlink-p2p``; and
-"intranode EP2" for the intranode phase) when the
-simulator imports (it needs simpy); otherwise the stored rows of ``--predictions`` (made on a CPU machine with
-``python -m simulator predict --json``). Error = (predicted - measured) / measured, measured = the wall time
-averaged over ranks (what the deep_ep simulator family is calibrated on, simulator/bench_fit.py), 24 SMs.
+``--num-processes`` ranks (2), one per GPU: phase "intranode" (one node), then phase "internode" with
+``DEEP_EP_GPUS_PER_NODE=1`` (every rank its own node, NVSHMEM buffer of ``--num-rdma-bytes``), same workload as
+bench_intranode.py, same timing (its ``bench`` and ``kernel_time``), best over the chunk sweeps. Bytes as DeepEP V1's
+internode test counts them: "RDMA" = (token, node) pairs sent x 2H, "NVL" = rows received x 2H (FP8: x
+``(1 + 4/128) / 2``). Predictions: ``simulator.predictions`` when simpy imports, else the rows of ``--predictions``;
+error = (predicted - measured) / measured against the rank-averaged wall time, at 24 SMs. ``--put`` adds phase
+"internode_put" (the Buffer built under ``deep_ep.testing.overrides(internode_put_only=True)``: peers by NVSHMEM
+puts, the path behind a NIC). ``--composed``: the composed path next to the torch backend (``internode="torch"``),
+ranks sharing GPUs as 2 virtual nodes, wall times only::
 
     python benchmarks/bench_internode.py --json $OUT/bench_internode.json
-
-``--put``: a phase "internode_put" after "internode": the same backend with ``DEEP_EP_INTERNODE_PUT_ONLY=1`` (every
-peer reached by NVSHMEM puts and signals, the path of peers behind a NIC); its "vs" column is against the
-internode phase (pointer path). With ``--skip-intranode`` only the two internode phases run.
-
     python benchmarks/bench_internode.py --skip-intranode --put --json $OUT/inter_put.json
-
-``--composed``: the composed internode path (``deep_ep/composed_internode.py``) instead. ``--num-processes`` ranks
-(4) share the GPUs (rank ``r`` on GPU ``r % GPUs``) over a gloo group as 2 virtual nodes (``DEEP_EP_GPUS_PER_NODE``
-= ranks / 2); phase "composed" (``DEEP_EP_INTERNODE=auto``: CUDA rail and node stages) next to phase "torch"
-(``DEEP_EP_INTERNODE=torch``: the torch backend), on the same tensors, each at the first ``--dispatch-chunks`` /
-``--combine-chunks`` value, ``--iters`` timed calls after as many warm-ups; no kernel times (several kernels per
-call), no simulator rows; "vs torch" = torch wall time / composed wall time.
-
     python benchmarks/bench_internode.py --composed --num-processes 4 --num-tokens 1024 --json $OUT/composed.json
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -78,7 +54,7 @@ def measure(buffer, rank: int, args, x, x_fp8, topk_idx, topk_weights, rdma_pair
             kwargs["num_tokens_per_rdma_rank"] = layout.num_tokens_per_rdma_rank
         first = buffer.dispatch(x, **kwargs)
         handle = first.handle
-        channels = handle[1].size(1)  # the kernels' CTAs: below num_sms where deep_ep.config caps the channels
+        channels = handle[1].size(1)  # the kernels' CTAs: below num_sms where the channel cap applies
         rows = first.recv_x.size(0)
         nvl_bytes = rows * h * 2
         rdma_bytes = rdma_pairs * h * 2
@@ -90,9 +66,9 @@ def measure(buffer, rank: int, args, x, x_fp8, topk_idx, topk_weights, rdma_pair
             for chunk in (chunks[:1] if args.composed else chunks):
                 cfg = deep_ep.Config(num_sms, chunk, 256)
                 if keyword == "dispatch":
-                    fn = (lambda c=cfg, cx=cur: buffer.dispatch(cx, handle=handle, config=c))
+                    fn = functools.partial(buffer.dispatch, cur, handle=handle, config=cfg)
                 else:
-                    fn = (lambda c=cfg, cx=cur: buffer.combine(cx, handle, config=c))
+                    fn = functools.partial(buffer.combine, cur, handle, config=cfg)
                 try:
                     t = bench(fn, args.iters, args.iters) if args.composed else bench(fn)
                 except Exception:  # noqa: BLE001 - a failing point is reported, the sweep goes on
@@ -118,34 +94,33 @@ def measure(buffer, rank: int, args, x, x_fp8, topk_idx, topk_weights, rdma_pair
 def run_rank(rank: int, args, port: int, result_path: str) -> None:
     group, x, x_fp8, topk_idx, topk_weights = init_rank(rank, args, port, "gloo" if args.composed else "nccl")
     import deep_ep
+    import deep_ep.testing
     n, e = args.num_tokens, args.num_experts
     report: dict = {"rank": rank, "points": [], "errors": [], "backends": {}}
     # The first profiler session pays CUPTI's start-up inside the first kernel it sees: spend it on a dummy.
     kernel_time(lambda: torch.ones(1024, device="cuda").sum(), "reduce", num_tests=2)
 
-    phases = [("intranode", {"DEEP_EP_GPUS_PER_NODE": str(args.num_processes)},
-               dict(num_nvl_bytes=args.num_nvl_bytes)),
-              ("internode", {"DEEP_EP_GPUS_PER_NODE": "1"},
-               dict(num_nvl_bytes=0, num_rdma_bytes=args.num_rdma_bytes, num_qps_per_rank=24))]
+    # (phase, ranks per node, deep_ep.testing overrides while the Buffer is built, Buffer sizes)
+    phases = [("intranode", args.num_processes, {}, dict(num_nvl_bytes=args.num_nvl_bytes)),
+              ("internode", 1, {}, dict(num_nvl_bytes=0, num_rdma_bytes=args.num_rdma_bytes, num_qps_per_rank=24))]
     if args.put:
-        phases.append(("internode_put", {"DEEP_EP_GPUS_PER_NODE": "1", "DEEP_EP_INTERNODE_PUT_ONLY": "1"},
-                       phases[1][2]))
+        phases.append(("internode_put", 1, {"internode_put_only": True}, phases[1][3]))
     if args.composed:  # 2 virtual nodes; the same tensors through both paths
-        per_node = str(args.num_processes // 2)
-        phases = [(phase, {"DEEP_EP_GPUS_PER_NODE": per_node, "DEEP_EP_INTERNODE": choice},
-                   dict(num_nvl_bytes=args.num_nvl_bytes)) for phase, choice in (("composed", "auto"),
-                                                                                  ("torch", "torch"))]
-    for phase, env, sizes in phases:
+        per_node = args.num_processes // 2
+        phases = [(phase, per_node, fields, dict(num_nvl_bytes=args.num_nvl_bytes))
+                  for phase, fields in (("composed", {}), ("torch", {"internode": "torch"}))]
+    for phase, per_node, fields, sizes in phases:
         if args.skip_intranode and phase == "intranode":
             continue
-        os.environ.update(env)
+        os.environ["DEEP_EP_GPUS_PER_NODE"] = str(per_node)
         try:
-            buffer = deep_ep.Buffer(group, explicitly_destroy=True, **sizes)
+            with deep_ep.testing.overrides(**fields):
+                buffer = deep_ep.Buffer(group, explicitly_destroy=True, **sizes)
         except Exception:  # noqa: BLE001
             report["errors"].append(f"{phase} Buffer: {traceback.format_exc()}")
             continue
         report["backends"][phase] = type(buffer.runtime).__name__
-        num_nodes = args.num_processes // int(env["DEEP_EP_GPUS_PER_NODE"])
+        num_nodes = args.num_processes // per_node
         layout = buffer.get_dispatch_layout(topk_idx, e)
         per_node = layout.is_token_in_rank.view(n, num_nodes, -1).any(-1)
         rdma_pairs = int(per_node.sum())
@@ -170,7 +145,7 @@ def predictions(path: Path) -> tuple[dict, str]:
         from simulator import predictions as pred
         rows = [r.as_dict() for r in pred.predict()]
         source = "simulator.predictions (computed now)"
-    except Exception as exc:  # noqa: BLE001 - simpy is absent on the device machine
+    except Exception as exc:  # noqa: BLE001 - simpy may be absent where the GPUs are
         if not path.exists():
             return {}, f"none (simulator unavailable: {exc}; no {path})"
         rows = json.loads(path.read_text())["rows"]
@@ -185,7 +160,7 @@ def main() -> None:
     parser.add_argument("--num-rdma-bytes", type=int, default=int(1e9) // 128 * 128)
     parser.add_argument("--skip-intranode", action="store_true", help="measure the internode phase(s) only")
     parser.add_argument("--put", action="store_true",
-                        help="also the internode backend with DEEP_EP_INTERNODE_PUT_ONLY=1 (phase internode_put)")
+                        help="also the internode backend with every peer reached by puts (phase internode_put)")
     parser.add_argument("--composed", action="store_true",
                         help="the composed path (CUDA stages) next to the torch backend, ranks sharing GPUs")
     parser.add_argument("--iters", type=int, default=10, help="--composed: warm-ups and timed calls per point")

@@ -1,33 +1,16 @@
 """Intranode normal-mode benchmark: deep_ep's CUDA kernels against the NCCL all-to-all baseline.
 
-Workload (DeepEP's intranode test, ../shared/spec/tests_and_perf.md §2): ``--num-tokens`` tokens per rank (4096),
-hidden 7168, top-8 of 256 experts, uniform random routing (``topk(|randn| + 1)``), one process per GPU.
+Workload of DeepEP V1's intranode test: ``--num-tokens`` tokens per rank (4096), hidden 7168, top-8 of 256 experts,
+uniform routing (``topk(|randn| + 1)``), one process per GPU. Timing as DeepEP's ``bench``: warm-ups, one L2 flush,
+then calls between CUDA events on the calling stream, first sample dropped (*wall time*); *kernel time* is the mean
+kernel duration in a torch-profiler trace. Dispatch is the cached dispatch (``handle=``), as a training step repeats.
+Bytes (DeepEP's "logical" count): rows received (own included) x hidden x 2 for BF16, x ``(1 + 4/128) / 2`` for
+FP8; "remote" GB/s counts only rows crossing NVLink, with their wire bytes.
 
-Timing, as DeepEP's ``bench``: 50 warm-up calls, one L2 flush (a 256 MB tensor zeroed), then 50 calls, each between
-two CUDA events on the calling stream; the first sample is dropped. The *wall time* is that event interval (it
-covers everything the call enqueues, the CPU launch included); the *kernel time* is the mean duration of the
-``dispatch``/``combine`` kernels in a torch-profiler trace. Dispatch is timed as DeepEP times it: the cached dispatch
-(``handle=``), which is what a training step repeats.
-
-Bytes (DeepEP's "logical" count): rows received by this rank (its own included) × hidden × 2 bytes for BF16, times
-``(1 + 4/128) / 2`` for FP8; combine counts the same rows. "Remote" GB/s counts only the rows that cross NVLink
-(rows from / to other ranks) with their real wire bytes (FP8: hidden + 4 × hidden/128).
-
-Receive paths of dispatch (``--receive``): ``rings`` (ops ``dispatch_*``), ``direct`` (direct-to-output into the
-buffer's output pool; ops ``dispatch_*_direct``; needs ``--num-nvl-bytes`` above the two 256 MiB ring halves) and
-``skipcopy`` (ops ``dispatch_*_skipcopy``: the ring path with the receivers' ring -> recv_x copy skipped, through
-the runtime's diagnostic hook; the outputs are wrong on purpose, the point is the time without that copy).
-
-Combine send paths (``--combine-copy``): ``auto`` (the Buffer's default: the copy engine for budgets up to
-``deep_ep.config.COMBINE_COPY_MAX_SMS``, zone senders from ``COMBINE_ZONE_MIN_SMS``, ring senders between),
-``copy``, ``zone`` and ``rings``; each point's op names the path that ran: ``combine_bf16`` (rings),
-``combine_bf16_copy`` (copy engine; its "chunk" column is ``COMBINE_COPY_CHUNK_ROWS``, swept with
-``--copy-chunk-rows``; its kernel time is the reducing kernel's, which spans the copies), ``combine_bf16_zone`` (zone
-senders; its "warps" column is the sender warps per CTA, swept with ``--combine-warps``), ``combine_bf16_rings``
-(rings, asked for).
-
-Output: a table on stdout (rank 0) and JSON (``--json``) with every point of the SM sweep, the chunk-size sweep and
-the NCCL baseline. Run on the 2-GPU machine::
+Variants through ``deep_ep.testing.overrides`` (see ``--help``): receive path (``--receive rings direct``; ops
+``dispatch_*``, ``dispatch_*_direct``), combine send path (``--combine-copy auto copy zone rings``; each op names the
+path that ran: ``combine_bf16``, ``_copy``, ``_zone``, ``_rings``), copy warps, copy chunk rows, ``--uncapped``.
+Output: a table on stdout (rank 0) and ``--json`` with every point of the sweeps and the NCCL baseline::
 
     python benchmarks/bench_intranode.py --num-processes 2 --json out/bench.json
 """
@@ -35,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import socket
@@ -107,25 +91,10 @@ def per_token_cast_to_fp8(x: torch.Tensor):
 # ----------------------------------------------------------------------------------------------------------------
 # One rank
 # ----------------------------------------------------------------------------------------------------------------
-def trace_to_rank_file(rank: int) -> None:
-    """With ``DEEP_EP_TRACE_DIR`` set (the kernels' printf trace of a debug build), this rank's stdout (fd 1, where
-    device printf lands) goes to ``<dir>/rank<r>.log``: the ranks' trace lines then never interleave."""
-    from deep_ep import envs
-    trace_dir = envs.TRACE_DIR.get()
-    if not trace_dir:
-        return
-    os.makedirs(trace_dir, exist_ok=True)
-    sys.stdout.flush()
-    fd = os.open(os.path.join(trace_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.close(fd)
-
-
 def init_rank(rank: int, args, port: int, backend: str = "nccl"):
     """Join the group (``backend``: NCCL, or gloo where ranks share GPUs) on GPU ``rank % GPUs`` and draw the
     workload: ``(group, x, x_fp8, topk_idx, topk_weights)`` (uniform routing: top-k of ``|randn| + 1``, unit
     weights)."""
-    trace_to_rank_file(rank)
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = dict(device_id=torch.device("cuda", torch.cuda.current_device())) if backend == "nccl" else {}
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -142,17 +111,27 @@ def init_rank(rank: int, args, port: int, backend: str = "nccl"):
 
 def run_rank(rank: int, args, port: int, result_path: str) -> None:
     group, x, x_fp8, topk_idx, topk_weights = init_rank(rank, args, port)
-    num_ranks = args.num_processes
     import deep_ep
-    import deep_ep.config
-    n, h, e = args.num_tokens, args.hidden, args.num_experts
-
-    if args.uncapped:  # num_sms channels even above deep_ep.config.INTRANODE_MAX_CHANNELS (to re-measure the cap)
-        deep_ep.config.INTRANODE_MAX_CHANNELS.clear()
+    import deep_ep.testing
     buffer = deep_ep.Buffer(group, num_nvl_bytes=args.num_nvl_bytes, explicitly_destroy=True)
-    report: dict = {"rank": rank, "backend": type(getattr(buffer, "_cuda", None)).__name__, "points": [],
+    report: dict = {"rank": rank, "backend": type(getattr(buffer, "runtime", None)).__name__, "points": [],
                     "sweep": [], "errors": []}
+    # --uncapped: num_sms channels even where the channel cap of this rank count is lower (every call).
+    with deep_ep.testing.overrides(uncapped_channels=args.uncapped):
+        measure(buffer, rank, args, report, x, x_fp8, topk_idx, topk_weights)
+    with open(f"{result_path}.rank{rank}", "w") as f:
+        json.dump(report, f)
+    buffer.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
 
+
+def measure(buffer, rank: int, args, report: dict, x, x_fp8, topk_idx, topk_weights) -> None:
+    """Layout, then at every ``--sms``: the dispatch and combine sweeps of ``buffer``; then the NCCL baseline."""
+    import deep_ep
+    from deep_ep.backends import cuda_tuning
+    num_ranks = args.num_processes
+    n, h, e = args.num_tokens, args.hidden, args.num_experts
     layout = buffer.get_dispatch_layout(topk_idx, e)
     torch.cuda.synchronize()
     # The first profiler session pays CUPTI's start-up inside the first kernel it sees: spend it on a dummy.
@@ -172,12 +151,14 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
 
     for num_sms in args.sms:
         base = deep_ep.Config(num_sms, 8, 256)
-        first = buffer.dispatch(x, num_tokens_per_rank=layout.num_tokens_per_rank,
-                                is_token_in_rank=layout.is_token_in_rank,
-                                num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=topk_idx,
-                                topk_weights=topk_weights, config=base)
+        # The handle's dispatch receives through the rings: the output pool stays free for the measured calls.
+        with deep_ep.testing.overrides(dispatch_receive="rings"):
+            first = buffer.dispatch(x, num_tokens_per_rank=layout.num_tokens_per_rank,
+                                    is_token_in_rank=layout.is_token_in_rank,
+                                    num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=topk_idx,
+                                    topk_weights=topk_weights, config=base)
         handle = first.handle
-        channels = handle.channel_prefix_matrix.size(1)  # below num_sms where deep_ep.config caps the channels
+        channels = handle.channel_prefix_matrix.size(1)  # below num_sms where the channel cap applies
         recv_rows = first.recv_x.size(0)
         prefix = handle.rank_prefix_matrix[:, rank].tolist()
         local_rows = prefix[rank] - (prefix[rank - 1] if rank > 0 else 0)
@@ -189,63 +170,67 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
         for receive, (base_label, cur_x, logical_bytes, remote_bytes) in (
                 (r, v) for r in args.receive for v in variants):
             label = base_label + ("" if receive == "rings" else f"_{receive}")
-            set_receive(buffer, receive)
             best = None
             for chunk, warps in ((c, w) for c in args.dispatch_chunks for w in args.dispatch_warps):
                 cfg = deep_ep.Config(num_sms, chunk, 256)
-                fn = with_send_warps("dispatch", warps,
-                                     lambda c=cfg, cx=cur_x: buffer.dispatch(cx, handle=handle, config=c))
-                t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn, iters, iters))
+                fn = functools.partial(buffer.dispatch, cur_x, handle=handle, config=cfg)
+                fields = dict(dispatch_receive=receive, dispatch_warps=warps or None)  # 0: the tuned warps
+                t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}",
+                         functools.partial(under, fields, bench, fn, iters, iters))
                 if t is not None:
                     report["sweep"].append([label, num_sms, chunk, warps, t["mean"] * 1e6])
                 if t is not None and (best is None or t["mean"] < best[1]["mean"]):
-                    best = (chunk, t, fn, warps)
+                    best = (chunk, t, fn, warps, fields)
             if best is None:
                 continue
-            kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], "dispatch", profiled))
-            warps = best[3] or deep_ep.config.intranode_send_warps("dispatch", num_ranks, channels,
-                                                                   base_label == "dispatch_fp8")
+            kt = safe(f"{label} kernel time", functools.partial(under, best[4], kernel_time, best[2], "dispatch",
+                                                                profiled))
+            warps = best[3] or cuda_tuning.intranode_send_warps("dispatch", num_ranks, channels,
+                                                                base_label == "dispatch_fp8")
             report["points"].append(_point(label, num_sms, best[0], best[1], kt, logical_bytes, remote_bytes,
                                            warps, channels))
-        set_receive(buffer, "rings")
         combine_x = first.recv_x
         runtime = getattr(getattr(buffer, "runtime", None), "runtime", None)
         for mode in args.combine_copy if "combine_bf16" in args.ops else ():
-            deep_ep.config.INTRANODE_COMBINE_COPY = mode
+            send = None if mode == "auto" else mode  # None: the library's choice for num_sms
             # The copy-engine path has no sender warps: sweep them only for rings. Labels name the path that ran:
             # combine_bf16 (rings, the Buffer's default), combine_bf16_copy, combine_bf16_rings (asked for rings).
             epoch = runtime.get_copy_epoch() if runtime is not None else 0
-            safe(f"combine {mode} probe", lambda: buffer.combine(combine_x, handle, config=base))
+            safe(f"combine {mode} probe",
+                 functools.partial(under, dict(combine_send=send), buffer.combine, combine_x, handle, config=base))
             by_copy = runtime is not None and runtime.get_copy_epoch() > epoch
-            zone = by_copy and deep_ep.config.combine_send_path(num_sms) == "zone"
+            zone = by_copy and (send or cuda_tuning.combine_send_path(num_sms)) == "zone"
             label = ("combine_bf16_zone" if zone else "combine_bf16_copy") if by_copy else \
                 "combine_bf16" + ("_rings" if mode == "rings" else "")
             best = None
-            # Copy path: the "chunk" swept is deep_ep.config.COMBINE_COPY_CHUNK_ROWS (--copy-chunk-rows).
+            # Copy path: the "chunk" swept is the copy-engine chunk in rows (--copy-chunk-rows).
             copy_engine = by_copy and not zone  # zone senders are warps: sweep them like the rings'
             for chunk, warps in ((c, w) for c in (args.copy_chunk_rows if copy_engine else args.combine_chunks)
                                  for w in ([0] if copy_engine else args.combine_warps)):
                 cfg = deep_ep.Config(num_sms, 8 if copy_engine else chunk, 256)
-                fn = with_send_warps("combine", warps, lambda c=cfg: buffer.combine(combine_x, handle, config=c))
+                fn = functools.partial(buffer.combine, combine_x, handle, config=cfg)
+                fields = dict(combine_send=send, combine_warps=warps or None)  # 0: the tuned warps
                 if copy_engine:
-                    fn = with_copy_chunk_rows(chunk, fn)
-                t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}", lambda: bench(fn, iters, iters))
+                    fields["combine_copy_chunk_rows"] = chunk
+                t = safe(f"{label} sms={num_sms} chunk={chunk} warps={warps}",
+                         functools.partial(under, fields, bench, fn, iters, iters))
                 if t is not None:
                     report["sweep"].append([label, num_sms, chunk, warps, t["mean"] * 1e6])
                 if t is not None and (best is None or t["mean"] < best[1]["mean"]):
-                    best = (chunk, t, fn, warps)
+                    best = (chunk, t, fn, warps, fields)
             if best is not None:
                 keyword = "combine_landed" if by_copy else "combine"  # the reducing kernel spans the copies
-                kt = safe(f"{label} kernel time", lambda: kernel_time(best[2], keyword, profiled))
+                kt = safe(f"{label} kernel time", functools.partial(under, best[4], kernel_time, best[2], keyword,
+                                                                    profiled))
                 if copy_engine:
                     warps, ctas = 0, num_sms
                 elif zone:
-                    warps, ctas = best[3] or deep_ep.config.zone_send_warps(), deep_ep.config.zone_ctas(num_sms)
+                    warps, ctas = best[3] or cuda_tuning.zone_send_warps(), cuda_tuning.zone_ctas(num_sms)
                 else:
-                    warps, ctas = best[3] or deep_ep.config.intranode_send_warps("combine", num_ranks, channels), channels
+                    warps = best[3] or cuda_tuning.intranode_send_warps("combine", num_ranks, channels)
+                    ctas = channels
                 report["points"].append(_point(label, num_sms, best[0], best[1], kt, bf16_bytes,
                                                remote_rows * h * 2, warps, ctas))
-        deep_ep.config.INTRANODE_COMBINE_COPY = None
 
     # NCCL baseline: index_select by destination + all_to_all_single; back with all_to_all_single + index_add_.
     if "nccl" in args.ops:
@@ -273,48 +258,16 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
         rows = sum(recv_counts)
         nccl_local = recv_counts[rank]
         for label, fn in (("nccl_dispatch_bf16", nccl_dispatch), ("nccl_combine_bf16", nccl_combine)):
-            t = safe(label, lambda: bench(fn, iters, iters))
+            t = safe(label, functools.partial(bench, fn, iters, iters))
             if t is not None:
                 report["points"].append(_point(label, 0, 0, t, None, rows * h * 2, (rows - nccl_local) * h * 2))
 
-    with open(f"{result_path}.rank{rank}", "w") as f:
-        json.dump(report, f)
-    buffer.destroy()
-    dist.barrier()
-    dist.destroy_process_group()
 
-
-def with_copy_chunk_rows(rows: int, fn):
-    """``fn`` with deep_ep.config.COMBINE_COPY_CHUNK_ROWS = rows for its duration."""
-    import deep_ep.config
-
-    def call():
-        old = deep_ep.config.COMBINE_COPY_CHUNK_ROWS
-        deep_ep.config.COMBINE_COPY_CHUNK_ROWS = rows
-        try:
-            return fn()
-        finally:
-            deep_ep.config.COMBINE_COPY_CHUNK_ROWS = old
-    return call
-
-
-def set_receive(buffer, receive: str) -> None:
-    """Dispatch receive path of the next calls: 'rings', 'direct' or 'skipcopy' (rings, receive copy skipped)."""
-    import deep_ep.config
-    deep_ep.config.INTRANODE_DISPATCH_RECEIVE = "direct" if receive == "direct" else "rings"
-    runtime = getattr(getattr(buffer, "runtime", None), "runtime", None)
-    if runtime is not None:
-        runtime.set_diagnostic_skip_receive_copy(receive == "skipcopy")
-
-
-def with_send_warps(kernel: str, warps: int, fn):
-    """``fn`` run with ``warps`` copy warps per channel in the intranode ``kernel`` (deep_ep.config's override)."""
-    import deep_ep.config
-
-    def run():
-        deep_ep.config.INTRANODE_SEND_WARPS[kernel] = warps or None  # 0: the tuned table's row
-        return fn()
-    return run
+def under(fields: dict, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` within ``deep_ep.testing.overrides(**fields)``."""
+    import deep_ep.testing
+    with deep_ep.testing.overrides(**fields):
+        return fn(*args, **kwargs)
 
 
 def _point(op: str, num_sms: int, chunk: int, t: dict, kernel_s, logical_bytes: float, remote_bytes: float,
@@ -330,7 +283,7 @@ def _point(op: str, num_sms: int, chunk: int, t: dict, kernel_s, logical_bytes: 
 # ----------------------------------------------------------------------------------------------------------------
 # Driver
 # ----------------------------------------------------------------------------------------------------------------
-DEEPEP_V1 = {  # ../shared/hardware.md, same machine: (op, SMs) -> GB/s
+DEEPEP_V1 = {  # DeepEP V1's intranode test on 2 x H200 (EP2): (op, SMs) -> logical GB/s
     ("dispatch_fp8", 8): 92, ("dispatch_bf16", 8): 120, ("combine_bf16", 8): 116,
     ("dispatch_fp8", 16): 172, ("dispatch_bf16", 16): 233, ("combine_bf16", 16): 218,
     ("dispatch_fp8", 24): 245, ("dispatch_bf16", 24): 338, ("combine_bf16", 24): 300,
@@ -372,21 +325,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(parser, [8, 16, 24, 32, 48])
     parser.add_argument("--dispatch-warps", type=int, nargs="+", default=[0],
-                        help="copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS) to sweep in dispatch; "
-                             "0: the tuned table's row (Buffer's default)")
+                        help="copy warps per channel to sweep in dispatch; 0: the tuned choice (Buffer's default)")
     parser.add_argument("--combine-warps", type=int, nargs="+", default=[0],
-                        help="ring-sender warps per channel to sweep in combine; 0: the tuned table's row")
+                        help="ring-sender warps per channel (zone: per CTA) to sweep in combine; 0: the tuned "
+                             "choice")
     parser.add_argument("--uncapped", action="store_true",
-                        help="run num_sms channels even where deep_ep.config.INTRANODE_MAX_CHANNELS caps them")
+                        help="run num_sms channels even where the channel cap of the rank count is lower")
     parser.add_argument("--combine-copy", nargs="+", default=["auto"], choices=["auto", "copy", "rings", "zone"],
                         help="combine send paths to measure: auto (the Buffer's default; the op names the path "
                              "taken), copy (the copy engine; op combine_bf16_copy), zone (zone senders; op "
                              "combine_bf16_zone), rings (ring-sender warps; op combine_bf16_rings)")
     parser.add_argument("--copy-chunk-rows", nargs="+", type=int, default=[512],
-                        help="rows per copy-engine chunk of the copy combine path to sweep "
-                             "(deep_ep.config.COMBINE_COPY_CHUNK_ROWS)")
-    parser.add_argument("--receive", nargs="+", default=["rings"], choices=["rings", "direct", "skipcopy"],
-                        help="dispatch receive paths to measure (skipcopy: diagnostic, wrong outputs)")
+                        help="rows per copy-engine chunk of the copy combine path to sweep")
+    parser.add_argument("--receive", nargs="+", default=["rings"], choices=["rings", "direct"],
+                        help="dispatch receive paths to measure")
     parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS,
                         help="what to measure (default: all); nccl is the NCCL baseline")
     parser.add_argument("--iters", type=int, default=50,
@@ -408,7 +360,7 @@ def print_table(summary: dict) -> None:
     print(f"{'op':<20}{'SMs':>5}{'ch':>4}{'chunk':>6}{'warps':>6}{'wall us':>10}{'kern us':>10}{'GB/s':>9}"
           f"{'GB/s kern':>10}{'remote':>8}{'DeepEP':>8}{'ratio':>7}")
     for p in rep["points"]:
-        ref = DEEPEP_V1.get((p["op"].replace("_direct", "").replace("_skipcopy", "").replace("_rings", "")
+        ref = DEEPEP_V1.get((p["op"].replace("_direct", "").replace("_rings", "")
                              .replace("_copy", "").replace("_zone", ""), p["num_sms"]))
         kern = f"{p['kernel_us']:.1f}" if p["kernel_us"] else "-"
         kern_bw = f"{p['logical_GBps_kernel']:.0f}" if p["logical_GBps_kernel"] else "-"

@@ -1,19 +1,14 @@
-"""Low-latency benchmark of deep_ep's CUDA LL kernels (NVSHMEM), measured the way DeepEP's test_low_latency.py does.
+"""Low-latency benchmark of deep_ep's CUDA LL kernels (NVSHMEM), measured the way DeepEP V1's test_low_latency.py does.
 
-Workload (../shared/spec/tests_and_perf.md §4): ``T`` tokens per rank (sweep 1..256; 128 is the bar), hidden 7168,
-top-8 of 288 experts (``topk(|randn| + 1)``), ``x = randn * 0.1`` BF16, FP8 dispatch, BF16 combine, one process per
-GPU. Before every profiled iteration the ranks meet in a bounded LL barrier kernel, the GPUs sleep ~300 us (both
-hosts enqueue the next calls meanwhile) and the L2 is flushed, so a kernel's time is not inflated by a late peer.
-
-* kernel time: mean duration of ``ll_dispatch_kernel`` / ``ll_combine_kernel`` in a torch-profiler trace (DeepEP's
-  ``bench_kineto``); with ``return_recv_hook`` the send launch (template argument 1) and the receive launch (2) are
-  reported separately;
-* kernel time by DeepEP's own method (``bench_kineto(..., barrier_comm_profiling=True)``: per profiled step an
-  8192^2 fp32 matmul and a barrier, then 30 dispatch + combine pairs back to back, no L2 flush), fused and with hooks;
-* wall time: median of CUDA-event intervals around each call (launch included), once with a barrier and an L2
-  flush before every iteration, once back to back (calls enqueued one after another);
-* bytes (DeepEP's count): ``sum_t (#valid k) * (H + H/128*4 + 16)`` for FP8 dispatch and ``sum_t (#valid k) * 2H``
-  for BF16 combine, local selections included.
+Workload: ``T`` tokens per rank (``--tokens``; 128 is the bar), hidden 7168, top-8 of 288 experts
+(``topk(|randn| + 1)``), ``x = randn * 0.1`` BF16, FP8 dispatch, BF16 combine, one process per GPU. Before each
+profiled iteration the ranks meet in a bounded LL barrier kernel, the GPUs sleep ~300 us and the L2 is flushed.
+Reported: kernel time (mean duration of ``ll_dispatch_kernel`` / ``ll_combine_kernel`` in a profiler trace; with
+``return_recv_hook`` the send and receive launches apart); the same by DeepEP's own method (an 8192^2 matmul and a
+barrier, then 30 dispatch + combine pairs back to back, no flush); wall time (median of CUDA-event intervals, with
+barrier and flush, and back to back); bytes as DeepEP counts them (FP8 dispatch ``(#valid k) * (H + H/128*4 + 16)``,
+BF16 combine ``(#valid k) * 2H``). ``--put`` builds the Buffer under ``deep_ep.testing.overrides(ll_put_only=True)``:
+every other rank reached by NVSHMEM put-with-signal (the path of peers behind a NIC)::
 
     python benchmarks/bench_low_latency.py --num-processes 2 --json out/ll.json
 """
@@ -34,12 +29,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_intranode import trace_to_rank_file  # noqa: E402
-
-
-# The fused combine is one of two kernels: one row per expert, or per-rank partial sums (DEEP_EP_LL_PARTIALS).
-FUSED_COMBINE = ("ll_combine_kernel<3>", "ll_combine_partial_kernel")
 
 
 def kernel_times(trace, names: dict) -> dict:
@@ -61,152 +50,157 @@ def kernel_times(trace, names: dict) -> dict:
     return out
 
 
+def measure_point(rank: int, world: int, args, buf, tokens: int, flush: torch.Tensor) -> dict:
+    """Kernel, phase, DeepEP-method and wall times of ``tokens`` tokens per rank on the LL Buffer ``buf``."""
+    import deep_ep
+    ll = buf._cuda_ll
+    hidden, experts, topk = args.hidden, args.num_experts, args.num_topk
+    host_lead_cycles = 600_000  # ~300 us at 2 GHz
+    # The buffer's token capacity: R * capacity must be a multiple of 4 (DeepEP's rule); x has `tokens` rows.
+    capacity = tokens
+    while (world * capacity) % 4:
+        capacity += 1
+    buf.clean_low_latency_buffer(capacity, hidden, experts)
+    gen = torch.Generator(device="cuda").manual_seed(1 + rank)
+    x = (torch.randn(tokens, hidden, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
+    scores = torch.randn(tokens, experts, device="cuda", generator=gen).abs() + 1
+    idx = scores.topk(topk, dim=1).indices.to(deep_ep.topk_idx_t)
+    weights = torch.rand(tokens, topk, device="cuda", generator=gen)
+    valid = int((idx >= 0).sum())
+    dispatch_bytes = valid * (hidden + hidden // 128 * 4 + 16)
+    combine_bytes = valid * hidden * 2
+    state = {}
+
+    def dispatch(hook=False):
+        state["d"] = buf.low_latency_dispatch(x, idx, capacity, experts, use_fp8=True,
+                                              return_recv_hook=hook)
+        return state["d"]
+
+    def combine(hook=False):
+        d = state["d"]
+        y = state.get("y")
+        if y is None or y.shape[1] != d.recv_x[0].shape[1]:
+            y = state["y"] = torch.randn(d.recv_x[0].shape, device="cuda").to(torch.bfloat16) * 0.1
+        return buf.low_latency_combine(y, idx, weights, d.handle, return_recv_hook=hook)
+
+    def sync_ranks():
+        # The barrier aligns the GPUs; the sleep keeps them busy until both hosts have enqueued the next
+        # calls (otherwise a kernel starts when its host gets there and waits for the later peer).
+        ll.runtime.barrier(torch.cuda.current_stream().cuda_stream)
+        torch.cuda._sleep(host_lead_cycles)
+        flush.zero_()
+
+    for _ in range(args.warmups):
+        dispatch()
+        combine()
+    torch.cuda.synchronize()
+    # Wall time: events around each call.
+    wall = {"dispatch": [], "combine": []}
+    for _ in range(args.iters):
+        sync_ranks()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        ev[0].record()
+        dispatch()
+        ev[1].record()
+        combine()
+        ev[2].record()
+        torch.cuda.synchronize()
+        wall["dispatch"].append(ev[0].elapsed_time(ev[1]) / 1e3)
+        wall["combine"].append(ev[1].elapsed_time(ev[2]) / 1e3)
+    # Back-to-back wall time: calls enqueued one after another (no barrier, no flush), as a training step
+    # issues them; events around each call.
+    piped = {"dispatch": [], "combine": []}
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3 * args.iters)]
+    sync_ranks()
+    for i in range(args.iters):
+        ev[3 * i].record()
+        dispatch()
+        ev[3 * i + 1].record()
+        combine()
+        ev[3 * i + 2].record()
+    torch.cuda.synchronize()
+    for i in range(1, args.iters):
+        piped["dispatch"].append(ev[3 * i].elapsed_time(ev[3 * i + 1]) / 1e3)
+        piped["combine"].append(ev[3 * i + 1].elapsed_time(ev[3 * i + 2]) / 1e3)
+    # Kernel time: profiler, no hook.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
+        for _ in range(args.iters):
+            sync_ranks()
+            dispatch()
+            combine()
+        torch.cuda.synchronize()
+    fused = kernel_times(trace, {"dispatch": "ll_dispatch_kernel<3>", "combine": "ll_combine_kernel<3>"})
+    # Send / receive phases with hooks (a matmul between send and hook, as DeepEP imitates overlap).
+    big = torch.randn(4096, 4096, device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
+        for _ in range(args.iters):
+            sync_ranks()
+            d = dispatch(hook=True)
+            big @ big
+            d.hook()
+            c = combine(hook=True)
+            big @ big
+            c.hook()
+        torch.cuda.synchronize()
+    phases = kernel_times(trace, {"dispatch_send": "ll_dispatch_kernel<1>",
+                                  "dispatch_recv": "ll_dispatch_kernel<2>",
+                                  "combine_send": "ll_combine_kernel<1>",
+                                  "combine_recv": "ll_combine_kernel<2>"})
+    # DeepEP's own method (bench_kineto with barrier_comm_profiling): per profiled
+    # step an 8192^2 fp32 matmul and a GPU barrier line the ranks up, then 30 dispatch + combine pairs run
+    # back to back with no flush; the kernels' mean duration. Once more with hooks (a matmul before each
+    # hook) for the send / receive phases.
+    lhs = torch.randn(8192, 8192, device="cuda")
+
+    def deepep_step(hook: bool) -> None:
+        lhs @ lhs
+        ll.runtime.barrier(torch.cuda.current_stream().cuda_stream)
+        for _ in range(30):
+            d = dispatch(hook=hook)
+            if hook:
+                big @ big
+                d.hook()
+            c = combine(hook=hook)
+            if hook:
+                big @ big
+                c.hook()
+        torch.cuda.synchronize()
+
+    deepep = {}
+    fused_names = {"dispatch": "ll_dispatch_kernel<3>", "combine": "ll_combine_kernel<3>"}
+    hook_names = {"dispatch_send": "ll_dispatch_kernel<1>", "dispatch_recv": "ll_dispatch_kernel<2>",
+                  "combine_send": "ll_combine_kernel<1>", "combine_recv": "ll_combine_kernel<2>"}
+    for hook, names in ((False, fused_names), (True, hook_names)):
+        deepep_step(hook)  # DeepEP's profiler schedule records the second of two steps
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
+            deepep_step(hook)
+        deepep.update(kernel_times(trace, names))
+    return {"tokens": tokens, "dispatch_bytes": dispatch_bytes, "combine_bytes": combine_bytes,
+            "kernel_s": fused, "phases_s": phases, "deepep_method_s": deepep,
+            "wall_s": {k: statistics.median(v) for k, v in wall.items()},
+            "wall_back_to_back_s": {k: statistics.median(v) for k, v in piped.items()},
+            "dispatch_GBps": dispatch_bytes / fused["dispatch"] / 1e9,
+            "combine_GBps": combine_bytes / fused["combine"] / 1e9}
+
+
 def run_rank(rank: int, world: int, port: int, args, results) -> None:
     try:
-        trace_to_rank_file(rank)
         torch.cuda.set_device(rank)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         import deep_ep
-        hidden, experts, topk = args.hidden, args.num_experts, args.num_topk
+        import deep_ep.testing
+        hidden, experts = args.hidden, args.num_experts
         sweep = [int(t) for t in args.tokens.split(",")]
         rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(max(sweep), hidden, world, experts)
-        buf = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, low_latency_mode=True,
-                             num_qps_per_rank=experts // world, explicitly_destroy=True)
+        with deep_ep.testing.overrides(ll_put_only=args.put):
+            buf = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=rdma, low_latency_mode=True,
+                                 num_qps_per_rank=experts // world, explicitly_destroy=True)
         assert buf._cuda_ll is not None, "the CUDA low-latency backend is not in use"
-        ll = buf._cuda_ll
         flush = torch.empty(int(256e6 // 4), dtype=torch.int32, device="cuda")
-        host_lead_cycles = 600_000  # ~300 us at 2 GHz
         points = []
         for tokens in sweep:
-            # The buffer's token capacity: R * capacity must be a multiple of 4 (spec); x has `tokens` rows.
-            capacity = tokens
-            while (world * capacity) % 4:
-                capacity += 1
-            buf.clean_low_latency_buffer(capacity, hidden, experts)
-            gen = torch.Generator(device="cuda").manual_seed(1 + rank)
-            x = (torch.randn(tokens, hidden, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
-            scores = torch.randn(tokens, experts, device="cuda", generator=gen).abs() + 1
-            idx = scores.topk(topk, dim=1).indices.to(deep_ep.topk_idx_t)
-            weights = torch.rand(tokens, topk, device="cuda", generator=gen)
-            valid = int((idx >= 0).sum())
-            dispatch_bytes = valid * (hidden + hidden // 128 * 4 + 16)
-            combine_bytes = valid * hidden * 2
-            state = {}
-
-            def dispatch(hook=False):
-                state["d"] = buf.low_latency_dispatch(x, idx, capacity, experts, use_fp8=True,
-                                                      return_recv_hook=hook)
-                return state["d"]
-
-            def combine(hook=False):
-                d = state["d"]
-                y = state.get("y")
-                if y is None or y.shape[1] != d.recv_x[0].shape[1]:
-                    y = state["y"] = torch.randn(d.recv_x[0].shape, device="cuda").to(torch.bfloat16) * 0.1
-                return buf.low_latency_combine(y, idx, weights, d.handle, return_recv_hook=hook)
-
-            def sync_ranks():
-                # The barrier aligns the GPUs; the sleep keeps them busy until both hosts have enqueued the next
-                # calls (otherwise a kernel starts when its host gets there and waits for the later peer).
-                ll.runtime.barrier(torch.cuda.current_stream().cuda_stream)
-                torch.cuda._sleep(host_lead_cycles)
-                flush.zero_()
-
-            for _ in range(args.warmups):
-                dispatch()
-                combine()
-            torch.cuda.synchronize()
-            # Wall time: events around each call.
-            wall = {"dispatch": [], "combine": []}
-            for _ in range(args.iters):
-                sync_ranks()
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                ev[0].record()
-                dispatch()
-                ev[1].record()
-                combine()
-                ev[2].record()
-                torch.cuda.synchronize()
-                wall["dispatch"].append(ev[0].elapsed_time(ev[1]) / 1e3)
-                wall["combine"].append(ev[1].elapsed_time(ev[2]) / 1e3)
-            # Back-to-back wall time: calls enqueued one after another (no barrier, no flush), as a training step
-            # issues them; events around each call.
-            piped = {"dispatch": [], "combine": []}
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3 * args.iters)]
-            sync_ranks()
-            for i in range(args.iters):
-                ev[3 * i].record()
-                dispatch()
-                ev[3 * i + 1].record()
-                combine()
-                ev[3 * i + 2].record()
-            torch.cuda.synchronize()
-            for i in range(1, args.iters):
-                piped["dispatch"].append(ev[3 * i].elapsed_time(ev[3 * i + 1]) / 1e3)
-                piped["combine"].append(ev[3 * i + 1].elapsed_time(ev[3 * i + 2]) / 1e3)
-            # Kernel time: profiler, no hook.
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
-                for _ in range(args.iters):
-                    sync_ranks()
-                    dispatch()
-                    combine()
-                torch.cuda.synchronize()
-            fused = kernel_times(trace, {"dispatch": "ll_dispatch_kernel<3>", "combine": FUSED_COMBINE})
-            # Send / receive phases with hooks (a matmul between send and hook, as DeepEP imitates overlap).
-            big = torch.randn(4096, 4096, device="cuda")
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
-                for _ in range(args.iters):
-                    sync_ranks()
-                    d = dispatch(hook=True)
-                    big @ big
-                    d.hook()
-                    c = combine(hook=True)
-                    big @ big
-                    c.hook()
-                torch.cuda.synchronize()
-            phases = kernel_times(trace, {"dispatch_send": "ll_dispatch_kernel<1>",
-                                          "dispatch_recv": "ll_dispatch_kernel<2>",
-                                          "combine_send": "ll_combine_kernel<1>",
-                                          "combine_recv": "ll_combine_kernel<2>"})
-            # DeepEP's own method (bench_kineto with barrier_comm_profiling, tests_and_perf.md §4.3): per profiled
-            # step an 8192^2 fp32 matmul and a GPU barrier line the ranks up, then 30 dispatch + combine pairs run
-            # back to back with no flush; the kernels' mean duration. Once more with hooks (a matmul before each
-            # hook) for the send / receive phases.
-            lhs = torch.randn(8192, 8192, device="cuda")
-
-            def deepep_step(hook: bool) -> None:
-                lhs @ lhs
-                ll.runtime.barrier(torch.cuda.current_stream().cuda_stream)
-                for _ in range(30):
-                    d = dispatch(hook=hook)
-                    if hook:
-                        big @ big
-                        d.hook()
-                    c = combine(hook=hook)
-                    if hook:
-                        big @ big
-                        c.hook()
-                torch.cuda.synchronize()
-
-            deepep = {}
-            fused_names = {"dispatch": "ll_dispatch_kernel<3>", "combine": FUSED_COMBINE}
-            hook_names = {"dispatch_send": "ll_dispatch_kernel<1>", "dispatch_recv": "ll_dispatch_kernel<2>",
-                          "combine_send": "ll_combine_kernel<1>", "combine_recv": "ll_combine_kernel<2>"}
-            for hook, names in ((False, fused_names), (True, hook_names)):
-                deepep_step(hook)  # DeepEP's profiler schedule records the second of two steps
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
-                    deepep_step(hook)
-                deepep.update(kernel_times(trace, names))
-            del lhs
-            point = {"tokens": tokens, "dispatch_bytes": dispatch_bytes, "combine_bytes": combine_bytes,
-                     "combine_partials": ll.combine_by_partials(topk, experts, hidden),
-                     "kernel_s": fused, "phases_s": phases, "deepep_method_s": deepep,
-                     "wall_s": {k: statistics.median(v) for k, v in wall.items()},
-                     "wall_back_to_back_s": {k: statistics.median(v) for k, v in piped.items()},
-                     "dispatch_GBps": dispatch_bytes / fused["dispatch"] / 1e9,
-                     "combine_GBps": combine_bytes / fused["combine"] / 1e9}
-            points.append(point)
-            ll.check_errors()
+            points.append(measure_point(rank, world, args, buf, tokens, flush))
+            buf._cuda_ll.check_errors()
         buf.destroy()
         dist.destroy_process_group()
         results.put((rank, "ok", points))
@@ -224,6 +218,8 @@ def main() -> None:
     parser.add_argument("--num-experts", type=int, default=288)
     parser.add_argument("--warmups", type=int, default=20)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--put", action="store_true",
+                        help="every other rank reached by NVSHMEM puts (the RDMA path) even where NVLink reaches it")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
@@ -252,7 +248,7 @@ def main() -> None:
     for i, point in enumerate(per_rank[0]):
         ranks = [pr[i] for pr in per_rank]
 
-        def avg(get):
+        def avg(get, ranks=ranks):
             return statistics.fmean(get(r) for r in ranks)
 
         row = {"tokens": point["tokens"],
@@ -271,7 +267,7 @@ def main() -> None:
               f"{row['combine_GBps']:>9.1f} {row['wall_dispatch_us']:>7.1f} {row['wall_combine_us']:>7.1f} "
               f"{row['dispatch_send_us']:>7.1f} {row['dispatch_recv_us']:>7.1f} {row['combine_send_us']:>7.1f} "
               f"{row['combine_recv_us']:>7.1f}")
-    print(f"DeepEP's method (matmul + barrier, then 30 pairs back to back, no flush), rank-averaged kernel us:")
+    print("DeepEP's method (matmul + barrier, then 30 pairs back to back, no flush), rank-averaged kernel us:")
     print(f"{'T':>5} {'disp us':>8} {'comb us':>8} {'d send':>7} {'d recv':>7} {'c send':>7} {'c recv':>7}")
     for row in summary:
         print(f"{row['tokens']:>5} {row['deepep_dispatch_us']:>8.1f} {row['deepep_combine_us']:>8.1f} "

@@ -1,19 +1,12 @@
 """Copy-engine NVLink bandwidth of this host: the ceiling the intranode kernels are compared with.
 
-Two measurements, one process driving every visible GPU (peer access enabled, so ``Tensor.copy_`` between devices
-is a copy-engine peer copy):
-
-* ``pair``: GPU ``i`` copies ``--bytes`` into GPU ``j``, alone on the machine, for every ordered pair (one way).
-* ``all_to_all``: every GPU copies ``--bytes / (G - 1)`` to each of its ``G - 1`` peers at once, which is the traffic
-  pattern of an EP all-to-all. Reported per GPU: bytes it sent / wall time.
-
-torch orders a cross-device copy against the *current* streams of both devices, so every copy runs with a stream of
-its own made current on both its source and its destination device; otherwise copies into one GPU would serialise
-on that GPU's stream.
-
-Each measurement: ``--warmups`` untimed rounds, then ``--repeats`` timed rounds, host wall clock between a device
-synchronisation of every GPU before and after (rounds move >= 256 MB per GPU, so launch costs are < 0.1 %); the
-best and the median round are reported. Remote bytes only: a GPU's copy to itself is never counted.
+One process drives every visible GPU (peer access enabled, so ``Tensor.copy_`` between devices is a copy-engine
+peer copy): ``pair`` has GPU ``i`` copy ``--bytes`` into GPU ``j``, alone, for every ordered pair; ``all_to_all`` has
+every GPU copy ``--bytes / (G - 1)`` to each peer at once (an EP all-to-all), reported per GPU as bytes sent / wall
+time. Every copy runs on a stream of its own made current on both its devices (torch orders a cross-device copy
+against the current streams of both, which would serialise copies into one GPU). Each measurement: ``--warmups``
+untimed rounds, then ``--repeats`` timed rounds, host wall clock between synchronisations of every GPU (>= 256 MB
+per GPU per round, so launch costs are < 0.1 %); best and median round; remote bytes only::
 
     python benchmarks/bench_nvlink.py --json out/nvlink.json
 """

@@ -1,23 +1,17 @@
 """CPU demo: MoE dispatch -> expert -> combine on several processes, written against DeepEP V1's ``deep_ep.Buffer``.
 
-Scenario: ``--num-processes`` ranks (default 4) form one gloo process group on this machine. Each rank holds
-``--num-tokens`` BF16 tokens of ``--hidden`` channels and routes every token to ``--num-topk`` of ``--num-experts``
-experts (a few selections are dropped, ``-1``, as a capacity-limited router would). The experts are spread evenly
-over the ranks. Each rank then:
+``--num-processes`` ranks (4) form one gloo group on this machine. Each rank holds ``--num-tokens`` BF16 tokens of
+``--hidden`` channels and routes each to ``--num-topk`` of ``--num-experts`` experts (a few selections dropped,
+``-1``, as a capacity-limited router would); the experts are spread evenly over the ranks. Each rank then runs
+``get_dispatch_layout`` (tokens per rank and expert), ``dispatch`` (each token once to every rank hosting one of its
+experts), its local experts (expert ``e`` multiplies a token by ``expert_scale(e)``; a received token's output is the
+top-k-weighted sum over its experts on this rank) and ``combine`` (outputs back, summed per original token).
 
-1. ``get_dispatch_layout``: counts tokens per destination rank and per expert;
-2. ``dispatch``: sends each token once to every rank that hosts one of its experts;
-3. runs its local experts: expert ``e`` multiplies a token by ``expert_scale(e)``, and a received token's output is
-   the top-k-weighted sum over its experts on this rank;
-4. ``combine``: sends the outputs back and sums them per original token.
-
-The check: every token must come back as ``x * sum_k(w_k * expert_scale(e_k))`` over its valid selections (within
-BF16 rounding), the received counts must equal what the peers reported sending, and the per-expert counts must
-equal the global per-expert totals. Each rank prints what moved: tokens and bytes sent/received per peer and
-tokens per local expert. The exit status is 0 only if every rank's check passed.
-
-Run: ``python examples/cpu_demo.py`` (``--gpus-per-node 2`` makes 4 ranks act as 2 nodes of 2 and exercises the
-internode path).
+The check: every token comes back as ``x * sum_k(w_k * expert_scale(e_k))`` over its valid selections (within BF16
+rounding), received counts equal what the peers reported sending, per-expert counts equal the global totals. Each
+rank prints tokens and bytes sent/received per peer and tokens per local expert; the exit status is 0 only if every
+rank's check passed. Run: ``python examples/cpu_demo.py`` (``--gpus-per-node 2`` makes 4 ranks act as 2 nodes of 2
+and exercises the internode path).
 """
 from __future__ import annotations
 
@@ -189,7 +183,8 @@ def parse_args(argv: list[str] | None = None) -> DemoArgs:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--num-processes", type=int, default=4, help="ranks (processes) in the gloo group")
     parser.add_argument("--num-tokens", type=int, default=64, help="tokens per rank")
-    parser.add_argument("--hidden", type=int, default=256, help="channels per token (hidden * 2 must be a multiple of 16)")
+    parser.add_argument("--hidden", type=int, default=256,
+                        help="channels per token (hidden * 2 must be a multiple of 16)")
     parser.add_argument("--num-experts", type=int, default=16, help="experts in total, a multiple of ranks")
     parser.add_argument("--num-topk", type=int, default=4, help="experts per token")
     parser.add_argument("--gpus-per-node", type=int, default=0,

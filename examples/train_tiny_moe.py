@@ -1,22 +1,16 @@
 """Train a tiny expert-parallel MoE language model for a few steps, on CPU (gloo) or GPUs (NCCL + deep_ep kernels).
 
-Run::
-
     torchrun --nproc-per-node 2 examples/train_tiny_moe.py                 # CPU, gloo, torch backend
     torchrun --nproc-per-node 2 examples/train_tiny_moe.py --device cuda   # GPUs, NCCL, CUDA kernels
     torchrun --nproc-per-node 4 examples/train_tiny_moe.py --fp8 --steps 20
 
 Model: token embedding -> ``--layers`` x [RMSNorm -> ExpertParallelMoE, residual] -> RMSNorm -> LM head. Each rank
-owns ``num_experts / world_size`` experts of every MoE layer; everything else is replicated and trained
-data-parallel (its gradients are all-reduced). The task is synthetic and learnable: predict
-``(token * 7 + 3) % vocab`` from ``token``, so the loss should fall well below ``log(vocab)``.
-
-Gradient bookkeeping: the global loss is the mean over ranks of each rank's mean token loss, so every rank back-
-propagates ``loss_local / world_size``. Expert gradients then arrive complete through combine/dispatch backward
-(every rank's tokens reach the expert's owner); replicated parameters get an all-reduce SUM.
-
-Each step prints the global loss and the wall time of the step (rank 0); the last line gives the mean time per
-step without the first ``--warmup`` steps.
+owns ``num_experts / world_size`` experts of every MoE layer; the rest is replicated and trained data-parallel. The
+synthetic task, predict ``(token * 7 + 3) % vocab`` from ``token``, is learnable: the loss falls well below
+``log(vocab)``. The global loss is the mean over ranks of each rank's mean token loss, so every rank back-propagates
+``loss_local / world_size``; expert gradients arrive complete through combine/dispatch backward, replicated
+parameters get an all-reduce SUM. Each step prints the global loss and its wall time (rank 0); the last line gives
+the mean time per step without the first ``--warmup`` steps.
 """
 from __future__ import annotations
 

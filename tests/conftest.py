@@ -1,28 +1,16 @@
-"""Shared pytest setup for the deep_ep test suite.
+"""Shared pytest setup: ``sys.path``, hypothesis profiles and the GPU markers.
 
-Import style for helpers: ``tests/`` has no ``__init__.py``; this file puts ``tests/`` (and the repository
-root) at the front of ``sys.path``, so test files import helper modules by bare name::
+``tests/`` has no ``__init__.py``; this file puts ``tests/`` and the repository root at the front of ``sys.path``,
+so test files import helpers by bare name (``import dist``, ``import strategies``).
 
-    import dist          # tests/dist.py
-    import strategies    # tests/strategies.py
+Hypothesis profile by ``HYPOTHESIS_PROFILE`` (default ``dev``): ``dev`` few examples for local runs; ``ci`` more,
+``derandomize=True``, no deadline; ``gpu`` very few, no deadline. A test whose examples are expensive caps itself
+with ``@settings(max_examples=...)``; the whole CI run stays under ~15 minutes on 2 cores.
 
-Hypothesis profiles, chosen by the environment variable ``HYPOTHESIS_PROFILE`` (default ``dev``):
-
-* ``dev``: few examples, for quick local runs;
-* ``ci``:  more examples, ``derandomize=True`` (the same examples every run), no deadline;
-* ``gpu``: very few examples, no deadline (every example launches real kernels).
-
-A test whose examples are expensive (e.g. it spawns processes) should cap itself with an explicit
-``@settings(max_examples=...)``, which overrides the profile's count; keep the whole CI run under ~15 minutes
-on 2 cores.
-
-Markers:
-
-* ``@pytest.mark.gpu``: needs CUDA; skipped with a reason when ``torch.cuda.is_available()`` is false.
-* ``@pytest.mark.multi_gpu`` / ``@pytest.mark.multi_gpu(4)``: needs at least 2 (or n) CUDA devices.
-  ``TEST_RANKS_PER_GPU=n`` counts each device n times, so a test whose ranks share devices (rank % devices, as the
-  low-latency suite places them; NVSHMEM runs several processes per GPU time-sliced) runs on fewer GPUs: a check of
-  correctness only, never of timing (``run_device.sh test_ll_shared``).
+Markers: ``@pytest.mark.gpu`` needs CUDA; ``@pytest.mark.multi_gpu`` / ``multi_gpu(n)`` needs 2 (or n) CUDA
+devices, else the test is skipped with the reason. ``TEST_RANKS_PER_GPU=n`` counts each device n times, so tests
+whose ranks share devices (rank % devices; NVSHMEM runs several processes per GPU time-sliced) run on fewer GPUs:
+a check of correctness only, never of timing.
 """
 from __future__ import annotations
 

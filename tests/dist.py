@@ -1,17 +1,11 @@
 """Multi-process harness: a pool of gloo ranks that stays up across test cases.
 
-Spawning a process costs seconds on a small machine, so a :class:`RankPool` starts ``world_size`` processes once
-(``torch.multiprocessing`` spawn context, gloo over a ``FileStore``) and then runs many cases on them. The driver
-(pytest + hypothesis) draws a small frozen case; :meth:`RankPool.run` ships ``(module, function, case)`` to every
-rank; each rank imports ``module`` (from ``tests/``), calls ``function(ctx, case)`` and reports ``None`` (passed)
-or a failure message. Every rank regenerates all ranks' inputs from the case's seed, so the case stays tiny.
-
-Bounded waits everywhere: the driver waits at most ``case_timeout_s`` per case and notices dead workers (their
-exit code and last traceback are reported); the workers run with a short ``DEEP_EP_TIMEOUT_S`` so that a broken
-collective raises instead of hanging. After a failure the pool may hold a broken gloo group, so it is restarted
-before the next case.
-
-Usage (module-scoped fixture)::
+A :class:`RankPool` starts ``world_size`` processes once (spawn context, gloo over a ``FileStore``) and runs many
+cases on them: :meth:`RankPool.run` ships ``(module, function, case)`` to every rank, which calls
+``function(ctx, case)`` and reports ``None`` (passed) or a failure message. Every rank regenerates all ranks' inputs
+from the case's seed, so the case stays tiny. Waits are bounded: the driver waits at most ``case_timeout_s`` per
+case and notices dead workers (exit code and last traceback); the workers run with a short ``DEEP_EP_TIMEOUT_S``,
+so a broken collective raises instead of hanging. A pool that failed is restarted before the next case::
 
     @pytest.fixture(scope="module")
     def pools():
@@ -23,6 +17,7 @@ Usage (module-scoped fixture)::
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import sys
@@ -186,10 +181,8 @@ class RankPool:
     def close(self) -> None:
         for task_queue, proc in zip(self._tasks, self._procs):
             if proc.is_alive():
-                try:
+                with contextlib.suppress(Exception):
                     task_queue.put(None)
-                except Exception:
-                    pass
         deadline = time.monotonic() + 10
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))

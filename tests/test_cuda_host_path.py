@@ -1,6 +1,6 @@
 """The CUDA backends' host path on CPU: which stream waits each call (normal mode and low-latency) asks the
-extension for, and the host-path benchmark itself. All run in a subprocess, because they install a fake
-``deep_ep._C`` and fake CUDA streams (``benchmarks/bench_host_path.py``) that must not leak into other tests."""
+extension for. The probes run in a subprocess, because they install a fake ``deep_ep._C`` and fake CUDA streams
+(``tests/fake_cuda.py``) that must not leak into other tests."""
 from __future__ import annotations
 
 import json
@@ -17,14 +17,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Common head of the probes: the fake extension installed before deep_ep is imported.
 _PRELUDE = r"""
 import json, os, sys
-sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 sys.path.insert(0, sys.argv[1])
-import bench_host_path as bench
+import fake_cuda as fake
 import torch
 import torch.distributed as dist
-ext = bench.make_fake_extension(torch)
+ext = fake.make_fake_extension(torch)
 sys.modules["deep_ep._C"] = ext
 import deep_ep
+import deep_ep.testing
 """
 
 # Runs every normal-mode call in each stream mode against the fake extension and prints, per mode, the stream
@@ -32,8 +33,8 @@ import deep_ep
 # and the output-pool offsets (data, meta) each dispatch was given, as JSON; then the pool's live blocks while the
 # results are held and after they are dropped.
 _PROBE = _PRELUDE + r"""
+import reference
 from deep_ep.config import Topology
-from deep_ep.handle import layout_from_topk
 
 calls, offsets = [], []
 class Recording(ext.Runtime):
@@ -55,13 +56,13 @@ ext.record_stream = lambda tensors, *stream: calls.append(["record_stream", len(
 os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(29400 + os.getpid() % 500)
 dist.init_process_group("gloo", rank=0, world_size=1)
 group = dist.new_group([0])
-x, x_fp8, topk_idx, topk_weights = bench.scenario(torch, deep_ep, 16, 256, 4, 8)
+x, x_fp8, topk_idx, topk_weights = fake.scenario(torch, deep_ep, 16, 256, 4, 8)
+real = reference.get_dispatch_layout(topk_idx, 8, Topology(1, 1))  # what the fake layout kernel leaves unset
 out = {}
-with bench.patched(torch, cuda_tensors=True):
+with fake.patched(torch, cuda_tensors=True):
     torch.cuda.set_stream = lambda stream: calls.append(["set_stream"])
     os.environ["DEEP_EP_BACKEND"] = "cuda"
     buffer = deep_ep.Buffer(group, num_nvl_bytes=1 << 30)
-    real = layout_from_topk(topk_idx, 8, Topology(1, 1))
     runtime = buffer.runtime.runtime
     runtime.num_recv = int(real.is_token_in_rank.sum())
     runtime.per_expert = real.num_tokens_per_expert.tolist()
@@ -73,13 +74,13 @@ with bench.patched(torch, cuda_tensors=True):
                          ("comm alloc", dict(previous_event=buffer.capture(), async_finish=True,
                                              allocate_on_comm_stream=True)),
                          ("sync rings", {})):
-        deep_ep.config.INTRANODE_DISPATCH_RECEIVE = "rings" if mode.endswith("rings") else None
         calls.clear()
         offsets.clear()
-        layout = buffer.get_dispatch_layout(topk_idx, 8, **kwargs)
-        first = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, **counts, **kwargs)
-        cached = buffer.dispatch(x_fp8, handle=first.handle, **kwargs)
-        combined = buffer.combine(first.recv_x, first.handle, topk_weights=first.recv_topk_weights, **kwargs)
+        with deep_ep.testing.overrides(dispatch_receive="rings" if mode.endswith("rings") else None):
+            layout = buffer.get_dispatch_layout(topk_idx, 8, **kwargs)
+            first = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, **counts, **kwargs)
+            cached = buffer.dispatch(x_fp8, handle=first.handle, **kwargs)
+            combined = buffer.combine(first.recv_x, first.handle, topk_weights=first.recv_topk_weights, **kwargs)
         shapes = [list(layout.is_token_in_rank.shape), list(first.recv_x.shape), list(cached.recv_x[1].shape),
                   list(combined.combined_x.shape), list(combined.combined_topk_weights.shape),
                   list(first.recv_topk_idx.shape), list(first.recv_topk_weights.shape),
@@ -116,7 +117,7 @@ class Recording(ext.LowLatencyRuntime):
         calls.append(["dispatch", phases, stream != 0, current_after, len(outputs)])
         return super().dispatch(*args)
     def combine(self, *args):
-        out, phases, stream, current_after = args[9], args[-4], args[-3], args[-2]
+        out, phases, stream, current_after = args[9], args[12], args[13], args[14]
         calls.append(["combine", phases, stream != 0, current_after, out is not None])
         return super().combine(*args)
     def read_error(self):
@@ -128,21 +129,19 @@ ext.record_stream = lambda tensors, *stream: calls.append(["record_stream", len(
 os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(29400 + os.getpid() % 500)
 dist.init_process_group("gloo", rank=0, world_size=1)
 group = dist.new_group([0])
-class Args:
-    tokens, ll_hidden, topk, ll_experts = 16, 1024, 4, 8
-x, topk_idx, topk_weights = bench.ll_scenario(torch, deep_ep, Args)
+x, _, topk_idx, topk_weights = fake.scenario(torch, deep_ep, 16, 1024, 4, 8)
 out = {}
-with bench.patched(torch, cuda_tensors=True):
+with fake.patched(torch, cuda_tensors=True):
     os.environ["DEEP_EP_BACKEND"] = "cuda"
-    os.environ["DEEP_EP_LL_PUT_ONLY"] = "1"
-    buffer = deep_ep.Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True)
+    with deep_ep.testing.overrides(ll_put_only=True):
+        buffer = deep_ep.Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True)
     out["init"] = [a if isinstance(a, (bool, int, float)) else type(a).__name__ for a in init_args[0]]
     compute = torch.cuda.current_stream()
     def current_stream(device=None):
         calls.append(["current_stream"])
         return compute
     torch.cuda.current_stream = current_stream
-    torch.cuda.Event = lambda *a, **k: calls.append(["Event"]) or bench.FakeEvent()
+    torch.cuda.Event = lambda *a, **k: calls.append(["Event"]) or fake.FakeEvent()
     for mode, kwargs in (("sync", {}), ("async", dict(async_finish=True)), ("hook", dict(return_recv_hook=True))):
         calls.clear()
         parities = []
@@ -185,7 +184,7 @@ print(json.dumps(out))
 
 
 def _run(args: list, timeout: int = 300) -> str:
-    # The probes check the knobs' defaults: the device scripts' own settings (DEEP_EP_TIMEOUT_S, ...) stay out.
+    # The probes check the library's defaults: the caller's DEEP_EP_* settings (DEEP_EP_TIMEOUT_S, ...) stay out.
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("DEEP_EP_")}, "PYTHONPATH": ROOT}
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -236,15 +235,6 @@ def test_stream_waits_per_mode():
     assert pool["held"] > 0 and pool["dropped"] == 0 and pool["free_bytes"] == pool["pool_bytes"] > 0, pool
 
 
-def test_host_path_benchmark_runs(tmp_path):
-    result = tmp_path / "host.json"
-    _run([os.path.join("benchmarks", "bench_host_path.py"), "--iters", "5", "--json", str(result)])
-    rows = json.loads(result.read_text())["per_call_us"]
-    assert {"cuda: dispatch cached FP8", "cuda: combine", "cuda LL: dispatch FP8", "cuda LL: combine",
-            "torch front: get_dispatch_layout"} <= set(rows)
-    assert all(value > 0 for value in rows.values())
-
-
 def test_ll_launches_per_mode():
     out = json.loads(_run(["-c", _LL_PROBE, ROOT]).strip().splitlines()[-1])
     # One launch per call, on comm (both phases), allocating its outputs; the current stream waits after it
@@ -272,8 +262,8 @@ def test_ll_launches_per_mode():
                         ["combine", 1, False, False, False], ["combine", 2, False, False, True],
                         ["dispatch", 1, False, False, 0], ["dispatch", 2, False, False, 5]], hook
     assert out["hook"]["hook_again"] == "this low-latency receive hook was already called"
-    # The runtime gets (rank, num_ranks, num_rdma_bytes, timeout_s, enable_shrink, unique_id, put_only):
-    # DEEP_EP_LL_PUT_ONLY=1 reaches it as put_only.
+    # The runtime gets (rank, num_ranks, num_rdma_bytes, timeout_s, enable_shrink, unique_id, put_only): the
+    # ll_put_only override in force at construction reaches it as put_only.
     assert out["init"][:5] == [0, 1, 1 << 30, 100.0, False] and out["init"][6] is True, out["init"]
     # A kernel error left by an earlier call becomes its typed exception at the next launch.
     assert out["pending"] == ["CommTimeoutError", "ll_dispatch_wait_data: rank 0 peer 1 (fake)"]
@@ -285,19 +275,3 @@ def test_ll_launches_per_mode():
         # UE8M0 scales: [L, R*T, H/512] int32, column-major.
         assert out[mode]["scales"] == [[8, 16, 2], [32, 1, 16], "torch.int32"], mode
 
-
-def test_ll_combine_path_choice():
-    """DEEP_EP_LL_PARTIALS: 'auto' sums per rank from top-k >= 3 x ranks where the kernel allows it, '1' wherever it
-    allows it, '0' never; a bad value names the variable."""
-    from deep_ep.config import ll_combine_by_partials as choose
-
-    base = dict(num_ranks=2, num_topk=8, num_experts=288, hidden=7168, all_p2p=True, use_logfmt=False,
-                zero_copy=False, return_recv_hook=False)
-    assert choose("auto", **base) and choose("1", **base) and not choose("0", **base)
-    assert not choose("auto", **{**base, "num_topk": 5}) and choose("1", **{**base, "num_topk": 5})
-    for blocker in ({"return_recv_hook": True}, {"use_logfmt": True}, {"all_p2p": False}, {"num_ranks": 1},
-                    {"num_ranks": 16, "num_experts": 288}, {"num_experts": 4}, {"zero_copy": True, "hidden": 7424}):
-        assert not choose("1", **{**base, **blocker}), blocker
-    assert choose("auto", **{**base, "zero_copy": True})
-    with pytest.raises(ValueError, match="DEEP_EP_LL_PARTIALS"):
-        choose("yes", **base)

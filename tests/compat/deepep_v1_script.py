@@ -226,9 +226,7 @@ def test_low_latency(rank: int, num_ranks: int, group: dist.ProcessGroup, buffer
         for dispatch_use_fp8 in (False, True):
             for round_scale in (False, True) if dispatch_use_fp8 else (False,):
                 for use_ue8m0 in (False, True) if round_scale else (False,):
-                    num_times = 0
-                    for _ in range(2):  # one or two dispatches in a row exercise both buffer halves
-                        num_times += 1
+                    for num_times in (1, 2):  # one or two dispatches in a row exercise both buffer halves
                         for _ in range(num_times):
                             cumulative_local_expert_recv_stats = torch.zeros((num_local_experts,), dtype=torch.int)
                             packed_recv_x, packed_recv_count, handle, event, hook = buffer.low_latency_dispatch(

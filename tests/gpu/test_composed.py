@@ -1,31 +1,22 @@
-"""GPU tests of the composed internode path (``deep_ep/composed_internode.py``) with CUDA stages.
+"""GPU tests of the composed internode path (``ComposedInternode``) with CUDA stages.
 
-4 ranks on GPUs ``[0, 1, 0, 1]`` (``[0, 1, 2, 3]`` on a machine with 4 or more GPUs) with ``DEEP_EP_GPUS_PER_NODE=2``
-are 2 virtual nodes x 2 GPUs: node ``m`` holds ranks ``2m`` (GPU 0) and ``2m + 1`` (GPU 1), so the node stage spans
-both GPUs and each rail stage shares one GPU (ranks 0 and 2 on GPU 0, ranks 1 and 3 on GPU 1). The group is gloo
-(NCCL refuses two ranks on one GPU);
-``DEEP_EP_INTERNODE=auto`` must select the composed path with ``CudaBackend`` stages (one host, CUDA IPC).
+4 ranks on GPUs ``[0, 1, 0, 1]`` (one per GPU with 4 or more) with ``DEEP_EP_GPUS_PER_NODE=2`` are 2 virtual nodes
+x 2: the node stage spans both GPUs, each rail stage shares one (gloo group: NCCL refuses two ranks on one GPU). The
+Buffer's own choice must be the composed path with ``CudaBackend`` stages (one host, CUDA IPC); the NVSHMEM rail
+(``SymmetricCuda``, rail rank ``n`` = PE ``2n + l``, also as put pairs) and the torch rail run under
+``deep_ep.testing.overrides(composed_rail=...)``. Every example runs ``test_internode.task_internode_roundtrip``
+bit for bit against ``reference``. ``test_many_nodes_by_two``: ``TEST_COMPOSED_MANY_NODES`` (9) nodes x 2;
+``test_eight_ranks``: 2 x 4 and 4 x 2 on 8 GPUs. One GPU, all ranks time-sliced on it (correctness only)::
 
-The worker pool is ``test_intranode.Pool``; every example runs ``test_internode.task_internode_roundtrip`` on the
-2 x 2 topology: layout, every dispatch output, all ten internode handle fields, cached dispatch and combine (with
-top-k weights and 0..2 biases, BF16 and FP8, -1 top-k slots, empty ranks) and worst-token dispatch compared bit for
-bit with ``reference``. ``DEEP_EP_GPU_EXAMPLES_COMPOSED`` sets the number of hypothesis examples (default 6).
+    TEST_RANKS_PER_GPU=2 python -m pytest tests/gpu/test_composed.py
+    TEST_RANKS_PER_GPU=8 TEST_COMPOSED_MANY_NODES=4 python -m pytest tests/gpu/test_composed.py -k many_nodes
 
-The rail stage across hosts (``SymmetricCuda``: the ring kernels on the NVSHMEM symmetric heap, rail rank ``n`` =
-PE ``2n + l``) runs here on one host with ``DEEP_EP_COMPOSED_RAIL=nvshmem`` (the ``two_by_two`` fixture's
-``nvshmem`` and ``nvshmem_puts`` parameters):
-once with rail peers reached by ``nvshmem_ptr``, once with ``DEEP_EP_INTERNODE_PUT_ONLY=1`` (every rail pair a put
-pair: staged records, put-with-signal, signal twins to the peer's PE, as behind a NIC).
-
-``test_many_nodes_by_two`` runs the round trip on ``COMPOSED_MANY_NODES`` (default 9) nodes x 2, past the 8 ranks a
-rail stage once had (``run_device.sh test_many_nodes``, all ranks on one GPU).
-
-On a machine with 8 or more GPUs the same round trip also runs with 8 ranks, one per GPU, as 2 nodes x 4 and as
-4 nodes x 2 (``test_eight_ranks``; skipped with fewer GPUs, issue 7).
+``TEST_EXAMPLES_COMPOSED`` / ``TEST_EXAMPLES_MANY_NODES``: hypothesis examples (6 / 4).
 """
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import pytest
 from hypothesis import given
@@ -37,11 +28,14 @@ import test_intranode as ti  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.timeout(600)]
 
-ENV = {"DEEP_EP_GPUS_PER_NODE": "2", "DEEP_EP_INTERNODE": "auto"}
+ENV = {"DEEP_EP_GPUS_PER_NODE": "2"}
 STAGES = "ComposedInternode cuda CudaBackend CudaBackend"
 NVSHMEM_STAGES = "ComposedInternode cuda SymmetricCuda CudaBackend"
-# The rail stage forced onto the NVSHMEM heap: 768 MB of RDMA buffer (two 256 MB ring halves and an output pool).
-NVSHMEM_RAIL = {"DEEP_EP_COMPOSED_RAIL": "nvshmem", "DEEP_EP_TEST_NUM_RDMA_BYTES": str(768 << 20)}
+# The rail stage forced onto the NVSHMEM heap (deep_ep.testing's composed_rail) with 768 MB of RDMA buffer (two
+# 256 MB ring halves and an output pool).
+NVSHMEM_RAIL = {"composed_rail": "nvshmem"}
+NVSHMEM_RAIL_ENV = {"TEST_NUM_RDMA_BYTES": str(768 << 20)}
+TORCH_RAIL = {"composed_rail": "torch"}
 TORCH_RAIL_STAGES = "ComposedInternode cuda TorchBackend CudaBackend"
 
 
@@ -58,10 +52,13 @@ def task_rail_reach(buffer, rank: int, payload) -> tuple:
     return list(rail.pes), list(rail.put_peers)
 
 
-def _composed_pool(devices: list, gpus_per_node: int, stages: str = STAGES, **env: str):
-    """A worker pool on ``devices`` as nodes of ``gpus_per_node`` ranks, checked to run the composed path with CUDA
-    stages ``stages``; yields it and closes it (the body of the module-scoped fixtures)."""
-    pool = ti.Pool(devices, env={**ENV, "DEEP_EP_GPUS_PER_NODE": str(gpus_per_node), **env})
+def _composed_pool(devices: list, gpus_per_node: int, stages: str = STAGES, env: Optional[dict] = None,
+                   overrides: Optional[dict] = None):
+    """A worker pool on ``devices`` as nodes of ``gpus_per_node`` ranks (Buffers built under ``overrides``), checked
+    to run the composed path with CUDA stages ``stages``; yields it and closes it (the body of the module-scoped
+    fixtures)."""
+    pool = ti.Pool(devices, env={**ENV, "DEEP_EP_GPUS_PER_NODE": str(gpus_per_node), **(env or {})},
+                   overrides=overrides)
     try:
         if ti.DEVICE == "cuda":
             assert pool.backends == {"ComposedInternode"}, f"Buffer did not pick the composed path: {pool.backends}"
@@ -74,22 +71,22 @@ def _composed_pool(devices: list, gpus_per_node: int, stages: str = STAGES, **en
 
 @pytest.fixture(scope="module", params=["ipc", "nvshmem", "nvshmem_puts", "torch"])
 def two_by_two(request):
-    """2 x 2 with the rail stage over CUDA IPC (``auto`` on one host) or on the NVSHMEM heap
-    (``DEEP_EP_COMPOSED_RAIL=nvshmem``; ``nvshmem_puts``: every rail pair a put pair, whose put area needs about twice
-    the rings' bytes). One rank per GPU where there are 4 (x4 / x8 machines), else GPUs 0, 1, 0, 1."""
+    """2 x 2 with the rail stage over CUDA IPC (the choice on one host), on the NVSHMEM heap (``nvshmem``;
+    ``nvshmem_puts``: every rail pair a put pair, whose put area needs about twice the rings' bytes) or the torch
+    rail. One rank per GPU where there are 4, else GPUs 0, 1, 0, 1."""
     gpus = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 2
     devices = [rank % gpus for rank in range(4)]
     if request.param == "ipc":
         yield from _composed_pool(devices, 2)
         return
     if request.param == "torch":  # the torch rail (TorchBackend over the gloo rail subgroup) beside CUDA node stages
-        yield from _composed_pool(devices, 2, TORCH_RAIL_STAGES, DEEP_EP_COMPOSED_RAIL="torch")
+        yield from _composed_pool(devices, 2, TORCH_RAIL_STAGES, overrides=TORCH_RAIL)
         return
     puts = request.param == "nvshmem_puts"
-    env = {**NVSHMEM_RAIL, "DEEP_EP_INTERNODE_PUT_ONLY": "1" if puts else "0"}
+    env = dict(NVSHMEM_RAIL_ENV)
     if puts:  # the put area beside the same rings
-        env["DEEP_EP_TEST_NUM_RDMA_BYTES"] = str(1536 << 20)
-    for pool in _composed_pool(devices, 2, NVSHMEM_STAGES, **env):
+        env["TEST_NUM_RDMA_BYTES"] = str(1536 << 20)
+    for pool in _composed_pool(devices, 2, NVSHMEM_STAGES, env, {**NVSHMEM_RAIL, "internode_put_only": puts}):
         if ti.DEVICE == "cuda":  # rail rank n of local index l is PE 2n + l; its put peer the other rail rank
             reach = pool.run("test_composed:task_rail_reach", None)
             want = [([rank % 2, 2 + rank % 2], [1 - rank // 2] if puts else []) for rank in range(4)]
@@ -97,7 +94,7 @@ def two_by_two(request):
         yield pool
 
 
-@ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_COMPOSED", "6")))
+@ti.gpu_settings(int(os.environ.get("TEST_EXAMPLES_COMPOSED", "6")))
 @given(case=ti.case_strategy(4, max_tokens=300))
 def test_two_by_two(two_by_two, case):
     two_by_two.run(tn.TASK, case)
@@ -113,9 +110,9 @@ def test_two_by_two_large(two_by_two):
         two_by_two.run(tn.TASK, case)
 
 
-# Nodes of the many-node test (x 2 GPUs per node): past the 8 ranks a rail stage once had, up to 24. Its ranks share
-# the GPUs; on one GPU run it with TEST_RANKS_PER_GPU >= 2 x COMPOSED_MANY_NODES (run_device.sh test_many_nodes).
-MANY_NODES = int(os.environ.get("COMPOSED_MANY_NODES", "9"))
+# Nodes of the many-node test (x 2 GPUs per node): rail stages of more than 8 ranks, up to NUM_MAX_RING_RANKS (24) on
+# the ring kernels. Its ranks share the GPUs; on one GPU run it with TEST_RANKS_PER_GPU >= 2 x TEST_COMPOSED_MANY_NODES.
+MANY_NODES = int(os.environ.get("TEST_COMPOSED_MANY_NODES", "9"))
 
 
 @pytest.fixture(scope="module", params=["ipc", "nvshmem", "torch"])
@@ -131,13 +128,13 @@ def many_by_two(request):
         yield from _composed_pool(devices, 2)
     elif request.param == "torch":
         yield from _composed_pool(devices, 2, TORCH_RAIL_STAGES,
-                                  **({} if MANY_NODES > NUM_MAX_RING_RANKS else {"DEEP_EP_COMPOSED_RAIL": "torch"}))
+                                  overrides=None if MANY_NODES > NUM_MAX_RING_RANKS else TORCH_RAIL)
     else:
-        yield from _composed_pool(devices, 2, NVSHMEM_STAGES, **NVSHMEM_RAIL)
+        yield from _composed_pool(devices, 2, NVSHMEM_STAGES, NVSHMEM_RAIL_ENV, NVSHMEM_RAIL)
 
 
 @pytest.mark.multi_gpu(2 * MANY_NODES)
-@ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_MANY_NODES", "4")))
+@ti.gpu_settings(int(os.environ.get("TEST_EXAMPLES_MANY_NODES", "4")))
 @given(case=ti.case_strategy(2 * MANY_NODES, max_tokens=160))
 def test_many_nodes_by_two(many_by_two, case):
     many_by_two.run(tn.TASK, case)
@@ -152,13 +149,15 @@ def test_stalled_rank_times_out(rail):
     timeout_s = 5
     gpus = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 2
     env = {**ENV, "DEEP_EP_TIMEOUT_S": str(timeout_s)}
+    overrides = None
     if rail == "nvshmem":
-        env.update(NVSHMEM_RAIL)
+        env.update(NVSHMEM_RAIL_ENV)
+        overrides = NVSHMEM_RAIL
     expect_peer = {0: 1}
     if rail == "torch":  # the torch rail names the Buffer's ranks too (TorchBackend.set_rank_names); rank 1 waits
-        env["DEEP_EP_COMPOSED_RAIL"] = "torch"  # first in its count all-gather, which names all ranks, not peer 3
+        overrides = TORCH_RAIL  # first in its count all-gather, which names all ranks, not peer 3
         expect_peer[1] = "all ranks"
-    pool = ti.Pool([rank % gpus for rank in range(4)], env=env)
+    pool = ti.Pool([rank % gpus for rank in range(4)], env=env, overrides=overrides)
     try:
         replies = pool.run("stall", {"stalled": 3, "timeout_s": timeout_s, "expect_peer": expect_peer},
                            timeout=timeout_s * 8 + 60)
@@ -176,7 +175,7 @@ def eight_ranks(request):
     yield from _composed_pool(list(range(8)), request.param)
 
 
-@ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_COMPOSED", "6")))
+@ti.gpu_settings(int(os.environ.get("TEST_EXAMPLES_COMPOSED", "6")))
 @given(case=ti.case_strategy(8, max_tokens=300))
 def test_eight_ranks(eight_ranks, case):
     eight_ranks.run(tn.TASK, case)

@@ -1,16 +1,18 @@
-"""GPU property tests of the CUDA internode backend (``deep_ep/cuda_internode.py``) on virtual nodes.
+"""GPU property tests of the CUDA internode backend (``InternodeCuda``) on virtual nodes.
 
-``DEEP_EP_GPUS_PER_NODE=1`` turns 2 ranks on 2 GPUs of one host into 2 nodes of one GPU: the Buffer picks
-``InternodeCuda`` (NVSHMEM symmetric buffer, PE = rank, one PE per GPU; with ``TEST_RANKS_PER_GPU=2`` on a one-GPU
-machine both PEs share GPU 0, time-sliced: correctness only), and every example is checked against ``reference``
-with the internode topology: recv_x (BF16 and FP8), top-k, the per-expert list, all ten handle fields, cached and
-worst-token dispatch, combine with biases and weights (the spec's per-node rounding). The worker pool and the
-inputs are those of ``test_intranode.py``.
+``DEEP_EP_GPUS_PER_NODE=1`` turns 2 ranks of one host into 2 nodes of one GPU (NVSHMEM symmetric buffer, PE = rank);
+every example is checked against ``reference`` with the internode topology: recv_x (BF16 and FP8), top-k, the
+per-expert list, all ten handle fields, cached and worst-token dispatch, combine with biases and weights (per-node
+rounding, then across nodes). The worker pool and the inputs are those of ``test_intranode.py``.
+``TEST_INTERNODE_PUT_ONLY=1`` builds every Buffer with ``deep_ep.testing.overrides(internode_put_only=True)``: every
+pair is an NVSHMEM put pair (staged records, put-with-signal, signal twins: the path of peers behind a NIC) over
+NVSHMEM's P2P transport. One GPU, the PEs time-sliced on it (correctness only)::
 
-With ``DEEP_EP_INTERNODE_PUT_ONLY=1`` in the environment (``benchmarks/run_device.sh test_internode_put``) every pair
-is an NVSHMEM put pair: the same tests then run the path of peers behind a NIC (staged records, put-with-signal,
-signal twins; ``csrc/kernels/put.cuh``) over NVSHMEM's P2P transport, which ``test_put_peers_follow_the_switch``
-confirms.
+    TEST_RANKS_PER_GPU=2 python -m pytest tests/gpu/test_internode.py
+    TEST_RANKS_PER_GPU=2 TEST_INTERNODE_PUT_ONLY=1 python -m pytest tests/gpu/test_internode.py
+    TEST_RANKS_PER_GPU=8 TEST_INTERNODE_MANY_NODES=8 python -m pytest tests/gpu/test_internode.py -k many
+
+``TEST_EXAMPLES_INTERNODE`` / ``TEST_EXAMPLES_MANY_NODES``: hypothesis examples (12 / 4).
 """
 from __future__ import annotations
 
@@ -22,14 +24,15 @@ from hypothesis import given
 torch = pytest.importorskip("torch")
 
 import test_intranode as ti  # noqa: E402  (tests/gpu is on sys.path: pytest's rootdir-less import)
-from deep_ep import envs  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
+# TEST_INTERNODE_PUT_ONLY=1: every Buffer of this module is built with deep_ep.testing's internode_put_only.
+PUT_ONLY = os.environ.get("TEST_INTERNODE_PUT_ONLY", "0") == "1"
 NUM_RDMA_BYTES = 768 * 1024 * 1024  # 256 MB of output pool after the rings (direct receive)
-if envs.INTERNODE_PUT_ONLY.get():
+if PUT_ONLY:
     # Put peers: the buffer also holds the put area (signal twins and two staging halves as large as the ring
-    # halves, csrc/kernels/layout.cuh put_layout). 1.5 GB keeps the rings at 256 MB each and leaves ~512 MB of pool.
+    # halves). 1.5 GB keeps the rings at 256 MB each and leaves ~512 MB of pool.
     NUM_RDMA_BYTES = 1536 * 1024 * 1024
 TASK = "test_internode:task_internode_roundtrip"
 
@@ -39,7 +42,8 @@ def _virtual_node_pool(num_nodes: int = 2, **env: str) -> ti.Pool:
     NVSHMEM time-slices the PEs, correctness only), each its own node, with an RDMA (NVSHMEM) buffer."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 2
     return ti.Pool([rank % max(gpus, 1) for rank in range(num_nodes)],
-                   env={"DEEP_EP_GPUS_PER_NODE": "1", "DEEP_EP_TEST_NUM_RDMA_BYTES": str(NUM_RDMA_BYTES), **env})
+                   env={"DEEP_EP_GPUS_PER_NODE": "1", "TEST_NUM_RDMA_BYTES": str(NUM_RDMA_BYTES), **env},
+                   overrides={"internode_put_only": True} if PUT_ONLY else None)
 
 
 def _internode_pool(num_nodes: int):
@@ -88,11 +92,11 @@ def _check_recv_x(label: str, got, want, use_fp8: bool, rows: int | None = None)
         ti._eq(label, got[:rows], want)
 
 
+@ti.tuned
 def task_internode_roundtrip(buffer, rank: int, case: ti.Case) -> str:
     """Layout, dispatch, cached dispatch, worst-token dispatch and combine against the internode reference."""
-    import reference
     import deep_ep
-    ti._apply_tuning(case, rank)
+    import reference
     inputs = [ti.make_inputs(case, r) for r in range(case.num_ranks)]
     mine = inputs[rank]
     config = deep_ep.Config(case.num_sms, 8, 256)
@@ -187,7 +191,7 @@ def task_internode_roundtrip(buffer, rank: int, case: ti.Case) -> str:
 
 
 @pytest.mark.multi_gpu
-@ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_INTERNODE", "12")))
+@ti.gpu_settings(int(os.environ.get("TEST_EXAMPLES_INTERNODE", "12")))
 @given(case=ti.case_strategy(2, max_tokens=1200))
 def test_two_virtual_nodes(virtual_nodes, case):
     virtual_nodes.run(TASK, case)
@@ -203,10 +207,10 @@ def test_two_virtual_nodes_bench_shape(virtual_nodes):
         virtual_nodes.run(TASK, case)
 
 
-# Virtual nodes of the many-node test: past the 8 ranks the ring kernels once had, up to NUM_MAX_RING_RANKS (24).
-# They share the GPUs (rank % GPUs): on one GPU run it with TEST_RANKS_PER_GPU >= MANY_NODES (run_device.sh
-# test_many_nodes); the marker skips it where fewer slots exist.
-MANY_NODES = int(os.environ.get("INTERNODE_MANY_NODES", "24"))
+# Virtual nodes of the many-node test: more than 8 nodes, up to NUM_MAX_RING_RANKS (24), on the ring kernels. They
+# share the GPUs (rank % GPUs): on one GPU run it with TEST_RANKS_PER_GPU >= TEST_INTERNODE_MANY_NODES; the marker skips
+# it where fewer slots exist.
+MANY_NODES = int(os.environ.get("TEST_INTERNODE_MANY_NODES", "24"))
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +219,7 @@ def many_nodes():
 
 
 @pytest.mark.multi_gpu(MANY_NODES)
-@ti.gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_MANY_NODES", "4")))
+@ti.gpu_settings(int(os.environ.get("TEST_EXAMPLES_MANY_NODES", "4")))
 @given(case=ti.case_strategy(MANY_NODES, max_tokens=160))
 def test_many_virtual_nodes(many_nodes, case):
     """More than 8 nodes of one GPU on the ring kernels (receiver groups of one warp and of several, Phase A's
@@ -232,7 +236,7 @@ def test_many_virtual_nodes_fixed(many_nodes):
                        hidden=2048, num_topk=8, num_experts=16 * MANY_NODES, use_fp8=use_fp8, with_topk=True,
                        num_sms=8, expert_alignment=4, mask_prob=0.1, empty_rank=MANY_NODES - 1, async_mode=False,
                        previous_mode=False, num_bias=1, scales_col_major=False, dispatch_warps=warps,
-                       combine_warps=None, receive=receive, combine_copy="rings")
+                       combine_warps=None, receive=receive, combine_send="rings")
         many_nodes.run(TASK, case)
 
 
@@ -244,12 +248,12 @@ def task_put_peers(buffer, rank: int, _payload) -> list:
 
 @pytest.mark.multi_gpu
 def test_put_peers_follow_the_switch(virtual_nodes):
-    """Under ``DEEP_EP_INTERNODE_PUT_ONLY=1`` the other rank is a put peer on both sides; over NVLink (P2P) without
-    the switch, none is."""
+    """Under ``TEST_INTERNODE_PUT_ONLY=1`` the other rank is a put peer on both sides; over NVLink (P2P) without
+    the override, none is."""
     if ti.DEVICE != "cuda":
         pytest.skip("the CUDA internode backend only")
     replies = virtual_nodes.run("test_internode:task_put_peers", None)
-    if envs.INTERNODE_PUT_ONLY.get():
+    if PUT_ONLY:
         assert replies == [[[1], 0b10], [[0], 0b01]], replies
     else:
         assert replies == [[[], 0], [[], 0]], replies

@@ -1,25 +1,23 @@
-"""GPU property tests of the intranode CUDA kernels against ``reference`` (run on the device machine).
+"""GPU property tests of the intranode CUDA kernels against ``reference``.
 
-Layout of the suite:
+A pool is a set of worker processes, one per rank, alive for the whole module: each joins a gloo group (gloo allows
+several ranks per GPU) and builds one ``deep_ep.Buffer`` that serves every example. Hypothesis draws a small frozen
+:class:`Case` in the driver; every rank regenerates all ranks' inputs from its seed, runs its own part and checks
+it against ``reference`` on the CPU. Outputs are poisoned first (freed allocator blocks and the output pool filled
+with 0x7f), so rows a kernel forgets to write fail. Each case picks, through ``deep_ep.testing.overrides``, the copy
+warps, the dispatch receive path and the combine send path. Every driver wait is bounded.
 
-* A *pool* is a set of worker processes, one per rank, that live for the whole module: each sets its CUDA device,
-  joins a gloo process group (gloo allows several ranks per GPU; NCCL does not) and builds one
-  ``deep_ep.Buffer`` whose CUDA backend serves every example. Pools: 1 rank on GPU 0; 2, 3 and 4 ranks sharing
-  GPU 0; 2 ranks on 2 GPUs (``multi_gpu``).
-* Hypothesis draws a small frozen :class:`Case` in the pytest driver; every rank regenerates *all* ranks' inputs from
-  the case's seed, runs the Buffer on its own part, computes the global expectation with ``reference`` on the CPU
-  and checks its own outputs. A rank answers "ok" or a failure text that starts with ``case.describe()``.
-* Outputs are poisoned first (the caching allocator hands the next ``torch.empty`` the memory of a freed tensor
-  full of 0x7f bytes; the output pool of the IPC buffer is filled with 0x7f), so rows a kernel forgets to write
-  fail the comparison.
-* Each case picks the dispatch receive path (``Case.receive``): the output pool (direct-to-output), the rings, or
-  a mix (rank 0 direct, the others rings); the buffer is large enough to have a pool.
+    python -m pytest tests/gpu/test_intranode.py                         # 1..4 ranks on GPU 0, 2 GPUs
+    TEST_RANKS_PER_GPU=2 python -m pytest tests/gpu/test_intranode.py    # one GPU: the 2-GPU tests time-sliced
 
-Every wait of the driver is bounded; a dead or hung worker fails the test with its traceback.
+``TEST_EXAMPLES_<TEST>`` sets a test's hypothesis examples (``_1``, ``_SHARED``, ``_2GPU``, ``_NCCL``, ``_EP``,
+``_SEQ``); ``TEST_DEVICE=cpu`` puts the workers' tensors on the CPU (the torch backend then serves them).
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import functools
 import multiprocessing as mp
 import os
 import queue
@@ -45,7 +43,7 @@ WORKER_TIMEOUT_S = "20"
 # Two full ring halves (2 x 256 MiB) plus a 256 MiB output pool for direct-to-output dispatch.
 NUM_NVL_BYTES = 768 * 1024 * 1024
 # Device of the tensors; "cpu" lets the task functions be dry-run against the torch backend without a GPU.
-DEVICE = os.environ.get("DEEP_EP_TEST_DEVICE", "cuda")
+DEVICE = os.environ.get("TEST_DEVICE", "cuda")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -72,18 +70,18 @@ class Case:
     num_bias: int  # 0, 1 or 2 combine biases
     scales_col_major: bool
     alloc_on_comm: bool = False  # allocate_on_comm_stream (only used with async_mode and previous_mode)
-    # Copy warps per channel (deep_ep.config.INTRANODE_SEND_WARPS; clamped to each kernel's range for the ranks;
-    # None: the tuned table deep_ep.config.INTRANODE_SEND_WARP_TABLE).
+    # Copy warps per channel (deep_ep.testing overrides dispatch_warps / combine_warps, clamped to each kernel's
+    # range for the ranks; None: the library's tuned choice).
     dispatch_warps: Optional[int] = 16
     combine_warps: Optional[int] = 8
-    # Dispatch receive path: 'auto', 'rings', 'direct' (deep_ep.config.INTRANODE_DISPATCH_RECEIVE) or 'mixed'
-    # (rank 0 direct, the other ranks rings: each receiver chooses for itself).
+    # Dispatch receive path: 'auto' (the library's choice), 'rings', 'direct' or 'mixed' (rank 0 direct, the other
+    # ranks rings: each receiver chooses for itself).
     receive: str = "auto"
-    # Combine send path (deep_ep.config.INTRANODE_COMBINE_COPY): 'auto' (copy engine up to COMBINE_COPY_MAX_SMS, zone
-    # senders from COMBINE_ZONE_MIN_SMS), 'copy' (copy engine where it applies), 'zone' (zone senders where they apply)
-    # or 'rings'. The case's second combine takes the other path ('copy' <->
-    # 'rings'), so the switch between the two is covered as well.
-    combine_copy: str = "auto"
+    # Combine send path: 'auto' (the library's choice: copy engine up to COMBINE_COPY_MAX_SMS, zone senders from
+    # COMBINE_ZONE_MIN_SMS), 'copy' (copy engine where it applies), 'zone' (zone senders where they apply) or
+    # 'rings'. The case's second combine takes the other path ('copy' <-> 'rings'), so the switch between the two
+    # is covered as well.
+    combine_send: str = "auto"
 
     def describe(self) -> str:
         return "Case(" + ", ".join(f"{k}={v!r}" for k, v in asdict(self).items()) + ")"
@@ -111,14 +109,13 @@ def case_strategy(num_ranks: int, max_tokens: int = 300):
                     dispatch_warps=draw(st.sampled_from([None, 1, 9, 16, 31])),
                     combine_warps=draw(st.sampled_from([None, 1, 4, 8, 30])),
                     receive=draw(st.sampled_from(["auto", "rings", "direct", "mixed"])),
-                    combine_copy=draw(st.sampled_from(["auto", "copy", "rings", "zone"])))
+                    combine_send=draw(st.sampled_from(["auto", "copy", "rings", "zone"])))
     return st.composite(lambda draw: build(draw))()
 
 
 def make_inputs(case: Case, rank: int) -> dict:
     """CPU tensors of ``rank`` for ``case``: x (BF16 or FP8 tuple), topk_idx/weights, combine input, biases."""
-    from deep_ep.numerics import per_token_cast_to_fp8
-    from deep_ep.validate import topk_idx_dtype
+    import deep_ep
     gen = torch.Generator().manual_seed(case.seed * 131 + rank)
     n, h, k, e = case.num_tokens[rank], case.hidden, case.num_topk, case.num_experts
     num_local = e // case.num_ranks
@@ -136,11 +133,11 @@ def make_inputs(case: Case, rank: int) -> dict:
         topk_idx = torch.cat([topk_idx, torch.full((n, k - topk_idx.size(1)), -1, dtype=torch.int64)], dim=1)
     if case.mask_prob > 0:
         topk_idx[torch.rand(n, k, generator=gen) < case.mask_prob] = -1
-    topk_idx = topk_idx.to(topk_idx_dtype())
+    topk_idx = topk_idx.to(deep_ep.topk_idx_t)
     topk_weights = torch.randn(n, k, generator=gen, dtype=torch.float32)
     out = {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights}
     if case.use_fp8:
-        fp8, scales = per_token_cast_to_fp8(torch.randn(n, h, generator=gen).to(torch.bfloat16))
+        fp8, scales = deep_ep.per_token_cast_to_fp8(torch.randn(n, h, generator=gen).to(torch.bfloat16))
         if case.scales_col_major:
             scales = scales.t().contiguous().t()
         out["x"] = (fp8, scales)
@@ -158,7 +155,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, device: int, port: int, env: dict, tasks, results) -> None:
+def _worker(rank: int, world: int, device: int, port: int, env: dict, overrides: dict, tasks, results) -> None:
     os.environ.update(env)
     # The workers' CPU work (inputs, the reference) in small torch ops: with torch's default of one thread per core
     # in every worker, 16 workers on 16 cores spent minutes per example in OpenMP contention.
@@ -167,16 +164,18 @@ def _worker(rank: int, world: int, device: int, port: int, env: dict, tasks, res
         import torch.distributed as dist
         if DEVICE == "cuda":
             torch.cuda.set_device(device)
-        # DEEP_EP_TEST_GROUP=nccl: an NCCL group (one rank per GPU), for the torch backend's CUDA path.
-        group_backend = os.environ.get("DEEP_EP_TEST_GROUP", "gloo")
+        # TEST_GROUP=nccl: an NCCL group (one rank per GPU), for the torch backend's CUDA path.
+        group_backend = os.environ.get("TEST_GROUP", "gloo")
         device_id = dict(device_id=torch.device("cuda", device)) if group_backend == "nccl" else {}
         dist.init_process_group(group_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 **device_id)
         import deep_ep
+        import deep_ep.testing
         # tests/gpu/test_internode.py reuses this pool with an RDMA (NVSHMEM) buffer and virtual nodes.
-        num_rdma_bytes = int(os.environ.get("DEEP_EP_TEST_NUM_RDMA_BYTES", "0"))
-        buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES, num_rdma_bytes=num_rdma_bytes,
-                                explicitly_destroy=True)
+        num_rdma_bytes = int(os.environ.get("TEST_NUM_RDMA_BYTES", "0"))
+        with deep_ep.testing.overrides(**overrides):  # the pool's construction-time choices
+            buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES, num_rdma_bytes=num_rdma_bytes,
+                                    explicitly_destroy=True)
         results.put((rank, "ready", _backend_name(buffer)))
     except Exception:  # noqa: BLE001 - reported to the driver
         results.put((rank, "error", traceback.format_exc()))
@@ -197,11 +196,16 @@ def _worker(rank: int, world: int, device: int, port: int, env: dict, tasks, res
             message = _task(name)(buffer, rank, payload)
             results.put((rank, "ok", message))
         except Exception:  # noqa: BLE001 - reported to the driver
-            text = f"{getattr(payload, 'describe', lambda: payload)()}\n{traceback.format_exc()}"
+            text = f"{_describe(payload)}\n{traceback.format_exc()}"
             _abort_peers(buffer)
             results.put((rank, "fail", text))
         finally:
             faulthandler.cancel_dump_traceback_later()
+
+
+def _describe(payload) -> str:
+    """A failure's first line: the case's ``describe()``, or the payload itself."""
+    return payload.describe() if hasattr(payload, "describe") else str(payload)
 
 
 def _task(name: str) -> Callable:
@@ -220,10 +224,8 @@ def _abort_peers(buffer) -> None:
     runtime = getattr(backend, "runtime", None)
     if runtime is None or not hasattr(runtime, "signal_abort"):
         return
-    try:
+    with contextlib.suppress(Exception):  # best effort; the peers' timeouts remain
         runtime.signal_abort(torch.cuda.current_stream().cuda_stream)  # not comm: it may be blocked
-    except Exception:  # noqa: BLE001 - best effort; the peers' timeouts remain
-        pass
 
 
 def _backend_name(buffer) -> str:
@@ -232,18 +234,19 @@ def _backend_name(buffer) -> str:
 
 
 class Pool:
-    """``world`` worker processes on ``devices[rank]``, fed one task at a time."""
+    """``world`` worker processes on ``devices[rank]``, fed one task at a time. ``env``: environment variables of
+    the workers; ``overrides``: ``deep_ep.testing.overrides`` fields in force while each worker builds its Buffer."""
 
-    def __init__(self, devices: list[int], env: Optional[dict] = None) -> None:
+    def __init__(self, devices: list[int], env: Optional[dict] = None, overrides: Optional[dict] = None) -> None:
         ctx = mp.get_context("spawn")
         self.world = len(devices)
         self.tasks = [ctx.Queue() for _ in devices]
         self.results = ctx.Queue()
         port = _free_port()
         full_env = {"DEEP_EP_TIMEOUT_S": WORKER_TIMEOUT_S, "DEEP_EP_BACKEND": "cuda" if DEVICE == "cuda" else "torch",
-                    "DEEP_EP_TEST_DEVICE": DEVICE, **(env or {})}
-        self.procs = [ctx.Process(target=_worker, args=(r, self.world, d, port, full_env, self.tasks[r],
-                                                         self.results), daemon=True)
+                    "TEST_DEVICE": DEVICE, **(env or {})}
+        self.procs = [ctx.Process(target=_worker, args=(r, self.world, d, port, full_env, dict(overrides or {}),
+                                                         self.tasks[r], self.results), daemon=True)
                       for r, d in enumerate(devices)]
         for p in self.procs:
             p.start()
@@ -320,7 +323,8 @@ def pools():
             opened.pop(key).kill()
         if key not in opened:
             opened[key] = Pool(_devices(world, spread))
-            assert opened[key].backends == {"CudaBackend"}, f"Buffer did not pick the CUDA backend: {opened[key].backends}"
+            backends = opened[key].backends
+            assert backends == {"CudaBackend"}, f"Buffer did not pick the CUDA backend: {backends}"
         return opened[key]
 
     yield get
@@ -349,8 +353,9 @@ def _eq(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     if not torch.equal(got, want):
         diff = (got != want) if not got.is_floating_point() else ~((got == want) | (got.isnan() & want.isnan()))
         where = diff.nonzero()[:5].tolist()
+        first_got, first_want = (got[tuple(where[0])], want[tuple(where[0])]) if where else ("?", "?")
         raise AssertionError(f"{name}: {int(diff.sum())} mismatching elements, first at {where}; "
-                             f"got {got[tuple(where[0])] if where else '?'} want {want[tuple(where[0])] if where else '?'}")
+                             f"got {first_got} want {first_want}")
 
 
 def _wait(event, async_mode: bool) -> None:
@@ -372,20 +377,31 @@ def _global_reference(case: Case, inputs: list, num_channels: int):
     layouts = [reference.get_dispatch_layout(inp["topk_idx"], case.num_experts, topo) for inp in inputs]
     kwargs = {}
     if case.with_topk:
-        kwargs = dict(topk_idx=[inp["topk_idx"] for inp in inputs], topk_weights=[inp["topk_weights"] for inp in inputs])
+        kwargs = dict(topk_idx=[inp["topk_idx"] for inp in inputs],
+                      topk_weights=[inp["topk_weights"] for inp in inputs])
     dispatched = reference.dispatch([inp["x"] for inp in inputs], [lay.is_token_in_rank for lay in layouts], topo,
                                     num_experts=case.num_experts, expert_alignment=case.expert_alignment,
                                     num_channels=num_channels, **kwargs)
     return topo, layouts, dispatched
 
 
-def _apply_tuning(case: Case, rank: int) -> None:
-    """The case's warp split and receive path for this worker's next calls."""
-    import deep_ep.config
-    deep_ep.config.INTRANODE_SEND_WARPS.update(dispatch=case.dispatch_warps, combine=case.combine_warps)
+def _tuning(case: Case, rank: int):
+    """The case's copy warps, dispatch receive path and combine send path on this rank: a ``deep_ep.testing``
+    overrides block ('auto' leaves the choice to the library)."""
+    import deep_ep.testing
     receive = case.receive if case.receive != "mixed" else ("direct" if rank == 0 else "rings")
-    deep_ep.config.INTRANODE_DISPATCH_RECEIVE = receive
-    deep_ep.config.INTRANODE_COMBINE_COPY = case.combine_copy
+    return deep_ep.testing.overrides(dispatch_warps=case.dispatch_warps, combine_warps=case.combine_warps,
+                                     dispatch_receive=None if receive == "auto" else receive,
+                                     combine_send=None if case.combine_send == "auto" else case.combine_send)
+
+
+def tuned(task: Callable) -> Callable:
+    """``task(buffer, rank, case)`` run within the case's overrides (:func:`_tuning`)."""
+    @functools.wraps(task)
+    def run(buffer, rank: int, case: Case):
+        with _tuning(case, rank):
+            return task(buffer, rank, case)
+    return run
 
 
 def _kernel_runtime(buffer):
@@ -428,13 +444,18 @@ def _expect_combine_path(buffer, handle, case: Case, epoch_before: int, label: s
     if epoch_before < 0:
         return
     runtime = _kernel_runtime(buffer)
-    counts = getattr(handle.rank_prefix_matrix, "_deep_ep_pair_counts", None)
-    import deep_ep.config
-    asked = deep_ep.config.combine_send_path(case.num_sms) != "rings"
+    counts = _pair_counts(handle)
+    from deep_ep.backends.cuda_tuning import combine_send_path
+    asked = (case.combine_send if case.combine_send != "auto" else combine_send_path(case.num_sms)) != "rings"
     want = (asked and case.num_ranks > 1 and bool(counts) and
             runtime.would_copy(counts, case.hidden, case.num_topk if case.with_topk else 0))
     used = _copy_epoch(buffer) == epoch_before + 1
-    assert used == want, f"{label}: copy-engine path used={used}, expected {want} ({case.combine_copy})"
+    assert used == want, f"{label}: copy-engine path used={used}, expected {want} ({case.combine_send})"
+
+
+def _pair_counts(handle) -> Optional[list]:
+    """The (source, destination) row counts the dispatch left for the copy-engine combine, or None."""
+    return getattr(handle.rank_prefix_matrix, "_deep_ep_pair_counts", None)
 
 
 def _poison_pool(buffer) -> None:
@@ -449,13 +470,13 @@ def _poison_pool(buffer) -> None:
     torch.cuda.synchronize()
 
 
+@tuned
 def task_roundtrip(buffer, rank: int, case: Case) -> str:
     """Layout, dispatch (all modes), cached dispatch, worst-token dispatch and combine against the reference."""
-    import reference
     import deep_ep
-    _apply_tuning(case, rank)
+    import deep_ep.testing
+    import reference
     _poison_pool(buffer)
-    from deep_ep.numerics import per_token_cast_back  # noqa: F401 (documented helper; FP8 compared bytewise)
     inputs = [make_inputs(case, r) for r in range(case.num_ranks)]
     mine = inputs[rank]
     config = deep_ep.Config(case.num_sms, 8, 256)
@@ -574,21 +595,20 @@ def task_roundtrip(buffer, rank: int, case: Case) -> str:
         assert comb.combined_topk_weights is None
     _expect_combine_path(buffer, handle, case, epoch, "combine")
     # Combine must leave the handle usable: a second combine gives the same bits, by the other send path.
-    deep_ep.config.INTRANODE_COMBINE_COPY = "copy" if case.combine_copy == "rings" else "rings"
-    again = buffer.combine(ys[rank].to(DEVICE), handle, bias=bias_arg, config=config)
-    deep_ep.config.INTRANODE_COMBINE_COPY = case.combine_copy
+    with deep_ep.testing.overrides(combine_send="copy" if case.combine_send == "rings" else "rings"):
+        again = buffer.combine(ys[rank].to(DEVICE), handle, bias=bias_arg, config=config)
     _eq("second combined_x", again.combined_x, ref_comb[0])
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     return "ok"
 
 
+@tuned
 def task_graph(buffer, rank: int, case: Case) -> str:
     """Worst-token dispatch -> toy expert (x * 2) -> combine captured in one CUDA graph, replayed on fresh inputs,
     interleaved with eager calls; every replay is compared with the reference."""
-    import reference
     import deep_ep
-    _apply_tuning(case, rank)
+    import reference
     config = deep_ep.Config(case.num_sms, 8, 256)
     worst = sum(case.num_tokens) + 1
     n, h, k = case.num_tokens[rank], case.hidden, case.num_topk
@@ -663,9 +683,17 @@ def task_graph(buffer, rank: int, case: Case) -> str:
 
 
 def task_stall(buffer, rank: int, payload: dict) -> str:
-    """Rank ``payload['stalled']`` skips a dispatch; the others must get a timeout exception naming the peer, and
-    a usable CUDA context afterwards."""
+    """Rank ``payload['stalled']`` skips a dispatch (or, with ``op='combine'``, the combine by the send path
+    ``payload['combine_send']``, None: the library's choice); the others must get a timeout exception naming the
+    peer, and a usable CUDA context afterwards."""
+    import deep_ep.testing
+    with deep_ep.testing.overrides(combine_send=payload.get("combine_send")):
+        return _stall(buffer, rank, payload)
+
+
+def _stall(buffer, rank: int, payload: dict) -> str:
     import time
+
     import deep_ep
     stalled = payload["stalled"]
     if rank == stalled and payload.get("kill"):  # a killed peer: gone without a word, its process torn down
@@ -683,14 +711,13 @@ def task_stall(buffer, rank: int, payload: dict) -> str:
         layout["num_tokens_per_rdma_rank"] = torch.full((buffer.topology.num_scaleout_ranks,), n, dtype=torch.int32,
                                                         device=DEVICE)
     op = payload.get("op", "dispatch")
-    deep_ep.config.INTRANODE_COMBINE_COPY = payload.get("combine_copy")  # the combine's send path (None: env / auto)
     if op == "combine":  # every rank dispatches; the stalled one then skips the combine
         handle = buffer.dispatch(x, config=config, **layout).handle
         torch.cuda.synchronize()
     if rank == stalled:
         return "stalled"
-    if op == "combine" and payload.get("combine_copy") in ("copy", "zone") and not buffer.topology.is_internode:
-        counts = getattr(handle.rank_prefix_matrix, "_deep_ep_pair_counts", None)
+    if op == "combine" and payload.get("combine_send") in ("copy", "zone") and not buffer.topology.is_internode:
+        counts = _pair_counts(handle)
         assert counts and buffer.runtime.runtime.would_copy(counts, h, 0), "the landing zones must apply here"
     start = time.monotonic()
     try:
@@ -723,7 +750,7 @@ def task_bad_routing(buffer, rank: int, payload: dict) -> str:
     after a collective reset: (a) rank 0's num_tokens_per_rank disagrees with its is_token_in_rank; (b) more rows
     arrive than num_worst_tokens allows."""
     import deep_ep
-    from deep_ep.cuda_backend import CommError
+    from deep_ep import CommError
     n, h, world = 64, 256, buffer.group_size
     config = deep_ep.Config(4, 8, 256)
     x = torch.ones(n, h, dtype=torch.bfloat16, device=DEVICE)
@@ -780,13 +807,12 @@ def task_pool_lifetime(buffer, rank: int, payload: dict) -> str:
     concatenated): outputs kept alive while later calls run stay intact; when the pool is full, 'auto' falls back to
     the rings and 'direct' raises; blocks come back once their tensors are gone."""
     import deep_ep
-    import deep_ep.config
+    import deep_ep.testing
     n, h, world = payload["num_tokens"], payload["hidden"], buffer.group_size
     config = deep_ep.Config(payload["num_sms"], 8, 256)
     in_rank = torch.ones(n, world, dtype=torch.bool, device=DEVICE)
     per_rank = torch.full((world,), n, dtype=torch.int32, device=DEVICE)
     per_expert = torch.full((world,), n, dtype=torch.int32, device=DEVICE)
-    deep_ep.config.INTRANODE_DISPATCH_RECEIVE = "auto"
 
     def reclaim() -> None:  # blocks of dead tensors: events recorded, then (after the sync) complete
         buffer.runtime.reclaim_pool_blocks()
@@ -820,14 +846,13 @@ def task_pool_lifetime(buffer, rank: int, payload: dict) -> str:
     # A cached call with the pool full: 'direct' raises on every rank (before any kernel), 'auto' uses the rings.
     handle = kept[0][0].handle
     x0 = _pattern_x(rank, n, h, 0).to(DEVICE)
-    deep_ep.config.INTRANODE_DISPATCH_RECEIVE = "direct"
     try:
-        buffer.dispatch(x0, handle=handle, config=config)
+        with deep_ep.testing.overrides(dispatch_receive="direct"):
+            buffer.dispatch(x0, handle=handle, config=config)
     except RuntimeError as exc:
         assert "no room" in str(exc), str(exc)
     else:
         raise AssertionError("'direct' dispatch with a full pool did not raise")
-    deep_ep.config.INTRANODE_DISPATCH_RECEIVE = "auto"
     ring_out = buffer.dispatch(x0, handle=handle, config=config)
     assert not _in_pool(buffer, ring_out.recv_x)
     _eq("cached recv_x with a full pool", ring_out.recv_x, kept[0][1])
@@ -879,14 +904,14 @@ def gpu_settings(max_examples: int) -> settings:
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
-@gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_1", "12")))
+@gpu_settings(int(os.environ.get("TEST_EXAMPLES_1", "12")))
 @given(case=case_strategy(1, max_tokens=600))
 def test_one_rank(pools, case):
     pools(1).run("roundtrip", case)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_SHARED", "6")))
+@gpu_settings(int(os.environ.get("TEST_EXAMPLES_SHARED", "6")))
 @given(data=st.data())
 def test_ranks_sharing_one_gpu(pools, world, data):
     case = data.draw(case_strategy(world, max_tokens=200))
@@ -894,14 +919,14 @@ def test_ranks_sharing_one_gpu(pools, world, data):
 
 
 @pytest.mark.multi_gpu
-@gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_2GPU", "15")))
+@gpu_settings(int(os.environ.get("TEST_EXAMPLES_2GPU", "15")))
 @given(case=case_strategy(2, max_tokens=1200))
 def test_two_gpus(pools, case):
     pools(2, spread=True).run("roundtrip", case)
 
 
 @pytest.mark.multi_gpu
-@gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_NCCL", "6")))
+@gpu_settings(int(os.environ.get("TEST_EXAMPLES_NCCL", "6")))
 @given(case=case_strategy(2, max_tokens=600))
 def test_torch_backend_over_nccl(nccl_torch_pool, case):
     """The torch backend's CUDA path (comm stream, events, NCCL batch_isend_irecv of CUDA rows): what a cluster runs
@@ -915,7 +940,7 @@ def test_torch_backend_over_nccl(nccl_torch_pool, case):
 def nccl_torch_pool():
     if torch.cuda.device_count() < 2:  # TEST_RANKS_PER_GPU may admit the test on one GPU: NCCL refuses that
         pytest.skip(f"NCCL needs a GPU per rank: 2 ranks, {torch.cuda.device_count()} GPU(s)")
-    pool = Pool(_devices(2, spread=True), env={"DEEP_EP_BACKEND": "torch", "DEEP_EP_TEST_GROUP": "nccl"})
+    pool = Pool(_devices(2, spread=True), env={"DEEP_EP_BACKEND": "torch", "TEST_GROUP": "nccl"})
     try:
         assert pool.backends == {"TorchBackend"}, f"DEEP_EP_BACKEND=torch gave {pool.backends}"
         yield pool
@@ -925,16 +950,16 @@ def nccl_torch_pool():
 
 @pytest.mark.parametrize("world", [pytest.param(4, marks=pytest.mark.multi_gpu(4)),
                                    pytest.param(8, marks=pytest.mark.multi_gpu(8))])
-@gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_EP", "8")))
+@gpu_settings(int(os.environ.get("TEST_EXAMPLES_EP", "8")))
 @given(data=st.data())
 def test_one_rank_per_gpu(pools, world, data):
-    """EP4 / EP8: one rank per GPU over NVLink (issue 7; skipped with fewer GPUs)."""
+    """EP4 / EP8: one rank per GPU over NVLink (skipped with fewer GPUs)."""
     case = data.draw(case_strategy(world, max_tokens=1200))
     pools(world, spread=True).run("roundtrip", case)
 
 
 @pytest.mark.multi_gpu
-@gpu_settings(int(os.environ.get("DEEP_EP_GPU_EXAMPLES_SEQ", "3")))
+@gpu_settings(int(os.environ.get("TEST_EXAMPLES_SEQ", "3")))
 @given(cases=st.lists(case_strategy(2, max_tokens=600), min_size=3, max_size=5))
 def test_two_gpus_back_to_back(pools, cases):
     pools(2, spread=True).run("sequence", cases)
@@ -982,16 +1007,16 @@ def test_killed_peer_times_out():
         pool.kill()
 
 
-@pytest.mark.parametrize("op, combine_copy", [("dispatch", None), ("combine", "copy"), ("combine", "zone"),
+@pytest.mark.parametrize("op, combine_send", [("dispatch", None), ("combine", "copy"), ("combine", "zone"),
                                               ("combine", "rings")])
-def test_stalled_peer_times_out(op, combine_copy):
+def test_stalled_peer_times_out(op, combine_send):
     """Rank 1 never joins the dispatch (or the combine, on each send path): rank 0 gets a timeout exception within
     the budget naming the peer, no hang, no exit."""
     timeout_s = 5
     world = 2
     pool = Pool(_devices(world, torch.cuda.device_count() >= 2), env={"DEEP_EP_TIMEOUT_S": str(timeout_s)})
     try:
-        replies = pool.run("stall", {"stalled": 1, "timeout_s": timeout_s, "op": op, "combine_copy": combine_copy},
+        replies = pool.run("stall", {"stalled": 1, "timeout_s": timeout_s, "op": op, "combine_send": combine_send},
                            timeout=timeout_s * 6 + 60)
         assert "timeout" in replies[0], replies
     finally:

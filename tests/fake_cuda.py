@@ -1,0 +1,237 @@
+"""A stand-in ``deep_ep._C`` and CUDA stream API, so that the CUDA backends' host path runs on a CPU machine.
+
+The fake kernels do nothing but allocate the outputs the real ones allocate (``torch.empty`` on CPU); streams and
+events are free; with ``patched(torch, cuda_tensors=True)`` every tensor claims ``is_cuda``. Install it before
+``deep_ep`` is imported (``sys.modules["deep_ep._C"] = make_fake_extension(torch)``), in a process of its own:
+the patches are global. ``tests/test_cuda_host_path.py`` records, through subclasses of these fakes, which stream
+waits and output blocks each call asks the extension for.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+import weakref
+
+
+class FakeStream:
+    """Stands in for ``torch.cuda.Stream``: every operation is free."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.cuda_stream = 0x1000 + id(self) % 4096
+        self.stream_id, self.device_index, self.device_type = self.cuda_stream, 0, 1
+        self.priority = kwargs.get("priority", 0)
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else FakeEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FakeEvent:
+    """Stands in for ``torch.cuda.Event``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def make_fake_extension(torch) -> types.ModuleType:
+    """A ``deep_ep._C`` whose kernels do nothing; entry points that allocate their outputs do so on CPU."""
+    ext = types.ModuleType("deep_ep._C")
+    ext.MAX_RANKS, ext.MAX_CHANNELS, ext.MAX_TOPK, ext.MAX_LOCAL_EXPERTS = 8, 128, 32, 1024
+    ext.CONTROL_BYTES, ext.WORKSPACE_BYTES = 1 << 16, 1 << 20
+
+    class HostTimeout(TimeoutError):
+        pass
+
+    class DeviceError(RuntimeError):
+        pass
+
+    def num_channels_for_sms(num_sms):
+        if num_sms < 1 or num_sms > ext.MAX_CHANNELS:
+            raise ValueError(f"config.num_sms must be in [1, {ext.MAX_CHANNELS}], got {num_sms}")
+        return num_sms
+
+    class Runtime:
+        """The normal-mode runtime. ``num_recv`` / ``per_expert``: what the fake notify reports as received."""
+
+        def __init__(self, rank, num_ranks, num_nvl_bytes, timeout_s, **kwargs):
+            self.rank, self.num_ranks, self.num_nvl_bytes = rank, num_ranks, num_nvl_bytes
+            self.num_recv = 0
+            self.per_expert = []
+            self.pool_blocks = {}  # offset -> weak references to the tensors viewing the block
+
+        def get_local_device_id(self):
+            return 0
+
+        def get_local_ipc_handle(self):
+            return b"\0" * 64
+
+        def sync(self, device_ids, handles):
+            pass
+
+        def read_error(self):
+            return None
+
+        def destroy(self):
+            pass
+
+        # The output pool of direct-to-output dispatch. A block comes back once every tensor made on it is gone (the
+        # real deleter runs when the last view dies), as if its stream work were complete.
+        def get_pool_offset(self):
+            from deep_ep.layout import intranode_pool_region
+            return intranode_pool_region(self.num_nvl_bytes).offset
+
+        def get_pool_bytes(self):
+            from deep_ep.layout import intranode_pool_region
+            return intranode_pool_region(self.num_nvl_bytes).num_bytes
+
+        def collect_pool_blocks(self, comm_stream, ordered):
+            ready = [offset for offset, refs in self.pool_blocks.items() if all(ref() is None for ref in refs)]
+            for offset in ready:
+                del self.pool_blocks[offset]
+            return ready
+
+        def get_dispatch_layout(self, topk_idx, num_experts, *streams):
+            return (torch.empty(self.num_ranks, dtype=torch.int32), torch.empty(num_experts, dtype=torch.int32),
+                    torch.empty(topk_idx.size(0), self.num_ranks, dtype=torch.bool))
+
+        def notify_dispatch(self, *args):
+            pass
+
+        def wait_recv_counts(self, num_local_experts):
+            return self.num_recv, self.per_expert
+
+        def pair_counts(self):
+            return [self.num_recv] * (self.num_ranks * self.num_ranks)
+
+        def dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, is_token_in_rank, rank_prefix_matrix,
+                     channel_prefix_matrix, recv_channel_prefix_matrix, send_head, rows, recv_src_idx, data_offset,
+                     meta_offset, *rest):
+            scales = None if x_scales is None else torch.empty(rows, x_scales.size(1), dtype=x_scales.dtype)
+            if recv_src_idx is None:
+                recv_src_idx = torch.empty(rows, dtype=torch.int32)
+            recv_topk_idx = recv_topk_weights = None
+            if topk_idx is not None:
+                recv_topk_idx = torch.empty(rows, topk_idx.size(1), dtype=topk_idx.dtype)
+                recv_topk_weights = torch.empty(rows, topk_idx.size(1))
+            recv_x = torch.empty(rows, x.size(1), dtype=x.dtype)
+            if data_offset >= 0:
+                data = (recv_x, scales, recv_topk_idx, recv_topk_weights)
+                self.pool_blocks[data_offset] = [weakref.ref(t) for t in data if t is not None]
+            if meta_offset >= 0:
+                self.pool_blocks[meta_offset] = [weakref.ref(recv_src_idx)]
+            return recv_x, scales, recv_src_idx, recv_topk_idx, recv_topk_weights
+
+        def combine(self, x, topk_weights, bias_0, bias_1, rank_prefix, recv_channel_prefix, send_head, *rest):
+            weights = None if topk_weights is None else torch.empty(send_head.size(0), topk_weights.size(1))
+            return torch.empty(send_head.size(0), x.size(1), dtype=x.dtype), weights
+
+    class LowLatencyRuntime:
+        """The low-latency runtime: ``dispatch`` / ``combine`` return the outputs they are given (the receive launch
+        of a hook) or allocate them."""
+
+        def __init__(self, rank, num_ranks, num_rdma_bytes, timeout_s, enable_shrink, unique_id, put_only=False):
+            self.num_ranks = num_ranks
+
+        def required_bytes(self, num_max_tokens, hidden, num_experts):
+            return 0
+
+        def all_p2p(self):
+            return True
+
+        def num_blocks(self):
+            return 132
+
+        def read_error(self):
+            return None
+
+        def destroy(self):
+            pass
+
+        def dispatch(self, x, topk_idx, tokens, num_experts, recv_stats, wait_stats, use_fp8, round_scale, use_ue8m0,
+                     half, phases, stream, current_after, outputs):
+            if outputs:
+                return outputs[0], outputs[4] if use_fp8 else None, outputs[1], outputs[2], outputs[3]
+            num_local, rows, hidden = num_experts // self.num_ranks, self.num_ranks * tokens, x.size(1)
+            data = torch.empty(num_local, rows, hidden, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+            scales = None
+            if use_fp8:
+                cols = hidden // 128 // (4 if use_ue8m0 else 1)
+                scales = torch.empty(num_local, cols, rows,
+                                     dtype=torch.int32 if use_ue8m0 else torch.float32).transpose(1, 2)
+            return (data, scales, torch.empty(num_local, dtype=torch.int32),
+                    torch.empty(num_local, rows, dtype=torch.int32),
+                    torch.empty(num_local, self.num_ranks, dtype=torch.int64))
+
+        def combine(self, x, topk_idx, topk_weights, src_info, layout_range, tokens, num_experts, use_logfmt,
+                    zero_copy, out, *rest):
+            return out if out is not None else torch.empty(topk_idx.size(0), x.size(2), dtype=x.dtype)
+
+    ext.Runtime = Runtime
+    ext.HAS_LOW_LATENCY, ext.LL_MAX_TOPK, ext.LL_MAX_TOKENS = True, 16, 1024
+    ext.LowLatencyRuntime = LowLatencyRuntime
+    ext.ll_unique_id = lambda: b"\0" * 128
+    ext.record_stream = lambda tensors, stream_id, device_index, device_type: None
+    ext.HostTimeout, ext.DeviceError = HostTimeout, DeviceError
+    ext.num_channels_for_sms = num_channels_for_sms
+    return ext
+
+
+@contextlib.contextmanager
+def patched(torch, cuda_tensors: bool):
+    """Install the fake CUDA API (and, with ``cuda_tensors``, make every tensor claim ``is_cuda``)."""
+    saved = {name: getattr(torch.cuda, name) for name in
+             ("is_available", "is_initialized", "Stream", "Event", "current_stream", "set_stream", "stream",
+              "synchronize", "is_current_stream_capturing")}
+    compute = FakeStream()
+    torch.cuda.is_available = lambda: True
+    torch.cuda.is_initialized = lambda: True
+    torch.cuda.Stream = FakeStream
+    torch.cuda.Event = FakeEvent
+    torch.cuda.current_stream = lambda device=None: compute
+    torch.cuda.set_stream = lambda stream: None
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.is_current_stream_capturing = lambda: False
+    record_stream = torch.Tensor.record_stream
+    torch.Tensor.record_stream = lambda self, stream: None
+    if cuda_tensors:
+        torch.Tensor.is_cuda = property(lambda self: True)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
+        torch.Tensor.record_stream = record_stream
+        if cuda_tensors:
+            del torch.Tensor.is_cuda
+
+
+def scenario(torch, deep_ep, num_tokens: int, hidden: int, num_topk: int, num_experts: int):
+    """Inputs of one rank: BF16 and FP8 x (all-one scales), top-k routing and weights."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16)
+    x_fp8 = (x.to(torch.float8_e4m3fn), torch.ones(num_tokens, hidden // 128, dtype=torch.float32))
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    topk_idx = scores.topk(num_topk, dim=1).indices.to(deep_ep.topk_idx_t)
+    topk_weights = torch.rand(num_tokens, num_topk, generator=gen)
+    return x, x_fp8, topk_idx, topk_weights
