@@ -53,7 +53,7 @@ class LowLatencyRuntime {
                        const at::Tensor& src_info, const at::Tensor& layout_range, int num_max_tokens, int num_experts,
                        bool use_logfmt, bool zero_copy, const std::optional<at::Tensor>& out,
                        const std::optional<at::Tensor>& wait_stats, int half, int phases, uintptr_t comm_stream,
-                       bool current_after, bool partials);
+                       bool current_after);
     // BF16 [L, R*T, H] view (row stride H + H/64) of the combine send area of `half`.
     at::Tensor combine_buffer(int num_max_tokens, int hidden, int num_experts, int half);
     // Bounded barrier, zero every control word and the workspace, bounded barrier (on `stream`).

@@ -40,7 +40,6 @@ enum LlPhase : int32_t {
     kPhaseLlCombineWaitToken = 102,     // peer = owner of the missing rows, channel = token, rows expected / seen
     kPhaseLlBarrierWait = 103,          // peer = -1, expected / observed = barrier counter
     kPhaseLlBadRouting = 104,           // expert id >= num_experts (expected = E, observed = id)
-    kPhaseLlCombineWaitRouting = 105,   // partials: peer = token owner, channel = its token, routing not published
 };
 
 const char* ll_phase_name(int32_t phase);
@@ -127,7 +126,6 @@ struct CombineArgs {
     void* out;                // [N, H] BF16
     int64_t* wait_stats;      // [R] or nullptr
     int half, phases;
-    int partials;             // 1: per-rank fp32 partial sums (fused launch, every peer by pointer; see combine())
     int stage_slots, stage_offset;  // set by combine(): rows staged in shared memory, and where the stage starts
 };
 
