@@ -68,10 +68,6 @@ class Runtime {
 
     // ---- bootstrap (collective through the Python process group) ----
     int get_local_device_id() const { return device_id_; }
-    int get_num_device_sms() const { return num_device_sms_; }
-    int get_rank() const { return rank_; }
-    int get_num_ranks() const { return num_ranks_; }
-    int64_t get_num_nvl_bytes() const { return num_nvl_bytes_; }
     // Opaque CUDA IPC handle of this rank's scale-up buffer (empty if num_nvl_bytes == 0).
     std::string get_local_ipc_handle() const;
     // Opens every peer's buffer and uploads the pointer table. `ipc_handles[rank]` must equal our own handle.
@@ -94,8 +90,6 @@ class Runtime {
     uint32_t get_put_mask() const { return put_mask_; }
     // Bytes of the kernels' region (control, rings, output pool): num_nvl_bytes, less with a put area after it.
     int64_t get_ring_bytes() const { return ring_bytes_; }
-    bool is_symmetric() const { return symmetric_; }
-    bool is_available() const { return available_; }
     // Releases the IPC mappings and allocations. Call after a cross-rank barrier so no peer still writes here.
     void destroy();
 
@@ -111,7 +105,6 @@ class Runtime {
     void signal_abort(uintptr_t stream);
     // Test hook: from host call number `call_seq` on (>= 1), this rank's kernels skip their sends (0 = off).
     void set_fault_injection(int64_t call_seq) { fault_call_seq_ = call_seq; }
-    int64_t get_call_seq() const { return call_seq_; }
 
     // ---- buffer views ----
     // The local buffer from byte `offset` as a 1-D tensor of (num_nvl_bytes - offset) / itemsize elements.
@@ -128,8 +121,6 @@ class Runtime {
     // once events, recorded at its first collection on its streams and on comm_stream, have completed. Never
     // blocks. Call outside CUDA-graph capture.
     std::vector<int64_t> collect_pool_blocks(uintptr_t comm_stream, bool ordered);
-    // Bench-only diagnostic: dispatch receivers skip the ring -> recv_x copy (outputs wrong on purpose).
-    void set_diagnostic_skip_receive_copy(bool skip) { skip_receive_copy_ = skip; }
 
     // ---- kernels; tensors are CUDA tensors on this device, already validated by the Python front ----
     // Stream order: `after_current` makes `stream` wait for the work enqueued so far on the caller's current stream
@@ -204,7 +195,6 @@ class Runtime {
     bool put_area_ = false;   // the world has put pairs: the buffer ends with the put area
     double timeout_s_;
     int device_id_ = -1;
-    int num_device_sms_ = 0;
     bool symmetric_ = false;
     bool available_ = false;
     bool destroyed_ = false;
@@ -234,7 +224,6 @@ class Runtime {
     };
     std::shared_ptr<PoolReturnQueue> pool_returns_ = std::make_shared<PoolReturnQueue>();
     std::vector<PendingBlock> pending_blocks_;
-    bool skip_receive_copy_ = false;
 
     // The pool block [offset, offset + num_bytes) of the local buffer as a uint8 tensor. When the last tensor
     // sharing its storage dies, its deleter queues the block with the stream current now and the one current then.

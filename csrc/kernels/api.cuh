@@ -241,7 +241,6 @@ struct DispatchArgs {
     // Each receiver chooses for itself; senders learn the choice from the DispatchOutputWord of the call.
     int64_t direct_data_offset;
     int64_t direct_meta_offset;
-    int skip_receive_copy;             // bench-only diagnostic: ring receivers skip the copy (outputs wrong)
 };
 
 void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cudaStream_t stream);
@@ -305,14 +304,6 @@ void intranode_reset(const KernelContext& ctx, cudaStream_t stream);
 
 // Sets the abort word of every rank (a host-side failure before launching, so peers stop waiting).
 void intranode_signal_abort(const KernelContext& ctx, cudaStream_t stream);
-
-// Ring capacity (slots per (channel, source)) that a dispatch (is_combine = false) or combine call will use;
-// the launchers throw std::invalid_argument if it is below 2 * num_max_send_tokens. Mirrors deep_ep/layout.py.
-inline int intranode_ring_capacity(int64_t num_nvl_bytes, int num_ranks, int num_channels, int64_t record_bytes,
-                                   int num_max_recv_tokens, bool is_combine) {
-    return ring_geometry(num_nvl_bytes, num_ranks, num_channels, record_bytes, num_max_recv_tokens, is_combine)
-        .capacity;
-}
 
 }  // namespace kernels
 }  // namespace deep_ep

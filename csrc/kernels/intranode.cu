@@ -1001,7 +1001,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             group_sync();
             const int avail = recv_avail[source_index];
             if (avail < 0) break;
-            for (int j = done + warp_in_group; j < avail && !args.skip_receive_copy; j += group_warps) {
+            for (int j = done + warp_in_group; j < avail; j += group_warps) {
                 RoleTrace::item_begin();
                 const uint32_t seq = base + static_cast<uint32_t>(j);
                 const char* rec = static_cast<const char*>(ctx.buffers[rank]) +
