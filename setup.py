@@ -155,6 +155,7 @@ def cuda_extension_spec(cuda_home: str) -> ExtensionSpec:
     spec.nvcc_flags = ["-O3", "-Xcompiler", "-O3", "--expt-relaxed-constexpr", "--expt-extended-lambda",
                        "-Xptxas", "-O3"]
     if envs.DEBUG_BUILD.get():
+        # Source line info for profilers and compute-sanitizer; the kernels' code is the release code.
         spec.define_macros.append(("DEEP_EP_DEBUG", None))
         spec.nvcc_flags.append("-lineinfo")
 

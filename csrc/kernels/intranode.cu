@@ -424,151 +424,6 @@ __device__ __forceinline__ void publish_tails(const KernelContext& ctx, int coun
     __syncwarp();
 }
 
-// ---- section trace (debug builds: DEEP_EP_DEBUG_BUILD=1) ----
-// Lane 0 of every warp stamps %globaltimer (ns, one clock for all SMs of a GPU) at the section ends of its role into
-// shared memory; at exit thread 0 folds the warps into their roles and prints one line per CTA and launch:
-//   INTRATRACE <kernel> r<rank> s<call_seq> c<channel> g<entry ns> S <9 numbers> P <9 numbers> R <9 numbers>
-// Roles: S copy / ring-sender warps, P the publisher warp, R receiver (dispatch) / reducer (combine) warps. The
-// nine numbers of a role: warps; prologue end (latest warp), first item begun (earliest), last item done (latest),
-// first warp out, last warp out (ns from the CTA's entry, -1: none); wait sum over the warps, longest wait (ns);
-// items (S rows, R slots or tokens, P publications). Waits: S for ring space (heads), R for tails, P idle polls with
-// nothing to publish (its longest wait is the longest idle streak). tools/intra_trace.py summarises a log.
-// Release builds get the empty RoleTrace below: no code, no registers, no shared memory.
-enum TraceRole { kTraceSend = 0, kTracePublish = 1, kTraceRecv = 2, kNumTraceRoles = 3 };
-
-#ifdef DEEP_EP_DEBUG
-// Stamps live in shared memory, not registers, so that the traced kernels spill about as little as the release ones.
-struct TraceWarp {
-    unsigned long long prologue, first, last, exit, wait, wait_max, streak, mark;
-    int role, items;
-};
-__shared__ TraceWarp trace_warps[kChannelWarps];
-__shared__ unsigned long long trace_lanes[kChannelThreads];  // per thread: start, then length, of its wait
-__shared__ unsigned long long trace_entry;
-
-struct RoleTrace {
-    __device__ static TraceWarp& mine() { return trace_warps[threadIdx.x / 32]; }
-    __device__ static bool leader() { return (threadIdx.x & 31) == 0; }
-    __device__ static unsigned long long now() { return global_timer_ns(); }
-    // Kernel entry, before the first __syncthreads.
-    __device__ static void begin() {
-        const unsigned long long t = now();
-        if (threadIdx.x == 0) trace_entry = t;
-        trace_lanes[threadIdx.x] = 0;
-        if (leader()) {
-            mine() = TraceWarp{};
-            mine().role = -1;
-        }
-    }
-    __device__ static void prologue() {
-        if (leader()) mine().prologue = now();
-    }
-    __device__ static void item_begin() {
-        if (leader() && mine().first == 0) mine().first = now();
-    }
-    __device__ static void item_end() {
-        if (leader()) {
-            mine().last = now();
-            mine().streak = 0;
-            ++mine().items;
-        }
-    }
-    // An item with no duration of its own (a publication).
-    __device__ static void item() {
-        item_begin();
-        item_end();
-    }
-    // Any lane, around a wait of its own; then warp_wait() with the whole warp.
-    __device__ static void wait_begin() { trace_lanes[threadIdx.x] = now(); }
-    __device__ static void wait_end() { trace_lanes[threadIdx.x] = now() - trace_lanes[threadIdx.x]; }
-    // Whole warp, converged: of the lanes that waited (in parallel) since the last call, the longest wait counts.
-    __device__ static void warp_wait() {
-        const unsigned long long d = trace_lanes[threadIdx.x];
-        trace_lanes[threadIdx.x] = 0;
-        const unsigned int ns = __reduce_max_sync(0xffffffffu, d < 0xffffffffull ? static_cast<unsigned int>(d)
-                                                                                  : 0xffffffffu);
-        if (leader()) {
-            TraceWarp& w = mine();
-            w.wait += ns;
-            w.wait_max = max(w.wait_max, static_cast<unsigned long long>(ns));
-        }
-    }
-    // Publisher: an iteration begins; idle(): it published nothing.
-    __device__ static void iteration() {
-        if (leader()) mine().mark = now();
-    }
-    __device__ static void idle() {
-        if (leader()) {
-            TraceWarp& w = mine();
-            const unsigned long long d = now() - w.mark;
-            w.wait += d;
-            w.streak += d;
-            w.wait_max = max(w.wait_max, w.streak);
-        }
-    }
-    __device__ static void exit(int role) {
-        if (leader()) {
-            mine().exit = now();
-            mine().role = role;
-        }
-    }
-    // Every thread of the CTA, at the kernel's end.
-    __device__ static void print(const char* kernel, const KernelContext& ctx) {
-        __syncthreads();
-        if (threadIdx.x == 0) report(kernel, ctx.rank, static_cast<long long>(ctx.call_seq));
-    }
-    // Thread 0: folds the warps into their roles and prints (not inlined: its frame stays out of the kernel's).
-    static __device__ __noinline__ void report(const char* kernel, int rank, long long call_seq) {
-        const unsigned long long entry = trace_entry;
-        long long v[kNumTraceRoles][9];
-        for (int r = 0; r < kNumTraceRoles; ++r) {
-            v[r][0] = 0;
-            for (int f = 1; f < 6; ++f) v[r][f] = -1;
-            v[r][6] = v[r][7] = v[r][8] = 0;
-        }
-        auto rel = [entry](unsigned long long t) { return t != 0 ? static_cast<long long>(t - entry) : -1ll; };
-        auto lower = [](long long& acc, long long x) { if (x >= 0 && (acc < 0 || x < acc)) acc = x; };
-        auto upper = [](long long& acc, long long x) { if (x > acc) acc = x; };
-        for (int w = 0; w < kChannelWarps; ++w) {
-            const TraceWarp& t = trace_warps[w];
-            if (t.role < 0 || t.role >= kNumTraceRoles) continue;
-            long long* r = v[t.role];
-            ++r[0];
-            upper(r[1], rel(t.prologue));
-            lower(r[2], rel(t.first));
-            upper(r[3], rel(t.last));
-            lower(r[4], rel(t.exit));
-            upper(r[5], rel(t.exit));
-            r[6] += static_cast<long long>(t.wait);
-            upper(r[7], static_cast<long long>(t.wait_max));
-            r[8] += t.items;
-        }
-        // printf takes at most 32 arguments after the format: 5 + 3 x 9.
-        printf("INTRATRACE %s r%d s%lld c%d g%llu S %lld %lld %lld %lld %lld %lld %lld %lld %lld P %lld %lld %lld"
-               " %lld %lld %lld %lld %lld %lld R %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",
-               kernel, rank, call_seq, static_cast<int>(blockIdx.x), entry,
-               v[0][0], v[0][1], v[0][2], v[0][3], v[0][4], v[0][5], v[0][6], v[0][7], v[0][8],
-               v[1][0], v[1][1], v[1][2], v[1][3], v[1][4], v[1][5], v[1][6], v[1][7], v[1][8],
-               v[2][0], v[2][1], v[2][2], v[2][3], v[2][4], v[2][5], v[2][6], v[2][7], v[2][8]);
-    }
-};
-#else
-struct RoleTrace {
-    __device__ static void begin() {}
-    __device__ static void prologue() {}
-    __device__ static void item_begin() {}
-    __device__ static void item_end() {}
-    __device__ static void item() {}
-    __device__ static void wait_begin() {}
-    __device__ static void wait_end() {}
-    __device__ static void warp_wait() {}
-    __device__ static void iteration() {}
-    __device__ static void idle() {}
-    __device__ static void exit(int) {}
-    __device__ static void print(const char*, const KernelContext&) {}
-};
-#endif
-
 // =============================================================================================================
 // Dispatch
 // =============================================================================================================
@@ -640,7 +495,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
 
     // Real number of rows this rank receives; more than allocated means the routing broke a promise.
     const int num_real_rows = P[(num_ranks - 1) * num_ranks + rank];
-    RoleTrace::begin();
     if (threadIdx.x == 0) {
         cta_failed = 0;
         call_epoch = *workspace_u32(ctx, kWsDispatchEpochOffset + 4 * channel) + 1u;
@@ -776,7 +630,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         }
         named_barrier(kBarrierAllSenders, num_send_warps * 32);
         const int num_channel_tokens = end - begin;
-        RoleTrace::prologue();
 
         if (warp < num_copy_warps) {
             // Phase B (copy warps): token i of the channel belongs to warp i % W; each warp goes in token order.
@@ -784,19 +637,15 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 if (cta_failed != 0) break;
                 const int t = begin + i;
                 const int* head_row = args.send_head + static_cast<int64_t>(t) * num_ranks;
-                RoleTrace::item_begin();
                 bool ok = true;
                 if (lane < num_ranks && lane != rank && !ctx.skip_sends && direct[lane].data < 0) {
                     const int j = head_row[lane];
                     if (j >= 0) {
-                        RoleTrace::wait_begin();
                         ok = wait_space<kPut>(ctx, head_cache, lane, channel,
                                               tail_base[lane] + static_cast<uint32_t>(j) + 1u, capacity,
                                               kDispatchHeadOffset, kKernelDispatch, kPhaseDispatchSendWaitHead);
-                        RoleTrace::wait_end();
                     }
                 }
-                RoleTrace::warp_wait();
                 if (!__all_sync(0xffffffffu, ok)) {
                     if (lane == 0) cta_failed = 1;
                     break;
@@ -901,9 +750,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                     }
                 }
                 release_progress(progress, warp, i + num_copy_warps);
-                RoleTrace::item_end();
             }
-            RoleTrace::exit(kTraceSend);
         } else if (!overflow) {
             // Publisher (R > 1): tails for the complete prefix of tokens, at least Sn new tokens per publication.
             // A receiver of direct-to-output rows only waits for its last row, so when no destination of this
@@ -912,7 +759,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                                                               direct[lane].data < 0);
             int published = 0, count = 0, spins = 0;  // lane d: tokens to d among the first `published`
             while (published < num_channel_tokens) {
-                RoleTrace::iteration();
                 const int ready = min(min_progress(progress, 0, num_copy_warps, 1, 0), num_channel_tokens);
                 if (cta_failed != 0) break;
                 if (ready > published &&
@@ -921,17 +767,14 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                     count = raise_counts(args.send_head, num_ranks, begin + published, begin + ready, count);
                     publish_tails<kPut>(ctx, count, old, tail_base, channel, kDispatchTailOffset, geo.ring);
                     published = ready;
-                    RoleTrace::item();
                 } else {
                     publisher_idle(ctx, &cta_failed, &spins);
-                    RoleTrace::idle();
                 }
             }
             // Ring positions for the next call.
             if (lane < num_ranks && lane != rank && !ctx.skip_sends)
                 *workspace_u32(ctx, kWsDispatchTailShadowOffset + 4 * counter_index(channel, lane)) =
                     tail_base[lane] + static_cast<uint32_t>(total[lane]);
-            RoleTrace::exit(kTracePublish);
         }
     } else {
         // ------------------------------------------------------------------ receiver (R > 1)
@@ -961,7 +804,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             ctx, buffer_u32(ctx.buffers[rank], kDispatchTailOffset) + counter_index(channel, src), tail_offset, src);
         const int64_t head_offset = kDispatchHeadOffset + 4 * counter_index(channel, rank);  // in src's buffer
         uint32_t* remote_head = kPut && is_put_peer(ctx, src) ? nullptr : buffer_u32(ctx.buffers[src], head_offset);
-        RoleTrace::prologue();
 
         int done = 0;
         if (receive_direct && !(kPut && is_put_peer(ctx, src))) {
@@ -969,23 +811,18 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             // numbers (the sender's next call checks the head before reusing the ring).
             if (warp_in_group == 0 && lane == 0 && num_slots > 0) {
                 uint32_t seen;
-                RoleTrace::wait_begin();
                 if (wait_geq(ctx, tail_word, base + static_cast<uint32_t>(num_slots),
                              Site{kKernelDispatch, kPhaseDispatchRecvWaitTail, src, channel}, &seen))
                     publish_word<kPut>(ctx, remote_head, head_offset, src, base + static_cast<uint32_t>(num_slots));
                 else
                     cta_failed = 1;
-                RoleTrace::wait_end();
-                RoleTrace::item_end();
             }
-            RoleTrace::warp_wait();
             done = num_slots;
         }
         while (done < num_slots && !overflow) {
             if (warp_in_group == 0 && lane == 0) {
                 uint32_t seen;
                 int avail = -1;
-                RoleTrace::wait_begin();
                 if (wait_geq(ctx, tail_word, base + static_cast<uint32_t>(done) + 1u,
                              Site{kKernelDispatch, kPhaseDispatchRecvWaitTail, src, channel}, &seen)) {
                     after_peer_wait<kPut>(ctx, tail_offset, src);
@@ -994,15 +831,12 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 } else {
                     cta_failed = 1;
                 }
-                RoleTrace::wait_end();
                 recv_avail[source_index] = avail;
             }
-            RoleTrace::warp_wait();
             group_sync();
             const int avail = recv_avail[source_index];
             if (avail < 0) break;
             for (int j = done + warp_in_group; j < avail; j += group_warps) {
-                RoleTrace::item_begin();
                 const uint32_t seq = base + static_cast<uint32_t>(j);
                 const char* rec = static_cast<const char*>(ctx.buffers[rank]) +
                                   geo.ring.slot_offset(channel, src, static_cast<int>(seq % static_cast<uint32_t>(capacity)));
@@ -1024,7 +858,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                     if (args.recv_topk_weights != nullptr)
                         args.recv_topk_weights[row * args.num_topk + lane] = mine ? w : 0.0f;
                 }
-                RoleTrace::item_end();
             }
             group_sync();
             if (warp_in_group == 0 && lane == 0)
@@ -1032,7 +865,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             done = avail;
         }
         if (warp_in_group == 0 && lane == 0 && !overflow) *head_shadow = base + static_cast<uint32_t>(num_slots);
-        RoleTrace::exit(kTraceRecv);
     }
 
     // Worst-token mode: rows past the real ones get -1 top-k ids (spread over the channels' CTAs).
@@ -1044,7 +876,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             static_cast<IdxT*>(args.recv_topk_idx)[i] = static_cast<IdxT>(-1);
     }
     if (threadIdx.x == 0) *workspace_u32(ctx, kWsDispatchEpochOffset + 4 * channel) = call_epoch;
-    RoleTrace::print("dispatch", ctx);
 }
 
 // =============================================================================================================
@@ -1237,7 +1068,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     int begin, end;
     channel_range(args.num_tokens, num_channels, channel, &begin, &end);
     const int num_channel_tokens = end - begin;
-    RoleTrace::begin();
 
     if (threadIdx.x == 0) cta_failed = 0;
     if (threadIdx.x < kMaxRanks) {
@@ -1276,7 +1106,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         }
         named_barrier(kBarrierAllSenders, first_reducer * 32);
     }
-    RoleTrace::prologue();
 
     if (warp < num_copy_warps) {
         // ------------------------------------------------------------------ ring sender: rows back to their owners
@@ -1288,14 +1117,10 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         for (int j = warp / num_dests; j < count && !ctx.skip_sends; j += stride) {
             if (cta_failed != 0) break;
             bool ok = true;
-            RoleTrace::item_begin();
             if (lane == 0) {
-                RoleTrace::wait_begin();
                 ok = wait_space<kPut>(ctx, head_cache, dst, channel, tail_base[dst] + static_cast<uint32_t>(j) + 1u,
                                       capacity, kCombineHeadOffset, kKernelCombine, kPhaseCombineSendWaitHead);
-                RoleTrace::wait_end();
             }
-            RoleTrace::warp_wait();
             if (!__shfl_sync(0xffffffffu, ok, 0)) {
                 if (lane == 0) cta_failed = 1;
                 break;
@@ -1312,9 +1137,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             if (lane < args.num_topk)
                 reinterpret_cast<float*>(rec + geo.weights_offset)[lane] = args.topk_weights[row * args.num_topk + lane];
             release_progress(progress, warp, j + stride);
-            RoleTrace::item_end();
         }
-        RoleTrace::exit(kTraceSend);
     } else if (warp == num_copy_warps && num_ranks > 1) {
         // ------------------------------------------------------------------ publisher: tails and heads
         // Lane d: rows sent to d whose tail is published, and slots of d's ring (my tokens) consumed.
@@ -1322,7 +1145,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         const int my_count = lane < num_ranks && lane != rank ? block_count[lane] : 0;
         while (cta_failed == 0) {
             bool acted = false;
-            RoleTrace::iteration();
             // Tails: per destination, the rows that every one of its warps has passed.
             int ready = 0;
             for (int di = 0; di < num_dests; ++di) {
@@ -1350,13 +1172,9 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 reduced = done;
                 acted = true;
             }
-            if (acted) RoleTrace::item();
             const bool sends_done = ctx.skip_sends || __all_sync(0xffffffffu, sent == my_count);
             if (sends_done && reduced == num_channel_tokens) break;
-            if (!acted) {
-                publisher_idle(ctx, &cta_failed, &spins);
-                RoleTrace::idle();
-            }
+            if (!acted) publisher_idle(ctx, &cta_failed, &spins);
         }
         // Ring positions for the next call (this call's rows to d, and my tokens' rows from d).
         if (cta_failed == 0 && lane < num_ranks && lane != rank) {
@@ -1366,7 +1184,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             *workspace_u32(ctx, kWsCombineHeadShadowOffset + 4 * counter_index(channel, lane)) =
                 head_base[lane] + static_cast<uint32_t>(consumed);
         }
-        RoleTrace::exit(kTracePublish);
     } else if (warp >= first_reducer) {
         // ------------------------------------------------------------------ reducer: my tokens of this channel
         const int reduce_warp = warp - first_reducer;
@@ -1383,7 +1200,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             const int t = begin + item;
             const int my_head = next_head;
             next_head = head_of(item + num_reduce_warps);
-            RoleTrace::item_begin();
             // Lane d: wait until the slot of my token in d's ring is written (its tail has passed it).
             bool ok = true;
             if (lane < num_ranks && lane != rank) {
@@ -1392,14 +1208,12 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 if (j >= 0 && !seq_geq(tail_cache[lane], needed)) {
                     uint32_t seen;
                     const int64_t tail_offset = kCombineTailOffset + 4 * counter_index(channel, lane);
-                    RoleTrace::wait_begin();
                     ok = wait_geq(ctx,
                                   peer_word<kPut>(ctx,
                                                   buffer_u32(ctx.buffers[rank], kCombineTailOffset) +
                                                       counter_index(channel, lane),
                                                   tail_offset, lane),
                                   needed, Site{kKernelCombine, kPhaseCombineRecvWaitTail, lane, channel}, &seen);
-                    RoleTrace::wait_end();
                     if (ok) {
                         after_peer_wait<kPut>(ctx, tail_offset, lane);
                         tail_cache[lane] = seen;
@@ -1407,7 +1221,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 }
                 __threadfence_block();  // acquire: a cached tail was stored after its reader's acquire load
             }
-            RoleTrace::warp_wait();
             if (!__all_sync(0xffffffffu, ok)) {
                 if (lane == 0) cta_failed = 1;
                 break;
@@ -1428,11 +1241,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 srcs, wsrcs, &own);
             reduce_token(args, t, srcs, wsrcs, num_srcs, own, row_int4);
             release_progress(progress, warp, item + num_reduce_warps);
-            RoleTrace::item_end();
         }
-        RoleTrace::exit(kTraceRecv);
     }
-    RoleTrace::print("combine", ctx);
 }
 
 // ---- combines into landing zones: copy engine (kZone = false) or zone senders (kZone = true) ----

@@ -47,15 +47,8 @@ constexpr int64_t kWsBarrierBase = 8;
 constexpr int64_t kWsEpochs = 256;        // u32 [kMaxBlocks][2]
 constexpr int64_t kWsBases = 2048;        // u64 [kMaxBlocks][2][R]
 constexpr int kHeaderInts = 1 + kMaxTopk;
-// Debug builds' section trace (SectionTrace): a slot per (kernel, phases) after the bases.
-constexpr int kTraceSections = 8;
-constexpr int kTraceWords = 2 * (1 + kTraceSections) + 1;
-constexpr int kTraceSlots = 3 * 4;  // (kernel: dispatch, combine, combine by partials) x phases
-__host__ __device__ inline int64_t trace_offset(int num_ranks) {
-    return kWsBases + int64_t(kMaxBlocks) * 2 * num_ranks * 8;
-}
 __host__ __device__ inline int64_t workspace_end(int num_ranks) {
-    return trace_offset(num_ranks) + kTraceSlots * kTraceWords * 8;
+    return kWsBases + int64_t(kMaxBlocks) * 2 * num_ranks * 8;
 }
 
 int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
@@ -400,69 +393,6 @@ __device__ __forceinline__ void logfmt_decode_group(const char* row, uint32_t fl
 // The kernels have external linkage so that profilers show readable names (deep_ep::kernels::ll::ll_*_kernel<N>).
 
 // ---------------------------------------------------------------------------------------------------------------
-// Section trace (debug builds, DEEP_EP_DEBUG_BUILD=1): thread 0 of every CTA stamps %globaltimer at its entry and at
-// each section end; per launch the earliest and the latest of each stamp over all CTAs are gathered with atomics in
-// the workspace's trace slot of (kernel, phases) (minima stored complemented, so the zeroed slot is neutral), and the
-// last CTA to finish prints one line and clears the slot: "LLTRACE <kernel> p<phases> r<rank> n<CTAs> <latest entry>
-// <earliest end> <latest end> per section", in ns from the earliest entry (tools/ll_trace.py summarises them).
-// ---------------------------------------------------------------------------------------------------------------
-#ifdef DEEP_EP_DEBUG
-struct SectionTrace {
-    uint64_t* slot;  // [kTraceWords]: (~earliest, latest) for the entry and each section, then finished CTAs
-    int n = 0;
-    __device__ SectionTrace(const Context& ctx, int kernel, int phases)
-        : slot(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.workspace) + trace_offset(ctx.num_ranks)) +
-               (kernel * 4 + phases) * kTraceWords) {}
-    __device__ void stamp(int i) const {
-        const uint64_t now = global_timer_ns();
-        atomicMax(reinterpret_cast<unsigned long long*>(slot + 2 * i), ~now);
-        atomicMax(reinterpret_cast<unsigned long long*>(slot + 2 * i + 1), now);
-    }
-    __device__ void begin() const {
-        if (threadIdx.x == 0) stamp(0);
-    }
-    __device__ void mark() {  // every thread counts the sections; thread 0 stamps
-        if (n < kTraceSections && ++n && threadIdx.x == 0) stamp(n);
-    }
-    // The next section ends when the last of `parties` warps gets here (those with `party`) and stamps it.
-    __device__ void mark_last_of(int& counter, int parties, bool party, int lane) {
-        if (n >= kTraceSections) return;
-        ++n;
-        if (party && lane == 0 && atomicAdd(&counter, 1) == parties - 1) stamp(n);
-    }
-    __device__ void print(const char* kernel, int phases, int rank) const {
-        if (threadIdx.x != 0) return;
-        __threadfence();
-        auto* done = reinterpret_cast<unsigned long long*>(slot + kTraceWords - 1);
-        if (atomicAdd(done, 1ull) != gridDim.x - 1) return;
-        __threadfence();
-        volatile uint64_t* v = slot;
-        const uint64_t t0 = ~v[0];
-        long long rel[2 * kTraceSections + 1];
-        rel[0] = static_cast<long long>(v[1] - t0);
-        for (int i = 1; i <= kTraceSections; ++i) {
-            const bool used = v[2 * i + 1] != 0;
-            rel[2 * i - 1] = used ? static_cast<long long>(~v[2 * i] - t0) : -1;
-            rel[2 * i] = used ? static_cast<long long>(v[2 * i + 1] - t0) : -1;
-        }
-        printf("LLTRACE %s p%d r%d n%d %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld "
-               "%lld %lld\n", kernel, phases, rank, gridDim.x, rel[0], rel[1], rel[2], rel[3], rel[4], rel[5], rel[6],
-               rel[7], rel[8], rel[9], rel[10], rel[11], rel[12], rel[13], rel[14], rel[15], rel[16]);
-        for (int i = 0; i < kTraceWords; ++i) v[i] = 0;
-        __threadfence();
-    }
-};
-#else
-struct SectionTrace {
-    __device__ SectionTrace(const Context&, int, int) {}
-    __device__ void begin() const {}
-    __device__ void mark() {}
-    __device__ void mark_last_of(int&, int, bool, int) {}
-    __device__ void print(const char*, int, int) const {}
-};
-#endif
-
-// ---------------------------------------------------------------------------------------------------------------
 // Dispatch
 // ---------------------------------------------------------------------------------------------------------------
 
@@ -493,8 +423,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
     uint64_t* bases = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.workspace) + kWsBases) + (int64_t(b) * 2 + h) * R;
     const int64_t payload_bytes = a.use_fp8 ? H + S * 4 : int64_t(H) * 2;
     const int64_t msg_bytes = lay.header_bytes + payload_bytes;
-    SectionTrace trace(ctx, 0, kPhases);
-    trace.begin();
     if (tid == 0) {
         sh.epoch = (kPhases & kPhaseSend) ? *epoch_ptr + 1 : *epoch_ptr;
         if (kPhases & kPhaseSend) *epoch_ptr = sh.epoch;
@@ -543,7 +471,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             }
         }
         __syncthreads();
-        trace.mark();  // 0: counted
         // Counts first: CTA (d mod nb) writes destination d's words.
         for (int d = b; d < R; d += nb) {
             if (is_masked(ctx, d)) continue;
@@ -559,7 +486,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
                 }
             }
         }
-        trace.mark();  // 1: count words written
         // Plan the tile: rows inside (expert, source) blocks in (token, k) order, message slots per destination.
         if (warp == 0) {
             for (int i = 0; i < tile_end - tile_begin; ++i) {
@@ -591,7 +517,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             }
         }
         __syncthreads();
-        trace.mark();  // 2: planned
         // Messages: the warp of unit (token, four 128-channel blocks) casts once and stores to every destination.
         // Each lane owns 16 consecutive channels (two 16-byte loads): 8 lanes per block, one 16-byte FP8 store (two
         // in BF16) per destination; the block's amax is reduced over its 8 lanes.
@@ -663,7 +588,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             }
         }
         __syncthreads();
-        trace.mark();  // 3: messages stored
         // Remote destinations: put the staged message with a signal (one message = +1 on the arrival word).
         if (!ctx.all_p2p) {
             for (int u = warp; u < (tile_end - tile_begin) * kMaxTopk; u += kWarps) {
@@ -682,13 +606,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             if (sent[d] > 0 && ctx.peers[d] != nullptr)
                 signal_add(ctx, d, lay.half_start(h) + lay.darrive_off + int64_t(me) * 8, sent[d]);
         __syncthreads();
-        trace.mark();  // 4: signalled
     }
 
-    if (!(kPhases & kPhaseRecv)) {
-        trace.print("dispatch", kPhases, me);
-        return;
-    }
+    if (!(kPhases & kPhaseRecv)) return;
 
     int* cnt = dyn;                  // [R][L] rows per (source, local expert)
     int* beg = cnt + E;              // [L][R] first row of (expert, source) block
@@ -720,7 +640,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
         else nmsg[s] = value;
     }
     __syncthreads();
-    trace.mark();  // counts received
     if (sh.failed) return;
     for (int j = tid; j < L; j += kThreads) {
         int acc = 0;
@@ -763,7 +682,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
         }
     }
     __syncthreads();
-    trace.mark();  // data arrived
     if (sh.failed) return;
     // Expand: a warp copies one part (32 lanes x kUnroll x 16 bytes) of one message to each of its rows;
     // consecutive units on different SMs. The first part also writes the source info, the last the scales.
@@ -840,11 +758,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_kernel(Context ctx, D
             }
         }
     }
-#ifdef DEEP_EP_DEBUG
-    __syncthreads();
-    trace.mark();  // expanded
-    trace.print("dispatch", kPhases, me);
-#endif
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -859,7 +772,6 @@ struct CombineShared {
     const char* row[kMaxTopk];  // where each expert's row is read (receive slot, or in place for own rows);
                                 // nullptr: its owner was masked
     int staged;                 // the rows are staged in shared memory (stage_bar's current phase)
-    int senders_done;           // sender warps of this CTA done (debug trace)
     uint64_t stage_bar;
 };
 
@@ -883,8 +795,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
     char* my_half = half_base(ctx, ctx.sym, h);
     const int64_t row_bytes = int64_t(H) * 2;
     const bool in_place = own_rows_in_place(kPhases, lay, a);
-    SectionTrace trace(ctx, 1, kPhases);
-    trace.begin();
     // The receive's stage barrier, initialised once; the first __syncthreads of either phase publishes it.
     if (tid == 0 && (kPhases & kPhaseRecv) && a.stage_slots > 0) mbar_init(&sh.stage_bar, 1);
 
@@ -908,9 +818,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             }
             if (lane == 0) rowpre[L] = carry;
         }
-        if (tid == 0) sh.senders_done = 0;
         __syncthreads();
-        trace.mark();  // row prefix
         const int total = rowpre[L];
         // In a fused launch warp 0 does not send: it starts on the receive at once (routing, own rows' copies).
         constexpr int kFirstSender = (kPhases & kPhaseRecv) ? 1 : 0;
@@ -987,13 +895,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                                                 1, NVSHMEM_SIGNAL_ADD, s);
             }
         }
-        trace.mark_last_of(sh.senders_done, kSenders, sw >= 0, lane);  // rows sent (last sender warp of the CTA)
     }
 
-    if (!(kPhases & kPhaseRecv)) {
-        trace.print("combine", kPhases, me);
-        return;
-    }
+    if (!(kPhases & kPhaseRecv)) return;
     // Staging: with a.stage_slots > 0 each row of the token is brought into shared memory by a bulk copy issued as
     // soon as the row is known to be complete (own rows read in place: at once, their index words are written
     // before the own arrival; other rows: when their owner's arrival word says so), so own rows load while the
@@ -1080,7 +984,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             }
         }
         __syncthreads();
-        if (t == b) trace.mark();  // first token's arrival words seen (its copies issued)
         bool stage_failed = false;
         if (sh.staged) {
             // Bulk copies always complete (no peer is involved any more); bounded all the same.
@@ -1097,7 +1000,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             stage_parity ^= 1;
         }
         if (__syncthreads_or(stage_failed) || !sh.ok) break;
-        if (t == b) trace.mark();  // first token's rows arrived (staged)
         const int num = sh.num;
         if (sh.staged) {
             // Ascending k from shared memory: chunk c of every row, 8 channels per 16 bytes.
@@ -1159,10 +1061,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
             }
         }
         __syncthreads();  // the next token reuses the routing slots and the stage
-        if (t == b) trace.mark();  // first token reduced
     }
-    trace.mark();  // all tokens reduced
-    trace.print("combine", kPhases, me);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
