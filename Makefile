@@ -73,7 +73,7 @@ compile-check: $(STAMP)
 		set -e; out=$$(mktemp -d); \
 		for f in csrc/kernels/*.cu; do \
 			case "$$(basename $$f)" in \
-				*_nvshmem.cu|internode*.cu) \
+				low_latency*.cu|*_nvshmem.cu|internode*.cu) \
 					if [ -z "$${NVSHMEM_DIR:-}" ]; then echo "compile-check: $$f needs NVSHMEM (set NVSHMEM_DIR); skipped"; continue; fi; \
 					extra="-rdc=true -I$${NVSHMEM_DIR}/include";; \
 				*) extra="-DDEEP_EP_DISABLE_NVSHMEM";; \

@@ -1,7 +1,7 @@
 // Host runtime of the low-latency (LL) kernels: NVSHMEM world and symmetric buffer, workspace, host-mapped error
 // record, shrink mask; turns tensors into pointers for csrc/kernels/low_latency.cuh. One object per deep_ep.Buffer.
 //
-// The Python layer (deep_ep/cuda_low_latency.py) owns the double-buffer parity, the receive hook and the
+// The Python low-latency backend owns the double-buffer parity, the receive hook and the
 // asynchronous-call bookkeeping. To keep the host path to one Python->C++ crossing per call, `dispatch` / `combine`
 // allocate their outputs (at::empty on the current stream, as torch.empty would) and do the plain stream waits of
 // the protocol with one reusable event. Construction is collective (every rank, same sizes).
@@ -26,7 +26,7 @@ std::string ll_unique_id();
 class LowLatencyRuntime {
    public:
     // put_only: reach every other rank through NVSHMEM put-with-signal (the RDMA path), even where nvshmem_ptr
-    // resolves it (DEEP_EP_LL_PUT_ONLY: runs that path on one host).
+    // resolves it (tests and benchmarks run that path on one host).
     LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_bytes, double timeout_s, bool enable_shrink,
                       const std::string& unique_id, bool put_only = false);
     ~LowLatencyRuntime();

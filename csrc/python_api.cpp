@@ -11,7 +11,7 @@ namespace py = pybind11;
 
 namespace {
 
-// The error record as a dict for deep_ep/cuda_backend.py (which picks the exception type), or None.
+// The error record as a dict for the Python CUDA backend (which picks the exception type), or None.
 py::object error_dict(const deep_ep::Runtime& runtime) {
     auto record = runtime.read_error();
     if (!record.has_value()) return py::none();
