@@ -1,4 +1,5 @@
-// deep_ep._C: Python bindings of the intranode runtime. Registration only; the logic lives in buffer.cpp.
+// deep_ep._C: Python bindings of the ring-kernel runtime (buffer.cpp) and the low-latency runtime (low_latency.cpp).
+// Registration only.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/python.h>
@@ -34,7 +35,7 @@ py::object error_dict(const deep_ep::Runtime& runtime) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.doc() = "deep_ep CUDA extension: intranode normal-mode kernels over CUDA IPC buffers";
+    m.doc() = "deep_ep CUDA extension: ring kernels (intranode and internode) and low-latency kernels";
 
     py::register_exception<deep_ep::HostTimeout>(m, "HostTimeout", PyExc_TimeoutError);
     py::register_exception<deep_ep::DeviceError>(m, "DeviceError", PyExc_RuntimeError);

@@ -139,8 +139,8 @@ struct KernelContext {
     int32_t skip_sends;        // fault injection (tests): 1 = this rank writes no ring data and publishes no tails
     // NVSHMEM put peers (symmetric runtimes only; layout.cuh, "put area"). Bit r set: rank r has no pointer and is
     // reached by puts from this rank's staging (buffers[rank] is the symmetric address) and signals. Ranks without
-    // the bit are reached by pointer as before. With a bit set the put area starts at byte num_nvl_bytes (the
-    // kernels' region ends there). Needs an NVSHMEM build. (Fills the struct's padding: the size is unchanged.)
+    // the bit are reached by pointer. With a bit set the put area starts at byte num_nvl_bytes (the kernels' region
+    // ends there). Needs an NVSHMEM build.
     uint32_t put_mask;
     // NVSHMEM PE of group rank r, for the NVSHMEM calls of put peers (put.cuh): r itself when the group is the whole
     // NVSHMEM world, another PE when the runtime serves a subgroup (the composed path's rail stage).

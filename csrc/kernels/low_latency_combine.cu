@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
                 }
                 __syncwarp();  // each leader's acquire orders its owner's lanes' reads below
                 // Every lane takes part in the full-mask shuffle (a short-circuited `valid && __shfl_sync(...)`
-                // left the invalid lanes out and deadlocked the warp).
+                // would leave the invalid lanes out and hang the warp).
                 const int leader_res = __shfl_sync(0xffffffffu, int(res), leader);
                 if (mine && leader_res == kWaitOk) {
                     if (own_in_place) {
