@@ -58,9 +58,10 @@ run: $(STAMP)
 	@echo "== (b) 4-process CPU dispatch -> expert -> combine demo"
 	$(PY) examples/cpu_demo.py $(DEMO_ARGS)
 
-# Compiles every CUDA source for $(NVCC_ARCH) without linking; needs nvcc, no GPU. tools/compile_check.sh does it
-# when present (kernels with nvcc, host files against torch's headers, using the venv's torch). Without it, each torch-free kernel file csrc/kernels/*.cu is compiled alone with
-# nvcc -c; files that need NVSHMEM are compiled only when NVSHMEM_DIR is set.
+# Compiles every CUDA source for $(NVCC_ARCH) without linking; needs nvcc, no GPU. tools/compile_check.sh is the
+# authority when present (kernels with nvcc, host files against torch's headers, using the venv's torch). Without
+# it, each torch-free kernel file csrc/kernels/*.cu is compiled alone with nvcc -c; files that need NVSHMEM are
+# compiled only when NVSHMEM_DIR is set.
 COMPILE_CHECK_SCRIPT := tools/compile_check.sh
 
 compile-check: $(STAMP)
@@ -75,7 +76,7 @@ compile-check: $(STAMP)
 		set -e; out=$$(mktemp -d); \
 		for f in csrc/kernels/*.cu; do \
 			case "$$(basename $$f)" in \
-				*_nvshmem.cu|internode*.cu) \
+				low_latency*.cu|*_nvshmem.cu|internode*.cu) \
 					if [ -z "$${NVSHMEM_DIR:-}" ]; then echo "compile-check: $$f needs NVSHMEM (set NVSHMEM_DIR); skipped"; continue; fi; \
 					extra="-rdc=true -I$${NVSHMEM_DIR}/include";; \
 				*) extra="-DDEEP_EP_DISABLE_NVSHMEM";; \

@@ -10,7 +10,8 @@ Always installs the pure-Python packages ``deep_ep``, ``reference`` and ``simula
 
 NVSHMEM (internode and low-latency kernels) comes from ``NVSHMEM_DIR`` or, failing that, from the
 ``nvidia-nvshmem-cu12/cu13`` pip wheel; ``DEEP_EP_DISABLE_NVSHMEM=1`` builds the intranode kernels only.
-A build summary is printed either way. GPU build (see docs/build.md)::
+``DEEP_EP_DEBUG_BUILD=1`` adds source line info (``-lineinfo``). A build summary is printed either way.
+GPU build (see docs/build.md)::
 
     MAX_JOBS=32 pip install -e . --no-build-isolation
 """
@@ -25,8 +26,8 @@ from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_ARCH_LIST = "9.0a"
-# Kernel files that need NVSHMEM; left out of an intranode-only build.
-NVSHMEM_ONLY_PATTERNS = ("*_nvshmem.cu", "internode*.cu")
+# Kernel files that need NVSHMEM (the low-latency kernels); left out of an intranode-only build.
+NVSHMEM_ONLY_PATTERNS = ("low_latency*.cu", "*_nvshmem.cu", "internode*.cu")
 
 
 def load_envs():
@@ -155,6 +156,7 @@ def cuda_extension_spec(cuda_home: str) -> ExtensionSpec:
     spec.nvcc_flags = ["-O3", "-Xcompiler", "-O3", "--expt-relaxed-constexpr", "--expt-extended-lambda",
                        "-Xptxas", "-O3"]
     if envs.DEBUG_BUILD.get():
+        # Source line info for profilers and compute-sanitizer; the kernels' code is the release code.
         spec.define_macros.append(("DEEP_EP_DEBUG", None))
         spec.nvcc_flags.append("-lineinfo")
 

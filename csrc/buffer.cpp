@@ -119,7 +119,6 @@ Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_
     if (!(timeout_s > 0)) invalid("timeout_s (DEEP_EP_TIMEOUT_S) must be > 0, got %f", timeout_s);
 
     DEEP_EP_CUDA_CHECK(cudaGetDevice(&device_id_));
-    DEEP_EP_CUDA_CHECK(cudaDeviceGetAttribute(&num_device_sms_, cudaDevAttrMultiProcessorCount, device_id_));
 
     // Scale-up buffer: zeroed once; the kernels keep it consistent from then on (monotonic counters, epochs).
     // A symmetric runtime gets it from the NVSHMEM heap in sync_symmetric().
@@ -652,7 +651,6 @@ Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales
     args.num_send_warps = num_send_warps;
     args.direct_data_offset = direct_data_offset;
     args.direct_meta_offset = direct_meta_offset;
-    args.skip_receive_copy = skip_receive_copy_ ? 1 : 0;
     if (after_current) order(as_stream(stream), current_stream());
     auto ctx = next_context();
     kernels::intranode_dispatch(ctx, args, as_stream(stream));

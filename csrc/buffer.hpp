@@ -3,7 +3,7 @@
 // Owns:
 //   * the scale-up (NVLink) buffer of `num_nvl_bytes`, allocated with cudaMalloc and shared with the other ranks of
 //     the node through CUDA IPC handles (several ranks may share one GPU: IPC works between processes on one device);
-//     or, for a `symmetric` runtime (internode groups of one GPU per node, deep_ep/cuda_internode.py), the same
+//     or, for a `symmetric` runtime (internode groups of one GPU per node), the same
 //     bytes on the NVSHMEM symmetric heap, every peer reached through nvshmem_ptr or, where there is none, by NVSHMEM
 //     puts and signals (see sync_symmetric and set_put_peers);
 //   * the device table of peer buffer pointers (index = rank);
@@ -11,7 +11,7 @@
 //   * host-mapped memory: the error record the kernels fill instead of trapping, and the counters the notify kernel
 //     publishes for the CPU (received-token total and per-local-expert counts).
 //
-// The Python side (deep_ep/cuda_backend.py) owns the stream protocol of the spec and passes the raw communication
+// The Python CUDA backend owns the stream protocol (previous_event, async_finish) and passes the raw communication
 // stream here. To keep one Python->C++ crossing per kernel, the entry points also allocate the outputs whose shapes
 // they know (on the caller's current stream, as torch.empty would) and order the communication stream against the
 // caller's current stream when asked (`after_current` / `current_after`, see below).
@@ -68,10 +68,6 @@ class Runtime {
 
     // ---- bootstrap (collective through the Python process group) ----
     int get_local_device_id() const { return device_id_; }
-    int get_num_device_sms() const { return num_device_sms_; }
-    int get_rank() const { return rank_; }
-    int get_num_ranks() const { return num_ranks_; }
-    int64_t get_num_nvl_bytes() const { return num_nvl_bytes_; }
     // Opaque CUDA IPC handle of this rank's scale-up buffer (empty if num_nvl_bytes == 0).
     std::string get_local_ipc_handle() const;
     // Opens every peer's buffer and uploads the pointer table. `ipc_handles[rank]` must equal our own handle.
@@ -94,8 +90,6 @@ class Runtime {
     uint32_t get_put_mask() const { return put_mask_; }
     // Bytes of the kernels' region (control, rings, output pool): num_nvl_bytes, less with a put area after it.
     int64_t get_ring_bytes() const { return ring_bytes_; }
-    bool is_symmetric() const { return symmetric_; }
-    bool is_available() const { return available_; }
     // Releases the IPC mappings and allocations. Call after a cross-rank barrier so no peer still writes here.
     void destroy();
 
@@ -111,7 +105,6 @@ class Runtime {
     void signal_abort(uintptr_t stream);
     // Test hook: from host call number `call_seq` on (>= 1), this rank's kernels skip their sends (0 = off).
     void set_fault_injection(int64_t call_seq) { fault_call_seq_ = call_seq; }
-    int64_t get_call_seq() const { return call_seq_; }
 
     // ---- buffer views ----
     // The local buffer from byte `offset` as a 1-D tensor of (num_nvl_bytes - offset) / itemsize elements.
@@ -128,12 +121,10 @@ class Runtime {
     // once events, recorded at its first collection on its streams and on comm_stream, have completed. Never
     // blocks. Call outside CUDA-graph capture.
     std::vector<int64_t> collect_pool_blocks(uintptr_t comm_stream, bool ordered);
-    // Bench-only diagnostic: dispatch receivers skip the ring -> recv_x copy (outputs wrong on purpose).
-    void set_diagnostic_skip_receive_copy(bool skip) { skip_receive_copy_ = skip; }
 
     // ---- kernels; tensors are CUDA tensors on this device, already validated by the Python front ----
     // Stream order: `after_current` makes `stream` wait for the work enqueued so far on the caller's current stream
-    // before the launch (the spec's default when no previous_event is given); `current_after` makes the current
+    // before the launch (the default when no previous_event is given); `current_after` makes the current
     // stream wait for `stream` after the launch (synchronous mode). Both use one reusable event of this runtime.
 
     // Returns (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool).
@@ -157,7 +148,7 @@ class Runtime {
     // Returns (recv_x [num_recv_rows, H] of x's dtype, recv_x_scales [num_recv_rows, S] of the scales' dtype when
     // x_scales is given, recv_src_idx [num_recv_rows] int32 (the given one, else a new one), recv_topk_idx
     // [num_recv_rows, K] of topk_idx's dtype and recv_topk_weights [num_recv_rows, K] float32 when topk_idx is
-    // given). Direct-to-output receive (design §2.8): when direct_data_offset >= 0, recv_x, the scales and the top-k
+    // given). Direct-to-output receive: when direct_data_offset >= 0, recv_x, the scales and the top-k
     // outputs are the sections (layout.cuh dispatch_output_layout) of the output-pool block at that byte offset, and
     // peers write their rows there; when direct_meta_offset >= 0 too, a new recv_src_idx is the pool block at that
     // offset. The pool's bookkeeping (deep_ep/pool.py) chose both blocks; -1 receives through the rings into
@@ -182,7 +173,7 @@ class Runtime {
         int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream, bool after_current,
         bool current_after, const std::optional<at::Tensor>& channel_prefix_matrix = std::nullopt,
         const std::vector<int64_t>& pair_counts = {}, int copy_ctas = 0, int copy_chunk_rows = 0, bool zone = false);
-    // Copy-engine combine (csrc/kernels/intranode.cu, header): with the handle's channel_prefix_matrix, the
+    // Copy-engine combine (csrc/kernels/intranode_combine_landed.cu): with the handle's channel_prefix_matrix, the
     // dispatch's pair counts ([R * R], pair_counts()) and copy_ctas > 0, the rows travel by the copy engine instead
     // of ring-sender warps whenever every landing zone fits (would_copy) and the stream is not capturing;
     // copy_ctas CTAs reduce. Every rank must make the same choice: same counts, same copy_ctas > 0 decision.
@@ -204,7 +195,6 @@ class Runtime {
     bool put_area_ = false;   // the world has put pairs: the buffer ends with the put area
     double timeout_s_;
     int device_id_ = -1;
-    int num_device_sms_ = 0;
     bool symmetric_ = false;
     bool available_ = false;
     bool destroyed_ = false;
@@ -234,7 +224,6 @@ class Runtime {
     };
     std::shared_ptr<PoolReturnQueue> pool_returns_ = std::make_shared<PoolReturnQueue>();
     std::vector<PendingBlock> pending_blocks_;
-    bool skip_receive_copy_ = false;
 
     // The pool block [offset, offset + num_bytes) of the local buffer as a uint8 tensor. When the last tensor
     // sharing its storage dies, its deleter queues the block with the stream current now and the one current then.

@@ -232,8 +232,7 @@ at::Tensor LowLatencyRuntime::combine(const at::Tensor& x, const at::Tensor& top
                                       const at::Tensor& src_info, const at::Tensor& layout_range, int num_max_tokens,
                                       int num_experts, bool use_logfmt, bool zero_copy,
                                       const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& wait_stats,
-                                      int half, int phases, uintptr_t comm_stream, bool current_after,
-                                      bool partials) {
+                                      int half, int phases, uintptr_t comm_stream, bool current_after) {
     const int hidden = static_cast<int>(x.size(2));
     require_alive("low_latency_combine");
     require_no_error();
@@ -255,7 +254,6 @@ at::Tensor LowLatencyRuntime::combine(const at::Tensor& x, const at::Tensor& top
     a.wait_stats = ptr_or_null<int64_t>(wait_stats);
     a.half = half;
     a.phases = phases;
-    a.partials = partials;
     const cudaStream_t stream = enter(comm_stream);
     ll::combine(ctx, a, stream);
     leave(stream, current_after);

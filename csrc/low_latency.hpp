@@ -1,7 +1,7 @@
 // Host runtime of the low-latency (LL) kernels: NVSHMEM world and symmetric buffer, workspace, host-mapped error
 // record, shrink mask; turns tensors into pointers for csrc/kernels/low_latency.cuh. One object per deep_ep.Buffer.
 //
-// The Python layer (deep_ep/cuda_low_latency.py) owns the double-buffer parity, the receive hook and the
+// The Python low-latency backend owns the double-buffer parity, the receive hook and the
 // asynchronous-call bookkeeping. To keep the host path to one Python->C++ crossing per call, `dispatch` / `combine`
 // allocate their outputs (at::empty on the current stream, as torch.empty would) and do the plain stream waits of
 // the protocol with one reusable event. Construction is collective (every rank, same sizes).
@@ -26,7 +26,7 @@ std::string ll_unique_id();
 class LowLatencyRuntime {
    public:
     // put_only: reach every other rank through NVSHMEM put-with-signal (the RDMA path), even where nvshmem_ptr
-    // resolves it (DEEP_EP_LL_PUT_ONLY: runs that path on one host).
+    // resolves it (tests and benchmarks run that path on one host).
     LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_bytes, double timeout_s, bool enable_shrink,
                       const std::string& unique_id, bool put_only = false);
     ~LowLatencyRuntime();
@@ -53,7 +53,7 @@ class LowLatencyRuntime {
                        const at::Tensor& src_info, const at::Tensor& layout_range, int num_max_tokens, int num_experts,
                        bool use_logfmt, bool zero_copy, const std::optional<at::Tensor>& out,
                        const std::optional<at::Tensor>& wait_stats, int half, int phases, uintptr_t comm_stream,
-                       bool current_after, bool partials);
+                       bool current_after);
     // BF16 [L, R*T, H] view (row stride H + H/64) of the combine send area of `half`.
     at::Tensor combine_buffer(int num_max_tokens, int hidden, int num_experts, int half);
     // Bounded barrier, zero every control word and the workspace, bounded barrier (on `stream`).

@@ -1,4 +1,5 @@
-// deep_ep._C: Python bindings of the intranode runtime. Registration only; the logic lives in buffer.cpp.
+// deep_ep._C: Python bindings of the ring-kernel runtime (buffer.cpp) and the low-latency runtime (low_latency.cpp).
+// Registration only.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/python.h>
@@ -11,7 +12,7 @@ namespace py = pybind11;
 
 namespace {
 
-// The error record as a dict for deep_ep/cuda_backend.py (which picks the exception type), or None.
+// The error record as a dict for the Python CUDA backend (which picks the exception type), or None.
 py::object error_dict(const deep_ep::Runtime& runtime) {
     auto record = runtime.read_error();
     if (!record.has_value()) return py::none();
@@ -34,7 +35,7 @@ py::object error_dict(const deep_ep::Runtime& runtime) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.doc() = "deep_ep CUDA extension: intranode normal-mode kernels over CUDA IPC buffers";
+    m.doc() = "deep_ep CUDA extension: ring kernels (intranode and internode) and low-latency kernels";
 
     py::register_exception<deep_ep::HostTimeout>(m, "HostTimeout", PyExc_TimeoutError);
     py::register_exception<deep_ep::DeviceError>(m, "DeviceError", PyExc_RuntimeError);
@@ -52,10 +53,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                         std::to_string(num_sms));
         return num_sms;  // one CTA per channel
     });
-    m.def("ring_capacity", &deep_ep::kernels::intranode_ring_capacity, py::arg("num_nvl_bytes"),
-          py::arg("num_ranks"), py::arg("num_channels"), py::arg("record_bytes"), py::arg("num_max_recv_tokens"),
-          py::arg("is_combine"));
-    m.def("dispatch_record_bytes", &deep_ep::kernels::dispatch_record_bytes);
     // torch.Tensor.record_stream for many tensors in one crossing; the stream is given as torch.Stream's
     // (stream_id, device_index, device_type).
     m.def("record_stream", [](const std::vector<at::Tensor>& tensors, int64_t stream_id, int64_t device_index,
@@ -64,7 +61,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                  static_cast<c10::DeviceType>(device_type));
         for (const auto& tensor : tensors) tensor.record_stream(stream);
     });
-    m.def("combine_record_bytes", &deep_ep::kernels::combine_record_bytes);
 
     py::class_<deep_ep::EventHandle>(m, "EventHandle")
         .def(py::init<>())
@@ -75,7 +71,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def(py::init<int, int, int64_t, double, bool>(), py::arg("rank"), py::arg("num_ranks"),
              py::arg("num_nvl_bytes"), py::arg("timeout_s"), py::arg("symmetric") = false)
         .def("get_local_device_id", &deep_ep::Runtime::get_local_device_id)
-        .def("get_num_device_sms", &deep_ep::Runtime::get_num_device_sms)
         .def("get_local_ipc_handle", [](const deep_ep::Runtime& r) { return py::bytes(r.get_local_ipc_handle()); })
         .def("sync", &deep_ep::Runtime::sync)
         .def("sync_symmetric", &deep_ep::Runtime::sync_symmetric, py::arg("unique_id"), py::arg("world_rank"),
@@ -83,15 +78,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("set_put_peers", &deep_ep::Runtime::set_put_peers)
         .def("get_put_mask", &deep_ep::Runtime::get_put_mask)
         .def("get_ring_bytes", &deep_ep::Runtime::get_ring_bytes)
-        .def("is_symmetric", &deep_ep::Runtime::is_symmetric)
-        .def("is_available", &deep_ep::Runtime::is_available)
         .def("destroy", &deep_ep::Runtime::destroy)
         .def("read_error", &error_dict)
-        .def("check_error", &deep_ep::Runtime::check_error)
         .def("reset", &deep_ep::Runtime::reset)
         .def("signal_abort", &deep_ep::Runtime::signal_abort)
         .def("set_fault_injection", &deep_ep::Runtime::set_fault_injection)
-        .def("get_call_seq", &deep_ep::Runtime::get_call_seq)
         .def("get_local_buffer_tensor", &deep_ep::Runtime::get_local_buffer_tensor)
         .def("get_dispatch_layout", &deep_ep::Runtime::get_dispatch_layout)
         .def("notify_dispatch", &deep_ep::Runtime::notify_dispatch)
@@ -102,7 +93,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("get_pool_offset", &deep_ep::Runtime::get_pool_offset)
         .def("get_pool_bytes", &deep_ep::Runtime::get_pool_bytes)
         .def("collect_pool_blocks", &deep_ep::Runtime::collect_pool_blocks)
-        .def("set_diagnostic_skip_receive_copy", &deep_ep::Runtime::set_diagnostic_skip_receive_copy)
         .def("dispatch", &deep_ep::Runtime::dispatch)
         .def("combine", &deep_ep::Runtime::combine)
         .def("barrier", &deep_ep::Runtime::barrier);

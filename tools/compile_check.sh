@@ -44,19 +44,22 @@ INCLUDES=(-I"$ROOT/csrc" -I"$ROOT/csrc/kernels" -I"$CUDA_HOME/include")
 status=0
 shopt -s nullglob
 for src in "$ROOT"/csrc/kernels/*.cu "$ROOT"/csrc/*.cu; do
-    case "$(basename "$src")" in internode*.cu|*_nvshmem.cu) echo "skip (needs NVSHMEM): ${src#$ROOT/}"; continue;; esac
+    case "$(basename "$src")" in
+        low_latency*.cu|internode*.cu|*_nvshmem.cu) echo "skip (needs NVSHMEM): ${src#$ROOT/}"; continue;;
+    esac
     echo "nvcc sm_90a: ${src#$ROOT/}"
     if ! "$NVCC" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -rdc=true \
             "${DEFINES[@]}" "${INCLUDES[@]}" -c "$src" -o "$WORK/$(basename "$src").o"; then
         status=1
     fi
 done
-# NVSHMEM kernels (low-latency mode, and the intranode kernels' put path of csrc/kernels/put.cuh): compiled when
+# NVSHMEM kernels (low-latency mode, and the ring kernels' put path of csrc/kernels/put.cuh): compiled when
 # NVSHMEM headers exist ($NVSHMEM_DIR, else the pip wheel nvidia-nvshmem-cu13 of $PYTHON), as setup.py does:
 # relocatable device code and torch's macros undone.
 NVSHMEM_ROOT="${NVSHMEM_DIR:-$("$PYTHON" -c "import nvidia.nvshmem as n, os; print(os.path.dirname(n.__file__) if n.__file__ else list(n.__path__)[0])" 2>/dev/null || true)}"
 if [[ -n "$NVSHMEM_ROOT" && -f "$NVSHMEM_ROOT/include/nvshmem.h" ]]; then
-    for src in "$ROOT"/csrc/kernels/*_nvshmem.cu "$ROOT"/csrc/kernels/intranode.cu; do
+    for src in "$ROOT"/csrc/kernels/low_latency*.cu "$ROOT"/csrc/kernels/*_nvshmem.cu "$ROOT"/csrc/kernels/internode*.cu \
+               "$ROOT"/csrc/kernels/intranode*.cu; do
         echo "nvcc sm_90a (NVSHMEM at $NVSHMEM_ROOT): ${src#$ROOT/}"
         if ! "$NVCC" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -rdc=true \
                 -D__CUDA_NO_HALF_OPERATORS__ -U__CUDA_NO_HALF_OPERATORS__ -DDEEP_EP_TOPK_IDX_BITS="$TOPK_BITS" \

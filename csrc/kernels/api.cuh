@@ -1,19 +1,6 @@
 // Launchers of the intranode normal-mode kernels: raw pointers, sizes and a cudaStream_t; no torch.
 //
-// CONTRACT between the kernels (engineer E1) and the host runtime (engineer E2). Changes are announced here:
-//   v1 (03:20 UTC): first version.
-//   v2 (03:31 UTC): the error record is claimed through a device-memory word (workspace), not a CAS on host memory;
-//                   `code` is now written by the claimer (still first, before `ready`). No signature changed.
-//   v3 (branch d2o): DispatchArgs gains channel_prefix_matrix, direct_data_offset, direct_meta_offset and
-//                   skip_receive_copy (direct-to-output receive, design §2.8); phase kPhaseDispatchSendWaitOutput.
-//   v4 (branch nicput): KernelContext gains put_mask (NVSHMEM put peers of the internode backend;
-//                   rings only for them, no copy-engine or zone combine in such a world).
-//   v5 (branch railnvshmem): KernelContext gains pe_of (the NVSHMEM PE of each group rank: a symmetric runtime may
-//                   serve a subgroup of the NVSHMEM world, e.g. the composed internode path's rail stage).
-//   v6 (branch ranks16): kMaxRanks 8 -> 16 (KernelContext's arrays, LandedFlags and the control region grow);
-//                   dispatch num_send_warps in [2, 32 - R] (was [R + 1, 32 - R]).
-//   v7 (branch ranks24): kMaxRanks 16 -> 24 (the same arrays and control region grow again); the kernels take their
-//                   parameters as const __grid_constant__. No launcher signature changed.
+// The contract between the kernels and the host runtime (csrc/buffer.cpp):
 //
 // Host obligations (beyond the arguments):
 //   * Zero the whole scale-up buffer (or at least kControlBytes of it) and the workspace before the first call;
@@ -31,9 +18,9 @@
 //     inconsistent counts the kernel fills the host-mapped ErrorRecord (first writer wins), sets the abort word of
 //     every rank, and every CTA runs to its end (outputs of that call are garbage). The host reads the record and
 //     raises; the Buffer must then be reset collectively (intranode_reset on every rank between two host barriers).
-//   * Kernel names contain "layout", "notify", "dispatch", "combine" or "barrier", exactly one of them each:
-//     layout_count_kernel, notify_counts_kernel, dispatch_kernel, combine_kernel, barrier_kernel,
-//     reset_state_kernel, signal_abort_kernel.
+//   * Kernel names contain "layout", "notify", "dispatch", "combine" or "barrier", at most one of them each:
+//     layout_count_kernel, notify_counts_kernel, dispatch_kernel, combine_kernel, combine_landed_kernel,
+//     combine_copy_prepare_kernel, combine_copy_flag_kernel, barrier_kernel, reset_state_kernel, signal_abort_kernel.
 //   * No per-call state travels in host arguments (ring positions and epochs live in the device workspace and the
 //     buffer), so dispatch / combine / notify are CUDA-graph capturable and may be replayed.
 //   * Every call is collective: all ranks launch the same kernels with the same geometry (num_channels, chunk sizes,
@@ -152,8 +139,8 @@ struct KernelContext {
     int32_t skip_sends;        // fault injection (tests): 1 = this rank writes no ring data and publishes no tails
     // NVSHMEM put peers (symmetric runtimes only; layout.cuh, "put area"). Bit r set: rank r has no pointer and is
     // reached by puts from this rank's staging (buffers[rank] is the symmetric address) and signals. Ranks without
-    // the bit are reached by pointer as before. With a bit set the put area starts at byte num_nvl_bytes (the
-    // kernels' region ends there). Needs an NVSHMEM build. (Fills the struct's padding: the size is unchanged.)
+    // the bit are reached by pointer. With a bit set the put area starts at byte num_nvl_bytes (the kernels' region
+    // ends there). Needs an NVSHMEM build.
     uint32_t put_mask;
     // NVSHMEM PE of group rank r, for the NVSHMEM calls of put peers (put.cuh): r itself when the group is the whole
     // NVSHMEM world, another PE when the runtime serves a subgroup (the composed path's rail stage).
@@ -234,14 +221,13 @@ struct DispatchArgs {
     int num_max_send_tokens;           // Sn: fewest new tokens per tail publication (except a channel's last)
     int num_max_recv_tokens;           // Nn: upper bound of the ring capacity (slots per (channel, source))
     int num_send_warps;                // copy warps per channel when R > 1, in [2, 32 - R]
-    // Direct-to-output receive (design §2.8). -1: this rank receives through the rings. Otherwise recv_x (with
+    // Direct-to-output receive. -1: this rank receives through the rings. Otherwise recv_x (with
     // recv_x_scales, recv_topk_idx, recv_topk_weights, as dispatch_output_layout places them) is the block at byte
     // direct_data_offset of this rank's buffer, inside the output pool, and senders write their rows there.
     // direct_meta_offset: recv_src_idx's block, or -1 (senders then do not write it; cached calls).
     // Each receiver chooses for itself; senders learn the choice from the DispatchOutputWord of the call.
     int64_t direct_data_offset;
     int64_t direct_meta_offset;
-    int skip_receive_copy;             // bench-only diagnostic: ring receivers skip the copy (outputs wrong)
 };
 
 void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cudaStream_t stream);
@@ -305,14 +291,6 @@ void intranode_reset(const KernelContext& ctx, cudaStream_t stream);
 
 // Sets the abort word of every rank (a host-side failure before launching, so peers stop waiting).
 void intranode_signal_abort(const KernelContext& ctx, cudaStream_t stream);
-
-// Ring capacity (slots per (channel, source)) that a dispatch (is_combine = false) or combine call will use;
-// the launchers throw std::invalid_argument if it is below 2 * num_max_send_tokens. Mirrors deep_ep/layout.py.
-inline int intranode_ring_capacity(int64_t num_nvl_bytes, int num_ranks, int num_channels, int64_t record_bytes,
-                                   int num_max_recv_tokens, bool is_combine) {
-    return ring_geometry(num_nvl_bytes, num_ranks, num_channels, record_bytes, num_max_recv_tokens, is_combine)
-        .capacity;
-}
 
 }  // namespace kernels
 }  // namespace deep_ep

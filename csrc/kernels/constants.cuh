@@ -11,9 +11,9 @@ namespace kernels {
 // Largest group of the ring kernels (ranks 1..24, any count): an NVLink domain of up to 8 GPUs for the intranode
 // Buffer, up to 24 nodes for the one-GPU-per-node internode backend and the composed path's rail stage. The kernels'
 // structure allows up to 30 (lane-per-rank code needs < 32; the dispatch a receiver warp per source beside three
-// sender warps, the combine a ring-sender warp per destination beside the publisher and a reducer, intranode.cu);
-// 24 is the largest count run on a GPU (docs/multinode.md "More than 8 nodes"). Raising it: deep_ep.config
-// NUM_MAX_RING_RANKS too, then run_device.sh test_many_nodes with INTERNODE_MANY_NODES at the new cap.
+// sender warps, the combine a ring-sender warp per destination beside the publisher and a reducer); 24 is the
+// largest count run on a GPU. Raising it: NUM_MAX_RING_RANKS in deep_ep/config.py too, then run the GPU internode
+// tests at the new cap.
 constexpr int kMaxRanks = 24;
 // Largest number of channels (one CTA each) of a dispatch or combine kernel; Config.num_sms must not exceed it.
 constexpr int kMaxChannels = 160;

@@ -179,7 +179,7 @@ DEEP_EP_HOST_DEVICE DispatchOutputLayout dispatch_output_layout(int64_t rows, in
     return l;
 }
 
-// ---- put area (worlds with NVSHMEM put peers: deep_ep/cuda_internode.py, docs/multinode.md) ----
+// ---- put area (worlds with NVSHMEM put peers: the internode backend's peers behind a NIC) ----
 // A rank that reaches a peer only through NVSHMEM (no nvshmem_ptr) cannot store into the peer's rings: it stages
 // each record in its own buffer and puts it to the same offset at the peer, then publishes the counter with a
 // signal. When some pair of the world is such a put pair, every rank's buffer of `num_nvl_bytes` is carved as

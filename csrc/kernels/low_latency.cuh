@@ -1,7 +1,8 @@
 // Low-latency (LL) mode over NVSHMEM: buffer carving, launch arguments and host entry points. Plain C++ (no
-// NVSHMEM include): csrc/low_latency.cpp includes it; csrc/kernels/low_latency_nvshmem.cu implements it.
+// NVSHMEM include): csrc/low_latency.cpp includes it; csrc/kernels/low_latency_{dispatch,combine,runtime}.cu
+// implement it.
 //
-// Data path (design guide §3): one message per (token, destination rank) in dispatch, expanded into the per-expert
+// Data path: one message per (token, destination rank) in dispatch, expanded into the per-expert
 // packed layout by the receiver; one row per (token, expert) in combine, written straight into the owner's
 // [expert][token] slot, with an arrival word per (token, expert owner) so the reduction starts as soon as a token
 // is complete and a missing owner is known by name (shrink masks it, otherwise it is reported).
@@ -40,7 +41,6 @@ enum LlPhase : int32_t {
     kPhaseLlCombineWaitToken = 102,     // peer = owner of the missing rows, channel = token, rows expected / seen
     kPhaseLlBarrierWait = 103,          // peer = -1, expected / observed = barrier counter
     kPhaseLlBadRouting = 104,           // expert id >= num_experts (expected = E, observed = id)
-    kPhaseLlCombineWaitRouting = 105,   // partials: peer = token owner, channel = its token, routing not published
 };
 
 const char* ll_phase_name(int32_t phase);
@@ -60,7 +60,7 @@ const char* ll_phase_name(int32_t phase);
 // allowed (T, H, R, E); tests/test_layout.py sweeps a mirror of make_layout).
 struct Layout {
     int num_ranks, num_tokens_max, hidden, num_experts, num_local, num_topk_max;
-    int64_t cmsg;            // combine slot: H/128 * 4 + 2H (spec's zero-copy row stride)
+    int64_t cmsg;            // combine slot: H/128 * 4 + 2H (DeepEP's zero-copy row stride)
     int64_t dmsg;            // dispatch message: header (16 B aligned) + max(2H, H + 4 H/128)
     int64_t header_bytes;    // int32 [1 + kMaxTopk]: source token, then per k (expert << 16 | row) or -1
     int64_t half_offset[2];  // start of each half
@@ -127,7 +127,6 @@ struct CombineArgs {
     void* out;                // [N, H] BF16
     int64_t* wait_stats;      // [R] or nullptr
     int half, phases;
-    int partials;             // 1: per-rank fp32 partial sums (fused launch, every peer by pointer; see combine())
     int stage_slots, stage_offset;  // set by combine(): rows staged in shared memory, and where the stage starts
 };
 

@@ -1,5 +1,6 @@
 // NVSHMEM put peers of the ring kernels (the internode backend's peers behind a NIC, docs/multinode.md): the few
-// operations that differ from a pointer peer. Everything else of intranode.cu is the same for both kinds of peer.
+// operations that differ from a pointer peer. Everything else of the ring kernels (intranode_*.cu) is the same for
+// both kinds of peer.
 //
 // * A word that a peer publishes into this rank's control region (ring tail or head, notify flag, barrier arrival)
 //   comes from a put peer as a 64-bit NVSHMEM signal into the word's twin in the put area (layout.cuh); the low half
@@ -77,7 +78,12 @@ __device__ __forceinline__ void after_peer_wait(const KernelContext& ctx, int64_
 
 // One thread: `value` into the twin of the word at `offset` of put peer `pe` (`add`: added to it, else set), after
 // everything this thread wrote or observed before (a system fence, then an NVSHMEM signal; nothing of this
-// thread's is in flight as a put).
+// thread's is in flight as a put). `used` keeps its signature whole in every kernel file: the compiler does not
+// specialise it to the constant `add` of one file's callers, so the callers' code does not depend on which other
+// kernels share their file.
+#ifndef DEEP_EP_DISABLE_NVSHMEM
+__attribute__((used))
+#endif
 static __device__ __noinline__ void put_signal(const KernelContext& ctx, int64_t offset, int pe, uint32_t value,
                                                bool add = false) {
     fence_acq_rel_sys();

@@ -1,6 +1,6 @@
-// Prints the intranode buffer layout of csrc/kernels/layout.cuh as "key value" lines, so that a CPU test can compare
-// it with deep_ep/layout.py (no CUDA device needed; any C++17 compiler with the CUDA headers on the include path):
-//   g++ -std=c++17 -I/usr/local/cuda/include csrc/kernels/selftest/layout_mirror.cpp -o /tmp/layout_mirror
+// Prints the intranode buffer layout of layout.cuh as "key value" lines, for comparison with deep_ep/layout.py (no
+// CUDA device needed; any C++17 compiler with the CUDA headers on the include path):
+//   g++ -std=c++17 -I/usr/local/cuda/include csrc/kernels/layout_mirror.cpp -o /tmp/layout_mirror
 // Keys: control.<region> / workspace.<region> offsets, control_bytes, and for each line of
 // "geometry <num_nvl_bytes> <num_ranks> <num_channels> <record_bytes> <max_capacity> <is_combine>" read from stdin the
 // values "half_offset source_bytes capacity last_slot_offset".
@@ -9,7 +9,7 @@
 #include <iostream>
 #include <string>
 
-#include "../layout.cuh"
+#include "layout.cuh"
 
 using namespace deep_ep::kernels;
 

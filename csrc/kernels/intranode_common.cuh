@@ -1,0 +1,263 @@
+// Device helpers of the ring kernels (intranode_*.cu) and the host-side checks of their launchers.
+//
+// * One CTA of 1024 threads per channel; channel c owns the contiguous token range channel_range(N, C, c).
+// * Each (channel, source) pair has a ring in the receiver's buffer (layout.cuh). Ring positions are monotonic uint32
+//   sequence numbers that never reset; the sender keeps its tail in the workspace and publishes it into the
+//   receiver's buffer, the receiver keeps its head in the workspace and publishes it into the sender's buffer. Every
+//   wait is local.
+// * Copy warps never wait for flag publication: after each item a copy warp releases its progress in shared memory,
+//   and one publisher warp turns the smallest progress into the complete prefix of items and publishes tails (one
+//   system fence, then release stores) or heads.
+// * Failures never trap: sync.cuh's wait_geq reports to the error record and every role falls through to the end.
+// Helpers that are not force-inlined have internal linkage (static): under -rdc ptxas then fits them into each
+// kernel's register budget.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "api.cuh"
+#include "exception.cuh"
+#include "layout.cuh"
+#include "sync.cuh"
+
+namespace deep_ep {
+namespace kernels {
+
+constexpr int kUnroll = 4;  // 16-byte loads in flight per lane in row copies
+// Named barrier ids (0 is __syncthreads).
+constexpr int kBarrierAllSenders = 1;  // copy warps and the publisher, after the prologue
+constexpr int kBarrierRecvGroup0 = 2;  // + source index, for dispatch receiver groups of more than one warp
+static_assert(kMaxRanks < 32, "lane-per-rank masks (1u << num_ranks) and warp-wide rank loops");
+// Every kernel takes its parameters (KernelContext, the Args and Geometry structs) as `const __grid_constant__`:
+// reads, also with a run-time index (ctx.buffers[d], ctx.pe_of[d]), go to the parameter bank. A plain by-value
+// parameter whose address is taken or that is indexed at run time is copied to local memory by every thread at entry
+// (the context alone is 43 eight-byte words at kMaxRanks = 24); on one H200 those copies and their loads cost the
+// 1-rank dispatch 16-17 % of its kernel time.
+
+__device__ __forceinline__ uint32_t* buffer_u32(void* buffer, int64_t offset) {
+    return reinterpret_cast<uint32_t*>(static_cast<char*>(buffer) + offset);
+}
+
+__device__ __forceinline__ uint32_t* workspace_u32(const KernelContext& ctx, int64_t offset) {
+    return reinterpret_cast<uint32_t*>(static_cast<char*>(ctx.workspace) + offset);
+}
+
+__device__ __forceinline__ int counter_index(int channel, int peer) { return channel * kMaxRanks + peer; }
+
+__device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int channel, int* begin, int* end) {
+    const int per_channel = (num_tokens + num_channels - 1) / num_channels;
+    const int64_t b = static_cast<int64_t>(per_channel) * channel;
+    *begin = static_cast<int>(b < num_tokens ? b : num_tokens);
+    const int64_t e = static_cast<int64_t>(*begin) + per_channel;
+    *end = static_cast<int>(e < num_tokens ? e : num_tokens);
+}
+
+__device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x & 31); }
+
+__device__ __forceinline__ int warp_max(int v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+// Copies one row of `num_int4` 16-byte words from `src` to every pointer of `dsts[0..num_dsts)` (a warp).
+// kSrcIsRing selects the coherent load for ring data written by peers; inputs use the non-coherent path.
+template <bool kSrcIsRing, int kCopyUnroll = kUnroll>
+__device__ __forceinline__ void warp_copy_row(const int4* src, int64_t num_int4, int4* const* dsts, int num_dsts) {
+    const int lane = lane_id();
+    for (int64_t base = lane; base < num_int4; base += 32 * kCopyUnroll) {
+        int4 v[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+            const int64_t i = base + u * 32;
+            if (i < num_int4) v[u] = kSrcIsRing ? ld_ring_int4(src + i) : ld_nc_int4(src + i);
+        }
+        for (int d = 0; d < num_dsts; ++d) {
+            int4* dst = dsts[d];
+#pragma unroll
+            for (int u = 0; u < kCopyUnroll; ++u) {
+                const int64_t i = base + u * 32;
+                if (i < num_int4) st_na_int4(dst + i, v[u]);
+            }
+        }
+    }
+}
+
+// ---- ring drain checks (dispatch and combine) ----
+
+// Whole warp: waits until the previous calls' data this rank wrote into the rings of this direction of every
+// destination in `dst_mask` has been consumed, i.e. head[c'][d] >= tail_shadow[c'][d] for every channel c' that any
+// call used (`num_checked` channels). Needed because the ring geometry may change between calls. Fast path: relaxed
+// loads in parallel over lanes, then one system fence (acquire pattern). Returns false on failure (reported).
+// A put peer's heads are the low halves of signal twins (put.cuh); they guard no data this rank reads.
+template <bool kPut>
+static __device__ bool warp_wait_drained(const KernelContext& ctx, uint32_t dst_mask, int num_checked,
+                                         int64_t head_offset, int64_t shadow_offset, int kernel, int phase,
+                                         int channel) {
+    uint32_t* heads = buffer_u32(ctx.buffers[ctx.rank], head_offset);
+    const uint32_t* shadows = workspace_u32(ctx, shadow_offset);
+    bool ok = true;
+    for (int i = lane_id(); i < ctx.num_ranks * num_checked && ok; i += 32) {
+        const int d = i % ctx.num_ranks, c = i / ctx.num_ranks;
+        if (((dst_mask >> d) & 1u) == 0) continue;
+        const uint32_t target = shadows[counter_index(c, d)];
+        const uint32_t* head =
+            peer_word<kPut>(ctx, heads + counter_index(c, d), head_offset + 4 * counter_index(c, d), d);
+        if (seq_geq(ld_relaxed_sys(head), target)) continue;
+        uint32_t seen;
+        ok = wait_geq(ctx, head, target, Site{kernel, phase, d, channel}, &seen);
+    }
+    fence_acq_rel_sys();
+    return __all_sync(0xffffffffu, ok);
+}
+
+// Number of channels whose rings a drain check must cover: the largest channel count of any call of this direction
+// since the last reset (raised here to include the current call).
+__device__ __forceinline__ int raise_max_channels(const KernelContext& ctx, int64_t offset, int num_channels) {
+    const unsigned int old = atomicMax(workspace_u32(ctx, offset), static_cast<unsigned int>(num_channels));
+    return max(static_cast<int>(old), num_channels);
+}
+
+// ---- copy warps and the publisher warp (dispatch and combine) ----
+// Copy warps never wait for flag publication. Each copy warp works through its own list of items in order and,
+// after each item, releases its progress (index of its next item) at CTA scope. One publisher warp turns the
+// smallest progress of a set of copy warps into the prefix of items that is complete, and publishes ring tails
+// (after one system fence) or heads for that prefix. Its system fence is the only one per publication, and copy
+// warps keep copying while it stalls in it.
+
+// Copy warp, after an item: all lanes' stores and loads of the item come first (warp sync, CTA fence).
+__device__ __forceinline__ void release_progress(volatile int* progress, int warp, int value) {
+    __syncwarp();
+    if (lane_id() == 0) {
+        __threadfence_block();
+        progress[warp] = value;
+    }
+}
+
+__device__ __forceinline__ int warp_min(int v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+// Publisher warp: smallest progress over the warps w in [lo, hi) with (w - lo) % stride == first.
+__device__ __forceinline__ int min_progress(const volatile int* progress, int lo, int hi, int stride, int first) {
+    const int w = lo + lane_id();
+    const int v = w < hi && (w - lo) % stride == first ? progress[w] : 0x7fffffff;
+    const int result = warp_min(v);
+    __syncwarp();
+    __threadfence_block();  // acquire: what the copy warps released comes before the publication
+    return result;
+}
+
+// Publisher warp: lane d's `count` (tokens to / from rank d among a prefix of the channel's tokens) is raised to
+// cover the tokens [t_begin, t_end) of send_head; send_head[t][d] is the index of t among the tokens of rank d.
+__device__ __forceinline__ int raise_counts(const int* send_head, int num_ranks, int t_begin, int t_end, int count) {
+    const int lane = lane_id();
+    for (int d = 0; d < num_ranks; ++d) {
+        int m = 0;
+        for (int t = t_begin + lane; t < t_end; t += 32) m = max(m, send_head[static_cast<int64_t>(t) * num_ranks + d] + 1);
+        m = warp_max(m);
+        if (lane == d) count = max(count, m);
+    }
+    return count;
+}
+
+// Publisher warp: once every `spin_check` idle spins, a short sleep and an abort check (sets *cta_failed).
+__device__ __forceinline__ void publisher_idle(const KernelContext& ctx, volatile int* cta_failed, int* spins) {
+    if ((++*spins & 255) == 0 && lane_id() == 0 && is_aborted(ctx)) *cta_failed = 1;
+    __nanosleep(32);
+}
+
+// One lane, before writing ring slot `needed_end - 1` of destination `dst`: waits until the slot is free, i.e. the
+// head (written by dst into my buffer) has reached needed_end - capacity. `head_cache` (shared, per destination)
+// holds a head value seen earlier by any warp: heads only grow, so any cached value is a valid lower bound.
+template <bool kPut>
+__device__ __forceinline__ bool wait_space(const KernelContext& ctx, volatile uint32_t* head_cache, int dst,
+                                           int channel, uint32_t needed_end, int capacity, int64_t head_offset,
+                                           int kernel, int phase) {
+    const uint32_t needed_head = needed_end - static_cast<uint32_t>(capacity);
+    if (seq_geq(head_cache[dst], needed_head)) return true;
+    uint32_t seen;
+    uint32_t* word = buffer_u32(ctx.buffers[ctx.rank], head_offset) + counter_index(channel, dst);
+    const bool ok = wait_geq(ctx, peer_word<kPut>(ctx, word, head_offset + 4 * counter_index(channel, dst), dst),
+                             needed_head, Site{kernel, phase, dst, channel}, &seen);
+    if (ok) head_cache[dst] = seen;
+    return ok;
+}
+
+// Publisher lane 0: one system fence, then the new tails of every peer d whose count changed. A put peer's new
+// records (staged by the copy warps) go with its tail: the whole warp puts them (put.cuh put_records).
+template <bool kPut>
+__device__ __forceinline__ void publish_tails(const KernelContext& ctx, int count, int old_count,
+                                              const uint32_t* tail_base, int channel, int64_t tail_offset,
+                                              RingGeometry ring) {
+    const int lane = lane_id();
+    if (lane == 0) fence_acq_rel_sys();
+    for (int d = 0; d < ctx.num_ranks; ++d) {
+        const int c = __shfl_sync(0xffffffffu, count, d);
+        const int old = __shfl_sync(0xffffffffu, old_count, d);
+        if (kPut && is_put_peer(ctx, d)) {
+            if (d != ctx.rank && c > old && !ctx.skip_sends) {
+                __syncwarp();  // lane 0's fence comes before the warp reads the staged records
+                put_records(ctx, ring, channel, d, tail_base[d] + static_cast<uint32_t>(old), c - old,
+                            tail_offset + 4 * counter_index(channel, ctx.rank),
+                            tail_base[d] + static_cast<uint32_t>(c));
+            }
+        } else if (lane == 0 && d != ctx.rank && c > old && !ctx.skip_sends) {
+            st_release_sys(buffer_u32(ctx.buffers[d], tail_offset) + counter_index(channel, ctx.rank),
+                           tail_base[d] + static_cast<uint32_t>(c));
+        }
+    }
+    __syncwarp();
+}
+
+// ---- host-side checks of the launchers ----
+
+inline void check_context(const KernelContext& ctx, const char* what) {
+    DEEP_EP_CHECK_ARG(ctx.num_ranks >= 1 && ctx.num_ranks <= kMaxRanks, what, ": num_ranks must be in [1, ", kMaxRanks,
+                      "], got ", ctx.num_ranks);
+    DEEP_EP_CHECK_ARG(ctx.rank >= 0 && ctx.rank < ctx.num_ranks, what, ": rank must be in [0, num_ranks), got ",
+                      ctx.rank);
+    DEEP_EP_CHECK_ARG(ctx.put_mask == 0 || (kHasPutPath && ((ctx.put_mask >> ctx.rank) & 1u) == 0 &&
+                                            (ctx.put_mask >> ctx.num_ranks) == 0),
+                      what, ": put peers (mask ", ctx.put_mask, ") need an NVSHMEM build, a put area and a valid mask");
+    for (int r = 0; r < ctx.num_ranks; ++r)
+        DEEP_EP_CHECK_ARG(ctx.buffers[r] != nullptr || ((ctx.put_mask >> r) & 1u) != 0, what, ": the buffer of rank ",
+                          r, " is not mapped");
+    DEEP_EP_CHECK_ARG(ctx.workspace != nullptr, what, ": workspace must not be null");
+    DEEP_EP_CHECK_ARG(ctx.num_nvl_bytes >= kControlBytes, what, ": num_nvl_bytes must be >= ", kControlBytes,
+                      ", got ", ctx.num_nvl_bytes);
+}
+
+// Every CTA of a dispatch / combine grid must be resident at once (CTAs wait for peers' CTAs): one per SM.
+inline void check_resident(const char* what, int num_channels) {
+    int device = 0, num_sms = 0;
+    DEEP_EP_CUDA_CHECK(cudaGetDevice(&device));
+    DEEP_EP_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+    DEEP_EP_CHECK_ARG(num_channels <= num_sms, what, ": config.num_sms must be <= the device's ", num_sms,
+                      " SMs (one resident CTA per channel), got ", num_channels);
+}
+
+inline void check_channels(const char* what, int num_channels, int num_max_send_tokens, int capacity,
+                           int64_t record_bytes, int64_t num_nvl_bytes) {
+    DEEP_EP_CHECK_ARG(num_channels >= 1 && num_channels <= kMaxChannels, what, ": config.num_sms must be in [1, ",
+                      kMaxChannels, "], got ", num_channels);
+    DEEP_EP_CHECK_ARG(num_max_send_tokens >= 1, what, ": num_max_nvl_chunked_send_tokens must be >= 1, got ",
+                      num_max_send_tokens);
+    DEEP_EP_CHECK_ARG(capacity >= 2 * num_max_send_tokens, what, ": ring capacity ", capacity,
+                      " slots per (channel, rank) must be >= 2 * num_max_nvl_chunked_send_tokens = ",
+                      2 * num_max_send_tokens, " (records of ", record_bytes, " bytes, ", num_channels,
+                      " channels, num_nvl_bytes ", num_nvl_bytes,
+                      "); raise num_nvl_bytes or num_max_nvl_chunked_recv_tokens, or lower num_sms");
+}
+
+inline void check_send_warps(const char* what, int num_send_warps, int lowest, int highest) {
+    DEEP_EP_CHECK_ARG(num_send_warps >= lowest && num_send_warps <= highest, what, ": send warps per channel must be in [",
+                      lowest, ", ", highest, "] for this rank count, got ", num_send_warps);
+}
+
+}  // namespace kernels
+}  // namespace deep_ep

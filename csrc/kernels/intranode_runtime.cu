@@ -1,0 +1,77 @@
+// Collective utilities of the ring kernels: the bounded barrier, the reset of this rank's control region and
+// workspace, and the abort signal after a host-side failure.
+#include <cstdint>
+
+#include "intranode_common.cuh"
+
+namespace deep_ep {
+namespace kernels {
+
+namespace {
+
+// Lane r signals rank r (an NVSHMEM signal for a put peer) and waits for r's arrival here.
+__global__ void barrier_kernel(const __grid_constant__ KernelContext ctx) {
+    const int lane = lane_id();
+    const uint32_t epoch = *workspace_u32(ctx, kWsBarrierEpochOffset) + 1;
+    const int64_t my_arrival = kBarrierOffset + 4 * ctx.rank, its_arrival = kBarrierOffset + 4 * lane;
+    if (lane < ctx.num_ranks) {
+        if (is_put_peer(ctx, lane))
+            put_signal(ctx, my_arrival, lane, 1u, true);
+        else
+            red_add_release_sys(buffer_u32(ctx.buffers[lane], my_arrival), 1u);
+    }
+    if (lane < ctx.num_ranks) {
+        uint32_t seen;
+        if (wait_geq(ctx, peer_word<true>(ctx, buffer_u32(ctx.buffers[ctx.rank], its_arrival), its_arrival, lane),
+                     epoch, Site{kKernelBarrier, kPhaseBarrierWait, lane, -1}, &seen))
+            after_peer_wait<true>(ctx, its_arrival, lane);
+    }
+    __syncwarp();
+    if (lane == 0) *workspace_u32(ctx, kWsBarrierEpochOffset) = epoch;
+}
+
+__global__ void reset_state_kernel(const __grid_constant__ KernelContext ctx) {
+    uint32_t* control = buffer_u32(ctx.buffers[ctx.rank], 0);
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < kControlBytes / 4;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+        control[i] = 0;
+    uint32_t* ws = workspace_u32(ctx, 0);
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < kWsUsedBytes / 4;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+        ws[i] = 0;
+    if (ctx.put_mask != 0) {  // the signal twins of the control region (put.cuh)
+        uint64_t* twins = signal_twin(ctx, 0);
+        for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < kControlBytes / 4;
+             i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+            twins[i] = 0;
+    }
+}
+
+__global__ void signal_abort_kernel(const __grid_constant__ KernelContext ctx) {
+    const uint32_t word = (static_cast<uint32_t>(kErrorPeerAborted) << 8) | static_cast<uint32_t>(ctx.rank + 1);
+    const int r = static_cast<int>(threadIdx.x);
+    if (r < ctx.num_ranks) raise_abort(ctx, r, word);
+}
+
+}  // namespace
+
+void intranode_barrier(const KernelContext& ctx, cudaStream_t stream) {
+    check_context(ctx, "barrier");
+    barrier_kernel<<<1, 32, 0, stream>>>(ctx);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void intranode_reset(const KernelContext& ctx, cudaStream_t stream) {
+    check_context(ctx, "reset");
+    reset_state_kernel<<<16, 256, 0, stream>>>(ctx);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void intranode_signal_abort(const KernelContext& ctx, cudaStream_t stream) {
+    check_context(ctx, "signal_abort");
+    signal_abort_kernel<<<1, 32, 0, stream>>>(ctx);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace kernels
+}  // namespace deep_ep

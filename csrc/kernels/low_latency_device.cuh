@@ -1,0 +1,163 @@
+// Device side shared by the low-latency kernel files (low_latency_*.cu): the fixed offsets of the symmetric
+// buffer and the private workspace, the bounded wait on a symmetric word, error reports, signals, and the
+// cooperative launch. The kernels have external linkage so that profilers show readable names
+// (deep_ep::kernels::ll::ll_*_kernel<N>); helpers that are not force-inlined have internal linkage (static), so that
+// ptxas fits them into each kernel's register budget under -rdc.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstdint>
+
+#include "error_record.cuh"
+#include "exception.cuh"
+#include "low_latency.cuh"
+#include "ptx.cuh"
+
+namespace deep_ep {
+namespace kernels {
+namespace ll {
+
+// Symmetric buffer: the global words before the two halves (low_latency.cuh has the carving).
+constexpr int64_t kAlign = 128;
+constexpr int64_t kGlobalBytes = 128;     // barrier word at 0, abort word at 8
+constexpr int64_t kBarrierOffset = 0;
+constexpr int64_t kAbortOffset = 8;
+// Private workspace: the error-record claim word, the barrier base, per-CTA epochs and arrival bases.
+constexpr int64_t kWsClaim = 0;
+constexpr int64_t kWsBarrierBase = 8;
+constexpr int64_t kWsEpochs = 256;        // u32 [kMaxBlocks][2]
+constexpr int64_t kWsBases = 2048;        // u64 [kMaxBlocks][2][R]
+constexpr int kHeaderInts = 1 + kMaxTopk;
+__host__ __device__ inline int64_t workspace_end(int num_ranks) {
+    return kWsBases + int64_t(kMaxBlocks) * 2 * num_ranks * 8;
+}
+
+__device__ __forceinline__ char* half_base(const Context& ctx, void* base, int half) {
+    return static_cast<char*>(base) + ctx.layout.half_start(half);
+}
+
+__device__ __forceinline__ int64_t load_topk(const void* topk, int bytes, int64_t i) {
+    return bytes == 8 ? static_cast<const int64_t*>(topk)[i] : static_cast<const int32_t*>(topk)[i];
+}
+
+__device__ __forceinline__ bool is_masked(const Context& ctx, int r) {
+    return ctx.mask != nullptr && *reinterpret_cast<volatile int*>(ctx.mask + r) != 0;
+}
+
+// First failing thread of this rank fills the record (claim word in the workspace), then raises every peer's abort.
+// `used` keeps its signature whole in every kernel file: the compiler does not specialise it to the arguments that
+// are constant in one file's calls, so the callers' code does not depend on which other kernels share their file.
+__attribute__((used)) static __device__ __noinline__ void report(const Context ctx, int32_t code, int32_t kernel,
+                                                                 int32_t phase, int32_t peer, int32_t channel,
+                                                                 int64_t expected, int64_t observed, int64_t elapsed) {
+    auto* claim = reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsClaim);
+    fill_error_record(ctx.error, claim, code, kernel, phase, ctx.rank, peer, channel, ctx.call_seq, expected, observed,
+                      elapsed);
+    const uint64_t word = (uint64_t(code) << 32) | uint64_t(ctx.rank + 1);
+    for (int r = 0; r < ctx.num_ranks; ++r) {
+        if (ctx.peers[r] != nullptr) {
+            atomicCAS(reinterpret_cast<unsigned long long*>(static_cast<char*>(ctx.peers[r]) + kAbortOffset), 0ull,
+                      static_cast<unsigned long long>(word));
+        } else {
+            nvshmemx_signal_op(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset), word,
+                               NVSHMEM_SIGNAL_SET, r);
+        }
+    }
+    __threadfence_system();
+}
+
+// kWaitMasked: the awaited peer was masked meanwhile (by another thread's timeout in shrink mode).
+enum WaitResult { kWaitOk = 0, kWaitTimeout = 1, kWaitAborted = 2, kWaitMasked = 3 };
+
+// Bounded spin until pred(value) holds on a local symmetric word. Every 64 spins: abort word, deadline and, when
+// `watch_peer` >= 0, its mask bit (so waits on a peer that another CTA has just masked stop within ~64 spins
+// instead of each running its own full timeout).
+// Uses nvshmem_uint64_test when some peer is remote (its success path runs the proxy transports' consistency op).
+template <typename Pred>
+__device__ __forceinline__ WaitResult wait_word(const Context& ctx, uint64_t* addr, Pred pred, uint64_t* seen,
+                                                uint64_t* elapsed_ns, int watch_peer = -1) {
+    const uint64_t* abort = reinterpret_cast<const uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset);
+    const uint64_t start = global_timer_ns();
+    for (uint64_t spins = 0;; ++spins) {
+        const uint64_t v = ld_acquire_sys_u64(addr);
+        if (pred(v)) {
+            if (!ctx.all_p2p) nvshmem_uint64_test(addr, NVSHMEM_CMP_EQ, v);
+            *seen = v;
+            *elapsed_ns = global_timer_ns() - start;
+            return kWaitOk;
+        }
+        if ((spins & 63) == 63) {
+            const uint64_t elapsed = global_timer_ns() - start;
+            *seen = v;
+            *elapsed_ns = elapsed;
+            if (ld_acquire_sys_u64(abort) != 0) return kWaitAborted;
+            if (watch_peer >= 0 && is_masked(ctx, watch_peer)) return kWaitMasked;
+            if (elapsed > ctx.timeout_ns) return kWaitTimeout;
+            if (spins > 4096) __nanosleep(64);
+        }
+    }
+}
+
+// Handles a failed wait: with shrink, masks `peer` and returns true (the caller continues without it); otherwise
+// reports (timeout or peer aborted) and returns false.
+static __device__ bool on_wait_failure(const Context& ctx, WaitResult res, int kernel, int phase, int peer,
+                                       int channel, int64_t expected, uint64_t seen, uint64_t elapsed) {
+    if (res == kWaitTimeout && ctx.mask != nullptr && peer >= 0) {
+        atomicExch(ctx.mask + peer, 1);
+        return true;
+    }
+    if (res == kWaitAborted) {
+        const uint64_t word =
+            ld_acquire_sys_u64(reinterpret_cast<const uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset));
+        report(ctx, kErrorPeerAborted, kernel, phase, static_cast<int32_t>(word & 0xffffffffu) - 1, channel,
+               expected, static_cast<int64_t>(seen), static_cast<int64_t>(elapsed));
+    } else {
+        report(ctx, kErrorTimeout, kernel, phase, peer, channel, expected, static_cast<int64_t>(seen),
+               static_cast<int64_t>(elapsed));
+    }
+    return false;
+}
+
+// Adds `value` to the word at `offset` of PE `pe` (NVLink store or NVSHMEM signal), release-ordered after the
+// caller's prior writes (and after whatever the caller observed through a barrier).
+__device__ __forceinline__ void signal_add(const Context& ctx, int pe, int64_t offset, uint64_t value) {
+    if (ctx.peers[pe] != nullptr) {
+        red_add_release_sys_u64(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[pe]) + offset), value);
+    } else {
+        nvshmem_fence();
+        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + offset), value,
+                           NVSHMEM_SIGNAL_ADD, pe);
+    }
+}
+
+__device__ __forceinline__ float bf16_to_float(uint16_t bits) { return __uint_as_float(uint32_t(bits) << 16); }
+
+// Cooperative launch: co-residency of every CTA is required, not a grid.sync() — in dispatch every CTA spins on the
+// count words that CTA (d mod nb) of each rank writes, its own grid's included, so a CTA left unscheduled would
+// stall the others (bounded, but a spurious timeout). The shared-memory ceiling is set once (configure_kernels).
+template <typename Kernel, typename... Args>
+void launch_cooperative(Kernel kernel, int blocks, int smem, cudaStream_t stream, Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeCooperative;
+    attr[0].val.cooperative = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    DEEP_EP_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+
+// cudaFuncAttributeMaxDynamicSharedMemorySize of each file's kernels (configure_kernels calls both).
+void configure_dispatch_kernels();
+void configure_combine_kernels();
+
+}  // namespace ll
+}  // namespace kernels
+}  // namespace deep_ep
