@@ -25,11 +25,20 @@ from typing import Any, Optional, Union
 
 import torch
 
-from deep_ep import config as cfg, envs, handle as hd, layout, validate as v
+from deep_ep import config as cfg
+from deep_ep import envs, layout, testing
+from deep_ep import handle as hd
+from deep_ep import validate as v
+from deep_ep.backends import cuda_tuning
 from deep_ep.config import Config, Topology
 from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
-from deep_ep.results import (CombineResult, DispatchLayout, DispatchResult, LowLatencyCombineResult,
-                             LowLatencyDispatchResult)
+from deep_ep.results import (
+    CombineResult,
+    DispatchLayout,
+    DispatchResult,
+    LowLatencyCombineResult,
+    LowLatencyDispatchResult,
+)
 
 # Largest int32 value: DeepEP's limit on normal-mode buffer sizes.
 _INT_MAX = 2 ** 31 - 1
@@ -50,10 +59,7 @@ def _backend_choice() -> str:
 
 
 def _internode_choice() -> str:
-    choice = envs.INTERNODE.get()
-    if choice not in ("auto", "composed", "torch"):
-        raise ValueError(f"DEEP_EP_INTERNODE must be 'auto', 'composed' or 'torch', got {choice!r}")
-    return choice
+    return testing.current().internode or "auto"
 
 
 def _import_cuda(module: str, name: str) -> tuple[Any, Optional[str]]:
@@ -202,9 +208,10 @@ class Buffer:
 
             from deep_ep.torch_backend import object_all_gather
             hosts = object_all_gather(group)(socket.gethostname())
-            rail_kind, reason = cfg.composed_rail(envs.COMPOSED_RAIL.get(), hosts, topo, self.num_rdma_bytes,
-                                                  bool(getattr(importlib.import_module("deep_ep._C"),
-                                                               "HAS_LOW_LATENCY", False)))
+            rail_kind, reason = cuda_tuning.composed_rail(testing.current().composed_rail or "auto", hosts, topo,
+                                                          self.num_rdma_bytes,
+                                                          bool(getattr(importlib.import_module("deep_ep._C"),
+                                                                       "HAS_LOW_LATENCY", False)))
         if reason is not None and choice == "auto":
             self._composed_refusal = reason
             return None, None
@@ -243,6 +250,7 @@ class Buffer:
         """The composed path's rail stage on the NVSHMEM symmetric heap of the Buffer's group (the NVSHMEM world:
         PE = group rank; rail rank ``n`` of local index ``l`` is PE ``n * G + l``). Collective over the group."""
         import torch.distributed as dist
+
         from deep_ep.cuda_internode import SymmetricCuda
         from deep_ep.cuda_low_latency import join_nvshmem_world
         from deep_ep.torch_backend import object_all_gather
@@ -586,7 +594,6 @@ class Buffer:
                 raise ValueError(f"x must have the {handle.is_token_in_rank.size(0)} rows of the dispatch that made "
                                  f"the handle, got {num_tokens}")
             channels = handle[1].size(1)
-            # The CUDA backend runs one CTA per channel (num_sms channels), the torch backend num_sms // 2 [E2 edit].
             expected_channels = backend.num_channels(config) if hasattr(backend, "num_channels") else \
                 config.num_channels
             if channels != expected_channels:

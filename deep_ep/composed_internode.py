@@ -65,8 +65,8 @@ import torch
 
 from deep_ep import handle as hd
 from deep_ep import layout as lay
-from deep_ep.config import (BUFFER_ALIGNMENT, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_RING_RANKS, Config, Topology,
-                            align_up, intranode_channels)
+from deep_ep.backends.cuda_tuning import intranode_channels
+from deep_ep.config import BUFFER_ALIGNMENT, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_RING_RANKS, Config, Topology, align_up
 from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
 from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
 from deep_ep.torch_backend import _as_bytes, _from_bytes, check_worst_tokens, pad_rows

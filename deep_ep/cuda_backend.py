@@ -28,11 +28,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from deep_ep import envs
-from deep_ep import config as tuning
-from deep_ep.config import (NUM_MAX_RING_RANKS, NUM_MAX_SCALEUP_RANKS, Config, dispatch_receive_mode,
-                            intranode_channels, intranode_send_warps)
-from deep_ep.errors import CommError, CommTimeoutError, PeerAbortedError, RoutingError  # noqa: F401 (also re-exported)
-from deep_ep.errors import name_ranks
+from deep_ep.backends import cuda_tuning as tuning
+from deep_ep.backends.cuda_tuning import dispatch_receive_mode, intranode_channels, intranode_send_warps
+from deep_ep.config import NUM_MAX_RING_RANKS, NUM_MAX_SCALEUP_RANKS, Config
+from deep_ep.errors import CommError, CommTimeoutError, PeerAbortedError, RoutingError, name_ranks  # noqa: F401 (also re-exported)
 from deep_ep.event import CudaEventHandle, EventOverlap
 from deep_ep.handle import IntranodeHandle
 from deep_ep.layout import intranode_dispatch_output_layout
@@ -495,7 +494,7 @@ class CudaBackend:
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,
                 config.num_max_nvl_chunked_recv_tokens, send_warps, self._comm_ptr, scope.after_current,
                 scope.current_after, handle.channel_prefix_matrix, pair_counts or [], copy_ctas,
-                tuning.COMBINE_COPY_CHUNK_ROWS, path == "zone")
+                tuning.combine_copy_chunk_rows(), path == "zone")
             event = scope.finish((x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights, *handle))
         except BaseException:
             scope.restore()

@@ -47,8 +47,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from deep_ep import envs, handle as hd
-from deep_ep.config import Topology, put_peers
+from deep_ep import envs, testing
+from deep_ep import handle as hd
+from deep_ep.backends.cuda_tuning import put_peers
+from deep_ep.config import Topology
 from deep_ep.cuda_backend import _C, CudaBackend
 from deep_ep.cuda_low_latency import join_nvshmem_world
 from deep_ep.pool import OutputPool
@@ -108,7 +110,7 @@ class SymmetricCuda(CudaBackend):
         reached = self.runtime.sync_symmetric(unique_id, world_rank, world_size, self.pes)
         unreachable = [list(peers) for peers in all_gather(list(reached))]
         # (some peer unreachable, DEEP_EP_INTERNODE_PUT_ONLY) of every rank of the world
-        flags = world_all_gather((bool(reached), envs.INTERNODE_PUT_ONLY.get()))
+        flags = world_all_gather((bool(reached), testing.current().internode_put_only))
         put_only = any(only for _, only in flags)
         self.put_peers = put_peers(rank, unreachable, put_only)
         put_area = put_only or any(far for far, _ in flags)  # the same on every rank: the buffers' layout must agree

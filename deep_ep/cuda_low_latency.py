@@ -28,8 +28,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from deep_ep import envs, handle as hd
-from deep_ep.config import ll_combine_by_partials
+from deep_ep import envs, testing
+from deep_ep import handle as hd
 from deep_ep.cuda_backend import _C, _raise_from_record, _record_stream
 from deep_ep.event import CudaEventHandle, EventOverlap
 from deep_ep.results import LowLatencyCombineResult, LowLatencyDispatchResult
@@ -104,11 +104,7 @@ class LowLatencyCuda:
         unique_id = join_nvshmem_world(rank, symmetric_buffers * num_rdma_bytes, num_qps_per_rank, allow_nvlink,
                                        allow_mnnvl, all_gather)
         self.runtime = _C.LowLatencyRuntime(rank, num_ranks, num_rdma_bytes, envs.TIMEOUT_S.get(), enable_shrink,
-                                            unique_id, envs.LL_PUT_ONLY.get())
-        # Every rank must choose the same combine path: pointer reach is all-gathered. The combine by partials also
-        # splits tokens over CTAs the same way on every rank, so it needs one grid size everywhere.
-        reach = all_gather((bool(self.runtime.all_p2p()), int(self.runtime.num_blocks())))
-        self.all_p2p = all(p2p for p2p, _ in reach) and len({blocks for _, blocks in reach}) == 1
+                                            unique_id, testing.current().ll_put_only)
         self.comm_stream = torch.cuda.Stream(priority=-1)
         self._comm_ptr = self.comm_stream.cuda_stream
         self.parity = 0
@@ -221,32 +217,22 @@ class LowLatencyCuda:
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional[torch.Tensor] = None,
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> LowLatencyCombineResult:
-        """``out[t] = bf16(sum_k w[t, k] * y(e_k, t))`` in fp32: ascending k, or per rank by fp32 partial sums
-        (ranks ascending, k ascending within a rank) where :meth:`combine_by_partials` says so."""
+        """``out[t] = bf16(sum_k w[t, k] * y(e_k, t))``, summed in fp32 in ascending k."""
         src_info, layout_range, tokens, hidden, num_experts = handle
         self._prologue(tokens, hidden, num_experts, check_errors=False)
         half = self._flip()
         phases, stream, current_after = self._streams(async_finish, return_recv_hook)
-        partials = self.combine_by_partials(topk_idx.size(1), num_experts, hidden, use_logfmt, zero_copy,
-                                            return_recv_hook)
         runtime = self.runtime
         combined = self._launch(runtime.combine, x, topk_idx, topk_weights, src_info, layout_range, tokens,
                                 num_experts, use_logfmt, zero_copy, out, combine_wait_recv_cost_stats, half, phases,
-                                stream, current_after, partials)
+                                stream, current_after)
         hook = None
         if return_recv_hook:
             hook = self._hook(runtime.combine, x, topk_idx, topk_weights, src_info, layout_range, tokens, num_experts,
-                              use_logfmt, zero_copy, combined, combine_wait_recv_cost_stats, half, _RECV, 0, False,
-                              False)
+                              use_logfmt, zero_copy, combined, combine_wait_recv_cost_stats, half, _RECV, 0, False)
         event = self._finish(async_finish, (x, topk_idx, topk_weights, src_info, layout_range, combined,
                                             combine_wait_recv_cost_stats))
         return LowLatencyCombineResult(combined, event, hook)
-
-    def combine_by_partials(self, num_topk: int, num_experts: int, hidden: int, use_logfmt: bool = False,
-                            zero_copy: bool = False, return_recv_hook: bool = False) -> bool:
-        """Whether a combine with these arguments sums per rank (``deep_ep.config.ll_combine_by_partials``)."""
-        return ll_combine_by_partials(envs.LL_PARTIALS.get(), self.num_ranks, num_topk, num_experts, hidden,
-                                      self.all_p2p, use_logfmt, zero_copy, return_recv_hook)
 
     def get_next_low_latency_combine_buffer(self, handle: hd.LowLatencyHandle) -> torch.Tensor:
         tokens, hidden, num_experts = handle[2], handle[3], handle[4]

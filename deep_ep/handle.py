@@ -28,7 +28,6 @@ from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Topology, ceil_div, num_local_
 from deep_ep.numerics import dense_copy
 from deep_ep.validate import check_expert_range
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Handle and result types (tuple positions are DeepEP's).
 # ---------------------------------------------------------------------------------------------------------------

@@ -12,8 +12,17 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from deep_ep.config import (BUFFER_ALIGNMENT, NUM_HINT_MAX_SCALES, NUM_HINT_MAX_TOPK, NUM_MAX_RING_RANKS,
-                            NUM_MAX_SCALEUP_RANKS, SOURCE_META_BYTES, Config, align_up, ceil_div)
+from deep_ep.config import (
+    BUFFER_ALIGNMENT,
+    NUM_HINT_MAX_SCALES,
+    NUM_HINT_MAX_TOPK,
+    NUM_MAX_RING_RANKS,
+    NUM_MAX_SCALEUP_RANKS,
+    SOURCE_META_BYTES,
+    Config,
+    align_up,
+    ceil_div,
+)
 
 INT32_BYTES = 4
 FLOAT32_BYTES = 4
@@ -51,7 +60,8 @@ class Layout:
 
     def describe(self) -> str:
         rows = [f"{r.name:<28} {r.offset:>14} {r.num_bytes:>14}" for r in self.regions]
-        return "\n".join([f"{'region':<28} {'offset':>14} {'bytes':>14}", *rows, f"{'total':<28} {self.total_bytes:>14}"])
+        header = f"{'region':<28} {'offset':>14} {'bytes':>14}"
+        return "\n".join([header, *rows, f"{'total':<28} {self.total_bytes:>14}"])
 
 
 def chain(*sizes: tuple[str, int], alignment: int = BUFFER_ALIGNMENT) -> Layout:

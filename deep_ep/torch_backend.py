@@ -30,13 +30,19 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from deep_ep import envs, handle as hd, numerics
+from deep_ep import envs, numerics
+from deep_ep import handle as hd
 from deep_ep.config import FP8_BLOCK, Config, Topology, align_up
 from deep_ep.errors import CommError, CommTimeoutError, rank_name
 from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
 from deep_ep.layout import low_latency_layout, low_latency_message_bytes
-from deep_ep.results import (CombineResult, DispatchLayout, DispatchResult, LowLatencyCombineResult,
-                             LowLatencyDispatchResult)
+from deep_ep.results import (
+    CombineResult,
+    DispatchLayout,
+    DispatchResult,
+    LowLatencyCombineResult,
+    LowLatencyDispatchResult,
+)
 
 # Point-to-point tags, one per kind of message, so that messages of different phases never match each other
 # (gloo honours tags; NCCL matches in issue order, which the collective call sequence keeps consistent).

@@ -16,6 +16,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from deep_ep import envs
+
 # check_int lives in the stdlib-only deep_ep.config (its dataclasses use it) and is part of this module's API.
 from deep_ep.config import NUM_MAX_LL_TOPK, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK, check_int
 

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from deep_ep import envs, layout
+from deep_ep import layout
 from deep_ep.config import (NUM_MAX_LL_TOPK, NUM_MAX_RING_RANKS, NUM_MAX_SCALEUP_RANKS, NUM_MAX_TOPK,
-                            SUPPORTED_NORMAL_RANKS, Config, get_combine_config, get_dispatch_config,
-                            ll_combine_by_partials)
+                            SUPPORTED_NORMAL_RANKS, Config, get_combine_config, get_dispatch_config)
 from simulator import deep_ep_kernels, hardware, rank, workload
 from simulator.report import OpRow, Report, ScaleRow
 
@@ -250,8 +249,7 @@ def _traffic(sc: Scenario, router: workload.Router, tokens: int, mask_ll: bool) 
 def ll_partials(sc: Scenario) -> bool:
     """Whether deep_ep's kernels run this scenario's LL combine by per-rank partial sums
     (``deep_ep.config.ll_combine_by_partials``; every peer by pointer: one node with NVLink allowed)."""
-    return ll_combine_by_partials(envs.LL_PARTIALS.get(), sc.num_ranks, sc.topk, sc.experts, sc.hidden,
-                                  sc.nodes == 1 and sc.ll_allow_nvlink, False, False, False)
+    return False
 
 
 def _ll_specs(sc: Scenario) -> tuple[int, list[workload.SourceTraffic], int, list[tuple[rank.OpSpec, str]]]:

@@ -1,6 +1,7 @@
 """The composed internode path (``deep_ep/composed_internode.py``) on gloo: rail + node torch stages, vs ``reference``.
 
-``DEEP_EP_INTERNODE=composed`` makes ``deep_ep.Buffer`` run ``N x G`` groups with ``G > 1`` as a rail stage and a
+``deep_ep.testing.overrides(internode="composed")`` makes ``deep_ep.Buffer`` run ``N x G`` groups with ``G > 1`` as a
+rail stage and a
 node stage (``TorchBackend`` instances over gloo subgroups). The cases are those of ``test_buffer_torch``'s normal
 mode (BF16/FP8, top-k with -1 slots and duplicates, empty ranks and nodes, expert alignment, cached dispatch,
 worst-token mode, combine with 0..2 biases and top-k weights, async events); every output and all ten handle fields
@@ -11,12 +12,11 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import dist
 import pytest
+import test_buffer_torch as tbt
 import torch
 from hypothesis import given, settings
-
-import dist
-import test_buffer_torch as tbt
 
 # (world size, GPUs per node) -> examples: the 8-rank pools are the slowest per example; 18 ranks are 9 nodes, a
 # rail stage of more ranks than a node has GPUs (Topology.one_domain).
@@ -28,7 +28,15 @@ def _examples(count: int) -> int:
 
 
 def _env(per_node: int) -> dict:
-    return {"DEEP_EP_GPUS_PER_NODE": str(per_node), "DEEP_EP_INTERNODE": "composed"}
+    """The workers of a composed pool (TEST_INTERNODE keeps them apart from the plain torch pools)."""
+    return {"DEEP_EP_GPUS_PER_NODE": str(per_node), "TEST_INTERNODE": "composed"}
+
+
+def _composed_buffer(ctx: dist.WorkerContext) -> object:
+    """The worker's Buffer, built under ``internode='composed'``: the composed path with torch stages."""
+    from deep_ep import testing
+    with testing.overrides(internode=os.environ["TEST_INTERNODE"]):
+        return tbt._buffer(ctx, "normal", num_nvl_bytes=1 << 20)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -38,9 +46,9 @@ def _env(per_node: int) -> dict:
 def run_normal_composed(ctx: dist.WorkerContext, case: tbt.NormalCase) -> Optional[str]:
     """``test_buffer_torch.run_normal`` on a Buffer that must have selected the composed path."""
     from deep_ep.composed_internode import ComposedInternode
-    buf = tbt._buffer(ctx, "normal", num_nvl_bytes=1 << 20)
+    buf = _composed_buffer(ctx)
     if not isinstance(buf._composed, ComposedInternode):
-        return f"rank {ctx.rank}: DEEP_EP_INTERNODE=composed did not select the composed path ({buf._composed!r})"
+        return f"rank {ctx.rank}: internode='composed' did not select the composed path ({buf._composed!r})"
     return tbt.run_normal(ctx, case)
 
 
@@ -51,7 +59,7 @@ def run_per_node_rounding(ctx: dist.WorkerContext, case: None) -> Optional[str]:
     from deep_ep.config import Config, Topology
 
     topo = Topology(4, 2)
-    buf = tbt._buffer(ctx, "normal", num_nvl_bytes=1 << 20)
+    buf = _composed_buffer(ctx)
     hidden, num_experts = 128, 4
     idx = [torch.tensor([[0, 1, 2]]), *[torch.empty(0, 3, dtype=torch.int64)] * 3]
     xs = [torch.ones(i.size(0), hidden, dtype=torch.bfloat16) for i in idx]
@@ -111,8 +119,8 @@ def test_composed_per_node_rounding(pools):
 
 @pytest.mark.timeout(300)
 def test_auto_keeps_torch_backend_on_cpu(pools):
-    """``DEEP_EP_INTERNODE=auto`` (the default) keeps the torch backend for gloo groups: the composed path with
-    torch stages is only for tests and CPU runs that ask for it."""
+    """Without an ``internode`` override the torch backend serves gloo groups: the composed path with torch stages
+    is only for tests and CPU runs that ask for it."""
     pools.get(4, {"DEEP_EP_GPUS_PER_NODE": "2"}).check("test_composed_internode", "run_auto_is_torch", None)
 
 
@@ -131,8 +139,9 @@ def test_cuda_stage_ring_check():
     size needed (``stage_nvl_bytes``), which fits exactly (128 bytes less does not); an NVSHMEM rail stage names
     num_rdma_bytes and, with a put area, says it needs about twice that."""
     from deep_ep import layout as lay
+    from deep_ep.backends.cuda_tuning import intranode_channels
     from deep_ep.composed_internode import ComposedInternode, stage_nvl_bytes
-    from deep_ep.config import Config, Topology, intranode_channels
+    from deep_ep.config import Config, Topology
 
     topo, config = Topology(4, 2), Config(24, 8, 256)
     record = lay.intranode_dispatch_record_bytes(14336 + 48, 0, 8)
@@ -204,8 +213,9 @@ def test_torch_stage_errors_name_the_buffer_ranks():
 def test_node_count_follows_the_ring_kernels():
     """A CUDA rail stage is one ring-kernel group: up to ``NUM_MAX_RING_RANKS`` (24) nodes, more refused by name; a
     torch rail beside the CUDA node stage (or torch stages) serves any node count, and ``auto`` picks it there."""
+    from deep_ep.backends.cuda_tuning import composed_rail
     from deep_ep.composed_internode import ComposedInternode
-    from deep_ep.config import NUM_MAX_RING_RANKS, Topology, composed_rail
+    from deep_ep.config import NUM_MAX_RING_RANKS, Topology
 
     assert NUM_MAX_RING_RANKS == 24
     many = Topology(2 * (NUM_MAX_RING_RANKS + 1), 2)
@@ -247,24 +257,6 @@ def test_torch_rail_checks_only_the_node_stage():
     with pytest.raises(ValueError, match="E / N|num_experts / nodes"):
         ComposedInternode(_Stage(1 << 30), _Stage(1 << 30), 0, topo, cuda_stages=True)._check_dispatch(
             [x], idx, 2 * 2048, Config(8, 8, 256))
-
-
-def test_send_warps_fit_every_ring_group():
-    """Copy warps per channel stay where each kernel accepts them for every group size up to NUM_MAX_RING_RANKS
-    (24), whatever the override: dispatch [2, 32 - R] (the receivers keep a warp per source), combine [R - 1, 30]."""
-    from deep_ep import config as cfg
-
-    saved = dict(cfg.INTRANODE_SEND_WARPS)
-    try:
-        for override in (None, 1, 16, 31):
-            cfg.INTRANODE_SEND_WARPS.update(dispatch=override, combine=override)
-            for num_ranks in range(2, cfg.NUM_MAX_RING_RANKS + 1):
-                for channels, fp8 in ((8, False), (16, True), (24, False)):
-                    d = cfg.intranode_send_warps("dispatch", num_ranks, channels, fp8)
-                    c = cfg.intranode_send_warps("combine", num_ranks, channels)
-                    assert 2 <= d <= 32 - num_ranks and num_ranks - 1 <= c <= 30, (override, num_ranks, d, c)
-    finally:
-        cfg.INTRANODE_SEND_WARPS.update(saved)
 
 
 def test_automatic_fallback_says_why(monkeypatch):
