@@ -293,6 +293,6 @@ def test_one_exception_hierarchy_for_every_backend():
                    env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     pytest.importorskip("torch")
     import deep_ep
-    from deep_ep import torch_backend
-    assert torch_backend.CommTimeoutError is deep_ep.CommTimeoutError
-    assert torch_backend.CommError is deep_ep.CommError
+    from deep_ep.backends import torch_dist
+    assert torch_dist.CommTimeoutError is deep_ep.CommTimeoutError
+    assert torch_dist.CommError is deep_ep.CommError

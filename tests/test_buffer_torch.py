@@ -183,6 +183,7 @@ def _randint_bf16(seed: int, shape: tuple) -> torch.Tensor:
 def run_normal(ctx: dist.WorkerContext, case: NormalCase) -> Optional[str]:
     """Layout, dispatch, cached dispatch and combine on this rank vs the global reference."""
     import reference
+    from deep_ep.backends.cuda_tuning import intranode_channels
     from deep_ep.config import Config
 
     routing, rank = case.routing, ctx.rank
@@ -206,6 +207,7 @@ def run_normal(ctx: dist.WorkerContext, case: NormalCase) -> Optional[str]:
 
     xs = [_fp8(i.x) if case.use_fp8 else i.x for i in inputs]
     config = Config(num_sms=2 * num_channels)
+    num_channels = intranode_channels(config.num_sms, routing.num_ranks)  # every backend's channel rule
     num_worst = sum(routing.num_tokens) if case.worst_tokens else 0
     topk = dict(topk_idx=mine.topk_idx, topk_weights=mine.topk_weights) if case.with_topk else {}
     previous = buf.capture() if case.previous_event else None
@@ -261,7 +263,7 @@ def run_normal(ctx: dist.WorkerContext, case: NormalCase) -> Optional[str]:
     bias_arg = [None if not b else (b[0] if len(b) == 1 else b) for b in biases]
     weights = [r.recv_topk_weights for r in refs] if case.with_topk else None
     combined = buf.combine(ys[rank], handle, topk_weights=recv_topk_weights if case.with_topk else None,
-                           bias=bias_arg[rank], config=Config(num_sms=2 * num_channels),
+                           bias=bias_arg[rank], config=config,
                            async_finish=case.async_finish)
     if case.async_finish:
         combined.event.current_stream_wait()
