@@ -10,7 +10,6 @@ Backends return the NamedTuples of ``deep_ep.results``.
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -126,8 +125,8 @@ class Buffer:
         if self.topology.is_internode or low_latency_mode:
             self.nvshmem_qp_depth = _NVSHMEM_QP_DEPTH
         self._destroyed = False
-        # id(key tensor) -> weak reference, for every handle this Buffer returned (see _check_handle).
-        self._handles: dict[int, weakref.ref] = {}
+        # The owner of every handle this Buffer returns (see _check_handle).
+        self._handle_owner = object()
         # (T, H, E) of plain ints that passed _check_low_latency -> local experts per rank.
         self._ll_checked: dict[tuple[int, int, int], int] = {}
 
@@ -188,20 +187,11 @@ class Buffer:
     # ------------------------------------------------------------------------------------------------------------
     # Handles
     # ------------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _handle_key(handle: Any) -> torch.Tensor:
-        if isinstance(handle, hd.InternodeHandle) or (isinstance(handle, tuple) and len(handle) == 10):
-            return handle[6]
-        return handle[0]
-
-    def _register(self, handle: Any) -> Any:
-        key = self._handle_key(handle)
-        ident = id(key)
-        self._handles[ident] = weakref.ref(key, lambda _ref, ident=ident: self._handles.pop(ident, None))
-        return handle
+    def _register(self, handle: hd.HandleState) -> None:
+        handle.owner = self._handle_owner
 
     def _check_handle(self, handle: Any, kind: str) -> Any:
-        """``handle`` must be one this Buffer returned: the right tuple type and length, with its tensors."""
+        """``handle`` must be one this Buffer returned (its ``owner``), of the right type and length."""
         internode = self.topology.is_internode
         if kind == "low_latency":
             cls, length = hd.LowLatencyHandle, 5
@@ -211,12 +201,10 @@ class Buffer:
             got = f"a tuple of length {len(handle)}" if isinstance(handle, tuple) else type(handle).__name__
             raise TypeError(f"handle must be the {cls.__name__} ({length} fields) returned by this Buffer's "
                             f"{'low_latency_dispatch' if kind == 'low_latency' else 'dispatch'}, got {got}")
-        key = self._handle_key(handle)
-        ref = self._handles.get(id(key)) if isinstance(key, torch.Tensor) else None
-        if ref is None or ref() is not key:
+        if not isinstance(handle, cls) or handle.owner is not self._handle_owner:
             raise ValueError(f"handle was not returned by this Buffer (rank {self.rank}); pass the handle of a "
                              "dispatch made with the same Buffer")
-        return handle if type(handle) is cls else cls(*handle)
+        return handle
 
     # ------------------------------------------------------------------------------------------------------------
     # Static and utility methods

@@ -32,7 +32,31 @@ from deep_ep.validate import check_expert_range
 # Handle and result types (tuple positions are DeepEP's).
 # ---------------------------------------------------------------------------------------------------------------
 
-class IntranodeHandle(NamedTuple):
+class HandleState:
+    """What a handle carries beside DeepEP's tuple fields (attributes, not tuple positions).
+
+    Attributes:
+        owner: the token of the ``Buffer`` that returned the handle (``None``: no Buffer returned it); a Buffer
+            accepts only its own handles.
+        backend_state: what the backend that made the handle reuses in its cached dispatch and combine (the CUDA
+            kernels' pair counts or intranode handle, the composed path's stage handles), ``None`` for nothing.
+    """
+
+    __slots__ = ()
+    owner: object = None
+    backend_state: object = None
+
+
+class _IntranodeFields(NamedTuple):
+    rank_prefix_matrix: torch.Tensor
+    channel_prefix_matrix: torch.Tensor
+    recv_channel_prefix_matrix: torch.Tensor
+    recv_src_idx: torch.Tensor
+    is_token_in_rank: torch.Tensor
+    send_head: torch.Tensor
+
+
+class IntranodeHandle(_IntranodeFields, HandleState):
     """Handle of an intranode normal dispatch (DeepEP's 6-tuple).
 
     Fields (``R`` ranks, ``C`` channels, ``N`` tokens sent by this rank, ``M`` rows received by this rank):
@@ -48,15 +72,21 @@ class IntranodeHandle(NamedTuple):
             ``t`` was not sent to ``d``.
     """
 
-    rank_prefix_matrix: torch.Tensor
-    channel_prefix_matrix: torch.Tensor
-    recv_channel_prefix_matrix: torch.Tensor
-    recv_src_idx: torch.Tensor
+
+class _InternodeFields(NamedTuple):
     is_token_in_rank: torch.Tensor
-    send_head: torch.Tensor
+    rdma_channel_prefix_matrix: torch.Tensor
+    gbl_channel_prefix_matrix: torch.Tensor
+    recv_rdma_channel_prefix_matrix: torch.Tensor
+    recv_rdma_rank_prefix_sum: torch.Tensor
+    recv_gbl_channel_prefix_matrix: torch.Tensor
+    recv_gbl_rank_prefix_sum: torch.Tensor
+    recv_src_meta: torch.Tensor
+    send_rdma_head: torch.Tensor
+    send_nvl_head: torch.Tensor
 
 
-class InternodeHandle(NamedTuple):
+class InternodeHandle(_InternodeFields, HandleState):
     """Handle of an internode normal dispatch (DeepEP's 10-tuple).
 
     ``R_so`` = nodes (scale-out ranks), ``P`` = ranks per node; this rank is ``(my_node, my_local)``.
@@ -82,19 +112,16 @@ class InternodeHandle(NamedTuple):
             ``j >= P`` are -1.
     """
 
-    is_token_in_rank: torch.Tensor
-    rdma_channel_prefix_matrix: torch.Tensor
-    gbl_channel_prefix_matrix: torch.Tensor
-    recv_rdma_channel_prefix_matrix: torch.Tensor
-    recv_rdma_rank_prefix_sum: torch.Tensor
-    recv_gbl_channel_prefix_matrix: torch.Tensor
-    recv_gbl_rank_prefix_sum: torch.Tensor
-    recv_src_meta: torch.Tensor
-    send_rdma_head: torch.Tensor
-    send_nvl_head: torch.Tensor
+
+class _LowLatencyFields(NamedTuple):
+    packed_recv_src_info: torch.Tensor
+    packed_recv_layout_range: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
 
 
-class LowLatencyHandle(NamedTuple):
+class LowLatencyHandle(_LowLatencyFields, HandleState):
     """Handle of a low-latency dispatch (DeepEP's 5-tuple).
 
     Fields (``L`` local experts, ``R`` ranks, ``T`` = num_max_dispatch_tokens_per_rank):
@@ -105,12 +132,6 @@ class LowLatencyHandle(NamedTuple):
         hidden: ``H`` (int).
         num_experts: ``E`` (int).
     """
-
-    packed_recv_src_info: torch.Tensor
-    packed_recv_layout_range: torch.Tensor
-    num_max_dispatch_tokens_per_rank: int
-    hidden: int
-    num_experts: int
 
 
 class LayoutResult(NamedTuple):

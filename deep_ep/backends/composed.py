@@ -15,7 +15,6 @@ that their rings hold ``2 * num_max_nvl_chunked_send_tokens`` records (``stage_n
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Collection, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -221,24 +220,17 @@ class ComposedInternode(Backend):
                 (rail, [n * per_node + self.my_local for n in range(num_nodes)], "composed rail stage"),
                 (node, [self.my_node * per_node + local for local in range(per_node)], "composed node stage")):
             stage.set_rank_names(members, scope)
-        # id(handle.recv_src_meta) -> (weak reference to it, _Plan): the stage handles behind each returned handle.
-        self._plans: dict[int, tuple[weakref.ref, _Plan]] = {}
 
     # ------------------------------------------------------------------------------------------------------------
     # Bookkeeping
     # ------------------------------------------------------------------------------------------------------------
-    def _keep(self, handle: hd.InternodeHandle, plan: _Plan) -> None:
-        key = handle.recv_src_meta
-        ident = id(key)
-        self._plans[ident] = (weakref.ref(key, lambda _ref, ident=ident: self._plans.pop(ident, None)), plan)
-
-    def _plan(self, handle: Any) -> _Plan:
-        key = handle[7]  # recv_src_meta
-        entry = self._plans.get(id(key))
-        if entry is None or entry[0]() is not key:
+    def _plan(self, handle: hd.InternodeHandle) -> _Plan:
+        """The stage handles and row order behind ``handle`` (its ``backend_state``)."""
+        plan = handle.backend_state
+        if not isinstance(plan, _Plan):
             raise ValueError(f"handle was not returned by this Buffer's composed internode dispatch (rank "
                              f"{self.rank}); pass the handle of a dispatch made with the same Buffer")
-        return entry[1]
+        return plan
 
     @staticmethod
     def _scope(request: Any, device: torch.device) -> StreamScope:
@@ -255,7 +247,6 @@ class ComposedInternode(Backend):
     def destroy(self) -> None:
         self.rail.destroy()
         self.node.destroy()
-        self._plans.clear()
 
     def reset(self) -> None:
         """Collective: the CUDA stages' recovery after a failed call (rail stage, then node stage)."""
@@ -359,7 +350,7 @@ class ComposedInternode(Backend):
         else:
             recv_x = pad_rows(recv_x, num_worst_tokens)
         padded = handle._replace(recv_src_meta=pad_rows(handle.recv_src_meta, num_worst_tokens))
-        self._keep(padded, self._plan(handle))
+        padded.backend_state = handle.backend_state
         return (recv_x, pad_rows(recv_idx, num_worst_tokens, -1), pad_rows(recv_weights, num_worst_tokens), [],
                 padded)
 
@@ -443,7 +434,7 @@ class ComposedInternode(Backend):
         recv_mask = hd.unpack_rank_bits(_gathered(node_cols[3], order, torch.int32, 1).view(-1), per_node)
         new_handle = internode_handle_fields(mask, topo, num_channels, rail_prefix, fwd_channel, fwd_mask,
                                              src_rank[order], recv_channel, recv_mask)
-        self._keep(new_handle, _Plan(rail.handle, node.handle, order, inverse))
+        new_handle.backend_state = _Plan(rail.handle, node.handle, order, inverse)
         return recv_x, recv_idx, recv_weights, node.num_recv_tokens_per_expert_list, new_handle
 
     def _cached_dispatch(self, data: torch.Tensor, scales: Optional[torch.Tensor], plan: _Plan, stage: dict) -> Any:

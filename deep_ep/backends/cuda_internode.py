@@ -14,7 +14,6 @@ kernels' single fp32 accumulation over ranks equals the reference's two-level co
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -116,8 +115,6 @@ class InternodeCuda(SymmetricCuda):
         unique_id = join_nvshmem_world(rank, num_rdma_bytes, num_qps_per_rank, True, allow_mnnvl, all_gather)
         super().__init__(rank, num_ranks, num_rdma_bytes, unique_id, rank, num_ranks, range(num_ranks), all_gather,
                          barrier)
-        # id(handle.recv_gbl_rank_prefix_sum) -> (weak reference to it, the kernels' IntranodeHandle of that dispatch)
-        self._kernel_views: dict[int, tuple] = {}
 
     @classmethod
     def from_group(cls, group, **kwargs: Any) -> "InternodeCuda":
@@ -156,18 +153,15 @@ class InternodeCuda(SymmetricCuda):
         layout = super().get_dispatch_layout(request)
         return layout._replace(num_tokens_per_rdma_rank=layout.num_tokens_per_rank)
 
-    def _kernel_handle(self, handle):
-        """The kernels' fields of an internode handle: the ones its dispatch produced while the handle lives (so a
-        cached call launches nothing but its kernel), else converted on the comm stream."""
-        handle = hd.InternodeHandle(*handle)
-        key = handle.recv_gbl_rank_prefix_sum
-        entry = self._kernel_views.get(id(key))
-        if entry is not None and entry[0]() is key:
-            return entry[1]
+    def _kernel_handle(self, handle: hd.InternodeHandle) -> hd.IntranodeHandle:
+        """The kernels' fields of an internode handle: the ones its dispatch produced (its ``backend_state``: a cached
+        call launches nothing but its kernel), else converted on the comm stream."""
+        if isinstance(handle.backend_state, hd.IntranodeHandle):
+            return handle.backend_state
         with torch.cuda.stream(self.comm_stream):
             return hd.single_gpu_nodes_kernel_handle(handle, self.rank)
 
-    def _user_handle(self, handle, current_after: bool):
+    def _user_handle(self, handle: hd.IntranodeHandle, current_after: bool) -> hd.InternodeHandle:
         compute = torch.cuda.current_stream()
         with torch.cuda.stream(self.comm_stream):
             out = hd.single_gpu_nodes_handle(handle, self.rank)
@@ -175,7 +169,5 @@ class InternodeCuda(SymmetricCuda):
             tensor.record_stream(compute)
         if current_after:  # the launch's wait predates the conversion
             compute.wait_stream(self.comm_stream)
-        key = out.recv_gbl_rank_prefix_sum
-        ident = id(key)
-        self._kernel_views[ident] = (weakref.ref(key, lambda _ref: self._kernel_views.pop(ident, None)), handle)
+        out.backend_state = handle
         return out

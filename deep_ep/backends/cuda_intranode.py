@@ -222,6 +222,7 @@ class CudaBackend(Backend):
                 recv_channel_prefix_matrix = torch.empty(self.num_ranks, num_channels, dtype=torch.int32,
                                                          device=device)
                 worst = num_worst_tokens > 0
+                pair_counts = None
                 self.runtime.notify_dispatch(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank,
                                              num_experts, num_channels, request.expert_alignment, worst,
                                              rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
@@ -236,8 +237,8 @@ class CudaBackend(Backend):
                         self.check_errors()  # a device-side report names the missing peer: prefer it
                         raise CommTimeoutError(name_ranks(str(exc), self.rank_names, self.rank_scope)) from None
                     per_expert_list = list(per_expert_list)
-                    # The pair counts size a copy-engine combine with this handle (attached to its first tensor).
-                    rank_prefix_matrix._deep_ep_pair_counts = self.runtime.pair_counts()
+                    # The rows of every (source, destination) pair size a landing-zone combine with this handle.
+                    pair_counts = self.runtime.pair_counts()
 
             data_offset, meta_offset = self._pool_blocks(num_recv_tokens, data, scales, topk_idx, cached,
                                                          ordered=request.previous_event is None)
@@ -253,9 +254,10 @@ class CudaBackend(Backend):
 
             new_handle = None
             if not cached:
-                new_handle = self._user_handle(IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix,
-                                                               recv_channel_prefix_matrix, recv_src_idx,
-                                                               is_token_in_rank, send_head), scope.current_after)
+                kernel_handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+                                                recv_src_idx, is_token_in_rank, send_head)
+                kernel_handle.backend_state = pair_counts
+                new_handle = self._user_handle(kernel_handle, scope.current_after)
             event = scope.finish((data, scales, topk_idx, request.topk_weights, is_token_in_rank,
                                   num_tokens_per_rank, num_tokens_per_expert, rank_prefix_matrix,
                                   channel_prefix_matrix, recv_channel_prefix_matrix, recv_x, recv_scales,
@@ -266,8 +268,9 @@ class CudaBackend(Backend):
         return DispatchResult(out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event)
 
     def _kernel_handle(self, handle: object) -> IntranodeHandle:
-        """The handle as the kernels read it (an ``IntranodeHandle``). The internode backend converts its handle
-        here (on the comm stream, which produced the handle's tensors)."""
+        """The handle as the kernels read it (an ``IntranodeHandle`` whose ``backend_state`` holds the pair counts of
+        its dispatch, or ``None``). The internode backend converts its handle here (on the comm stream, which
+        produced the handle's tensors)."""
         return handle
 
     def _user_handle(self, handle: IntranodeHandle, current_after: bool) -> object:
@@ -338,7 +341,7 @@ class CudaBackend(Backend):
         bias_0, bias_1 = (*request.bias, None, None)[:2]
         with self._scope(request) as scope:
             handle = self._kernel_handle(handle)
-            pair_counts = getattr(handle.rank_prefix_matrix, "_deep_ep_pair_counts", None)
+            pair_counts = handle.backend_state
             path = tuning.combine_send_path(config.num_sms)
             landed = self.copy_engine_combine and bool(pair_counts) and path != "rings"
             copy_ctas = config.num_sms if landed else 0
