@@ -38,6 +38,8 @@ FP8_BLOCK = 128
 FP8_E4M3_MAX = 448.0
 # Every buffer byte count and region is a multiple of this.
 BUFFER_ALIGNMENT = 128
+# Bytes of an int32 / float32 word in the size-hint formulas.
+_WORD_BYTES = 4
 # Ring sequence sentinel used by combine's rewrite of skipped send-head entries.
 SEND_HEAD_SENTINEL = 1 << 25
 
@@ -113,14 +115,60 @@ class Config:
                 f"rdma_recv={self.num_max_rdma_chunked_recv_tokens})")
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of scale-up buffer the normal kernels need (DeepEP's formula; see ``deep_ep.layout``)."""
-        from deep_ep import layout
-        return layout.nvl_buffer_size_hint(self, hidden_bytes, num_ranks)
+        """Bytes of scale-up buffer the normal kernels need (DeepEP's formula, :func:`nvl_buffer_size_hint`)."""
+        return nvl_buffer_size_hint(self, hidden_bytes, num_ranks)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of scale-out buffer the normal internode kernels need; 0 within one node."""
-        from deep_ep import layout
-        return layout.rdma_buffer_size_hint(self, hidden_bytes, num_ranks)
+        return rdma_buffer_size_hint(self, hidden_bytes, num_ranks)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Normal-mode size hints: DeepEP's formulas, so that buffers sized for DeepEP fit here too. They count a channel per
+# pair of SMs, as DeepEP's kernels do; the kernels here carve whatever buffer they get (deep_ep.layout).
+# ---------------------------------------------------------------------------------------------------------------
+
+def _check_normal_ranks(num_ranks: int) -> None:
+    if num_ranks > NUM_MAX_SCALEUP_RANKS and num_ranks % NUM_MAX_SCALEUP_RANKS != 0:
+        raise ValueError(f"num_ranks must be < {NUM_MAX_SCALEUP_RANKS} or a multiple of {NUM_MAX_SCALEUP_RANKS}, "
+                         f"got {num_ranks}")
+
+
+def nvl_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, topk_idx_bytes: int = 8) -> int:
+    """Scale-up buffer bytes for the normal kernels, rounded up to 128.
+
+    ``hidden_bytes`` should be ``hidden * max(element_size, 2)`` (BF16-sized even for FP8), as in DeepEP.
+    """
+    _check_normal_ranks(num_ranks)
+    if num_ranks > NUM_MAX_SCALEUP_RANKS and config.num_sms % 2 != 0:
+        raise ValueError(f"num_sms must be even, got {config.num_sms}")
+    num_channels = config.num_sms // 2
+    num_nvl = min(num_ranks, NUM_MAX_SCALEUP_RANKS)
+    num_rdma = max(num_ranks // NUM_MAX_SCALEUP_RANKS, 1)
+    slots = num_channels * num_nvl * config.num_max_nvl_chunked_recv_tokens
+    num_bytes = (num_channels * num_nvl * (2 * num_rdma + 3) * _WORD_BYTES
+                 + slots * hidden_bytes
+                 + slots * SOURCE_META_BYTES
+                 + slots * NUM_HINT_MAX_TOPK * topk_idx_bytes
+                 + slots * NUM_HINT_MAX_TOPK * _WORD_BYTES
+                 + slots * NUM_HINT_MAX_SCALES * _WORD_BYTES)
+    return align_up(num_bytes, BUFFER_ALIGNMENT)
+
+
+def rdma_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, topk_idx_bytes: int = 8) -> int:
+    """Scale-out buffer bytes for the normal internode kernels, rounded up to 128; 0 within one node."""
+    if num_ranks <= NUM_MAX_SCALEUP_RANKS:
+        return 0
+    _check_normal_ranks(num_ranks)
+    if config.num_sms % 2 != 0:
+        raise ValueError(f"num_sms must be even, got {config.num_sms}")
+    num_channels = config.num_sms // 2
+    num_rdma = num_ranks // NUM_MAX_SCALEUP_RANKS
+    record = (hidden_bytes + SOURCE_META_BYTES + NUM_HINT_MAX_TOPK * topk_idx_bytes
+              + NUM_HINT_MAX_TOPK * _WORD_BYTES + NUM_HINT_MAX_SCALES * _WORD_BYTES + 16)
+    num_bytes = (num_channels * num_rdma * (NUM_MAX_SCALEUP_RANKS * 2 + 2) * 2 * _WORD_BYTES
+                 + 2 * num_channels * num_rdma * config.num_max_rdma_chunked_recv_tokens * record)
+    return align_up(num_bytes, BUFFER_ALIGNMENT)
 
 
 @dataclass(frozen=True)
