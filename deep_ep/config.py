@@ -68,8 +68,9 @@ class Config:
     """Tuning of the normal dispatch/combine kernels (DeepEP V1 ``Config``).
 
     Args (DeepEP's positional order):
-        num_sms: SMs (thread blocks) per kernel; even, because a channel is a pair of SMs. The CUDA intranode
-            kernels treat it as a budget: one CTA per channel, at most ``INTRANODE_MAX_CHANNELS[R]`` channels.
+        num_sms: the SM budget of a call, even (as in DeepEP). The normal kernels run one channel (a CTA) per SM,
+            at most a tuned cap per rank count (``deep_ep.backends.cuda_tuning.intranode_channels``); every
+            backend's handles have that many channels.
         num_max_nvl_chunked_send_tokens: tokens moved per step over the scale-up link before a tail publish (``Sn``).
         num_max_nvl_chunked_recv_tokens: scale-up ring capacity per (channel, peer), in tokens (``Nn``).
         num_max_rdma_chunked_send_tokens: tokens per scale-out put (``Sr``).
@@ -104,11 +105,6 @@ class Config:
                 "num_max_rdma_chunked_send_tokens must be <= num_max_rdma_chunked_recv_tokens // 2 (after rounding "
                 f"the latter up to a multiple of the former), got {send_r} > {recv_r} // 2")
 
-    @property
-    def num_channels(self) -> int:
-        """Channels (pairs of SMs) of the normal kernels: ``num_sms // 2``."""
-        return self.num_sms // 2
-
     def describe(self) -> str:
         return (f"Config(num_sms={self.num_sms}, nvl_send={self.num_max_nvl_chunked_send_tokens}, "
                 f"nvl_recv={self.num_max_nvl_chunked_recv_tokens}, rdma_send={self.num_max_rdma_chunked_send_tokens}, "
@@ -142,11 +138,11 @@ def nvl_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, topk
     _check_normal_ranks(num_ranks)
     if num_ranks > NUM_MAX_SCALEUP_RANKS and config.num_sms % 2 != 0:
         raise ValueError(f"num_sms must be even, got {config.num_sms}")
-    num_channels = config.num_sms // 2
+    deepep_channels = config.num_sms // 2
     num_nvl = min(num_ranks, NUM_MAX_SCALEUP_RANKS)
     num_rdma = max(num_ranks // NUM_MAX_SCALEUP_RANKS, 1)
-    slots = num_channels * num_nvl * config.num_max_nvl_chunked_recv_tokens
-    num_bytes = (num_channels * num_nvl * (2 * num_rdma + 3) * _WORD_BYTES
+    slots = deepep_channels * num_nvl * config.num_max_nvl_chunked_recv_tokens
+    num_bytes = (deepep_channels * num_nvl * (2 * num_rdma + 3) * _WORD_BYTES
                  + slots * hidden_bytes
                  + slots * SOURCE_META_BYTES
                  + slots * NUM_HINT_MAX_TOPK * topk_idx_bytes
@@ -162,12 +158,12 @@ def rdma_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, top
     _check_normal_ranks(num_ranks)
     if config.num_sms % 2 != 0:
         raise ValueError(f"num_sms must be even, got {config.num_sms}")
-    num_channels = config.num_sms // 2
+    deepep_channels = config.num_sms // 2
     num_rdma = num_ranks // NUM_MAX_SCALEUP_RANKS
     record = (hidden_bytes + SOURCE_META_BYTES + NUM_HINT_MAX_TOPK * topk_idx_bytes
               + NUM_HINT_MAX_TOPK * _WORD_BYTES + NUM_HINT_MAX_SCALES * _WORD_BYTES + 16)
-    num_bytes = (num_channels * num_rdma * (NUM_MAX_SCALEUP_RANKS * 2 + 2) * 2 * _WORD_BYTES
-                 + 2 * num_channels * num_rdma * config.num_max_rdma_chunked_recv_tokens * record)
+    num_bytes = (deepep_channels * num_rdma * (NUM_MAX_SCALEUP_RANKS * 2 + 2) * 2 * _WORD_BYTES
+                 + 2 * deepep_channels * num_rdma * config.num_max_rdma_chunked_recv_tokens * record)
     return align_up(num_bytes, BUFFER_ALIGNMENT)
 
 

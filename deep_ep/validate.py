@@ -162,7 +162,7 @@ def split_bias(bias: object, num_tokens: int, hidden: int, dtype: torch.dtype,
 def check_even_num_sms(name: str, num_sms: object) -> int:
     check_int(name, num_sms, 2)
     if num_sms % 2 != 0:
-        raise ValueError(f"{name} must be even (a channel is 2 SMs), got {num_sms}")
+        raise ValueError(f"{name} must be even (as in DeepEP), got {num_sms}")
     return num_sms
 
 

@@ -10,12 +10,12 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 
 from deep_ep import handle as hd
-from deep_ep.config import Config, Topology, align_up, num_local_experts
+from deep_ep.config import Topology, align_up, num_local_experts
 from deep_ep.validate import check_int, check_tensor
 from reference._checks import check_per_rank
 
-# Channels used when the caller does not say: DeepEP's default ``Buffer.num_sms = 20`` -> 10 channels.
-DEFAULT_NUM_CHANNELS = Config().num_channels
+# Channels when the caller does not say; the rows do not depend on it, only the handles' channel fields do.
+DEFAULT_NUM_CHANNELS = 10
 
 XInput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 Handle = Union[hd.IntranodeHandle, hd.InternodeHandle]

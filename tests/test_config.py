@@ -62,11 +62,6 @@ def test_config_is_frozen_and_hashable():
     assert hash(config) == hash(Config())
 
 
-def test_num_channels_is_half_the_sms():
-    assert Config(num_sms=24).num_channels == 12
-    assert Config(num_sms=0).num_channels == 0
-
-
 def test_describe_mentions_every_value():
     text = Config(22, 7, 100, 5, 50).describe()
     for value in ("22", "7", "100", "5", "50"):
