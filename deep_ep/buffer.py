@@ -252,8 +252,8 @@ class Buffer:
     def get_comm_stream(self) -> "torch.cuda.Stream":
         """The communication stream (CUDA only)."""
         self._alive()
-        for backend in (self._cuda, self._composed, self._cuda_ll, self._torch):
-            stream = backend.get_comm_stream() if backend is not None else None
+        for backend in self._backends:
+            stream = backend.get_comm_stream()
             if stream is not None:
                 return stream
         raise RuntimeError("get_comm_stream() has no meaning without CUDA: the torch backend runs on CPU "
@@ -283,9 +283,7 @@ class Buffer:
             if size.numel() > available:
                 raise ValueError(f"size {tuple(size)} needs {size.numel()} elements of {dtype}, but the buffer has "
                                  f"{available} from offset {offset}")
-        # The CUDA internode backend's buffer is the RDMA one; the intranode backend's the NVL one.
-        cuda_buffer_is_rdma = self._cuda is not None and self.topology.is_internode
-        backend = self._cuda if (self._cuda is not None and use_rdma_buffer == cuda_buffer_is_rdma) else self._torch
+        backend = self._backend("get_local_buffer_tensor", "buffer", "rdma" if use_rdma_buffer else "nvl")
         return backend.get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 
     # ------------------------------------------------------------------------------------------------------------

@@ -1,22 +1,15 @@
 """Dispatch handles and the bookkeeping math behind every handle field.
 
-Torch only; no extension, no ``reference``. The functions here are pure (tensors in, tensors out) and are split
-the way a distributed implementation runs them:
+Torch only; no extension, no ``reference``. The functions are pure (tensors in, tensors out) and split the way a
+distributed implementation runs them: the sender side (:func:`intranode_sender`, :func:`internode_sender`) from this
+rank's ``is_token_in_rank`` and the channel count; an exchange of counts, prefixes and per-row metadata that the
+caller makes; the receiver side (:func:`rank_prefix_matrix`, :func:`recv_channel_prefix_matrix`, the
+``recv_gbl_*`` / ``recv_rdma_*`` functions, :func:`encode_src_meta`, :func:`forwarder_send_nvl_head`).
 
-* **sender side** (:func:`intranode_sender`, :func:`internode_sender`): computed locally from this rank's
-  ``is_token_in_rank`` and the channel count;
-* **exchange**: the caller moves per-destination counts, per-channel prefixes and per-row metadata between ranks;
-* **receiver side** (:func:`rank_prefix_matrix`, :func:`recv_channel_prefix_matrix`, :func:`recv_gbl_rank_prefix_sum`,
-  :func:`recv_gbl_channel_prefix_matrix`, :func:`recv_rdma_channel_prefix_matrix`,
-  :func:`recv_rdma_rank_prefix_sum`, :func:`encode_src_meta`, :func:`forwarder_send_nvl_head`): computed from
-  what the receiver learned.
-
-Channels: a sender splits its ``N`` tokens into ``C`` contiguous chunks of ``ceil(N / C)`` tokens
-(:func:`deep_ep.layout.channel_token_range`); token ``t`` is in channel ``t // ceil(N / C)``. A "ring sequence
-number" of a token is its position among the earlier tokens of the same ring (same channel and destination),
-counted from 0 and never reduced modulo the ring capacity.
-
-All integer handle tensors are int32, as in DeepEP; ``recv_src_meta`` is uint8 and ``is_token_in_rank`` bool.
+Channels: a sender splits its ``N`` tokens into ``C`` contiguous chunks of ``ceil(N / C)`` tokens; token ``t`` is in
+channel ``t // ceil(N / C)``. A token's ring sequence number is its position among the earlier tokens of the same
+ring (same channel and destination), from 0, never reduced modulo the ring capacity. Integer handle tensors are
+int32, as in DeepEP; ``recv_src_meta`` is uint8 and ``is_token_in_rank`` bool.
 """
 from __future__ import annotations
 
@@ -448,7 +441,7 @@ def forwarder_send_nvl_head(src_node: torch.Tensor, channel: torch.Tensor, local
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# One GPU per node (deep_ep/cuda_internode.py): internode handle <-> the intranode kernels' fields.
+# One GPU per node (deep_ep/backends/cuda_internode.py): internode handle <-> the intranode kernels' fields.
 # ---------------------------------------------------------------------------------------------------------------
 
 def single_gpu_nodes_handle(handle: IntranodeHandle, rank: int) -> InternodeHandle:
@@ -462,7 +455,7 @@ def single_gpu_nodes_handle(handle: IntranodeHandle, rank: int) -> InternodeHand
             exclusive inside each source's block, ``recv_src_idx [M]`` (``M`` may include worst-token padding),
             ``is_token_in_rank``, ``send_head [N, R]``.
     Returns:
-        :class:`InternodeHandle` with the fields of spec §9.6 for ``R_rdma = R``, one rank per node.
+        :class:`InternodeHandle` for ``R_rdma = R``, one rank per node (the fields as the torch backend builds them).
     """
     prefix = handle.rank_prefix_matrix[:, rank].contiguous()                  # inclusive over sources
     counts = prefix - torch.cat([prefix.new_zeros(1), prefix[:-1]])

@@ -298,7 +298,7 @@ def _with_rings(geometry: RingGeometry, num_ranks: int, num_channels: int, name:
 
 def intranode_dispatch_layout(num_ranks: int, num_channels: int, num_recv_tokens: int, hidden_bytes: int,
                               num_topk: int, num_scales: int, topk_idx_bytes: int = 8) -> Layout:
-    """DeepEP V1's regions of one rank's scale-up buffer during an intranode dispatch (spec §13.1 shape).
+    """DeepEP V1's regions of one rank's scale-up buffer during an intranode dispatch.
 
     Our kernels carve the buffer differently (:func:`intranode_dispatch_ring_layout`); this function documents
     the shape DeepEP's size hints were derived from.
@@ -321,7 +321,7 @@ def intranode_dispatch_layout(num_ranks: int, num_channels: int, num_recv_tokens
 
 def intranode_combine_layout(num_ranks: int, num_channels: int, num_recv_tokens: int, hidden: int,
                              num_topk: int) -> Layout:
-    """DeepEP V1's regions of one rank's scale-up buffer during an intranode combine (spec §13.2 shape).
+    """DeepEP V1's regions of one rank's scale-up buffer during an intranode combine.
 
     Our kernels use :func:`intranode_combine_ring_layout`."""
     rings = num_channels * num_ranks

@@ -167,7 +167,7 @@ def check_even_num_sms(name: str, num_sms: object) -> int:
 
 
 def check_stream_args(previous_event: object, async_finish: object, allocate_on_comm_stream: object) -> None:
-    """``allocate_on_comm_stream`` needs both ``previous_event`` and ``async_finish`` (spec §6.2)."""
+    """``allocate_on_comm_stream`` needs both ``previous_event`` and ``async_finish`` (as in DeepEP)."""
     check_bool("async_finish", async_finish)
     check_bool("allocate_on_comm_stream", allocate_on_comm_stream)
     if allocate_on_comm_stream and (previous_event is None or not async_finish):

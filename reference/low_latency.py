@@ -1,4 +1,4 @@
-"""Reference semantics of the low-latency kernels: per-expert dispatch and weighted combine (spec §11, §12).
+"""Reference semantics of the low-latency kernels: per-expert dispatch and weighted combine.
 
 Global view, plain loops: inputs of all ranks in, outputs of all ranks out.
 

@@ -13,7 +13,7 @@ from deep_ep.config import Config, Topology, get_combine_config, get_dispatch_co
 FIELDS = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
           "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")
 
-# spec/buffer_api.md §7.3: (Sn, Nn, Sr, Nr) of dispatch and combine per rank count, before Nr rounding.
+# DeepEP's tuned tables: (Sn, Nn, Sr, Nr) of dispatch and combine per rank count, before Nr rounding.
 SPEC_TABLE = {
     2: ((24, 256, 6, 128), (10, 256, 6, 128)),
     4: ((6, 256, 6, 128), (9, 256, 6, 128)),
@@ -170,7 +170,7 @@ def test_default_tables_match_spec(num_ranks):
 
 
 def test_nr_rounding_in_tables():
-    # EP16 dispatch has Sr=20, so Nr 128 becomes 140 (spec §7.3).
+    # EP16 dispatch has Sr=20, so Nr 128 becomes 140.
     assert get_dispatch_config(16).num_max_rdma_chunked_recv_tokens == 140
     assert get_combine_config(16).num_max_rdma_chunked_recv_tokens == 132
 

@@ -1,19 +1,13 @@
-"""Selection rules and tuned tables of the CUDA ring kernels, in one place.
+"""Selection rules and tuned tables of the CUDA ring kernels, in one place (standard library only).
 
-Standard library only (the simulator reads it). ``num_sms`` of a ``Config`` is the SM budget of a call; from it:
-
-* channels (:func:`intranode_channels`): one CTA per channel, ``num_sms`` of them up to a cap per rank count;
-  every backend gives its handles this many channels;
-* copy warps per channel (:func:`intranode_send_warps`, :func:`zone_send_warps`);
-* the intranode combine send path (:func:`combine_send_path`): copy engine up to ``COMBINE_COPY_MAX_SMS`` SMs, ring
-  senders below ``COMBINE_ZONE_MIN_SMS``, zone senders from there, each the fastest measured in its regime
-  (docs/performance.md);
-* the dispatch receive path (:func:`dispatch_receive_mode`): straight into the outputs when the buffer's output
-  pool has room, else through the rings;
-* the composed path's rail stage (:func:`composed_rail`) and the put peers of the NVSHMEM backends
-  (:func:`put_peers`).
-
-``deep_ep.testing.overrides`` overrides each choice for tests and benchmarks.
+``num_sms`` of a ``Config`` is the SM budget of a call; from it come the channels (:func:`intranode_channels`: one
+CTA per channel, ``num_sms`` of them up to a cap per rank count, the channel count of every backend's handles), the
+copy warps per channel (:func:`intranode_send_warps`, :func:`zone_send_warps`) and the intranode combine send path
+(:func:`combine_send_path`: copy engine up to ``COMBINE_COPY_MAX_SMS`` SMs, ring senders below
+``COMBINE_ZONE_MIN_SMS``, zone senders from there, each the fastest measured in its regime, docs/performance.md).
+Dispatch receives straight into its outputs when the buffer's output pool has room, else through the rings
+(:func:`dispatch_receive_mode`). Also here: the composed path's rail stage (:func:`composed_rail`) and the NVSHMEM
+put peers (:func:`put_peers`). ``deep_ep.testing.overrides`` overrides each choice for tests and benchmarks.
 """
 from __future__ import annotations
 
@@ -30,7 +24,7 @@ from deep_ep.layout import INTRANODE_MAX_CHANNELS
 INTRANODE_CHANNEL_CAP: Mapping[int, int] = types.MappingProxyType({2: 16})
 
 # Copy warps per channel by (kernel, dtype): rows (largest channel count, warps); the first row whose bound is >= the
-# call's channel count applies, the last one above it. Best of a sweep on 2 x H200, EP2, 4096 tokens, hidden 7168
+# call's channel count applies, the last one above it. The best measured on 2 x H200, EP2, 4096 tokens, hidden 7168
 # (wall us by warps):
 #   dispatch BF16   8 ch: 24 -> 321, 16 -> 325 | 12 ch: 24 -> 223 | 16 ch: 12 -> 195, 16 -> 209
 #   dispatch FP8    8 ch: 24 -> 196, 20 -> 198 | 12 ch: 24 -> 144 | 16 ch: 24 -> 116, 16 -> 129
