@@ -2,16 +2,15 @@
 
 A drop-in for DeepEP V1's ``deep_ep.Buffer`` API. Public names:
 
-* ``Buffer``: the communication buffer (normal and low-latency dispatch/combine).
-* ``EventOverlap``: completion event wrapper returned by every call.
-* ``Config``: tuning config of the normal kernels.
+* ``Buffer``: the communication buffer (normal and low-latency dispatch/combine); ``EventOverlap``: the completion
+  event every call returns; ``Config``: tuning config of the normal kernels.
 * ``topk_idx_t``: dtype of expert indices (``torch.int64``; ``torch.int32`` with ``DEEP_EP_TOPK_IDX_BITS=32``).
 * ``per_token_cast_to_fp8``, ``per_token_cast_back``, ``logfmt_roundtrip``: numerics helpers.
 * ``CommError`` and its kinds ``CommTimeoutError``, ``PeerAbortedError``, ``RoutingError``: what a failed call
-  raises, whichever backend served it (``deep_ep.errors``).
+  raises, whichever backend served it.
 
-Importing this package loads neither torch nor CUDA: ``deep_ep.config``, ``deep_ep.errors``, ``deep_ep.layout`` and
-``deep_ep.envs`` are standard-library only, and the torch-dependent names above are resolved lazily on first access.
+Importing this package loads neither torch nor CUDA: ``config``, ``errors``, ``layout``, ``envs``, ``testing`` and
+``backends.cuda_tuning`` are standard-library only; the torch-dependent names above resolve on first access.
 """
 from __future__ import annotations
 

@@ -1,35 +1,41 @@
 """``deep_ep.Buffer``: DeepEP V1's public API (same constructor, method names, keywords and result positions).
 
 This module is the validating front. It checks every argument (``deep_ep.validate``: ``TypeError``/``ValueError``
-naming the argument, the rule and the value), resolves defaults and configs, and routes each call to a backend:
-
-* ``deep_ep.cuda_backend.CudaBackend`` (the CUDA kernels) for CUDA tensors, when the extension is built, the
-  topology is one it serves and ``DEEP_EP_BACKEND`` is ``auto`` or ``cuda``. Methods it lacks (e.g. the
-  low-latency mode) fall back to the torch backend;
-* ``deep_ep.composed_internode.ComposedInternode`` for the normal mode of ``N`` nodes x ``G > 1`` GPUs: a rail
-  stage and a node stage, each an intranode backend over a subgroup (CUDA kernels for CUDA tensors: the node stage
-  over CUDA IPC, the rail stage over IPC on one host or NVSHMEM across hosts; torch stages on CPU under
-  ``DEEP_EP_INTERNODE=composed``);
-* ``deep_ep.torch_backend.TorchBackend`` otherwise: real communication over the process group (gloo on CPU,
-  NCCL on GPU).
-
-A backend implements the same method names and arguments as ``Buffer`` and returns the NamedTuples of
-``deep_ep.results``. See ``docs/torch_backend.md``.
+naming the argument, the rule and the value), resolves defaults and configs, and hands each call, as one request
+(``deep_ep.backends.base``), to the backend that a table built at construction names for the call's mode and
+device (``deep_ep.backends.selection``): the CUDA kernels for CUDA tensors where they serve the group, the composed
+path for ``N`` nodes x ``G > 1`` GPUs, else the torch backend (``torch.distributed``: gloo on CPU, NCCL on GPU).
+Backends return the NamedTuples of ``deep_ep.results``.
 """
 from __future__ import annotations
 
-import importlib
 import warnings
-import weakref
 from typing import Any, Optional, Union
 
 import torch
 
-from deep_ep import config as cfg, envs, handle as hd, layout, validate as v
+from deep_ep import config as cfg
+from deep_ep import handle as hd
+from deep_ep import layout
+from deep_ep import validate as v
+from deep_ep.backends import selection
+from deep_ep.backends.base import (
+    Backend,
+    CombineRequest,
+    DispatchRequest,
+    LayoutRequest,
+    LowLatencyCombineRequest,
+    LowLatencyDispatchRequest,
+)
 from deep_ep.config import Config, Topology
 from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
-from deep_ep.results import (CombineResult, DispatchLayout, DispatchResult, LowLatencyCombineResult,
-                             LowLatencyDispatchResult)
+from deep_ep.results import (
+    CombineResult,
+    DispatchLayout,
+    DispatchResult,
+    LowLatencyCombineResult,
+    LowLatencyDispatchResult,
+)
 
 # Largest int32 value: DeepEP's limit on normal-mode buffer sizes.
 _INT_MAX = 2 ** 31 - 1
@@ -42,44 +48,9 @@ _MAX_NORMAL_RANKS = 160
 _DEFAULT_CONFIGS: dict[tuple[str, int, int], Config] = {}
 
 
-def _backend_choice() -> str:
-    choice = envs.BACKEND.get()
-    if choice not in ("auto", "torch", "cuda"):
-        raise ValueError(f"DEEP_EP_BACKEND must be 'auto', 'torch' or 'cuda', got {choice!r}")
-    return choice
-
-
-def _internode_choice() -> str:
-    choice = envs.INTERNODE.get()
-    if choice not in ("auto", "composed", "torch"):
-        raise ValueError(f"DEEP_EP_INTERNODE must be 'auto', 'composed' or 'torch', got {choice!r}")
-    return choice
-
-
-def _import_cuda(module: str, name: str) -> tuple[Any, Optional[str]]:
-    """``(class, None)`` for a CUDA backend class, or ``(None, why it cannot be used)``."""
-    if not torch.cuda.is_available():
-        return None, "CUDA is not available"
-    try:
-        return getattr(importlib.import_module(module), name), None
-    except ImportError as exc:
-        return None, f"the CUDA extension is not importable ({exc})"
-
-
-def _without_cuda(choice: str, group: Any, what: str, reason: str) -> None:
-    """``None`` (the torch backend serves the group), or the error when the CUDA backend was required:
-    ``DEEP_EP_BACKEND=cuda``, or ``comm=`` without a torch group. With a GPU present, the automatic choice says
-    why in a ``RuntimeWarning`` (e.g. more nodes than the kernels serve): CUDA tensors then take the slow path."""
-    if choice == "cuda":
-        raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the {what} cannot be used: {reason}")
-    if group is None:
-        raise ValueError(f"comm= (mpi4py) without group= needs the CUDA backend, which is unavailable: {reason}; "
-                         "pass a torch.distributed group")
-    if torch.cuda.is_available():
-        warnings.warn(f"deep_ep.Buffer: the {what} does not serve this group ({reason}); the torch backend "
-                      "(torch.distributed) carries its calls: correct, not fast. DEEP_EP_BACKEND=torch selects it "
-                      "without this warning", RuntimeWarning, stacklevel=4)
-    return None
+def _device_type(tensor: torch.Tensor) -> str:
+    """The device type a call is routed by."""
+    return "cuda" if tensor.is_cuda else tensor.device.type
 
 
 class Buffer:
@@ -154,175 +125,22 @@ class Buffer:
         if self.topology.is_internode or low_latency_mode:
             self.nvshmem_qp_depth = _NVSHMEM_QP_DEPTH
         self._destroyed = False
-        # id(key tensor) -> weak reference, for every handle this Buffer returned (see _check_handle).
-        self._handles: dict[int, weakref.ref] = {}
+        # The owner of every handle this Buffer returns (see _check_handle).
+        self._handle_owner = object()
         # (T, H, E) of plain ints that passed _check_low_latency -> local experts per rank.
         self._ll_checked: dict[tuple[int, int, int], int] = {}
 
-        from deep_ep.torch_backend import TorchBackend
-        self._torch = None
-        if group is not None:
-            self._torch = TorchBackend(group, rank, group_size, self.topology, num_nvl_bytes, num_rdma_bytes,
-                                       enable_shrink)
-        self._cuda_ll = self._make_cuda_low_latency(group, comm)
-        # The composed internode path and the device type of the tensors it serves ('cuda' or 'cpu'); why the
-        # automatic choice refused its CUDA stages, if it did.
-        self._composed_refusal: Optional[str] = None
-        self._composed, self._composed_device = self._make_composed(group)
-        self._cuda = self._make_cuda_backend(group, comm) if self._composed_device != "cuda" else None
-        self.runtime = next((b for b in (self._cuda, self._composed, self._cuda_ll, self._torch) if b is not None),
-                            None)
-
-    def _make_composed(self, group: Any) -> tuple[Any, Optional[str]]:
-        """``(ComposedInternode, device type)`` for ``N x G`` groups with ``G > 1`` when ``DEEP_EP_INTERNODE``
-        selects it, else ``(None, None)``.
-
-        Stages: CUDA kernels (serving CUDA tensors; the group may be gloo or NCCL: the stages only exchange objects
-        through it) when CUDA and the extension are available, ``num_nvl_bytes > 0``, ``DEEP_EP_BACKEND`` is not
-        ``torch`` and each node's ranks share a host: the node stage a ``CudaBackend`` (CUDA IPC), the rail stage
-        a ``TorchBackend`` beyond ``NUM_MAX_RING_RANKS`` (24) nodes or under ``DEEP_EP_COMPOSED_RAIL=torch``, else
-        a ``CudaBackend`` when every rank is on one host, else a ``SymmetricCuda`` on the NVSHMEM heap
-        (``num_rdma_bytes``; ``deep_ep.config.composed_rail``). Torch stages over the group's backend otherwise,
-        used only under ``DEEP_EP_INTERNODE=composed``. Collective: every rank creates every subgroup
-        (``make_stage_groups``)."""
-        topo = self.topology
-        choice = _internode_choice()
-        if group is None or choice == "torch" or not topo.is_internode or topo.num_scaleup_ranks < 2:
-            return None, None
-        reason = None
-        if _backend_choice() == "torch":
-            reason = "DEEP_EP_BACKEND=torch"
-        elif self.num_nvl_bytes <= 0:
-            reason = "num_nvl_bytes is 0"
-        backend_cls = rail_kind = None
-        if reason is None:
-            backend_cls, reason = _import_cuda("deep_ep.cuda_backend", "CudaBackend")
-        if reason is None:
-            import socket
-
-            from deep_ep.torch_backend import object_all_gather
-            hosts = object_all_gather(group)(socket.gethostname())
-            rail_kind, reason = cfg.composed_rail(envs.COMPOSED_RAIL.get(), hosts, topo, self.num_rdma_bytes,
-                                                  bool(getattr(importlib.import_module("deep_ep._C"),
-                                                               "HAS_LOW_LATENCY", False)))
-        if reason is not None and choice == "auto":
-            self._composed_refusal = reason
-            return None, None
-        from deep_ep.composed_internode import ComposedInternode, make_stage_groups
-        from deep_ep.torch_backend import TorchBackend
-        groups = make_stage_groups(group, topo)
-        num_nodes, per_node = topo.num_scaleout_ranks, topo.num_scaleup_ranks
-        rail = None
-        if reason is None and rail_kind == "nvshmem":
-            from deep_ep.cuda_internode import UnsupportedTopology
-            try:
-                rail = self._symmetric_rail(group, groups.rail)
-            except UnsupportedTopology as exc:  # decided world-wide: every rank gets here together
-                reason = f"the NVSHMEM rail stage: {exc}"
-                if choice == "auto":
-                    self._composed_refusal = reason
-                    return None, None
-        def torch_stage(stage_group: Any, stage_rank: int, size: int) -> Any:
-            return TorchBackend(stage_group, stage_rank, size, Topology.one_domain(size), self.num_nvl_bytes, 0,
-                                False)
-
-        if reason is None:  # a CUDA node stage; the rail on the ring kernels unless it is a torch rail
-            if rail_kind == "torch":
-                rail = torch_stage(groups.rail, topo.node_of(self.rank), num_nodes)
-            elif rail is None:
-                rail = backend_cls.from_group(groups.rail, self.num_nvl_bytes)
-            node = backend_cls.from_group(groups.node, self.num_nvl_bytes)
-            cuda_stages, device = ("node",) if rail_kind == "torch" else ("rail", "node"), "cuda"
-        else:
-            rail = torch_stage(groups.rail, topo.node_of(self.rank), num_nodes)
-            node = torch_stage(groups.node, topo.local_of(self.rank), per_node)
-            cuda_stages, device = (), rail.device.type
-        return ComposedInternode(rail, node, self.rank, topo, cuda_stages), device
-
-    def _symmetric_rail(self, group: Any, rail_group: Any) -> Any:
-        """The composed path's rail stage on the NVSHMEM symmetric heap of the Buffer's group (the NVSHMEM world:
-        PE = group rank; rail rank ``n`` of local index ``l`` is PE ``n * G + l``). Collective over the group."""
-        import torch.distributed as dist
-        from deep_ep.cuda_internode import SymmetricCuda
-        from deep_ep.cuda_low_latency import join_nvshmem_world
-        from deep_ep.torch_backend import object_all_gather
-
-        topo, world_gather = self.topology, object_all_gather(group)
-        unique_id = join_nvshmem_world(self.rank, self.num_rdma_bytes, self.num_qps_per_rank, True, self.allow_mnnvl,
-                                       world_gather)
-        local = topo.local_of(self.rank)
-        pes = [node * topo.num_scaleup_ranks + local for node in range(topo.num_scaleout_ranks)]
-        return SymmetricCuda(topo.node_of(self.rank), topo.num_scaleout_ranks, self.num_rdma_bytes, unique_id,
-                             self.rank, self.group_size, pes, object_all_gather(rail_group),
-                             lambda: dist.barrier(group=rail_group), world_all_gather=world_gather)
-
-    def _make_cuda_low_latency(self, group: Any, comm: Any) -> Any:
-        """The CUDA low-latency backend (NVSHMEM) when ``low_latency_mode`` has an RDMA buffer, the extension has
-        the LL kernels and ``DEEP_EP_BACKEND`` allows it; else ``None`` (the torch backend serves LL calls)."""
-        choice = _backend_choice()
-        if choice == "torch" or not (self.low_latency_mode and self.num_rdma_bytes > 0):
-            return None
-        backend_cls, reason = _import_cuda("deep_ep.cuda_low_latency", "LowLatencyCuda")
-        if backend_cls is not None and not backend_cls.is_built():
-            reason = "the CUDA extension was built without NVSHMEM (DEEP_EP_DISABLE_NVSHMEM)"
-        if reason is not None:
-            if choice == "cuda":
-                raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the CUDA low-latency kernels cannot be used: {reason}")
-            return None
-        # An internode group may allocate a second buffer of num_rdma_bytes on the symmetric heap after this one
-        # (the CUDA internode backend, or the composed path's rail stage across hosts): the heap holds both.
-        options = dict(num_rdma_bytes=self.num_rdma_bytes, num_qps_per_rank=self.num_qps_per_rank,
-                       allow_nvlink=self.allow_nvlink_for_low_latency_mode, allow_mnnvl=self.allow_mnnvl,
-                       enable_shrink=self.enable_shrink, symmetric_buffers=2 if self.topology.is_internode else 1)
-        if group is not None:
-            return backend_cls.from_group(group, **options)
-        return backend_cls(self.rank, self.group_size, all_gather=comm.allgather, **options)
-
-    def _make_cuda_backend(self, group: Any, comm: Any) -> Any:
-        """The CUDA backend when it is built, requested and serves this topology; else ``None``."""
-        choice = _backend_choice()
-        if choice == "torch":
-            return None
-        if self.topology.is_internode:
-            return self._make_cuda_internode(group, comm, choice)
-        backend_cls, reason = _import_cuda("deep_ep.cuda_backend", "CudaBackend")
-        if backend_cls is not None:
-            if not backend_cls.is_supported(self.group_size, self.topology.num_scaleup_ranks):
-                reason = f"the CUDA backend does not serve {self.group_size} ranks with this topology"
-            elif self.num_nvl_bytes <= 0:
-                reason = "num_nvl_bytes is 0"
-                if self._cuda_ll is not None:  # a low-latency-only Buffer: the LL backend serves it
-                    return None
-        if reason is None:
-            if group is not None:
-                return backend_cls.from_group(group, self.num_nvl_bytes)
-            return backend_cls(self.rank, self.group_size, self.num_nvl_bytes, comm.allgather, comm.Barrier)
-        return _without_cuda(choice, group, "CUDA backend", reason)
-
-    def _make_cuda_internode(self, group: Any, comm: Any, choice: str) -> Any:
-        """The CUDA internode backend (one GPU per node, NVSHMEM) when it serves this group; else ``None``, or
-        an error naming the reason under ``DEEP_EP_BACKEND=cuda`` or with ``comm=`` alone."""
-        if choice == "auto" and self.topology.num_scaleup_ranks > 1 and _internode_choice() == "torch":
-            return None  # asked for: DEEP_EP_INTERNODE=torch
-        backend_cls, reason = _import_cuda("deep_ep.cuda_internode", "InternodeCuda")
-        if backend_cls is not None:
-            reason = backend_cls.unsupported_reason(self.topology, self.num_rdma_bytes)
-        if self._composed_refusal is not None:  # G > 1: the composed path's reason is the one that matters
-            reason = f"the composed path: {self._composed_refusal}"
-        if reason is None:
-            from deep_ep.cuda_internode import UnsupportedTopology
-            options = dict(num_rdma_bytes=self.num_rdma_bytes, num_qps_per_rank=self.num_qps_per_rank,
-                           allow_mnnvl=self.allow_mnnvl)
-            try:
-                if group is not None:
-                    return backend_cls.from_group(group, **options)
-                return backend_cls(self.rank, self.group_size, all_gather=comm.allgather, barrier=comm.Barrier,
-                                   **options)
-            except UnsupportedTopology as exc:  # collective: every rank gets here together
-                reason = str(exc)
-        if choice == "auto" and self._cuda_ll is not None and self.num_nvl_bytes <= 0:
-            return None  # a low-latency Buffer (DeepEP's num_nvl_bytes=0 convention): the LL backend serves it
-        return _without_cuda(choice, group, "CUDA internode backend", reason)
+        spec = selection.BufferSpec(rank, group_size, self.topology, num_nvl_bytes, num_rdma_bytes, low_latency_mode,
+                                    num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, enable_shrink)
+        backends = selection.build_backends(spec, group, comm)
+        # The backends by role (None: not built) and the device type of the tensors the composed path serves.
+        self._torch, self._cuda, self._cuda_ll, self._composed, self._composed_device = backends
+        self._backends: tuple[Backend, ...] = tuple(b for b in (self._cuda, self._composed, self._cuda_ll,
+                                                                self._torch) if b is not None)
+        # The backend that serves each (mode, device type): see deep_ep.backends.selection.routes.
+        self._routes = selection.routes(backends, self.topology)
+        # The main backend (the CUDA one when built).
+        self.runtime: Optional[Backend] = self._backends[0] if self._backends else None
 
     # ------------------------------------------------------------------------------------------------------------
     # Lifetime
@@ -337,14 +155,8 @@ class Buffer:
     def _release(self) -> None:
         if self._destroyed:
             raise RuntimeError(f"rank {self.rank}: this Buffer was already destroyed")
-        if self._cuda is not None:
-            self._cuda.destroy()
-        if self._composed is not None:
-            self._composed.destroy()
-        if self._cuda_ll is not None:
-            self._cuda_ll.destroy()
-        if self._torch is not None:
-            self._torch.destroy()
+        for backend in self._backends:
+            backend.destroy()
         self._destroyed = True
         self.runtime = None
 
@@ -364,41 +176,22 @@ class Buffer:
         if self._destroyed:
             raise RuntimeError(f"rank {self.rank}: this Buffer was destroyed")
 
-    def _backend(self, method: str, tensor: Optional[torch.Tensor]) -> Any:
-        """The backend serving ``method`` for ``tensor``'s device (CUDA backend first, torch fallback)."""
+    def _backend(self, method: str, mode: str, device: Optional[str]) -> Backend:
+        """The backend that serves ``method`` of ``mode`` for tensors of ``device`` type (the routing table)."""
         self._alive()
-        if self._cuda_ll is not None and hasattr(self._cuda_ll, method) and (tensor is None or tensor.is_cuda):
-            return self._cuda_ll
-        if self._cuda is not None and tensor is not None and tensor.is_cuda and hasattr(self._cuda, method):
-            return self._cuda
-        if self._composed is not None and method in ("get_dispatch_layout", "dispatch", "combine") and \
-                tensor is not None and tensor.device.type == self._composed_device:
-            return self._composed
-        if self._torch is None:
+        backend = self._routes.get((mode, device), self._torch)
+        if backend is None:
             raise RuntimeError(f"{method} needs the torch backend, which needs a torch.distributed group")
-        return self._torch
-
-    def _is_torch(self, backend: Any) -> bool:
-        """True for the backends that rely on the front's data checks (expert range, counts vs routing)."""
-        return backend is self._torch or (backend is not None and backend is self._composed)
+        return backend
 
     # ------------------------------------------------------------------------------------------------------------
     # Handles
     # ------------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _handle_key(handle: Any) -> torch.Tensor:
-        if isinstance(handle, hd.InternodeHandle) or (isinstance(handle, tuple) and len(handle) == 10):
-            return handle[6]
-        return handle[0]
-
-    def _register(self, handle: Any) -> Any:
-        key = self._handle_key(handle)
-        ident = id(key)
-        self._handles[ident] = weakref.ref(key, lambda _ref, ident=ident: self._handles.pop(ident, None))
-        return handle
+    def _register(self, handle: hd.HandleState) -> None:
+        handle.owner = self._handle_owner
 
     def _check_handle(self, handle: Any, kind: str) -> Any:
-        """``handle`` must be one this Buffer returned: the right tuple type and length, with its tensors."""
+        """``handle`` must be one this Buffer returned (its ``owner``), of the right type and length."""
         internode = self.topology.is_internode
         if kind == "low_latency":
             cls, length = hd.LowLatencyHandle, 5
@@ -408,12 +201,10 @@ class Buffer:
             got = f"a tuple of length {len(handle)}" if isinstance(handle, tuple) else type(handle).__name__
             raise TypeError(f"handle must be the {cls.__name__} ({length} fields) returned by this Buffer's "
                             f"{'low_latency_dispatch' if kind == 'low_latency' else 'dispatch'}, got {got}")
-        key = self._handle_key(handle)
-        ref = self._handles.get(id(key)) if isinstance(key, torch.Tensor) else None
-        if ref is None or ref() is not key:
+        if not isinstance(handle, cls) or handle.owner is not self._handle_owner:
             raise ValueError(f"handle was not returned by this Buffer (rank {self.rank}); pass the handle of a "
                              "dispatch made with the same Buffer")
-        return handle if type(handle) is cls else cls(*handle)
+        return handle
 
     # ------------------------------------------------------------------------------------------------------------
     # Static and utility methods
@@ -461,8 +252,8 @@ class Buffer:
     def get_comm_stream(self) -> "torch.cuda.Stream":
         """The communication stream (CUDA only)."""
         self._alive()
-        for backend in (self._cuda, self._composed, self._cuda_ll, self._torch):
-            stream = backend.get_comm_stream() if backend is not None else None
+        for backend in self._backends:
+            stream = backend.get_comm_stream()
             if stream is not None:
                 return stream
         raise RuntimeError("get_comm_stream() has no meaning without CUDA: the torch backend runs on CPU "
@@ -492,9 +283,7 @@ class Buffer:
             if size.numel() > available:
                 raise ValueError(f"size {tuple(size)} needs {size.numel()} elements of {dtype}, but the buffer has "
                                  f"{available} from offset {offset}")
-        # The CUDA internode backend's buffer is the RDMA one; the intranode backend's the NVL one.
-        cuda_buffer_is_rdma = self._cuda is not None and self.topology.is_internode
-        backend = self._cuda if (self._cuda is not None and use_rdma_buffer == cuda_buffer_is_rdma) else self._torch
+        backend = self._backend("get_local_buffer_tensor", "buffer", "rdma" if use_rdma_buffer else "nvl")
         return backend.get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -508,7 +297,7 @@ class Buffer:
         Args:
             topk_idx: ``[N, K]`` ``topk_idx_t``, contiguous: global expert ids in ``[0, num_experts)`` or -1 (none).
             num_experts: ``E``, divisible by the group size.
-            previous_event, async_finish, allocate_on_comm_stream: stream protocol (spec §6.2).
+            previous_event, async_finish, allocate_on_comm_stream: the stream protocol (see ``dispatch``).
         Returns:
             ``DispatchLayout(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [R_nodes] int32 or None,
             num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event)``.
@@ -516,11 +305,11 @@ class Buffer:
         topk_idx = v.check_topk_idx("topk_idx", topk_idx)
         v.check_num_experts(num_experts, self.group_size)
         v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
-        backend = self._backend("get_dispatch_layout", topk_idx)
-        if self._is_torch(backend):
+        backend = self._backend("get_dispatch_layout", "normal", _device_type(topk_idx))
+        if backend.needs_host_checks:
             v.check_expert_range("topk_idx", topk_idx, num_experts)
-        return backend.get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
-                                           allocate_on_comm_stream)
+        return backend.get_dispatch_layout(LayoutRequest(topk_idx, num_experts, previous_event, async_finish,
+                                                         allocate_on_comm_stream))
 
     @staticmethod
     def _resolve_config(config: Optional[Config], kind: str, num_ranks: int) -> Config:
@@ -559,7 +348,9 @@ class Buffer:
             expert_alignment: per-expert counts are rounded up to a multiple of it.
             num_worst_tokens: if > 0, outputs have exactly this many rows (needs top-k); the count list is ``[]``.
             config: ``deep_ep.Config``; ``None`` uses ``get_dispatch_config(R)``.
-            previous_event, async_finish, allocate_on_comm_stream: stream protocol (spec §6.2).
+            previous_event: the call's work waits for this event (else for the current stream).
+            async_finish: return an event of the work instead of making the current stream wait for it.
+            allocate_on_comm_stream: allocate the outputs on the communication stream (needs both of the above).
         Returns:
             ``DispatchResult(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
             event)``: rows ordered by (source rank, source token); ``recv_topk_idx`` holds local expert ids or -1,
@@ -573,7 +364,7 @@ class Buffer:
         config = self._resolve_config(config, "dispatch", self.group_size)
         v.check_int("expert_alignment", expert_alignment, 1)
         v.check_int("num_worst_tokens", num_worst_tokens, 0)
-        backend = self._backend("dispatch", data)
+        backend = self._backend("dispatch", "normal", _device_type(data))
         R = self.group_size
 
         if handle is not None:
@@ -586,15 +377,12 @@ class Buffer:
                 raise ValueError(f"x must have the {handle.is_token_in_rank.size(0)} rows of the dispatch that made "
                                  f"the handle, got {num_tokens}")
             channels = handle[1].size(1)
-            # The CUDA backend runs one CTA per channel (num_sms channels), the torch backend num_sms // 2 [E2 edit].
-            expected_channels = backend.num_channels(config) if hasattr(backend, "num_channels") else \
-                config.num_channels
-            if channels != expected_channels:
+            if channels != backend.num_channels(config):
                 raise ValueError(f"config.num_sms must match the dispatch that made the handle (a handle with "
                                  f"{channels} channels), got num_sms={config.num_sms}")
-            result = backend.dispatch(x, handle, config=config, previous_event=previous_event,
-                                      async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
-            return result
+            return backend.dispatch(DispatchRequest(x, handle, config=config, previous_event=previous_event,
+                                                    async_finish=async_finish,
+                                                    allocate_on_comm_stream=allocate_on_comm_stream))
 
         if is_token_in_rank is None or num_tokens_per_rank is None or num_tokens_per_expert is None:
             missing = [n for n, t in (("num_tokens_per_rank", num_tokens_per_rank),
@@ -617,16 +405,17 @@ class Buffer:
         if num_worst_tokens > 0 and topk_idx is None:
             raise ValueError(f"num_worst_tokens > 0 requires topk_idx and topk_weights, got num_worst_tokens="
                              f"{num_worst_tokens} without top-k")
-        if self._is_torch(backend):
+        if backend.needs_host_checks:
             if topk_idx is not None:
                 v.check_expert_range("topk_idx", topk_idx, num_experts)
             actual = is_token_in_rank.sum(0, dtype=torch.int32)
             if not torch.equal(actual, num_tokens_per_rank):
                 raise ValueError(f"num_tokens_per_rank must equal is_token_in_rank.sum(0) (the routing), got "
                                  f"{num_tokens_per_rank.tolist()} vs {actual.tolist()}")
-        result = backend.dispatch(x, None, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                                  num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                                  config, previous_event, async_finish, allocate_on_comm_stream)
+        result = backend.dispatch(DispatchRequest(x, None, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                                  is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                                  expert_alignment, num_worst_tokens, config, previous_event,
+                                                  async_finish, allocate_on_comm_stream))
         self._register(result.handle)
         return result
 
@@ -653,13 +442,12 @@ class Buffer:
         if topk_weights is not None:
             v.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_rows, None),
                            device=x.device)
-        if bias is not None:
-            v.split_bias(bias, handle.is_token_in_rank.size(0), x.size(1), x.dtype, x.device)
+        biases = v.split_bias(bias, handle.is_token_in_rank.size(0), x.size(1), x.dtype, x.device)
         v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         config = self._resolve_config(config, "combine", self.group_size)
-        backend = self._backend("combine", x)
-        return backend.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                               allocate_on_comm_stream)
+        backend = self._backend("combine", "normal", _device_type(x))
+        return backend.combine(CombineRequest(x, handle, topk_weights, biases, config, previous_event, async_finish,
+                                              allocate_on_comm_stream))
 
     # ------------------------------------------------------------------------------------------------------------
     # Low-latency mode
@@ -733,8 +521,8 @@ class Buffer:
         if dispatch_wait_recv_cost_stats is not None:
             v.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, dtype=torch.int64,
                            shape=(self.group_size,), device=x.device)
-        backend = self._backend("low_latency_dispatch", x)
-        if backend is self._torch:
+        backend = self._backend("low_latency_dispatch", "low_latency", _device_type(x))
+        if backend.needs_host_checks:
             v.check_expert_range("topk_idx", topk_idx, num_experts)
             valid = topk_idx[topk_idx >= 0].to(torch.int64)
             if valid.numel():
@@ -742,9 +530,9 @@ class Buffer:
                 if most > num_max_dispatch_tokens_per_rank:
                     raise ValueError(f"topk_idx selects one expert {most} times (duplicate entries), more than "
                                      f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
-        result = backend.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                              cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-                                              use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        result = backend.low_latency_dispatch(LowLatencyDispatchRequest(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook))
         self._register(result.handle)
         return result
 
@@ -755,9 +543,7 @@ class Buffer:
                             combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> LowLatencyCombineResult:
         """Return the expert outputs to the token owners and reduce them with the top-k weights.
 
-        The sum runs in fp32 with one BF16 rounding, in ascending k; on the CUDA kernels with the opt-in combine by
-        partial sums (``DEEP_EP_LL_PARTIALS``, docs/low_latency.md), per expert rank first (ascending k), then over
-        ranks in ascending order.
+        The sum runs in fp32 with one BF16 rounding, in ascending k.
 
         Args:
             x: ``[L, R*T, H]`` BF16, contiguous: expert outputs in the dispatch's packed layout.
@@ -796,46 +582,48 @@ class Buffer:
         if combine_wait_recv_cost_stats is not None:
             v.check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dtype=torch.int64,
                            shape=(self.group_size,), device=device)
-        backend = self._backend("low_latency_combine", x)
-        if backend is self._torch:
+        backend = self._backend("low_latency_combine", "low_latency", _device_type(x))
+        if backend.needs_host_checks:
             v.check_expert_range("topk_idx", topk_idx, num_experts)
-        return backend.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                                           return_recv_hook, out, combine_wait_recv_cost_stats)
+        return backend.low_latency_combine(LowLatencyCombineRequest(
+            x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+            combine_wait_recv_cost_stats))
 
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
         """BF16 ``[L, R*T, H]`` view (row stride ``H + H/64``) of the send area the next combine will read with
         ``zero_copy=True``. Valid until another low-latency call is made."""
         handle = self._check_handle(handle, "low_latency")
         self._check_low_latency(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
-        backend = self._backend("get_next_low_latency_combine_buffer", handle.packed_recv_src_info)
+        backend = self._backend("get_next_low_latency_combine_buffer", "low_latency",
+                                _device_type(handle.packed_recv_src_info))
         return backend.get_next_low_latency_combine_buffer(handle)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective: zero both halves' signal areas (needed after normal kernels used the buffer)."""
         v.check_int("hidden", hidden, 128)
         self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self._backend("clean_low_latency_buffer", None).clean_low_latency_buffer(
+        self._backend("clean_low_latency_buffer", "low_latency", None).clean_low_latency_buffer(
             num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-    def _check_shrink(self) -> Any:
+    def _check_shrink(self, method: str) -> Backend:
         if not self.enable_shrink:
             raise ValueError("Shrink mode must be enabled: build the Buffer with enable_shrink=True, got "
                              "enable_shrink=False")
-        return self._backend("low_latency_update_mask_buffer", None)
+        return self._backend(method, "low_latency", None)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Set (``mask=True``) or clear the mask bit of ``rank_to_mask``; masked ranks are skipped."""
-        backend = self._check_shrink()
+        backend = self._check_shrink("low_latency_update_mask_buffer")
         v.check_int("rank_to_mask", rank_to_mask, 0, self.group_size - 1)
         v.check_bool("mask", mask)
         backend.low_latency_update_mask_buffer(rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Copy the mask (1 = masked) into ``mask_status`` (``[R]`` int32)."""
-        backend = self._check_shrink()
+        backend = self._check_shrink("low_latency_query_mask_buffer")
         v.check_tensor("mask_status", mask_status, dtype=torch.int32, shape=(self.group_size,))
         backend.low_latency_query_mask_buffer(mask_status)
 
     def low_latency_clean_mask_buffer(self) -> None:
         """Clear every mask bit."""
-        self._check_shrink().low_latency_clean_mask_buffer()
+        self._check_shrink("low_latency_clean_mask_buffer").low_latency_clean_mask_buffer()

@@ -11,8 +11,7 @@ Standard library only: importing this module loads neither torch nor the CUDA ex
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from dataclasses import dataclass
 
 from deep_ep import envs
 
@@ -39,6 +38,8 @@ FP8_BLOCK = 128
 FP8_E4M3_MAX = 448.0
 # Every buffer byte count and region is a multiple of this.
 BUFFER_ALIGNMENT = 128
+# Bytes of an int32 / float32 word in the size-hint formulas.
+_WORD_BYTES = 4
 # Ring sequence sentinel used by combine's rewrite of skipped send-head entries.
 SEND_HEAD_SENTINEL = 1 << 25
 
@@ -67,8 +68,9 @@ class Config:
     """Tuning of the normal dispatch/combine kernels (DeepEP V1 ``Config``).
 
     Args (DeepEP's positional order):
-        num_sms: SMs (thread blocks) per kernel; even, because a channel is a pair of SMs. The CUDA intranode
-            kernels treat it as a budget: one CTA per channel, at most ``INTRANODE_MAX_CHANNELS[R]`` channels.
+        num_sms: the SM budget of a call, even (as in DeepEP). The normal kernels run one channel (a CTA) per SM,
+            at most a tuned cap per rank count (``deep_ep.backends.cuda_tuning.intranode_channels``); every
+            backend's handles have that many channels.
         num_max_nvl_chunked_send_tokens: tokens moved per step over the scale-up link before a tail publish (``Sn``).
         num_max_nvl_chunked_recv_tokens: scale-up ring capacity per (channel, peer), in tokens (``Nn``).
         num_max_rdma_chunked_send_tokens: tokens per scale-out put (``Sr``).
@@ -103,25 +105,66 @@ class Config:
                 "num_max_rdma_chunked_send_tokens must be <= num_max_rdma_chunked_recv_tokens // 2 (after rounding "
                 f"the latter up to a multiple of the former), got {send_r} > {recv_r} // 2")
 
-    @property
-    def num_channels(self) -> int:
-        """Channels (pairs of SMs) of the normal kernels: ``num_sms // 2``."""
-        return self.num_sms // 2
-
     def describe(self) -> str:
         return (f"Config(num_sms={self.num_sms}, nvl_send={self.num_max_nvl_chunked_send_tokens}, "
                 f"nvl_recv={self.num_max_nvl_chunked_recv_tokens}, rdma_send={self.num_max_rdma_chunked_send_tokens}, "
                 f"rdma_recv={self.num_max_rdma_chunked_recv_tokens})")
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of scale-up buffer the normal kernels need (DeepEP's formula; see ``deep_ep.layout``)."""
-        from deep_ep import layout
-        return layout.nvl_buffer_size_hint(self, hidden_bytes, num_ranks)
+        """Bytes of scale-up buffer the normal kernels need (DeepEP's formula, :func:`nvl_buffer_size_hint`)."""
+        return nvl_buffer_size_hint(self, hidden_bytes, num_ranks)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of scale-out buffer the normal internode kernels need; 0 within one node."""
-        from deep_ep import layout
-        return layout.rdma_buffer_size_hint(self, hidden_bytes, num_ranks)
+        return rdma_buffer_size_hint(self, hidden_bytes, num_ranks)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Normal-mode size hints: DeepEP's formulas, so that buffers sized for DeepEP fit here too. They count a channel per
+# pair of SMs, as DeepEP's kernels do; the kernels here carve whatever buffer they get (deep_ep.layout).
+# ---------------------------------------------------------------------------------------------------------------
+
+def _check_normal_ranks(num_ranks: int) -> None:
+    if num_ranks > NUM_MAX_SCALEUP_RANKS and num_ranks % NUM_MAX_SCALEUP_RANKS != 0:
+        raise ValueError(f"num_ranks must be < {NUM_MAX_SCALEUP_RANKS} or a multiple of {NUM_MAX_SCALEUP_RANKS}, "
+                         f"got {num_ranks}")
+
+
+def nvl_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, topk_idx_bytes: int = 8) -> int:
+    """Scale-up buffer bytes for the normal kernels, rounded up to 128.
+
+    ``hidden_bytes`` should be ``hidden * max(element_size, 2)`` (BF16-sized even for FP8), as in DeepEP.
+    """
+    _check_normal_ranks(num_ranks)
+    if num_ranks > NUM_MAX_SCALEUP_RANKS and config.num_sms % 2 != 0:
+        raise ValueError(f"num_sms must be even, got {config.num_sms}")
+    deepep_channels = config.num_sms // 2
+    num_nvl = min(num_ranks, NUM_MAX_SCALEUP_RANKS)
+    num_rdma = max(num_ranks // NUM_MAX_SCALEUP_RANKS, 1)
+    slots = deepep_channels * num_nvl * config.num_max_nvl_chunked_recv_tokens
+    num_bytes = (deepep_channels * num_nvl * (2 * num_rdma + 3) * _WORD_BYTES
+                 + slots * hidden_bytes
+                 + slots * SOURCE_META_BYTES
+                 + slots * NUM_HINT_MAX_TOPK * topk_idx_bytes
+                 + slots * NUM_HINT_MAX_TOPK * _WORD_BYTES
+                 + slots * NUM_HINT_MAX_SCALES * _WORD_BYTES)
+    return align_up(num_bytes, BUFFER_ALIGNMENT)
+
+
+def rdma_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, topk_idx_bytes: int = 8) -> int:
+    """Scale-out buffer bytes for the normal internode kernels, rounded up to 128; 0 within one node."""
+    if num_ranks <= NUM_MAX_SCALEUP_RANKS:
+        return 0
+    _check_normal_ranks(num_ranks)
+    if config.num_sms % 2 != 0:
+        raise ValueError(f"num_sms must be even, got {config.num_sms}")
+    deepep_channels = config.num_sms // 2
+    num_rdma = num_ranks // NUM_MAX_SCALEUP_RANKS
+    record = (hidden_bytes + SOURCE_META_BYTES + NUM_HINT_MAX_TOPK * topk_idx_bytes
+              + NUM_HINT_MAX_TOPK * _WORD_BYTES + NUM_HINT_MAX_SCALES * _WORD_BYTES + 16)
+    num_bytes = (deepep_channels * num_rdma * (NUM_MAX_SCALEUP_RANKS * 2 + 2) * 2 * _WORD_BYTES
+                 + 2 * deepep_channels * num_rdma * config.num_max_rdma_chunked_recv_tokens * record)
+    return align_up(num_bytes, BUFFER_ALIGNMENT)
 
 
 @dataclass(frozen=True)
@@ -134,7 +177,7 @@ class Topology:
     """
 
     num_ranks: int
-    num_scaleup_ranks: int = field(default=NUM_MAX_SCALEUP_RANKS)
+    num_scaleup_ranks: int = NUM_MAX_SCALEUP_RANKS
 
     def __post_init__(self) -> None:
         check_int("num_ranks", self.num_ranks, 1)
@@ -173,51 +216,6 @@ class Topology:
 
     def local_of(self, rank: int) -> int:
         return rank % self.num_scaleup_ranks
-
-
-def put_peers(rank: int, unreachable: list, put_only: bool) -> list[int]:
-    """The ranks that ``rank`` reaches by NVSHMEM puts in the CUDA internode backend (``deep_ep/cuda_internode.py``):
-    those it cannot reach by ``nvshmem_ptr`` and those that cannot reach it (the relation is symmetric: both sides of
-    a pair must agree on it), or every other rank with ``put_only`` (``DEEP_EP_INTERNODE_PUT_ONLY``).
-    ``unreachable[r]``: the ranks that rank ``r`` cannot reach."""
-    num_ranks = len(unreachable)
-    if put_only:
-        return [r for r in range(num_ranks) if r != rank]
-    return [r for r in range(num_ranks) if r != rank and (r in unreachable[rank] or rank in unreachable[r])]
-
-
-def composed_rail(mode: str, hosts: Sequence[str], topology: Topology, num_rdma_bytes: int,
-                  has_nvshmem: bool) -> tuple[Optional[str], Optional[str]]:
-    """How the composed internode path's rail stage reaches its peers next to the CUDA node stage
-    (``DEEP_EP_COMPOSED_RAIL`` = ``mode``): ``('ipc', None)`` (the ring kernels in CUDA IPC buffers), ``('nvshmem',
-    None)`` (the ring kernels on the NVSHMEM symmetric heap, ``deep_ep.cuda_internode.SymmetricCuda``), ``('torch',
-    None)`` (``TorchBackend`` over the rail subgroup: any node count), or ``(None, why the CUDA node stage cannot
-    serve the group)``. ``hosts[r]``: the host name of rank ``r``. The node stage always runs on CUDA IPC, so each
-    node's ranks must share a host; ``auto`` takes torch beyond ``NUM_MAX_RING_RANKS`` nodes, else IPC when every
-    rank shares one host, else NVSHMEM."""
-    if mode not in ("auto", "ipc", "nvshmem", "torch"):
-        raise ValueError(f"DEEP_EP_COMPOSED_RAIL must be 'auto', 'ipc', 'nvshmem' or 'torch', got {mode!r}")
-    per_node = topology.num_scaleup_ranks
-    for node in range(topology.num_scaleout_ranks):
-        names = sorted(set(hosts[node * per_node:(node + 1) * per_node]))
-        if len(names) > 1:
-            return None, (f"the ranks of node {node} span hosts {names} (the node stage needs CUDA IPC; set "
-                          f"DEEP_EP_GPUS_PER_NODE to the GPUs per host)")
-    if mode == "torch" or (mode == "auto" and topology.num_scaleout_ranks > NUM_MAX_RING_RANKS):
-        return "torch", None
-    if topology.num_scaleout_ranks > NUM_MAX_RING_RANKS:
-        return None, (f"DEEP_EP_COMPOSED_RAIL={mode}: {topology.num_scaleout_ranks} nodes exceed the rail stage's "
-                      f"{NUM_MAX_RING_RANKS} ranks (a torch rail serves them)")
-    one_host = len(set(hosts)) == 1
-    if mode == "ipc" and not one_host:
-        return None, f"DEEP_EP_COMPOSED_RAIL=ipc but the ranks span {len(set(hosts))} hosts"
-    if mode == "ipc" or (mode == "auto" and one_host):
-        return "ipc", None
-    if not has_nvshmem:
-        return None, "the rail stage across hosts needs NVSHMEM, and the extension was built without it"
-    if num_rdma_bytes <= 0:
-        return None, "num_rdma_bytes is 0 (the rail stage across hosts runs on the NVSHMEM symmetric heap)"
-    return "nvshmem", None
 
 
 def num_local_experts(num_experts: int, num_ranks: int) -> int:
@@ -274,147 +272,6 @@ def _make(num_sms: int, row: dict[str, int]) -> Config:
                   num_max_nvl_chunked_recv_tokens=row["nvl_recv"],
                   num_max_rdma_chunked_send_tokens=row["rdma_send"],
                   num_max_rdma_chunked_recv_tokens=row["rdma_recv"])
-
-
-# Warps of the 32 in an intranode channel CTA that push rows when R > 1: the others receive (dispatch) or reduce
-# (combine), and one publishes the ring counters. An int entry overrides the tuned table below for every call (the
-# benchmark and the GPU tests set them between calls); None (the default) takes the table's row.
-# intranode_send_warps() clamps either to what each kernel accepts.
-INTRANODE_SEND_WARPS: dict[str, Optional[int]] = {"dispatch": None, "combine": None}
-
-# Tuned copy warps by (kernel, dtype): rows (largest channel count, warps), the first row whose bound is >= the
-# call's channel count applies, the last row above it. Best split of the 2026-11-30 10:56 sweep on 2 x H200, EP2,
-# 4096 tokens, hidden 7168 (docs/performance.md, "Channel and warp sweep"), wall us by warps:
-#   dispatch BF16   8 ch: 24 -> 321, 16 -> 325 | 12 ch: 24 -> 223 | 16 ch: 12 -> 195 (191 at 10:46), 16 -> 209
-#   dispatch FP8    8 ch: 24 -> 196, 20 -> 198 | 12 ch: 24 -> 144 | 16 ch: 24 -> 116 (116 at 10:46), 16 -> 129
-#   combine         8 ch: 8 -> 420, 10 -> 436  | 12 ch: 8 -> 302  | 16 ch: 8 -> 241, 10 -> 264
-#                   24 ch: 6 -> 231, 5 -> 237
-INTRANODE_SEND_WARP_TABLE: dict[tuple[str, str], tuple[tuple[int, int], ...]] = {
-    ("dispatch", "bf16"): ((12, 24), (16, 12), (24, 16)),
-    ("dispatch", "fp8"): ((16, 24), (24, 12)),
-    ("combine", "bf16"): ((16, 8), (24, 6)),
-}
-
-# Channels the intranode kernels use, by rank count: config.num_sms is a budget, and above this cap more channels
-# measured slower, so the kernels run the cap's count and leave the other SMs free. EP2 (10:46 and 10:56 sweeps):
-# BF16 dispatch 217 us at 24 channels, 191-195 us at 16; FP8 dispatch 120 vs 116 us; combine 231 vs 241 us. Rank
-# counts without a measured cap use config.num_sms channels.
-INTRANODE_MAX_CHANNELS: dict[int, int] = {2: 16}
-
-
-def intranode_channels(num_sms: int, num_ranks: int) -> int:
-    """Channels (one CTA each) of the intranode kernels for a budget of ``num_sms`` SMs and ``num_ranks`` ranks."""
-    return min(num_sms, INTRANODE_MAX_CHANNELS.get(num_ranks, num_sms))
-
-
-def send_warp_range(kernel: str, num_ranks: int) -> tuple[int, int]:
-    """Copy warps per channel the ring ``kernel`` accepts with ``num_ranks`` ranks: dispatch [2, 32 - R] (the
-    publisher and a receiver warp per source remain), combine [R - 1, 30] (a ring sender per destination; the
-    publisher and a reducer remain)."""
-    return (2, 32 - num_ranks) if kernel == "dispatch" else (num_ranks - 1, 30)
-
-
-def intranode_send_warps(kernel: str, num_ranks: int, num_channels: int = 24, fp8: bool = False) -> int:
-    """Copy warps per channel of the intranode ``kernel`` ('dispatch' or 'combine') for ``num_ranks`` ranks and
-    ``num_channels`` channels (``fp8``: an FP8 dispatch): the override of ``INTRANODE_SEND_WARPS`` or the tuned
-    table's row, clamped to ``send_warp_range``."""
-    lowest, highest = send_warp_range(kernel, num_ranks)
-    warps = INTRANODE_SEND_WARPS[kernel]
-    if warps is None:
-        rows = INTRANODE_SEND_WARP_TABLE[(kernel, "fp8" if fp8 and kernel == "dispatch" else "bf16")]
-        warps = next((w for bound, w in rows if num_channels <= bound), rows[-1][1])
-    return min(max(warps, lowest), highest)
-
-
-# Receive path of intranode dispatch (design guide §2.8): None follows DEEP_EP_DISPATCH_RECEIVE; tests and the
-# benchmark set 'auto', 'rings' or 'direct' here to compare the paths within one process.
-INTRANODE_DISPATCH_RECEIVE: Optional[str] = None
-DISPATCH_RECEIVE_MODES = ("auto", "rings", "direct")
-
-
-# Send path of intranode combine: None follows DEEP_EP_COMBINE_COPY ('auto', 'copy', 'rings' or 'zone'); tests and
-# the benchmark set it here. 'auto' takes the copy engine for SM budgets up to COMBINE_COPY_MAX_SMS and the zone
-# senders from COMBINE_ZONE_MIN_SMS up: 2 x H200, EP2, 4096 tokens, hidden 7168 (docs/performance.md, "Copy-engine
-# combine" and "Zone-sender combine"), wall us copy engine vs rings: 8 SMs 315 vs 436, 12 SMs 259 vs 306, 16 SMs 254
-# vs 241, 24 SMs 240 vs 241; zone senders (4 per CTA) vs rings: 20 SMs 229 vs 240, 24 SMs 214-235 vs 238-239, 32
-# SMs (32 CTAs) 246 vs 239, 48 SMs 223 vs 240. COMBINE_COPY_CHUNK_ROWS: rows per copy-engine chunk (each chunk ends
-# with a flag the reducers wait for; the first chunks are smaller so that the reducers start early).
-# COMBINE_ZONE_SEND_WARPS: sender warps per CTA of the zone kernel (20 warps; a stripe is that many rows), unless
-# INTRANODE_SEND_WARPS['combine'] overrides it; the zone kernel runs min(budget, COMBINE_ZONE_MAX_CTAS) CTAs.
-INTRANODE_COMBINE_COPY: Optional[str] = None
-COMBINE_COPY_MODES = ("auto", "copy", "rings", "zone")
-COMBINE_COPY_MAX_SMS = 12
-COMBINE_COPY_CHUNK_ROWS = 512
-COMBINE_ZONE_MIN_SMS = 20
-COMBINE_ZONE_WARPS = 20  # the kernel's warps per CTA (csrc/kernels/intranode.cu, kZoneWarps)
-COMBINE_ZONE_SEND_WARPS = 4
-COMBINE_ZONE_MAX_CTAS = 24
-
-
-def combine_send_path(num_sms: int) -> str:
-    """The send path an intranode combine with a budget of ``num_sms`` SMs asks for: 'copy' (copy engine), 'zone'
-    (sender warps storing straight into the owners' landing zones, all CTAs reducing) or 'rings'. The landing-zone
-    paths still need the dispatch's counts on the host and zones that fit, else the call takes the rings."""
-    mode = combine_copy_mode()
-    if mode == "auto":
-        return "copy" if num_sms <= COMBINE_COPY_MAX_SMS else "zone" if num_sms >= COMBINE_ZONE_MIN_SMS else "rings"
-    return mode
-
-
-def zone_send_warps() -> int:
-    """Sender warps per CTA of the zone-sender combine: INTRANODE_SEND_WARPS['combine'] or COMBINE_ZONE_SEND_WARPS,
-    clamped to [1, COMBINE_ZONE_WARPS - 2] (the kernel also needs its publisher warp and a reducer)."""
-    warps = INTRANODE_SEND_WARPS["combine"]
-    return min(max(COMBINE_ZONE_SEND_WARPS if warps is None else warps, 1), COMBINE_ZONE_WARPS - 2)
-
-
-def zone_ctas(num_sms: int) -> int:
-    """CTAs of the zone-sender combine for a budget of ``num_sms`` SMs: at most COMBINE_ZONE_MAX_CTAS."""
-    return max(1, min(num_sms, COMBINE_ZONE_MAX_CTAS))
-
-
-def combine_by_copy_engine(num_sms: int) -> bool:
-    """Whether an intranode combine with a budget of ``num_sms`` SMs asks for the copy-engine path."""
-    return combine_send_path(num_sms) == "copy"
-
-
-def combine_copy_mode() -> str:
-    """'auto' (copy engine for budgets up to COMBINE_COPY_MAX_SMS SMs, zone senders from COMBINE_ZONE_MIN_SMS, where
-    they apply, else rings), 'copy' (copy engine wherever it applies), 'rings', or 'zone' (sender warps storing into
-    the landing zones wherever they apply)."""
-    mode = INTRANODE_COMBINE_COPY if INTRANODE_COMBINE_COPY is not None else envs.COMBINE_COPY.get()
-    if mode not in COMBINE_COPY_MODES:
-        raise ValueError(f"combine copy mode (DEEP_EP_COMBINE_COPY or deep_ep.config.INTRANODE_COMBINE_COPY) must "
-                         f"be one of {COMBINE_COPY_MODES}, got {mode!r}")
-    return mode
-
-
-def dispatch_receive_mode() -> str:
-    """'auto' (direct-to-output when the output pool has room, else rings), 'rings' or 'direct'."""
-    mode = INTRANODE_DISPATCH_RECEIVE if INTRANODE_DISPATCH_RECEIVE is not None else envs.DISPATCH_RECEIVE.get()
-    if mode not in DISPATCH_RECEIVE_MODES:
-        raise ValueError(f"dispatch receive mode (DEEP_EP_DISPATCH_RECEIVE or "
-                         f"deep_ep.config.INTRANODE_DISPATCH_RECEIVE) must be one of {DISPATCH_RECEIVE_MODES}, "
-                         f"got {mode!r}")
-    return mode
-
-
-def ll_combine_by_partials(mode: str, num_ranks: int, num_topk: int, num_experts: int, hidden: int, all_p2p: bool,
-                           use_logfmt: bool, zero_copy: bool, return_recv_hook: bool) -> bool:
-    """Whether the LL combine runs by per-rank fp32 partial sums (``DEEP_EP_LL_PARTIALS`` = ``mode``).
-
-    Structural conditions (the kernel's): a fused launch (no receive hook), no LogFMT, every peer reached by pointer
-    on every rank, 2 to 8 ranks, ``num_experts / num_ranks >= 3`` (the partial and routing areas fit the receive
-    area), and with ``zero_copy`` ``hidden % 512 == 0`` (16-byte aligned send slots). ``auto`` also asks for
-    ``num_topk >= 3 * num_ranks``: ~3 or more of a token's rows per rank, so one fp32 partial (4H bytes) replaces at
-    least 6H bytes of BF16 rows and pays for the owner's routing message. Same answer on every rank."""
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"DEEP_EP_LL_PARTIALS must be 'auto', '0' or '1', got {mode!r}")
-    if mode == "0":
-        return False
-    structural = (not return_recv_hook and not use_logfmt and all_p2p and 2 <= num_ranks <= 8
-                  and num_experts // num_ranks >= 3 and (not zero_copy or hidden % 512 == 0))
-    return structural and (mode == "1" or num_topk >= 3 * num_ranks)
 
 
 def get_dispatch_config(num_ranks: int, num_sms: int = 20) -> Config:

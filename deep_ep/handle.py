@@ -1,22 +1,15 @@
 """Dispatch handles and the bookkeeping math behind every handle field.
 
-Torch only; no extension, no ``reference``. The functions here are pure (tensors in, tensors out) and are split
-the way a distributed implementation runs them:
+Torch only; no extension, no ``reference``. The functions are pure (tensors in, tensors out) and split the way a
+distributed implementation runs them: the sender side (:func:`intranode_sender`, :func:`internode_sender`) from this
+rank's ``is_token_in_rank`` and the channel count; an exchange of counts, prefixes and per-row metadata that the
+caller makes; the receiver side (:func:`rank_prefix_matrix`, :func:`recv_channel_prefix_matrix`, the
+``recv_gbl_*`` / ``recv_rdma_*`` functions, :func:`encode_src_meta`, :func:`forwarder_send_nvl_head`).
 
-* **sender side** (:func:`intranode_sender`, :func:`internode_sender`): computed locally from this rank's
-  ``is_token_in_rank`` and the channel count;
-* **exchange**: the caller moves per-destination counts, per-channel prefixes and per-row metadata between ranks;
-* **receiver side** (:func:`rank_prefix_matrix`, :func:`recv_channel_prefix_matrix`, :func:`recv_gbl_rank_prefix_sum`,
-  :func:`recv_gbl_channel_prefix_matrix`, :func:`recv_rdma_channel_prefix_matrix`,
-  :func:`recv_rdma_rank_prefix_sum`, :func:`encode_src_meta`, :func:`forwarder_send_nvl_head`): computed from
-  what the receiver learned.
-
-Channels: a sender splits its ``N`` tokens into ``C`` contiguous chunks of ``ceil(N / C)`` tokens
-(:func:`deep_ep.layout.channel_token_range`); token ``t`` is in channel ``t // ceil(N / C)``. A "ring sequence
-number" of a token is its position among the earlier tokens of the same ring (same channel and destination),
-counted from 0 and never reduced modulo the ring capacity.
-
-All integer handle tensors are int32, as in DeepEP; ``recv_src_meta`` is uint8 and ``is_token_in_rank`` bool.
+Channels: a sender splits its ``N`` tokens into ``C`` contiguous chunks of ``ceil(N / C)`` tokens; token ``t`` is in
+channel ``t // ceil(N / C)``. A token's ring sequence number is its position among the earlier tokens of the same
+ring (same channel and destination), from 0, never reduced modulo the ring capacity. Integer handle tensors are
+int32, as in DeepEP; ``recv_src_meta`` is uint8 and ``is_token_in_rank`` bool.
 """
 from __future__ import annotations
 
@@ -28,12 +21,35 @@ from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Topology, ceil_div, num_local_
 from deep_ep.numerics import dense_copy
 from deep_ep.validate import check_expert_range
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Handle and result types (tuple positions are DeepEP's).
 # ---------------------------------------------------------------------------------------------------------------
 
-class IntranodeHandle(NamedTuple):
+class HandleState:
+    """What a handle carries beside DeepEP's tuple fields (attributes, not tuple positions).
+
+    Attributes:
+        owner: the token of the ``Buffer`` that returned the handle (``None``: no Buffer returned it); a Buffer
+            accepts only its own handles.
+        backend_state: what the backend that made the handle reuses in its cached dispatch and combine (the CUDA
+            kernels' pair counts or intranode handle, the composed path's stage handles), ``None`` for nothing.
+    """
+
+    __slots__ = ()
+    owner: object = None
+    backend_state: object = None
+
+
+class _IntranodeFields(NamedTuple):
+    rank_prefix_matrix: torch.Tensor
+    channel_prefix_matrix: torch.Tensor
+    recv_channel_prefix_matrix: torch.Tensor
+    recv_src_idx: torch.Tensor
+    is_token_in_rank: torch.Tensor
+    send_head: torch.Tensor
+
+
+class IntranodeHandle(_IntranodeFields, HandleState):
     """Handle of an intranode normal dispatch (DeepEP's 6-tuple).
 
     Fields (``R`` ranks, ``C`` channels, ``N`` tokens sent by this rank, ``M`` rows received by this rank):
@@ -49,15 +65,21 @@ class IntranodeHandle(NamedTuple):
             ``t`` was not sent to ``d``.
     """
 
-    rank_prefix_matrix: torch.Tensor
-    channel_prefix_matrix: torch.Tensor
-    recv_channel_prefix_matrix: torch.Tensor
-    recv_src_idx: torch.Tensor
+
+class _InternodeFields(NamedTuple):
     is_token_in_rank: torch.Tensor
-    send_head: torch.Tensor
+    rdma_channel_prefix_matrix: torch.Tensor
+    gbl_channel_prefix_matrix: torch.Tensor
+    recv_rdma_channel_prefix_matrix: torch.Tensor
+    recv_rdma_rank_prefix_sum: torch.Tensor
+    recv_gbl_channel_prefix_matrix: torch.Tensor
+    recv_gbl_rank_prefix_sum: torch.Tensor
+    recv_src_meta: torch.Tensor
+    send_rdma_head: torch.Tensor
+    send_nvl_head: torch.Tensor
 
 
-class InternodeHandle(NamedTuple):
+class InternodeHandle(_InternodeFields, HandleState):
     """Handle of an internode normal dispatch (DeepEP's 10-tuple).
 
     ``R_so`` = nodes (scale-out ranks), ``P`` = ranks per node; this rank is ``(my_node, my_local)``.
@@ -83,19 +105,16 @@ class InternodeHandle(NamedTuple):
             ``j >= P`` are -1.
     """
 
-    is_token_in_rank: torch.Tensor
-    rdma_channel_prefix_matrix: torch.Tensor
-    gbl_channel_prefix_matrix: torch.Tensor
-    recv_rdma_channel_prefix_matrix: torch.Tensor
-    recv_rdma_rank_prefix_sum: torch.Tensor
-    recv_gbl_channel_prefix_matrix: torch.Tensor
-    recv_gbl_rank_prefix_sum: torch.Tensor
-    recv_src_meta: torch.Tensor
-    send_rdma_head: torch.Tensor
-    send_nvl_head: torch.Tensor
+
+class _LowLatencyFields(NamedTuple):
+    packed_recv_src_info: torch.Tensor
+    packed_recv_layout_range: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
 
 
-class LowLatencyHandle(NamedTuple):
+class LowLatencyHandle(_LowLatencyFields, HandleState):
     """Handle of a low-latency dispatch (DeepEP's 5-tuple).
 
     Fields (``L`` local experts, ``R`` ranks, ``T`` = num_max_dispatch_tokens_per_rank):
@@ -106,12 +125,6 @@ class LowLatencyHandle(NamedTuple):
         hidden: ``H`` (int).
         num_experts: ``E`` (int).
     """
-
-    packed_recv_src_info: torch.Tensor
-    packed_recv_layout_range: torch.Tensor
-    num_max_dispatch_tokens_per_rank: int
-    hidden: int
-    num_experts: int
 
 
 class LayoutResult(NamedTuple):
@@ -428,7 +441,7 @@ def forwarder_send_nvl_head(src_node: torch.Tensor, channel: torch.Tensor, local
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# One GPU per node (deep_ep/cuda_internode.py): internode handle <-> the intranode kernels' fields.
+# One GPU per node (deep_ep/backends/cuda_internode.py): internode handle <-> the intranode kernels' fields.
 # ---------------------------------------------------------------------------------------------------------------
 
 def single_gpu_nodes_handle(handle: IntranodeHandle, rank: int) -> InternodeHandle:
@@ -442,7 +455,7 @@ def single_gpu_nodes_handle(handle: IntranodeHandle, rank: int) -> InternodeHand
             exclusive inside each source's block, ``recv_src_idx [M]`` (``M`` may include worst-token padding),
             ``is_token_in_rank``, ``send_head [N, R]``.
     Returns:
-        :class:`InternodeHandle` with the fields of spec §9.6 for ``R_rdma = R``, one rank per node.
+        :class:`InternodeHandle` for ``R_rdma = R``, one rank per node (the fields as the torch backend builds them).
     """
     prefix = handle.rank_prefix_matrix[:, rank].contiguous()                  # inclusive over sources
     counts = prefix - torch.cat([prefix.new_zeros(1), prefix[:-1]])

@@ -1,8 +1,9 @@
-"""Byte layout of the communication buffers: every buffer-size formula lives here.
+"""Byte layout of the communication buffers.
 
 Standard library only. ``Buffer`` sizes its allocations from these functions, the CUDA kernels carve the
 same regions (``csrc/kernels/layout.cuh`` mirrors this file), and the simulator takes ring capacities and
-buffer bytes from here.
+buffer bytes from here. DeepEP's normal-mode size hints (``nvl_buffer_size_hint``, ``rdma_buffer_size_hint``) are
+defined with ``Config`` in ``deep_ep.config`` and importable from here.
 
 A layout is an ordered tuple of :class:`Region` s, each starting where the previous one ends (every region
 is padded to ``BUFFER_ALIGNMENT`` bytes unless stated otherwise).
@@ -12,8 +13,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from deep_ep.config import (BUFFER_ALIGNMENT, NUM_HINT_MAX_SCALES, NUM_HINT_MAX_TOPK, NUM_MAX_RING_RANKS,
-                            NUM_MAX_SCALEUP_RANKS, SOURCE_META_BYTES, Config, align_up, ceil_div)
+from deep_ep.config import BUFFER_ALIGNMENT, NUM_MAX_RING_RANKS, align_up, ceil_div
+
+# DeepEP's normal-mode size hints, next to the layouts they size (the formulas live with Config).
+from deep_ep.config import nvl_buffer_size_hint as nvl_buffer_size_hint
+from deep_ep.config import rdma_buffer_size_hint as rdma_buffer_size_hint
 
 INT32_BYTES = 4
 FLOAT32_BYTES = 4
@@ -51,7 +55,8 @@ class Layout:
 
     def describe(self) -> str:
         rows = [f"{r.name:<28} {r.offset:>14} {r.num_bytes:>14}" for r in self.regions]
-        return "\n".join([f"{'region':<28} {'offset':>14} {'bytes':>14}", *rows, f"{'total':<28} {self.total_bytes:>14}"])
+        header = f"{'region':<28} {'offset':>14} {'bytes':>14}"
+        return "\n".join([header, *rows, f"{'total':<28} {self.total_bytes:>14}"])
 
 
 def chain(*sizes: tuple[str, int], alignment: int = BUFFER_ALIGNMENT) -> Layout:
@@ -63,53 +68,6 @@ def chain(*sizes: tuple[str, int], alignment: int = BUFFER_ALIGNMENT) -> Layout:
         regions.append(Region(name, offset, num_bytes))
         offset = align_up(offset + num_bytes, alignment)
     return Layout(tuple(regions))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Normal-mode size hints (DeepEP's formulas, so that buffers sized for DeepEP fit here too).
-# ---------------------------------------------------------------------------------------------------------------
-
-def _check_normal_ranks(num_ranks: int) -> None:
-    if num_ranks > NUM_MAX_SCALEUP_RANKS and num_ranks % NUM_MAX_SCALEUP_RANKS != 0:
-        raise ValueError(f"num_ranks must be < {NUM_MAX_SCALEUP_RANKS} or a multiple of {NUM_MAX_SCALEUP_RANKS}, "
-                         f"got {num_ranks}")
-
-
-def nvl_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, topk_idx_bytes: int = 8) -> int:
-    """Scale-up buffer bytes for the normal kernels, rounded up to 128.
-
-    ``hidden_bytes`` should be ``hidden * max(element_size, 2)`` (BF16-sized even for FP8), as in DeepEP.
-    """
-    _check_normal_ranks(num_ranks)
-    if num_ranks > NUM_MAX_SCALEUP_RANKS and config.num_sms % 2 != 0:
-        raise ValueError(f"num_sms must be even, got {config.num_sms}")
-    num_channels = config.num_sms // 2
-    num_nvl = min(num_ranks, NUM_MAX_SCALEUP_RANKS)
-    num_rdma = max(num_ranks // NUM_MAX_SCALEUP_RANKS, 1)
-    slots = num_channels * num_nvl * config.num_max_nvl_chunked_recv_tokens
-    num_bytes = (num_channels * num_nvl * (2 * num_rdma + 3) * INT32_BYTES
-                 + slots * hidden_bytes
-                 + slots * SOURCE_META_BYTES
-                 + slots * NUM_HINT_MAX_TOPK * topk_idx_bytes
-                 + slots * NUM_HINT_MAX_TOPK * FLOAT32_BYTES
-                 + slots * NUM_HINT_MAX_SCALES * FLOAT32_BYTES)
-    return align_up(num_bytes, BUFFER_ALIGNMENT)
-
-
-def rdma_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, topk_idx_bytes: int = 8) -> int:
-    """Scale-out buffer bytes for the normal internode kernels, rounded up to 128; 0 within one node."""
-    if num_ranks <= NUM_MAX_SCALEUP_RANKS:
-        return 0
-    _check_normal_ranks(num_ranks)
-    if config.num_sms % 2 != 0:
-        raise ValueError(f"num_sms must be even, got {config.num_sms}")
-    num_channels = config.num_sms // 2
-    num_rdma = num_ranks // NUM_MAX_SCALEUP_RANKS
-    record = (hidden_bytes + SOURCE_META_BYTES + NUM_HINT_MAX_TOPK * topk_idx_bytes
-              + NUM_HINT_MAX_TOPK * FLOAT32_BYTES + NUM_HINT_MAX_SCALES * FLOAT32_BYTES + 16)
-    num_bytes = (num_channels * num_rdma * (NUM_MAX_SCALEUP_RANKS * 2 + 2) * 2 * INT32_BYTES
-                 + 2 * num_channels * num_rdma * config.num_max_rdma_chunked_recv_tokens * record)
-    return align_up(num_bytes, BUFFER_ALIGNMENT)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -340,7 +298,7 @@ def _with_rings(geometry: RingGeometry, num_ranks: int, num_channels: int, name:
 
 def intranode_dispatch_layout(num_ranks: int, num_channels: int, num_recv_tokens: int, hidden_bytes: int,
                               num_topk: int, num_scales: int, topk_idx_bytes: int = 8) -> Layout:
-    """DeepEP V1's regions of one rank's scale-up buffer during an intranode dispatch (spec §13.1 shape).
+    """DeepEP V1's regions of one rank's scale-up buffer during an intranode dispatch.
 
     Our kernels carve the buffer differently (:func:`intranode_dispatch_ring_layout`); this function documents
     the shape DeepEP's size hints were derived from.
@@ -363,7 +321,7 @@ def intranode_dispatch_layout(num_ranks: int, num_channels: int, num_recv_tokens
 
 def intranode_combine_layout(num_ranks: int, num_channels: int, num_recv_tokens: int, hidden: int,
                              num_topk: int) -> Layout:
-    """DeepEP V1's regions of one rank's scale-up buffer during an intranode combine (spec §13.2 shape).
+    """DeepEP V1's regions of one rank's scale-up buffer during an intranode combine.
 
     Our kernels use :func:`intranode_combine_ring_layout`."""
     rings = num_channels * num_ranks

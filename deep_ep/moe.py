@@ -1,27 +1,18 @@
 """Autograd dispatch/combine and an expert-parallel MoE layer built on ``deep_ep.Buffer`` (normal kernels).
 
-The layer follows the usual DeepEP recipe::
+The layer follows the usual DeepEP recipe: router logits -> softmax -> top-k -> ``get_dispatch_layout`` ->
+``dispatch`` -> local experts (grouped by ``num_recv_tokens_per_expert_list``, weighted by ``recv_topk_weights``)
+-> ``combine`` -> output rows in the caller's token order. Autograd:
 
-    router logits -> softmax -> top-k  ->  buffer.get_dispatch_layout  ->  dispatch (autograd)
-        -> local experts, grouped by num_recv_tokens_per_expert_list, weighted by recv_topk_weights
-        -> combine (autograd)  ->  output rows in the caller's token order
+* ``dispatch``'s backward is a ``combine`` with the same handle: the gradient rows of ``recv_x`` on all holding
+  ranks sum into the source token's row, those of ``recv_topk_weights`` (masked to the holder's local slots) into
+  ``topk_weights``, the exact gradient of the ``[N, K]`` router weights (every expert lives on one rank);
+* ``combine`` sums one row per holding rank (no weighting: the experts apply the router weights); its backward is
+  a cached ``dispatch`` with the same handle, a copy of the output gradient row to each holder;
+* combine and every gradient travel in BF16; forward dispatch in BF16 or, with ``use_fp8=True``, per-token FP8
+  E4M3 with 128-channel scales (dequantised on the receiver; identity in backward).
 
-Autograd semantics (see ``docs/moe_layer.md``):
-
-* ``dispatch`` forward sends every token once to every rank that owns one of its experts. Its backward is a
-  ``combine`` with the *same handle*: the gradient rows of ``recv_x`` on all holding ranks are summed back into the
-  source token's row, and the gradient of ``recv_topk_weights`` (masked to the slots that are local on the holder)
-  is summed back into ``topk_weights``; since every expert lives on exactly one rank this is the exact gradient of
-  the original ``[N, K]`` router weights.
-* ``combine`` forward sums one row per holding rank (it does **not** weight; the layer applies the router weights
-  on the expert side, before combine). Its backward is a cached ``dispatch`` with the same handle: each holding
-  rank receives a copy of the output gradient row.
-* Communication dtype: combine is BF16 (DeepEP's combine accepts BF16 only), forward dispatch is BF16 or, with
-  ``use_fp8=True``, per-token FP8 E4M3 with 128-channel scales (dequantised to BF16 on the receiver). Gradients
-  always travel in BF16. The FP8 cast is treated as identity in backward (straight-through).
-
-Nothing here is CPU- or GPU-specific: devices and dtypes come from the input tensors, and the same code runs on a
-gloo group (torch backend of ``Buffer``) and on an NCCL group (CUDA kernels).
+Devices and dtypes come from the input tensors: the same code runs on gloo (torch backend) and NCCL (CUDA kernels).
 """
 from __future__ import annotations
 
@@ -63,7 +54,7 @@ def make_buffer(group: Any, hidden: int, *, num_sms: int | None = None, **buffer
     """Build a ``deep_ep.Buffer`` big enough for normal dispatch/combine of BF16 tokens of width ``hidden``.
 
     The NVLink byte count is the larger of the dispatch and combine size hints of the default configs for the
-    group size (spec §7.2); an RDMA byte count is added when the group spans more than one NVLink domain
+    group size (DeepEP's formulas); an RDMA byte count is added when the group spans more than one NVLink domain
     (``DEEP_EP_GPUS_PER_NODE``).
 
     Args:

@@ -1,10 +1,8 @@
 """Number formats of the expert-parallel path: per-token FP8 casts, UE8M0 scale packing and LogFMT-10.
 
-Torch only (CPU or CUDA tensors, no extension). Everything here is vectorised over tokens and is the single
-definition used by ``reference`` (the test oracle) and by the torch backend of ``deep_ep.Buffer``; the helpers are
-also exported to users (DeepEP's test utilities provide the same conversions).
-
-FP8 cast (spec §11.3), per token and per 128-channel block ``b``::
+Torch only (CPU or CUDA tensors, no extension), vectorised over tokens: the one definition used by ``reference``
+and the torch backend, also exported to users (DeepEP's test utilities provide the same conversions). FP8 cast,
+per token and per 128-channel block ``b``::
 
     amax[b]   = max(1e-4, max |x_c|)                         float32
     scale_inv = amax / 448                                   (dequant multiplier), or with round_scale
@@ -177,7 +175,7 @@ def logfmt_chunk_channels(hidden: int) -> int:
 
 
 def logfmt_roundtrip(x: torch.Tensor) -> torch.Tensor:
-    """What the receiver decodes when a BF16 combine payload is sent in LogFMT-10 (spec §11.3).
+    """What the receiver decodes when a BF16 combine payload is sent in LogFMT-10.
 
     Chunking rule: a token's channels are split into chunks of ``logfmt_chunk_channels(H)`` (1024 or 512; the
     last chunk may be shorter when ``H`` is not a multiple). Per 128-channel block the sender takes

@@ -1,4 +1,4 @@
-"""Bookkeeping of the output pool of direct-to-output dispatch (design guide §2.8).
+"""Bookkeeping of the output pool of direct-to-output dispatch (intranode dispatch receiving into its outputs).
 
 Standard library only, so the logic is tested on CPU. The pool is the part of a rank's CUDA-IPC buffer after the
 rings (:func:`deep_ep.layout.intranode_pool_region`). A dispatch that receives straight into its outputs takes

@@ -16,6 +16,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from deep_ep import envs
+
 # check_int lives in the stdlib-only deep_ep.config (its dataclasses use it) and is part of this module's API.
 from deep_ep.config import NUM_MAX_LL_TOPK, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK, check_int
 
@@ -161,12 +162,12 @@ def split_bias(bias: object, num_tokens: int, hidden: int, dtype: torch.dtype,
 def check_even_num_sms(name: str, num_sms: object) -> int:
     check_int(name, num_sms, 2)
     if num_sms % 2 != 0:
-        raise ValueError(f"{name} must be even (a channel is 2 SMs), got {num_sms}")
+        raise ValueError(f"{name} must be even (as in DeepEP), got {num_sms}")
     return num_sms
 
 
 def check_stream_args(previous_event: object, async_finish: object, allocate_on_comm_stream: object) -> None:
-    """``allocate_on_comm_stream`` needs both ``previous_event`` and ``async_finish`` (spec §6.2)."""
+    """``allocate_on_comm_stream`` needs both ``previous_event`` and ``async_finish`` (as in DeepEP)."""
     check_bool("async_finish", async_finish)
     check_bool("allocate_on_comm_stream", allocate_on_comm_stream)
     if allocate_on_comm_stream and (previous_event is None or not async_finish):

@@ -8,8 +8,12 @@ Imports torch and the torch-free / torch-only parts of ``deep_ep`` (config, layo
 ``deep_ep.buffer`` or the CUDA extension.
 """
 from deep_ep.handle import InternodeHandle, IntranodeHandle, LayoutResult, LowLatencyHandle
-from reference.low_latency import (LowLatencyDispatchResult, low_latency_combine, low_latency_dispatch,
-                                   unpack_layout_range)
+from reference.low_latency import (
+                                   LowLatencyDispatchResult,
+                                   low_latency_combine,
+                                   low_latency_dispatch,
+                                   unpack_layout_range,
+)
 from reference.normal import CombineResult, DispatchResult, combine, dispatch, get_dispatch_layout
 
 __all__ = [

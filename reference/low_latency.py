@@ -1,4 +1,4 @@
-"""Reference semantics of the low-latency kernels: per-expert dispatch and weighted combine (spec §11, §12).
+"""Reference semantics of the low-latency kernels: per-expert dispatch and weighted combine.
 
 Global view, plain loops: inputs of all ranks in, outputs of all ranks out.
 
@@ -136,17 +136,11 @@ def low_latency_dispatch(x: Sequence[torch.Tensor], topk_idx: Sequence[torch.Ten
 def low_latency_combine(y: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tensor],
                         topk_weights: Sequence[torch.Tensor], handles: Sequence[LowLatencyHandle], *,
                         use_logfmt: bool = False, zero_copy: bool = False,
-                        masked_ranks: Sequence[int] = (), per_rank_partials: bool = False) -> list[torch.Tensor]:
+                        masked_ranks: Sequence[int] = ()) -> list[torch.Tensor]:
     """Low-latency combine of every rank, global view::
 
         out[s][t] = bf16( sum_{k asc, e = topk_idx[s][t,k] >= 0, owner(e) not masked}
                           f32(topk_weights[s][t,k]) * f32(Y(e, s, t)) )
-
-    With ``per_rank_partials`` (the CUDA kernels' combine by partial sums, ``DEEP_EP_LL_PARTIALS``) the same terms
-    are summed in another order, each sum in float32 from zero: per expert owner ``r`` a partial over its entries in
-    ascending ``k``, then the partials in ascending ``r``::
-
-        out[s][t] = bf16( sum_{r asc} ( sum_{k asc, owner(e_k) == r} f32(w[s][t,k]) * f32(Y(e_k, s, t)) ) )
 
     where ``Y(e, s, t)`` is the row of ``y[e // L][e % L]`` that holds ``(s, t)`` (found through the owner's
     ``layout_range`` and ``src_info``; the first such row if the token selected ``e`` twice), passed through
@@ -163,7 +157,6 @@ def low_latency_combine(y: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tens
         use_logfmt: the payload travels as LogFMT-10 (lossy).
         zero_copy: read ``y`` in place (no contiguity requirement); incompatible with ``use_logfmt``.
         masked_ranks: ranks excluded from the exchange.
-        per_rank_partials: sum per owner rank first (see above), not in plain ascending ``k``.
     Returns:
         per rank ``[N_s, H]`` bfloat16; fully defined (the fixed summation order makes it deterministic).
     """
@@ -196,7 +189,6 @@ def low_latency_combine(y: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tens
         if s not in masked:
             rows_cache: dict[int, dict[int, int]] = {}
             for t in range(num_tokens):
-                partials: dict[int, torch.Tensor] = {}
                 for k in range(topk_idx[s].size(1)):
                     e = int(topk_idx[s][t, k])
                     if e < 0 or e // experts_per_rank in masked:
@@ -211,13 +203,7 @@ def low_latency_combine(y: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tens
                     expert_row = y[owner][local, row].unsqueeze(0)
                     if use_logfmt:
                         expert_row = numerics.logfmt_roundtrip(expert_row)
-                    term = topk_weights[s][t, k] * expert_row[0].to(torch.float32)
-                    if per_rank_partials:
-                        partials[owner] = partials.get(owner, torch.zeros(hidden, dtype=torch.float32)) + term
-                    else:
-                        acc[t] += term
-                for owner in sorted(partials):
-                    acc[t] += partials[owner]
+                    acc[t] += topk_weights[s][t, k] * expert_row[0].to(torch.float32)
         outputs.append(acc.to(torch.bfloat16))
     return outputs
 

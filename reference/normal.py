@@ -1,4 +1,4 @@
-"""Reference semantics of the normal (high-throughput) kernels: layout, dispatch, combine (spec §8–§10, §12).
+"""Reference semantics of the normal (high-throughput) kernels: layout, dispatch, combine.
 
 Global view: every function takes the inputs of all ``R`` ranks (lists indexed by rank) and returns the outputs of
 all ranks. Plain loops over ranks: this module is the oracle, so it favours being obviously right.
@@ -10,12 +10,12 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 
 from deep_ep import handle as hd
-from deep_ep.config import Config, Topology, align_up, num_local_experts
+from deep_ep.config import Topology, align_up, num_local_experts
 from deep_ep.validate import check_int, check_tensor
 from reference._checks import check_per_rank
 
-# Channels used when the caller does not say: DeepEP's default ``Buffer.num_sms = 20`` -> 10 channels.
-DEFAULT_NUM_CHANNELS = Config().num_channels
+# Channels when the caller does not say; the rows do not depend on it, only the handles' channel fields do.
+DEFAULT_NUM_CHANNELS = 10
 
 XInput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 Handle = Union[hd.IntranodeHandle, hd.InternodeHandle]
@@ -181,7 +181,7 @@ def dispatch(x: Sequence[XInput], is_token_in_rank: Optional[Sequence[torch.Tens
              num_experts: Optional[int] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
              num_channels: int = DEFAULT_NUM_CHANNELS,
              handles: Optional[Sequence[Handle]] = None) -> list[DispatchResult]:
-    """Normal dispatch of every rank, global view (spec §9, §12).
+    """Normal dispatch of every rank, global view.
 
     Rank ``d`` receives, for every source rank ``s`` ascending and every token ``t`` of ``s`` ascending with
     ``is_token_in_rank[s][t, d]``, one row: the token once per receiving rank however many of its experts live there.
@@ -309,7 +309,7 @@ def combine(y: Sequence[torch.Tensor], handles: Sequence[Handle], topology: Topo
             topk_weights: Optional[Sequence[torch.Tensor]] = None,
             bias: Optional[Sequence[Union[None, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]] = None
             ) -> list[CombineResult]:
-    """Normal combine of every rank, global view (spec §10, §12): the reverse of the dispatch behind ``handles``.
+    """Normal combine of every rank, global view: the reverse of the dispatch behind ``handles``.
 
     For each original token ``t`` of rank ``s``, with holders ``D = {d : is_token_in_rank[s][t, d]}`` (from ``s``'s
     handle) and ``row_d`` the row of ``(s, t)`` in ``d``'s receive layout::

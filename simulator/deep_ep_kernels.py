@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from deep_ep.config import (COMBINE_COPY_CHUNK_ROWS, FP8_BLOCK, NUM_MAX_LL_TOPK, NUM_MAX_RING_RANKS, ceil_div,
-                            combine_send_path, intranode_channels, zone_ctas)
+from deep_ep.backends.cuda_tuning import COMBINE_COPY_CHUNK_ROWS, combine_send_path, intranode_channels, zone_ctas
+from deep_ep.config import FP8_BLOCK, NUM_MAX_LL_TOPK, NUM_MAX_RING_RANKS, ceil_div
 from deep_ep.layout import intranode_combine_record_bytes, intranode_dispatch_record_bytes
 from simulator.deep_ep_composed import composed_rank_times, composed_result, is_composed
 from simulator.deep_ep_torch import torch_rank_times, torch_result

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from deep_ep.config import combine_send_path
+from deep_ep.backends.cuda_tuning import combine_send_path
 from simulator import deep_ep_kernels as dek
 from simulator.bench_fit import LL_SECTION
 from simulator.scenario import Scenario, run

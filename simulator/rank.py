@@ -215,7 +215,7 @@ def normal_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, ni
     assert spec.config is not None
     cfg = spec.config
     num_ranks, per_node = spec.num_ranks, spec.ranks_per_node
-    channels = max(cfg.num_channels, 1)
+    channels = max(cfg.num_sms // 2, 1)
     row = normal_row_bytes(spec)
     nvl_chunk = cfg.num_max_nvl_chunked_send_tokens
     rdma_chunk = cfg.num_max_rdma_chunked_send_tokens

@@ -1,6 +1,9 @@
-"""Import boundaries of design/style.md §2.1, checked in fresh interpreters (one subprocess per check).
+"""Import boundaries, checked in fresh interpreters (one subprocess per check) and on the source tree.
 
-* ``deep_ep.config`` / ``deep_ep.layout`` / ``deep_ep.envs`` load nothing outside the standard library;
+* ``deep_ep.config`` / ``deep_ep.layout`` / ``deep_ep.envs`` / ``deep_ep.testing`` /
+  ``deep_ep.backends.cuda_tuning`` load nothing outside the standard library;
+* no import circle among the modules of ``deep_ep``, ``reference`` and ``simulator`` (imports inside functions
+  count);
 * ``import simulator`` loads no torch, no ``reference`` and no ``deep_ep.buffer`` / ``deep_ep._C``;
 * ``import deep_ep`` works without CUDA and without the compiled extension;
 * ``import reference`` loads neither ``deep_ep.buffer`` nor ``deep_ep._C``;
@@ -52,7 +55,8 @@ def require_package(name: str) -> None:
 THIRD_PARTY_HEAVY = {"torch", "numpy", "simpy", "matplotlib", "transformers"}
 
 
-@pytest.mark.parametrize("module", ["deep_ep.config", "deep_ep.layout", "deep_ep.envs"])
+@pytest.mark.parametrize("module", ["deep_ep.config", "deep_ep.layout", "deep_ep.envs", "deep_ep.testing",
+                                    "deep_ep.backends.cuda_tuning"])
 def test_core_modules_are_stdlib_only(module):
     new = loaded_after(f"import {module}")
     tops = {name.split(".")[0] for name in new}
@@ -109,6 +113,125 @@ def test_reference_does_not_load_buffer_or_extension():
 # ---------------------------------------------------------------------------------------------------------------
 # Static checks over the source tree
 # ---------------------------------------------------------------------------------------------------------------
+
+PACKAGES = ("deep_ep", "reference", "simulator")
+
+
+def _modules(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of ``packages`` under ``root`` (a package is its __init__)."""
+    modules = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imported_names(tree: ast.AST, package: str) -> list[str]:
+    """Dotted names every import statement of ``tree`` loads (at module level or inside functions; not the
+    ``if TYPE_CHECKING:`` blocks, which never run): ``a.b`` for ``import a.b``, ``a.b.c`` for ``from a.b import c``
+    (a submodule or a name of ``a.b``), relative imports resolved against ``package``."""
+    names: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if _is_type_checking(node):
+            return
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            names.extend(f"{base}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return names
+
+
+def import_graph(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports: the longest module prefix of every imported name (a package
+    imported for a name of its ``__init__`` is that package). Loading a submodule also runs its parents'
+    ``__init__``; that implicit step is no edge (a package may import its own submodules)."""
+    modules = _modules(root, packages)
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for imported in _imported_names(ast.parse(path.read_text(), filename=str(path)), package):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                edges.add(imported)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of ``graph`` as ``[a, b, ..., a]``, or ``[]``."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return []
+
+
+def test_no_import_circle():
+    graph = import_graph(REPO_ROOT)
+    assert {"deep_ep.buffer", "deep_ep.backends.base", "reference.normal"} <= set(graph)
+    assert "deep_ep.layout" in graph["deep_ep.config"] or "deep_ep.config" in graph["deep_ep.layout"]
+    cycle = find_cycle(graph)
+    assert not cycle, f"import circle: {' -> '.join(cycle)}"
+
+
+def test_import_graph_sees_every_kind_of_import(tmp_path):
+    """Module-level, function-level, relative and ``from package import submodule`` imports are edges; a circle
+    through a function-level import is found; ``if TYPE_CHECKING:`` imports are not edges."""
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    files = {
+        "pkg/__init__.py": "from pkg import a\n",
+        "pkg/a.py": "import pkg.b\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import c\n",
+        "pkg/b.py": "def f():\n    from .sub import d\n",
+        "pkg/c.py": "from pkg.a import thing\n",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/d.py": "from .. import b\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).write_text(text)
+    graph = import_graph(tmp_path, ("pkg",))
+    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.sub.d"}, "pkg.c": {"pkg.a"},
+                     "pkg.sub": set(), "pkg.sub.d": {"pkg.b"}}
+    assert find_cycle(graph) == ["pkg.b", "pkg.sub.d", "pkg.b"]
+    assert find_cycle({"x": {"y"}, "y": set()}) == []
 
 def _environ_reads(tree: ast.AST) -> list[int]:
     """Line numbers of ``os.getenv(...)``, ``os.environ.get(...)``, ``os.environ[...]`` (read) and
@@ -293,6 +416,6 @@ def test_one_exception_hierarchy_for_every_backend():
                    env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     pytest.importorskip("torch")
     import deep_ep
-    from deep_ep import torch_backend
-    assert torch_backend.CommTimeoutError is deep_ep.CommTimeoutError
-    assert torch_backend.CommError is deep_ep.CommError
+    from deep_ep.backends import torch_dist
+    assert torch_dist.CommTimeoutError is deep_ep.CommTimeoutError
+    assert torch_dist.CommError is deep_ep.CommError

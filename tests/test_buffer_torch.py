@@ -183,6 +183,7 @@ def _randint_bf16(seed: int, shape: tuple) -> torch.Tensor:
 def run_normal(ctx: dist.WorkerContext, case: NormalCase) -> Optional[str]:
     """Layout, dispatch, cached dispatch and combine on this rank vs the global reference."""
     import reference
+    from deep_ep.backends.cuda_tuning import intranode_channels
     from deep_ep.config import Config
 
     routing, rank = case.routing, ctx.rank
@@ -206,6 +207,7 @@ def run_normal(ctx: dist.WorkerContext, case: NormalCase) -> Optional[str]:
 
     xs = [_fp8(i.x) if case.use_fp8 else i.x for i in inputs]
     config = Config(num_sms=2 * num_channels)
+    num_channels = intranode_channels(config.num_sms, routing.num_ranks)  # every backend's channel rule
     num_worst = sum(routing.num_tokens) if case.worst_tokens else 0
     topk = dict(topk_idx=mine.topk_idx, topk_weights=mine.topk_weights) if case.with_topk else {}
     previous = buf.capture() if case.previous_event else None
@@ -261,7 +263,7 @@ def run_normal(ctx: dist.WorkerContext, case: NormalCase) -> Optional[str]:
     bias_arg = [None if not b else (b[0] if len(b) == 1 else b) for b in biases]
     weights = [r.recv_topk_weights for r in refs] if case.with_topk else None
     combined = buf.combine(ys[rank], handle, topk_weights=recv_topk_weights if case.with_topk else None,
-                           bias=bias_arg[rank], config=Config(num_sms=2 * num_channels),
+                           bias=bias_arg[rank], config=config,
                            async_finish=case.async_finish)
     if case.async_finish:
         combined.event.current_stream_wait()
@@ -277,6 +279,54 @@ def run_normal(ctx: dist.WorkerContext, case: NormalCase) -> Optional[str]:
 def deep_ep_handle_type(topology: Any) -> type:
     from deep_ep import handle as hd
     return hd.InternodeHandle if topology.is_internode else hd.IntranodeHandle
+
+
+def run_channel_rule(ctx: dist.WorkerContext, case: None) -> Optional[str]:
+    """The torch backend's handles have the CUDA kernels' channel count for the same Config
+    (``cuda_tuning.intranode_channels``: ``num_sms`` channels up to the cap per rank count), and a cached dispatch
+    accepts any Config with that count."""
+    from deep_ep import testing
+    from deep_ep.backends.cuda_tuning import INTRANODE_CHANNEL_CAP
+    from deep_ep.config import Config
+
+    buf = _buffer(ctx, "normal", num_nvl_bytes=1 << 20)
+    world = ctx.world_size
+    idx = torch.tensor([[r, (r + 1) % world] for r in range(world)], dtype=torch.int64)
+    x = torch.ones(world, 128, dtype=torch.bfloat16)
+    layout = buf.get_dispatch_layout(idx, world)
+    counts = dict(num_tokens_per_rank=layout.num_tokens_per_rank,
+                  num_tokens_per_rdma_rank=layout.num_tokens_per_rdma_rank, is_token_in_rank=layout.is_token_in_rank,
+                  num_tokens_per_expert=layout.num_tokens_per_expert)
+    cap = INTRANODE_CHANNEL_CAP.get(world, 1 << 30)
+    errors = []
+    for num_sms, uncapped in ((8, False), (24, False), (24, True)):
+        want = num_sms if uncapped else min(num_sms, cap)
+        with testing.overrides(uncapped_channels=uncapped):
+            handle = buf.dispatch(x, config=Config(num_sms=num_sms), **counts).handle
+            if buf.topology.is_internode:
+                shapes = {"rdma_channel_prefix_matrix": handle.rdma_channel_prefix_matrix.shape,
+                          "gbl_channel_prefix_matrix": handle.gbl_channel_prefix_matrix.shape,
+                          "recv_rdma_channel_prefix_matrix": handle.recv_rdma_channel_prefix_matrix.shape,
+                          "recv_gbl_channel_prefix_matrix": handle.recv_gbl_channel_prefix_matrix.shape}
+                rows = {"rdma_channel_prefix_matrix": buf.topology.num_scaleout_ranks,
+                        "recv_rdma_channel_prefix_matrix": buf.topology.num_scaleout_ranks}
+            else:
+                shapes = {"channel_prefix_matrix": handle.channel_prefix_matrix.shape,
+                          "recv_channel_prefix_matrix": handle.recv_channel_prefix_matrix.shape}
+                rows = {}
+            for name, shape in shapes.items():
+                if tuple(shape) != (rows.get(name, world), want):
+                    errors.append(f"num_sms={num_sms} uncapped={uncapped}: {name} {tuple(shape)}, want "
+                                  f"{(rows.get(name, world), want)}")
+            same = want if uncapped or want < cap else cap + 2  # another budget with the same channel count
+            buf.dispatch(x, handle=handle, config=Config(num_sms=same))
+            try:
+                buf.dispatch(x, handle=handle, config=Config(num_sms=want - 2 if want > 2 else want + 2))
+                errors.append(f"num_sms={num_sms}: a cached dispatch with another channel count was accepted")
+            except ValueError as exc:
+                if "config.num_sms must match" not in str(exc):
+                    errors.append(f"unexpected error: {exc}")
+    return "\n".join(errors) or None
 
 
 def run_low_latency(ctx: dist.WorkerContext, case: LowLatencyCase) -> Optional[str]:
@@ -404,6 +454,14 @@ def test_normal_dispatch_combine(pools, topology):
         _pool(pools, world, per_node).check("test_buffer_torch", "run_normal", case)
 
     check()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("topology", [(2, 2), (3, 3), (4, 2)], ids=_topology_id)
+def test_handles_follow_the_channel_rule(pools, topology):
+    """Handles from the same Config have the same shape on every backend: the torch backend's follow the CUDA
+    kernels' channel rule."""
+    _pool(pools, *topology).check("test_buffer_torch", "run_channel_rule", None)
 
 
 @pytest.mark.timeout(900)

@@ -1,7 +1,7 @@
 """A script written only against DeepEP V1's documented API runs unchanged on ``deep_ep`` (4 gloo processes).
 
 ``tests/compat/deepep_v1_script.py`` mirrors DeepEP's own intranode and low-latency test flow (constructor
-arguments, keyword names, tuple positions, event handling) and asserts the spec's results; this test runs it in a
+arguments, keyword names, tuple positions, event handling) and asserts DeepEP's results; this test runs it in a
 subprocess and requires a clean exit and its success line.
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The composed internode path (``deep_ep/composed_internode.py``) on gloo: rail + node torch stages, vs ``reference``.
+"""The composed internode path (``deep_ep/backends/composed.py``) on gloo: rail + node torch stages, vs ``reference``.
 
-``DEEP_EP_INTERNODE=composed`` makes ``deep_ep.Buffer`` run ``N x G`` groups with ``G > 1`` as a rail stage and a
+``deep_ep.testing.overrides(internode="composed")`` makes ``deep_ep.Buffer`` run ``N x G`` groups with ``G > 1`` as a
+rail stage and a
 node stage (``TorchBackend`` instances over gloo subgroups). The cases are those of ``test_buffer_torch``'s normal
 mode (BF16/FP8, top-k with -1 slots and duplicates, empty ranks and nodes, expert alignment, cached dispatch,
 worst-token mode, combine with 0..2 biases and top-k weights, async events); every output and all ten handle fields
@@ -17,6 +18,7 @@ from hypothesis import given, settings
 
 import dist
 import test_buffer_torch as tbt
+from deep_ep.backends.base import Backend
 
 # (world size, GPUs per node) -> examples: the 8-rank pools are the slowest per example; 18 ranks are 9 nodes, a
 # rail stage of more ranks than a node has GPUs (Topology.one_domain).
@@ -28,7 +30,15 @@ def _examples(count: int) -> int:
 
 
 def _env(per_node: int) -> dict:
-    return {"DEEP_EP_GPUS_PER_NODE": str(per_node), "DEEP_EP_INTERNODE": "composed"}
+    """The workers of a composed pool (TEST_INTERNODE keeps them apart from the plain torch pools)."""
+    return {"DEEP_EP_GPUS_PER_NODE": str(per_node), "TEST_INTERNODE": "composed"}
+
+
+def _composed_buffer(ctx: dist.WorkerContext) -> object:
+    """The worker's Buffer, built under ``internode='composed'``: the composed path with torch stages."""
+    from deep_ep import testing
+    with testing.overrides(internode=os.environ["TEST_INTERNODE"]):
+        return tbt._buffer(ctx, "normal", num_nvl_bytes=1 << 20)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -37,10 +47,10 @@ def _env(per_node: int) -> dict:
 
 def run_normal_composed(ctx: dist.WorkerContext, case: tbt.NormalCase) -> Optional[str]:
     """``test_buffer_torch.run_normal`` on a Buffer that must have selected the composed path."""
-    from deep_ep.composed_internode import ComposedInternode
-    buf = tbt._buffer(ctx, "normal", num_nvl_bytes=1 << 20)
+    from deep_ep.backends.composed import ComposedInternode
+    buf = _composed_buffer(ctx)
     if not isinstance(buf._composed, ComposedInternode):
-        return f"rank {ctx.rank}: DEEP_EP_INTERNODE=composed did not select the composed path ({buf._composed!r})"
+        return f"rank {ctx.rank}: internode='composed' did not select the composed path ({buf._composed!r})"
     return tbt.run_normal(ctx, case)
 
 
@@ -48,10 +58,11 @@ def run_per_node_rounding(ctx: dist.WorkerContext, case: None) -> Optional[str]:
     """2 x 2: rank 0's token 0 goes to ranks 0, 1 (node 0) and 2 (node 1); the expert rows are 1, 2^-8 and 2^-8.
     Per node: bf16(1 + 2^-8) = 1 (tie to even), then bf16(1 + 2^-8) = 1. One rounding would give 1 + 2^-7."""
     import reference
+    from deep_ep.backends.cuda_tuning import intranode_channels
     from deep_ep.config import Config, Topology
 
     topo = Topology(4, 2)
-    buf = tbt._buffer(ctx, "normal", num_nvl_bytes=1 << 20)
+    buf = _composed_buffer(ctx)
     hidden, num_experts = 128, 4
     idx = [torch.tensor([[0, 1, 2]]), *[torch.empty(0, 3, dtype=torch.int64)] * 3]
     xs = [torch.ones(i.size(0), hidden, dtype=torch.bfloat16) for i in idx]
@@ -65,7 +76,7 @@ def run_per_node_rounding(ctx: dist.WorkerContext, case: None) -> Optional[str]:
     ys = [torch.full((1 if r < 3 else 0, hidden), values[r], dtype=torch.bfloat16) for r in range(4)]
     combined = buf.combine(ys[ctx.rank], result.handle, config=config)
     masks = [reference.get_dispatch_layout(i, num_experts, topo).is_token_in_rank for i in idx]
-    refs = reference.dispatch(xs, masks, topo, num_channels=config.num_channels)
+    refs = reference.dispatch(xs, masks, topo, num_channels=intranode_channels(config.num_sms, topo.num_ranks))
     want = reference.combine(ys, [r.handle for r in refs], topo)[ctx.rank].combined_x
     errors = []
     tbt._expect(errors, "combined_x", combined.combined_x, want)
@@ -111,12 +122,19 @@ def test_composed_per_node_rounding(pools):
 
 @pytest.mark.timeout(300)
 def test_auto_keeps_torch_backend_on_cpu(pools):
-    """``DEEP_EP_INTERNODE=auto`` (the default) keeps the torch backend for gloo groups: the composed path with
-    torch stages is only for tests and CPU runs that ask for it."""
+    """Without an ``internode`` override the torch backend serves gloo groups: the composed path with torch stages
+    is only for tests and CPU runs that ask for it."""
     pools.get(4, {"DEEP_EP_GPUS_PER_NODE": "2"}).check("test_composed_internode", "run_auto_is_torch", None)
 
 
-class _Stage:
+class _TorchStage(Backend):
+    """A stage without rings (a torch stage): only named."""
+
+    def set_rank_names(self, names, scope) -> None:
+        self.names, self.scope = list(names), scope
+
+
+class _Stage(_TorchStage):
     """What the ring check reads of a CUDA stage backend."""
 
     def __init__(self, num_bytes: int, ring: int | None = None, arg: str = "num_nvl_bytes") -> None:
@@ -131,21 +149,25 @@ def test_cuda_stage_ring_check():
     size needed (``stage_nvl_bytes``), which fits exactly (128 bytes less does not); an NVSHMEM rail stage names
     num_rdma_bytes and, with a put area, says it needs about twice that."""
     from deep_ep import layout as lay
-    from deep_ep.composed_internode import ComposedInternode, stage_nvl_bytes
-    from deep_ep.config import Config, Topology, intranode_channels
+    from deep_ep.backends.composed import ComposedInternode, stage_nvl_bytes
+    from deep_ep.backends.cuda_tuning import intranode_channels
+    from deep_ep.config import Config, Topology
 
     topo, config = Topology(4, 2), Config(24, 8, 256)
     record = lay.intranode_dispatch_record_bytes(14336 + 48, 0, 8)
     need = stage_nvl_bytes(record, 2, intranode_channels(config.num_sms, 2), config.num_max_nvl_chunked_send_tokens)
-    ComposedInternode(None, _Stage(need), 0, topo, cuda_stages=True)._check_stage("node", "dispatch", record, config)
-    ComposedInternode(None, None, 0, topo)._check_stage("node", "dispatch", record, config)  # torch stages: no check
+    ComposedInternode(_TorchStage(), _Stage(need), 0, topo, cuda_stages=True)._check_stage(
+        "node", "dispatch", record, config)
+    ComposedInternode(_TorchStage(), _TorchStage(), 0, topo)._check_stage(
+        "node", "dispatch", record, config)  # torch stages: no check
     for num_bytes in (1 << 20, need - 128):
         with pytest.raises(ValueError, match=f"num_nvl_bytes >= {need}"):
-            ComposedInternode(None, _Stage(num_bytes), 0, topo, cuda_stages=True)._check_stage(
+            ComposedInternode(_TorchStage(), _Stage(num_bytes), 0, topo, cuda_stages=True)._check_stage(
                 "node", "dispatch", record, config)
     rail_need = stage_nvl_bytes(record, 2, intranode_channels(config.num_sms, 2),
                                 config.num_max_nvl_chunked_send_tokens)
-    composed = ComposedInternode(_Stage(1 << 22, 1 << 20, "num_rdma_bytes"), None, 0, topo, cuda_stages=True)
+    composed = ComposedInternode(_Stage(1 << 22, 1 << 20, "num_rdma_bytes"), _TorchStage(), 0, topo,
+                                 cuda_stages=True)
     with pytest.raises(ValueError, match=f"num_rdma_bytes=4194304 .*rail.*num_rdma_bytes >= {rail_need} .*twice"):
         composed._check_stage("rail", "dispatch", record, config)
 
@@ -153,15 +175,11 @@ def test_cuda_stage_ring_check():
 def test_stage_errors_name_buffer_ranks():
     """A stage numbers its own ranks; the composed path has each CUDA stage report the Buffer's ranks (rail rank n
     of local index l is n * G + l, node rank l' of node m is m * G + l'), keeping the stage's numbers in brackets."""
-    from deep_ep.composed_internode import ComposedInternode
+    from deep_ep.backends.composed import ComposedInternode
     from deep_ep.config import Topology
     from deep_ep.errors import name_ranks
 
-    class Named:
-        def set_rank_names(self, names, scope):
-            self.names, self.scope = list(names), scope
-
-    rail, node = Named(), Named()
+    rail, node = _TorchStage(), _TorchStage()
     ComposedInternode(rail, node, 5, Topology(8, 2))  # 4 nodes x 2: rank 5 = (node 2, local 1)
     assert (rail.names, rail.scope) == ([1, 3, 5, 7], "composed rail stage")
     assert (node.names, node.scope) == ([4, 5], "composed node stage")
@@ -176,9 +194,9 @@ def test_stage_errors_name_buffer_ranks():
 def test_torch_stage_errors_name_the_buffer_ranks():
     """A torch stage (the torch rail, or torch stages on CPU) reports its timeouts with the Buffer's ranks too: the
     composed path gives it the names, its point-to-point and collective waits use them."""
-    from deep_ep.composed_internode import ComposedInternode
+    from deep_ep.backends.composed import ComposedInternode
+    from deep_ep.backends.torch_dist import CommTimeoutError, TorchBackend, _Comm
     from deep_ep.config import Topology
-    from deep_ep.torch_backend import CommTimeoutError, TorchBackend, _Comm
 
     class Stage(TorchBackend):
         def __init__(self, rank: int) -> None:  # no process group: only the error path is exercised
@@ -204,19 +222,21 @@ def test_torch_stage_errors_name_the_buffer_ranks():
 def test_node_count_follows_the_ring_kernels():
     """A CUDA rail stage is one ring-kernel group: up to ``NUM_MAX_RING_RANKS`` (24) nodes, more refused by name; a
     torch rail beside the CUDA node stage (or torch stages) serves any node count, and ``auto`` picks it there."""
-    from deep_ep.composed_internode import ComposedInternode
-    from deep_ep.config import NUM_MAX_RING_RANKS, Topology, composed_rail
+    from deep_ep.backends.composed import ComposedInternode
+    from deep_ep.backends.cuda_tuning import composed_rail
+    from deep_ep.config import NUM_MAX_RING_RANKS, Topology
 
     assert NUM_MAX_RING_RANKS == 24
     many = Topology(2 * (NUM_MAX_RING_RANKS + 1), 2)
-    ComposedInternode(None, None, 0, Topology(2 * NUM_MAX_RING_RANKS, 2), cuda_stages=True)
+    stages = _TorchStage(), _TorchStage()
+    ComposedInternode(*stages, 0, Topology(2 * NUM_MAX_RING_RANKS, 2), cuda_stages=True)
     with pytest.raises(ValueError, match=f"CUDA rail stage serves at most {NUM_MAX_RING_RANKS} nodes .*got "
                                          f"{NUM_MAX_RING_RANKS + 1}; a torch rail"):
-        ComposedInternode(None, None, 0, many, cuda_stages=True)
-    for stages in (("node",), False):
-        ComposedInternode(None, None, 0, many, cuda_stages=stages)
+        ComposedInternode(*stages, 0, many, cuda_stages=True)
+    for cuda_stages in (("node",), False):
+        ComposedInternode(*stages, 0, many, cuda_stages=cuda_stages)
     with pytest.raises(ValueError, match="cuda_stages must be"):
-        ComposedInternode(None, None, 0, many, cuda_stages=("rail", "nodes"))
+        ComposedInternode(*stages, 0, many, cuda_stages=("rail", "nodes"))
     hosts = ["h"] * many.num_ranks
     assert composed_rail("auto", hosts, many, 0, False) == ("torch", None)
     assert composed_rail("torch", hosts, Topology(4, 2), 0, False) == ("torch", None)
@@ -231,40 +251,22 @@ def test_torch_rail_checks_only_the_node_stage():
     """With a torch rail, the ring check and the kernels' limits apply to the CUDA node stage only: a rail backend
     without rings is never asked for them, and E / N beyond the rail kernels' local experts passes."""
     from deep_ep import layout as lay
-    from deep_ep.composed_internode import ComposedInternode
+    from deep_ep.backends.composed import ComposedInternode
     from deep_ep.config import Config, Topology
 
     topo, config = Topology(4, 2), Config(24, 8, 256)
     record = lay.intranode_dispatch_record_bytes(14336 + 48, 0, 8)
-    composed = ComposedInternode(object(), _Stage(1 << 20), 0, topo, cuda_stages=("node",))
-    composed._check_stage("rail", "dispatch", record, config)  # object() has no rings: not consulted
+    composed = ComposedInternode(_TorchStage(), _Stage(1 << 20), 0, topo, cuda_stages=("node",))
+    composed._check_stage("rail", "dispatch", record, config)  # a torch rail has no rings: not consulted
     with pytest.raises(ValueError, match="node stage dispatch"):
         composed._check_stage("node", "dispatch", record, config)
     x = torch.zeros(1, 128, dtype=torch.bfloat16)
     idx = torch.zeros(1, 4, dtype=torch.int64)
-    composed_big = ComposedInternode(object(), _Stage(1 << 30), 0, topo, cuda_stages=("node",))
+    composed_big = ComposedInternode(_TorchStage(), _Stage(1 << 30), 0, topo, cuda_stages=("node",))
     composed_big._check_dispatch([x], idx, 2 * 2048, Config(8, 8, 256))  # 2048 experts per node: rail is torch
     with pytest.raises(ValueError, match="E / N|num_experts / nodes"):
         ComposedInternode(_Stage(1 << 30), _Stage(1 << 30), 0, topo, cuda_stages=True)._check_dispatch(
             [x], idx, 2 * 2048, Config(8, 8, 256))
-
-
-def test_send_warps_fit_every_ring_group():
-    """Copy warps per channel stay where each kernel accepts them for every group size up to NUM_MAX_RING_RANKS
-    (24), whatever the override: dispatch [2, 32 - R] (the receivers keep a warp per source), combine [R - 1, 30]."""
-    from deep_ep import config as cfg
-
-    saved = dict(cfg.INTRANODE_SEND_WARPS)
-    try:
-        for override in (None, 1, 16, 31):
-            cfg.INTRANODE_SEND_WARPS.update(dispatch=override, combine=override)
-            for num_ranks in range(2, cfg.NUM_MAX_RING_RANKS + 1):
-                for channels, fp8 in ((8, False), (16, True), (24, False)):
-                    d = cfg.intranode_send_warps("dispatch", num_ranks, channels, fp8)
-                    c = cfg.intranode_send_warps("combine", num_ranks, channels)
-                    assert 2 <= d <= 32 - num_ranks and num_ranks - 1 <= c <= 30, (override, num_ranks, d, c)
-    finally:
-        cfg.INTRANODE_SEND_WARPS.update(saved)
 
 
 def test_automatic_fallback_says_why(monkeypatch):
@@ -273,17 +275,17 @@ def test_automatic_fallback_says_why(monkeypatch):
     (no warning); ``DEEP_EP_BACKEND=cuda`` turns the reason into an error; ``comm=`` alone into a ValueError."""
     import warnings
 
-    from deep_ep.buffer import _without_cuda
+    from deep_ep.backends.selection import without_cuda
 
     reason = "25 nodes exceed the kernels' 24 ranks"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.warns(RuntimeWarning, match=r"CUDA internode backend does not serve this group \(25 nodes exceed"):
-        assert _without_cuda("auto", object(), "CUDA internode backend", reason) is None
+        assert without_cuda("auto", object(), "CUDA internode backend", reason) is None
     with pytest.raises(RuntimeError, match="DEEP_EP_BACKEND=cuda but the CUDA internode backend cannot be used: 25"):
-        _without_cuda("cuda", object(), "CUDA internode backend", reason)
+        without_cuda("cuda", object(), "CUDA internode backend", reason)
     with pytest.raises(ValueError, match="comm= .* without group="):
-        _without_cuda("auto", None, "CUDA internode backend", reason)
+        without_cuda("auto", None, "CUDA internode backend", reason)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _without_cuda("auto", object(), "CUDA internode backend", "CUDA is not available") is None
+        assert without_cuda("auto", object(), "CUDA internode backend", "CUDA is not available") is None

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import pytest
 from hypothesis import given
@@ -14,7 +13,7 @@ from deep_ep.config import Config, Topology, get_combine_config, get_dispatch_co
 FIELDS = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
           "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")
 
-# spec/buffer_api.md §7.3: (Sn, Nn, Sr, Nr) of dispatch and combine per rank count, before Nr rounding.
+# DeepEP's tuned tables: (Sn, Nn, Sr, Nr) of dispatch and combine per rank count, before Nr rounding.
 SPEC_TABLE = {
     2: ((24, 256, 6, 128), (10, 256, 6, 128)),
     4: ((6, 256, 6, 128), (9, 256, 6, 128)),
@@ -61,11 +60,6 @@ def test_config_is_frozen_and_hashable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.num_sms = 4  # type: ignore[misc]
     assert hash(config) == hash(Config())
-
-
-def test_num_channels_is_half_the_sms():
-    assert Config(num_sms=24).num_channels == 12
-    assert Config(num_sms=0).num_channels == 0
 
 
 def test_describe_mentions_every_value():
@@ -176,7 +170,7 @@ def test_default_tables_match_spec(num_ranks):
 
 
 def test_nr_rounding_in_tables():
-    # EP16 dispatch has Sr=20, so Nr 128 becomes 140 (spec §7.3).
+    # EP16 dispatch has Sr=20, so Nr 128 becomes 140.
     assert get_dispatch_config(16).num_max_rdma_chunked_recv_tokens == 140
     assert get_combine_config(16).num_max_rdma_chunked_recv_tokens == 132
 
@@ -277,92 +271,3 @@ def test_num_local_experts():
         num_local_experts(10, 4)
     with pytest.raises(ValueError, match="num_experts must be >= 1"):
         num_local_experts(0, 4)
-
-
-def test_intranode_channels_cap_by_rank_count():
-    from deep_ep.config import INTRANODE_MAX_CHANNELS, intranode_channels
-    cap = INTRANODE_MAX_CHANNELS[2]
-    assert intranode_channels(8, 2) == min(8, cap)
-    assert intranode_channels(24, 2) == cap < 24  # the budget is an upper bound
-    assert intranode_channels(24, 8) == 24  # no measured cap for EP8: the budget
-    assert all(intranode_channels(s, r) <= s for s in range(1, 65) for r in range(1, 9))
-
-
-# ---- intranode combine send path (deep_ep.config.combine_by_copy_engine) ----
-
-@pytest.mark.parametrize("mode, num_sms, want", [
-    ("auto", 1, True), ("auto", 12, True), ("auto", 13, False), ("auto", 24, False),
-    ("copy", 24, True), ("copy", 160, True), ("rings", 8, False), ("rings", 1, False), ("zone", 8, False)])
-def test_combine_copy_engine_choice(monkeypatch, mode, num_sms, want):
-    import deep_ep.config as cfg
-    monkeypatch.setattr(cfg, "INTRANODE_COMBINE_COPY", mode)
-    monkeypatch.setattr(cfg, "COMBINE_COPY_MAX_SMS", 12)
-    assert cfg.combine_by_copy_engine(num_sms) is want
-
-
-def test_combine_copy_mode_follows_the_environment(monkeypatch):
-    import deep_ep.config as cfg
-    monkeypatch.setattr(cfg, "INTRANODE_COMBINE_COPY", None)
-    monkeypatch.setenv("DEEP_EP_COMBINE_COPY", "rings")
-    assert cfg.combine_copy_mode() == "rings" and not cfg.combine_by_copy_engine(4)
-    monkeypatch.setenv("DEEP_EP_COMBINE_COPY", "sideways")
-    with pytest.raises(ValueError, match="DEEP_EP_COMBINE_COPY.*'sideways'"):
-        cfg.combine_copy_mode()
-
-
-@pytest.mark.parametrize("mode, num_sms, want", [
-    ("auto", 8, "copy"), ("auto", 12, "copy"), ("auto", 13, "rings"), ("auto", 19, "rings"), ("auto", 20, "zone"),
-    ("auto", 24, "zone"), ("zone", 8, "zone"), ("zone", 24, "zone"), ("rings", 4, "rings"), ("rings", 24, "rings"),
-    ("copy", 24, "copy")])
-def test_combine_send_path(monkeypatch, mode, num_sms, want):
-    import deep_ep.config as cfg
-    monkeypatch.setattr(cfg, "INTRANODE_COMBINE_COPY", mode)
-    monkeypatch.setattr(cfg, "COMBINE_COPY_MAX_SMS", 12)
-    monkeypatch.setattr(cfg, "COMBINE_ZONE_MIN_SMS", 20)
-    assert cfg.combine_send_path(num_sms) == want
-
-
-@pytest.mark.parametrize("override, want", [(None, 4), (1, 1), (0, 1), (7, 7), (18, 18), (30, 18)])
-def test_zone_send_warps_default_override_and_clamp(monkeypatch, override, want):
-    import deep_ep.config as cfg
-    monkeypatch.setattr(cfg, "COMBINE_ZONE_SEND_WARPS", 4)
-    monkeypatch.setattr(cfg, "COMBINE_ZONE_WARPS", 20)
-    monkeypatch.setitem(cfg.INTRANODE_SEND_WARPS, "combine", override)
-    assert cfg.zone_send_warps() == want
-
-
-@pytest.mark.parametrize("num_sms, want", [(1, 1), (20, 20), (24, 24), (32, 24), (160, 24)])
-def test_zone_ctas_capped(monkeypatch, num_sms, want):
-    import deep_ep.config as cfg
-    monkeypatch.setattr(cfg, "COMBINE_ZONE_MAX_CTAS", 24)
-    assert cfg.zone_ctas(num_sms) == want
-
-
-def test_put_peers_are_symmetric():
-    """A pair is a put pair when either side cannot reach the other; DEEP_EP_INTERNODE_PUT_ONLY makes every pair one."""
-    unreachable = [[2], [], [], [0, 1]]  # rank 0 cannot reach 2; rank 3 cannot reach 0 and 1
-    peers = [cfg.put_peers(r, unreachable, False) for r in range(4)]
-    assert peers == [[2, 3], [3], [0], [0, 1]]
-    assert all(r in peers[d] for r in range(4) for d in peers[r])
-    assert cfg.put_peers(1, [[], [], []], True) == [0, 2]
-    assert cfg.put_peers(0, [[], []], False) == []
-
-
-def test_composed_rail_choice():
-    """DEEP_EP_COMPOSED_RAIL: auto takes CUDA IPC on one host and NVSHMEM across hosts; each node's ranks must share a
-    host (the node stage is CUDA IPC); NVSHMEM needs the extension's NVSHMEM and num_rdma_bytes; bad values name the
-    variable."""
-    topo = cfg.Topology(4, 2)  # 2 nodes x 2
-    one, two, split = ["a"] * 4, ["a", "a", "b", "b"], ["a", "b", "a", "b"]
-    assert cfg.composed_rail("auto", one, topo, 0, False) == ("ipc", None)
-    assert cfg.composed_rail("auto", two, topo, 1 << 30, True) == ("nvshmem", None)
-    assert cfg.composed_rail("nvshmem", one, topo, 1 << 30, True) == ("nvshmem", None)
-    assert cfg.composed_rail("ipc", one, topo, 0, True) == ("ipc", None)
-    for mode, hosts, rdma, built, why in (("auto", split, 1 << 30, True, "node 0 span hosts"),
-                                          ("ipc", two, 1 << 30, True, "DEEP_EP_COMPOSED_RAIL=ipc .* 2 hosts"),
-                                          ("auto", two, 0, True, "num_rdma_bytes is 0"),
-                                          ("auto", two, 1 << 30, False, "without it")):
-        kind, reason = cfg.composed_rail(mode, hosts, topo, rdma, built)
-        assert kind is None and re.search(why, reason), (mode, hosts, reason)
-    with pytest.raises(ValueError, match="DEEP_EP_COMPOSED_RAIL must be"):
-        cfg.composed_rail("rdma", one, topo, 0, True)

@@ -203,3 +203,19 @@ def test_single_gpu_nodes_handle_matches_torch_backend(num_ranks, num_channels, 
     for name in ("channel_prefix_matrix", "recv_channel_prefix_matrix", "is_token_in_rank", "send_head"):
         assert torch.equal(getattr(back, name), getattr(intra, name)), name
     assert back.recv_src_idx.shape == intra.recv_src_idx.shape
+
+
+def test_handles_are_deepep_tuples_with_state_beside_them():
+    """A handle unpacks and indexes as DeepEP's tuple; its owner (the Buffer that returned it) and its backend's
+    state are attributes, not positions, default None, and stay with that object (``_replace`` makes a new one)."""
+    fields = [torch.zeros(1)] * 6
+    handle = hd.IntranodeHandle(*fields)
+    assert len(handle) == 6 and tuple(handle) == tuple(fields) and handle[3] is fields[3]
+    assert handle.owner is None and handle.backend_state is None
+    handle.owner, handle.backend_state = "buffer", [1, 2]
+    assert (handle.owner, handle.backend_state) == ("buffer", [1, 2]) and len(handle) == 6
+    other = handle._replace(send_head=torch.ones(1))
+    assert type(other) is hd.IntranodeHandle and other.owner is None and other.backend_state is None
+    assert hd.IntranodeHandle._fields[0] == "rank_prefix_matrix" and hd.InternodeHandle._fields[6] == \
+        "recv_gbl_rank_prefix_sum" and len(hd.LowLatencyHandle._fields) == 5
+    assert hd.LowLatencyHandle(torch.zeros(1), torch.zeros(1), 8, 128, 4).owner is None

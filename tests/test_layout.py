@@ -1,5 +1,5 @@
-"""deep_ep.layout: region tables (disjoint, ordered, aligned), size hints (spec §7.2/§13.4 worked numbers,
-independent re-derivations, monotonicity) and channel_token_range."""
+"""deep_ep.layout: region tables (disjoint, ordered, aligned), size hints (DeepEP's worked numbers, independent
+re-derivations, monotonicity) and channel_token_range."""
 from __future__ import annotations
 
 import pytest
@@ -9,12 +9,12 @@ from hypothesis import strategies as st
 from deep_ep import layout
 from deep_ep.config import BUFFER_ALIGNMENT, Config, get_combine_config, get_dispatch_config
 
-H_BF16 = 7168 * 2  # hidden_bytes of the spec's worked examples (BF16, H=7168)
+H_BF16 = 7168 * 2  # hidden_bytes of the worked examples (BF16, H=7168)
 LL_HIDDENS = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 
 
 def normal_hints(num_ranks: int, num_sms: int = 20) -> tuple[int, int]:
-    """(NVL, RDMA) bytes: the max over the default dispatch and combine configs, as in the spec's examples."""
+    """(NVL, RDMA) bytes: the max over the default dispatch and combine configs, as in the worked examples."""
     configs = (get_dispatch_config(num_ranks, num_sms), get_combine_config(num_ranks, num_sms))
     return (max(c.get_nvl_buffer_size_hint(H_BF16, num_ranks) for c in configs),
             max(c.get_rdma_buffer_size_hint(H_BF16, num_ranks) for c in configs))
@@ -37,7 +37,7 @@ def assert_well_formed(lay: layout.Layout, alignment: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Worked numbers from spec/buffer_api.md
+# Worked numbers: DeepEP's hints for its default configs, H=7168 BF16, in MB
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("num_ranks, nvl_mb, rdma_mb", [
@@ -63,7 +63,7 @@ def test_low_latency_message_sizes_at_7168():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Independent re-derivations of the formulas (written from the spec text, not from layout.py)
+# Independent re-derivations of DeepEP's formulas (not read from deep_ep.config)
 # ---------------------------------------------------------------------------------------------------------------
 
 def spec_nvl_hint(c: Config, hidden_bytes: int, num_ranks: int) -> int:
@@ -130,7 +130,7 @@ def test_intranode_dispatch_layout(num_ranks, channels, recv_tokens, hidden_unit
     assert lay["token_data"].num_bytes == slots * hbytes
     assert lay["topk_idx"].num_bytes == slots * topk * idx_bytes
     assert lay["scales"].num_bytes == slots * scales * 4
-    # The spec's host-side requirement (§13.1) is a lower bound of the padded total.
+    # DeepEP's host-side requirement (the unpadded sum) is a lower bound of the padded total.
     need = num_ranks * num_ranks * 4 + 4 * rings * 4 + slots * (hbytes + 4 + topk * idx_bytes + topk * 4 + scales * 4)
     assert need <= lay.total_bytes < need + len(lay.regions) * BUFFER_ALIGNMENT
 

@@ -1,4 +1,4 @@
-"""FP8 per-token casts, UE8M0 packing and LogFMT-10 (deep_ep.numerics, spec §11.3)."""
+"""FP8 per-token casts, UE8M0 packing and LogFMT-10 (deep_ep.numerics)."""
 from __future__ import annotations
 
 import math

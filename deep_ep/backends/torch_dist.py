@@ -1,42 +1,47 @@
 """Torch backend of ``deep_ep.Buffer``: real communication over any ``torch.distributed`` process group.
 
-Works with gloo (CPU tensors) and NCCL (CUDA tensors, including PCIe-only GPUs without NVLink or NVSHMEM). The
-results are bit-identical to ``reference`` (the global-view oracle); see ``docs/torch_backend.md``.
-
-How data moves:
-
-* counts (tokens per destination, per-channel prefixes, per-expert counts) are exchanged with one ``all_gather``
-  of a small int64 vector per call;
-* token rows travel point-to-point (``batch_isend_irecv``): rank ``s`` sends to ``d`` exactly the rows ``d``
-  needs, packed as byte records (payload, scales, top-k, source index); nothing is all-gathered;
-* low-latency calls use a real symmetric buffer of ``num_rdma_bytes`` bytes laid out by
-  :func:`deep_ep.layout.low_latency_layout` (``signal_i``, ``send_i``, ``recv_i`` for halves ``i = 0, 1``). Each
-  call stages its outgoing messages in ``send_i``, receives into ``recv_i`` and flips the parity, so the zero-copy
-  combine buffer (:meth:`TorchBackend.get_next_low_latency_combine_buffer`) is a view of the next ``send_i``.
+Works with gloo (CPU tensors) and NCCL (CUDA tensors, also GPUs without NVLink or NVSHMEM); the results are
+bit-identical to ``reference``. Counts (tokens per destination, per-channel prefixes, per-expert counts) travel in
+one ``all_gather`` of a small int64 vector per call; token rows travel point-to-point (``batch_isend_irecv``) as
+byte records, each rank sending a peer exactly the rows it needs. Low-latency calls use a real symmetric buffer of
+``num_rdma_bytes`` laid out by :func:`deep_ep.layout.low_latency_layout`: each call stages its messages in
+``send_i``, receives into ``recv_i`` and flips the parity ``i``, so the zero-copy combine buffer is a view of the
+next ``send_i``.
 
 Every wait is bounded by ``DEEP_EP_TIMEOUT_S``; a timeout raises :class:`CommTimeoutError` naming this rank, the
-peer, the phase and what was awaited. A timed-out gloo group is unusable afterwards (gloo closes the pair), so
-treat it as fatal.
-
-Arguments reach this module already validated by ``deep_ep.buffer.Buffer``, with ``config`` resolved.
+peer, the phase and what was awaited. A timed-out gloo group is unusable afterwards (gloo closes the pair).
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from deep_ep import envs, handle as hd, numerics
-from deep_ep.config import FP8_BLOCK, Config, Topology, align_up
+from deep_ep import envs, numerics
+from deep_ep import handle as hd
+from deep_ep.backends.base import (
+    Backend,
+    CombineRequest,
+    DispatchRequest,
+    LayoutRequest,
+    LowLatencyCombineRequest,
+    LowLatencyDispatchRequest,
+)
+from deep_ep.backends.common import ReceiveHook, StreamScope, as_bytes, check_worst_tokens, from_bytes, pad_rows
+from deep_ep.config import FP8_BLOCK, Topology, align_up
 from deep_ep.errors import CommError, CommTimeoutError, rank_name
-from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
+from deep_ep.event import EventOverlap
 from deep_ep.layout import low_latency_layout, low_latency_message_bytes
-from deep_ep.results import (CombineResult, DispatchLayout, DispatchResult, LowLatencyCombineResult,
-                             LowLatencyDispatchResult)
+from deep_ep.results import (
+    CombineResult,
+    DispatchLayout,
+    DispatchResult,
+    LowLatencyCombineResult,
+    LowLatencyDispatchResult,
+)
 
 # Point-to-point tags, one per kind of message, so that messages of different phases never match each other
 # (gloo honours tags; NCCL matches in issue order, which the collective call sequence keeps consistent).
@@ -49,44 +54,6 @@ _TAG_LL_COMBINE = 23
 # Tags are ``kind + _NUM_TAG_KINDS * (batch number mod _NUM_TAG_SEQUENCES)``.
 _NUM_TAG_KINDS = 32
 _NUM_TAG_SEQUENCES = 1 << 20
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``[rows, ...]`` tensor -> ``[rows, row_bytes]`` uint8 (contiguous copy if needed)."""
-    t = t.contiguous()
-    if t.dim() and t.stride(-1) != 1:  # "contiguous" with size-1 dims of odd strides: views need unit strides
-        t = t.clone(memory_format=torch.contiguous_format)
-    rows = t.size(0)
-    row_bytes = t.element_size()
-    for size in t.shape[1:]:
-        row_bytes *= size
-    if t.numel() == 0:
-        return torch.empty(rows, row_bytes, dtype=torch.uint8, device=t.device)
-    return t.view(rows, -1).view(torch.uint8).view(rows, row_bytes)
-
-
-def _from_bytes(raw: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
-    """``[rows, cols * itemsize]`` uint8 (any slice) -> ``[rows, cols]`` of ``dtype`` (contiguous)."""
-    rows = raw.size(0)
-    if rows == 0 or cols == 0:
-        return torch.empty(rows, cols, dtype=dtype, device=raw.device)
-    # A fresh row-major copy: a column slice (even a single row of one) keeps the record's row stride.
-    return numerics.dense_copy(raw).view(dtype).view(rows, cols)
-
-
-def check_worst_tokens(num_worst_tokens: int, num_recv: int, rank: int) -> None:
-    """Worst-token mode: ``rank`` receives ``num_recv`` tokens, which must fit in ``num_worst_tokens`` rows."""
-    if num_recv > num_worst_tokens:
-        raise ValueError(f"num_worst_tokens must be >= the number of tokens rank {rank} receives, got "
-                         f"{num_worst_tokens} < {num_recv}")
-
-
-def pad_rows(t: Optional[torch.Tensor], num_rows: int, fill: float = 0) -> Optional[torch.Tensor]:
-    """``t`` with rows of ``fill`` appended up to ``num_rows`` rows (worst-token mode); ``None`` stays ``None``."""
-    if t is None:
-        return None
-    extra_rows = torch.full((num_rows - t.size(0), *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
-    return torch.cat([t, extra_rows], dim=0)
 
 
 class _Pending:
@@ -102,17 +69,6 @@ class _Pending:
             self.comm.wait_work(work, self.phase, f"{direction} of {self.what}", peer)
             self.wait_ns[peer] += time.perf_counter_ns() - start
         self.works = []
-
-
-def object_all_gather(group: Any) -> Callable[[object], list]:
-    """``all_gather(obj) -> list`` of every rank's ``obj`` over ``group`` (``all_gather_object``): the bootstrap
-    exchange the CUDA backends take."""
-    def all_gather(obj: object) -> list:
-        out = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, obj, group=group)
-        return out
-
-    return all_gather
 
 
 class _Comm:
@@ -189,48 +145,7 @@ class _Comm:
         return _Pending(self, list(works), peers, phase, what)
 
 
-class _StreamScope:
-    """Spec §6.2 stream protocol. On CPU every call completes synchronously and this is a no-op."""
-
-    def __init__(self, comm_stream: Optional["torch.cuda.Stream"], previous_event: Any, async_finish: bool,
-                 allocate_on_comm_stream: bool = False) -> None:
-        self.comm_stream = comm_stream
-        self.async_finish = async_finish
-        self.allocate_on_comm_stream = allocate_on_comm_stream
-        self.previous_event = previous_event
-
-    @contextlib.contextmanager
-    def run(self) -> Iterator[None]:
-        if self.comm_stream is None:
-            yield
-            return
-        compute = torch.cuda.current_stream()
-        inner = getattr(self.previous_event, "event", None)
-        if inner is not None:
-            with torch.cuda.stream(self.comm_stream):
-                inner.current_stream_wait()
-        else:
-            self.comm_stream.wait_stream(compute)
-        self._compute = compute
-        with torch.cuda.stream(self.comm_stream):
-            yield
-
-    def finish(self, tensors: Sequence[Any]) -> EventOverlap:
-        if self.comm_stream is None:
-            return EventOverlap(COMPLETED if self.async_finish else None)
-        compute = self._compute
-        if not self.async_finish:
-            compute.wait_stream(self.comm_stream)
-            return EventOverlap(None)
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                t.record_stream(self.comm_stream)
-                if self.allocate_on_comm_stream:
-                    t.record_stream(compute)
-        return EventOverlap(CudaEventHandle(self.comm_stream))
-
-
-class TorchBackend:
+class TorchBackend(Backend):
     """One rank's torch.distributed implementation of every ``Buffer`` communication method.
 
     Args:
@@ -241,6 +156,8 @@ class TorchBackend:
             is the low-latency symmetric buffer).
         enable_shrink: keep a per-rank mask; low-latency calls skip masked ranks.
     """
+
+    needs_host_checks = True
 
     def __init__(self, group: Any, rank: int, num_ranks: int, topology: Topology, num_nvl_bytes: int,
                  num_rdma_bytes: int, enable_shrink: bool) -> None:
@@ -295,13 +212,12 @@ class TorchBackend:
     # ------------------------------------------------------------------------------------------------------------
     # Normal mode
     # ------------------------------------------------------------------------------------------------------------
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False) -> DispatchLayout:
+    def get_dispatch_layout(self, request: LayoutRequest) -> DispatchLayout:
         """Local computation from ``topk_idx [N, K]``; see ``Buffer.get_dispatch_layout``."""
-        scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
-        with scope.run():
-            layout = hd.layout_from_topk(topk_idx, num_experts, self.topology)
-        return DispatchLayout(*layout, scope.finish([topk_idx, *[t for t in layout if t is not None]]))
+        with StreamScope(self.comm_stream, request.previous_event, request.async_finish,
+                         request.allocate_on_comm_stream) as scope:
+            layout = hd.layout_from_topk(request.topk_idx, request.num_experts, self.topology)
+        return DispatchLayout(*layout, scope.finish([request.topk_idx, *layout]))
 
     def _recv_counts_from_handle(self, handle: Any) -> torch.Tensor:
         """``[R]`` int64 rows this rank received from each source in the dispatch that made ``handle``."""
@@ -324,34 +240,26 @@ class TorchBackend:
         pending.wait()
         return recv
 
-    def dispatch(self, x: Any, handle: Any = None, num_tokens_per_rank: Optional[torch.Tensor] = None,
-                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
-                 is_token_in_rank: Optional[torch.Tensor] = None,
-                 num_tokens_per_expert: Optional[torch.Tensor] = None, topk_idx: Optional[torch.Tensor] = None,
-                 topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
-                 config: Optional[Config] = None, previous_event: Any = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False) -> DispatchResult:
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
         """Normal dispatch; see ``Buffer.dispatch`` for shapes. Routing comes only from ``is_token_in_rank``."""
-        assert config is not None, "config is resolved by the Buffer front"
-        scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
-        with scope.run():
-            if handle is not None:
-                result = self._cached_dispatch(x, handle)
+        with StreamScope(self.comm_stream, request.previous_event, request.async_finish,
+                         request.allocate_on_comm_stream) as scope:
+            if request.handle is not None:
+                result = self._cached_dispatch(request)
             else:
-                result = self._dispatch(x, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                                        expert_alignment, num_worst_tokens, config)
+                result = self._dispatch(request)
         recv_x = result[0]
         flat = [*recv_x] if isinstance(recv_x, tuple) else [recv_x]
-        event = scope.finish([*flat, *[t for t in result[1:3] if t is not None],
-                              *(x if isinstance(x, tuple) else (x,))])
+        event = scope.finish([*flat, *result[1:3], *request.payload()])
         return DispatchResult(*result, event)
 
-    def _cached_dispatch(self, x: Any, handle: Any) -> tuple:
-        data, scales = x if isinstance(x, tuple) else (x, None)
+    def _cached_dispatch(self, request: DispatchRequest) -> tuple:
+        data, scales = request.payload()
+        handle = request.handle
         mask = handle.is_token_in_rank
-        parts = [_as_bytes(data)]
+        parts = [as_bytes(data)]
         if scales is not None:
-            parts.append(_as_bytes(scales.contiguous()))
+            parts.append(as_bytes(scales.contiguous()))
         record = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
         send_rows = [record[mask[:, d]] for d in range(self.num_ranks)]
         recv_counts = self._recv_counts_from_handle(handle).tolist()
@@ -359,19 +267,20 @@ class TorchBackend:
                                      "token rows")
         rows = torch.cat(blocks, dim=0).to(data.device)
         hidden_bytes = data.size(1) * data.element_size()
-        recv_data = _from_bytes(rows[:, :hidden_bytes], data.dtype, data.size(1))
+        recv_data = from_bytes(rows[:, :hidden_bytes], data.dtype, data.size(1))
         if scales is None:
             return recv_data, None, None, None, None
-        recv_scales = _from_bytes(rows[:, hidden_bytes:], scales.dtype, scales.size(1))
+        recv_scales = from_bytes(rows[:, hidden_bytes:], scales.dtype, scales.size(1))
         return (recv_data, recv_scales), None, None, None, None
 
-    def _dispatch(self, x: Any, is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor,
-                  topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], expert_alignment: int,
-                  num_worst_tokens: int, config: Config) -> tuple:
-        data, scales = x if isinstance(x, tuple) else (x, None)
+    def _dispatch(self, request: DispatchRequest) -> tuple:
+        data, scales = request.payload()
+        is_token_in_rank, num_tokens_per_expert = request.is_token_in_rank, request.num_tokens_per_expert
+        topk_idx, topk_weights = request.topk_idx, request.topk_weights
+        expert_alignment, num_worst_tokens = request.expert_alignment, request.num_worst_tokens
         num_ranks, rank, topo = self.num_ranks, self.rank, self.topology
         num_tokens, hidden = data.shape
-        num_channels = config.num_channels
+        num_channels = self.num_channels(request.config)
         num_experts = num_tokens_per_expert.numel()
         num_local_experts = num_experts // num_ranks
         internode = topo.is_internode
@@ -405,14 +314,14 @@ class TorchBackend:
             num_recv_list = [align_up(int(c), expert_alignment) for c in per_expert.tolist()]
 
         # Per-row records: payload | scales | top-k ids | top-k weights | source token index | local-rank mask.
-        parts = [_as_bytes(data)]
+        parts = [as_bytes(data)]
         if scales is not None:
-            parts.append(_as_bytes(scales.contiguous()))
+            parts.append(as_bytes(scales.contiguous()))
         if topk_idx is not None:
-            parts += [_as_bytes(topk_idx), _as_bytes(topk_weights)]
-        parts.append(_as_bytes(torch.arange(num_tokens, dtype=torch.int32, device=data.device)))
+            parts += [as_bytes(topk_idx), as_bytes(topk_weights)]
+        parts.append(as_bytes(torch.arange(num_tokens, dtype=torch.int32, device=data.device)))
         if internode:
-            parts.append(_as_bytes(mask.to(torch.uint8)))
+            parts.append(as_bytes(mask.to(torch.uint8)))
         widths = [p.size(1) for p in parts]
         record = torch.cat(parts, dim=1)
         send_rows = [record[mask[:, d]] for d in range(num_ranks)]
@@ -420,15 +329,15 @@ class TorchBackend:
                                      "token rows")
         rows = torch.cat(blocks, dim=0).to(data.device)
         cols = iter(torch.split(rows, widths, dim=1))  # the record's parts, in the order above
-        recv_data = _from_bytes(next(cols), data.dtype, hidden)
-        recv_scales = _from_bytes(next(cols), scales.dtype, scales.size(1)) if scales is not None else None
+        recv_data = from_bytes(next(cols), data.dtype, hidden)
+        recv_scales = from_bytes(next(cols), scales.dtype, scales.size(1)) if scales is not None else None
         recv_topk_idx = recv_topk_weights = None
         if topk_idx is not None:
             num_topk = topk_idx.size(1)
-            global_idx = _from_bytes(next(cols), topk_idx.dtype, num_topk)
-            weights = _from_bytes(next(cols), torch.float32, num_topk)
+            global_idx = from_bytes(next(cols), topk_idx.dtype, num_topk)
+            weights = from_bytes(next(cols), torch.float32, num_topk)
             recv_topk_idx, recv_topk_weights = hd.local_topk(global_idx, weights, rank, num_local_experts)
-        recv_src_idx = _from_bytes(next(cols), torch.int32, 1).view(-1)
+        recv_src_idx = from_bytes(next(cols), torch.int32, 1).view(-1)
 
         if num_worst_tokens > 0:
             check_worst_tokens(num_worst_tokens, num_recv, rank)
@@ -474,7 +383,7 @@ class TorchBackend:
 
         # recv_src_meta: source node and this node's local-rank mask of every received row.
         source_of_row = torch.repeat_interleave(torch.arange(self.num_ranks), recv_counts)
-        local_masks = _from_bytes(recv_mask_bytes, torch.uint8, num_nodes * per_node)
+        local_masks = from_bytes(recv_mask_bytes, torch.uint8, num_nodes * per_node)
         local_masks = local_masks.view(num_recv, num_nodes, per_node)[:, my_node].to(torch.bool)
         src_meta = hd.encode_src_meta((source_of_row // per_node).to(dev), local_masks[:num_recv])
         if recv_src_idx.size(0) > num_recv:  # worst-token padding rows carry no meta
@@ -491,7 +400,7 @@ class TorchBackend:
         send = [torch.empty(0, 8, dtype=torch.uint8, device=dev) for _ in range(self.num_ranks)]
         for n in range(num_nodes):
             sel = nodes_needed[:, n]
-            send[n * per_node + my_local] = _as_bytes(meta_record[sel][:, [0, 1 + n]].contiguous())
+            send[n * per_node + my_local] = as_bytes(meta_record[sel][:, [0, 1 + n]].contiguous())
         recv_counts_meta = [0] * self.num_ranks
         for n, p in enumerate(peers):
             recv_counts_meta[p] = forward_counts[n]
@@ -500,7 +409,7 @@ class TorchBackend:
         src_node, channel, fwd_mask = [], [], []
         gathered_num_tokens = gathered[:, begin[4]]
         for n, p in enumerate(peers):
-            meta = _from_bytes(blocks[p], torch.int32, 2).to(dev)
+            meta = from_bytes(blocks[p], torch.int32, 2).to(dev)
             src_node.append(torch.full((meta.size(0),), n, dtype=torch.int64, device=dev))
             channels_of_source = hd.token_channels(int(gathered_num_tokens[p]), num_channels, dev)
             channel.append(channels_of_source[meta[:, 0].to(torch.int64)])
@@ -511,36 +420,33 @@ class TorchBackend:
                                   recv_gbl_chan_prefix.to(dev), recv_gbl_rank_prefix.to(dev), src_meta,
                                   sender.send_rdma_head, send_nvl_head)
 
-    def combine(self, x: torch.Tensor, handle: Any, topk_weights: Optional[torch.Tensor] = None, bias: Any = None,
-                config: Optional[Config] = None, previous_event: Any = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> CombineResult:
+    def combine(self, request: CombineRequest) -> CombineResult:
         """Normal combine: per original token, the float32 sum of its holders' rows (plus biases), in BF16."""
-        scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
-        with scope.run():
-            combined_x, combined_w = self._combine(x, handle, topk_weights, bias)
-        event = scope.finish([x, topk_weights, combined_x, combined_w])
+        with StreamScope(self.comm_stream, request.previous_event, request.async_finish,
+                         request.allocate_on_comm_stream) as scope:
+            combined_x, combined_w = self._combine(request.x, request.handle, request.topk_weights, request.bias)
+        event = scope.finish([request.x, request.topk_weights, combined_x, combined_w])
         return CombineResult(combined_x, combined_w, event)
 
     def _combine(self, x: torch.Tensor, handle: Any, topk_weights: Optional[torch.Tensor],
-                 bias: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                 biases: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         mask = handle.is_token_in_rank.to(torch.bool)
         num_tokens, hidden = mask.size(0), x.size(1)
         recv_counts = self._recv_counts_from_handle(handle)
         starts = torch.cumsum(recv_counts, 0) - recv_counts
-        parts = [_as_bytes(x)]
+        parts = [as_bytes(x)]
         if topk_weights is not None:
-            parts.append(_as_bytes(topk_weights))
+            parts.append(as_bytes(topk_weights))
         record = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
         send_rows = [record[int(starts[s]):int(starts[s] + recv_counts[s])] for s in range(self.num_ranks)]
         back_counts = mask.sum(0).tolist()
         blocks = self._exchange_rows(send_rows, back_counts, record.size(1), _TAG_COMBINE, "combine",
                                      "expert output rows")
         hidden_bytes = hidden * x.element_size()
-        ys = [_from_bytes(b[:, :hidden_bytes].to(x.device), x.dtype, hidden) for b in blocks]
+        ys = [from_bytes(b[:, :hidden_bytes].to(x.device), x.dtype, hidden) for b in blocks]
         ws = None
         if topk_weights is not None:
-            ws = [_from_bytes(b[:, hidden_bytes:].to(x.device), torch.float32, topk_weights.size(1)) for b in blocks]
-        biases = bias if isinstance(bias, tuple) else ((bias,) if bias is not None else ())
+            ws = [from_bytes(b[:, hidden_bytes:].to(x.device), torch.float32, topk_weights.size(1)) for b in blocks]
         return reduce_combine(mask, ys, ws, biases, self.topology, num_tokens, hidden, x.device)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -563,7 +469,8 @@ class TorchBackend:
 
     def _combine_send_view(self, layout: Any, half: int, num_local_experts: int, tokens: int,
                            hidden: int) -> torch.Tensor:
-        """BF16 ``[L, R*T, H]`` view of ``send_{half}`` with row stride ``H + H/64`` elements (spec §11.4)."""
+        """BF16 ``[L, R*T, H]`` view of ``send_{half}`` with row stride ``H + H/64`` elements (a combine slot's
+        LogFMT scale pairs come first)."""
         region = layout[f"send_{half}"]
         _, combine_msg = low_latency_message_bytes(hidden)
         slot = combine_msg // 2
@@ -583,17 +490,15 @@ class TorchBackend:
         self.ll_parity = 1 - half
         return half
 
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
-                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False) -> LowLatencyDispatchResult:
+    def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         """Send every token once per valid top-k entry to the expert's owner; pack per local expert.
 
-        Packed order (one valid order of the spec): per local expert, source ranks ascending, and within one
+        Packed order (one valid order of the contract): per local expert, source ranks ascending, and within one
         source, tokens ascending then top-k slot ascending.
         """
-        tokens, num_ranks, rank = num_max_dispatch_tokens_per_rank, self.num_ranks, self.rank
+        (x, topk_idx, tokens, num_experts, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+         use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook) = request
+        num_ranks, rank = self.num_ranks, self.rank
         num_tokens, hidden = x.shape
         num_local = num_experts // num_ranks
         layout = self._ll_regions(tokens, hidden, num_experts)
@@ -601,22 +506,22 @@ class TorchBackend:
         num_scales = hidden // FP8_BLOCK
         scale_cols = num_scales // numerics.UE8M0_PER_INT32 if use_ue8m0 else num_scales
         scale_dtype = torch.int32 if use_ue8m0 else torch.float32
-        # With a receive hook the send phase runs on the caller's stream (spec §6.3).
-        scope = _StreamScope(None if return_recv_hook else self.comm_stream, None, async_finish)
+        # With a receive hook the send phase runs on the caller's stream.
+        scope = StreamScope(None if return_recv_hook else self.comm_stream, None, async_finish)
         active = self._active_peers()
         device = x.device
 
-        with scope.run():
+        with scope:
             half = self._flip(layout)
             # Stage one message per token in send_{half}: [int32 source token index | 12 B pad | payload].
             staging = self._region(layout, f"send_{half}")[:num_tokens * dispatch_msg].view(num_tokens, dispatch_msg)
-            staging[:, :4] = _as_bytes(torch.arange(num_tokens, dtype=torch.int32)).to(self.device)
+            staging[:, :4] = as_bytes(torch.arange(num_tokens, dtype=torch.int32)).to(self.device)
             if use_fp8:
                 q, scales = numerics.per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
-                staging[:, 16:16 + hidden] = _as_bytes(q).to(self.device)
-                staging[:, 16 + hidden:16 + hidden + scale_cols * 4] = _as_bytes(scales).to(self.device)
+                staging[:, 16:16 + hidden] = as_bytes(q).to(self.device)
+                staging[:, 16 + hidden:16 + hidden + scale_cols * 4] = as_bytes(scales).to(self.device)
             else:
-                staging[:, 16:16 + 2 * hidden] = _as_bytes(x).to(self.device)
+                staging[:, 16:16 + 2 * hidden] = as_bytes(x).to(self.device)
 
             # Rows per (destination, local expert), ordered by (token, k).
             idx = topk_idx.to(torch.int64).cpu()
@@ -690,14 +595,14 @@ class TorchBackend:
                     n = int(recv_counts[s, j])
                     if n:
                         msgs = recv_area[j, s, :n].to(device)
-                        src_info[j, begin:begin + n] = _from_bytes(msgs[:, :4], torch.int32, 1).view(-1)
+                        src_info[j, begin:begin + n] = from_bytes(msgs[:, :4], torch.int32, 1).view(-1)
                         if use_fp8:
-                            recv_data[j, begin:begin + n] = _from_bytes(msgs[:, 16:16 + hidden],
+                            recv_data[j, begin:begin + n] = from_bytes(msgs[:, 16:16 + hidden],
                                                                         torch.float8_e4m3fn, hidden)
-                            recv_scales[j, begin:begin + n] = _from_bytes(
+                            recv_scales[j, begin:begin + n] = from_bytes(
                                 msgs[:, 16 + hidden:16 + hidden + scale_cols * 4], scale_dtype, scale_cols)
                         else:
-                            recv_data[j, begin:begin + n] = _from_bytes(msgs[:, 16:16 + 2 * hidden],
+                            recv_data[j, begin:begin + n] = from_bytes(msgs[:, 16:16 + 2 * hidden],
                                                                         torch.bfloat16, hidden)
                     layout_range[j, s] = (begin << 32) | n
                     begin += n
@@ -713,20 +618,18 @@ class TorchBackend:
         outputs = [*(recv_x if use_fp8 else (recv_x,)), packed_recv_count, src_info, layout_range]
         if return_recv_hook:
             return LowLatencyDispatchResult(recv_x, packed_recv_count, new_handle, EventOverlap(None),
-                                            _Hook(receive, "low_latency_dispatch"))
-        with scope.run():
+                                            ReceiveHook(receive))
+        with scope:
             receive()
         event = scope.finish([x, topk_idx, *outputs])
         if async_finish:
             event.extra_tensors = (x, topk_idx, *outputs)
         return LowLatencyDispatchResult(recv_x, packed_recv_count, new_handle, event, None)
 
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: hd.LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
-                            async_finish: bool = False, return_recv_hook: bool = False,
-                            out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> LowLatencyCombineResult:
+    def low_latency_combine(self, request: LowLatencyCombineRequest) -> LowLatencyCombineResult:
         """Return expert outputs to the token owners and reduce ``sum_k w[t, k] * y(e_k, t)`` in float32."""
+        (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+         combine_wait_recv_cost_stats) = request
         src_info, layout_range, tokens, hidden, num_experts = handle
         num_ranks, rank = self.num_ranks, self.rank
         num_local = num_experts // num_ranks
@@ -734,11 +637,11 @@ class TorchBackend:
         layout = self._ll_regions(tokens, hidden, num_experts)
         _, combine_msg = low_latency_message_bytes(hidden)
         header = combine_msg - 2 * hidden
-        scope = _StreamScope(None if return_recv_hook else self.comm_stream, None, async_finish)
+        scope = StreamScope(None if return_recv_hook else self.comm_stream, None, async_finish)
         active = self._active_peers()
         device = x.device
 
-        with scope.run():
+        with scope:
             half = self._flip(layout)
             send_view = self._combine_send_view(layout, half, num_local, tokens, hidden)
             begins, counts = hd.unpack_layout_range(layout_range.cpu())
@@ -753,8 +656,8 @@ class TorchBackend:
                     rows = send_view[j, begin:begin + count]
                     if use_logfmt:
                         rows = numerics.logfmt_roundtrip(rows)
-                    message = torch.cat([_as_bytes(src_info[j, begin:begin + count].to(self.device)),
-                                         _as_bytes(rows)], dim=1)
+                    message = torch.cat([as_bytes(src_info[j, begin:begin + count].to(self.device)),
+                                         as_bytes(rows)], dim=1)
                     sends.append((s, message))
 
             # Receive: one block per (owner rank, expert) this rank selected, sized from its own routing.
@@ -789,11 +692,11 @@ class TorchBackend:
             pending.wait()
             arrived = list(zip(own, local_msgs)) + [(e, buf) for e, (_, buf) in zip(recv_keys, recvs)]
             for e, message in arrived:
-                token_idx = _from_bytes(message[:, :4], torch.int32, 1).view(-1).to(torch.int64)
+                token_idx = from_bytes(message[:, :4], torch.int32, 1).view(-1).to(torch.int64)
                 first = _first_occurrence(token_idx)  # a token that chose e twice: its first row counts
                 recv_area[e, token_idx[first], header:] = message[first, 4:]
                 signal[e] = 1
-            slots = _from_bytes(recv_area.reshape(num_experts * tokens, combine_msg)[:, header:], torch.bfloat16,
+            slots = from_bytes(recv_area.reshape(num_experts * tokens, combine_msg)[:, header:], torch.bfloat16,
                                 hidden).view(num_experts, tokens, hidden)
             masked_owner = ~owner_ok
             combined.copy_(reduce_low_latency_combine(slots, topk_idx.to(self.device), topk_weights.to(self.device),
@@ -803,8 +706,8 @@ class TorchBackend:
                     combine_wait_recv_cost_stats.device))
 
         if return_recv_hook:
-            return LowLatencyCombineResult(combined, EventOverlap(None), _Hook(receive, "low_latency_combine"))
-        with scope.run():
+            return LowLatencyCombineResult(combined, EventOverlap(None), ReceiveHook(receive))
+        with scope:
             receive()
         event = scope.finish([x, topk_idx, topk_weights, combined])
         if async_finish:
@@ -819,7 +722,7 @@ class TorchBackend:
         self.comm.barrier("clean_low_latency_buffer (after)")
 
     # Shrink masks (enable_shrink=True).
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool) -> None:
         self.mask[rank_to_mask] = 1 if mask else 0
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
@@ -837,19 +740,6 @@ def _first_occurrence(values: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(values.numel(), device=values.device)
     first = torch.full((int(inverse.max()) + 1,), values.numel(), dtype=torch.int64, device=values.device)
     return first.scatter_reduce(0, inverse, positions, reduce="amin")
-
-
-class _Hook:
-    """``hook()`` of a low-latency call: completes the receive exactly once."""
-
-    def __init__(self, fn: Callable[[], None], name: str) -> None:
-        self._fn, self._name, self._done = fn, name, False
-
-    def __call__(self) -> None:
-        if self._done:
-            raise RuntimeError(f"the receive hook of {self._name} was already called")
-        self._done = True
-        self._fn()
 
 
 def reduce_combine(mask: torch.Tensor, ys: list[torch.Tensor], ws: Optional[list[torch.Tensor]],

@@ -1,75 +1,31 @@
-"""Internode dispatch/combine for ``N`` nodes x ``G > 1`` GPUs, composed of two intranode stages (design §4).
+"""Internode normal dispatch/combine of ``N`` nodes x ``G > 1`` GPUs, composed of two intranode stages.
 
-Rank ``r = (m, l)`` sits on node ``m = r // G`` at local index ``l = r % G``. Two families of process subgroups:
+Rank ``r = (m, l)`` sits on node ``m = r // G`` at local index ``l = r % G``. The rail group of local index ``l``
+holds ranks ``(0, l) .. (N-1, l)`` (rail rank = node), the node group of node ``m`` ranks ``(m, 0) .. (m, G-1)``.
+Each group is served by a stage backend: the torch backend, or the CUDA ring kernels (node stage over CUDA IPC; rail
+stage over IPC on one host, else over the NVSHMEM symmetric heap). This module only moves bytes between the stages.
 
-* the **rail group** of local index ``l``: ranks ``(0, l), (1, l), ..., (N-1, l)`` (rail rank = node);
-* the **node group** of node ``m``: ranks ``(m, 0), ..., (m, G-1)`` (node rank = local index).
-
-Each group is served by a *stage backend* with the intranode ``Buffer``-backend interface (``dispatch`` /
-``combine`` returning :mod:`deep_ep.results` NamedTuples with an :class:`deep_ep.handle.IntranodeHandle`):
-:class:`deep_ep.torch_backend.TorchBackend` on gloo subgroups (CPU) or the CUDA ring kernels: the node stage a
-:class:`deep_ep.cuda_backend.CudaBackend` (CUDA IPC inside the node's host), the rail stage a ``CudaBackend`` when
-all ranks share one host, else a :class:`deep_ep.cuda_internode.SymmetricCuda` (the same kernels on the NVSHMEM
-symmetric heap of the Buffer's ``num_rdma_bytes``: peers by ``nvshmem_ptr`` or by puts and signals; rail rank
-``n`` is PE ``n * G + l``). This module only moves bytes between the stages with device-agnostic torch ops; the
-stages do all communication.
-
-Dispatch (source ``(m, l)``):
-
-1. **rail stage**: every token goes once to each node ``n`` it needs, to the rail peer ``(n, l)`` (the
-   forwarder). The stage carries one record per token: payload (``x`` bytes, or FP8 bytes and scales), the
-   global top-k ids and weights, the token's channel on its source, and the token's local-rank bit mask of
-   every node.
-2. **node stage**: the forwarder ``(n, l)`` sends each received row to the ranks ``(n, l')`` of its bit mask for
-   node ``n`` (an intranode dispatch), with the top-k ids made node-local so that the stage's own top-k
-   forwarding yields the final local expert ids, weights and per-expert counts. The record carries the payload,
-   the channel, the global source rank and the bit mask.
-
-The node stage delivers rows ordered by (forwarder ``l``, source node ``m``, token); the contract orders them by
-(global source rank ``m * G + l``, token). A stable sort on the carried source rank gives the permutation; it and
-both stage handles are kept per dispatch (keyed by the returned handle) for cached dispatch and combine. The ten
-internode handle fields are computed from the carried source ranks, channels and masks (see
-:func:`internode_handle_fields`), equal to ``reference``'s.
-
-Combine (the reverse): the expert rows are put back into node-stage order; the **node-stage combine** reduces a
-token's rows of node ``n`` at the forwarder in float32 (ascending local rank) and rounds to BF16: the spec's
-per-node partial ``p_n``. The **rail-stage combine** brings one partial per node back to the owner, which adds the
-biases and the partials in ascending node order in float32 and rounds once more (spec §12).
-
-Host synchronisations: only those of the stage dispatches (each non-cached stage dispatch waits for its receive
-counts) and the per-expert list; the permutation and handle fields are device ops.
-
-Stream order: every stage call is synchronous with the current stream and orders after it (a
-``previous_event`` is waited for on the current stream first: the records are built there, after the event).
-
-CUDA stages (``cuda_stages``): each such stage runs the ring kernels in its own buffer (IPC: the Buffer's
-``num_nvl_bytes``; NVSHMEM rail: ``num_rdma_bytes``), with records wider than the hidden size (payload + top-k +
-metadata, padded to 16 bytes). Every call checks first, on every rank alike and before any communication, that the
-rings of the CUDA stages hold ``2 * num_max_nvl_chunked_send_tokens`` records per (channel, source), and raises a
-ValueError naming the buffer size needed otherwise (:func:`stage_nvl_bytes`); likewise top-k <= 16 (node stage)
-and ``E / N`` <= 1024 (rail stage). A **torch rail** (``TorchBackend`` over the rail subgroup: NCCL, or gloo with
-host copies) beside a CUDA node stage serves more nodes than a ring group has ranks: rows still cross the network
-once per node, and the NVLink fan-out and the per-node reduction stay on the kernels.
-
-Worst-token mode (``num_worst_tokens > 0``): the outputs of a normal dispatch, padded to ``num_worst_tokens`` rows
-(:meth:`ComposedInternode._pad_to_worst`); the stages still synchronise with the host for their receive counts.
-
-Not supported (raise): a CUDA rail stage of more than ``NUM_MAX_RING_RANKS`` (24) nodes (use a torch rail).
+Dispatch: the rail stage carries each token once to every node it needs (the forwarder ``(n, l)``), with its
+payload, global top-k, source channel and local-rank bit mask per node; the node stage forwards each row to the
+local ranks of its mask, top-k ids made node-local. A stable sort on the carried source rank gives the contract's
+row order (source rank, token). Combine runs the reverse: the node stage sums a node's rows into a BF16 partial at
+the forwarder, the rail stage adds the biases and the partials in ascending node order (float32, one more BF16
+rounding). Every stage call is synchronous with the caller's stream. CUDA stages check first, on every rank alike,
+that their rings hold ``2 * num_max_nvl_chunked_send_tokens`` records (``stage_nvl_bytes`` names the size needed).
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Collection, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from deep_ep import handle as hd
 from deep_ep import layout as lay
-from deep_ep.config import (BUFFER_ALIGNMENT, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_RING_RANKS, Config, Topology,
-                            align_up, intranode_channels)
-from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
+from deep_ep.backends.base import Backend, CombineRequest, DispatchRequest, LayoutRequest
+from deep_ep.backends.common import StreamScope, as_bytes, check_worst_tokens, from_bytes, pad_rows
+from deep_ep.backends.cuda_tuning import intranode_channels
+from deep_ep.config import BUFFER_ALIGNMENT, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_RING_RANKS, Config, Topology, align_up
 from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
-from deep_ep.torch_backend import _as_bytes, _from_bytes, check_worst_tokens, pad_rows
 
 # Stage records are padded to a multiple of this many bytes (the CUDA kernels move rows in 16-byte units).
 _RECORD_ALIGN = 16
@@ -148,7 +104,7 @@ def _record(parts: Sequence[torch.Tensor], num_rows: int, device: torch.device) 
     """Concatenate ``[rows, *]`` tensors as bytes into ``[rows, W / 4]`` int32 (``W = _padded(sum of widths)``);
     returns the record and each part's byte width. One part that needs no padding is its own record (a view: the
     stages only read their input)."""
-    raw = [_as_bytes(p) for p in parts]
+    raw = [as_bytes(p) for p in parts]
     widths = [r.size(1) for r in raw]
     pad = _padded(sum(widths)) - sum(widths)
     if len(raw) == 1 and pad == 0 and num_rows > 0:
@@ -168,7 +124,7 @@ def stage_nvl_bytes(record_bytes: int, num_ranks: int, num_channels: int, num_se
 
 def _fields(record: torch.Tensor, widths: Sequence[int]) -> list[torch.Tensor]:
     """Inverse of :func:`_record`: the ``[rows, width]`` uint8 byte columns of each part."""
-    return _split(_as_bytes(record), widths)
+    return _split(as_bytes(record), widths)
 
 
 def _channel_prefix(group_of_row: torch.Tensor, channel: torch.Tensor, num_groups: int,
@@ -223,7 +179,7 @@ def internode_handle_fields(mask: torch.Tensor, topology: Topology, num_channels
         send_nvl_head=hd.forwarder_send_nvl_head(fwd_node, fwd_channel, fwd_local_mask, num_channels))
 
 
-class ComposedInternode:
+class ComposedInternode(Backend):
     """Internode normal dispatch/combine of one rank ``(n, l)`` as a rail stage then a node stage.
 
     Args:
@@ -232,18 +188,16 @@ class ComposedInternode:
         rank: this rank in the Buffer's group.
         topology: ``N x G`` with ``N > 1``, ``1 < G``; ``N <= NUM_MAX_RING_RANKS`` (24) when the rail stage runs
             the ring kernels (any ``N`` with a torch rail).
-        cuda_stages: which stages are CUDA ring kernels (``ring_bytes()``, ``buffer_arg``): every call checks their
-            rings and the kernel limits first (see the module docstring). True: both; False: neither (torch
-            stages); or a collection of ``'rail'`` / ``'node'`` (a torch rail beside a CUDA node stage: ``{'node'}``).
+        cuda_stages: which stages are CUDA ring kernels (``ring_bytes()``, ``buffer_arg``, ``reset()``): every call
+            checks their rings and the kernel limits first. True: both; False: neither (torch stages); or a
+            collection of ``'rail'`` / ``'node'`` (a torch rail beside a CUDA node stage: ``{'node'}``).
 
-    Both stages must offer ``dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-    num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
-    async_finish, allocate_on_comm_stream)`` and ``combine(x, handle, topk_weights, bias, config, previous_event,
-    async_finish, allocate_on_comm_stream)`` as the intranode backends do. Arguments arrive validated by
-    ``deep_ep.Buffer``.
+    The stages are intranode backends (their ``dispatch`` / ``combine`` and intranode handles).
     """
 
-    def __init__(self, rail: Any, node: Any, rank: int, topology: Topology,
+    needs_host_checks = True
+
+    def __init__(self, rail: Backend, node: Backend, rank: int, topology: Topology,
                  cuda_stages: Union[bool, Collection[str]] = False) -> None:
         if not topology.is_internode or topology.num_scaleup_ranks < 2:
             raise ValueError(f"the composed internode path needs N > 1 nodes of G > 1 ranks, got "
@@ -256,6 +210,7 @@ class ComposedInternode:
                              f"nodes (one ring-kernel group), got {topology.num_scaleout_ranks}; a torch rail "
                              f"serves more")
         self.rail, self.node, self.rank, self.topology = rail, node, rank, topology
+        self.num_ranks = topology.num_ranks
         self.cuda_stages = frozenset(stages)
         self.my_node, self.my_local = topology.node_of(rank), topology.local_of(rank)
         # Stage errors name the Buffer's ranks (the stages number their own): rail rank n is rank n * G + l, node
@@ -264,56 +219,45 @@ class ComposedInternode:
         for stage, members, scope in (
                 (rail, [n * per_node + self.my_local for n in range(num_nodes)], "composed rail stage"),
                 (node, [self.my_node * per_node + local for local in range(per_node)], "composed node stage")):
-            if hasattr(stage, "set_rank_names"):
-                stage.set_rank_names(members, scope)
-        # id(handle.recv_src_meta) -> (weak reference to it, _Plan): the stage handles behind each returned handle.
-        self._plans: dict[int, tuple[weakref.ref, _Plan]] = {}
+            stage.set_rank_names(members, scope)
 
     # ------------------------------------------------------------------------------------------------------------
     # Bookkeeping
     # ------------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def num_channels(config: Config) -> int:
-        """Channels of the internode handle: ``config.num_sms // 2``, DeepEP's internode count."""
-        return config.num_channels
-
-    def _keep(self, handle: hd.InternodeHandle, plan: _Plan) -> None:
-        key = handle.recv_src_meta
-        ident = id(key)
-        self._plans[ident] = (weakref.ref(key, lambda _ref, ident=ident: self._plans.pop(ident, None)), plan)
-
-    def _plan(self, handle: Any) -> _Plan:
-        key = handle[7]  # recv_src_meta
-        entry = self._plans.get(id(key))
-        if entry is None or entry[0]() is not key:
+    def _plan(self, handle: hd.InternodeHandle) -> _Plan:
+        """The stage handles and row order behind ``handle`` (its ``backend_state``)."""
+        plan = handle.backend_state
+        if not isinstance(plan, _Plan):
             raise ValueError(f"handle was not returned by this Buffer's composed internode dispatch (rank "
                              f"{self.rank}); pass the handle of a dispatch made with the same Buffer")
-        return entry[1]
+        return plan
 
     @staticmethod
-    def _event(device: torch.device, async_finish: bool) -> EventOverlap:
-        """The call's event: every stage ran synchronously with the current stream, so an asynchronous call gets
-        an event recorded on the current stream after the last step."""
-        if not async_finish:
-            return EventOverlap(None)
-        return EventOverlap(CudaEventHandle() if device.type == "cuda" else COMPLETED)
+    def _scope(request: Any, device: torch.device) -> StreamScope:
+        """The call's stream protocol: every stage runs synchronously with the current stream, where the stage
+        records are built, so the call orders after ``previous_event`` there and an asynchronous call gets an
+        event recorded there after the last step."""
+        stream = torch.cuda.current_stream() if device.type == "cuda" else None
+        return StreamScope(stream, request.previous_event, request.async_finish)
+
+    def _stage_request(self, config: Config) -> dict:
+        """What every stage call passes besides its data: the call's config, synchronous."""
+        return dict(config=config)
 
     def destroy(self) -> None:
-        self._each_stage("destroy")
-        self._plans.clear()
+        self.rail.destroy()
+        self.node.destroy()
 
     def reset(self) -> None:
-        """Collective: the stages' recovery after a failed call (rail stage, then node stage)."""
-        self._each_stage("reset")
+        """Collective: the CUDA stages' recovery after a failed call (rail stage, then node stage)."""
+        for name, stage in (("rail", self.rail), ("node", self.node)):
+            if name in self.cuda_stages:
+                stage.reset()
 
     def check_errors(self) -> None:
         """Raise a stage's pending device error, if any."""
-        self._each_stage("check_errors")
-
-    def _each_stage(self, method: str) -> None:
-        for stage in (self.rail, self.node):
-            if hasattr(stage, method):
-                getattr(stage, method)()
+        self.rail.check_errors()
+        self.node.check_errors()
 
     def _check_stage(self, stage: str, kind: str, record_bytes: int, config: Config) -> None:
         """Raise ValueError unless the CUDA ``stage`` ('rail' / 'node') rings hold ``2 * num_max_nvl_chunked_send_
@@ -333,7 +277,7 @@ class ComposedInternode:
         fix = f"build the Buffer with {arg} >= {want}" \
             if want <= lay.intranode_control_bytes() + 2 * lay.INTRANODE_MAX_RING_HALF_BYTES else \
             "lower config.num_sms or num_max_nvl_chunked_send_tokens (no buffer size fits)"
-        if ring_bytes < getattr(backend, "num_nvl_bytes", ring_bytes):
+        if ring_bytes < backend.num_nvl_bytes:
             fix += " for the rings, about twice that with the put area of NVSHMEM put peers"
         raise ValueError(f"{arg}={backend.num_nvl_bytes} is too small for the composed internode path's {stage} "
                          f"stage {kind}: its rings hold {geometry.capacity} slots of {record_bytes} bytes (payload, "
@@ -362,47 +306,40 @@ class ComposedInternode:
         self._check_stage("node", "dispatch", lay.intranode_dispatch_record_bytes(node, 0, num_topk), config)
 
     def get_comm_stream(self) -> Any:
-        return self.node.get_comm_stream() if hasattr(self.node, "get_comm_stream") else None
+        return self.node.get_comm_stream()
 
     # ------------------------------------------------------------------------------------------------------------
     # Layout
     # ------------------------------------------------------------------------------------------------------------
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False) -> DispatchLayout:
+    def get_dispatch_layout(self, request: LayoutRequest) -> DispatchLayout:
         """Local computation (:func:`deep_ep.handle.layout_from_topk`) on the current stream."""
-        self._wait(previous_event)
-        layout = hd.layout_from_topk(topk_idx, num_experts, self.topology)
-        return DispatchLayout(*layout, self._event(topk_idx.device, async_finish))
+        with self._scope(request, request.topk_idx.device) as scope:
+            layout = hd.layout_from_topk(request.topk_idx, request.num_experts, self.topology)
+            return DispatchLayout(*layout, scope.finish(()))
 
     # ------------------------------------------------------------------------------------------------------------
     # Dispatch
     # ------------------------------------------------------------------------------------------------------------
-    def dispatch(self, x: Any, handle: Any = None, num_tokens_per_rank: Optional[torch.Tensor] = None,
-                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
-                 is_token_in_rank: Optional[torch.Tensor] = None,
-                 num_tokens_per_expert: Optional[torch.Tensor] = None, topk_idx: Optional[torch.Tensor] = None,
-                 topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
-                 config: Optional[Config] = None, previous_event: Any = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False) -> DispatchResult:
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
         """Normal internode dispatch (see ``Buffer.dispatch``); ``handle`` given: cached dispatch."""
-        assert config is not None, "config is resolved by the Buffer front"
-        data, scales = x if isinstance(x, tuple) else (x, None)
-        stage = dict(config=config, async_finish=False, allocate_on_comm_stream=False)
-        if handle is not None:
-            plan = self._plan(handle)
-            self._wait(previous_event)
-            recv_x = self._cached_dispatch(data, scales, plan, stage)
-            return DispatchResult(recv_x, None, None, None, None, self._event(data.device, async_finish))
-        self._check_dispatch(self._payload(data, scales), topk_idx, num_tokens_per_expert.numel(), config)
-        self._wait(previous_event)
-        out = self._dispatch(data, scales, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                             expert_alignment, stage)
-        if num_worst_tokens > 0:
-            out = self._pad_to_worst(out, num_worst_tokens)
-        return DispatchResult(*out, self._event(data.device, async_finish))
+        data, scales = request.payload()
+        stage = self._stage_request(request.config)
+        if request.handle is not None:
+            plan = self._plan(request.handle)
+            with self._scope(request, data.device) as scope:
+                recv_x = self._cached_dispatch(data, scales, plan, stage)
+                return DispatchResult(recv_x, None, None, None, None, scope.finish(()))
+        self._check_dispatch(self._payload(data, scales), request.topk_idx, request.num_tokens_per_expert.numel(),
+                             request.config)
+        with self._scope(request, data.device) as scope:
+            out = self._dispatch(data, scales, request.is_token_in_rank, request.num_tokens_per_expert,
+                                 request.topk_idx, request.topk_weights, request.expert_alignment, stage)
+            if request.num_worst_tokens > 0:
+                out = self._pad_to_worst(out, request.num_worst_tokens)
+            return DispatchResult(*out, scope.finish(()))
 
     def _pad_to_worst(self, out: tuple, num_worst_tokens: int) -> tuple:
-        """Worst-token mode (spec §9.2): every output padded to ``num_worst_tokens`` rows (payload and scales 0, top-k
+        """Worst-token mode: every output padded to ``num_worst_tokens`` rows (payload and scales 0, top-k
         ids -1, weights 0, the handle's ``recv_src_meta`` 0) and an empty per-expert list; the plan is kept under the
         padded handle. The stages have synchronised with the host for their counts all the same: same outputs as
         the kernels' worst-token mode, not its capturability."""
@@ -413,16 +350,9 @@ class ComposedInternode:
         else:
             recv_x = pad_rows(recv_x, num_worst_tokens)
         padded = handle._replace(recv_src_meta=pad_rows(handle.recv_src_meta, num_worst_tokens))
-        self._keep(padded, self._plan(handle))
+        padded.backend_state = handle.backend_state
         return (recv_x, pad_rows(recv_idx, num_worst_tokens, -1), pad_rows(recv_weights, num_worst_tokens), [],
                 padded)
-
-    @staticmethod
-    def _wait(previous_event: Any) -> None:
-        """Order the call after ``previous_event`` on the current stream, where the stage records are built: the
-        stages then order after the current stream (a stage given the event would wait for it alone)."""
-        if previous_event is not None:
-            previous_event.current_stream_wait()
 
     def _payload(self, data: torch.Tensor, scales: Optional[torch.Tensor]) -> list[torch.Tensor]:
         return [data] if scales is None else [data, scales.contiguous()]
@@ -441,8 +371,8 @@ class ComposedInternode:
         """Rail-stage dispatch. Its "experts" are the global experts grouped by node, so that its per-expert list
         on the forwarder ``(n, l)`` is the rail sources' ``num_tokens_per_expert`` summed over node ``n``'s
         experts: what the node stage needs to report DeepEP's counts."""
-        return self.rail.dispatch(record, None, node_mask.sum(0, dtype=torch.int32), None, node_mask,
-                                  num_tokens_per_expert, None, None, 1, 0, previous_event=None, **stage)
+        return self.rail.dispatch(DispatchRequest(record, None, node_mask.sum(0, dtype=torch.int32), None, node_mask,
+                                                  num_tokens_per_expert, **stage))
 
     def _dispatch(self, data: torch.Tensor, scales: Optional[torch.Tensor], mask: torch.Tensor,
                   num_tokens_per_expert: torch.Tensor, topk_idx: Optional[torch.Tensor],
@@ -466,8 +396,8 @@ class ComposedInternode:
         cols = _fields(rail.recv_x, widths)
         num_fwd = rail.recv_x.size(0)
         num_payload = len(payload)
-        fwd_channel = _from_bytes(cols[-2], torch.int32, 1).view(-1)
-        fwd_bits = _from_bytes(cols[-1], torch.int32, num_nodes)[:, self.my_node].contiguous()
+        fwd_channel = from_bytes(cols[-2], torch.int32, 1).view(-1)
+        fwd_bits = from_bytes(cols[-1], torch.int32, num_nodes)[:, self.my_node].contiguous()
         fwd_mask = hd.unpack_rank_bits(fwd_bits, per_node)                                       # [F, G]
         rail_prefix = rail.handle.rank_prefix_matrix[:, self.my_node]
         fwd_node = _source_of_rows(rail_prefix, num_fwd)
@@ -476,23 +406,23 @@ class ComposedInternode:
         # (2) Node stage: forward each row to the local ranks of its mask, top-k ids made node-local.
         node_topk = {}
         if has_topk:
-            fwd_idx = _from_bytes(cols[num_payload], topk_idx.dtype, topk_idx.size(1))
-            fwd_weights = _from_bytes(cols[num_payload + 1], torch.float32, topk_idx.size(1))
+            fwd_idx = from_bytes(cols[num_payload], topk_idx.dtype, topk_idx.size(1))
+            fwd_weights = from_bytes(cols[num_payload + 1], torch.float32, topk_idx.size(1))
             local = fwd_idx - self.my_node * experts_per_node
             local = torch.where((fwd_idx >= 0) & (local >= 0) & (local < experts_per_node), local,
                                 torch.full_like(local, -1))
             node_topk = dict(topk_idx=local, topk_weights=fwd_weights)
         node_counts = torch.tensor(rail.num_recv_tokens_per_expert_list, dtype=torch.int32, device=device)
         node_record, node_widths = _record(
-            [_as_bytes(rail.recv_x)[:, :sum(widths[:num_payload])], fwd_channel.view(-1, 1),
+            [as_bytes(rail.recv_x)[:, :sum(widths[:num_payload])], fwd_channel.view(-1, 1),
              fwd_src_rank.view(-1, 1), fwd_bits.view(-1, 1)], num_fwd, device)
-        node = self.node.dispatch(node_record, None, fwd_mask.sum(0, dtype=torch.int32), None, fwd_mask,
-                                  node_counts, node_topk.get("topk_idx"), node_topk.get("topk_weights"),
-                                  expert_alignment, 0, previous_event=None, **stage)
+        node = self.node.dispatch(DispatchRequest(node_record, None, fwd_mask.sum(0, dtype=torch.int32), None,
+                                                  fwd_mask, node_counts, node_topk.get("topk_idx"),
+                                                  node_topk.get("topk_weights"), expert_alignment, **stage))
 
         # (3) Final order: global source rank, then source token (stable sort of the node-stage order).
         node_cols = _fields(node.recv_x, node_widths)
-        src_rank = _from_bytes(node_cols[2], torch.int32, 1).view(-1)
+        src_rank = from_bytes(node_cols[2], torch.int32, 1).view(-1)
         order = torch.sort(src_rank.to(torch.int64), stable=True).indices
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
@@ -504,7 +434,7 @@ class ComposedInternode:
         recv_mask = hd.unpack_rank_bits(_gathered(node_cols[3], order, torch.int32, 1).view(-1), per_node)
         new_handle = internode_handle_fields(mask, topo, num_channels, rail_prefix, fwd_channel, fwd_mask,
                                              src_rank[order], recv_channel, recv_mask)
-        self._keep(new_handle, _Plan(rail.handle, node.handle, order, inverse))
+        new_handle.backend_state = _Plan(rail.handle, node.handle, order, inverse)
         return recv_x, recv_idx, recv_weights, node.num_recv_tokens_per_expert_list, new_handle
 
     def _cached_dispatch(self, data: torch.Tensor, scales: Optional[torch.Tensor], plan: _Plan, stage: dict) -> Any:
@@ -515,31 +445,29 @@ class ComposedInternode:
         for name in ("rail", "node"):
             self._check_stage(name, "dispatch", width, stage["config"])
         record, widths = _record(payload, data.size(0), data.device)
-        rail = self.rail.dispatch(record, plan.rail_handle, previous_event=None, **stage)
-        node = self.node.dispatch(rail.recv_x, plan.node_handle, previous_event=None, **stage)
-        return self._unpack_payload(_split(_as_bytes(node.recv_x), widths), plan.order, data, scales)
+        rail = self.rail.dispatch(DispatchRequest(record, plan.rail_handle, **stage))
+        node = self.node.dispatch(DispatchRequest(rail.recv_x, plan.node_handle, **stage))
+        return self._unpack_payload(_split(as_bytes(node.recv_x), widths), plan.order, data, scales)
 
     # ------------------------------------------------------------------------------------------------------------
     # Combine
     # ------------------------------------------------------------------------------------------------------------
-    def combine(self, x: torch.Tensor, handle: Any, topk_weights: Optional[torch.Tensor] = None, bias: Any = None,
-                config: Optional[Config] = None, previous_event: Any = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> CombineResult:
+    def combine(self, request: CombineRequest) -> CombineResult:
         """Node-stage combine (per-node float32 sum, BF16 partial at the forwarder), then rail-stage combine (biases
         plus the partials in ascending node order, float32, one more BF16 rounding) at the owner."""
-        assert config is not None, "config is resolved by the Buffer front"
-        plan = self._plan(handle)
-        stage = dict(config=config, async_finish=False, allocate_on_comm_stream=False)
+        x, topk_weights, config = request.x, request.topk_weights, request.config
+        plan = self._plan(request.handle)
+        stage = self._stage_request(config)
         width = lay.intranode_combine_record_bytes(x.size(1), topk_weights.size(1) if topk_weights is not None else 0)
         for name in ("rail", "node"):
             self._check_stage(name, "combine", width, config)
-        self._wait(previous_event)
-        node_x = x.index_select(0, plan.inverse)
-        node_w = topk_weights.index_select(0, plan.inverse) if topk_weights is not None else None
-        node = self.node.combine(node_x, plan.node_handle, node_w, None, previous_event=None, **stage)
-        rail = self.rail.combine(node.combined_x, plan.rail_handle, node.combined_topk_weights, bias,
-                                 previous_event=None, **stage)
-        return CombineResult(rail.combined_x, rail.combined_topk_weights, self._event(x.device, async_finish))
+        with self._scope(request, x.device) as scope:
+            node_x = x.index_select(0, plan.inverse)
+            node_w = topk_weights.index_select(0, plan.inverse) if topk_weights is not None else None
+            node = self.node.combine(CombineRequest(node_x, plan.node_handle, node_w, **stage))
+            rail = self.rail.combine(CombineRequest(node.combined_x, plan.rail_handle, node.combined_topk_weights,
+                                                    request.bias, **stage))
+            return CombineResult(rail.combined_x, rail.combined_topk_weights, scope.finish(()))
 
 
 def _gathered(raw: torch.Tensor, order: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:

@@ -1,145 +1,36 @@
-"""CUDA backend of ``deep_ep.Buffer``: the intranode normal-mode kernels over NVLink (CUDA IPC buffers).
+"""CUDA intranode backend of ``deep_ep.Buffer``: the normal-mode ring kernels over NVLink (CUDA IPC buffers).
 
-``Buffer`` (the validating front in ``deep_ep/buffer.py``) constructs one :class:`CudaBackend` per rank when the
-extension ``deep_ep._C`` imports and the group fits one NVLink domain, and forwards ``get_dispatch_layout``,
-``dispatch`` and ``combine`` for CUDA tensors. Arguments arrive already validated and with the config resolved;
-results are the NamedTuples of ``deep_ep.results`` with the handle of ``deep_ep.handle``.
+``Buffer`` builds one :class:`CudaBackend` per rank when the extension imports and the group is one NVLink domain,
+and routes the normal mode of CUDA tensors here. This module allocates what a non-cached dispatch needs before its
+CPU wait (prefix matrices, ``send_head``) and picks the output-pool blocks of direct-to-output receive.
+``deep_ep._C.Runtime`` owns the IPC buffer, the host-mapped error record and the counters; one Python -> C++
+crossing per kernel: its entry points allocate the outputs whose shapes they know and make the plain stream waits
+of the call (``StreamScope.after_current`` / ``current_after``).
 
-Division of labour:
-
-* this module owns the stream protocol of the spec (§6.2): a dedicated high-priority communication stream,
-  ``previous_event``, ``async_finish``, ``allocate_on_comm_stream``; it allocates the tensors a non-cached
-  dispatch needs before its CPU wait (prefix matrices, ``send_head``);
-* ``deep_ep._C.Runtime`` (csrc/buffer.cpp) owns the IPC buffer, the host-mapped error record and counters, and
-  turns tensors into pointers for the launchers of ``csrc/kernels/api.cuh``. To keep the host path short (one
-  Python->C++ crossing per kernel), its entry points allocate the outputs whose shapes they know and do the two
-  plain stream waits of the protocol (``after_current`` / ``current_after``).
-
-Errors: kernels never trap. A kernel-side wait that runs out of ``DEEP_EP_TIMEOUT_S`` fills a host-mapped error
-record and the kernel exits; the next call into this backend (or :meth:`CudaBackend.check_errors`) raises
-:class:`CommTimeoutError` / :class:`PeerAbortedError` / :class:`RoutingError` naming rank, peer, channel, phase and
-the awaited value. Host-side waits (the CPU waiting for notify's counts) raise :class:`CommTimeoutError` directly.
-After an error every rank must call :meth:`CudaBackend.reset` (collective) before the next call.
+A kernel error raises at the next call (:meth:`CudaBackend.check_errors`), naming rank, peer, channel, phase and the
+awaited value; the CPU's wait for notify's counts raises :class:`CommTimeoutError` directly. After an error every
+rank calls :meth:`CudaBackend.reset` (collective) before the next call.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from deep_ep import envs
-from deep_ep import config as tuning
-from deep_ep.config import (NUM_MAX_RING_RANKS, NUM_MAX_SCALEUP_RANKS, Config, dispatch_receive_mode,
-                            intranode_channels, intranode_send_warps)
-from deep_ep.errors import CommError, CommTimeoutError, PeerAbortedError, RoutingError  # noqa: F401 (also re-exported)
-from deep_ep.errors import name_ranks
-from deep_ep.event import CudaEventHandle, EventOverlap
+from deep_ep.backends import cuda_tuning as tuning
+from deep_ep.backends.base import Backend, CombineRequest, DispatchRequest, LayoutRequest
+from deep_ep.backends.common import StreamScope, object_all_gather
+from deep_ep.backends.cuda_common import _C, raise_from_record, record_streams
+from deep_ep.config import NUM_MAX_RING_RANKS, NUM_MAX_SCALEUP_RANKS
+from deep_ep.errors import CommTimeoutError, name_ranks
 from deep_ep.handle import IntranodeHandle
 from deep_ep.layout import intranode_dispatch_output_layout
 from deep_ep.pool import OutputPool
 from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
-from deep_ep.torch_backend import object_all_gather
-
-try:  # The extension is optional: ``import deep_ep.cuda_backend`` raises ImportError without it.
-    from deep_ep import _C
-except ImportError as exc:  # pragma: no cover - exercised only on machines without the build
-    raise ImportError(f"deep_ep._C is not built ({exc}); build it with `MAX_JOBS=32 python setup.py build_ext "
-                      "--inplace` on a CUDA machine (see docs/build.md)") from exc
 
 
-def _raise_from_record(record: Optional[dict], names: Optional[Sequence[int]] = None, scope: str = "") -> None:
-    """Turn the dict of ``_C.Runtime.read_error()`` into the matching exception (no-op for ``None``); ``names`` and
-    ``scope``: see :func:`name_ranks`."""
-    if record is None:
-        return
-    code = record["code"]
-    message = name_ranks(record["message"], names, scope)
-    if code == "timeout":
-        raise CommTimeoutError(message)
-    if code == "peer_aborted":
-        raise PeerAbortedError(message)
-    if code in ("bad_routing", "count_mismatch"):
-        raise RoutingError(message)
-    raise CommError(message)
-
-
-def _wait_event(stream: torch.cuda.Stream, event: Any) -> None:
-    """Make ``stream`` wait for ``event``: an EventOverlap, a torch.cuda.Event or a ``_C.EventHandle``."""
-    inner = getattr(event, "event", event)
-    if inner is None:
-        raise ValueError("previous_event must wrap an event, got an EventOverlap with event=None")
-    inner = getattr(inner, "cuda_event", inner)  # deep_ep.event.CudaEventHandle wraps a torch.cuda.Event
-    if isinstance(inner, torch.cuda.Event):
-        stream.wait_event(inner)
-    else:  # a _C.EventHandle or another object with current_stream_wait(): run it with `stream` current
-        with torch.cuda.stream(stream):
-            inner.current_stream_wait()
-
-
-class _StreamScope:
-    """The spec's stream protocol (buffer_api §6.2) around the kernel launches of one call.
-
-    The runtime's entry points do the two plain waits themselves: the first launch makes comm wait for the current
-    stream when ``after_current`` is set, the last one makes the current stream wait for comm when
-    ``current_after`` is set; a synchronous call without ``previous_event`` thus makes no Python stream or event
-    object. This class does the rest: comm waits for ``previous_event`` instead; ``allocate_on_comm_stream`` makes
-    comm current until ``finish`` (or ``restore`` on an exception); ``finish`` of an asynchronous call records the
-    returned event on comm and keeps the tensors alive with ``record_stream``.
-    """
-
-    __slots__ = ("comm", "compute", "async_finish", "after_current", "current_after")
-
-    def __init__(self, comm: torch.cuda.Stream, previous_event: Any, async_finish: bool,
-                 allocate_on_comm_stream: bool) -> None:
-        self.comm = comm
-        self.async_finish = async_finish
-        self.current_after = not async_finish
-        self.after_current = previous_event is None and not allocate_on_comm_stream
-        self.compute = None
-        if allocate_on_comm_stream:
-            self.compute = torch.cuda.current_stream()
-            torch.cuda.set_stream(comm)
-        try:
-            if previous_event is not None:
-                _wait_event(comm, previous_event)
-            elif allocate_on_comm_stream:  # the front forbids this; kept for direct backend callers
-                comm.wait_stream(self.compute)
-        except BaseException:
-            self.restore()
-            raise
-
-    def restore(self) -> None:
-        """Make the stream that was current at entry current again (after ``allocate_on_comm_stream``)."""
-        if self.compute is not None:
-            torch.cuda.set_stream(self.compute)
-
-    def finish(self, tensors: Sequence[Optional[torch.Tensor]]) -> EventOverlap:
-        if self.async_finish:
-            event = CudaEventHandle(self.comm)
-            live = tuple(t for t in tensors if isinstance(t, torch.Tensor))
-            _record_stream(live, self.comm)
-            if self.compute is not None:
-                _record_stream(live, self.compute)
-            result = EventOverlap(event, live)
-        else:
-            result = EventOverlap(None)
-        self.restore()
-        return result
-
-
-def _record_stream(tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
-    """``t.record_stream(stream)`` for every tensor, in one call into the extension."""
-    _C.record_stream(list(tensors), stream.stream_id, stream.device_index, stream.device_type)
-
-
-def _flatten_x(x):
-    """Split dispatch input ``x`` (Tensor or ``(x_fp8, x_scales)``) into (data, scales or None)."""
-    if isinstance(x, tuple):
-        return x[0], x[1]
-    return x, None
-
-
-class CudaBackend:
+class CudaBackend(Backend):
     """Intranode normal-mode dispatch/combine on CUDA tensors for one rank of a group of 1..8 ranks (1..24 as the
     composed path's rail stage).
 
@@ -154,7 +45,7 @@ class CudaBackend:
     Construction is collective: every rank constructs with the same sizes.
     """
 
-    # The copy-engine combine (deep_ep.config.combine_by_copy_engine) over this backend's buffer.
+    # The landing-zone combines (copy engine, zone senders: cuda_tuning.combine_send_path) over this buffer.
     copy_engine_combine = True
     # The Buffer argument that sizes this backend's buffer (named in messages).
     buffer_arg = "num_nvl_bytes"
@@ -195,7 +86,7 @@ class CudaBackend:
 
     def ring_bytes(self) -> int:
         """Bytes of the kernels' region of the buffer (control, rings, output pool): all of it, unless NVSHMEM put
-        peers need a put area after it (``deep_ep.cuda_internode``)."""
+        peers need a put area after it (``deep_ep.backends.cuda_internode``)."""
         return int(self.runtime.get_ring_bytes())
 
     @staticmethod
@@ -209,13 +100,13 @@ class CudaBackend:
     def get_comm_stream(self) -> torch.cuda.Stream:
         return self.comm_stream
 
-    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
-                                use_rdma_buffer: bool = False) -> torch.Tensor:
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int,
+                                use_rdma_buffer: bool) -> torch.Tensor:
         """A view of this rank's IPC buffer from byte ``offset``: 1-D of ``(num_nvl_bytes - offset) // itemsize``
         elements, or the first ``size.numel()`` reshaped to ``size``. (DeepEP does not subtract the offset, which
         makes its view run past the allocation; this one stays inside it.) Bytes past the two ring halves are the
         output pool of direct-to-output dispatch (``deep_ep.layout.intranode_pool_region``): writing there
-        corrupts live dispatch outputs unless ``DEEP_EP_DISPATCH_RECEIVE=rings``."""
+        corrupts live dispatch outputs, unless every dispatch receives through the rings."""
         if use_rdma_buffer:
             raise ValueError("use_rdma_buffer=True needs an RDMA buffer, which the intranode CUDA backend has not")
         tensor = self.runtime.get_local_buffer_tensor(dtype, offset)
@@ -237,7 +128,7 @@ class CudaBackend:
 
     def check_errors(self) -> None:
         """Raise the pending device error, if any (reads host-mapped memory; never synchronises)."""
-        _raise_from_record(self.runtime.read_error(), self.rank_names, self.rank_scope)
+        raise_from_record(self.runtime.read_error(), self.rank_names, self.rank_scope)
 
     def reset(self) -> None:
         """Collective: clear the error record and the kernels' private state on every rank after a failure."""
@@ -275,66 +166,43 @@ class CudaBackend:
         self.check_errors()
 
     # ------------------------------------------------------------------------------------------------------------
-    # get_dispatch_layout
+    # Normal mode
     # ------------------------------------------------------------------------------------------------------------
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """Count tokens per rank and expert from ``topk_idx [N, K]`` (``topk_idx_t``; -1 = none).
+    def _scope(self, request: object) -> StreamScope:
+        return StreamScope(self.comm_stream, request.previous_event, request.async_finish,
+                           request.allocate_on_comm_stream, launch_waits=True, record=record_streams)
 
-        Returns ``DispatchLayout(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
-        is_token_in_rank [N, R] bool, event)``.
-        """
+    def get_dispatch_layout(self, request: LayoutRequest) -> DispatchLayout:
+        """Count tokens per rank and expert from ``topk_idx [N, K]`` (``topk_idx_t``; -1 = none); no per-node
+        counts."""
         self._call_prologue()
-        scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
-        try:
+        topk_idx = request.topk_idx
+        with self._scope(request) as scope:
             num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank = self.runtime.get_dispatch_layout(
-                topk_idx, num_experts, self._comm_ptr, scope.after_current, scope.current_after)
+                topk_idx, request.num_experts, self._comm_ptr, scope.after_current, scope.current_after)
             event = scope.finish((topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank))
-        except BaseException:
-            scope.restore()
-            raise
         return DispatchLayout(num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event)
 
-    # ------------------------------------------------------------------------------------------------------------
-    # dispatch
-    # ------------------------------------------------------------------------------------------------------------
-    def dispatch(self, x, handle=None, num_tokens_per_rank: Optional[torch.Tensor] = None,
-                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
-                 is_token_in_rank: Optional[torch.Tensor] = None,
-                 num_tokens_per_expert: Optional[torch.Tensor] = None, topk_idx: Optional[torch.Tensor] = None,
-                 topk_weights: Optional[torch.Tensor] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
-                 config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False):
-        """Send each token of ``x`` to every rank that holds one of its experts (``is_token_in_rank``).
-
-        Args (validated by the front):
-            x: ``[N, H]`` (any 2- or 4-byte dtype, typically BF16) or ``(x_fp8 [N, H] float8_e4m3fn,
-                x_scales [N, S] float32/int32, any strides)``.
-            handle: an ``IntranodeHandle`` for cached dispatch (then top-k and counts are ``None``).
-            num_tokens_per_rank ``[R]`` int32, is_token_in_rank ``[N, R]`` bool, num_tokens_per_expert ``[E]``
-                int32: the layout (non-cached).
-            topk_idx ``[N, K]`` topk_idx_t, topk_weights ``[N, K]`` float32: forwarded as local ids / weights.
-            expert_alignment: rounds the reported per-expert counts up.
-            num_worst_tokens: > 0 allocates that many rows and skips the CPU wait (CUDA-graph capturable).
-
-        Returns:
-            ``DispatchResult(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
-            event)``; rows ordered by (source rank, source token).
-        """
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        """Send each token of ``x`` to every rank that holds one of its experts (``is_token_in_rank``); rows ordered
+        by (source rank, source token). ``num_worst_tokens > 0`` allocates that many rows and skips the CPU wait
+        (CUDA-graph capturable). A cached dispatch (``handle``) returns ``(recv_x, None, None, None, None,
+        event)``."""
         self._call_prologue()
-        if config is None:
-            raise ValueError("config must be resolved by the Buffer front before reaching the CUDA backend")
-        data, scales = _flatten_x(x)
+        data, scales = request.payload()
+        config = request.config
         num_channels = self.num_channels(config)
-        cached = handle is not None
+        cached = request.handle is not None
+        topk_idx, is_token_in_rank = request.topk_idx, request.is_token_in_rank
+        num_tokens_per_rank, num_tokens_per_expert = request.num_tokens_per_rank, request.num_tokens_per_expert
+        num_worst_tokens = request.num_worst_tokens
         num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else 0
         num_local_experts = num_experts // self.num_ranks if num_experts else 0
 
-        scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
-        try:
+        with self._scope(request) as scope:
             after_current = scope.after_current
             if cached:
-                handle = self._kernel_handle(handle)
+                handle = self._kernel_handle(request.handle)
                 rank_prefix_matrix = handle.rank_prefix_matrix
                 channel_prefix_matrix = handle.channel_prefix_matrix
                 recv_channel_prefix_matrix = handle.recv_channel_prefix_matrix
@@ -354,10 +222,11 @@ class CudaBackend:
                 recv_channel_prefix_matrix = torch.empty(self.num_ranks, num_channels, dtype=torch.int32,
                                                          device=device)
                 worst = num_worst_tokens > 0
+                pair_counts = None
                 self.runtime.notify_dispatch(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank,
-                                             num_experts, num_channels, expert_alignment, worst, rank_prefix_matrix,
-                                             channel_prefix_matrix, recv_channel_prefix_matrix, self._comm_ptr,
-                                             after_current)
+                                             num_experts, num_channels, request.expert_alignment, worst,
+                                             rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+                                             self._comm_ptr, after_current)
                 after_current = False  # the notify launch did it
                 if worst:
                     num_recv_tokens, per_expert_list = num_worst_tokens, []
@@ -368,44 +237,43 @@ class CudaBackend:
                         self.check_errors()  # a device-side report names the missing peer: prefer it
                         raise CommTimeoutError(name_ranks(str(exc), self.rank_names, self.rank_scope)) from None
                     per_expert_list = list(per_expert_list)
-                    # The pair counts size a copy-engine combine with this handle (attached to its first tensor).
-                    rank_prefix_matrix._deep_ep_pair_counts = self.runtime.pair_counts()
+                    # The rows of every (source, destination) pair size a landing-zone combine with this handle.
+                    pair_counts = self.runtime.pair_counts()
 
             data_offset, meta_offset = self._pool_blocks(num_recv_tokens, data, scales, topk_idx, cached,
-                                                         ordered=previous_event is None)
+                                                         ordered=request.previous_event is None)
             # The runtime turns the pool blocks into tensors first: even if it raises, they come back through
             # reclaim_pool_blocks once those tensors are gone.
             recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = self.runtime.dispatch(
-                data, scales, topk_idx, topk_weights, num_experts, is_token_in_rank, rank_prefix_matrix,
+                data, scales, topk_idx, request.topk_weights, num_experts, is_token_in_rank, rank_prefix_matrix,
                 channel_prefix_matrix, recv_channel_prefix_matrix, send_head, num_recv_tokens, given_recv_src_idx,
                 data_offset, meta_offset, num_worst_tokens > 0 and not cached, num_channels,
                 config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
-                intranode_send_warps("dispatch", self.num_ranks, num_channels, scales is not None), self._comm_ptr,
-                after_current, scope.current_after)
+                tuning.intranode_send_warps("dispatch", self.num_ranks, num_channels, scales is not None),
+                self._comm_ptr, after_current, scope.current_after)
 
             new_handle = None
             if not cached:
-                new_handle = self._user_handle(IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix,
-                                                               recv_channel_prefix_matrix, recv_src_idx,
-                                                               is_token_in_rank, send_head), scope.current_after)
-            event = scope.finish((data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
-                                  num_tokens_per_expert, rank_prefix_matrix, channel_prefix_matrix,
-                                  recv_channel_prefix_matrix, recv_x, recv_scales, recv_topk_idx, recv_topk_weights,
-                                  recv_src_idx, send_head, *(new_handle or ())))
-        except BaseException:
-            scope.restore()
-            raise
+                kernel_handle = IntranodeHandle(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+                                                recv_src_idx, is_token_in_rank, send_head)
+                kernel_handle.backend_state = pair_counts
+                new_handle = self._user_handle(kernel_handle, scope.current_after)
+            event = scope.finish((data, scales, topk_idx, request.topk_weights, is_token_in_rank,
+                                  num_tokens_per_rank, num_tokens_per_expert, rank_prefix_matrix,
+                                  channel_prefix_matrix, recv_channel_prefix_matrix, recv_x, recv_scales,
+                                  recv_topk_idx, recv_topk_weights, recv_src_idx, send_head, *(new_handle or ())))
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         if cached:
             return DispatchResult(out_x, None, None, None, None, event)
         return DispatchResult(out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event)
 
-    def _kernel_handle(self, handle):
-        """The handle as the kernels read it (an ``IntranodeHandle``). The internode backend converts its handle
-        here (on the comm stream, which produced the handle's tensors)."""
+    def _kernel_handle(self, handle: object) -> IntranodeHandle:
+        """The handle as the kernels read it (an ``IntranodeHandle`` whose ``backend_state`` holds the pair counts of
+        its dispatch, or ``None``). The internode backend converts its handle here (on the comm stream, which
+        produced the handle's tensors)."""
         return handle
 
-    def _user_handle(self, handle, current_after: bool):
+    def _user_handle(self, handle: IntranodeHandle, current_after: bool) -> object:
         """The handle returned to the user for the kernels' ``IntranodeHandle``; called after the dispatch kernel
         was launched, before the call's event is recorded. ``current_after``: the launch made the current stream
         wait for the comm stream (work this adds to the comm stream must then be waited for again)."""
@@ -426,15 +294,15 @@ class CudaBackend:
         ``_C.Runtime.dispatch`` turns the blocks into the outputs: the data block holds ``recv_x``, the scales and
         the received top-k (``deep_ep.layout.intranode_dispatch_output_layout``), the meta block ``recv_src_idx``
         (kept by the handle; non-cached calls only). ``(-1, -1)`` receives through the rings into tensors of torch's
-        allocator: mode 'rings', CUDA-graph capture (a block's reuse is decided by events that replays would
-        bypass), zero rows, or no room in the pool (mode 'direct' then raises). ``ordered``: no ``previous_event``,
-        so the comm stream waits for the current stream before the kernel.
+        allocator: receive mode 'rings', CUDA-graph capture (a block's reuse is decided by events that replays
+        would bypass), zero rows, or no room in the pool (mode 'direct' then raises). ``ordered``: no
+        ``previous_event``, so the comm stream waits for the current stream before the kernel.
 
         A block returns to the pool when the last tensor viewing it dies, and is reused only when that is safe for
         the streams it was used on: the stream current when it was made, and the one current when it died.
         ``Tensor.record_stream`` has no effect on these tensors: keep a tensor alive while another stream uses it.
         """
-        mode = dispatch_receive_mode()
+        mode = tuning.dispatch_receive_mode()
         if mode == "rings" or num_rows == 0 or torch.cuda.is_current_stream_capturing():
             return -1, -1
         self.reclaim_pool_blocks(ordered)
@@ -459,63 +327,33 @@ class CudaBackend:
             return -1, -1
         return data_offset, meta_offset
 
-    # ------------------------------------------------------------------------------------------------------------
-    # combine
-    # ------------------------------------------------------------------------------------------------------------
-    def combine(self, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor] = None, bias=None,
-                config: Optional[Config] = None, previous_event=None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False):
-        """Reduce ``x [M, H]`` BF16 (rows aligned with the dispatch's ``recv_x``) back to the original tokens.
-
+    def combine(self, request: CombineRequest) -> CombineResult:
+        """Reduce ``x [M, H]`` BF16 (rows aligned with the dispatch's ``recv_x``) back to the original tokens:
         ``combined_x[t] = bf16(b0[t] + b1[t] + sum over ranks d holding t of x_d[row_d(t)])`` with fp32
-        accumulation in ascending rank order; ``combined_topk_weights [N, K]`` float32 likewise when
-        ``topk_weights [M, K]`` is given. Returns ``CombineResult(combined_x, combined_topk_weights, event)``.
-        """
+        accumulation in ascending rank order; ``combined_topk_weights`` likewise when ``topk_weights`` is given."""
         self._call_prologue()
-        if config is None:
-            raise ValueError("config must be resolved by the Buffer front before reaching the CUDA backend")
+        x, topk_weights, config = request.x, request.topk_weights, request.config
         num_channels = self.num_channels(config)
+        handle = request.handle
         if handle[1].size(1) != num_channels:  # channel_prefix_matrix (intranode), rdma_channel_prefix_matrix
             raise ValueError(f"config.num_sms ({config.num_sms}) gives {num_channels} channels but the handle was "
                              f"made with {handle[1].size(1)}; use the dispatch's SM count")
-        bias_0, bias_1 = (bias if isinstance(bias, tuple) else (bias, None)) if bias is not None else (None, None)
-        scope = _StreamScope(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
-        try:
+        bias_0, bias_1 = (*request.bias, None, None)[:2]
+        with self._scope(request) as scope:
             handle = self._kernel_handle(handle)
-            pair_counts = getattr(handle.rank_prefix_matrix, "_deep_ep_pair_counts", None)
+            pair_counts = handle.backend_state
             path = tuning.combine_send_path(config.num_sms)
             landed = self.copy_engine_combine and bool(pair_counts) and path != "rings"
-            copy_ctas = self._channels_for_sms(config.num_sms) if landed else 0
+            copy_ctas = config.num_sms if landed else 0
             if landed and path == "zone":
                 copy_ctas = tuning.zone_ctas(copy_ctas)
             send_warps = tuning.zone_send_warps() if landed and path == "zone" else \
-                intranode_send_warps("combine", self.num_ranks, copy_ctas if landed else num_channels)
+                tuning.intranode_send_warps("combine", self.num_ranks, copy_ctas if landed else num_channels)
             combined_x, combined_topk_weights = self.runtime.combine(
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,
                 config.num_max_nvl_chunked_recv_tokens, send_warps, self._comm_ptr, scope.after_current,
                 scope.current_after, handle.channel_prefix_matrix, pair_counts or [], copy_ctas,
-                tuning.COMBINE_COPY_CHUNK_ROWS, path == "zone")
+                tuning.combine_copy_chunk_rows(), path == "zone")
             event = scope.finish((x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights, *handle))
-        except BaseException:
-            scope.restore()
-            raise
         return CombineResult(combined_x, combined_topk_weights, event)
-
-    def num_channels(self, config: Config) -> int:
-        """Channels of the kernels for ``config``: one CTA per channel, so ``config.num_sms`` (DeepEP pairs two
-        SMs per channel and has ``num_sms // 2``), capped by ``deep_ep.config.INTRANODE_MAX_CHANNELS`` for this
-        rank count. The handle's prefix matrices are ``[R, num_channels]``."""
-        return intranode_channels(self._channels_for_sms(config.num_sms), self.num_ranks)
-
-    @staticmethod
-    def _channels_for_sms(num_sms: int) -> int:
-        """CTAs for a budget of ``num_sms`` SMs before the ring kernels' cap (the copy-engine combine's reducers)."""
-        channels = _CHANNELS_FOR_SMS.get(num_sms)
-        if channels is None:  # the extension checks the range (ValueError); only valid counts are remembered
-            channels = _CHANNELS_FOR_SMS[num_sms] = int(_C.num_channels_for_sms(num_sms))
-        return channels
-
-
-# config.num_sms -> the kernels' channels before the cap, filled by CudaBackend.num_channels.
-_CHANNELS_FOR_SMS: dict[int, int] = {}

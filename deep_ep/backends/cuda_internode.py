@@ -1,58 +1,33 @@
-"""CUDA internode backend of ``deep_ep.Buffer`` for groups of one GPU per node (any node count up to 8).
+"""CUDA internode backend of ``deep_ep.Buffer`` for groups of one GPU per node, and the ring kernels over NVSHMEM.
 
-With one GPU per node there is no NVLink forwarding stage (design guide §4, "G = 1"): every peer is a scale-out
-peer and each token travels once, straight to the destination rank's final row, and each expert row travels once,
-straight back to its owner's combine slot. That is exactly the data flow of the intranode ring kernels, so this
-backend runs them (``csrc/kernels/intranode.cu``) over a buffer on the **NVSHMEM symmetric heap** of the world of
-all ranks (PE = rank, the world the low-latency runtime joins too: one per process), reaching a peer through
-``nvshmem_ptr`` instead of CUDA IPC where it can. On one host with ``DEEP_EP_GPUS_PER_NODE=1`` that is NVSHMEM's P2P
-transport; the virtual nodes' "network" traffic is SM stores into the peers' symmetric buffers.
+With one GPU per node every peer is a scale-out peer and each token travels once, straight to its destination's
+final row (each expert row straight back to its owner's combine slot): the data flow of the intranode ring kernels.
+:class:`InternodeCuda` runs them over a buffer on the NVSHMEM symmetric heap of the world of all ranks (PE = rank),
+reaching a peer through ``nvshmem_ptr`` where it can. A peer it cannot reach (behind a NIC) is a put peer: the
+kernels stage its ring records and put them with a signal of the tail; once any pair of the world is a put pair,
+every buffer carves a put area and combines through the rings. :class:`SymmetricCuda` is the same kernels for any
+subgroup of the NVSHMEM world (the composed path's rail stage across hosts).
 
-A peer that ``nvshmem_ptr`` cannot reach (behind a NIC) is a **put peer** (``csrc/kernels/put.cuh``): the kernels
-stage its ring records in this rank's put area and put them to the same ring slots at the peer with
-put-with-signal of the tail; tails, heads, notify flags and barrier arrivals of a put pair are NVSHMEM signals into
-64-bit twins of the counter words. Put pairs receive through the rings only. The relation is symmetric and per peer
-(a mixed world keeps pointers where it has them); once any pair of the world is a put pair, every rank carves the
-put area (``kernels/layout.cuh`` ``put_layout``: the rings get a quarter each of what the fixed regions leave, the
-staging the other half) and combines through the rings. ``DEEP_EP_INTERNODE_PUT_ONLY=1`` makes every pair a put
-pair, which runs this path on one host.
-
-What it adds on top of :class:`deep_ep.cuda_backend.CudaBackend`:
-
-* construction over the symmetric heap (``num_rdma_bytes`` bytes: the internode kernels' buffer is the RDMA one),
-  in :class:`SymmetricCuda`, which keeps the intranode interface and also serves a subgroup of the NVSHMEM world
-  (the composed path's rail stage across hosts, ``deep_ep/composed_internode.py``: group rank ``r`` is PE
-  ``pes[r]``);
-* the internode 10-field handle (``deep_ep.handle.InternodeHandle``), built on the comm stream from the kernels'
-  intranode fields (:func:`deep_ep.handle.single_gpu_nodes_handle`); cached dispatch and combine reuse the kernels'
-  fields of that dispatch (or convert back, :func:`deep_ep.handle.single_gpu_nodes_kernel_handle`). With one GPU
-  per node ``R_rdma = R``, the RDMA and global prefix matrices coincide and ``send_rdma_head`` is the ring sequence
-  per (channel, node);
-* ``num_tokens_per_rdma_rank`` from ``get_dispatch_layout`` (= ``num_tokens_per_rank``: a node is one rank).
-
-Numerics: the spec's two-level combine rounds each node's partial sum to BF16 and then the sum over nodes. With one
-GPU per node a partial is one BF16 row, which rounds to itself, so the kernels' single fp32 accumulation over ranks
-(starting from the biases, ascending rank order, one rounding) is bit-identical to the reference.
-
-Not served here: several GPUs per node (the composed path, ``deep_ep/composed_internode.py``, whose rail stage across
-hosts is a :class:`SymmetricCuda`), and (the Buffer keeps the torch backend and says why) a world with put pairs
-whose ``num_rdma_bytes`` leaves no room for the put area (:class:`UnsupportedTopology`). In worst-token mode
-``send_nvl_head`` has ``num_worst_tokens`` rows, the padding rows -1 (the torch backend sizes it with the real count,
-which needs a host synchronisation).
+The internode handle is built on the comm stream from the kernels' intranode fields
+(:func:`deep_ep.handle.single_gpu_nodes_handle`); with one GPU per node a node's partial sum is one BF16 row, so the
+kernels' single fp32 accumulation over ranks equals the reference's two-level combine bit for bit.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from deep_ep import envs, handle as hd
-from deep_ep.config import Topology, put_peers
-from deep_ep.cuda_backend import _C, CudaBackend
-from deep_ep.cuda_low_latency import join_nvshmem_world
+from deep_ep import envs, testing
+from deep_ep import handle as hd
+from deep_ep.backends.base import LayoutRequest
+from deep_ep.backends.common import object_all_gather
+from deep_ep.backends.cuda_common import _C, join_nvshmem_world
+from deep_ep.backends.cuda_intranode import CudaBackend
+from deep_ep.backends.cuda_tuning import put_peers
+from deep_ep.config import Topology
 from deep_ep.pool import OutputPool
-from deep_ep.torch_backend import object_all_gather
+from deep_ep.results import DispatchLayout
 
 
 class UnsupportedTopology(RuntimeError):
@@ -107,8 +82,8 @@ class SymmetricCuda(CudaBackend):
         self.runtime = _C.Runtime(rank, num_ranks, num_rdma_bytes, self.timeout_s, symmetric=True)
         reached = self.runtime.sync_symmetric(unique_id, world_rank, world_size, self.pes)
         unreachable = [list(peers) for peers in all_gather(list(reached))]
-        # (some peer unreachable, DEEP_EP_INTERNODE_PUT_ONLY) of every rank of the world
-        flags = world_all_gather((bool(reached), envs.INTERNODE_PUT_ONLY.get()))
+        # (some peer unreachable, internode_put_only) of every rank of the world
+        flags = world_all_gather((bool(reached), testing.current().internode_put_only))
         put_only = any(only for _, only in flags)
         self.put_peers = put_peers(rank, unreachable, put_only)
         put_area = put_only or any(far for far, _ in flags)  # the same on every rank: the buffers' layout must agree
@@ -117,7 +92,7 @@ class SymmetricCuda(CudaBackend):
         except ValueError as exc:  # num_rdma_bytes and put_area agree world-wide, so every rank gets here together
             self.runtime.destroy()
             pairs = "; ".join(f"rank {r} cannot reach {peers}" for r, peers in enumerate(unreachable) if peers)
-            raise UnsupportedTopology(f"NVSHMEM put peers ({pairs or 'DEEP_EP_INTERNODE_PUT_ONLY'}): {exc}") from None
+            raise UnsupportedTopology(f"NVSHMEM put peers ({pairs or 'internode_put_only'}): {exc}") from None
         self.comm_stream = torch.cuda.Stream(priority=-1)
         self._comm_ptr = self.comm_stream.cuda_stream
         self.output_pool = OutputPool(self.runtime.get_pool_offset(), self.runtime.get_pool_bytes())
@@ -140,8 +115,6 @@ class InternodeCuda(SymmetricCuda):
         unique_id = join_nvshmem_world(rank, num_rdma_bytes, num_qps_per_rank, True, allow_mnnvl, all_gather)
         super().__init__(rank, num_ranks, num_rdma_bytes, unique_id, rank, num_ranks, range(num_ranks), all_gather,
                          barrier)
-        # id(handle.recv_gbl_rank_prefix_sum) -> (weak reference to it, the kernels' IntranodeHandle of that dispatch)
-        self._kernel_views: dict[int, tuple] = {}
 
     @classmethod
     def from_group(cls, group, **kwargs: Any) -> "InternodeCuda":
@@ -158,7 +131,7 @@ class InternodeCuda(SymmetricCuda):
             return "the extension was built without NVSHMEM"
         if topology.num_scaleup_ranks != 1:
             return (f"{topology.num_scaleup_ranks} GPUs per node run the composed path "
-                    "(deep_ep/composed_internode.py), this backend serves one GPU per node")
+                    "(deep_ep/backends/composed.py), this backend serves one GPU per node")
         if topology.num_ranks > _C.MAX_RANKS:
             return f"{topology.num_ranks} nodes exceed the kernels' {_C.MAX_RANKS} ranks"
         if num_rdma_bytes <= 0:
@@ -166,34 +139,29 @@ class InternodeCuda(SymmetricCuda):
         return None
 
     # ------------------------------------------------------------------------------------------------------------
-    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
-                                use_rdma_buffer: bool = False) -> torch.Tensor:
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int,
+                                use_rdma_buffer: bool) -> torch.Tensor:
         """A view of the symmetric (RDMA) buffer; this backend has no NVL buffer."""
         if not use_rdma_buffer:
             raise ValueError("use_rdma_buffer=False: the CUDA internode backend (one GPU per node) keeps no NVL "
                              "buffer; pass use_rdma_buffer=True")
-        return super().get_local_buffer_tensor(dtype, size, offset)
+        return super().get_local_buffer_tensor(dtype, size, offset, False)
 
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    def get_dispatch_layout(self, request: LayoutRequest) -> DispatchLayout:
         """As the intranode layout; a node is one rank, so ``num_tokens_per_rdma_rank`` is ``num_tokens_per_rank``
         (the same tensor)."""
-        layout = super().get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
-                                             allocate_on_comm_stream)
+        layout = super().get_dispatch_layout(request)
         return layout._replace(num_tokens_per_rdma_rank=layout.num_tokens_per_rank)
 
-    def _kernel_handle(self, handle):
-        """The kernels' fields of an internode handle: the ones its dispatch produced while the handle lives (so a
-        cached call launches nothing but its kernel), else converted on the comm stream."""
-        handle = hd.InternodeHandle(*handle)
-        key = handle.recv_gbl_rank_prefix_sum
-        entry = self._kernel_views.get(id(key))
-        if entry is not None and entry[0]() is key:
-            return entry[1]
+    def _kernel_handle(self, handle: hd.InternodeHandle) -> hd.IntranodeHandle:
+        """The kernels' fields of an internode handle: the ones its dispatch produced (its ``backend_state``: a cached
+        call launches nothing but its kernel), else converted on the comm stream."""
+        if isinstance(handle.backend_state, hd.IntranodeHandle):
+            return handle.backend_state
         with torch.cuda.stream(self.comm_stream):
             return hd.single_gpu_nodes_kernel_handle(handle, self.rank)
 
-    def _user_handle(self, handle, current_after: bool):
+    def _user_handle(self, handle: hd.IntranodeHandle, current_after: bool) -> hd.InternodeHandle:
         compute = torch.cuda.current_stream()
         with torch.cuda.stream(self.comm_stream):
             out = hd.single_gpu_nodes_handle(handle, self.rank)
@@ -201,7 +169,5 @@ class InternodeCuda(SymmetricCuda):
             tensor.record_stream(compute)
         if current_after:  # the launch's wait predates the conversion
             compute.wait_stream(self.comm_stream)
-        key = out.recv_gbl_rank_prefix_sum
-        ident = id(key)
-        self._kernel_views[ident] = (weakref.ref(key, lambda _ref: self._kernel_views.pop(ident, None)), handle)
+        out.backend_state = handle
         return out

@@ -1,0 +1,206 @@
+"""CUDA low-latency (LL) backend of ``deep_ep.Buffer``: the NVSHMEM low-latency kernels.
+
+``Buffer`` builds one :class:`LowLatencyCuda` per rank when ``low_latency_mode=True``, ``num_rdma_bytes > 0`` and the
+extension was built with NVSHMEM (``deep_ep._C.HAS_LOW_LATENCY``), and routes the LL calls here for CUDA tensors.
+This backend keeps the double-buffer parity (it flips on every LL call, as in DeepEP: capture LL calls in
+dispatch/combine pairs in CUDA graphs) and the receive hook. A call crosses into C++ once: the runtime's
+``dispatch`` / ``combine`` allocate the outputs on the current stream and make the plain stream waits, so a
+synchronous call makes no Python stream or event object. A kernel wait that runs out of ``DEEP_EP_TIMEOUT_S``
+raises at the next call (``CommTimeoutError`` / ``PeerAbortedError`` naming rank, peer and phase); with
+``enable_shrink`` a dispatch or combine wait that times out masks the silent rank instead and the call completes for
+the others (every rank then calls ``low_latency_clean_mask_buffer`` and ``clean_low_latency_buffer`` to let it
+rejoin).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from deep_ep import envs, testing
+from deep_ep import handle as hd
+from deep_ep.backends.base import Backend, LowLatencyCombineRequest, LowLatencyDispatchRequest
+from deep_ep.backends.common import ReceiveHook, StreamScope, object_all_gather
+from deep_ep.backends.cuda_common import _C, join_nvshmem_world, raise_from_record, record_streams
+from deep_ep.results import LowLatencyCombineResult, LowLatencyDispatchResult
+
+# Phases of a launch: the send half, the receive half.
+_SEND, _RECV = 1, 2
+
+
+class LowLatencyCuda(Backend):
+    """One rank's LL kernels.
+
+    Args:
+        rank, num_ranks: position in the group (NVSHMEM PE = rank).
+        num_rdma_bytes: symmetric buffer bytes (>= ``Buffer.get_low_latency_rdma_size_hint``).
+        all_gather: ``all_gather(obj) -> list`` over the group (bootstrap only).
+        symmetric_buffers: buffers of ``num_rdma_bytes`` this process allocates on the symmetric heap (2 when an
+            internode backend of the same Buffer allocates one after this one).
+    """
+
+    def __init__(self, rank: int, num_ranks: int, num_rdma_bytes: int, num_qps_per_rank: int,
+                 allow_nvlink: bool, allow_mnnvl: bool, enable_shrink: bool,
+                 all_gather: Callable[[object], list], symmetric_buffers: int = 1) -> None:
+        self.rank, self.num_ranks, self.num_rdma_bytes = rank, num_ranks, num_rdma_bytes
+        unique_id = join_nvshmem_world(rank, symmetric_buffers * num_rdma_bytes, num_qps_per_rank, allow_nvlink,
+                                       allow_mnnvl, all_gather)
+        self.runtime = _C.LowLatencyRuntime(rank, num_ranks, num_rdma_bytes, envs.TIMEOUT_S.get(), enable_shrink,
+                                            unique_id, testing.current().ll_put_only)
+        self.comm_stream = torch.cuda.Stream(priority=-1)
+        self._comm_ptr = self.comm_stream.cuda_stream
+        self.parity = 0
+        self._fits: set = set()  # (T, H, E) whose carving fits num_rdma_bytes
+
+    @classmethod
+    def from_group(cls, group: Any, **kwargs: Any) -> "LowLatencyCuda":
+        import torch.distributed as dist
+
+        all_gather = object_all_gather(group)
+        return cls(dist.get_rank(group), dist.get_world_size(group), all_gather=all_gather, **kwargs)
+
+    @staticmethod
+    def is_built() -> bool:
+        return bool(getattr(_C, "HAS_LOW_LATENCY", False))
+
+    # ------------------------------------------------------------------------------------------------------------
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        return self.comm_stream
+
+    def check_errors(self) -> None:
+        """Raise the pending kernel error, if any (reads host-mapped memory; never synchronises)."""
+        raise_from_record(self.runtime.read_error())
+
+    def _prologue(self, num_max_tokens: int, hidden: int, num_experts: int, check_errors: bool = True) -> None:
+        """Runtime alive, no pending kernel error (unless the caller's launch checks it: ``check_errors=False``),
+        and the carving of (T, H, E) fits ``num_rdma_bytes`` (asked once per key)."""
+        if self.runtime is None:
+            raise RuntimeError("this Buffer's low-latency runtime was destroyed")
+        if check_errors:
+            self.check_errors()
+        key = (num_max_tokens, hidden, num_experts)
+        if key in self._fits:
+            return
+        need = self.runtime.required_bytes(num_max_tokens, hidden, num_experts)
+        if need <= self.num_rdma_bytes:
+            self._fits.add(key)
+        else:
+            raise ValueError(f"num_rdma_bytes ({self.num_rdma_bytes}) is too small for the CUDA low-latency kernels: "
+                             f"num_max_dispatch_tokens_per_rank={num_max_tokens}, hidden={hidden}, "
+                             f"num_experts={num_experts} need {need} bytes")
+
+    def _flip(self) -> int:
+        half, self.parity = self.parity, 1 - self.parity
+        return half
+
+    def _launch(self, launch: Callable[..., Any], *args: Any) -> Any:
+        """``launch(*args)``; a kernel error left pending by an earlier call raises its typed exception."""
+        try:
+            return launch(*args)
+        except _C.DeviceError:
+            self.check_errors()
+            raise
+
+    def _scope(self, request: Any) -> StreamScope:
+        """The call's stream protocol: with the hook the send phase alone runs on the current stream; otherwise both
+        phases run on comm, whose launch waits for the current stream (and makes it wait unless ``async_finish``)."""
+        return StreamScope(None if request.return_recv_hook else self.comm_stream, None, request.async_finish,
+                           launch_waits=True, record=record_streams)
+
+    def _launch_args(self, request: Any, scope: StreamScope) -> tuple[int, int, bool]:
+        """(phases, stream, current_after) of the call's first launch."""
+        if request.return_recv_hook:
+            return _SEND, 0, False
+        return _SEND | _RECV, self._comm_ptr, scope.current_after
+
+    def _hook(self, launch: Callable[..., Any], *args: Any) -> ReceiveHook:
+        """The receive hook: ``launch(*args)`` (the receive phase, on the stream current when it is called)."""
+        def receive() -> None:
+            self.check_errors()
+            self._launch(launch, *args)
+
+        return ReceiveHook(receive)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
+        """Packed per-expert receive; blocks in ascending source order, rows of a block in (token, k) order."""
+        (x, topk_idx, tokens, num_experts, recv_stats, wait_stats, use_fp8, round_scale, use_ue8m0, _,
+         return_recv_hook) = request
+        hidden = x.size(1)
+        self._prologue(tokens, hidden, num_experts, check_errors=False)
+        half = self._flip()
+        runtime = self.runtime
+        with self._scope(request) as scope:
+            phases, stream, current_after = self._launch_args(request, scope)
+            data, scales, count, src_info, layout_range = self._launch(
+                runtime.dispatch, x, topk_idx, tokens, num_experts, recv_stats, wait_stats, use_fp8, round_scale,
+                use_ue8m0, half, phases, stream, current_after, [])
+            hook = None
+            if return_recv_hook:
+                outputs = [data, count, src_info, layout_range] + ([scales] if use_fp8 else [])
+                hook = self._hook(runtime.dispatch, x, topk_idx, tokens, num_experts, recv_stats, wait_stats, use_fp8,
+                                  round_scale, use_ue8m0, half, _RECV, 0, False, outputs)
+            event = scope.finish((x, topk_idx, data, scales, count, src_info, layout_range, recv_stats, wait_stats))
+        handle = hd.LowLatencyHandle(src_info, layout_range, tokens, hidden, num_experts)
+        return LowLatencyDispatchResult((data, scales) if use_fp8 else data, count, handle, event, hook)
+
+    def low_latency_combine(self, request: LowLatencyCombineRequest) -> LowLatencyCombineResult:
+        """``out[t] = bf16(sum_k w[t, k] * y(e_k, t))``, summed in fp32 in ascending k."""
+        x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, _, return_recv_hook, out, wait_stats = request
+        src_info, layout_range, tokens, hidden, num_experts = handle
+        self._prologue(tokens, hidden, num_experts, check_errors=False)
+        half = self._flip()
+        runtime = self.runtime
+        with self._scope(request) as scope:
+            phases, stream, current_after = self._launch_args(request, scope)
+            combined = self._launch(runtime.combine, x, topk_idx, topk_weights, src_info, layout_range, tokens,
+                                    num_experts, use_logfmt, zero_copy, out, wait_stats, half, phases, stream,
+                                    current_after)
+            hook = None
+            if return_recv_hook:
+                hook = self._hook(runtime.combine, x, topk_idx, topk_weights, src_info, layout_range, tokens,
+                                  num_experts, use_logfmt, zero_copy, combined, wait_stats, half, _RECV, 0, False)
+            event = scope.finish((x, topk_idx, topk_weights, src_info, layout_range, combined, wait_stats))
+        return LowLatencyCombineResult(combined, event, hook)
+
+    def get_next_low_latency_combine_buffer(self, handle: hd.LowLatencyHandle) -> torch.Tensor:
+        tokens, hidden, num_experts = handle[2], handle[3], handle[4]
+        self._prologue(tokens, hidden, num_experts)
+        return self.runtime.combine_buffer(tokens, hidden, num_experts, self.parity)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Collective: bounded barrier, zero every signal word, bounded barrier (on the current stream)."""
+        self._prologue(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        stream = torch.cuda.current_stream()
+        self.runtime.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts, stream.cuda_stream)
+        stream.synchronize()
+        self.check_errors()
+
+    def reset(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """After an error, on every rank between two host barriers: zero every signal word, the kernels' private
+        state and the error record, so the Buffer is usable again (the failed call's outputs stay invalid)."""
+        torch.cuda.synchronize()
+        self.runtime.reset(num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                           torch.cuda.current_stream().cuda_stream)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool) -> None:
+        self.runtime.update_mask(rank_to_mask, mask, torch.cuda.current_stream().cuda_stream)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        if mask_status.is_cuda:
+            self.runtime.query_mask(mask_status, torch.cuda.current_stream().cuda_stream)
+            return
+        staging = torch.empty(self.num_ranks, dtype=torch.int32, device="cuda")
+        self.runtime.query_mask(staging, torch.cuda.current_stream().cuda_stream)
+        mask_status.copy_(staging.cpu())
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        self.runtime.clean_mask(torch.cuda.current_stream().cuda_stream)
+
+    def destroy(self) -> None:
+        """Collective: release the symmetric buffer."""
+        if self.runtime is None:
+            return
+        torch.cuda.synchronize()
+        self.runtime.destroy()
+        self.runtime = None

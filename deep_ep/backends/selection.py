@@ -1,0 +1,276 @@
+"""Which backends serve a ``Buffer``: built once, collectively, when the Buffer is constructed.
+
+* the torch backend, whenever a ``torch.distributed`` group is given (any device, any topology);
+* the CUDA low-latency backend for ``low_latency_mode`` with ``num_rdma_bytes > 0`` when the extension has NVSHMEM;
+* the composed path for ``N`` nodes x ``G > 1`` GPUs: CUDA stages when CUDA, the extension and ``num_nvl_bytes``
+  are there and each node's ranks share a host, or torch stages under ``deep_ep.testing`` ``internode='composed'``;
+* the CUDA intranode backend (one NVLink domain of at most 8 ranks) or the CUDA internode backend (one GPU per node).
+
+``DEEP_EP_BACKEND=torch`` keeps the torch backend only; ``cuda`` turns a reason the CUDA backend cannot serve the
+group into an error. With a GPU present, the automatic choice says in a ``RuntimeWarning`` why CUDA tensors take the
+torch backend. :func:`routes` maps (mode, device type) to the backend that serves it.
+"""
+from __future__ import annotations
+
+import importlib
+import socket
+import warnings
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from deep_ep import envs, testing
+from deep_ep.backends import cuda_tuning
+from deep_ep.backends.base import Backend
+from deep_ep.backends.common import object_all_gather
+from deep_ep.config import Topology
+
+# Frames between without_cuda's warning and the code that constructs the Buffer.
+_WARNING_STACKLEVEL = 6
+
+
+class BufferSpec(NamedTuple):
+    """The validated constructor arguments of a ``Buffer`` that decide its backends."""
+
+    rank: int
+    group_size: int
+    topology: Topology
+    num_nvl_bytes: int
+    num_rdma_bytes: int
+    low_latency_mode: bool
+    num_qps_per_rank: int
+    allow_nvlink_for_low_latency_mode: bool
+    allow_mnnvl: bool
+    enable_shrink: bool
+
+
+class Backends(NamedTuple):
+    """The backends of one Buffer (``None``: not built) and the device type the composed path serves."""
+
+    torch: Optional[Backend]
+    cuda: Optional[Backend]
+    cuda_ll: Optional[Backend]
+    composed: Optional[Backend]
+    composed_device: Optional[str]
+
+
+def backend_choice() -> str:
+    choice = envs.BACKEND.get()
+    if choice not in ("auto", "torch", "cuda"):
+        raise ValueError(f"DEEP_EP_BACKEND must be 'auto', 'torch' or 'cuda', got {choice!r}")
+    return choice
+
+
+def _import_cuda(module: str, name: str) -> tuple[Any, Optional[str]]:
+    """``(class, None)`` for a CUDA backend class of ``deep_ep.backends``, or ``(None, why it cannot be used)``."""
+    if not torch.cuda.is_available():
+        return None, "CUDA is not available"
+    try:
+        return getattr(importlib.import_module(f"deep_ep.backends.{module}"), name), None
+    except ImportError as exc:
+        return None, f"the CUDA extension is not importable ({exc})"
+
+
+def without_cuda(choice: str, group: Any, what: str, reason: str) -> None:
+    """``None`` (the torch backend serves the group), or the error when the CUDA backend was required:
+    ``DEEP_EP_BACKEND=cuda``, or ``comm=`` without a torch group. With a GPU present, the automatic choice says
+    why in a ``RuntimeWarning`` (e.g. more nodes than the kernels serve): CUDA tensors then take the slow path."""
+    if choice == "cuda":
+        raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the {what} cannot be used: {reason}")
+    if group is None:
+        raise ValueError(f"comm= (mpi4py) without group= needs the CUDA backend, which is unavailable: {reason}; "
+                         "pass a torch.distributed group")
+    if torch.cuda.is_available():
+        warnings.warn(f"deep_ep.Buffer: the {what} does not serve this group ({reason}); the torch backend "
+                      "(torch.distributed) carries its calls: correct, not fast. DEEP_EP_BACKEND=torch selects it "
+                      "without this warning", RuntimeWarning, stacklevel=_WARNING_STACKLEVEL)
+    return None
+
+
+def build_backends(spec: BufferSpec, group: Any, comm: Any) -> Backends:
+    """Every backend of a Buffer, in the order the ranks build them (collective)."""
+    torch_backend = None
+    if group is not None:
+        from deep_ep.backends.torch_dist import TorchBackend
+        torch_backend = TorchBackend(group, spec.rank, spec.group_size, spec.topology, spec.num_nvl_bytes,
+                                     spec.num_rdma_bytes, spec.enable_shrink)
+    cuda_ll = _cuda_low_latency(spec, group, comm)
+    composed, composed_device, refusal = _composed(spec, group)
+    cuda = _cuda(spec, group, comm, cuda_ll, refusal) if composed_device != "cuda" else None
+    return Backends(torch_backend, cuda, cuda_ll, composed, composed_device)
+
+
+def routes(backends: Backends, topology: Topology) -> dict[tuple[str, Optional[str]], Optional[Backend]]:
+    """(mode, device type) -> the backend serving it (``None``: none can). Modes: ``'normal'`` (layout, dispatch,
+    combine), ``'low_latency'`` (device ``None``: the calls without a tensor), ``'buffer'`` (device ``'nvl'`` /
+    ``'rdma'``: ``get_local_buffer_tensor``; the CUDA internode backend's buffer is the RDMA one)."""
+    torch_backend, cuda, cuda_ll, composed, composed_device = backends
+    internode_cuda = cuda is not None and topology.is_internode
+    return {
+        ("normal", "cpu"): composed if composed_device == "cpu" else torch_backend,
+        ("normal", "cuda"): cuda or (composed if composed_device == "cuda" else None) or torch_backend,
+        ("low_latency", "cpu"): torch_backend,
+        ("low_latency", "cuda"): cuda_ll or torch_backend,
+        ("low_latency", None): cuda_ll or torch_backend,
+        ("buffer", "nvl"): cuda if cuda is not None and not internode_cuda else torch_backend,
+        ("buffer", "rdma"): cuda if internode_cuda else torch_backend,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Each CUDA backend: built when it serves the group, else None (or an error, see without_cuda).
+# ---------------------------------------------------------------------------------------------------------------
+
+def _cuda_low_latency(spec: BufferSpec, group: Any, comm: Any) -> Optional[Backend]:
+    """The CUDA low-latency backend (NVSHMEM) when ``low_latency_mode`` has an RDMA buffer, the extension has the
+    LL kernels and ``DEEP_EP_BACKEND`` allows it; else ``None`` (the torch backend serves LL calls)."""
+    choice = backend_choice()
+    if choice == "torch" or not (spec.low_latency_mode and spec.num_rdma_bytes > 0):
+        return None
+    backend_cls, reason = _import_cuda("cuda_low_latency", "LowLatencyCuda")
+    if backend_cls is not None and not backend_cls.is_built():
+        reason = "the CUDA extension was built without NVSHMEM (DEEP_EP_DISABLE_NVSHMEM)"
+    if reason is not None:
+        if choice == "cuda":
+            raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the CUDA low-latency kernels cannot be used: {reason}")
+        return None
+    # An internode group may allocate a second buffer of num_rdma_bytes on the symmetric heap after this one (the
+    # CUDA internode backend, or the composed path's rail stage across hosts): the heap holds both.
+    options = dict(num_rdma_bytes=spec.num_rdma_bytes, num_qps_per_rank=spec.num_qps_per_rank,
+                   allow_nvlink=spec.allow_nvlink_for_low_latency_mode, allow_mnnvl=spec.allow_mnnvl,
+                   enable_shrink=spec.enable_shrink, symmetric_buffers=2 if spec.topology.is_internode else 1)
+    if group is not None:
+        return backend_cls.from_group(group, **options)
+    return backend_cls(spec.rank, spec.group_size, all_gather=comm.allgather, **options)
+
+
+def _cuda(spec: BufferSpec, group: Any, comm: Any, cuda_ll: Optional[Backend],
+          composed_refusal: Optional[str]) -> Optional[Backend]:
+    """The CUDA normal-mode backend when it is built, requested and serves this topology; else ``None``."""
+    choice = backend_choice()
+    if choice == "torch":
+        return None
+    if spec.topology.is_internode:
+        return _cuda_internode(spec, group, comm, choice, cuda_ll, composed_refusal)
+    return _cuda_intranode(spec, group, comm, choice, cuda_ll)
+
+
+def _cuda_intranode(spec: BufferSpec, group: Any, comm: Any, choice: str,
+                    cuda_ll: Optional[Backend]) -> Optional[Backend]:
+    backend_cls, reason = _import_cuda("cuda_intranode", "CudaBackend")
+    if backend_cls is not None:
+        if not backend_cls.is_supported(spec.group_size, spec.topology.num_scaleup_ranks):
+            reason = f"the CUDA backend does not serve {spec.group_size} ranks with this topology"
+        elif spec.num_nvl_bytes <= 0:
+            reason = "num_nvl_bytes is 0"
+            if cuda_ll is not None:  # a low-latency-only Buffer: the LL backend serves it
+                return None
+    if reason is None:
+        if group is not None:
+            return backend_cls.from_group(group, spec.num_nvl_bytes)
+        return backend_cls(spec.rank, spec.group_size, spec.num_nvl_bytes, comm.allgather, comm.Barrier)
+    return without_cuda(choice, group, "CUDA backend", reason)
+
+
+def _cuda_internode(spec: BufferSpec, group: Any, comm: Any, choice: str, cuda_ll: Optional[Backend],
+                    composed_refusal: Optional[str]) -> Optional[Backend]:
+    """The CUDA internode backend (one GPU per node, NVSHMEM) when it serves this group; else ``None``, or an error
+    naming the reason under ``DEEP_EP_BACKEND=cuda`` or with ``comm=`` alone."""
+    if choice == "auto" and spec.topology.num_scaleup_ranks > 1 and testing.current().internode == "torch":
+        return None
+    backend_cls, reason = _import_cuda("cuda_internode", "InternodeCuda")
+    if backend_cls is not None:
+        reason = backend_cls.unsupported_reason(spec.topology, spec.num_rdma_bytes)
+    if composed_refusal is not None:  # G > 1: the composed path's reason is the one that matters
+        reason = f"the composed path: {composed_refusal}"
+    if reason is None:
+        from deep_ep.backends.cuda_internode import UnsupportedTopology
+        options = dict(num_rdma_bytes=spec.num_rdma_bytes, num_qps_per_rank=spec.num_qps_per_rank,
+                       allow_mnnvl=spec.allow_mnnvl)
+        try:
+            if group is not None:
+                return backend_cls.from_group(group, **options)
+            return backend_cls(spec.rank, spec.group_size, all_gather=comm.allgather, barrier=comm.Barrier,
+                               **options)
+        except UnsupportedTopology as exc:  # collective: every rank gets here together
+            reason = str(exc)
+    if choice == "auto" and cuda_ll is not None and spec.num_nvl_bytes <= 0:
+        return None  # a low-latency Buffer (DeepEP's num_nvl_bytes=0 convention): the LL backend serves it
+    return without_cuda(choice, group, "CUDA internode backend", reason)
+
+
+def _composed(spec: BufferSpec, group: Any) -> tuple[Optional[Backend], Optional[str], Optional[str]]:
+    """``(composed path, the device type it serves, None)`` for ``N x G`` groups with ``G > 1`` when it serves
+    them; ``(None, None, why its CUDA stages cannot serve the group)`` when the automatic choice refuses it.
+
+    CUDA stages serve CUDA tensors (the group only exchanges objects, gloo or NCCL): the node stage a
+    ``CudaBackend`` (CUDA IPC), the rail stage a ``TorchBackend`` (``cuda_tuning.composed_rail``: beyond
+    ``NUM_MAX_RING_RANKS`` nodes, or asked for), a ``CudaBackend`` (one host) or a ``SymmetricCuda`` (NVSHMEM heap of
+    ``num_rdma_bytes``). Torch stages over the group's backend serve under ``internode='composed'`` only.
+    Collective: every rank creates every subgroup (``make_stage_groups``)."""
+    topo = spec.topology
+    choice = testing.current().internode or "auto"
+    if group is None or choice == "torch" or not topo.is_internode or topo.num_scaleup_ranks < 2:
+        return None, None, None
+    reason = None
+    if backend_choice() == "torch":
+        reason = "DEEP_EP_BACKEND=torch"
+    elif spec.num_nvl_bytes <= 0:
+        reason = "num_nvl_bytes is 0"
+    backend_cls = rail_kind = None
+    if reason is None:
+        backend_cls, reason = _import_cuda("cuda_intranode", "CudaBackend")
+    if reason is None:
+        hosts = object_all_gather(group)(socket.gethostname())
+        has_nvshmem = bool(getattr(importlib.import_module("deep_ep._C"), "HAS_LOW_LATENCY", False))
+        rail_kind, reason = cuda_tuning.composed_rail(testing.current().composed_rail or "auto", hosts, topo,
+                                                      spec.num_rdma_bytes, has_nvshmem)
+    if reason is not None and choice == "auto":
+        return None, None, reason
+    from deep_ep.backends.composed import ComposedInternode, make_stage_groups
+    from deep_ep.backends.torch_dist import TorchBackend
+    groups = make_stage_groups(group, topo)
+    num_nodes, per_node = topo.num_scaleout_ranks, topo.num_scaleup_ranks
+    rail = None
+    if reason is None and rail_kind == "nvshmem":
+        from deep_ep.backends.cuda_internode import UnsupportedTopology
+        try:
+            rail = _symmetric_rail(spec, group, groups.rail)
+        except UnsupportedTopology as exc:  # decided world-wide: every rank gets here together
+            reason = f"the NVSHMEM rail stage: {exc}"
+            if choice == "auto":
+                return None, None, reason
+
+    def torch_stage(stage_group: Any, stage_rank: int, size: int) -> Backend:
+        return TorchBackend(stage_group, stage_rank, size, Topology.one_domain(size), spec.num_nvl_bytes, 0, False)
+
+    if reason is None:  # a CUDA node stage; the rail on the ring kernels unless it is a torch rail
+        if rail_kind == "torch":
+            rail = torch_stage(groups.rail, topo.node_of(spec.rank), num_nodes)
+        elif rail is None:
+            rail = backend_cls.from_group(groups.rail, spec.num_nvl_bytes)
+        node = backend_cls.from_group(groups.node, spec.num_nvl_bytes)
+        cuda_stages, device = ("node",) if rail_kind == "torch" else ("rail", "node"), "cuda"
+    else:
+        rail = torch_stage(groups.rail, topo.node_of(spec.rank), num_nodes)
+        node = torch_stage(groups.node, topo.local_of(spec.rank), per_node)
+        cuda_stages, device = (), rail.device.type
+    return ComposedInternode(rail, node, spec.rank, topo, cuda_stages), device, None
+
+
+def _symmetric_rail(spec: BufferSpec, group: Any, rail_group: Any) -> Backend:
+    """The composed path's rail stage on the NVSHMEM symmetric heap of the Buffer's group (the NVSHMEM world:
+    PE = group rank; rail rank ``n`` of local index ``l`` is PE ``n * G + l``). Collective over the group."""
+    import torch.distributed as dist
+
+    from deep_ep.backends.cuda_common import join_nvshmem_world
+    from deep_ep.backends.cuda_internode import SymmetricCuda
+
+    topo, world_gather = spec.topology, object_all_gather(group)
+    unique_id = join_nvshmem_world(spec.rank, spec.num_rdma_bytes, spec.num_qps_per_rank, True, spec.allow_mnnvl,
+                                   world_gather)
+    local = topo.local_of(spec.rank)
+    pes = [node * topo.num_scaleup_ranks + local for node in range(topo.num_scaleout_ranks)]
+    return SymmetricCuda(topo.node_of(spec.rank), topo.num_scaleout_ranks, spec.num_rdma_bytes, unique_id,
+                         spec.rank, spec.group_size, pes, object_all_gather(rail_group),
+                         lambda: dist.barrier(group=rail_group), world_all_gather=world_gather)
