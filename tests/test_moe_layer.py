@@ -1,27 +1,16 @@
 """Expert-parallel MoE layer (``deep_ep.moe``) against Hugging Face's Mixtral sparse MoE block.
 
-Three layers of checks:
+* single process: the router and grouped experts reproduce ``MixtralTopKRouter`` / ``MixtralExperts`` in float32 to
+  ``FP32_RTOL`` (forward and gradients); bad input is rejected with the argument named;
+* exact autograd on 2 and 4 gloo ranks: with small-integer data (exact in BF16 and in every sum) the forward and
+  both backward passes of ``dispatch``/``combine`` equal their closed forms bit for bit;
+* the transformers comparison on 2 and 4 gloo ranks: a random ``MixtralSparseMoeBlock`` (:func:`hf_job`) split over
+  the ranks into ``ExpertParallelMoE`` (``load_from_hf``) must match its outputs and every gradient.
 
-* **single process** (no communication): the router and the grouped local experts reproduce
-  ``MixtralTopKRouter`` / ``MixtralExperts`` in float32 to ``FP32_RTOL`` (forward and gradients), and bad input is
-  rejected with the argument named;
-* **exact autograd** on 2 and 4 gloo ranks: with small-integer data (exact in BF16 and in every sum) the forward of
-  ``dispatch``/``combine`` and both backward passes equal their closed forms bit for bit;
-* **the transformers comparison** on 2 and 4 gloo ranks: the pytest driver runs a random-initialised
-  ``MixtralSparseMoeBlock`` forward and backward on the whole batch (:func:`hf_job`); its weights are split over the
-  ranks into ``ExpertParallelMoE`` (``load_from_hf``), each rank runs its own tokens, and outputs, input gradients
-  and the gradients of the router and of every expert weight must match the block's.
-
-Tolerances (relative L2 error ``||ep - hf|| / ||hf||``, and per token row for outputs and input gradients):
-
-* float32 parameters: ``WIRE_RTOL = 1e-2``. The layer sends tokens and gradients in BF16 (DeepEP's combine is
-  BF16 only), so the expected error is about BF16's unit roundoff 2^-8 = 3.9e-3 (measured 1.9e-3 .. 3.3e-3).
-* bfloat16 parameters vs the block in bfloat16: ``WIRE_RTOL`` (measured 0 .. 3.2e-3).
-* FP8 dispatch: vs the block whose experts see the FP8-dequantised input (straight-through gradient), ``WIRE_RTOL``
-  (measured 1.7e-3 .. 2.6e-3).
-* worst token row of the output and of the input gradient: ``ROW_RTOL = 2e-2`` (measured <= 4.4e-3).
-
-The GPU variants (``gpu`` + ``multi_gpu`` markers) run the same workers on 2 GPUs over NCCL with the CUDA kernels.
+Tolerances (relative L2 error, and per token row for outputs and input gradients): ``WIRE_RTOL = 1e-2`` for float32
+and bfloat16 parameters and for FP8 dispatch (the layer sends BF16, unit roundoff 2^-8; measured <= 3.3e-3), and
+``ROW_RTOL = 2e-2`` for the worst row (measured <= 4.4e-3). The GPU variants run the same workers on 2 GPUs over
+NCCL with the CUDA kernels.
 """
 from __future__ import annotations
 
