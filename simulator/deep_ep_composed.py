@@ -42,22 +42,20 @@ def stage_traffic(traffic: list[SourceTraffic], num_nodes: int, per_node: int
     ``(m, l)`` for ``(n, l')``)."""
     rows = np.asarray([t.rows_to_rank for t in traffic], dtype=np.int64)       # [R, R]
     records = np.asarray([t.records_to_node for t in traffic], dtype=np.int64)  # [R, N]
-    rail = [[_traffic(traffic[n * per_node + local].num_tokens, records[n * per_node + local], True)
+    tokens = [t.num_tokens for t in traffic]
+    rail = [[_traffic(tokens[n * per_node + local], records[n * per_node + local].tolist(), True)
              for n in range(num_nodes)] for local in range(per_node)]
-    node = []
-    for n in range(num_nodes):
-        group = []
-        for local in range(per_node):
-            sources = [m * per_node + local for m in range(num_nodes)]
-            to_local = rows[sources][:, n * per_node:(n + 1) * per_node].sum(axis=0)
-            group.append(_traffic(int(records[sources, n].sum()), to_local, False))
-        node.append(group)
+    # Sum over the source node m of the sources (m, l): [l, n, l'] rows into (n, l'), [l, n] records into node n.
+    to_local = rows.reshape(num_nodes, per_node, num_nodes, per_node).sum(axis=0).tolist()
+    into_node = records.reshape(num_nodes, per_node, num_nodes).sum(axis=0).tolist()
+    node = [[_traffic(into_node[local][n], to_local[local][n], False) for local in range(per_node)]
+            for n in range(num_nodes)]
     return rail, node
 
 
-def _traffic(num_tokens: int, rows_to_rank: np.ndarray, rank_is_node: bool) -> SourceTraffic:
+def _traffic(num_tokens: int, rows_to_rank: list[int], rank_is_node: bool) -> SourceTraffic:
     """A stage source's traffic; ``rank_is_node``: each stage rank is a node of its own (the rail stage)."""
-    rows = tuple(int(r) for r in rows_to_rank)
+    rows = tuple(rows_to_rank)
     return SourceTraffic(num_tokens, 0, rows, rows, rows if rank_is_node else (sum(rows),))
 
 
@@ -88,8 +86,7 @@ def composed_rank_times(spec: OpSpec, traffic: list[SourceTraffic], nic: NicProf
 
     rate = copy_gbps * GBPS
     tokens = np.array([t.num_tokens for t in traffic], dtype=float).reshape(num_nodes, per_node)
-    received = np.array([sum(t.rows_to_rank[d] for t in traffic) for d in range(num_ranks)],
-                        dtype=float).reshape(num_nodes, per_node)
+    received = np.asarray([t.rows_to_rank for t in traffic], dtype=float).sum(axis=0).reshape(num_nodes, per_node)
     if dispatch:
         packed = dtype == "fp8" or payload % 16 != 0                          # BF16 rows are their own records
         before = 2 * tokens * payload / rate if packed else np.zeros_like(tokens)

@@ -709,7 +709,7 @@ def simulate_low_latency(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuPro
         last = max(float(ends[senders].max()) if senders.any() else fixed_us, recv_end[y], send_end[y], fixed_us)
         rank_time.append(last + float(work.recv_sm_us[y]) / sms)
     logical = [float(t.num_selections * spec.logical_bytes) for t in traffic]
-    data_us = max(max(send_end), max(recv_end)) - fixed_us
+    data_us = max(max(send_end), max(recv_end)) - start_us  # the stores stream from start_us on
     phases = ll_phase_times(spec, traffic, gpu, nic, prof, dtype)
     return _finish(net, ports, rank_time, logical, logical, fixed_us, data_us,
                    extra={"send_us": max(send_end), "recv_us": max(rank_time) - max(send_end),

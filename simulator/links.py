@@ -62,6 +62,9 @@ class FluidNetwork:
         self.batch_tolerance = batch_tolerance
         self.flows: list[Flow] = []
         self.port_bytes = np.zeros(len(capacities))      # bytes carried so far, per port
+        # Bytes carried at the solved rates, per port: never above capacity x time (the solver's invariant), unlike
+        # port_bytes, which also counts the last bytes of flows that a batched completion finishes early.
+        self.port_load = np.zeros(len(capacities))
         self.port_busy_until = np.zeros(len(capacities))  # last time a port carried traffic
         self._last = 0.0
         self._version = 0
@@ -93,10 +96,11 @@ class FluidNetwork:
             raise RuntimeError(f"fluid network did not drain at t={self.env.now:.3f} us: {stuck}")
 
     def utilization(self, elapsed_us: float) -> np.ndarray:
-        """Average load of every port over ``elapsed_us`` (0..1)."""
+        """Average load of every port over ``elapsed_us`` (0..1): the bytes it carried at the solved rates, which
+        never exceed its capacity, over capacity x ``elapsed_us``."""
         if elapsed_us <= 0:
             return np.zeros_like(self.capacity)
-        return self.port_bytes / (self.capacity * elapsed_us)
+        return self.port_load / (self.capacity * elapsed_us)
 
     # -- internals -------------------------------------------------------------------------------------------
     def _schedule_recompute(self) -> None:
@@ -114,6 +118,7 @@ class FluidNetwork:
                 moved = min(f.rate * dt, f.remaining)
                 f.remaining -= moved
                 np.add.at(self.port_bytes, f.ports, f.coefs * moved)
+                np.add.at(self.port_load, f.ports, f.coefs * moved)
                 if moved > 0:
                     self.port_busy_until[f.ports] = now
         self._last = now
