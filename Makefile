@@ -14,7 +14,7 @@ STAMP         := $(VENV)/.deep_ep-installed
 PYTEST_ARGS   ?=
 NVCC          ?= nvcc
 NVCC_ARCH     ?= sm_90a
-SIM_ARGS      ?= --nodes 8
+SIM_ARGS      ?= --nodes 8 --compare deepep
 DEMO_ARGS     ?=
 
 .PHONY: help setup test test-fast run sim demo compile-check lint clean
@@ -23,7 +23,7 @@ help:
 	@echo "make setup          create $(VENV) and install torch==$(TORCH_VERSION) + deep_ep[test,sim] (CPU only)"
 	@echo "make test           run the whole test suite (HYPOTHESIS_PROFILE=ci; GPU tests skip without CUDA)"
 	@echo "make test-fast      run the suite with the quick 'dev' hypothesis profile"
-	@echo "make run            simulator capacity plan + 4-process CPU dispatch/combine demo"
+	@echo "make run            simulator capacity plan (deep_ep vs DeepEP V1 kernels, 8 nodes) + 4-process CPU demo"
 	@echo "make sim            simulator capacity plan only (SIM_ARGS, default: $(SIM_ARGS))"
 	@echo "make demo           4-process CPU dispatch -> expert -> combine demo only (DEMO_ARGS)"
 	@echo "make compile-check  compile csrc/ for $(NVCC_ARCH) with nvcc, without linking"
@@ -53,7 +53,7 @@ demo: $(STAMP)
 	$(PY) examples/cpu_demo.py $(DEMO_ARGS)
 
 run: $(STAMP)
-	@echo "== (a) capacity plan from the simulator: python -m simulator $(SIM_ARGS)"
+	@echo "== (a) capacity plan for deep_ep's kernels beside DeepEP V1's: python -m simulator $(SIM_ARGS)"
 	$(PY) -m simulator $(SIM_ARGS)
 	@echo "== (b) 4-process CPU dispatch -> expert -> combine demo"
 	$(PY) examples/cpu_demo.py $(DEMO_ARGS)

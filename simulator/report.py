@@ -1,4 +1,5 @@
-"""Report rows, the fixed-width text table, the JSON object and the optional PNG plot.
+"""Report rows, the fixed-width text table, the JSON object, the side-by-side comparison of two kernel families and
+the optional plot.
 
 Formatting is deterministic (fixed precision, fixed column order) so golden-file diffs mean something.
 """
@@ -11,6 +12,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from simulator.rank import OpResult
     from simulator.scenario import Scenario
+
+# What each ``kernels`` value models, for headers and JSON.
+KERNEL_FAMILIES = {"deep_ep": "this library's kernels", "deepep": "DeepEP V1's kernels"}
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,11 @@ class OpRow:
 
 @dataclass(frozen=True)
 class ScaleRow:
-    """Per-scale sizing: buffer bytes per GPU (``deep_ep.layout`` formulas) and recommendations."""
+    """Per-scale sizing: buffer bytes per GPU (``deep_ep.layout`` formulas) and recommendations.
+
+    ``recommended_sms_time_us`` holds the normal ops' predicted time at ``recommended_num_sms`` (``op -> µs``);
+    the low-latency rows are the prediction at ``recommended_num_qps_per_rank``.
+    """
 
     nodes: int
     ep_size: int
@@ -87,12 +95,19 @@ class ScaleRow:
     chunks: dict[str, int]
     recommended_num_qps_per_rank: int | None
     notes: tuple[str, ...] = ()
+    recommended_sms_time_us: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"nodes": self.nodes, "ep_size": self.ep_size, "num_nvl_bytes": self.num_nvl_bytes,
                 "num_rdma_bytes": self.num_rdma_bytes, "num_ll_rdma_bytes": self.num_ll_rdma_bytes,
-                "recommended_num_sms": self.recommended_num_sms, "chunk_sizes": dict(sorted(self.chunks.items())),
+                "recommended_num_sms": self.recommended_num_sms,
+                "recommended_num_sms_time_us": {op: round(t, 2) for op, t in self.recommended_sms_time_us.items()},
+                "chunk_sizes": dict(sorted(self.chunks.items())),
                 "recommended_num_qps_per_rank": self.recommended_num_qps_per_rank, "notes": list(self.notes)}
+
+
+def _us(values: list[float]) -> str:
+    return ", ".join(f"{v:.1f}" for v in values) + " us"
 
 
 @dataclass
@@ -103,6 +118,25 @@ class Report:
     ops: list[OpRow] = field(default_factory=list)
     scales: list[ScaleRow] = field(default_factory=list)
 
+    @property
+    def kernels(self) -> str:
+        return self.scenario.kernels
+
+    def scenario_notes(self) -> list[str]:
+        """Notes on how the scenario's flags were applied."""
+        sc = self.scenario
+        if sc.mode == "both" and sc.tokens is not None and sc.low_latency_tokens < sc.tokens:
+            return [f"low-latency rows use {sc.low_latency_tokens} tokens per rank, the low-latency kernels' limit "
+                    f"(--tokens {sc.tokens} applies to normal mode; --ll-tokens sets the low-latency count)"]
+        return []
+
+    def notes(self) -> list[str]:
+        notes = self.scenario_notes() + [n for s in self.scales for n in s.notes]
+        if any(r.mode == "normal" for r in self.ops) and self.kernels == "deepep":
+            notes.append("normal-mode time excludes the notify kernel + CPU poll "
+                         f"(~{self.ops[0].notify_us:.0f} us per non-cached dispatch), as DeepEP's benchmarks do")
+        return list(dict.fromkeys(notes))
+
     def as_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
         scales = []
@@ -112,19 +146,47 @@ class Report:
                 if row.nodes == scale.nodes:
                     entry.setdefault(row.mode, {})[row.op] = row.as_dict()
             scales.append(entry)
-        return {"scenario": asdict(self.scenario), "results": scales}
+        return {"kernels": self.kernels, "kernels_description": KERNEL_FAMILIES[self.kernels],
+                "scenario": asdict(self.scenario), "results": scales, "notes": self.notes()}
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2, sort_keys=False)
 
-    def to_text(self) -> str:
+    def header(self, kernels: str) -> str:
         sc = self.scenario
-        head = (f"deep_ep simulator: {sc.gpu.upper()} + {sc.nic.upper()}, {sc.gpus_per_node} GPUs/node, "
+        return (f"deep_ep simulator, {kernels}: {sc.gpu.upper()} + {sc.nic.upper()}, {sc.gpus_per_node} GPUs/node, "
                 f"hidden {sc.hidden}, top-{sc.topk} of {sc.experts} experts"
                 + (f" (+{sc.num_redundant_experts} redundant)" if sc.num_redundant_experts else "")
-                + f", routing {sc.routing}, seed {sc.seed}, num_sms {sc.num_sms}"
-                + (f", kernels {sc.kernels}" if sc.kernels != "deepep" else ""))
-        lines = [head, ""]
+                + f", routing {sc.routing}, seed {sc.seed}, num_sms {sc.num_sms}")
+
+    def scale_lines(self) -> list[str]:
+        """The sizing table and, per scale, the recommended settings with the predicted times there."""
+        cols = (f"{'nodes':>5} {'EP':>4} {'NVL_buffer_MB':>13} {'RDMA_buffer_MB':>14} {'LL_buffer_MB':>12} "
+                f"{'num_sms':>7} {'qps/rank':>8}  chunk sizes")
+        lines = [cols, "-" * len(cols)]
+        recs = []
+        for s in self.scales:
+            chunk_text = " ".join(f"{k}={v}" for k, v in sorted(s.chunks.items())) or "-"
+            sms = "-" if s.recommended_num_sms is None else str(s.recommended_num_sms)
+            qps = "-" if s.recommended_num_qps_per_rank is None else str(s.recommended_num_qps_per_rank)
+            lines.append(f"{s.nodes:>5} {s.ep_size:>4} {s.num_nvl_bytes / 1e6:>13.1f} {s.num_rdma_bytes / 1e6:>14.1f} "
+                         f"{s.num_ll_rdma_bytes / 1e6:>12.1f} {sms:>7} {qps:>8}  {chunk_text}")
+            at = f"at {s.nodes} nodes, " if len(self.scales) > 1 else ""
+            rows = [r for r in self.ops if r.nodes == s.nodes]
+            if s.recommended_num_sms is not None and s.recommended_sms_time_us:
+                ops = list(s.recommended_sms_time_us)
+                now = [r.time_us for op in ops for r in rows if r.mode == "normal" and r.op == op]
+                recs.append(f"recommended: {at}num_sms {s.recommended_num_sms} -> normal {'/'.join(ops)} "
+                            f"{_us(list(s.recommended_sms_time_us.values()))} "
+                            f"(num_sms {self.scenario.num_sms}: {_us(now)})")
+            ll = [r for r in rows if r.mode == "low-latency"]
+            if s.recommended_num_qps_per_rank is not None and ll:
+                recs.append(f"recommended: {at}num_qps_per_rank {s.recommended_num_qps_per_rank} -> low-latency "
+                            f"{'/'.join(r.op for r in ll)} {_us([r.time_us for r in ll])} (the rows above)")
+        return lines + ([""] + recs if recs else [])
+
+    def to_text(self) -> str:
+        lines = [self.header(f"kernels {self.kernels} ({KERNEL_FAMILIES[self.kernels]})"), ""]
         cols = (f"{'nodes':>5} {'EP':>4} {'mode':<11} {'op':<8} {'dtype':<5} {'tokens':>6} {'time_us':>9} "
                 f"{'max_us':>9} "
                 f"{'logical_GB/s':>12} {'NVL_GB/s':>9} {'NIC_GB/s':>9} {'NVL%':>5} {'NIC%':>5}  bottleneck")
@@ -134,48 +196,87 @@ class Report:
                          f"{r.time_us:>9.1f} {r.max_time_us:>9.1f} {r.logical_gbps:>12.1f} {r.nvl_gbps:>9.1f} "
                          f"{r.nic_gbps:>9.1f} "
                          f"{100 * r.nvl_util:>5.0f} {100 * r.nic_util:>5.0f}  {r.bottleneck}")
-        lines.append("")
-        cols2 = (f"{'nodes':>5} {'EP':>4} {'NVL_buffer_MB':>13} {'RDMA_buffer_MB':>14} {'LL_buffer_MB':>12} "
-                 f"{'num_sms':>7} {'qps/rank':>8}  chunk sizes")
-        lines += [cols2, "-" * len(cols2)]
-        for s in self.scales:
-            chunk_text = " ".join(f"{k}={v}" for k, v in sorted(s.chunks.items())) or "-"
-            sms = "-" if s.recommended_num_sms is None else str(s.recommended_num_sms)
-            qps = "-" if s.recommended_num_qps_per_rank is None else str(s.recommended_num_qps_per_rank)
-            lines.append(f"{s.nodes:>5} {s.ep_size:>4} {s.num_nvl_bytes / 1e6:>13.1f} {s.num_rdma_bytes / 1e6:>14.1f} "
-                         f"{s.num_ll_rdma_bytes / 1e6:>12.1f} {sms:>7} {qps:>8}  {chunk_text}")
-        notes = [n for s in self.scales for n in s.notes]
-        if any(r.mode == "normal" for r in self.ops) and sc.kernels == "deepep":
-            notes.append("normal-mode time excludes the notify kernel + CPU poll "
-                         f"(~{self.ops[0].notify_us:.0f} us per non-cached dispatch), as DeepEP's benchmarks do")
+        lines += [""] + self.scale_lines()
+        notes = self.notes()
         if notes:
-            lines += [""] + [f"note: {n}" for n in dict.fromkeys(notes)]
+            lines += [""] + [f"note: {n}" for n in notes]
         return "\n".join(lines) + "\n"
 
-    def plot(self, path: str) -> None:
-        """Write a PNG: time and logical bandwidth against node count, per mode and op (needs matplotlib)."""
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError as exc:
-            raise RuntimeError(f"--plot needs matplotlib ({exc})") from None
-        fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
-        series: dict[tuple[str, str], list[OpRow]] = {}
-        for r in self.ops:
-            series.setdefault((r.mode, r.op), []).append(r)
-        for (mode, op), rows in sorted(series.items()):
-            xs = [r.nodes for r in rows]
-            ax_t.plot(xs, [r.time_us for r in rows], marker="o", label=f"{mode} {op}")
-            ax_b.plot(xs, [r.logical_gbps for r in rows], marker="o", label=f"{mode} {op}")
-        for ax, ylabel in ((ax_t, "time (us)"), (ax_b, "logical bandwidth (GB/s)")):
-            ax.set_xlabel("nodes")
-            ax.set_ylabel(ylabel)
-            ax.set_xscale("log", base=2)
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8)
+    def plot(self, path: str) -> str:
+        """Write the figure to ``path`` (format from its extension; needs matplotlib): one row per mode, time per
+        op (µs) and logical bandwidth (GB/s) against the node count, one line per op. Returns what it drew."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        modes = [m for m in ("normal", "low-latency") if any(r.mode == m for r in self.ops)]
+        nodes = sorted({r.nodes for r in self.ops})
+        fig, axes = plt.subplots(len(modes), 2, figsize=(11, 3.6 * len(modes)), squeeze=False)
         sc = self.scenario
-        fig.suptitle(f"{sc.gpu.upper()} + {sc.nic.upper()}, {sc.gpus_per_node} GPUs/node, routing {sc.routing}")
+        for (ax_t, ax_b), mode in zip(axes, modes):
+            for op in ("dispatch", "combine"):
+                rows = [r for r in self.ops if r.mode == mode and r.op == op]
+                if rows:
+                    label = f"{op} ({rows[0].dtype})"
+                    ax_t.plot([r.nodes for r in rows], [r.time_us for r in rows], marker="o", label=label)
+                    ax_b.plot([r.nodes for r in rows], [r.logical_gbps for r in rows], marker="o", label=label)
+            for ax, ylabel in ((ax_t, "time per op (µs)"), (ax_b, "logical bandwidth per GPU (GB/s)")):
+                if nodes[-1] >= 4 * nodes[0]:
+                    ax.set_xscale("log", base=2)
+                ax.set_xticks(nodes, [str(n) for n in nodes])
+                ax.minorticks_off()
+                ax.set_xlabel(f"nodes ({sc.gpus_per_node} GPUs each)")
+                ax.set_ylabel(ylabel)
+                ax.set_ylim(bottom=0)
+                ax.set_title(f"{mode} mode")
+                ax.grid(True, alpha=0.3)
+                ax.legend(fontsize=8)
+        fig.suptitle(f"kernels {self.kernels}: {sc.gpu.upper()} + {sc.nic.upper()}, routing {sc.routing}")
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
+        return (f"time per op (µs) and logical bandwidth (GB/s) against nodes {','.join(map(str, nodes))}, "
+                f"{' and '.join(modes)} mode, kernels {self.kernels}")
+
+
+@dataclass
+class Comparison:
+    """Two kernel families on one scenario: ``base`` (the planned family) and ``other``; ratio = base / other time."""
+
+    base: Report
+    other: Report
+
+    def pairs(self) -> list[tuple[OpRow, OpRow]]:
+        theirs = {(r.nodes, r.mode, r.op): r for r in self.other.ops}
+        return [(r, theirs[(r.nodes, r.mode, r.op)]) for r in self.base.ops if (r.nodes, r.mode, r.op) in theirs]
+
+    def as_dict(self) -> dict[str, Any]:
+        a, b = self.base.kernels, self.other.kernels
+        rows = [{"nodes": x.nodes, "ep_size": x.ep_size, "mode": x.mode, "op": x.op, "dtype": x.dtype,
+                 "tokens_per_rank": x.tokens, "time_us": {a: round(x.time_us, 2), b: round(y.time_us, 2)},
+                 "ratio": round(x.time_us / y.time_us, 3), "bottleneck": {a: x.bottleneck, b: y.bottleneck}}
+                for x, y in self.pairs()]
+        return {"kernels": a, "compare": b, "ratio": f"{a} time / {b} time", "comparison": rows,
+                "reports": {a: self.base.as_dict(), b: self.other.as_dict()}}
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2, sort_keys=False)
+
+    def to_text(self) -> str:
+        a, b = self.base.kernels, self.other.kernels
+        lines = [self.base.header(f"kernels {a} ({KERNEL_FAMILIES[a]}) vs {b} ({KERNEL_FAMILIES[b]})"), ""]
+        ta, tb = f"{a}_us", f"{b}_us"
+        cols = (f"{'nodes':>5} {'EP':>4} {'mode':<11} {'op':<8} {'dtype':<5} {'tokens':>6} {ta:>10} {tb:>10} "
+                f"{'ratio':>6}  {a + ' bottleneck':<22} {b} bottleneck")
+        lines += [cols, "-" * len(cols)]
+        for x, y in self.pairs():
+            lines.append(f"{x.nodes:>5} {x.ep_size:>4} {x.mode:<11} {x.op:<8} {x.dtype:<5} {x.tokens:>6} "
+                         f"{x.time_us:>10.1f} {y.time_us:>10.1f} {x.time_us / y.time_us:>6.2f}  "
+                         f"{x.bottleneck:<22} {y.bottleneck}")
+        lines += [f"ratio = {a} time / {b} time (above 1: {a} is slower)"]
+        for report in (self.base, self.other):
+            lines += ["", f"kernels {report.kernels}:"] + report.scale_lines()
+        notes = [n if n.startswith(r.kernels + " ") else f"{r.kernels}: {n}" for r in (self.base, self.other)
+                 for n in r.notes()]
+        if notes:
+            lines += [""] + [f"note: {n}" for n in notes]
+        return "\n".join(lines) + "\n"

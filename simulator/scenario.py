@@ -17,6 +17,11 @@ DTYPES = ("fp8", "bf16")
 # Default token counts: DeepEP's normal-mode benchmark (prefill/training) and low-latency benchmark (decode).
 DEFAULT_NORMAL_TOKENS = 4096
 DEFAULT_LL_TOKENS = 128
+# Limits of the low-latency kernels, as deep_ep.validate states them (that module imports torch): tokens per rank
+# (num_max_dispatch_tokens_per_rank; a per-peer token count must stay below the finish tag 1024) and hidden sizes.
+LL_MAX_TOKENS = 1024
+LL_MIN_HIDDEN = 1024
+LL_MAX_HIDDEN = 16384
 # Candidate chunk sizes, as DeepEP's tuning sweeps them (dispatch Sn 4..32, combine Sn 1..16; Sr 4..32).
 DISPATCH_NVL_CHUNKS = (4, 6, 8, 12, 16, 20, 24, 28, 32)
 COMBINE_NVL_CHUNKS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
@@ -40,8 +45,10 @@ class Scenario:
     Attributes:
         nodes: scale-out domains; ``gpus_per_node`` GPUs each (EP size = nodes * gpus_per_node).
         mode: ``normal``, ``low-latency`` or ``both``.
-        tokens: tokens per rank for normal mode (default 4096) and, unless ``ll_tokens`` is set, for LL.
-        ll_tokens: tokens per rank for low-latency mode (default 128, DeepEP's LL benchmark).
+        tokens: tokens per rank for normal mode (default 4096) and, unless ``ll_tokens`` is set, for LL, capped
+            at ``LL_MAX_TOKENS`` there in mode ``both`` (mode ``low-latency`` rejects more).
+        ll_tokens: tokens per rank for low-latency mode (default 128, DeepEP's LL benchmark; at most
+            ``LL_MAX_TOKENS``).
         hidden, topk, experts: model shape (DeepSeek-V3: 7168, 8, 256 routed experts).
         dispatch_dtype: ``fp8`` (e4m3 + per-128 float32 scales) or ``bf16``; combine is always BF16.
         gpu, nic: hardware profile keys (``simulator.hardware``).
@@ -84,13 +91,19 @@ class Scenario:
         if self.tokens is not None:
             _check_int("tokens", self.tokens, 1, 65536)
         if self.ll_tokens is not None:
-            _check_int("ll_tokens", self.ll_tokens, 1, 4096)
+            _check_int("ll_tokens", self.ll_tokens, 1, LL_MAX_TOKENS)
+        elif self.mode == "low-latency" and self.tokens is not None and self.tokens > LL_MAX_TOKENS:
+            raise ValueError(f"tokens must be <= {LL_MAX_TOKENS} in low-latency mode (the kernels' "
+                             f"num_max_dispatch_tokens_per_rank limit), got {self.tokens}")
         _check_int("hidden", self.hidden, 128)
         if self.hidden % 128 != 0:
             raise ValueError(f"hidden must be a multiple of 128 (one FP8 scale per 128 channels), got {self.hidden}")
         _check_int("topk", self.topk, 1, NUM_MAX_TOPK)
         if self.mode != "normal" and self.topk > NUM_MAX_LL_TOPK:
             raise ValueError(f"topk must be <= {NUM_MAX_LL_TOPK} in low-latency mode, got {self.topk}")
+        if self.mode != "normal" and not LL_MIN_HIDDEN <= self.hidden <= LL_MAX_HIDDEN:
+            raise ValueError(f"hidden must be in [{LL_MIN_HIDDEN}, {LL_MAX_HIDDEN}] in low-latency mode, "
+                             f"got {self.hidden}")
         _check_int("experts", self.experts, 1)
         if self.topk > self.experts:
             raise ValueError(f"topk must be <= experts ({self.experts}), got {self.topk}")
@@ -135,7 +148,7 @@ class Scenario:
     def low_latency_tokens(self) -> int:
         if self.ll_tokens is not None:
             return self.ll_tokens
-        return self.tokens if self.tokens is not None else DEFAULT_LL_TOKENS
+        return min(self.tokens, LL_MAX_TOKENS) if self.tokens is not None else DEFAULT_LL_TOKENS
 
     def describe(self) -> str:
         return "Scenario(" + ", ".join(f"{k}={v!r}" for k, v in asdict(self).items()) + ")"
@@ -280,16 +293,19 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
     chunks: dict[str, int] = {}
     nvl_bytes = rdma_bytes = ll_bytes = 0
     rec_sms = rec_qps = None
+    rec_time: dict[str, float] = {}
     if sc.mode in ("normal", "both"):
         traffic = _traffic(sc, _router(sc, sc.experts), sc.normal_tokens, mask_ll=False)
         recommended = []
         max_sms = min(gpu.num_device_sms, 64) // 2 * 2
+        normal_ops = []
         for op, chunk in (("dispatch", prof.dispatch_chunk), ("combine", prof.combine_chunk)):
             dtype = sc.dispatch_dtype if op == "dispatch" else "bf16"
             payload = rank.token_bytes(sc.hidden, dtype)
             spec = rank.OpSpec("internode" if sc.nodes > 1 else "intranode", op, sc.hidden, sc.topk, payload,
                                payload, sc.nodes, per_node, None)
             res = deep_ep_kernels.simulate_normal(spec, traffic, gpu, nic, prof, sc.num_sms, chunk, dtype)
+            normal_ops.append((spec, chunk, dtype, res.time_us))
             if not deep_ep_kernels.torch_served(spec):  # the torch backend alone takes no SM budget
                 recommended.append(deep_ep_kernels.recommended_sms(spec, traffic, gpu, nic, prof, chunk, dtype,
                                                                    max_sms, SM_RECOMMEND_SLACK))
@@ -302,6 +318,10 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
             except ValueError as exc:
                 notes.append(f"no DeepEP buffer size hint for EP{num_ranks}: {exc}")
         rec_sms = max(recommended, default=None)
+        if rec_sms is not None:  # the predicted time at the recommended setting (the rows' own when it is num_sms)
+            for spec, chunk, dtype, time_us in normal_ops:
+                rec_time[spec.op] = time_us if rec_sms == sc.num_sms else deep_ep_kernels.simulate_normal(
+                    spec, traffic, gpu, nic, prof, rec_sms, chunk, dtype).time_us
     if sc.mode in ("low-latency", "both"):
         tokens, traffic, num_physical, specs = _ll_specs(sc)
         for spec, dtype in specs:
@@ -311,7 +331,7 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
         rec_qps = num_physical // num_ranks
     scale = ScaleRow(nodes=sc.nodes, ep_size=num_ranks, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes,
                      num_ll_rdma_bytes=ll_bytes, recommended_num_sms=rec_sms, chunks=chunks,
-                     recommended_num_qps_per_rank=rec_qps, notes=tuple(notes))
+                     recommended_num_qps_per_rank=rec_qps, notes=tuple(notes), recommended_sms_time_us=rec_time)
     return Report(scenario=sc, ops=ops, scales=[scale])
 
 
@@ -326,6 +346,7 @@ def run(sc: Scenario) -> Report:
     hidden_bytes = sc.hidden * 2
     nvl_bytes = rdma_bytes = ll_bytes = 0
     rec_sms = rec_qps = None
+    rec_time: dict[str, float] = {}
     chunks: dict[str, int] = {}
     router = _router(sc, sc.experts)
 
@@ -340,6 +361,7 @@ def run(sc: Scenario) -> Report:
                          f"EP{table} chunk config")
         traffic = _traffic(sc, router, sc.normal_tokens, mask_ll=False)
         recommended = []
+        normal_ops = []
         for op, cfg in (("dispatch", get_dispatch_config(table, sc.num_sms)),
                         ("combine", get_combine_config(table, sc.num_sms))):
             dtype = sc.dispatch_dtype if op == "dispatch" else "bf16"
@@ -349,6 +371,7 @@ def run(sc: Scenario) -> Report:
             spec, sms, flows = _best_normal(spec, traffic, gpu, nic)
             recommended.append(sms)
             res = rank.simulate_normal(spec, traffic, gpu, nic, flows)
+            normal_ops.append((spec, flows, res.time_us))
             assert spec.config is not None
             chunks[f"{op}_nvl_chunk"] = spec.config.num_max_nvl_chunked_send_tokens
             if sc.nodes > 1:
@@ -359,6 +382,13 @@ def run(sc: Scenario) -> Report:
                                          notify_us=gpu.notify_us))
         rec_sms = max(recommended)
         rec_qps = max(sc.num_sms // 2, 1) if sc.nodes > 1 else None
+        for spec, flows, time_us in normal_ops:  # the tuned chunks at the recommended SM count, as chosen
+            assert spec.config is not None
+            cfg = _with_chunks(replace(spec.config, num_sms=rec_sms))
+            if rec_sms == sc.num_sms:
+                rec_time[spec.op] = time_us
+            elif cfg is not None:
+                rec_time[spec.op] = rank.simulate_normal(replace(spec, config=cfg), traffic, gpu, nic, flows).time_us
 
     if sc.mode in ("low-latency", "both"):
         tokens, traffic, num_physical, specs = _ll_specs(sc)
@@ -371,7 +401,7 @@ def run(sc: Scenario) -> Report:
 
     scale = ScaleRow(nodes=sc.nodes, ep_size=num_ranks, num_nvl_bytes=nvl_bytes, num_rdma_bytes=rdma_bytes,
                      num_ll_rdma_bytes=ll_bytes, recommended_num_sms=rec_sms, chunks=chunks,
-                     recommended_num_qps_per_rank=rec_qps, notes=tuple(notes))
+                     recommended_num_qps_per_rank=rec_qps, notes=tuple(notes), recommended_sms_time_us=rec_time)
     return Report(scenario=sc, ops=ops, scales=[scale])
 
 

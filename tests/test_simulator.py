@@ -3,6 +3,7 @@
 Regenerate the golden files after an intended model change with:
     python -m simulator --preset v3-ep64 > tests/golden/v3-ep64.txt
     python -m simulator --preset h200-ep2 > tests/golden/h200-ep2.txt
+    python -m simulator --preset v3-ep64 --compare deepep > tests/golden/v3-ep64-compare.txt
 """
 from __future__ import annotations
 
@@ -302,7 +303,7 @@ def test_sweep_and_plot(tmp_path):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--nodes", "0"], "nodes must be in"),
-    (["--num-sms", "7"], "num_sms must be even"),
+    (["--num-sms", "7"], "--num-sms must be even"),
     (["--experts", "100", "--redundant-experts", "0"], "must be divisible by the EP size"),
     (["--routing", "zipf:x"], "zipf:A needs a number"),
     (["--routing", "trace:/nonexistent.json"], "cannot read file"),

@@ -379,7 +379,7 @@ def test_cli_kernels_deep_ep():
     assert entry["time_us"] > 0 and np.isfinite(entry["logical_gbps"])
     proc = _cli("simulator", "--kernels", "cuda", check=False)
     assert proc.returncode == 2 and "--kernels" in proc.stderr
-    proc = _cli("simulator", "--nic", "nvlink-p2p", "--nodes", "2", check=False)
+    proc = _cli("simulator", "--kernels", "deepep", "--nic", "nvlink-p2p", "--nodes", "2", check=False)
     assert proc.returncode == 2 and "modelled only for kernels deep_ep" in proc.stderr
 
 
