@@ -45,7 +45,8 @@ def _node_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--sweep-nodes must be a comma-separated list of ints, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--sweep-nodes must be a comma-separated list of ints, got {text!r}") from None
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"--sweep-nodes needs node counts >= 1, got {text!r}")
     if len(set(values)) != len(values):

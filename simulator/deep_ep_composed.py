@@ -69,7 +69,7 @@ def composed_rank_times(spec: OpSpec, traffic: list[SourceTraffic], nic: NicProf
                         copy_gbps: float, host_us: float, stage: StageModel) -> tuple[np.ndarray, dict]:
     """Per-rank time of one composed op and its parts (``rail``, ``node``: the stages' OpResults per group;
     ``copy_us``: per-rank copy time), with ``stage`` costing each stage op."""
-    num_nodes, per_node, num_ranks = spec.num_nodes, spec.ranks_per_node, spec.num_ranks
+    num_nodes, per_node = spec.num_nodes, spec.ranks_per_node
     rail_traffic, node_traffic = stage_traffic(traffic, num_nodes, per_node)
     dispatch = spec.op == "dispatch"
     payload = token_bytes(spec.hidden, dtype)

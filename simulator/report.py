@@ -202,15 +202,14 @@ class Report:
             lines += [""] + [f"note: {n}" for n in notes]
         return "\n".join(lines) + "\n"
 
-    def plot(self, path: str) -> str:
-        """Write the figure to ``path`` (format from its extension; needs matplotlib): one row per mode, time per
-        op (µs) and logical bandwidth (GB/s) against the node count, one line per op. Returns what it drew."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    def figure(self) -> Any:
+        """The plot as a matplotlib Figure (needs matplotlib): one row per mode, time per op (µs) and logical
+        bandwidth (GB/s) against the node count, one line per op."""
+        from matplotlib.figure import Figure
         modes = [m for m in ("normal", "low-latency") if any(r.mode == m for r in self.ops)]
         nodes = sorted({r.nodes for r in self.ops})
-        fig, axes = plt.subplots(len(modes), 2, figsize=(11, 3.6 * len(modes)), squeeze=False)
+        fig = Figure(figsize=(11, 3.6 * len(modes)))
+        axes = fig.subplots(len(modes), 2, squeeze=False)
         sc = self.scenario
         for (ax_t, ax_b), mode in zip(axes, modes):
             for op in ("dispatch", "combine"):
@@ -232,8 +231,13 @@ class Report:
                 ax.legend(fontsize=8)
         fig.suptitle(f"kernels {self.kernels}: {sc.gpu.upper()} + {sc.nic.upper()}, routing {sc.routing}")
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        return fig
+
+    def plot(self, path: str) -> str:
+        """Write :meth:`figure` to ``path`` (the extension picks the format) and say what it drew."""
+        self.figure().savefig(path, dpi=100)
+        modes = [m for m in ("normal", "low-latency") if any(r.mode == m for r in self.ops)]
+        nodes = sorted({r.nodes for r in self.ops})
         return (f"time per op (µs) and logical bandwidth (GB/s) against nodes {','.join(map(str, nodes))}, "
                 f"{' and '.join(modes)} mode, kernels {self.kernels}")
 
