@@ -171,7 +171,7 @@ class Report:
             qps = "-" if s.recommended_num_qps_per_rank is None else str(s.recommended_num_qps_per_rank)
             lines.append(f"{s.nodes:>5} {s.ep_size:>4} {s.num_nvl_bytes / 1e6:>13.1f} {s.num_rdma_bytes / 1e6:>14.1f} "
                          f"{s.num_ll_rdma_bytes / 1e6:>12.1f} {sms:>7} {qps:>8}  {chunk_text}")
-            at = f"at {s.nodes} nodes, " if len(self.scales) > 1 else ""
+            at = f"nodes {s.nodes}, " if len(self.scales) > 1 else ""
             rows = [r for r in self.ops if r.nodes == s.nodes]
             if s.recommended_num_sms is not None and s.recommended_sms_time_us:
                 ops = list(s.recommended_sms_time_us)

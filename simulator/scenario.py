@@ -277,8 +277,9 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
     prof = deep_ep_kernels.profile()
     num_ranks, per_node = sc.num_ranks, sc.gpus_per_node
     ops: list[OpRow] = []
-    notes = ["deep_ep kernels: normal-mode time is the wall time of a cached call (the bench's metric: launch "
-             "included, no notify); parameters from simulator/data/calibration_deep_ep.json, the rest labelled "
+    timing = ("normal-mode time is the wall time of a cached call (the bench's metric: launch included, no "
+              "notify); " if sc.mode != "low-latency" else "")
+    notes = [f"deep_ep kernels: {timing}parameters from simulator/data/calibration_deep_ep.json, the rest labelled "
              "assumed (python -m simulator.calibrate --show lists them)"]
     if sc.mode in ("normal", "both") and sc.nodes > NUM_MAX_RING_RANKS:
         beyond = ("the composed path with a torch rail (NCCL over the rail subgroup; the node stage stays on the "
