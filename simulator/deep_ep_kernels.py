@@ -44,6 +44,8 @@ from simulator.rank import (
 )
 from simulator.workload import SourceTraffic, read_json
 
+# Buffer's default RDMA queue pairs per peer.
+DEFAULT_NUM_QPS_PER_RANK = 24
 # Measurements and fits the simulator reads (each file names its machine, date and command).
 DATA_DIR = Path(__file__).with_name("data")
 CALIBRATION_PATH = DATA_DIR / "calibration_deep_ep.json"
@@ -421,7 +423,8 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     nvl = gpu.nvlink_gbps * prof.nvl_efficiency * GBPS
     caps = {"nvl_out": nvl, "nvl_in": nvl, "sm_push": channels * prof.sm_push_gbps * GBPS}
     if internode:
-        rate = nic_rate(nic, nic.normal_efficiency, num_nodes - 1)
+        # Records travel in chunks of ``chunk`` records, one QP per channel to each remote node.
+        rate = nic_rate(nic, chunk * record, channels * (num_nodes - 1), nic.normal_efficiency)
         caps.update(nic_out=rate, nic_in=rate)
     ports = _Ports(kinds, caps, num_ranks)  # one GPU per virtual node is flat (above): records cross a real NIC
 
@@ -640,10 +643,11 @@ def low_latency_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile
     nvlink_peer = _nvlink_peers(spec) | nic.shares_nvlink  # virtual nodes: the "network" rides NVLink too
     np.fill_diagonal(nvlink_peer, False)
     remote_peers = 0 if nic.shares_nvlink else num_ranks - spec.ranks_per_node
-    efficiency = nic.ll_dispatch_efficiency if spec.op == "dispatch" else nic.ll_combine_efficiency
+    msg_bytes = ll_dispatch_message_bytes(spec.hidden, dtype, spec.topk, prof) if spec.op == "dispatch" else (
+        2 * spec.hidden)
     sms = gpu.num_device_sms
     return LowLatencyWork(sent, sent.sum(axis=1) * 1e-3 / send_rate, recv_sm_us,
-                          gpu.nvlink_gbps * prof.ll_nvl_efficiency * GBPS, nic_rate(nic, efficiency, remote_peers),
+                          gpu.nvlink_gbps * prof.ll_nvl_efficiency * GBPS, nic_rate(nic, msg_bytes, DEFAULT_NUM_QPS_PER_RANK * remote_peers),
                           nvlink_peer, sms * send_rate * GBPS)
 
 

@@ -62,6 +62,7 @@ class FluidNetwork:
         self.batch_tolerance = batch_tolerance
         self.flows: list[Flow] = []
         self.port_bytes = np.zeros(len(capacities))      # bytes carried so far, per port
+        self.port_busy_from = np.full(len(capacities), np.inf)  # first time a port carried traffic
         self.port_busy_until = np.zeros(len(capacities))  # last time a port carried traffic
         self._last = 0.0
         self._version = 0
@@ -92,11 +93,20 @@ class FluidNetwork:
             stuck = ", ".join(f"{f.name} ({f.remaining:.0f} of {f.size:.0f} B left)" for f in self.flows[:5])
             raise RuntimeError(f"fluid network did not drain at t={self.env.now:.3f} us: {stuck}")
 
-    def utilization(self, elapsed_us: float) -> np.ndarray:
-        """Average load of every port over ``elapsed_us`` (0..1)."""
-        if elapsed_us <= 0:
-            return np.zeros_like(self.capacity)
-        return self.port_bytes / (self.capacity * elapsed_us)
+    def busy_us(self) -> np.ndarray:
+        """Time every port would need at full capacity for the bytes it carried (µs)."""
+        return self.port_bytes / self.capacity
+
+    def utilization(self) -> np.ndarray:
+        """Average load of every port over its own active span (first to last byte), 0..1.
+
+        At most 1 by construction: the solver never gives a port more than its capacity, and a flow completed
+        early by batching extends its ports' spans to its own estimated end.
+        """
+        span = self.port_busy_until - self.port_busy_from
+        with np.errstate(divide="ignore", invalid="ignore"):
+            util = np.where(span > 0, self.port_bytes / (self.capacity * span), 0.0)
+        return util
 
     # -- internals -------------------------------------------------------------------------------------------
     def _schedule_recompute(self) -> None:
@@ -115,6 +125,7 @@ class FluidNetwork:
                 f.remaining -= moved
                 np.add.at(self.port_bytes, f.ports, f.coefs * moved)
                 if moved > 0:
+                    self.port_busy_from[f.ports] = np.minimum(self.port_busy_from[f.ports], self._last)
                     self.port_busy_until[f.ports] = now
         self._last = now
 
@@ -141,8 +152,10 @@ class FluidNetwork:
             elapsed = max(now - f.start, 1e-9)
             eta = f.remaining / f.rate if f.rate > 0 else math.inf
             if f.remaining <= 1e-6 * f.size or eta <= self.batch_tolerance * elapsed:
-                if f.remaining > 0:  # batched: account the last bytes as carried now
+                if f.remaining > 0:  # batched: the last bytes are carried by the flow's own estimated end
                     np.add.at(self.port_bytes, f.ports, f.coefs * f.remaining)
+                    self.port_busy_from[f.ports] = np.minimum(self.port_busy_from[f.ports], now)
+                    self.port_busy_until[f.ports] = np.maximum(self.port_busy_until[f.ports], now + eta)
                     f.remaining = 0.0
                 f.done.succeed(now)
             else:
