@@ -288,6 +288,20 @@ def _chunks(rows: np.ndarray, channels: int, chunk: int) -> np.ndarray:
     return (channels * np.ceil(per_channel / max(chunk, 1))).sum(axis=-1)
 
 
+def _publishes(traffic: list[SourceTraffic], hop: np.ndarray, channels: int, chunk: int, rings: bool) -> np.ndarray:
+    """Tail publications of each sender's intranode dispatch (``[R]``).
+
+    Per-peer rings share one publisher warp per channel, one lane per peer: a publication covers every ring at
+    once (its SM cost does not grow with the peers) and comes every ``chunk`` tokens of the channel, whoever they
+    go to. Without rings (direct-to-output receivers) a channel publishes once, at its end.
+    """
+    senders = hop.sum(axis=1) > 0
+    if not rings:
+        return senders * float(channels)
+    tokens = np.asarray([t.num_tokens for t in traffic], dtype=float)
+    return senders * channels * np.ceil(tokens / channels / max(chunk, 1))
+
+
 def copy_chunks(rows: float, chunk_rows: int = COMBINE_COPY_CHUNK_ROWS) -> int:
     """Chunks of a copy-engine combine moving ``rows`` rows (Runtime::combine_by_copy: the first chunk has
     ``chunk_rows / 8`` rows, each next one twice as many, up to ``chunk_rows``)."""
@@ -469,7 +483,7 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
         serial += handled * row_us + own * payload * local_us
         receive_copies = 1 if internode else prof.receive_copies  # put records land in rings
         serial += receive_copies * hop.sum(axis=0) * payload * local_us
-        chunks = _chunks(hop, channels, chunk)
+        chunks = _publishes(traffic, hop, channels, chunk, rings=bool(receive_copies))
         if internode:
             serial += records.sum(axis=1) * row_us          # the source packs one record per node
             serial += net.sum(axis=1) * record * local_us  # into the send area the NIC reads
