@@ -1,9 +1,9 @@
 """Calibration: re-derive the constants of ``simulator.hardware`` (DeepEP V1 family), or fit the ``deep_ep`` family
 from our own benchmark JSON.
 
-``python -m simulator.calibrate`` prints the fitted DeepEP V1 values (it does not edit files): each parameter is
-bisected until the signed error of its calibration row(s) (``calib`` in ``simulator.validate.CALIBRATION``) is zero,
-in the order below, with two passes over the coupled low-latency parameters; every other row is a hold-out.
+``python -m simulator.calibrate`` prints the fitted DeepEP V1 values (it does not edit files): each parameter of
+:func:`steps` is solved until the signed error of its calibration row(s) is zero, in order, coupled groups twice;
+every other row is a hold-out. :func:`leave_one_group_out` re-fits without each group of rows and predicts it.
 
 ``python -m simulator.calibrate --from-bench FILE.json [--hold-out 16,32] [--check OTHER.json] [--warps default|best]
 [--fix NAME=VALUE] [--no-write]`` fits deep_ep's kernel parameters by least squares on the bench points (the given
@@ -168,6 +168,34 @@ def calibrate(verbose: bool = True, exclude: frozenset[str] = frozenset()) -> di
     return fitted
 
 
+def leave_one_group_out(groups: list[str] | None = None) -> list[validate.GroupCheck]:
+    """For each group of rows (``validate.Row.group``): re-run :func:`calibrate` without its rows, predict them,
+    and restore the fitted constants. Parameters only that group fits fall back to their priors (listed)."""
+    rows = validate.all_rows()
+    names = groups if groups is not None else list(dict.fromkeys(r.group for r in rows))
+    unknown = sorted(set(names) - {r.group for r in rows})
+    if unknown:
+        raise ValueError(f"groups must name row groups from {sorted({r.group for r in rows})}, got {unknown}")
+    saved = (dict(hardware.GPUS), dict(hardware.NICS), validate.WALL_OVERHEAD_US)
+    out = []
+    try:
+        for group in names:
+            keys = {(r.set_name, r.label): r.group for r in rows}
+            priors = tuple(st.name for st in steps()
+                           if not any(all(keys[k] != group for k in c) for c in st.candidates))
+            calibrate(verbose=False, exclude=frozenset({group}))
+            outcomes = validate.validate([r for r in rows if r.group == group])
+            out.append(validate.GroupCheck(group, outcomes, tuple(dict.fromkeys(priors))))
+            hardware.GPUS.update(saved[0])
+            hardware.NICS.update(saved[1])
+            validate.WALL_OVERHEAD_US = saved[2]
+    finally:
+        hardware.GPUS.update(saved[0])
+        hardware.NICS.update(saved[1])
+        validate.WALL_OVERHEAD_US = saved[2]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import shlex
@@ -204,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_bench is None:
         calibrate()
         print()
-        print(validate.to_text(validate.validate()))
+        print(validate.to_text(validate.validate(), leave_one_group_out()))
         return 0
     hold_out = None
     if args.hold_out is not None:

@@ -212,7 +212,53 @@ def summary(outcomes: list[Outcome]) -> dict[str, float]:
             "rows": len(outcomes), "rows_within_tolerance": sum(o.ok for o in outcomes)}
 
 
-def to_text(outcomes: list[Outcome]) -> str:
+@dataclass(frozen=True)
+class GroupCheck:
+    """Leave-one-group-out result: the group's rows predicted by a calibration that never saw them.
+
+    Attributes:
+        group: the row group (``Row.group``).
+        outcomes: its rows, predicted.
+        priors: parameters that only this group's rows fit, so they took their priors.
+    """
+
+    group: str
+    outcomes: list[Outcome]
+    priors: tuple[str, ...]
+
+    @property
+    def mean_abs_error(self) -> float:
+        return sum(abs(o.error) for o in self.outcomes) / len(self.outcomes) if self.outcomes else 0.0
+
+    @property
+    def max_abs_error(self) -> float:
+        return max((abs(o.error) for o in self.outcomes), default=0.0)
+
+    @property
+    def within_tolerance(self) -> int:
+        return sum(o.ok for o in self.outcomes)
+
+
+def logo_to_text(checks: list[GroupCheck]) -> str:
+    """The leave-one-group-out table: per group, its rows' mean and worst error when fitted without them."""
+    lines = ["leave-one-group-out (calibrated without the group's rows, then predicted):",
+             f"{'group':<13} {'rows':>4} {'mean|err|':>9} {'worst':>7} {'in tol':>6}  parameters at their priors"]
+    for c in checks:
+        worst = max(c.outcomes, key=lambda o: abs(o.error))
+        lines.append(f"{c.group:<13} {len(c.outcomes):>4} {100 * c.mean_abs_error:>8.1f}% {100 * worst.error:>+6.1f}% "
+                     f"{c.within_tolerance:>3}/{len(c.outcomes):<2}  {', '.join(c.priors) or '-'}")
+    return "\n".join(lines) + "\n"
+
+
+def _logo_json(checks: list[GroupCheck]) -> list[dict]:
+    return [{"group": c.group, "rows": [{"row": o.row.label, "set": o.row.set_name, "measured": o.row.measured,
+                                         "predicted": round(o.predicted, 2), "error": round(o.error, 4),
+                                         "ok": o.ok} for o in c.outcomes],
+             "mean_abs_error": round(c.mean_abs_error, 4), "max_abs_error": round(c.max_abs_error, 4),
+             "rows_within_tolerance": c.within_tolerance, "priors": list(c.priors)} for c in checks]
+
+
+def to_text(outcomes: list[Outcome], logo: list[GroupCheck] | None = None) -> str:
     lines = [f"{'set':<13} {'row':<22} {'metric':<6} {'method':<6} {'measured':>9} {'predicted':>9} {'error':>7} "
              f"{'tol':>5}  {'fit':<8} {'ok':<3} bottleneck"]
     lines.append("-" * len(lines[0]))
@@ -227,15 +273,19 @@ def to_text(outcomes: list[Outcome]) -> str:
                   f"calibration rows {100 * s['mae_calibration']:.1f}%",
               f"rows within tolerance: {s['rows_within_tolerance']}/{s['rows']}; worst |error| "
               f"{100 * s['max_abs_error']:.1f}%"]
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    return text + "\n" + logo_to_text(logo) if logo is not None else text
 
 
-def to_json(outcomes: list[Outcome]) -> str:
+def to_json(outcomes: list[Outcome], logo: list[GroupCheck] | None = None) -> str:
     rows = [{"set": o.row.set_name, "row": o.row.label, "metric": o.row.metric, "method": o.row.method,
              "measured": o.row.measured, "predicted": round(o.predicted, 2), "error": round(o.error, 4),
              "tolerance": o.row.tolerance, "calibration": o.row.calib, "ok": o.ok, "bottleneck": o.bottleneck,
              "source": o.row.source} for o in outcomes]
-    return json.dumps({"rows": rows, "summary": {k: round(v, 4) for k, v in summary(outcomes).items()}}, indent=2)
+    data: dict = {"rows": rows, "summary": {k: round(v, 4) for k, v in summary(outcomes).items()}}
+    if logo is not None:
+        data["leave_one_group_out"] = _logo_json(logo)
+    return json.dumps(data, indent=2)
 
 
 def passed(outcomes: list[Outcome]) -> bool:
