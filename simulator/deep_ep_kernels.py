@@ -660,9 +660,9 @@ def low_latency_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile
     msg_bytes = ll_dispatch_message_bytes(spec.hidden, dtype, spec.topk, prof) if spec.op == "dispatch" else (
         2 * spec.hidden)
     sms = gpu.num_device_sms
+    nic_cap = nic_rate(nic, msg_bytes, DEFAULT_NUM_QPS_PER_RANK * remote_peers)
     return LowLatencyWork(sent, sent.sum(axis=1) * 1e-3 / send_rate, recv_sm_us,
-                          gpu.nvlink_gbps * prof.ll_nvl_efficiency * GBPS, nic_rate(nic, msg_bytes, DEFAULT_NUM_QPS_PER_RANK * remote_peers),
-                          nvlink_peer, sms * send_rate * GBPS)
+                          gpu.nvlink_gbps * prof.ll_nvl_efficiency * GBPS, nic_cap, nvlink_peer, sms * send_rate * GBPS)
 
 
 def ll_phase_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-
 # NVLink stores reach this fraction of the nominal per-direction rate: 370 GB/s with 16-byte SM stores from 132 SMs
 # over NV18 (18 x 26.5625 = 478 GB/s nominal) on 2 x H200 (tools/nvlink_sm.cu); applied to every NVLink generation.
 NVLINK_STORE_EFFICIENCY = 370.0 / (18 * 26.5625)
