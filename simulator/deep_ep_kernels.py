@@ -665,6 +665,19 @@ def low_latency_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile
                           gpu.nvlink_gbps * prof.ll_nvl_efficiency * GBPS, nic_cap, nvlink_peer, sms * send_rate * GBPS)
 
 
+def ll_peer_signal_us(spec: OpSpec, gpu: GpuProfile, nic: NicProfile) -> float:
+    """Per-peer signalling of a deep_ep LL call beyond the calibration's EP2 (one NVLink peer), µs.
+
+    Every rank writes per-(destination, local expert) count words and a per-source arrival word to each peer and
+    waits for all of them, so the fixed cost grows with the peers: ``gpu.ll_nvl_signal_us`` per NVLink peer past
+    the first, ``gpu.ll_rdma_peer_us`` per RDMA peer (the GPU profile's per-peer costs, fitted on DeepEP V1's
+    kernels, which signal the same way; the NIC round trip is ``internode_extra_us``).
+    """
+    nvlink = spec.num_ranks - 1 if nic.shares_nvlink else int(_nvlink_peers(spec)[0].sum())
+    rdma = spec.num_ranks - 1 - nvlink
+    return max(nvlink - 1, 0) * gpu.ll_nvl_signal_us + rdma * gpu.ll_rdma_peer_us
+
+
 def ll_phase_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
                    prof: DeepEpProfile, dtype: str) -> dict[str, np.ndarray]:
     """Closed form of one LL op, per rank (µs): ``fused`` (the kernel time of a call without hook), ``hook_send``
@@ -678,7 +691,7 @@ def ll_phase_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, 
     fixed cost is ``ll_hook_fixed_us``, plus ``ll_hook_dispatch_extra_us`` for dispatch.
     """
     sms = gpu.num_device_sms
-    fixed = prof.internode_extra_us if spec.num_nodes > 1 else 0.0
+    fixed = ll_peer_signal_us(spec, gpu, nic) + (prof.internode_extra_us if spec.num_nodes > 1 else 0.0)
     hook_fixed = prof.ll_hook_fixed_us + (prof.ll_hook_dispatch_extra_us if spec.op == "dispatch" else 0.0)
 
     def hidden(x: np.ndarray, fixed_us: float) -> np.ndarray:
@@ -715,7 +728,8 @@ def simulate_low_latency(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuPro
     num_ranks = spec.num_ranks
     sms = gpu.num_device_sms
     work = low_latency_work(spec, traffic, gpu, nic, prof, dtype)
-    fixed_us = prof.ll_fixed_us + (prof.internode_extra_us if spec.num_nodes > 1 else 0.0)
+    fixed_us = (prof.ll_fixed_us + ll_peer_signal_us(spec, gpu, nic)
+                + (prof.internode_extra_us if spec.num_nodes > 1 else 0.0))
     start_us = fixed_us - min(prof.ll_overlap_us, prof.ll_fixed_us)
     net, ports, send_end, recv_end = ll_send_recv(
         spec, work.sent, nvl_rate=work.nvl_rate, nic_rate_=work.nic_rate, sm_cap=work.send_cap, fixed_us=start_us,

@@ -218,3 +218,15 @@ def test_leave_one_group_out_reports_every_group_and_restores_the_fit():
     assert '"leave_one_group_out"' in data and '"priors"' in data
     with pytest.raises(ValueError, match="groups"):
         calibrate.leave_one_group_out(["nope"])
+
+
+def test_deep_ep_ll_fixed_cost_grows_with_peers_beyond_the_calibrated_ep2():
+    def spec(nodes: int, gpus: int) -> rank.OpSpec:
+        return rank.OpSpec("low-latency", "dispatch", 7168, 8, 7472, 7472, nodes, gpus, None)
+    gpu = hardware.H200
+    assert dek.ll_peer_signal_us(spec(1, 2), gpu, hardware.CX7) == 0.0
+    assert dek.ll_peer_signal_us(spec(1, 8), gpu, hardware.CX7) == pytest.approx(6 * gpu.ll_nvl_signal_us)
+    assert dek.ll_peer_signal_us(spec(4, 8), gpu, hardware.CX7) == pytest.approx(
+        6 * gpu.ll_nvl_signal_us + 24 * gpu.ll_rdma_peer_us)
+    # Virtual nodes on one host reach every peer by NVLink.
+    assert dek.ll_peer_signal_us(spec(4, 1), gpu, hardware.NVLINK_P2P) == pytest.approx(2 * gpu.ll_nvl_signal_us)
