@@ -1,16 +1,17 @@
 """Hardware profiles: GPUs (NVLink domain, SMs, kernel overheads) and NICs (scale-out ports).
 
 Every parameter carries its unit in its name (``_gbps`` = GB/s = 1e9 bytes/s, ``_us`` = microseconds,
-``_ns`` = nanoseconds) and a source string. Sources are one of:
+``_ns`` = nanoseconds) and a source string, one of:
 
-* ``spec sheet`` / ``spec``: vendor numbers and protocol standards (link counts, line rates, headers);
-* ``measured``: a probe of one 2 x H200 NVLink machine (SM stores and copy-engine copies between the GPUs);
-* ``fit``: calibrated by ``python -m simulator.calibrate`` on the calibration subset of the rows of
-  ``simulator.validate``; the hold-out rows are never used for fitting;
-* ``assumed``: an engineering estimate with no direct measurement, used only for what-if profiles (H100, B200, non-CX7
-  NICs) that have no published DeepEP numbers to check against.
+* ``spec sheet`` / ``spec:``: vendor numbers and protocol standards (link counts and rates, headers, message rates);
+* ``measured``: a probe of one 2 x H200 NVLink machine (SM stores between the GPUs);
+* ``fit:``: solved by ``python -m simulator.calibrate`` on one DeepEP README row or one DeepEP V1 measurement on
+  2 x H200 (``simulator.validate``); every other row is a hold-out;
+* ``design:``: what the kernels do by construction; ``assumed``: an estimate with no measurement behind it.
 
-The parameters are *effective* rates, i.e. what DeepEP-style kernels achieve, not datasheet peaks.
+Link rates follow the spec sheets times one measured store efficiency; per-SM and per-message costs are SM90 fits
+shared by every SM90 part. The named mechanisms: per-peer rings (``ring_row_ns``), the low-latency fixed cost from
+its parts (:meth:`GpuProfile.ll_fixed_us`) and the NIC's wire, message-rate and window limits (:meth:`NicProfile.rate`).
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """``python -m simulator validate``: predict every published DeepEP row and the H200 two-GPU measurements.
 
 Each row names its source, its measurement method and whether it was used for calibration (``calib``) or is a
-hold-out prediction (``hold-out``). Errors are ``(predicted - measured) / measured``.
+hold-out prediction (``hold-out``). Errors are ``(predicted - measured) / measured``. The leave-one-group-out check
+(:class:`GroupCheck`, computed by ``simulator.calibrate.leave_one_group_out``) predicts each group of rows with a
+calibration that never saw it.
 
 Measurement methods:
 
