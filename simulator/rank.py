@@ -256,6 +256,11 @@ def normal_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, ni
         chunk_bytes = rdma_chunk * row
         rate = nic_rate(nic, chunk_bytes, channels * (spec.num_nodes - 1), nic.normal_efficiency) * chunk_bytes / (
             chunk_bytes + NIC_MESSAGE_OVERHEAD_BYTES)
+        # RDMA credits: a (channel, remote node) ring holds Nr records; a slot is free again after one NIC round
+        # trip plus the forwarder's copy of its chunk (the head travels back over the NIC).
+        credit_rtt_us = 2 * nic.latency_us + rdma_chunk * row / fwd_rate
+        credits = channels * (spec.num_nodes - 1) * cfg.num_max_rdma_chunked_recv_tokens * row / credit_rtt_us
+        rate = min(rate, credits)
         caps.update(nic_out=rate, nic_in=rate, sm_fwd=channels * fwd_rate)
         # The first RDMA chunk is staged by the sender warps, crosses the NIC, and is forwarded once.
         fill_us += chunk_bytes / (copy_rate * share) + nic.latency_us + nvl_chunk * row / fwd_rate

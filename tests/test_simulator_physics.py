@@ -230,3 +230,16 @@ def test_deep_ep_ll_fixed_cost_grows_with_peers_beyond_the_calibrated_ep2():
         6 * gpu.ll_nvl_signal_us + 24 * gpu.ll_rdma_peer_us)
     # Virtual nodes on one host reach every peer by NVLink.
     assert dek.ll_peer_signal_us(spec(4, 1), gpu, hardware.NVLINK_P2P) == pytest.approx(2 * gpu.ll_nvl_signal_us)
+
+
+def test_rdma_credits_limit_a_small_scale_out_ring():
+    from deep_ep.config import Config
+    from simulator.workload import SourceTraffic
+    traffic = [SourceTraffic(64, 512, (8,) * 16, (32,) * 16, (64, 64)) for _ in range(16)]
+
+    def nic_cap(num_sms: int, nr: int) -> float:
+        spec = rank.OpSpec("internode", "dispatch", 7168, 8, 7392, 7392, 2, 8, Config(num_sms, 6, 256, 4, nr))
+        return rank.normal_model(spec, traffic, hardware.H800, hardware.CX7).caps["nic_out"] / 1e3
+    assert nic_cap(2, 8) < 0.5 * nic_cap(2, 256)
+    assert nic_cap(24, 8) == pytest.approx(nic_cap(24, 256))  # twelve channels' credits cover the round trip
+    assert nic_cap(2, 256) <= hardware.CX7.line_gbps
