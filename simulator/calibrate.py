@@ -102,7 +102,7 @@ def _sm_copy_steps() -> list[Step]:
              _const(200.0)),  # assumed: one dependent HBM load per row of a ring
         Step("SM90.sm_copy_gbps", lambda x: _set_gpu(SM90, sm_copy_gbps=x),
              ((("h200-sweep", "8 SMs bf16 dispatch"),), (("h200", "bf16 dispatch"),)), 15, 200,
-             _const(46.0)),  # measured: one SM, 16-byte stores over NVLink, 4 in flight (tools/nvlink_sm.cu)
+             _const(46.0)),  # measured: one SM, 16-byte stores, 4 in flight (data/nvlink_sm_h200x2.json)
         Step("WALL_OVERHEAD_US", _set_wall, ((("h200-sweep", "16 SMs fp8 dispatch"),),), 0, 100,
              _const(20.0)),  # assumed: cached notify kernel + launch gap
     ]

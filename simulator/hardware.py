@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass, fields, replace
 
 # NVLink stores reach this fraction of the nominal per-direction rate: 370 GB/s with 16-byte SM stores from 132 SMs
-# over NV18 (18 x 26.5625 = 478 GB/s nominal) on 2 x H200 (tools/nvlink_sm.cu); applied to every NVLink generation.
+# over NV18 (18 x 26.5625 = 478 GB/s nominal) on 2 x H200 (simulator/data/nvlink_sm_h200x2.json); applied to every
+# NVLink generation.
 NVLINK_STORE_EFFICIENCY = 370.0 / (18 * 26.5625)
 
 
@@ -197,7 +198,7 @@ H200 = GpuProfile(
     ll_launch_us=13.97, ll_nvl_signal_us=2.516, ll_rdma_signal_us=5.538, ll_rdma_peer_us=0.0775, ll_pack_ns=50.0,
     sources=_SM90_SOURCES + (
         ("nvlink_gbps", "spec sheet: NVLink4 x18, 26.56 GB/s per link per direction, x the measured store "
-                        "efficiency (NVLINK_STORE_EFFICIENCY)"),
+                        "efficiency (NVLINK_STORE_EFFICIENCY, simulator/data/nvlink_sm_h200x2.json)"),
         ("nvl_ring_efficiency", _FIT_H200 + ", EP2 intranode BF16 dispatch at 48 SMs"),
     ))
 

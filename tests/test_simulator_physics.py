@@ -243,3 +243,13 @@ def test_rdma_credits_limit_a_small_scale_out_ring():
     assert nic_cap(2, 8) < 0.5 * nic_cap(2, 256)
     assert nic_cap(24, 8) == pytest.approx(nic_cap(24, 256))  # twelve channels' credits cover the round trip
     assert nic_cap(2, 256) <= hardware.CX7.line_gbps
+
+
+def test_nvlink_store_efficiency_is_the_stored_measurement():
+    import json
+    data = json.loads((dek.DATA_DIR / "nvlink_sm_h200x2.json").read_text())
+    best = data["columns"].index("store16_1024thr_4inflight")
+    rows = {r[0]: r[best] for r in data["rows"]}
+    assert hardware.NVLINK_STORE_EFFICIENCY == pytest.approx(rows[132] / data["nominal_gbps_per_direction"])
+    assert rows[1] == pytest.approx(46.0)  # one SM: the prior of sm_copy_gbps, close to its fit
+    assert hardware.H200.sm_copy_gbps == pytest.approx(rows[1], rel=0.05)
