@@ -17,7 +17,7 @@ import os
 import sys
 from dataclasses import fields, replace
 
-from simulator import hardware, scenario, validate
+from simulator import calibrate, hardware, scenario, validate
 from simulator.report import KERNEL_FAMILIES, Comparison, Report
 
 # The family ``python -m simulator`` plans for unless --kernels says otherwise.
@@ -237,7 +237,9 @@ def run_validate(argv: list[str]) -> int:
             parser.error(f"--set must name sets from {sorted(known)}, got {sorted(wanted - known)}")
         rows = [r for r in rows if r.set_name in wanted]
     outcomes = validate.validate(rows)
-    print(validate.to_json(outcomes) if args.json else validate.to_text(outcomes), end="" if not args.json else "\n")
+    logo = calibrate.leave_one_group_out(sorted({r.group for r in rows}))
+    print(validate.to_json(outcomes, logo) if args.json else validate.to_text(outcomes, logo),
+          end="" if not args.json else "\n")
     return 0 if validate.passed(outcomes) else 1
 
 

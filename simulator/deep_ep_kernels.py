@@ -44,6 +44,8 @@ from simulator.rank import (
 )
 from simulator.workload import SourceTraffic, read_json
 
+# Buffer's default RDMA queue pairs per peer.
+DEFAULT_NUM_QPS_PER_RANK = 24
 # Measurements and fits the simulator reads (each file names its machine, date and command).
 DATA_DIR = Path(__file__).with_name("data")
 CALIBRATION_PATH = DATA_DIR / "calibration_deep_ep.json"
@@ -286,6 +288,20 @@ def _chunks(rows: np.ndarray, channels: int, chunk: int) -> np.ndarray:
     return (channels * np.ceil(per_channel / max(chunk, 1))).sum(axis=-1)
 
 
+def _publishes(traffic: list[SourceTraffic], hop: np.ndarray, channels: int, chunk: int, rings: bool) -> np.ndarray:
+    """Tail publications of each sender's intranode dispatch (``[R]``).
+
+    Per-peer rings share one publisher warp per channel, one lane per peer: a publication covers every ring at
+    once (its SM cost does not grow with the peers) and comes every ``chunk`` tokens of the channel, whoever they
+    go to. Without rings (direct-to-output receivers) a channel publishes once, at its end.
+    """
+    senders = hop.sum(axis=1) > 0
+    if not rings:
+        return senders * float(channels)
+    tokens = np.asarray([t.num_tokens for t in traffic], dtype=float)
+    return senders * channels * np.ceil(tokens / channels / max(chunk, 1))
+
+
 def copy_chunks(rows: float, chunk_rows: int = COMBINE_COPY_CHUNK_ROWS) -> int:
     """Chunks of a copy-engine combine moving ``rows`` rows (Runtime::combine_by_copy: the first chunk has
     ``chunk_rows / 8`` rows, each next one twice as many, up to ``chunk_rows``)."""
@@ -421,7 +437,8 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     nvl = gpu.nvlink_gbps * prof.nvl_efficiency * GBPS
     caps = {"nvl_out": nvl, "nvl_in": nvl, "sm_push": channels * prof.sm_push_gbps * GBPS}
     if internode:
-        rate = nic_rate(nic, nic.normal_efficiency, num_nodes - 1)
+        # Records travel in chunks of ``chunk`` records, one QP per channel to each remote node.
+        rate = nic_rate(nic, chunk * record, channels * (num_nodes - 1), nic.normal_efficiency)
         caps.update(nic_out=rate, nic_in=rate)
     ports = _Ports(kinds, caps, num_ranks)  # one GPU per virtual node is flat (above): records cross a real NIC
 
@@ -466,7 +483,7 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
         serial += handled * row_us + own * payload * local_us
         receive_copies = 1 if internode else prof.receive_copies  # put records land in rings
         serial += receive_copies * hop.sum(axis=0) * payload * local_us
-        chunks = _chunks(hop, channels, chunk)
+        chunks = _publishes(traffic, hop, channels, chunk, rings=bool(receive_copies))
         if internode:
             serial += records.sum(axis=1) * row_us          # the source packs one record per node
             serial += net.sum(axis=1) * record * local_us  # into the send area the NIC reads
@@ -640,11 +657,25 @@ def low_latency_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile
     nvlink_peer = _nvlink_peers(spec) | nic.shares_nvlink  # virtual nodes: the "network" rides NVLink too
     np.fill_diagonal(nvlink_peer, False)
     remote_peers = 0 if nic.shares_nvlink else num_ranks - spec.ranks_per_node
-    efficiency = nic.ll_dispatch_efficiency if spec.op == "dispatch" else nic.ll_combine_efficiency
+    msg_bytes = ll_dispatch_message_bytes(spec.hidden, dtype, spec.topk, prof) if spec.op == "dispatch" else (
+        2 * spec.hidden)
     sms = gpu.num_device_sms
+    nic_cap = nic_rate(nic, msg_bytes, DEFAULT_NUM_QPS_PER_RANK * remote_peers)
     return LowLatencyWork(sent, sent.sum(axis=1) * 1e-3 / send_rate, recv_sm_us,
-                          gpu.nvlink_gbps * prof.ll_nvl_efficiency * GBPS, nic_rate(nic, efficiency, remote_peers),
-                          nvlink_peer, sms * send_rate * GBPS)
+                          gpu.nvlink_gbps * prof.ll_nvl_efficiency * GBPS, nic_cap, nvlink_peer, sms * send_rate * GBPS)
+
+
+def ll_peer_signal_us(spec: OpSpec, gpu: GpuProfile, nic: NicProfile) -> float:
+    """Per-peer signalling of a deep_ep LL call beyond the calibration's EP2 (one NVLink peer), µs.
+
+    Every rank writes per-(destination, local expert) count words and a per-source arrival word to each peer and
+    waits for all of them, so the fixed cost grows with the peers: ``gpu.ll_nvl_signal_us`` per NVLink peer past
+    the first, ``gpu.ll_rdma_peer_us`` per RDMA peer (the GPU profile's per-peer costs, fitted on DeepEP V1's
+    kernels, which signal the same way; the NIC round trip is ``internode_extra_us``).
+    """
+    nvlink = spec.num_ranks - 1 if nic.shares_nvlink else int(_nvlink_peers(spec)[0].sum())
+    rdma = spec.num_ranks - 1 - nvlink
+    return max(nvlink - 1, 0) * gpu.ll_nvl_signal_us + rdma * gpu.ll_rdma_peer_us
 
 
 def ll_phase_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
@@ -660,7 +691,7 @@ def ll_phase_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, 
     fixed cost is ``ll_hook_fixed_us``, plus ``ll_hook_dispatch_extra_us`` for dispatch.
     """
     sms = gpu.num_device_sms
-    fixed = prof.internode_extra_us if spec.num_nodes > 1 else 0.0
+    fixed = ll_peer_signal_us(spec, gpu, nic) + (prof.internode_extra_us if spec.num_nodes > 1 else 0.0)
     hook_fixed = prof.ll_hook_fixed_us + (prof.ll_hook_dispatch_extra_us if spec.op == "dispatch" else 0.0)
 
     def hidden(x: np.ndarray, fixed_us: float) -> np.ndarray:
@@ -697,7 +728,8 @@ def simulate_low_latency(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuPro
     num_ranks = spec.num_ranks
     sms = gpu.num_device_sms
     work = low_latency_work(spec, traffic, gpu, nic, prof, dtype)
-    fixed_us = prof.ll_fixed_us + (prof.internode_extra_us if spec.num_nodes > 1 else 0.0)
+    fixed_us = (prof.ll_fixed_us + ll_peer_signal_us(spec, gpu, nic)
+                + (prof.internode_extra_us if spec.num_nodes > 1 else 0.0))
     start_us = fixed_us - min(prof.ll_overlap_us, prof.ll_fixed_us)
     net, ports, send_end, recv_end = ll_send_recv(
         spec, work.sent, nvl_rate=work.nvl_rate, nic_rate_=work.nic_rate, sm_cap=work.send_cap, fixed_us=start_us,

@@ -102,6 +102,10 @@ class FluidNetwork:
             return np.zeros_like(self.capacity)
         return self.port_load / (self.capacity * elapsed_us)
 
+    def busy_us(self) -> np.ndarray:
+        """Time every port would need at full capacity for the bytes it carried (µs)."""
+        return self.port_bytes / self.capacity
+
     # -- internals -------------------------------------------------------------------------------------------
     def _schedule_recompute(self) -> None:
         if not self._pending:
@@ -146,8 +150,9 @@ class FluidNetwork:
             elapsed = max(now - f.start, 1e-9)
             eta = f.remaining / f.rate if f.rate > 0 else math.inf
             if f.remaining <= 1e-6 * f.size or eta <= self.batch_tolerance * elapsed:
-                if f.remaining > 0:  # batched: account the last bytes as carried now
+                if f.remaining > 0:  # batched: the last bytes are carried by the flow's own estimated end
                     np.add.at(self.port_bytes, f.ports, f.coefs * f.remaining)
+                    self.port_busy_until[f.ports] = np.maximum(self.port_busy_until[f.ports], now + eta)
                     f.remaining = 0.0
                 f.done.succeed(now)
             else:

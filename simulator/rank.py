@@ -69,8 +69,9 @@ class OpResult:
         logical_bytes: ``[num_ranks]`` bytes as DeepEP's tests count them (RDMA bytes for internode normal mode).
         nvl_logical_bytes: ``[num_ranks]`` received-row bytes (DeepEP's "NVL" figure) for normal mode.
         port_bytes: bytes carried per port class, summed over ranks (``nvl_out``, ``nic_out``, ...).
-        utilization: highest average utilization per port class over the data phase (0..1).
-        bottleneck: the port class that limits the op, or ``latency`` when no port is above 60 % busy.
+        utilization: highest average utilization per port class, each port over its own active span (0..1).
+        bottleneck: the port class that needs the longest time at full rate, or ``latency`` when that time is
+            under 60 % of the data phase.
         fixed_us: launch + pipeline fill/drain + fixed costs included in ``time_us``.
     """
 
@@ -94,18 +95,26 @@ PORT_LABELS = {
 }
 
 
-def row_rate(gpu: GpuProfile, row_bytes: float, chunk_tokens: int = 0) -> float:
-    """Bytes/µs one SM sustains copying rows of ``row_bytes`` (per-row cost + per-chunk cost + bytes/rate)."""
-    per_row_us = gpu.sm_token_ns * 1e-3 + row_bytes / (gpu.sm_copy_gbps * GBPS)
+def row_rate(gpu: GpuProfile, row_bytes: float, chunk_tokens: int = 0, rings: int = 0) -> float:
+    """Bytes/µs one SM sustains copying rows of ``row_bytes`` through ``rings`` per-peer rings.
+
+    Per-peer rings: the SM's warps are split over its rings (one per peer, the own rank included) and each ring's
+    rows go through its warp group in order, one per ``ring_row_ns`` of latency; the groups of the other rings
+    overlap it, so a row costs ``row_bytes / sm_copy_gbps + ring_row_ns / rings`` of SM-time, plus the chunk's
+    tail publish (:data:`CHUNK_OVERHEAD_US`) shared by its rows. An SM-bound op therefore moves more per SM at a
+    larger EP size. ``rings = 0``: rows that go through no ring (the low-latency kernels' messages).
+    """
+    per_row_us = row_bytes / (gpu.sm_copy_gbps * GBPS)
+    if rings > 0:
+        per_row_us += gpu.ring_row_ns * 1e-3 / rings
     if chunk_tokens > 0:
         per_row_us += CHUNK_OVERHEAD_US / chunk_tokens
     return row_bytes / per_row_us
 
 
-def nic_rate(nic: NicProfile, efficiency: float, num_remote_peers: int) -> float:
-    """Effective NIC bytes/µs per direction, derated for many active remote peers (QP-context pressure)."""
-    derate = 1 + nic.qp_derate_per_doubling * math.log2(max(num_remote_peers, 8) / 8)
-    return nic.line_gbps * efficiency * GBPS / derate
+def nic_rate(nic: NicProfile, msg_bytes: float, num_qps: int, efficiency: float = 1.0) -> float:
+    """Effective NIC bytes/µs per direction (:meth:`NicProfile.rate`: wire, message rate and QP window)."""
+    return nic.rate(msg_bytes, num_qps, efficiency) * GBPS
 
 
 class _Ports:
@@ -163,14 +172,19 @@ def _finish(net: FluidNetwork, ports: _Ports, rank_time: list[float], logical: l
             extra: dict[str, float] | None = None) -> OpResult:
     port_bytes: dict[str, float] = {}
     utilization: dict[str, float] = {}
+    busy: dict[str, float] = {}
     util = net.utilization(max(data_us, 1e-9))
+    busy_us = net.busy_us()
     for kind in ports.physical_kinds:
         lo = ports.offset[kind]
         hi = lo + ports.num_ranks
         port_bytes[kind] = float(net.port_bytes[lo:hi].sum())
         utilization[kind] = float(util[lo:hi].max())
-    busiest = max(utilization, key=lambda k: (utilization[k], k)) if utilization else "latency"
-    bottleneck = PORT_LABELS.get(busiest, busiest) if utilization.get(busiest, 0) >= 0.6 else "latency"
+        busy[kind] = float(busy_us[lo:hi].max())
+    # The bottleneck is the port kind that needs the longest time at full rate, when that time fills most of the
+    # data phase; otherwise fixed costs dominate.
+    busiest = max(busy, key=lambda k: (busy[k], k)) if busy else "latency"
+    bottleneck = PORT_LABELS.get(busiest, busiest) if busy.get(busiest, 0.0) >= 0.6 * data_us else "latency"
     return OpResult(sum(rank_time) / len(rank_time), max(rank_time), rank_time, logical, nvl_logical, port_bytes,
                     utilization, bottleneck, fixed_us,
                     num_events=net.num_recomputes, extra=extra or {})
@@ -219,23 +233,34 @@ def normal_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, ni
     row = normal_row_bytes(spec)
     nvl_chunk = cfg.num_max_nvl_chunked_send_tokens
     rdma_chunk = cfg.num_max_rdma_chunked_send_tokens
-    copy_rate = row_rate(gpu, row, nvl_chunk)
+    internode = spec.num_nodes > 1
+    # Per-peer rings: an intranode sender SM serves one ring per destination rank and a receiver SM one per
+    # source; internode, the RDMA senders stage one ring per destination node and the NVL receivers drain one
+    # ring per local forwarder.
+    send_rings = spec.num_nodes if internode else num_ranks
+    copy_rate = row_rate(gpu, row, nvl_chunk, send_rings)
+    recv_rate = row_rate(gpu, row, nvl_chunk, per_node)
     # Forwarder SMs: a byte rate plus the per-chunk tail publish.
     fwd_rate = 1.0 / (1.0 / (gpu.fwd_sm_gbps * GBPS) + CHUNK_OVERHEAD_US / (nvl_chunk * row))
-    internode = spec.num_nodes > 1
     share = SHARED_SM_FRACTION if internode else 1.0
     nvl = gpu.nvlink_gbps * gpu.nvl_ring_efficiency * GBPS
     caps = {"nvl_out": nvl, "nvl_in": nvl, "sm_send": channels * copy_rate * share,
-            "sm_recv": min(channels * copy_rate * share, gpu.hbm_gbps * GBPS / 2)}
+            "sm_recv": min(channels * recv_rate * share, gpu.hbm_gbps * GBPS / 2)}
     # Pipeline fill: the first chunk crosses every stage before the bottleneck stage streams.
     fill_us = gpu.nvl_latency_us * 2 + nvl_chunk * row / copy_rate
     kinds = NORMAL_INTRANODE_KINDS
     if internode:
         kinds = NORMAL_INTERNODE_KINDS
-        # Each RDMA chunk is one put plus a remote atomic on the tail: a fixed per-message cost on the NIC.
+        # Each RDMA chunk is one put plus a remote atomic on the tail: a fixed per-message cost on the NIC. One
+        # QP per channel to each remote node's forwarder.
         chunk_bytes = rdma_chunk * row
-        rate = nic_rate(nic, nic.normal_efficiency, spec.num_nodes - 1) * chunk_bytes / (
+        rate = nic_rate(nic, chunk_bytes, channels * (spec.num_nodes - 1), nic.normal_efficiency) * chunk_bytes / (
             chunk_bytes + NIC_MESSAGE_OVERHEAD_BYTES)
+        # RDMA credits: a (channel, remote node) ring holds Nr records; a slot is free again after one NIC round
+        # trip plus the forwarder's copy of its chunk (the head travels back over the NIC).
+        credit_rtt_us = 2 * nic.latency_us + rdma_chunk * row / fwd_rate
+        credits = channels * (spec.num_nodes - 1) * cfg.num_max_rdma_chunked_recv_tokens * row / credit_rtt_us
+        rate = min(rate, credits)
         caps.update(nic_out=rate, nic_in=rate, sm_fwd=channels * fwd_rate)
         # The first RDMA chunk is staged by the sender warps, crosses the NIC, and is forwarded once.
         fill_us += chunk_bytes / (copy_rate * share) + nic.latency_us + nvl_chunk * row / fwd_rate
@@ -477,11 +502,14 @@ def simulate_low_latency(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuPro
     msgs = np.asarray([t.msgs_to_rank for t in traffic], dtype=float)
     dispatch = spec.op == "dispatch"
     sent = (msgs if dispatch else msgs.T) * msg
-    remote_peers = num_ranks - 1 - int(_nvlink_peers(spec)[0].sum())
-    efficiency = nic.ll_dispatch_efficiency if dispatch else nic.ll_combine_efficiency
-    fixed_us = gpu.ll_fixed_us + (gpu.ll_rdma_extra_us if remote_peers else 0.0)
+    nvlink_peers = int(_nvlink_peers(spec)[0].sum())
+    remote_peers = num_ranks - 1 - nvlink_peers
+    # One QP per local expert to every remote peer (DeepEP's LL QP count), one message per selection.
+    qps = max(num_experts // num_ranks, 1) * remote_peers
+    tokens = max(t.num_tokens for t in traffic)
+    fixed_us = gpu.ll_fixed_us(nvlink_peers, remote_peers, tokens, spec.topk)
     net, ports, send_end, recv_end = ll_send_recv(spec, sent, gpu.nvlink_gbps * GBPS,
-                                                  nic_rate(nic, efficiency, remote_peers), sm_cap, fixed_us,
+                                                  nic_rate(nic, msg, qps), sm_cap, fixed_us,
                                                   nic_on_nvlink=nic.shares_nvlink)
     # Receive phase: the last message from each sender lands after that sender's egress has drained (puts leave
     # round-robin over peers) and after this rank's ingress has drained; then unpack / reduce on all blocks.

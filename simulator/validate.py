@@ -1,7 +1,9 @@
 """``python -m simulator validate``: predict every published DeepEP row and the H200 two-GPU measurements.
 
 Each row names its source, its measurement method and whether it was used for calibration (``calib``) or is a
-hold-out prediction (``hold-out``). Errors are ``(predicted - measured) / measured``.
+hold-out prediction (``hold-out``). Errors are ``(predicted - measured) / measured``. The leave-one-group-out check
+(:class:`GroupCheck`, computed by ``simulator.calibrate.leave_one_group_out``) predicts each group of rows with a
+calibration that never saw it.
 
 Measurement methods:
 
@@ -19,7 +21,7 @@ from simulator.scenario import Scenario, run
 
 # Cached notify kernel + host launch gap seen by wall-time (bench / CUDA event) measurements, µs.
 # Fit: intercept of DeepEP V1's H200 SM sweep, minus the in-kernel launch cost.
-WALL_OVERHEAD_US = 26.8
+WALL_OVERHEAD_US = 25.69
 # Tolerances of the acceptance criteria.
 TOL_BANDWIDTH = 0.10
 TOL_LATENCY = 0.15
@@ -59,31 +61,43 @@ class Row:
     def tolerance(self) -> float:
         return TOL_BANDWIDTH if self.bound == "bandwidth" else TOL_LATENCY
 
+    @property
+    def group(self) -> str:
+        """Group of the leave-one-group-out check: the row set, or the set of the row it duplicates."""
+        twin = DUPLICATES.get((self.set_name, self.label))
+        return twin[0] if twin else self.set_name
+
 
 README = "DeepEP README (H800, CX7)"
 README_RDMA = "DeepEP README, the pure-RDMA LL table (LL over RDMA only)"
 H200_DOC = "DeepEP V1 (567632d) on 2 x H200"
 
-# Calibration subset (see docs/simulator.md): which rows fitted which parameter.
+# Calibration subset: which rows fit which parameter (``simulator.calibrate.steps``, first candidates; a test
+# checks the two agree).
 CALIBRATION = {
-    ("normal-h800", "EP8 dispatch"): "H800.nvlink_gbps",
-    ("normal-h800", "EP16 dispatch"): "H800.fwd_sm_gbps",
+    ("normal-h800", "EP8 dispatch"): "H800.nvl_ring_efficiency",
+    ("normal-h800", "EP16 dispatch"): "SM90.fwd_sm_gbps",
     ("normal-h800", "EP32 dispatch"): "CX7.normal_efficiency",
-    ("ll-h800", "EP8 dispatch"): "H800.ll_fixed_us",
-    ("ll-h800", "EP16 dispatch"): "H800.ll_rdma_extra_us, CX7.ll_dispatch_efficiency",
-    ("ll-h800", "EP32 dispatch"): "H800.ll_rdma_extra_us, CX7.ll_dispatch_efficiency",
-    ("ll-h800", "EP16 combine"): "CX7.ll_combine_efficiency",
-    ("ll-h800", "EP32 combine"): "CX7.ll_combine_efficiency",
-    ("ll-rdma-h800", "EP256 dispatch"): "CX7.qp_derate_per_doubling",
-    # The README's LL EP256 row is the same measurement as the pure-RDMA EP256 row, so it is not a hold-out.
-    ("ll-h800", "EP256 dispatch"): "CX7.qp_derate_per_doubling (same number as ll-rdma-h800 EP256)",
-    ("h200-sweep", "8 SMs fp8 dispatch"): "SM90 sm_copy_gbps, sm_token_ns",
-    ("h200-sweep", "8 SMs bf16 dispatch"): "SM90 sm_copy_gbps, sm_token_ns",
-    ("h200-sweep", "48 SMs bf16 dispatch"): "H200.nvlink_gbps",
+    ("ll-h800", "EP8 dispatch"): "SM90.ll_nvl_signal_us",
+    ("ll-h800", "EP16 dispatch"): "SM90.ll_rdma_signal_us",
+    ("ll-rdma-h800", "EP256 dispatch"): "SM90.ll_rdma_peer_us",
+    ("h200-sweep", "8 SMs fp8 dispatch"): "SM90.ring_row_ns",
+    ("h200-sweep", "8 SMs bf16 dispatch"): "SM90.sm_copy_gbps",
     ("h200-sweep", "16 SMs fp8 dispatch"): "WALL_OVERHEAD_US",
-    ("h200", "LL dispatch"): "H200.ll_fixed_us",
-    ("h200", "bf16 combine"): "SM90 combine_tail_us",
+    ("h200-sweep", "48 SMs bf16 dispatch"): "H200.nvl_ring_efficiency",
+    ("h200", "LL dispatch"): "SM90.ll_launch_us",
+    ("h200", "bf16 combine"): "SM90.combine_tail_us",
 }
+# The README's LL EP128/EP256 rows are the pure-RDMA table's measurements: they count as calibration rows
+# wherever those are, and belong to that table's group for the leave-one-group-out check.
+DUPLICATES = {("ll-h800", "EP128 dispatch"): ("ll-rdma-h800", "EP128 dispatch"),
+              ("ll-h800", "EP128 combine"): ("ll-rdma-h800", "EP128 combine"),
+              ("ll-h800", "EP256 dispatch"): ("ll-rdma-h800", "EP256 dispatch"),
+              ("ll-h800", "EP256 combine"): ("ll-rdma-h800", "EP256 combine")}
+
+
+def _is_calib(key: tuple[str, str]) -> bool:
+    return key in CALIBRATION or DUPLICATES.get(key) in CALIBRATION
 
 
 def _normal_rows() -> list[Row]:
@@ -97,7 +111,7 @@ def _normal_rows() -> list[Row]:
         for op, value in (("dispatch", disp), ("combine", comb)):
             label = f"EP{ep} {op}"
             rows.append(Row("normal-h800", label, sc, "normal", op, "gbps", value, method, "bandwidth",
-                            ("normal-h800", label) in CALIBRATION, README))
+                            _is_calib(("normal-h800", label)), README))
     return rows
 
 
@@ -115,7 +129,7 @@ def _ll_rows(set_name: str, allow_nvlink: bool, dispatch_us: tuple[int, ...], co
             label = f"EP{ep} {op}"
             bound = "latency" if (ep <= 16 and allow_nvlink) else "bandwidth"
             rows.append(Row(set_name, label, sc, "low-latency", op, "us", value, "kernel", bound,
-                            (set_name, label) in CALIBRATION, source))
+                            _is_calib((set_name, label)), source))
     return rows
 
 
@@ -127,19 +141,19 @@ def _h200_rows() -> list[Row]:
                                    ("bf16 combine", "bf16", "combine", 288)):
         sc = replace(base, dispatch_dtype=dtype)
         rows.append(Row("h200", label, sc, "normal", op, "gbps", gbps, "wall", "bandwidth",
-                        ("h200", label) in CALIBRATION, H200_DOC))
+                        _is_calib(("h200", label)), H200_DOC))
     ll = Scenario(nodes=1, gpus_per_node=2, gpu="h200", mode="low-latency", ll_tokens=128, experts=288,
                   routing="uniform", ll_mask=True, redundant_experts=0)
     for label, op, us in (("LL dispatch", "dispatch", 29.75), ("LL combine", "combine", 39.7)):
         rows.append(Row("h200", label, ll, "low-latency", op, "us", us, "kernel", "latency",
-                        ("h200", label) in CALIBRATION, H200_DOC + "; midpoint of the measured range"))
+                        _is_calib(("h200", label)), H200_DOC + "; midpoint of the measured range"))
     sweep = {8: (92, 120, 116), 16: (172, 233, 218), 24: (245, 338, 300), 32: (309, 394, 367), 48: (406, 502, 451)}
     for sms, values in sweep.items():
         for (dtype, op), gbps in zip((("fp8", "dispatch"), ("bf16", "dispatch"), ("bf16", "combine")), values):
             sc = replace(base, dispatch_dtype=dtype, num_sms=sms)
             label = f"{sms} SMs {dtype} {op}"
             rows.append(Row("h200-sweep", label, sc, "normal", op, "gbps", gbps, "wall", "bandwidth",
-                            ("h200-sweep", label) in CALIBRATION, H200_DOC + ", SM sweep"))
+                            _is_calib(("h200-sweep", label)), H200_DOC + ", SM sweep"))
     return rows
 
 
@@ -200,7 +214,53 @@ def summary(outcomes: list[Outcome]) -> dict[str, float]:
             "rows": len(outcomes), "rows_within_tolerance": sum(o.ok for o in outcomes)}
 
 
-def to_text(outcomes: list[Outcome]) -> str:
+@dataclass(frozen=True)
+class GroupCheck:
+    """Leave-one-group-out result: the group's rows predicted by a calibration that never saw them.
+
+    Attributes:
+        group: the row group (``Row.group``).
+        outcomes: its rows, predicted.
+        priors: parameters that only this group's rows fit, so they took their priors.
+    """
+
+    group: str
+    outcomes: list[Outcome]
+    priors: tuple[str, ...]
+
+    @property
+    def mean_abs_error(self) -> float:
+        return sum(abs(o.error) for o in self.outcomes) / len(self.outcomes) if self.outcomes else 0.0
+
+    @property
+    def max_abs_error(self) -> float:
+        return max((abs(o.error) for o in self.outcomes), default=0.0)
+
+    @property
+    def within_tolerance(self) -> int:
+        return sum(o.ok for o in self.outcomes)
+
+
+def logo_to_text(checks: list[GroupCheck]) -> str:
+    """The leave-one-group-out table: per group, its rows' mean and worst error when fitted without them."""
+    lines = ["leave-one-group-out (calibrated without the group's rows, then predicted):",
+             f"{'group':<13} {'rows':>4} {'mean|err|':>9} {'worst':>7} {'in tol':>6}  parameters at their priors"]
+    for c in checks:
+        worst = max(c.outcomes, key=lambda o: abs(o.error))
+        lines.append(f"{c.group:<13} {len(c.outcomes):>4} {100 * c.mean_abs_error:>8.1f}% {100 * worst.error:>+6.1f}% "
+                     f"{c.within_tolerance:>3}/{len(c.outcomes):<2}  {', '.join(c.priors) or '-'}")
+    return "\n".join(lines) + "\n"
+
+
+def _logo_json(checks: list[GroupCheck]) -> list[dict]:
+    return [{"group": c.group, "rows": [{"row": o.row.label, "set": o.row.set_name, "measured": o.row.measured,
+                                         "predicted": round(o.predicted, 2), "error": round(o.error, 4),
+                                         "ok": o.ok} for o in c.outcomes],
+             "mean_abs_error": round(c.mean_abs_error, 4), "max_abs_error": round(c.max_abs_error, 4),
+             "rows_within_tolerance": c.within_tolerance, "priors": list(c.priors)} for c in checks]
+
+
+def to_text(outcomes: list[Outcome], logo: list[GroupCheck] | None = None) -> str:
     lines = [f"{'set':<13} {'row':<22} {'metric':<6} {'method':<6} {'measured':>9} {'predicted':>9} {'error':>7} "
              f"{'tol':>5}  {'fit':<8} {'ok':<3} bottleneck"]
     lines.append("-" * len(lines[0]))
@@ -215,15 +275,19 @@ def to_text(outcomes: list[Outcome]) -> str:
                   f"calibration rows {100 * s['mae_calibration']:.1f}%",
               f"rows within tolerance: {s['rows_within_tolerance']}/{s['rows']}; worst |error| "
               f"{100 * s['max_abs_error']:.1f}%"]
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    return text + "\n" + logo_to_text(logo) if logo is not None else text
 
 
-def to_json(outcomes: list[Outcome]) -> str:
+def to_json(outcomes: list[Outcome], logo: list[GroupCheck] | None = None) -> str:
     rows = [{"set": o.row.set_name, "row": o.row.label, "metric": o.row.metric, "method": o.row.method,
              "measured": o.row.measured, "predicted": round(o.predicted, 2), "error": round(o.error, 4),
              "tolerance": o.row.tolerance, "calibration": o.row.calib, "ok": o.ok, "bottleneck": o.bottleneck,
              "source": o.row.source} for o in outcomes]
-    return json.dumps({"rows": rows, "summary": {k: round(v, 4) for k, v in summary(outcomes).items()}}, indent=2)
+    data: dict = {"rows": rows, "summary": {k: round(v, 4) for k, v in summary(outcomes).items()}}
+    if logo is not None:
+        data["leave_one_group_out"] = _logo_json(logo)
+    return json.dumps(data, indent=2)
 
 
 def passed(outcomes: list[Outcome]) -> bool:
