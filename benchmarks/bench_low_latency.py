@@ -3,12 +3,13 @@
 Workload: ``T`` tokens per rank (``--tokens``; 128 is the bar), hidden 7168, top-8 of 288 experts
 (``topk(|randn| + 1)``), ``x = randn * 0.1`` BF16, FP8 dispatch, BF16 combine, one process per GPU. Before each
 profiled iteration the ranks meet in a bounded LL barrier kernel, the GPUs sleep ~300 us and the L2 is flushed.
-Reported: kernel time (mean duration of ``ll_dispatch_kernel`` / ``ll_combine_kernel`` in a profiler trace; with
-``return_recv_hook`` the send and receive launches apart); the same by DeepEP's own method (an 8192^2 matmul and a
-barrier, then 30 dispatch + combine pairs back to back, no flush); wall time (median of CUDA-event intervals, with
-barrier and flush, and back to back); bytes as DeepEP counts them (FP8 dispatch ``(#valid k) * (H + H/128*4 + 16)``,
-BF16 combine ``(#valid k) * 2H``). ``--put`` builds the Buffer under ``deep_ep.testing.overrides(ll_put_only=True)``:
-every other rank reached by NVSHMEM put-with-signal (the path of peers behind a NIC)::
+Reported: kernel time (mean duration of ``dispatch_kernel`` / ``combine_kernel`` in a profiler trace; with
+``return_recv_hook`` the send and receive launches apart, told by their order); the same by DeepEP's own method (an
+8192^2 matmul and a barrier, then 30 dispatch + combine pairs back to back, no flush); wall time (median of CUDA-event
+intervals, with barrier and flush, and back to back); bytes as DeepEP counts them (FP8 dispatch
+``(#valid k) * (H + H/128*4 + 16)``, BF16 combine ``(#valid k) * 2H``). ``--put`` builds the Buffer under
+``deep_ep.testing.overrides(ll_put_only=True)``: every other rank reached by NVSHMEM put-with-signal (the path of
+peers behind a NIC)::
 
     python benchmarks/bench_low_latency.py --num-processes 2 --json out/ll.json
 """
@@ -31,22 +32,48 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+# The LL kernels' instantiations: the fused launch, and the split launches (send, receive) of a hooked call.
+FUSED = {"dispatch": "ll::dispatch_kernel<true>", "combine": "ll::combine_kernel<true>"}
+SPLIT = {"dispatch": "ll::dispatch_kernel<false>", "combine": "ll::combine_kernel<false>"}
+
+
+def spellings(pattern: str) -> list[str]:
+    """``pattern`` demangled ("ll::dispatch_kernel<true>") and as the profiler may show it mangled
+    ("2ll15dispatch_kernelILb1EE")."""
+    out = [pattern]
+    if "<" in pattern:
+        name, arg = pattern.rstrip(">").split("<")
+        space, _, function = name.rpartition("::")
+        mangled_arg = {"true": "Lb1E", "false": "Lb0E"}.get(arg, f"Li{arg}E")
+        out.append(f"{len(space)}{space}{len(function)}{function}I{mangled_arg}")
+    return out
+
+
 def kernel_times(trace, names: dict) -> dict:
     """Mean device time (s) per kernel of a finished torch.profiler session, keyed like ``names`` (a substring or a
     tuple of them, any of which matches)."""
     events = trace.key_averages()
     out = {}
     for key, patterns in names.items():
-        # "ll_dispatch_kernel<3>" demangled, or "ll_dispatch_kernelILi3E" if the profiler shows the mangled name.
-        spellings = []
-        for pattern in (patterns,) if isinstance(patterns, str) else patterns:
-            spellings.append(pattern)
-            if "<" in pattern:
-                name, arg = pattern.rstrip(">").split("<")
-                spellings.append(f"{name}ILi{arg}E")
-        hits = [e for e in events if any(p in e.key for p in spellings)]
+        patterns = (patterns,) if isinstance(patterns, str) else patterns
+        matches = [s for pattern in patterns for s in spellings(pattern)]
+        hits = [e for e in events if any(p in e.key for p in matches)]
         count = sum(e.count for e in hits)
         out[key] = sum(e.device_time_total for e in hits) / count / 1e6 if count else float("nan")
+    return out
+
+
+def split_phase_times(trace) -> dict:
+    """Mean device time (s) of the send and receive launches of hooked dispatches and combines: each hooked call
+    launches its kernel twice, send then receive, so in launch order the launches alternate."""
+    out = {}
+    kernels = [e for e in trace.events() if e.device_type.name == "CUDA"]
+    for op, pattern in SPLIT.items():
+        matches = spellings(pattern)
+        launches = sorted((e for e in kernels if any(p in e.name for p in matches)), key=lambda e: e.time_range.start)
+        for phase, chosen in (("send", launches[0::2]), ("recv", launches[1::2])):
+            total = sum(e.time_range.elapsed_us() for e in chosen)
+            out[f"{op}_{phase}"] = total / len(chosen) / 1e6 if chosen else float("nan")
     return out
 
 
@@ -129,7 +156,7 @@ def measure_point(rank: int, world: int, args, buf, tokens: int, flush: torch.Te
             dispatch()
             combine()
         torch.cuda.synchronize()
-    fused = kernel_times(trace, {"dispatch": "ll_dispatch_kernel<3>", "combine": "ll_combine_kernel<3>"})
+    fused = kernel_times(trace, FUSED)
     # Send / receive phases with hooks (a matmul between send and hook, as DeepEP imitates overlap).
     big = torch.randn(4096, 4096, device="cuda")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
@@ -142,10 +169,7 @@ def measure_point(rank: int, world: int, args, buf, tokens: int, flush: torch.Te
             big @ big
             c.hook()
         torch.cuda.synchronize()
-    phases = kernel_times(trace, {"dispatch_send": "ll_dispatch_kernel<1>",
-                                  "dispatch_recv": "ll_dispatch_kernel<2>",
-                                  "combine_send": "ll_combine_kernel<1>",
-                                  "combine_recv": "ll_combine_kernel<2>"})
+    phases = split_phase_times(trace)
     # DeepEP's own method (bench_kineto with barrier_comm_profiling): per profiled
     # step an 8192^2 fp32 matmul and a GPU barrier line the ranks up, then 30 dispatch + combine pairs run
     # back to back with no flush; the kernels' mean duration. Once more with hooks (a matmul before each
@@ -167,14 +191,11 @@ def measure_point(rank: int, world: int, args, buf, tokens: int, flush: torch.Te
         torch.cuda.synchronize()
 
     deepep = {}
-    fused_names = {"dispatch": "ll_dispatch_kernel<3>", "combine": "ll_combine_kernel<3>"}
-    hook_names = {"dispatch_send": "ll_dispatch_kernel<1>", "dispatch_recv": "ll_dispatch_kernel<2>",
-                  "combine_send": "ll_combine_kernel<1>", "combine_recv": "ll_combine_kernel<2>"}
-    for hook, names in ((False, fused_names), (True, hook_names)):
+    for hook in (False, True):
         deepep_step(hook)  # DeepEP's profiler schedule records the second of two steps
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
             deepep_step(hook)
-        deepep.update(kernel_times(trace, names))
+        deepep.update(split_phase_times(trace) if hook else kernel_times(trace, FUSED))
     return {"tokens": tokens, "dispatch_bytes": dispatch_bytes, "combine_bytes": combine_bytes,
             "kernel_s": fused, "phases_s": phases, "deepep_method_s": deepep,
             "wall_s": {k: statistics.median(v) for k, v in wall.items()},

@@ -8,12 +8,15 @@ A drop-in for DeepEP V1's ``deep_ep.Buffer`` API. Public names:
 * ``per_token_cast_to_fp8``, ``per_token_cast_back``, ``logfmt_roundtrip``: numerics helpers.
 * ``CommError`` and its kinds ``CommTimeoutError``, ``PeerAbortedError``, ``RoutingError``: what a failed call
   raises, whichever backend served it.
+* ``__version__``: this distribution's version; ``deep_ep.utils`` holds DeepEP's utility names (``EventHandle``,
+  ``check_nvlink_connections``, ...).
 
 Importing this package loads neither torch nor CUDA: ``config``, ``errors``, ``layout``, ``envs``, ``testing`` and
 ``backends.cuda_tuning`` are standard-library only; the torch-dependent names above resolve on first access.
 """
 from __future__ import annotations
 
+from importlib import metadata as _metadata
 from typing import Any
 
 from deep_ep.config import Config
@@ -26,6 +29,11 @@ _LAZY = {
     "per_token_cast_back": ("deep_ep.numerics", "per_token_cast_back"),
     "logfmt_roundtrip": ("deep_ep.numerics", "logfmt_roundtrip"),
 }
+
+try:
+    __version__ = _metadata.version("deep_ep")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = ["Buffer", "EventOverlap", "Config", "topk_idx_t", "per_token_cast_to_fp8", "per_token_cast_back",
            "logfmt_roundtrip", "CommError", "CommTimeoutError", "PeerAbortedError", "RoutingError"]

@@ -153,7 +153,8 @@ def exchange(rank: int, args: DemoArgs, group) -> tuple[str, bool]:
     error = (combined_x.to(torch.float32) - expected).abs().max().item() if x.numel() else 0.0
     # BF16 rounding of the expert output, of each rank's partial sum and of the result: well under 1% of the largest
     # value; a wrong routing or reduction is off by whole multiples of a token.
-    tolerance = 0.01 * max(expected.abs().max().item(), 1.0) + 0.01
+    largest = expected.abs().max().item() if expected.numel() else 0.0
+    tolerance = 0.01 * max(largest, 1.0) + 0.01
 
     failures = []
     if recv_x.size(0) != sum(received_from):
@@ -192,6 +193,10 @@ def parse_args(argv: list[str] | None = None) -> DemoArgs:
     ns = parser.parse_args(argv)
     if ns.num_processes < 1:
         parser.error(f"--num-processes must be >= 1, got {ns.num_processes}")
+    if ns.num_tokens < 0:
+        parser.error(f"--num-tokens must be >= 0, got {ns.num_tokens}")
+    if ns.hidden < 1:
+        parser.error(f"--hidden must be >= 1, got {ns.hidden}")
     if ns.num_experts % ns.num_processes != 0:
         parser.error(f"--num-experts ({ns.num_experts}) must be a multiple of --num-processes ({ns.num_processes})")
     if not 1 <= ns.num_topk <= ns.num_experts:

@@ -157,8 +157,26 @@ def train(args: argparse.Namespace, group: object, device: torch.device,
     return losses, step_times, model
 
 
+# Set by torchrun for every process it starts; gloo and NCCL's env:// rendezvous read them.
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch_hint(environ: dict, argv: list[str]) -> str | None:
+    """How to launch this script, if ``environ`` lacks what torchrun sets; ``None`` when it is all there."""
+    missing = [name for name in TORCHRUN_VARIABLES if name not in environ]
+    if not missing:
+        return None
+    command = " ".join(["torchrun", "--nproc-per-node", "2", "examples/train_tiny_moe.py", *argv])
+    return (f"train_tiny_moe.py runs one process per rank and must be started by torchrun ({', '.join(missing)} "
+            f"not set). Launch it as:\n    {command}\n(--nproc-per-node is the number of ranks; add --device cuda "
+            "for GPUs)")
+
+
 def main() -> None:
     args = parse_args()
+    hint = launch_hint(dict(os.environ), sys.argv[1:])
+    if hint is not None:
+        raise SystemExit(hint)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda needs CUDA; use --device cpu for the gloo run")

@@ -203,8 +203,11 @@ __device__ __forceinline__ bool own_rows_in_place(int phases, const Layout& lay,
     return phases == (kPhaseSend | kPhaseRecv) && !a.use_logfmt && (!a.zero_copy || lay.cmsg % 16 == 0);
 }
 
-template <int kPhases>
-__global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, CombineArgs a) {
+// As the dispatch kernel: the send and receive launches of a hooked call are one kernel with the phase as an
+// argument; the fused launch is its own instantiation.
+template <bool kFused>
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(Context ctx, CombineArgs a) {
+    const int phases = kFused ? (kPhaseSend | kPhaseRecv) : a.phases;
     extern __shared__ int4 dyn_smem4[];
     int* rowpre = reinterpret_cast<int*>(dyn_smem4);  // [L + 1] exclusive prefix of rows per local expert
     __shared__ CombineShared sh;
@@ -215,11 +218,11 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
     const int h = a.half;
     char* my_half = half_base(ctx, ctx.sym, h);
     const int64_t row_bytes = int64_t(H) * 2;
-    const bool in_place = own_rows_in_place(kPhases, lay, a);
+    const bool in_place = own_rows_in_place(phases, lay, a);
     // The receive's stage barrier, initialised once; the first __syncthreads of either phase publishes it.
-    if (tid == 0 && (kPhases & kPhaseRecv) && a.stage_slots > 0) mbar_init(&sh.stage_bar, 1);
+    if (tid == 0 && (phases & kPhaseRecv) && a.stage_slots > 0) mbar_init(&sh.stage_bar, 1);
 
-    if (kPhases & kPhaseSend) {
+    if (phases & kPhaseSend) {
         if (warp == 0) {
             int carry = 0;
             for (int j0 = 0; j0 < L; j0 += 32) {
@@ -242,10 +245,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
         __syncthreads();
         const int total = rowpre[L];
         // In a fused launch warp 0 does not send: it starts on the receive at once (routing, own rows' copies).
-        constexpr int kFirstSender = (kPhases & kPhaseRecv) ? 1 : 0;
-        constexpr int kSenders = kWarps - kFirstSender;
-        const int sw = warp - kFirstSender;
-        for (int g = sw * nb + b; sw >= 0 && g < total; g += nb * kSenders) {
+        const int first_sender = (phases & kPhaseRecv) ? 1 : 0;
+        const int senders = kWarps - first_sender;
+        const int sw = warp - first_sender;
+        for (int g = sw * nb + b; sw >= 0 && g < total; g += nb * senders) {
             int lo = 0, hi = L;  // last j with rowpre[j] <= g
             while (hi - lo > 1) {
                 const int mid = (lo + hi) / 2;
@@ -318,14 +321,14 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_kernel(Context ctx, Co
         }
     }
 
-    if (!(kPhases & kPhaseRecv)) return;
+    if (!(phases & kPhaseRecv)) return;
     // Staging: with a.stage_slots > 0 each row of the token is brought into shared memory by a bulk copy issued as
     // soon as the row is known to be complete (own rows read in place: at once, their index words are written
     // before the own arrival; other rows: when their owner's arrival word says so), so own rows load while the
     // peers' rows are still in flight and the reduction after the last arrival reads shared memory only.
     char* stage = reinterpret_cast<char*>(dyn_smem4) + a.stage_offset;
     uint32_t stage_parity = 0;
-    if (!(kPhases & kPhaseSend)) __syncthreads();  // the stage barrier's initialisation
+    if (!(phases & kPhaseSend)) __syncthreads();  // the stage barrier's initialisation
     const int n16 = H / 8;  // 16-byte chunks of a row
     for (int t = b; t < N; t += nb) {
         // Warp 0 reads the token's routing (lane k: entry k); slot = rank of k among the valid entries (ascending
@@ -493,9 +496,8 @@ constexpr int kMaxCombineSmem = 224 * 1024;
 }  // namespace
 
 void configure_combine_kernels() {
-    for (const void* kernel : {reinterpret_cast<const void*>(&ll_combine_kernel<kPhaseSend>),
-                               reinterpret_cast<const void*>(&ll_combine_kernel<kPhaseRecv>),
-                               reinterpret_cast<const void*>(&ll_combine_kernel<kPhaseSend | kPhaseRecv>)})
+    for (const void* kernel : {reinterpret_cast<const void*>(&combine_kernel<false>),
+                               reinterpret_cast<const void*>(&combine_kernel<true>)})
         DEEP_EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxCombineSmem));
 }
 
@@ -514,10 +516,10 @@ void combine(const Context& ctx, const CombineArgs& args, cudaStream_t stream) {
     a.stage_slots = stage ? static_cast<int>(std::min<int64_t>(a.num_topk, fit)) : 0;
     const int smem = static_cast<int>(a.stage_offset + a.stage_slots * row_bytes);
     switch (a.phases) {
-        case kPhaseSend: launch_cooperative(ll_combine_kernel<kPhaseSend>, ctx.num_blocks, smem, stream, ctx, a); break;
-        case kPhaseRecv: launch_cooperative(ll_combine_kernel<kPhaseRecv>, ctx.num_blocks, smem, stream, ctx, a); break;
+        case kPhaseSend:
+        case kPhaseRecv: launch_cooperative(combine_kernel<false>, ctx.num_blocks, smem, stream, ctx, a); break;
         case kPhaseSend | kPhaseRecv:
-            launch_cooperative(ll_combine_kernel<kPhaseSend | kPhaseRecv>, ctx.num_blocks, smem, stream, ctx, a);
+            launch_cooperative(combine_kernel<true>, ctx.num_blocks, smem, stream, ctx, a);
             break;
         default: DEEP_EP_CHECK_ARG(false, "phases must be 1, 2 or 3, got ", args.phases);
     }
