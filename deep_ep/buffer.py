@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from deep_ep import config as cfg
+from deep_ep import envs
 from deep_ep import handle as hd
 from deep_ep import layout
 from deep_ep import validate as v
@@ -87,6 +88,7 @@ class Buffer:
         v.check_int("num_nvl_bytes", num_nvl_bytes, 0)
         v.check_int("num_rdma_bytes", num_rdma_bytes, 0)
         v.check_int("num_qps_per_rank", num_qps_per_rank)
+        envs.TIMEOUT_S.get()  # every wait's bound: a finite number > 0, else a ValueError naming the variable
         if group is not None:
             rank, group_size = group.rank(), group.size()
         else:

@@ -10,7 +10,21 @@ from typing import Optional, Sequence
 
 
 class CommError(RuntimeError):
-    """A communication kernel or host wait failed (a peer process died, a kernel reported an error)."""
+    """A communication kernel or host wait failed (a peer process died, a kernel reported an error).
+
+    Raised by the torch backend with ``rank`` (this rank), ``peer`` (the peer whose operation failed, ``None`` for
+    a collective of all ranks) and ``phase`` set, in the Buffer's rank numbers; the CUDA backends leave them
+    ``None`` and name them in the message.
+    """
+
+    rank: Optional[int] = None
+    peer: Optional[int] = None
+    phase: Optional[str] = None
+
+    def with_origin(self, rank: Optional[int], peer: Optional[int], phase: Optional[str]) -> "CommError":
+        """``self`` with ``rank``, ``peer`` and ``phase`` set."""
+        self.rank, self.peer, self.phase = rank, peer, phase
+        return self
 
 
 class CommTimeoutError(CommError, TimeoutError):

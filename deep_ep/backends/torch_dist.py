@@ -86,6 +86,8 @@ class _Comm:
         # path), with rank_scope naming the group (TorchBackend.set_rank_names).
         self.rank_names: Optional[list[int]] = None
         self.rank_scope = ""
+        # Shrink mode (Buffer(enable_shrink=True)): errors name the rank to mask.
+        self.shrink = False
 
     def _ranks_text(self, peer: Optional[int]) -> tuple[str, str]:
         """``(this rank, the peer or 'all ranks')`` as errors name them, with the group's own numbers in brackets
@@ -100,46 +102,81 @@ class _Comm:
     def timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=envs.TIMEOUT_S.get())
 
+    def _buffer_rank(self, rank: int) -> int:
+        """Group rank ``rank`` in the Buffer's numbers (``rank_names`` for a stage's subgroup)."""
+        return self.rank_names[rank] if self.rank_names else rank
+
+    def failure(self, exc: BaseException, phase: str, what: str, peer: Optional[int]) -> CommError:
+        """The ``CommError`` (``CommTimeoutError`` for a timeout) for ``exc`` raised by ``torch.distributed`` while
+        this rank posted or awaited ``what`` of ``peer`` (``None``: a collective) in ``phase``. In shrink mode the
+        message names the rank to mask."""
+        text = str(exc)
+        me, who = self._ranks_text(peer)
+        peer_rank = None if peer is None else self._buffer_rank(peer)
+        hint = ""
+        if self.shrink and peer_rank is not None and peer != self.rank:
+            hint = f"; to go on without it, mask rank {peer_rank} (low_latency_update_mask_buffer({peer_rank}, True))"
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            error: CommError = CommTimeoutError(
+                f"deep_ep torch backend: rank {me} timed out after {envs.TIMEOUT_S.get()} s (DEEP_EP_TIMEOUT_S) in "
+                f"phase '{phase}' waiting for {what} from {who}{hint}: {text}")
+        else:
+            error = CommError(f"deep_ep torch backend: rank {me} failed in phase '{phase}' on {what} with {who}"
+                              f"{hint}: {text}")
+        return error.with_origin(self._buffer_rank(self.rank), peer_rank, phase)
+
     def wait_work(self, work: Any, phase: str, what: str, peer: Optional[int]) -> None:
         """Wait for one ``torch.distributed`` work handle within ``DEEP_EP_TIMEOUT_S``."""
         try:
             work.wait(timeout=self.timeout())
         except RuntimeError as exc:
-            text = str(exc)
-            me, who = self._ranks_text(peer)
-            if "timed out" in text.lower() or "timeout" in text.lower():
-                raise CommTimeoutError(
-                    f"deep_ep torch backend: rank {me} timed out after {envs.TIMEOUT_S.get()} s "
-                    f"(DEEP_EP_TIMEOUT_S) in phase '{phase}' waiting for {what} from {who}: {text}") from exc
-            raise CommError(f"deep_ep torch backend: rank {me} failed in phase '{phase}' waiting for {what} "
-                            f"from {who}: {text}") from exc
+            raise self.failure(exc, phase, f"{what}", peer) from exc
 
     def all_gather(self, tensor: torch.Tensor, phase: str, what: str) -> torch.Tensor:
         """``[*]`` -> ``[R, *]``: every rank's ``tensor`` (same shape and dtype on all ranks)."""
         local = tensor.to(self.device).contiguous()
         out = [torch.empty_like(local) for _ in range(self.num_ranks)]
-        work = dist.all_gather(out, local, group=self.group, async_op=True)
+        try:
+            work = dist.all_gather(out, local, group=self.group, async_op=True)
+        except RuntimeError as exc:
+            raise self.failure(exc, phase, f"posting the all-gather of {what}", None) from exc
         self.wait_work(work, phase, what, None)
         return torch.stack(out).to(tensor.device)
 
     def barrier(self, phase: str) -> None:
         token = torch.zeros(1, dtype=torch.int32, device=self.device)
-        work = dist.all_reduce(token, group=self.group, async_op=True)
+        try:
+            work = dist.all_reduce(token, group=self.group, async_op=True)
+        except RuntimeError as exc:
+            raise self.failure(exc, phase, "posting a barrier", None) from exc
         self.wait_work(work, phase, "a barrier", None)
 
     def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
              tag: int, phase: str, what: str) -> _Pending:
-        """Post ``isend``/``irecv`` of contiguous comm-device tensors as one batch (peers are group ranks)."""
+        """Post ``isend``/``irecv`` of contiguous comm-device tensors as one batch (peers are group ranks). NCCL
+        posts them as one group; gloo one by one, so that a failure names its peer."""
         tag += _NUM_TAG_KINDS * (self.num_posts % _NUM_TAG_SEQUENCES)
         self.num_posts += 1
-        ops, peers = [], []
-        for peer, tensor in sends:
-            ops.append(dist.P2POp(dist.isend, tensor, self.global_ranks[peer], self.group, tag))
-            peers.append((peer, "send"))
-        for peer, tensor in recvs:
-            ops.append(dist.P2POp(dist.irecv, tensor, self.global_ranks[peer], self.group, tag))
-            peers.append((peer, "receive"))
-        works = dist.batch_isend_irecv(ops) if ops else []
+        items = [(dist.isend, peer, tensor, "send") for peer, tensor in sends]
+        items += [(dist.irecv, peer, tensor, "receive") for peer, tensor in recvs]
+        peers = [(peer, direction) for _, peer, _, direction in items]
+        if not self.is_nccl:
+            works = []
+            for function, peer, tensor, direction in items:
+                try:
+                    works.append(function(tensor, self.global_ranks[peer], self.group, tag))
+                except RuntimeError as exc:
+                    raise self.failure(exc, phase, f"posting the {direction} of {what}", peer) from exc
+            return _Pending(self, works, peers, phase, what)
+        ops = [dist.P2POp(function, tensor, self.global_ranks[peer], self.group, tag)
+               for function, peer, tensor, _ in items]
+        if not ops:
+            return _Pending(self, [], [], phase, what)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            first = peers[0][0] if len({p for p, _ in peers}) == 1 else None
+            raise self.failure(exc, phase, f"posting the sends and receives of {what}", first) from exc
         if len(works) != len(ops):  # some torch versions return one coalesced work for the whole batch
             peers = [(self.rank if not peers else peers[0][0], "batch")] * len(works)
         return _Pending(self, list(works), peers, phase, what)
@@ -170,6 +207,7 @@ class TorchBackend(Backend):
         self._rdma_buffer: Optional[torch.Tensor] = None
         self.ll_parity = 0
         self.mask = torch.zeros(num_ranks, dtype=torch.int32) if enable_shrink else None
+        self.comm.shrink = enable_shrink
 
     def set_rank_names(self, names: Sequence[int], scope: str) -> None:
         """Report ranks in errors as ``names[r]`` instead of this group's ``r``; ``scope`` names the group (the
