@@ -39,6 +39,18 @@ class RoutingError(CommError, ValueError):
     """The kernels detected routing inconsistent with the counts or the handle (DeepEP would hang here)."""
 
 
+class ArgumentMismatchError(ValueError):
+    """The ranks of a collective call disagree on its arguments (shapes, dtypes, expert count, top-k, config, mode
+    flags, optional tensors, the handle) or made different calls, or another rank refused its arguments. Raised on
+    every rank of the call before any row moves; the Buffer stays usable."""
+
+
+class LowLatencyMisuseError(RuntimeError):
+    """A low-latency call that would overwrite data still in use: a third call while the receive hook of the call
+    two before is pending (its buffer half), or a zero-copy combine whose buffer was filled before another
+    low-latency call. Raised on every rank of the call before any data moves; the pending work stays valid."""
+
+
 _RANK_PEER = re.compile(r"rank (-?\d+) peer (-?\d+)")
 
 

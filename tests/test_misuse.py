@@ -8,10 +8,9 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+import dist
 import pytest
 import torch
-
-import dist
 
 MODULE = "test_misuse"
 NUM_TOKENS = 6
@@ -107,9 +106,8 @@ def run_dead_peer(ctx: dist.WorkerContext, mode: str) -> Optional[str]:
             return f"CommError attributes rank={exc.rank} phase={exc.phase!r}: {text}"
         if f"rank {rank}" not in text or exc.phase not in text:
             return f"the message does not name this rank and the phase: {text}"
-        if shrink:
-            if exc.peer != dead or f"mask rank {dead}" not in text:
-                return f"shrink mode: the error does not name rank {dead} to mask (peer={exc.peer}): {text}"
+        if shrink and (exc.peer != dead or f"mask rank {dead}" not in text):
+            return f"shrink mode: the error does not name rank {dead} to mask (peer={exc.peer}): {text}"
         if waited > 10:
             return f"the fault took {waited:.1f} s to surface"
     except RuntimeError as exc:
@@ -125,6 +123,116 @@ def run_dead_peer(ctx: dist.WorkerContext, mode: str) -> Optional[str]:
     if not torch.equal(combined, x):
         return "after masking the dead rank, the survivors' low-latency round trip is wrong"
     return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Items: a dropped receive hook never breaks the group; misuse of the double buffer across calls raises.
+# ---------------------------------------------------------------------------------------------------------------
+
+def _ll_case(ctx: dist.WorkerContext) -> tuple[Any, int, torch.Tensor, torch.Tensor]:
+    """The pool's low-latency Buffer, E, and this rank's x and routing (every token to one expert of the next
+    rank, so that the round trip returns x)."""
+    num_experts = 2 * ctx.world_size
+    if "ll" not in ctx.cache:
+        ctx.cache["ll"] = _ll_buffer(ctx, num_experts, 1024)
+    x = (torch.arange(LL_TOKENS * 1024, dtype=torch.float32).view(LL_TOKENS, 1024) + ctx.rank).remainder(11)
+    idx = torch.full((LL_TOKENS, 1), 2 * ((ctx.rank + 1) % ctx.world_size) + 1, dtype=torch.int64)
+    return ctx.cache["ll"], num_experts, x.to(torch.bfloat16), idx
+
+
+def _check_round_trips(ctx: dist.WorkerContext) -> Optional[str]:
+    """A low-latency and a normal round trip on every rank must return x."""
+    import deep_ep
+    buf, num_experts, x, idx = _ll_case(ctx)
+    if not torch.equal(_ll_identity(buf, x, idx, num_experts=num_experts), x):
+        return "the low-latency round trip after the misuse is wrong"
+    if "normal" not in ctx.cache:
+        ctx.cache["normal"] = deep_ep.Buffer(ctx.group, 1 << 20)
+    normal = ctx.cache["normal"]
+    layout = normal.get_dispatch_layout(idx, num_experts)
+    recv_x, _, _, _, handle, _ = normal.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                                                 num_tokens_per_expert=layout[2])
+    combined, _, _ = normal.combine(recv_x, handle)
+    return None if torch.equal(combined, x) else "the normal round trip after the misuse is wrong"
+
+
+def run_dropped_hook(ctx: dist.WorkerContext, which: str) -> Optional[str]:
+    """Rank 0 drops a hook uncalled (its result is garbage), the others call theirs; the next calls all work."""
+    import gc
+    buf, num_experts, x, idx = _ll_case(ctx)
+    recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, LL_TOKENS, num_experts, use_fp8=False,
+                                                          return_recv_hook=which == "dispatch")
+    if which == "dispatch":  # rank 0 drops its hook, the others call theirs; then every rank goes on
+        if ctx.rank == 0:
+            del recv_x, handle, hook
+            gc.collect()
+        else:
+            hook()
+        return _check_round_trips(ctx)
+    weights = torch.ones(LL_TOKENS, 1)
+    combined, _, hook = buf.low_latency_combine(recv_x, idx, weights, handle, return_recv_hook=which == "combine")
+    if ctx.rank == 0 and which == "combine":
+        del combined, hook
+        gc.collect()
+    elif which == "combine":
+        hook()
+        if not torch.equal(combined, x):
+            return "the combine of the ranks that called their hook is wrong"
+    return _check_round_trips(ctx)
+
+
+def run_third_call(ctx: dist.WorkerContext, which: str) -> Optional[str]:
+    """Two calls with pending hooks, then a third: it raises on every rank; the hooks then give the right data."""
+    from deep_ep.errors import LowLatencyMisuseError
+    buf, num_experts, x, idx = _ll_case(ctx)
+    first = buf.low_latency_dispatch(x, idx, LL_TOKENS, num_experts, use_fp8=False, return_recv_hook=True)
+    second = buf.low_latency_dispatch(x + 1, idx, LL_TOKENS, num_experts, use_fp8=False,
+                                      return_recv_hook=which == "hooks")
+    try:
+        if which == "hooks":
+            buf.low_latency_dispatch(x + 2, idx, LL_TOKENS, num_experts, use_fp8=False)
+        else:  # the first hook would be called after two more calls
+            buf.low_latency_combine(second[0], idx, torch.ones(LL_TOKENS, 1), second[2])
+    except LowLatencyMisuseError as exc:
+        if "third low-latency call" not in str(exc) or "has not been called" not in str(exc):
+            return f"the misuse error does not say what happened: {exc}"
+    else:
+        return "a third low-latency call in flight was accepted"
+    first[4]()
+    if which == "hooks":
+        second[4]()
+    for shift, (recv_x, _, handle, _, _) in enumerate((first, second)):
+        combined, _, _ = buf.low_latency_combine(recv_x, idx, torch.ones(LL_TOKENS, 1), handle)
+        if not torch.equal(combined, (x + shift)):
+            return f"call {shift}'s data is wrong after the refused third call"
+    return _check_round_trips(ctx)
+
+
+def run_zero_copy_reuse(ctx: dist.WorkerContext, case: None) -> Optional[str]:
+    """A zero-copy buffer filled before another low-latency call is refused; filled after it, it works."""
+    from deep_ep.errors import LowLatencyMisuseError
+    buf, num_experts, x, idx = _ll_case(ctx)
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, LL_TOKENS, num_experts, use_fp8=False)
+    buf.get_next_low_latency_combine_buffer(handle).copy_(recv_x)
+    other = buf.low_latency_dispatch(x, idx, LL_TOKENS, num_experts, use_fp8=False)
+    for attempt in ("after another call", "never fetched"):
+        try:
+            buf.low_latency_combine(recv_x, idx, torch.ones(LL_TOKENS, 1), other[2] if attempt[0] == "n" else handle,
+                                    zero_copy=True)
+        except LowLatencyMisuseError as exc:
+            if "get_next_low_latency_combine_buffer" not in str(exc):
+                return f"the zero-copy error does not say what to do: {exc}"
+        else:
+            return f"a zero-copy combine with a buffer {attempt} was accepted"
+        if attempt[0] == "a":
+            buf.low_latency_dispatch(x, idx, LL_TOKENS, num_experts, use_fp8=False)
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, LL_TOKENS, num_experts, use_fp8=False)
+    buf.get_next_low_latency_combine_buffer(handle).copy_(recv_x)
+    combined, _, _ = buf.low_latency_combine(torch.zeros_like(recv_x), idx, torch.ones(LL_TOKENS, 1), handle,
+                                             zero_copy=True)
+    if not torch.equal(combined, x):
+        return "a correct zero-copy combine is wrong"
+    return _check_round_trips(ctx)
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +254,12 @@ def test_dead_peer_raises_comm_error(pools, world, mode):
     failures = {r: m for r, m in reports.items() if m is not None and r != world - 1}
     assert not failures, failures
     assert "died" in (reports[world - 1] or ""), reports
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("function, case", [("run_dropped_hook", "dispatch"), ("run_dropped_hook", "combine"),
+                                            ("run_third_call", "hooks"), ("run_third_call", "late hook"),
+                                            ("run_zero_copy_reuse", None)])
+def test_dropped_hooks_and_double_buffer_misuse(pools, world, function, case):
+    pools.get(world, {"DEEP_EP_GPUS_PER_NODE": str(world), "DEEP_EP_TIMEOUT_S": "5"}).check(MODULE, function, case)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from deep_ep import envs, numerics
 from deep_ep import handle as hd
+from deep_ep.backends.agreement import Signature, check_agreement
 from deep_ep.backends.base import (
     Backend,
     CombineRequest,
@@ -51,6 +52,7 @@ _TAG_COMBINE = 13
 _TAG_LL_COUNT = 21
 _TAG_LL_DISPATCH = 22
 _TAG_LL_COMBINE = 23
+_TAG_SIGNATURE = 24
 # Tags are ``kind + _NUM_TAG_KINDS * (batch number mod _NUM_TAG_SEQUENCES)``.
 _NUM_TAG_KINDS = 32
 _NUM_TAG_SEQUENCES = 1 << 20
@@ -74,6 +76,9 @@ class _Pending:
 class _Comm:
     """Bounded collective and point-to-point helpers over one process group (ranks are group ranks)."""
 
+    # Shrink mode (Buffer(enable_shrink=True)): errors name the rank to mask.
+    shrink = False
+
     def __init__(self, group: Any, rank: int, num_ranks: int) -> None:
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(num_ranks)]
@@ -86,8 +91,6 @@ class _Comm:
         # path), with rank_scope naming the group (TorchBackend.set_rank_names).
         self.rank_names: Optional[list[int]] = None
         self.rank_scope = ""
-        # Shrink mode (Buffer(enable_shrink=True)): errors name the rank to mask.
-        self.shrink = False
 
     def _ranks_text(self, peer: Optional[int]) -> tuple[str, str]:
         """``(this rank, the peer or 'all ranks')`` as errors name them, with the group's own numbers in brackets
@@ -208,6 +211,21 @@ class TorchBackend(Backend):
         self.ll_parity = 0
         self.mask = torch.zeros(num_ranks, dtype=torch.int32) if enable_shrink else None
         self.comm.shrink = enable_shrink
+
+    def agree(self, signature: Signature, phase: str, low_latency: bool = False) -> None:
+        """Exchange ``signature`` with every rank of the call and check that they agree (``check_agreement``): one
+        fixed-size message before any row moves; an all-gather in normal mode, point-to-point with the active ranks
+        in low-latency mode (as its counts travel: shrink mode skips masked ranks, a timeout names the peer)."""
+        words = signature.words()
+        ranks = self._active_peers() if low_latency else list(range(self.num_ranks))
+        if not low_latency:
+            gathered = self.comm.all_gather(words, phase, "the call signatures")
+        else:
+            bufs = {s: torch.empty_like(words, device=self.device) for s in ranks if s != self.rank}
+            sends = [(d, words.to(self.device)) for d in bufs]
+            self.comm.post(sends, list(bufs.items()), _TAG_SIGNATURE, phase, "the call signatures").wait()
+            gathered = torch.stack([words if s == self.rank else bufs[s].cpu() for s in ranks])
+        check_agreement(signature, gathered, ranks, self.rank)
 
     def set_rank_names(self, names: Sequence[int], scope: str) -> None:
         """Report ranks in errors as ``names[r]`` instead of this group's ``r``; ``scope`` names the group (the
