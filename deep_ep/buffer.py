@@ -70,11 +70,12 @@ class _Agreement:
     its validation: :meth:`agree` exchanges the call's signature; a ``TypeError``/``ValueError`` raised in the block
     before that sends a refusal in its place, so that the peers raise at once instead of waiting."""
 
-    __slots__ = ("buffer", "method", "mode", "device", "done")
+    __slots__ = ("buffer", "method", "mode", "device", "backend", "done")
 
     def __init__(self, buffer: "Buffer", method: str, mode: str) -> None:
         self.buffer, self.method, self.mode = buffer, method, mode
         self.device: Optional[str] = _UNKNOWN_DEVICE
+        self.backend: Optional[Backend] = None  # the backend serving the call, once chosen
         self.done = False
 
     def __enter__(self) -> "_Agreement":
@@ -82,7 +83,7 @@ class _Agreement:
 
     def _exchange(self, signature: Signature) -> None:
         self.done = True
-        torch_backend = self.buffer._agreeing(self.mode, self.device)
+        torch_backend = self.buffer._agreeing(self.mode, self.device, self.backend)
         if torch_backend is not None:
             torch_backend.agree(signature, f"{self.method} agreement", self.mode == "low_latency")
 
@@ -179,6 +180,8 @@ class Buffer:
         self._ll_generation = 0
         self._ll_receives: list[tuple[weakref.ref, PendingReceive]] = []
         self._zero_copy_generation = -1
+        # The one-time warning that the torch backend serves a low-latency hidden size the kernels do not.
+        self._ll_fallback_warned = False
         # (T, H, E) of plain ints that passed _check_low_latency -> local experts per rank.
         self._ll_checked: dict[tuple[int, int, int], int] = {}
 
@@ -236,18 +239,41 @@ class Buffer:
             raise RuntimeError(f"{method} needs the torch backend, which needs a torch.distributed group")
         return backend
 
-    def _agreeing(self, mode: str, device: Optional[str]) -> Optional[Backend]:
-        """The torch backend when the calls of ``mode`` on tensors of ``device`` type check their agreement through
-        it (a multi-rank group served by the torch backend or the composed path's torch stages), else ``None``.
-        An unknown device agrees only if every device type's route does."""
+    def _agreeing(self, mode: str, device: Optional[str], backend: Optional[Backend] = None) -> Optional[Backend]:
+        """The torch backend when a call of ``mode`` served by ``backend`` (``None``: the route of ``device``)
+        checks its agreement through it (a multi-rank group served by the torch backend or the composed path's
+        torch stages), else ``None``. An unknown device agrees only if every device type's route does."""
         if self.group_size == 1 or self._torch is None or self._destroyed:
             return None
-        devices = ("cpu", "cuda") if device == _UNKNOWN_DEVICE else (device,)
-        for d in devices:
-            backend = self._routes.get((mode, d), self._torch)
-            if backend is not self._torch and not (backend is self._composed and self._composed_device == "cpu"):
+        if backend is not None:
+            candidates = [backend]
+        else:
+            devices = ("cpu", "cuda") if device == _UNKNOWN_DEVICE else (device,)
+            candidates = [self._routes.get((mode, d), self._torch) for d in devices]
+        for candidate in candidates:
+            if candidate is not self._torch and not (candidate is self._composed and self._composed_device == "cpu"):
                 return None
         return self._torch
+
+    def _ll_backend(self, method: str, device: Optional[str], hidden: int, use_fp8: bool = False,
+                    use_ue8m0: bool = False) -> Backend:
+        """The backend of a low-latency call of ``hidden`` channels: the route of ``device``, or the torch backend
+        when the CUDA kernels do not serve ``hidden`` (with a one-time ``RuntimeWarning``; an error under
+        ``DEEP_EP_BACKEND=cuda``)."""
+        backend = self._backend(method, "low_latency", device)
+        if backend is not self._torch:
+            reason = v.ll_kernel_hidden_refusal(hidden, use_fp8, use_ue8m0)
+            if reason is None:
+                return backend
+            if self._torch is None or selection.backend_choice() == "cuda":
+                raise ValueError(reason)
+            backend = self._torch
+            if not self._ll_fallback_warned:
+                self._ll_fallback_warned = True
+                warnings.warn(f"deep_ep.Buffer: the torch backend (torch.distributed) carries the low-latency calls of "
+                              f"hidden={hidden}: {reason}; correct, not fast", RuntimeWarning, stacklevel=3)
+        v.check_ll_hidden(hidden, use_fp8, use_ue8m0)
+        return backend
 
     def _settle_receives(self) -> None:
         """Run the receive of every low-latency hook that was dropped uncalled (its result garbage-collected), so
@@ -331,7 +357,7 @@ class Buffer:
                                        num_experts: int) -> int:
         """Bytes of RDMA buffer the low-latency kernels need (``num_ranks`` is unused, as in DeepEP)."""
         v.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
-        v.check_int("hidden", hidden, 128)
+        v.check_int("hidden", hidden, 1)
         v.check_int("num_experts", num_experts, 1)
         return layout.low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
@@ -647,7 +673,8 @@ class Buffer:
                 for name, value in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
                                     ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
                     v.check_bool(name, value)
-            v.check_ll_hidden(hidden, use_fp8, use_ue8m0)
+            backend = agreement.backend = self._ll_backend("low_latency_dispatch", _device_type(x), hidden, use_fp8,
+                                                           use_ue8m0)
             v.check_ll_tokens("x", num_tokens, num_max_dispatch_tokens_per_rank)
             topk_idx = v.check_topk_idx("topk_idx", topk_idx, num_tokens=num_tokens, device=x.device)
             v.check_ll_topk("topk_idx", topk_idx.size(1))
@@ -661,7 +688,6 @@ class Buffer:
             if dispatch_wait_recv_cost_stats is not None:
                 v.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, dtype=torch.int64,
                                shape=(self.group_size,), device=x.device)
-            backend = self._backend("low_latency_dispatch", "low_latency", _device_type(x))
             if backend.needs_host_checks:
                 v.check_expert_range("topk_idx", topk_idx, num_experts)
                 valid = topk_idx[topk_idx >= 0].to(torch.int64)
@@ -739,7 +765,7 @@ class Buffer:
             if combine_wait_recv_cost_stats is not None:
                 v.check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dtype=torch.int64,
                                shape=(self.group_size,), device=device)
-            backend = self._backend("low_latency_combine", "low_latency", _device_type(x))
+            backend = agreement.backend = self._ll_backend("low_latency_combine", _device_type(x), hidden)
             if backend.needs_host_checks:
                 v.check_expert_range("topk_idx", topk_idx, num_experts)
             agreement.agree(("handle (its dispatch number)", handle.serial),
@@ -757,8 +783,8 @@ class Buffer:
         ``zero_copy=True``. Valid until another low-latency call is made."""
         handle = self._check_handle(handle, "low_latency")
         self._check_low_latency(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
-        backend = self._backend("get_next_low_latency_combine_buffer", "low_latency",
-                                _device_type(handle.packed_recv_src_info))
+        backend = self._ll_backend("get_next_low_latency_combine_buffer", _device_type(handle.packed_recv_src_info),
+                                   handle.hidden)
         view = backend.get_next_low_latency_combine_buffer(handle)
         self._zero_copy_generation = self._ll_generation
         return view
@@ -768,12 +794,12 @@ class Buffer:
         self._settle_receives()
         with _Agreement(self, "clean_low_latency_buffer", "low_latency") as agreement:
             agreement.device = None
-            v.check_int("hidden", hidden, 128)
+            v.check_int("hidden", hidden, 1)
             self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            backend = agreement.backend = self._ll_backend("clean_low_latency_buffer", None, hidden)
             agreement.agree(("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                             ("hidden", hidden), ("num_experts", num_experts))
-        self._backend("clean_low_latency_buffer", "low_latency", None).clean_low_latency_buffer(
-            num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        backend.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def _check_shrink(self, method: str) -> Backend:
         if not self.enable_shrink:

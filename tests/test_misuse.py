@@ -235,6 +235,11 @@ def run_zero_copy_reuse(ctx: dist.WorkerContext, case: None) -> Optional[str]:
     return _check_round_trips(ctx)
 
 
+def _env(world: int) -> dict:
+    """Every test of this module shares one pool per world size."""
+    return {"DEEP_EP_GPUS_PER_NODE": str(world), "DEEP_EP_TIMEOUT_S": "5"}
+
+
 @pytest.fixture(scope="module")
 def pools():
     with dist.PoolManager() as manager:
@@ -243,17 +248,7 @@ def pools():
 
 @pytest.mark.timeout(300)
 def test_timeout_must_be_finite_and_positive(pools):
-    pools.get(2, {"DEEP_EP_GPUS_PER_NODE": "2"}).check(MODULE, "run_bad_timeout", None)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world, mode", [(2, "normal"), (4, "shrink")])
-def test_dead_peer_raises_comm_error(pools, world, mode):
-    pool = pools.get(world, {"DEEP_EP_GPUS_PER_NODE": str(world), "DEEP_EP_TIMEOUT_S": "20", "CASE": mode})
-    reports = pool.run(MODULE, "run_dead_peer", mode)
-    failures = {r: m for r, m in reports.items() if m is not None and r != world - 1}
-    assert not failures, failures
-    assert "died" in (reports[world - 1] or ""), reports
+    pools.get(2, _env(2)).check(MODULE, "run_bad_timeout", None)
 
 
 @pytest.mark.timeout(300)
@@ -262,4 +257,117 @@ def test_dead_peer_raises_comm_error(pools, world, mode):
                                             ("run_third_call", "hooks"), ("run_third_call", "late hook"),
                                             ("run_zero_copy_reuse", None)])
 def test_dropped_hooks_and_double_buffer_misuse(pools, world, function, case):
-    pools.get(world, {"DEEP_EP_GPUS_PER_NODE": str(world), "DEEP_EP_TIMEOUT_S": "5"}).check(MODULE, function, case)
+    pools.get(world, _env(world)).check(MODULE, function, case)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Item: the torch backend serves any low-latency hidden size its semantics allow.
+# ---------------------------------------------------------------------------------------------------------------
+
+def run_small_hidden(ctx: dist.WorkerContext, case: tuple[int, bool]) -> Optional[str]:
+    """A low-latency dispatch and combine of a hidden size the kernels do not serve, against ``reference``."""
+    import reference
+    hidden, use_fp8 = case
+    world, rank = ctx.world_size, ctx.rank
+    num_experts = 2 * world
+    buf = _ll_buffer(ctx, num_experts, hidden)
+    gen = torch.Generator().manual_seed(hidden)
+    xs = [torch.randint(-8, 9, (LL_TOKENS, hidden), generator=gen).to(torch.bfloat16) for _ in range(world)]
+    idxs = [torch.rand(LL_TOKENS, num_experts, generator=gen).argsort(1)[:, :2].contiguous() for _ in range(world)]
+    weights = [torch.rand(LL_TOKENS, 2, generator=gen) for _ in range(world)]
+    recv_x, count, handle, _, _ = buf.low_latency_dispatch(xs[rank], idxs[rank], LL_TOKENS, num_experts,
+                                                           use_fp8=use_fp8)
+    refs = reference.low_latency_dispatch(xs, idxs, LL_TOKENS, num_experts, use_fp8=use_fp8)
+    want = refs[rank]
+    got_data = recv_x[0] if use_fp8 else recv_x
+    want_data = want.recv_x[0] if use_fp8 else want.recv_x
+    for j in range(num_experts // world):
+        n = int(count[j])
+        if n != int(want.packed_recv_count[j]):
+            return f"hidden={hidden}: expert {j} received {n} rows, reference {int(want.packed_recv_count[j])}"
+        if not torch.equal(got_data[j, :n].view(torch.uint8), want_data[j, :n].view(torch.uint8)):
+            return f"hidden={hidden}: expert {j}'s received rows differ from the reference"
+    ys = [torch.randint(-4, 5, (num_experts // world, world * LL_TOKENS, hidden), generator=gen).to(torch.bfloat16)
+          for _ in range(world)]
+    combined, _, _ = buf.low_latency_combine(ys[rank], idxs[rank], weights[rank], handle)
+    ref_c = reference.low_latency_combine(ys, idxs, weights, [r.handle for r in refs])
+    if not torch.equal(combined, ref_c[rank]):
+        return f"hidden={hidden}: the combine differs from the reference"
+    return None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_low_latency_any_hidden_on_the_torch_backend(pools, world):
+    pool = pools.get(world, _env(world))
+    for case in ((256, True), (200, False), (64, False)):
+        pool.check(MODULE, "run_small_hidden", case)
+
+
+# A CUDA low-latency Buffer on the fake extension (tests/fake_cuda.py): hidden 256 is not served by the kernels, so
+# the torch backend carries it with one RuntimeWarning (auto), or the call raises (DEEP_EP_BACKEND=cuda); hidden
+# 1024 still reaches the kernels.
+_FALLBACK_PROBE = r"""
+import json, os, sys, warnings
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+sys.path.insert(0, sys.argv[1])
+import fake_cuda as fake
+import torch
+import torch.distributed as dist
+ext = fake.make_fake_extension(torch)
+sys.modules["deep_ep._C"] = ext
+kernel_calls = []
+class Recording(ext.LowLatencyRuntime):
+    def dispatch(self, *args):
+        kernel_calls.append(args[0].size(1))
+        return super().dispatch(*args)
+ext.LowLatencyRuntime = Recording
+import deep_ep
+
+os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(29900 + os.getpid() % 90)
+dist.init_process_group("gloo", rank=0, world_size=1)
+out = {}
+x = torch.arange(4 * 256, dtype=torch.float32).view(4, 256).remainder(13).to(torch.bfloat16)
+idx = torch.tensor([[1], [0], [1], [1]], dtype=deep_ep.topk_idx_t)
+with fake.patched(torch, cuda_tensors=True):
+    for choice in ("auto", "cuda"):
+        os.environ["DEEP_EP_BACKEND"] = choice
+        buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=1 << 26, low_latency_mode=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                for _ in range(2):
+                    d = buffer.low_latency_dispatch(x, idx, 4, 2, use_fp8=False)
+                    c = buffer.low_latency_combine(d.recv_x, idx, torch.ones(4, 1), d.handle)
+                out[choice] = ["ok", torch.equal(c.combined_x, x)]
+            except ValueError as exc:
+                out[choice] = ["ValueError", str(exc)]
+        out[choice + " warnings"] = [str(w.message) for w in caught if w.category is RuntimeWarning]
+        buffer.low_latency_dispatch(torch.zeros(4, 1024, dtype=torch.bfloat16), idx, 4, 2, use_fp8=False)
+    out["kernel hidden sizes"] = kernel_calls
+print(json.dumps(out))
+"""
+
+
+def test_cuda_low_latency_falls_back_for_hidden_the_kernels_do_not_serve():
+    import json
+
+    from test_cuda_host_path import ROOT, _run
+    out = json.loads(_run(["-c", _FALLBACK_PROBE, ROOT]).strip().splitlines()[-1])
+    assert out["auto"] == ["ok", True], out
+    warned = out["auto warnings"]
+    assert len(warned) == 1 and "hidden=256" in warned[0] and "torch backend" in warned[0], warned
+    assert out["cuda"][0] == "ValueError" and "256" in out["cuda"][1] and "hidden" in out["cuda"][1], out
+    assert out["cuda warnings"] == [], out
+    assert out["kernel hidden sizes"] == [1024, 1024], out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, mode", [(2, "normal"), (4, "shrink")])
+def test_dead_peer_raises_comm_error(pools, world, mode):
+    # Last in this module: it leaves the pool broken (a rank is gone).
+    pool = pools.get(world, _env(world))
+    reports = pool.run(MODULE, "run_dead_peer", mode)
+    failures = {r: m for r, m in reports.items() if m is not None and r != world - 1}
+    assert not failures, failures
+    assert "died" in (reports[world - 1] or ""), reports
