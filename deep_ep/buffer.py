@@ -401,7 +401,7 @@ class Buffer:
             if not isinstance(size, (torch.Size, tuple)):
                 raise TypeError(f"size must be a torch.Size, got {type(size).__name__}")
             size = torch.Size(size)
-            available = (num_bytes - offset) // torch.empty(0, dtype=dtype).element_size()
+            available = (num_bytes - offset) // torch.empty(0, dtype=dtype, device="cpu").element_size()
             if size.numel() > available:
                 raise ValueError(f"size {tuple(size)} needs {size.numel()} elements of {dtype}, but the buffer has "
                                  f"{available} from offset {offset}")

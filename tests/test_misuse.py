@@ -235,6 +235,77 @@ def run_zero_copy_reuse(ctx: dist.WorkerContext, case: None) -> Optional[str]:
     return _check_round_trips(ctx)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Item: the library works whatever torch.set_default_device says.
+# ---------------------------------------------------------------------------------------------------------------
+
+class _OnDefaultDevice:
+    """A Buffer whose every method (and every receive hook it returns) runs with ``torch.set_default_device(device)``
+    in force; the caller's own tensors and the reference are built outside."""
+
+    def __init__(self, buffer: Any, device: str) -> None:
+        self._buffer, self._device = buffer, device
+
+    def _run(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        torch.set_default_device(self._device)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.set_default_device(None)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._buffer, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = self._run(attr, *args, **kwargs)
+            hook = getattr(result, "hook", None)
+            if hook is not None:
+                result = result._replace(hook=lambda: self._run(hook))
+            return result
+        return call
+
+
+def run_default_device(ctx: dist.WorkerContext, case: Any) -> Optional[str]:
+    """A normal or low-latency case of ``tests/test_buffer_torch.py`` (checked against ``reference`` there) with
+    the default device set to ``meta`` inside every Buffer call."""
+    import deep_ep
+    import test_buffer_torch as tb
+    low_latency = isinstance(case, tb.LowLatencyCase)
+    if low_latency:
+        key = f"ll-shrink={case.masked_rank >= 0}"
+        hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(tb.LL_TOKENS, tb.LL_HIDDEN, ctx.world_size,
+                                                             ctx.world_size * tb.LL_MAX_LOCAL_EXPERTS)
+        kwargs = dict(num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=tb.LL_MAX_LOCAL_EXPERTS,
+                      enable_shrink=case.masked_rank >= 0)
+    else:
+        key, kwargs = "normal", dict(num_nvl_bytes=1 << 20)
+    if key not in ctx.cache:
+        ctx.cache[key] = _OnDefaultDevice(deep_ep.Buffer(ctx.group, **kwargs), "meta")
+    return (tb.run_low_latency if low_latency else tb.run_normal)(ctx, case)
+
+
+def _default_device_cases(world: int, per_node: int) -> list:
+    import strategies
+    import test_buffer_torch as tb
+    cases = []
+    for seed, (use_fp8, with_topk) in enumerate(((True, True), (False, False))):
+        routing = strategies.Case(num_ranks=world, num_scaleup_ranks=per_node, num_tokens=tuple(range(3, 3 + world)),
+                                  hidden=128, num_topk=2, num_experts=2 * world, mask_percent=20, num_channels=2,
+                                  seed=seed)
+        cases.append(tb.NormalCase(routing, use_fp8, with_topk, expert_alignment=2, worst_tokens=with_topk,
+                                   num_bias=2 - seed, async_finish=bool(seed), previous_event=False))
+    for seed, (use_fp8, hook, masked) in enumerate(((True, True, -1), (False, False, world - 1))):
+        routing = strategies.Case(num_ranks=world, num_scaleup_ranks=per_node, num_tokens=(tb.LL_TOKENS,) * world,
+                                  hidden=tb.LL_HIDDEN, num_topk=2, num_experts=2 * world, mask_percent=20,
+                                  num_channels=2, seed=seed)
+        cases.append(tb.LowLatencyCase(routing, use_fp8, round_scale=use_fp8, use_ue8m0=use_fp8,
+                                       use_logfmt=not use_fp8, zero_copy=use_fp8, use_out=True,
+                                       return_recv_hook=hook, back_to_back=True, masked_rank=masked))
+    return cases
+
+
 def _env(world: int) -> dict:
     """Every test of this module shares one pool per world size."""
     return {"DEEP_EP_GPUS_PER_NODE": str(world), "DEEP_EP_TIMEOUT_S": "5"}
@@ -360,6 +431,14 @@ def test_cuda_low_latency_falls_back_for_hidden_the_kernels_do_not_serve():
     assert out["cuda"][0] == "ValueError" and "256" in out["cuda"][1] and "hidden" in out["cuda"][1], out
     assert out["cuda warnings"] == [], out
     assert out["kernel hidden sizes"] == [1024, 1024], out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, per_node", [(2, 2), (4, 2)])
+def test_calls_ignore_the_default_device(pools, world, per_node):
+    pool = pools.get(world, {"DEEP_EP_GPUS_PER_NODE": str(per_node), "DEEP_EP_TIMEOUT_S": "5"})
+    for case in _default_device_cases(world, per_node):
+        pool.check(MODULE, "run_default_device", case)
 
 
 @pytest.mark.timeout(300)

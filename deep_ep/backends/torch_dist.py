@@ -209,7 +209,7 @@ class TorchBackend(Backend):
         self._nvl_buffer: Optional[torch.Tensor] = None
         self._rdma_buffer: Optional[torch.Tensor] = None
         self.ll_parity = 0
-        self.mask = torch.zeros(num_ranks, dtype=torch.int32) if enable_shrink else None
+        self.mask = torch.zeros(num_ranks, dtype=torch.int32, device="cpu") if enable_shrink else None
         self.comm.shrink = enable_shrink
 
     def agree(self, signature: Signature, phase: str, low_latency: bool = False) -> None:
@@ -253,7 +253,7 @@ class TorchBackend(Backend):
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
         raw = self.rdma_buffer() if use_rdma_buffer else self.nvl_buffer()
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = torch.empty(0, dtype=dtype, device="cpu").element_size()
         # DeepEP's length ignores the offset (it could read past the end); a real view must stay inside.
         count = (raw.numel() - offset) // itemsize
         view = raw[offset:offset + count * itemsize].view(dtype)
@@ -281,7 +281,7 @@ class TorchBackend(Backend):
             prefix = handle.rank_prefix_matrix[:, self.rank].to(torch.int64).cpu()
         else:
             prefix = handle.recv_gbl_rank_prefix_sum.to(torch.int64).cpu()
-        return torch.diff(prefix, prepend=torch.zeros(1, dtype=torch.int64))
+        return torch.diff(prefix, prepend=torch.zeros(1, dtype=torch.int64, device="cpu"))
 
     def _exchange_rows(self, send_rows: list[torch.Tensor], recv_counts: Sequence[int], row_bytes: int, tag: int,
                        phase: str, what: str) -> list[torch.Tensor]:
@@ -438,7 +438,7 @@ class TorchBackend(Backend):
         recv_gbl_chan_prefix = hd.recv_gbl_channel_prefix_matrix(src_chan_prefix, recv_gbl_rank_prefix)
 
         # recv_src_meta: source node and this node's local-rank mask of every received row.
-        source_of_row = torch.repeat_interleave(torch.arange(self.num_ranks), recv_counts)
+        source_of_row = torch.repeat_interleave(torch.arange(self.num_ranks, device=recv_counts.device), recv_counts)
         local_masks = from_bytes(recv_mask_bytes, torch.uint8, num_nodes * per_node)
         local_masks = local_masks.view(num_recv, num_nodes, per_node)[:, my_node].to(torch.bool)
         src_meta = hd.encode_src_meta((source_of_row // per_node).to(dev), local_masks[:num_recv])
@@ -571,7 +571,7 @@ class TorchBackend(Backend):
             half = self._flip(layout)
             # Stage one message per token in send_{half}: [int32 source token index | 12 B pad | payload].
             staging = self._region(layout, f"send_{half}")[:num_tokens * dispatch_msg].view(num_tokens, dispatch_msg)
-            staging[:, :4] = as_bytes(torch.arange(num_tokens, dtype=torch.int32)).to(self.device)
+            staging[:, :4] = as_bytes(torch.arange(num_tokens, dtype=torch.int32, device=self.device))
             if use_fp8:
                 q, scales = numerics.per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
                 staging[:, 16:16 + hidden] = as_bytes(q).to(self.device)
@@ -582,13 +582,13 @@ class TorchBackend(Backend):
             # Rows per (destination, local expert), ordered by (token, k).
             idx = topk_idx.to(torch.int64).cpu()
             flat = idx.flatten()
-            token_of = torch.arange(num_tokens).repeat_interleave(idx.size(1))
+            token_of = torch.arange(num_tokens, device="cpu").repeat_interleave(idx.size(1))
             valid = flat >= 0
             flat, token_of = flat[valid], token_of[valid]
             send_counts = torch.bincount(flat, minlength=num_experts).view(num_ranks, num_local).to(torch.int32)
 
             # Counts first (fixed size, so every receiver can post its receives), then the rows.
-            recv_counts = torch.zeros(num_ranks, num_local, dtype=torch.int32)
+            recv_counts = torch.zeros(num_ranks, num_local, dtype=torch.int32, device="cpu")
             recv_counts[rank] = send_counts[rank]
             count_bufs = {s: torch.empty(num_local, dtype=torch.int32, device=self.device) for s in active
                           if s != rank}
@@ -667,7 +667,7 @@ class TorchBackend(Backend):
                 cumulative_local_expert_recv_stats.add_(packed_recv_count.to(cumulative_local_expert_recv_stats.device))
             if dispatch_wait_recv_cost_stats is not None:
                 waited = torch.tensor([a + b for a, b in zip(count_wait.wait_ns, data_wait.wait_ns)],
-                                      dtype=torch.int64)
+                                      dtype=torch.int64, device="cpu")
                 dispatch_wait_recv_cost_stats.add_(waited.to(dispatch_wait_recv_cost_stats.device))
 
         new_handle = hd.LowLatencyHandle(src_info, layout_range, tokens, hidden, num_experts)
@@ -718,7 +718,7 @@ class TorchBackend(Backend):
 
             # Receive: one block per (owner rank, expert) this rank selected, sized from its own routing.
             idx = topk_idx.to(torch.int64).cpu()
-            owner_ok = torch.zeros(num_ranks, dtype=torch.bool)
+            owner_ok = torch.zeros(num_ranks, dtype=torch.bool, device="cpu")
             owner_ok[active] = True
             flat = idx[idx >= 0]
             flat = flat[owner_ok[flat // num_local]]
@@ -758,7 +758,7 @@ class TorchBackend(Backend):
             combined.copy_(reduce_low_latency_combine(slots, topk_idx.to(self.device), topk_weights.to(self.device),
                                                       num_local, masked_owner.to(self.device)).to(device))
             if combine_wait_recv_cost_stats is not None:
-                combine_wait_recv_cost_stats.add_(torch.tensor(pending.wait_ns, dtype=torch.int64).to(
+                combine_wait_recv_cost_stats.add_(torch.tensor(pending.wait_ns, dtype=torch.int64, device="cpu").to(
                     combine_wait_recv_cost_stats.device))
 
         if return_recv_hook:
