@@ -270,8 +270,9 @@ class _OnDefaultDevice:
 def run_default_device(ctx: dist.WorkerContext, case: Any) -> Optional[str]:
     """A normal or low-latency case of ``tests/test_buffer_torch.py`` (checked against ``reference`` there) with
     the default device set to ``meta`` inside every Buffer call."""
-    import deep_ep
     import test_buffer_torch as tb
+
+    import deep_ep
     low_latency = isinstance(case, tb.LowLatencyCase)
     if low_latency:
         key = f"ll-shrink={case.masked_rank >= 0}"
