@@ -70,12 +70,16 @@ class _Agreement:
     its validation: :meth:`agree` exchanges the call's signature; a ``TypeError``/``ValueError`` raised in the block
     before that sends a refusal in its place, so that the peers raise at once instead of waiting."""
 
-    __slots__ = ("buffer", "method", "mode", "device", "backend", "done")
+    __slots__ = ("buffer", "method", "mode", "device", "backend", "rides", "signature", "done")
 
     def __init__(self, buffer: "Buffer", method: str, mode: str) -> None:
         self.buffer, self.method, self.mode = buffer, method, mode
         self.device: Optional[str] = _UNKNOWN_DEVICE
         self.backend: Optional[Backend] = None  # the backend serving the call, once chosen
+        # rides: the torch backend's count exchange of the call carries the signature (``signature``, for the
+        # request) instead of an exchange of its own.
+        self.rides = False
+        self.signature: Optional[Signature] = None
         self.done = False
 
     def __enter__(self) -> "_Agreement":
@@ -88,7 +92,11 @@ class _Agreement:
             torch_backend.agree(signature, f"{self.method} agreement", self.mode == "low_latency")
 
     def agree(self, *fields: tuple[str, Any]) -> None:
-        self._exchange(Signature(self.method, fields))
+        signature = Signature(self.method, fields)
+        if self.rides and self.buffer._agreeing(self.mode, self.device, self.backend) is not None:
+            self.done, self.signature = True, signature
+        else:
+            self._exchange(signature)
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], traceback: Any) -> None:
         if isinstance(exc, (TypeError, ValueError, LowLatencyMisuseError)) and not self.done:
@@ -483,6 +491,8 @@ class Buffer:
         with _Agreement(self, "dispatch", "normal") as agreement:
             data, scales = v.split_dispatch_x(x)
             agreement.device = _device_type(data)
+            agreement.backend = self._backend("dispatch", "normal", agreement.device)
+            agreement.rides = handle is None and agreement.backend is self._torch
             request = self._dispatch_request(data, scales, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                              is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                              expert_alignment, num_worst_tokens, config, previous_event,
@@ -500,8 +510,7 @@ class Buffer:
                             ("topk_idx.size(1) (num_topk)", req_idx.size(1) if req_idx is not None else 0),
                             ("expert_alignment", request.expert_alignment),
                             ("num_worst_tokens", request.num_worst_tokens), ("config", request.config))
-        backend = self._backend("dispatch", "normal", _device_type(data))
-        result = backend.dispatch(request)
+        result = agreement.backend.dispatch(request._replace(signature=agreement.signature))
         if req_handle is None:
             self._register(result.handle)
         return result
@@ -675,6 +684,7 @@ class Buffer:
                     v.check_bool(name, value)
             backend = agreement.backend = self._ll_backend("low_latency_dispatch", _device_type(x), hidden, use_fp8,
                                                            use_ue8m0)
+            agreement.rides = backend is self._torch
             v.check_ll_tokens("x", num_tokens, num_max_dispatch_tokens_per_rank)
             topk_idx = v.check_topk_idx("topk_idx", topk_idx, num_tokens=num_tokens, device=x.device)
             v.check_ll_topk("topk_idx", topk_idx.size(1))
@@ -702,7 +712,8 @@ class Buffer:
                             ("round_scale", round_scale), ("use_ue8m0", use_ue8m0))
         result = backend.low_latency_dispatch(LowLatencyDispatchRequest(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook))
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
+            agreement.signature))
         self._register(result.handle)
         self._track_receive(result.hook)
         return result

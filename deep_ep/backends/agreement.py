@@ -62,15 +62,15 @@ class Signature:
         self.method, self.fields, self.refused = method, tuple(fields), refused
 
     def words(self) -> torch.Tensor:
-        out = torch.zeros(SIGNATURE_WORDS, dtype=torch.int64, device="cpu")
-        out[0], out[1] = _MAGIC, _METHODS.index(self.method)
+        """``[SIGNATURE_WORDS]`` int64 on the CPU."""
+        name = [0, 0, 0]
         if self.refused is not None:
-            out[2] = 1
             raw = self.refused.encode("ascii", "replace")[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
-            out[3:_HEADER_WORDS] = torch.frombuffer(bytearray(raw), dtype=torch.int64)
-        for i, (_, value) in enumerate(self.fields):
-            out[_HEADER_WORDS + i] = _encode(value) & 0x7FFFFFFFFFFFFFFF
-        return out
+            name = [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, _NAME_BYTES, 8)]
+        values = [_MAGIC, _METHODS.index(self.method), int(self.refused is not None), *name]
+        values += [_encode(value) & 0x7FFFFFFFFFFFFFFF for _, value in self.fields]
+        values += [0] * (SIGNATURE_WORDS - len(values))
+        return torch.tensor(values, dtype=torch.int64, device="cpu")
 
 
 def refused_argument(exc: BaseException) -> str:
@@ -80,7 +80,7 @@ def refused_argument(exc: BaseException) -> str:
 
 
 def _argument_name(row: torch.Tensor) -> str:
-    raw = row[3:_HEADER_WORDS].contiguous().numpy().tobytes()
+    raw = b"".join(int(word).to_bytes(8, "little", signed=True) for word in row[3:_HEADER_WORDS])
     return raw.rstrip(b"\0").decode("ascii", "replace")
 
 
@@ -96,6 +96,8 @@ def check_agreement(mine: Signature, gathered: torch.Tensor, ranks: Sequence[int
     :class:`ArgumentMismatchError` on this rank unless all agree or this rank alone refused (it then raises its own
     error). ``ranks`` and ``me`` are the Buffer's rank numbers."""
     gathered = gathered.to("cpu", torch.int64)
+    if bool((gathered == mine.words()).all()):  # every rank sent this rank's signature: nothing to report
+        return
     method = mine.method
     bad_magic = [r for r, row in zip(ranks, gathered) if int(row[0]) != _MAGIC]
     if bad_magic:

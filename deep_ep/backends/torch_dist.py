@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from deep_ep import envs, numerics
 from deep_ep import handle as hd
-from deep_ep.backends.agreement import Signature, check_agreement
+from deep_ep.backends.agreement import SIGNATURE_WORDS, Signature, check_agreement
 from deep_ep.backends.base import (
     Backend,
     CombineRequest,
@@ -32,7 +32,7 @@ from deep_ep.backends.base import (
     LowLatencyDispatchRequest,
 )
 from deep_ep.backends.common import ReceiveHook, StreamScope, as_bytes, check_worst_tokens, from_bytes, pad_rows
-from deep_ep.config import FP8_BLOCK, Topology, align_up
+from deep_ep.config import FP8_BLOCK, NUM_MAX_LOCAL_EXPERTS, Topology, align_up
 from deep_ep.errors import CommError, CommTimeoutError, rank_name
 from deep_ep.event import EventOverlap
 from deep_ep.layout import low_latency_layout, low_latency_message_bytes
@@ -53,6 +53,8 @@ _TAG_LL_COUNT = 21
 _TAG_LL_DISPATCH = 22
 _TAG_LL_COMBINE = 23
 _TAG_SIGNATURE = 24
+# Count words of a normal dispatch that ride in the agreement all-gather (the rest follows in a second one).
+_AGREEMENT_PAYLOAD_WORDS = 224
 # Tags are ``kind + _NUM_TAG_KINDS * (batch number mod _NUM_TAG_SEQUENCES)``.
 _NUM_TAG_KINDS = 32
 _NUM_TAG_SEQUENCES = 1 << 20
@@ -212,20 +214,52 @@ class TorchBackend(Backend):
         self.mask = torch.zeros(num_ranks, dtype=torch.int32, device="cpu") if enable_shrink else None
         self.comm.shrink = enable_shrink
 
-    def agree(self, signature: Signature, phase: str, low_latency: bool = False) -> None:
-        """Exchange ``signature`` with every rank of the call and check that they agree (``check_agreement``): one
-        fixed-size message before any row moves; an all-gather in normal mode, point-to-point with the active ranks
-        in low-latency mode (as its counts travel: shrink mode skips masked ranks, a timeout names the peer)."""
+    def agree(self, signature: Signature, phase: str, low_latency: bool = False, payload: Any = None) -> Any:
+        """Exchange ``signature`` with every rank of the call and check that they agree (``check_agreement``),
+        before any row moves; ``payload`` rides in the same exchange and every rank's comes back.
+
+        Normal mode: one all-gather of ``SIGNATURE_WORDS + _AGREEMENT_PAYLOAD_WORDS`` int64 words, whatever the
+        call (so that ranks making different calls exchange equal sizes); ``payload`` is an ``[n]`` int64 vector
+        (``n`` follows from the agreed arguments) and comes back as ``[R, n]``, its words beyond the fixed part in
+        a second all-gather. Low-latency mode: point-to-point with the active ranks (shrink mode skips masked
+        ranks; a timeout names the peer), receives sized for the largest message; ``payload`` maps each other
+        active rank to its ``[n]`` int64 vector and ``{source: [n] int64}`` comes back."""
         words = signature.words()
-        ranks = self._active_peers() if low_latency else list(range(self.num_ranks))
         if not low_latency:
-            gathered = self.comm.all_gather(words, phase, "the call signatures")
-        else:
-            bufs = {s: torch.empty_like(words, device=self.device) for s in ranks if s != self.rank}
-            sends = [(d, words.to(self.device)) for d in bufs]
-            self.comm.post(sends, list(bufs.items()), _TAG_SIGNATURE, phase, "the call signatures").wait()
-            gathered = torch.stack([words if s == self.rank else bufs[s].cpu() for s in ranks])
+            count = 0 if payload is None else payload.numel()
+            head = torch.zeros(SIGNATURE_WORDS + _AGREEMENT_PAYLOAD_WORDS, dtype=torch.int64, device="cpu")
+            head[:SIGNATURE_WORDS] = words
+            riding = min(count, _AGREEMENT_PAYLOAD_WORDS)
+            if riding:
+                head[SIGNATURE_WORDS:SIGNATURE_WORDS + riding] = payload[:riding]
+            gathered = self.comm.all_gather(head, phase, "the call signatures and counts")
+            check_agreement(signature, gathered[:, :SIGNATURE_WORDS], list(range(self.num_ranks)), self.rank)
+            if payload is None:
+                return None
+            rows = gathered[:, SIGNATURE_WORDS:SIGNATURE_WORDS + riding]
+            if count > riding:
+                rest = self.comm.all_gather(payload[riding:].contiguous(), phase, "per-rank token counts")
+                rows = torch.cat([rows, rest.to(torch.int64)], dim=1)
+            return rows
+        return self._agree_peers(signature, phase, payload)[0]
+
+    def _agree_peers(self, signature: Signature, phase: str, payload: Any) -> tuple[Any, _Pending]:
+        """:meth:`agree` of low-latency mode; also returns the exchange's ``_Pending`` (its wait times)."""
+        words = signature.words()
+        ranks = self._active_peers()
+        capacity = SIGNATURE_WORDS + NUM_MAX_LOCAL_EXPERTS
+        bufs = {s: torch.empty(capacity, dtype=torch.int64, device=self.device) for s in ranks if s != self.rank}
+        sends = [(d, torch.cat([words, payload[d]]).to(self.device) if payload is not None else words.to(self.device))
+                 for d in bufs]
+        pending = self.comm.post(sends, list(bufs.items()), _TAG_SIGNATURE, phase, "the call signatures")
+        pending.wait()
+        received = {s: buf.cpu() for s, buf in bufs.items()}
+        gathered = torch.stack([words if s == self.rank else received[s][:SIGNATURE_WORDS] for s in ranks])
         check_agreement(signature, gathered, ranks, self.rank)
+        if payload is None:
+            return None, pending
+        count = max((p.numel() for p in payload.values()), default=0)  # the same for every peer once agreed
+        return {s: row[SIGNATURE_WORDS:SIGNATURE_WORDS + count] for s, row in received.items()}, pending
 
     def set_rank_names(self, names: Sequence[int], scope: str) -> None:
         """Report ranks in errors as ``names[r]`` instead of this group's ``r``; ``scope`` names the group (the
@@ -355,7 +389,10 @@ class TorchBackend(Backend):
         info = torch.cat([send_counts.to(torch.int64), chan_prefix.flatten().to(torch.int64),
                           num_tokens_per_expert.to(torch.int64), extra.to(torch.int64),
                           torch.tensor([num_tokens], dtype=torch.int64, device=mask.device)])
-        gathered = self.comm.all_gather(info.cpu(), "dispatch notify", "per-rank token counts").to(torch.int64)
+        if request.signature is not None:
+            gathered = self.agree(request.signature, "dispatch notify", payload=info.cpu())
+        else:
+            gathered = self.comm.all_gather(info.cpu(), "dispatch notify", "per-rank token counts").to(torch.int64)
         offsets = [0, num_ranks, num_ranks * num_channels, num_experts, extra.numel(), 1]
         begin = [sum(offsets[:i + 1]) for i in range(len(offsets))]
         count_matrix = gathered[:, begin[0]:begin[1]]                                     # [src, dst]
@@ -553,7 +590,7 @@ class TorchBackend(Backend):
         source, tokens ascending then top-k slot ascending.
         """
         (x, topk_idx, tokens, num_experts, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-         use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook) = request
+         use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook, signature) = request
         num_ranks, rank = self.num_ranks, self.rank
         num_tokens, hidden = x.shape
         num_local = num_experts // num_ranks
@@ -568,6 +605,30 @@ class TorchBackend(Backend):
         device = x.device
 
         with scope:
+            # Rows per (destination, local expert), ordered by (token, k).
+            idx = topk_idx.to(torch.int64).cpu()
+            flat = idx.flatten()
+            token_of = torch.arange(num_tokens, device="cpu").repeat_interleave(idx.size(1))
+            valid = flat >= 0
+            flat, token_of = flat[valid], token_of[valid]
+            send_counts = torch.bincount(flat, minlength=num_experts).view(num_ranks, num_local).to(torch.int32)
+
+            # Counts first (so that every receiver can post its receives), then the rows; with a signature the
+            # counts ride in the agreement exchange.
+            recv_counts = torch.zeros(num_ranks, num_local, dtype=torch.int32, device="cpu")
+            recv_counts[rank] = send_counts[rank]
+            if signature is not None:
+                counts = {d: send_counts[d].to(torch.int64) for d in active if d != rank}
+                received, count_wait = self._agree_peers(signature, "low-latency dispatch", counts)
+                count_bufs = {s: row.to(torch.int32) for s, row in received.items()}
+            else:
+                count_bufs = {s: torch.empty(num_local, dtype=torch.int32, device=self.device) for s in active
+                              if s != rank}
+                sends = [(d, send_counts[d].to(self.device)) for d in active if d != rank]
+                count_wait = self.comm.post(sends, list(count_bufs.items()), _TAG_LL_COUNT, "low-latency dispatch",
+                                            "per-expert token counts")
+                count_wait.wait()
+
             half = self._flip(layout)
             # Stage one message per token in send_{half}: [int32 source token index | 12 B pad | payload].
             staging = self._region(layout, f"send_{half}")[:num_tokens * dispatch_msg].view(num_tokens, dispatch_msg)
@@ -578,24 +639,6 @@ class TorchBackend(Backend):
                 staging[:, 16 + hidden:16 + hidden + scale_cols * 4] = as_bytes(scales).to(self.device)
             else:
                 staging[:, 16:16 + 2 * hidden] = as_bytes(x).to(self.device)
-
-            # Rows per (destination, local expert), ordered by (token, k).
-            idx = topk_idx.to(torch.int64).cpu()
-            flat = idx.flatten()
-            token_of = torch.arange(num_tokens, device="cpu").repeat_interleave(idx.size(1))
-            valid = flat >= 0
-            flat, token_of = flat[valid], token_of[valid]
-            send_counts = torch.bincount(flat, minlength=num_experts).view(num_ranks, num_local).to(torch.int32)
-
-            # Counts first (fixed size, so every receiver can post its receives), then the rows.
-            recv_counts = torch.zeros(num_ranks, num_local, dtype=torch.int32, device="cpu")
-            recv_counts[rank] = send_counts[rank]
-            count_bufs = {s: torch.empty(num_local, dtype=torch.int32, device=self.device) for s in active
-                          if s != rank}
-            sends = [(d, send_counts[d].to(self.device)) for d in active if d != rank]
-            count_wait = self.comm.post(sends, list(count_bufs.items()), _TAG_LL_COUNT, "low-latency dispatch",
-                                        "per-expert token counts")
-            count_wait.wait()
             signal = self._region(layout, f"signal_{half}").view(torch.int32)[:num_experts].view(num_local, num_ranks)
             for s, buf in count_bufs.items():
                 recv_counts[s] = buf.cpu()
