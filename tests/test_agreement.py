@@ -207,6 +207,39 @@ def run_disagreement(ctx: dist.WorkerContext, name: str) -> Optional[str]:
     return _round_trip(ctx, buf) or _ll_round_trip(ctx, ll)
 
 
+def run_exchange_count(ctx: dist.WorkerContext, case: None) -> Optional[str]:
+    """The check rides on the exchanges a call makes anyway: a dispatch makes one all-gather (signature and
+    counts), a low-latency dispatch two point-to-point batches (signature with counts, then rows)."""
+    buf, ll = _buffers(ctx)
+    counts: dict[str, int] = {}
+    for backend in (buf._torch, ll._torch):
+        for name in ("all_gather", "post"):
+            original = getattr(backend.comm, name)
+
+            def counted(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+                counts[_name] = counts.get(_name, 0) + 1
+                return _original(*args, **kwargs)
+            setattr(backend.comm, name, counted)
+    try:
+        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
+        _dispatch(buf, x, _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size), 2 * ctx.world_size)
+        normal = dict(counts)
+        counts.clear()
+        ll_x = torch.zeros(LL_TOKENS, LL_HIDDEN, dtype=torch.bfloat16)
+        ll.low_latency_dispatch(ll_x, torch.zeros(LL_TOKENS, 1, dtype=torch.int64), LL_TOKENS, 2 * ctx.world_size,
+                                use_fp8=False)
+        low_latency = dict(counts)
+    finally:
+        for backend in (buf._torch, ll._torch):
+            for name in ("all_gather", "post"):
+                delattr(backend.comm, name)
+    if normal != {"all_gather": 1, "post": 1}:
+        return f"a dispatch made {normal} exchanges, expected one all-gather and one batch of rows"
+    if low_latency != {"post": 2}:
+        return f"a low-latency dispatch made {low_latency} exchanges, expected two point-to-point batches"
+    return None
+
+
 @pytest.fixture(scope="module")
 def pools():
     with dist.PoolManager() as manager:
@@ -226,3 +259,8 @@ def test_disagreeing_ranks_raise_promptly(pools, world):
     pool = pools.get(world, {"DEEP_EP_GPUS_PER_NODE": str(world), "DEEP_EP_TIMEOUT_S": "20"})
     for name in CASES if world == 2 else CASES_4:
         pool.check(MODULE, "run_disagreement", name)
+
+
+@pytest.mark.timeout(300)
+def test_agreement_rides_on_the_count_exchanges(pools):
+    pools.get(2, {"DEEP_EP_GPUS_PER_NODE": "2", "DEEP_EP_TIMEOUT_S": "20"}).check(MODULE, "run_exchange_count", None)
