@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -85,24 +85,25 @@ class _Agreement:
     def __enter__(self) -> "_Agreement":
         return self
 
-    def _exchange(self, signature: Signature) -> None:
+    def _exchange(self, fields: Sequence[tuple[str, Any]], refused: Optional[str] = None) -> None:
         self.done = True
         torch_backend = self.buffer._agreeing(self.mode, self.device, self.backend)
-        if torch_backend is not None:
+        if torch_backend is None:  # the CUDA kernels, or one rank: nothing to exchange
+            return
+        signature = Signature(self.method, fields, refused)
+        if self.rides and refused is None:
+            self.signature = signature
+        else:
             torch_backend.agree(signature, f"{self.method} agreement", self.mode == "low_latency")
 
     def agree(self, *fields: tuple[str, Any]) -> None:
-        signature = Signature(self.method, fields)
-        if self.rides and self.buffer._agreeing(self.mode, self.device, self.backend) is not None:
-            self.done, self.signature = True, signature
-        else:
-            self._exchange(signature)
+        self._exchange(fields)
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], traceback: Any) -> None:
         if isinstance(exc, (TypeError, ValueError, LowLatencyMisuseError)) and not self.done:
             # If the ranks also made different calls, this rank's own error says more.
             with contextlib.suppress(ArgumentMismatchError):
-                self._exchange(Signature(self.method, refused=refused_argument(exc)))
+                self._exchange((), refused_argument(exc))
 
 
 class Buffer:
