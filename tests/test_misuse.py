@@ -451,3 +451,80 @@ def test_dead_peer_raises_comm_error(pools, world, mode):
     failures = {r: m for r, m in reports.items() if m is not None and r != world - 1}
     assert not failures, failures
     assert "died" in (reports[world - 1] or ""), reports
+
+
+# The CUDA low-latency backend's host side on the fake extension (tests/fake_cuda.py): a dropped hook's receive
+# launch runs at the next call, a third call in flight and a stale zero-copy buffer are refused before any launch.
+_CUDA_MISUSE_PROBE = r"""
+import gc, json, os, sys
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+sys.path.insert(0, sys.argv[1])
+import fake_cuda as fake
+import torch
+import torch.distributed as dist
+ext = fake.make_fake_extension(torch)
+sys.modules["deep_ep._C"] = ext
+launches = []
+class Recording(ext.LowLatencyRuntime):
+    def dispatch(self, *args):
+        launches.append(["dispatch", args[-4]])
+        return super().dispatch(*args)
+    def combine(self, *args):
+        launches.append(["combine", args[12]])
+        return super().combine(*args)
+    def combine_buffer(self, tokens, hidden, num_experts, parity):
+        return torch.empty(num_experts // self.num_ranks, self.num_ranks * tokens, hidden, dtype=torch.bfloat16)
+ext.LowLatencyRuntime = Recording
+import deep_ep
+from deep_ep.errors import LowLatencyMisuseError
+
+os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(29800 + os.getpid() % 90)
+dist.init_process_group("gloo", rank=0, world_size=1)
+os.environ["DEEP_EP_BACKEND"] = "cuda"
+out = {}
+x, idx = torch.zeros(4, 1024, dtype=torch.bfloat16), torch.zeros(4, 1, dtype=deep_ep.topk_idx_t)
+weights = torch.ones(4, 1)
+with fake.patched(torch, cuda_tensors=True):
+    buffer = deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=1 << 26, low_latency_mode=True)
+    def dispatch(**kwargs):
+        return buffer.low_latency_dispatch(x, idx, 4, 2, use_fp8=False, **kwargs)
+    dropped = dispatch(return_recv_hook=True)
+    del dropped
+    gc.collect()
+    dispatch()
+    out["dropped"] = list(launches)
+    launches.clear()
+    first, second = dispatch(return_recv_hook=True), dispatch(return_recv_hook=True)
+    try:
+        dispatch()
+        out["third"] = "accepted"
+    except LowLatencyMisuseError as exc:
+        out["third"] = str(exc)
+    first.hook()
+    second.hook()
+    out["third launches"] = list(launches)
+    launches.clear()
+    result = dispatch()
+    buffer.get_next_low_latency_combine_buffer(result.handle)
+    dispatch()
+    try:
+        buffer.low_latency_combine(result.recv_x, idx, weights, result.handle, zero_copy=True)
+        out["zero copy"] = "accepted"
+    except LowLatencyMisuseError as exc:
+        out["zero copy"] = str(exc)
+    out["zero copy launches"] = list(launches)
+print(json.dumps(out))
+"""
+
+
+def test_cuda_low_latency_host_side_drains_and_refuses_misuse():
+    import json
+
+    from test_cuda_host_path import ROOT, _run
+    out = json.loads(_run(["-c", _CUDA_MISUSE_PROBE, ROOT]).strip().splitlines()[-1])
+    # Phases: 1 send, 2 receive, 3 both. The dropped hook's receive runs before the next call's launch.
+    assert out["dropped"] == [["dispatch", 1], ["dispatch", 2], ["dispatch", 3]], out
+    assert "third low-latency call" in out["third"], out
+    assert out["third launches"] == [["dispatch", 1], ["dispatch", 1], ["dispatch", 2], ["dispatch", 2]], out
+    assert "get_next_low_latency_combine_buffer" in out["zero copy"], out
+    assert out["zero copy launches"] == [["dispatch", 3], ["dispatch", 3]], out
