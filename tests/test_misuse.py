@@ -287,6 +287,46 @@ def run_default_device(ctx: dist.WorkerContext, case: Any) -> Optional[str]:
     return (tb.run_low_latency if low_latency else tb.run_normal)(ctx, case)
 
 
+def run_composed(ctx: dist.WorkerContext, case: Any) -> Optional[str]:
+    """The composed path's torch stages (``internode='composed'``): a normal case under the ``meta`` default device
+    matches ``reference``, and a hidden size that differs on one rank raises ArgumentMismatchError on every rank
+    within a second."""
+    import time
+
+    import test_buffer_torch as tb
+
+    import deep_ep
+    from deep_ep.errors import ArgumentMismatchError
+    if "composed" not in ctx.cache:
+        with deep_ep.testing.overrides(internode="composed"):
+            ctx.cache["composed"] = _OnDefaultDevice(deep_ep.Buffer(ctx.group, 1 << 20), "meta")
+    buf = ctx.cache["composed"]
+    if buf._composed is None:
+        return "the Buffer was built without the composed path"
+    num_experts = 2 * ctx.world_size
+    hidden = 256 if ctx.rank == 1 else 128
+    idx = torch.zeros(NUM_TOKENS, 1, dtype=torch.int64)
+    layout = buf.get_dispatch_layout(idx, num_experts)
+    start = time.monotonic()
+    try:
+        buf.dispatch(torch.zeros(NUM_TOKENS, hidden, dtype=torch.bfloat16), num_tokens_per_rank=layout[0],
+                     num_tokens_per_rdma_rank=layout[1], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
+    except ArgumentMismatchError as exc:
+        if "hidden" not in str(exc) or time.monotonic() - start > 1.0:
+            return f"the composed path's disagreement error is late or does not name the argument: {exc}"
+    else:
+        return "the composed path accepted ranks that disagree on the hidden size"
+    saved = ctx.cache.get("normal")
+    ctx.cache["normal"] = buf  # tb.run_normal takes the Buffer cached under "normal"
+    try:
+        return tb.run_normal(ctx, case)
+    finally:
+        if saved is None:
+            del ctx.cache["normal"]
+        else:
+            ctx.cache["normal"] = saved
+
+
 def _default_device_cases(world: int, per_node: int) -> list:
     import strategies
     import test_buffer_torch as tb
@@ -440,6 +480,8 @@ def test_calls_ignore_the_default_device(pools, world, per_node):
     pool = pools.get(world, {"DEEP_EP_GPUS_PER_NODE": str(per_node), "DEEP_EP_TIMEOUT_S": "5"})
     for case in _default_device_cases(world, per_node):
         pool.check(MODULE, "run_default_device", case)
+    if per_node < world:
+        pool.check(MODULE, "run_composed", _default_device_cases(world, per_node)[0])
 
 
 @pytest.mark.timeout(300)
