@@ -2,11 +2,11 @@
 
 Works with gloo (CPU tensors) and NCCL (CUDA tensors, also GPUs without NVLink or NVSHMEM); the results are
 bit-identical to ``reference``. Counts (tokens per destination, per-channel prefixes, per-expert counts) travel in
-one ``all_gather`` of a small int64 vector per call; token rows travel point-to-point (``batch_isend_irecv``) as
-byte records, each rank sending a peer exactly the rows it needs. Low-latency calls use a real symmetric buffer of
-``num_rdma_bytes`` laid out by :func:`deep_ep.layout.low_latency_layout`: each call stages its messages in
-``send_i``, receives into ``recv_i`` and flips the parity ``i``, so the zero-copy combine buffer is a view of the
-next ``send_i``.
+one ``all_gather`` of a small int64 vector per call, with the call's signature (:meth:`TorchBackend.agree`); token
+rows travel point-to-point as byte records, each rank sending a peer exactly the rows it needs. Low-latency calls
+use a real symmetric buffer of ``num_rdma_bytes`` laid out by :func:`deep_ep.layout.low_latency_layout`: each call
+stages its messages in ``send_i``, receives into ``recv_i`` and flips the parity ``i``, so the zero-copy combine
+buffer is a view of the next ``send_i``.
 
 Every wait is bounded by ``DEEP_EP_TIMEOUT_S``; a timeout raises :class:`CommTimeoutError` naming this rank, the
 peer, the phase and what was awaited. A timed-out gloo group is unusable afterwards (gloo closes the pair).
