@@ -5,20 +5,26 @@ naming the argument, the rule and the value), resolves defaults and configs, and
 (``deep_ep.backends.base``), to the backend that a table built at construction names for the call's mode and
 device (``deep_ep.backends.selection``): the CUDA kernels for CUDA tensors where they serve the group, the composed
 path for ``N`` nodes x ``G > 1`` GPUs, else the torch backend (``torch.distributed``: gloo on CPU, NCCL on GPU).
-Backends return the NamedTuples of ``deep_ep.results``.
+Backends return the NamedTuples of ``deep_ep.results``. Where the torch backend serves a collective call, the ranks
+first check that they agree on its arguments (``deep_ep.backends.agreement``). The Buffer also owns the receives of
+low-latency hooks (a dropped hook's receive runs at the next call) and counts low-latency calls to refuse reuse of a
+buffer half still in use.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any, Optional, Union
+import weakref
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from deep_ep import config as cfg
+from deep_ep import envs, layout
 from deep_ep import handle as hd
-from deep_ep import layout
 from deep_ep import validate as v
 from deep_ep.backends import selection
+from deep_ep.backends.agreement import Signature, refused_argument
 from deep_ep.backends.base import (
     Backend,
     CombineRequest,
@@ -27,7 +33,9 @@ from deep_ep.backends.base import (
     LowLatencyCombineRequest,
     LowLatencyDispatchRequest,
 )
+from deep_ep.backends.common import PendingReceive, ReceiveHook
 from deep_ep.config import Config, Topology
+from deep_ep.errors import ArgumentMismatchError, LowLatencyMisuseError
 from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
 from deep_ep.results import (
     CombineResult,
@@ -51,6 +59,51 @@ _DEFAULT_CONFIGS: dict[tuple[str, int, int], Config] = {}
 def _device_type(tensor: torch.Tensor) -> str:
     """The device type a call is routed by."""
     return "cuda" if tensor.is_cuda else tensor.device.type
+
+
+# The device type of a call whose tensors were refused before their device was known.
+_UNKNOWN_DEVICE = "?"
+
+
+class _Agreement:
+    """The agreement step of one collective call (``deep_ep.backends.agreement``), as a context manager around
+    its validation: :meth:`agree` exchanges the call's signature; a ``TypeError``/``ValueError`` raised in the block
+    before that sends a refusal in its place, so that the peers raise at once instead of waiting."""
+
+    __slots__ = ("buffer", "method", "mode", "device", "backend", "rides", "signature", "done")
+
+    def __init__(self, buffer: "Buffer", method: str, mode: str) -> None:
+        self.buffer, self.method, self.mode = buffer, method, mode
+        self.device: Optional[str] = _UNKNOWN_DEVICE
+        self.backend: Optional[Backend] = None  # the backend serving the call, once chosen
+        # rides: the torch backend's count exchange of the call carries the signature (``signature``, for the
+        # request) instead of an exchange of its own.
+        self.rides = False
+        self.signature: Optional[Signature] = None
+        self.done = False
+
+    def __enter__(self) -> "_Agreement":
+        return self
+
+    def _exchange(self, fields: Sequence[tuple[str, Any]], refused: Optional[str] = None) -> None:
+        self.done = True
+        torch_backend = self.buffer._agreeing(self.mode, self.device, self.backend)
+        if torch_backend is None:  # the CUDA kernels, or one rank: nothing to exchange
+            return
+        signature = Signature(self.method, fields, refused)
+        if self.rides and refused is None:
+            self.signature = signature
+        else:
+            torch_backend.agree(signature, f"{self.method} agreement", self.mode == "low_latency")
+
+    def agree(self, *fields: tuple[str, Any]) -> None:
+        self._exchange(fields)
+
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], traceback: Any) -> None:
+        if isinstance(exc, (TypeError, ValueError, LowLatencyMisuseError)) and not self.done:
+            # If the ranks also made different calls, this rank's own error says more.
+            with contextlib.suppress(ArgumentMismatchError):
+                self._exchange((), refused_argument(exc))
 
 
 class Buffer:
@@ -87,6 +140,7 @@ class Buffer:
         v.check_int("num_nvl_bytes", num_nvl_bytes, 0)
         v.check_int("num_rdma_bytes", num_rdma_bytes, 0)
         v.check_int("num_qps_per_rank", num_qps_per_rank)
+        envs.TIMEOUT_S.get()  # every wait's bound: a finite number > 0, else a ValueError naming the variable
         if group is not None:
             rank, group_size = group.rank(), group.size()
         else:
@@ -127,6 +181,16 @@ class Buffer:
         self._destroyed = False
         # The owner of every handle this Buffer returns (see _check_handle).
         self._handle_owner = object()
+        # Handles returned so far (each handle's serial number).
+        self._num_handles = 0
+        # Low-latency calls made so far (the double buffer's generation), the receive hooks not yet run (a weak
+        # reference to each hook and its receive), and the generation at which the zero-copy combine buffer was
+        # last handed out (-1: never).
+        self._ll_generation = 0
+        self._ll_receives: list[tuple[weakref.ref, PendingReceive]] = []
+        self._zero_copy_generation = -1
+        # The one-time warning that the torch backend serves a low-latency hidden size the kernels do not.
+        self._ll_fallback_warned = False
         # (T, H, E) of plain ints that passed _check_low_latency -> local experts per rank.
         self._ll_checked: dict[tuple[int, int, int], int] = {}
 
@@ -184,11 +248,78 @@ class Buffer:
             raise RuntimeError(f"{method} needs the torch backend, which needs a torch.distributed group")
         return backend
 
+    def _agreeing(self, mode: str, device: Optional[str], backend: Optional[Backend] = None) -> Optional[Backend]:
+        """The torch backend when a call of ``mode`` served by ``backend`` (``None``: the route of ``device``)
+        checks its agreement through it (a multi-rank group served by the torch backend or the composed path's
+        torch stages), else ``None``. An unknown device agrees only if every device type's route does."""
+        if self.group_size == 1 or self._torch is None or self._destroyed:
+            return None
+        if backend is not None:
+            candidates = [backend]
+        else:
+            devices = ("cpu", "cuda") if device == _UNKNOWN_DEVICE else (device,)
+            candidates = [self._routes.get((mode, d), self._torch) for d in devices]
+        for candidate in candidates:
+            if candidate is not self._torch and not (candidate is self._composed and self._composed_device == "cpu"):
+                return None
+        return self._torch
+
+    def _ll_backend(self, method: str, device: Optional[str], hidden: int, use_fp8: bool = False,
+                    use_ue8m0: bool = False) -> Backend:
+        """The backend of a low-latency call of ``hidden`` channels: the route of ``device``, or the torch backend
+        when the CUDA kernels do not serve ``hidden`` (with a one-time ``RuntimeWarning``; an error under
+        ``DEEP_EP_BACKEND=cuda``)."""
+        backend = self._backend(method, "low_latency", device)
+        if backend is not self._torch:
+            reason = v.ll_kernel_hidden_refusal(hidden, use_fp8, use_ue8m0)
+            if reason is None:
+                return backend
+            if self._torch is None or selection.backend_choice() == "cuda":
+                raise ValueError(reason)
+            backend = self._torch
+            if not self._ll_fallback_warned:
+                self._ll_fallback_warned = True
+                warnings.warn(f"deep_ep.Buffer: the torch backend (torch.distributed) carries the low-latency calls of "
+                              f"hidden={hidden}: {reason}; correct, not fast", RuntimeWarning, stacklevel=3)
+        v.check_ll_hidden(hidden, use_fp8, use_ue8m0)
+        return backend
+
+    def _settle_receives(self) -> None:
+        """Run the receive of every low-latency hook that was dropped uncalled (its result garbage-collected), so
+        that its messages are consumed and no rank waits for them; forget the hooks that ran."""
+        pending = []
+        for hook, receive in self._ll_receives:
+            if receive.done:
+                continue
+            if hook() is None:
+                receive.run()
+            else:
+                pending.append((hook, receive))
+        self._ll_receives = pending
+
+    def _check_in_flight(self, method: str) -> None:
+        """A low-latency call reuses the buffer half of the call two before: that call's hook must have run."""
+        for _, receive in self._ll_receives:
+            if not receive.done and receive.generation <= self._ll_generation - 2:
+                raise LowLatencyMisuseError(
+                    f"{method} would be a third low-latency call in flight: the receive hook of low-latency call "
+                    f"#{receive.generation} (this is call #{self._ll_generation}) has not been called, and this call "
+                    "reuses its buffer half; call that hook first (at most two low-latency calls may be in flight)")
+
+    def _track_receive(self, hook: Optional[ReceiveHook]) -> None:
+        """Count a low-latency call; keep its hook's receive until it runs."""
+        if hook is not None:
+            hook.pending.generation = self._ll_generation
+            self._ll_receives.append((weakref.ref(hook), hook.pending))
+        self._ll_generation += 1
+
     # ------------------------------------------------------------------------------------------------------------
     # Handles
     # ------------------------------------------------------------------------------------------------------------
     def _register(self, handle: hd.HandleState) -> None:
         handle.owner = self._handle_owner
+        handle.serial = self._num_handles
+        self._num_handles += 1
 
     def _check_handle(self, handle: Any, kind: str) -> Any:
         """``handle`` must be one this Buffer returned (its ``owner``), of the right type and length."""
@@ -235,7 +366,7 @@ class Buffer:
                                        num_experts: int) -> int:
         """Bytes of RDMA buffer the low-latency kernels need (``num_ranks`` is unused, as in DeepEP)."""
         v.check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
-        v.check_int("hidden", hidden, 128)
+        v.check_int("hidden", hidden, 1)
         v.check_int("num_experts", num_experts, 1)
         return layout.low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
@@ -279,7 +410,7 @@ class Buffer:
             if not isinstance(size, (torch.Size, tuple)):
                 raise TypeError(f"size must be a torch.Size, got {type(size).__name__}")
             size = torch.Size(size)
-            available = (num_bytes - offset) // torch.empty(0, dtype=dtype).element_size()
+            available = (num_bytes - offset) // torch.empty(0, dtype=dtype, device="cpu").element_size()
             if size.numel() > available:
                 raise ValueError(f"size {tuple(size)} needs {size.numel()} elements of {dtype}, but the buffer has "
                                  f"{available} from offset {offset}")
@@ -357,7 +488,43 @@ class Buffer:
             ``recv_topk_weights`` is 0 where the id is -1. A cached dispatch returns
             ``(recv_x, None, None, None, None, event)``.
         """
-        data, scales = v.split_dispatch_x(x)
+        self._settle_receives()
+        with _Agreement(self, "dispatch", "normal") as agreement:
+            data, scales = v.split_dispatch_x(x)
+            agreement.device = _device_type(data)
+            agreement.backend = self._backend("dispatch", "normal", agreement.device)
+            agreement.rides = handle is None and agreement.backend is self._torch
+            request = self._dispatch_request(data, scales, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                                             is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                                             expert_alignment, num_worst_tokens, config, previous_event,
+                                             async_finish, allocate_on_comm_stream)
+            req_handle, req_idx = request.handle, request.topk_idx
+            agreement.agree(("cached (handle given)", req_handle is not None),
+                            ("handle (its dispatch number)", req_handle.serial if req_handle is not None else -1),
+                            ("x.size(1) (hidden)", data.size(1)), ("x.dtype", data.dtype),
+                            ("x_scales given", scales is not None),
+                            ("x_scales.size(1)", scales.size(1) if scales is not None else 0),
+                            ("x_scales.dtype", scales.dtype if scales is not None else None),
+                            ("num_tokens_per_expert.numel() (num_experts)",
+                             request.num_tokens_per_expert.numel() if req_handle is None else 0),
+                            ("topk_idx given", req_idx is not None),
+                            ("topk_idx.size(1) (num_topk)", req_idx.size(1) if req_idx is not None else 0),
+                            ("expert_alignment", request.expert_alignment),
+                            ("num_worst_tokens", request.num_worst_tokens), ("config", request.config))
+        result = agreement.backend.dispatch(request._replace(signature=agreement.signature))
+        if req_handle is None:
+            self._register(result.handle)
+        return result
+
+    def _dispatch_request(self, data: torch.Tensor, scales: Optional[torch.Tensor], handle: Optional[tuple],
+                          num_tokens_per_rank: Optional[torch.Tensor],
+                          num_tokens_per_rdma_rank: Optional[torch.Tensor],
+                          is_token_in_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
+                          topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
+                          expert_alignment: int, num_worst_tokens: int, config: Optional[Config],
+                          previous_event: Optional[EventOverlap], async_finish: bool,
+                          allocate_on_comm_stream: bool) -> DispatchRequest:
+        """``dispatch``'s checks after ``x``; returns the validated request."""
         num_tokens = data.size(0)
         x = (data, scales) if scales is not None else data
         v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
@@ -380,9 +547,8 @@ class Buffer:
             if channels != backend.num_channels(config):
                 raise ValueError(f"config.num_sms must match the dispatch that made the handle (a handle with "
                                  f"{channels} channels), got num_sms={config.num_sms}")
-            return backend.dispatch(DispatchRequest(x, handle, config=config, previous_event=previous_event,
-                                                    async_finish=async_finish,
-                                                    allocate_on_comm_stream=allocate_on_comm_stream))
+            return DispatchRequest(x, handle, config=config, previous_event=previous_event,
+                                   async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
 
         if is_token_in_rank is None or num_tokens_per_rank is None or num_tokens_per_expert is None:
             missing = [n for n, t in (("num_tokens_per_rank", num_tokens_per_rank),
@@ -412,12 +578,9 @@ class Buffer:
             if not torch.equal(actual, num_tokens_per_rank):
                 raise ValueError(f"num_tokens_per_rank must equal is_token_in_rank.sum(0) (the routing), got "
                                  f"{num_tokens_per_rank.tolist()} vs {actual.tolist()}")
-        result = backend.dispatch(DispatchRequest(x, None, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                                                  is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                                                  expert_alignment, num_worst_tokens, config, previous_event,
-                                                  async_finish, allocate_on_comm_stream))
-        self._register(result.handle)
-        return result
+        return DispatchRequest(x, None, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                               num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                               config, previous_event, async_finish, allocate_on_comm_stream)
 
     def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None] = None,
@@ -434,18 +597,26 @@ class Buffer:
         Returns:
             ``CombineResult(combined_x [N, H] BF16, combined_topk_weights [N, K] float32 or None, event)``.
         """
-        v.check_tensor("x", x, dtype=torch.bfloat16, ndim=2)
-        handle = self._check_handle(handle, "normal")
-        num_rows = handle.recv_src_meta.size(0) if self.topology.is_internode else handle.recv_src_idx.size(0)
-        if x.size(0) != num_rows:
-            raise ValueError(f"x must have the {num_rows} rows of the dispatch's recv_x, got {x.size(0)}")
-        if topk_weights is not None:
-            v.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_rows, None),
-                           device=x.device)
-        biases = v.split_bias(bias, handle.is_token_in_rank.size(0), x.size(1), x.dtype, x.device)
-        v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
-        config = self._resolve_config(config, "combine", self.group_size)
-        backend = self._backend("combine", "normal", _device_type(x))
+        self._settle_receives()
+        with _Agreement(self, "combine", "normal") as agreement:
+            if isinstance(x, torch.Tensor):
+                agreement.device = _device_type(x)
+            v.check_tensor("x", x, dtype=torch.bfloat16, ndim=2)
+            handle = self._check_handle(handle, "normal")
+            num_rows = handle.recv_src_meta.size(0) if self.topology.is_internode else handle.recv_src_idx.size(0)
+            if x.size(0) != num_rows:
+                raise ValueError(f"x must have the {num_rows} rows of the dispatch's recv_x, got {x.size(0)}")
+            if topk_weights is not None:
+                v.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_rows, None),
+                               device=x.device)
+            biases = v.split_bias(bias, handle.is_token_in_rank.size(0), x.size(1), x.dtype, x.device)
+            v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+            config = self._resolve_config(config, "combine", self.group_size)
+            backend = self._backend("combine", "normal", _device_type(x))
+            agreement.agree(("handle (its dispatch number)", handle.serial), ("x.size(1) (hidden)", x.size(1)),
+                            ("topk_weights given", topk_weights is not None),
+                            ("topk_weights.size(1)", topk_weights.size(1) if topk_weights is not None else 0),
+                            ("bias (number of tensors)", len(biases)), ("config", config))
         return backend.combine(CombineRequest(x, handle, topk_weights, biases, config, previous_event, async_finish,
                                               allocate_on_comm_stream))
 
@@ -499,41 +670,53 @@ class Buffer:
             ``[L, R*T, H]`` BF16 or ``(fp8 [L, R*T, H], scales)`` with column-major scales ``[L, R*T, H/128]``
             float32 (``[L, R*T, H/512]`` int32 with UE8M0).
         """
-        v.check_tensor("x", x, dtype=torch.bfloat16, ndim=2)
-        num_tokens, hidden = x.shape
-        num_local = self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if not (type(use_fp8) is bool and type(round_scale) is bool and type(use_ue8m0) is bool
-                and type(async_finish) is bool and type(return_recv_hook) is bool):
-            for name, value in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
-                                ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
-                v.check_bool(name, value)
-        v.check_ll_hidden(hidden, use_fp8, use_ue8m0)
-        v.check_ll_tokens("x", num_tokens, num_max_dispatch_tokens_per_rank)
-        topk_idx = v.check_topk_idx("topk_idx", topk_idx, num_tokens=num_tokens, device=x.device)
-        v.check_ll_topk("topk_idx", topk_idx.size(1))
-        if use_ue8m0 and not round_scale:
-            raise ValueError("use_ue8m0=True requires round_scale=True, got round_scale=False")
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook are mutually exclusive, got both True")
-        if cumulative_local_expert_recv_stats is not None:
-            v.check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                           dtype=torch.int32, shape=(num_local,), device=x.device)
-        if dispatch_wait_recv_cost_stats is not None:
-            v.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, dtype=torch.int64,
-                           shape=(self.group_size,), device=x.device)
-        backend = self._backend("low_latency_dispatch", "low_latency", _device_type(x))
-        if backend.needs_host_checks:
-            v.check_expert_range("topk_idx", topk_idx, num_experts)
-            valid = topk_idx[topk_idx >= 0].to(torch.int64)
-            if valid.numel():
-                most = int(torch.bincount(valid, minlength=num_experts).max())
-                if most > num_max_dispatch_tokens_per_rank:
-                    raise ValueError(f"topk_idx selects one expert {most} times (duplicate entries), more than "
-                                     f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
+        self._settle_receives()
+        with _Agreement(self, "low_latency_dispatch", "low_latency") as agreement:
+            if isinstance(x, torch.Tensor):
+                agreement.device = _device_type(x)
+            self._check_in_flight("low_latency_dispatch")
+            v.check_tensor("x", x, dtype=torch.bfloat16, ndim=2)
+            num_tokens, hidden = x.shape
+            num_local = self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            if not (type(use_fp8) is bool and type(round_scale) is bool and type(use_ue8m0) is bool
+                    and type(async_finish) is bool and type(return_recv_hook) is bool):
+                for name, value in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
+                                    ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
+                    v.check_bool(name, value)
+            backend = agreement.backend = self._ll_backend("low_latency_dispatch", _device_type(x), hidden, use_fp8,
+                                                           use_ue8m0)
+            agreement.rides = backend is self._torch
+            v.check_ll_tokens("x", num_tokens, num_max_dispatch_tokens_per_rank)
+            topk_idx = v.check_topk_idx("topk_idx", topk_idx, num_tokens=num_tokens, device=x.device)
+            v.check_ll_topk("topk_idx", topk_idx.size(1))
+            if use_ue8m0 and not round_scale:
+                raise ValueError("use_ue8m0=True requires round_scale=True, got round_scale=False")
+            if async_finish and return_recv_hook:
+                raise ValueError("async_finish and return_recv_hook are mutually exclusive, got both True")
+            if cumulative_local_expert_recv_stats is not None:
+                v.check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                               dtype=torch.int32, shape=(num_local,), device=x.device)
+            if dispatch_wait_recv_cost_stats is not None:
+                v.check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, dtype=torch.int64,
+                               shape=(self.group_size,), device=x.device)
+            if backend.needs_host_checks:
+                v.check_expert_range("topk_idx", topk_idx, num_experts)
+                valid = topk_idx[topk_idx >= 0].to(torch.int64)
+                if valid.numel():
+                    most = int(torch.bincount(valid, minlength=num_experts).max())
+                    if most > num_max_dispatch_tokens_per_rank:
+                        raise ValueError(f"topk_idx selects one expert {most} times (duplicate entries), more than "
+                                         f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
+            agreement.agree(("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                            ("x.size(1) (hidden)", hidden), ("num_experts", num_experts),
+                            ("topk_idx.size(1) (num_topk)", topk_idx.size(1)), ("use_fp8", use_fp8),
+                            ("round_scale", round_scale), ("use_ue8m0", use_ue8m0))
         result = backend.low_latency_dispatch(LowLatencyDispatchRequest(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook))
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
+            agreement.signature))
         self._register(result.handle)
+        self._track_receive(result.hook)
         return result
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -557,53 +740,78 @@ class Buffer:
         Returns:
             ``LowLatencyCombineResult(combined_x [N, H] BF16, event, hook)``.
         """
-        handle = self._check_handle(handle, "low_latency")
-        tokens, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-        num_local = self._check_low_latency(tokens, hidden, num_experts)
-        v.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local, self.group_size * tokens, hidden))
-        device = x.device
-        topk_idx = v.check_topk_idx("topk_idx", topk_idx, device=device)
-        num_tokens = topk_idx.size(0)
-        v.check_ll_tokens("topk_idx", num_tokens, tokens)
-        v.check_ll_topk("topk_idx", topk_idx.size(1))
-        v.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_tokens, topk_idx.size(1)),
-                       device=device)
-        if not (type(use_logfmt) is bool and type(zero_copy) is bool and type(async_finish) is bool
-                and type(return_recv_hook) is bool):
-            for name, value in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
-                                ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
-                v.check_bool(name, value)
-        if zero_copy and use_logfmt:
-            raise ValueError("zero_copy and use_logfmt are mutually exclusive, got both True")
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook are mutually exclusive, got both True")
-        if out is not None:
-            v.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, hidden), device=device)
-        if combine_wait_recv_cost_stats is not None:
-            v.check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dtype=torch.int64,
-                           shape=(self.group_size,), device=device)
-        backend = self._backend("low_latency_combine", "low_latency", _device_type(x))
-        if backend.needs_host_checks:
-            v.check_expert_range("topk_idx", topk_idx, num_experts)
-        return backend.low_latency_combine(LowLatencyCombineRequest(
+        self._settle_receives()
+        with _Agreement(self, "low_latency_combine", "low_latency") as agreement:
+            if isinstance(x, torch.Tensor):
+                agreement.device = _device_type(x)
+            self._check_in_flight("low_latency_combine")
+            handle = self._check_handle(handle, "low_latency")
+            tokens, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+            num_local = self._check_low_latency(tokens, hidden, num_experts)
+            v.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local, self.group_size * tokens, hidden))
+            device = x.device
+            topk_idx = v.check_topk_idx("topk_idx", topk_idx, device=device)
+            num_tokens = topk_idx.size(0)
+            v.check_ll_tokens("topk_idx", num_tokens, tokens)
+            v.check_ll_topk("topk_idx", topk_idx.size(1))
+            v.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_tokens, topk_idx.size(1)),
+                           device=device)
+            if not (type(use_logfmt) is bool and type(zero_copy) is bool and type(async_finish) is bool
+                    and type(return_recv_hook) is bool):
+                for name, value in (("use_logfmt", use_logfmt), ("zero_copy", zero_copy),
+                                    ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
+                    v.check_bool(name, value)
+            if zero_copy and use_logfmt:
+                raise ValueError("zero_copy and use_logfmt are mutually exclusive, got both True")
+            if zero_copy and self._zero_copy_generation != self._ll_generation:
+                raise LowLatencyMisuseError(
+                    "zero_copy=True needs the combine buffer from get_next_low_latency_combine_buffer(handle) filled "
+                    "after the last low-latency call (another low-latency call reuses it); got "
+                    + ("no such buffer" if self._zero_copy_generation < 0 else
+                       f"a buffer handed out before low-latency call #{self._zero_copy_generation}, and this is call "
+                       f"#{self._ll_generation}"))
+            if async_finish and return_recv_hook:
+                raise ValueError("async_finish and return_recv_hook are mutually exclusive, got both True")
+            if out is not None:
+                v.check_tensor("out", out, dtype=torch.bfloat16, shape=(num_tokens, hidden), device=device)
+            if combine_wait_recv_cost_stats is not None:
+                v.check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dtype=torch.int64,
+                               shape=(self.group_size,), device=device)
+            backend = agreement.backend = self._ll_backend("low_latency_combine", _device_type(x), hidden)
+            if backend.needs_host_checks:
+                v.check_expert_range("topk_idx", topk_idx, num_experts)
+            agreement.agree(("handle (its dispatch number)", handle.serial),
+                            ("num_max_dispatch_tokens_per_rank", tokens), ("hidden", hidden),
+                            ("num_experts", num_experts), ("topk_idx.size(1) (num_topk)", topk_idx.size(1)),
+                            ("use_logfmt", use_logfmt))
+        result = backend.low_latency_combine(LowLatencyCombineRequest(
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
             combine_wait_recv_cost_stats))
+        self._track_receive(result.hook)
+        return result
 
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
         """BF16 ``[L, R*T, H]`` view (row stride ``H + H/64``) of the send area the next combine will read with
         ``zero_copy=True``. Valid until another low-latency call is made."""
         handle = self._check_handle(handle, "low_latency")
         self._check_low_latency(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
-        backend = self._backend("get_next_low_latency_combine_buffer", "low_latency",
-                                _device_type(handle.packed_recv_src_info))
-        return backend.get_next_low_latency_combine_buffer(handle)
+        backend = self._ll_backend("get_next_low_latency_combine_buffer", _device_type(handle.packed_recv_src_info),
+                                   handle.hidden)
+        view = backend.get_next_low_latency_combine_buffer(handle)
+        self._zero_copy_generation = self._ll_generation
+        return view
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective: zero both halves' signal areas (needed after normal kernels used the buffer)."""
-        v.check_int("hidden", hidden, 128)
-        self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self._backend("clean_low_latency_buffer", "low_latency", None).clean_low_latency_buffer(
-            num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._settle_receives()
+        with _Agreement(self, "clean_low_latency_buffer", "low_latency") as agreement:
+            agreement.device = None
+            v.check_int("hidden", hidden, 1)
+            self._check_low_latency(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            backend = agreement.backend = self._ll_backend("clean_low_latency_buffer", None, hidden)
+            agreement.agree(("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                            ("hidden", hidden), ("num_experts", num_experts))
+        backend.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def _check_shrink(self, method: str) -> Backend:
         if not self.enable_shrink:

@@ -9,6 +9,7 @@ lists exactly these variables (a test checks it). Tests and benchmarks choose ke
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
@@ -23,6 +24,13 @@ def _parse_bool(text: str) -> bool:
     if lowered in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"expected a boolean (1/0/true/false), got {text!r}")
+
+
+def _parse_seconds(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"expected a finite number of seconds > 0, got {text!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -48,8 +56,9 @@ class EnvVar(Generic[T]):
 
 
 TIMEOUT_S = EnvVar(
-    "DEEP_EP_TIMEOUT_S", float, 100.0,
-    "Budget in seconds of every bounded wait (GPU spin loops and host polling); a timeout raises an exception.")
+    "DEEP_EP_TIMEOUT_S", _parse_seconds, 100.0,
+    "Budget in seconds of every bounded wait (GPU spin loops and host polling), finite and > 0; a timeout raises an "
+    "exception.")
 BACKEND = EnvVar(
     "DEEP_EP_BACKEND", str, "auto",
     "Which Buffer backend to use: 'auto' (CUDA kernels for CUDA tensors when built, else torch), 'torch' or 'cuda'.")

@@ -10,7 +10,21 @@ from typing import Optional, Sequence
 
 
 class CommError(RuntimeError):
-    """A communication kernel or host wait failed (a peer process died, a kernel reported an error)."""
+    """A communication kernel or host wait failed (a peer process died, a kernel reported an error).
+
+    Raised by the torch backend with ``rank`` (this rank), ``peer`` (the peer whose operation failed, ``None`` for
+    a collective of all ranks) and ``phase`` set, in the Buffer's rank numbers; the CUDA backends leave them
+    ``None`` and name them in the message.
+    """
+
+    rank: Optional[int] = None
+    peer: Optional[int] = None
+    phase: Optional[str] = None
+
+    def with_origin(self, rank: Optional[int], peer: Optional[int], phase: Optional[str]) -> "CommError":
+        """``self`` with ``rank``, ``peer`` and ``phase`` set."""
+        self.rank, self.peer, self.phase = rank, peer, phase
+        return self
 
 
 class CommTimeoutError(CommError, TimeoutError):
@@ -23,6 +37,18 @@ class PeerAbortedError(CommError):
 
 class RoutingError(CommError, ValueError):
     """The kernels detected routing inconsistent with the counts or the handle (DeepEP would hang here)."""
+
+
+class ArgumentMismatchError(ValueError):
+    """The ranks of a collective call disagree on its arguments (shapes, dtypes, expert count, top-k, config, mode
+    flags, optional tensors, the handle) or made different calls, or another rank refused its arguments. Raised on
+    every rank of the call before any row moves; the Buffer stays usable."""
+
+
+class LowLatencyMisuseError(RuntimeError):
+    """A low-latency call that would overwrite data still in use: a third call while the receive hook of the call
+    two before is pending (its buffer half), or a zero-copy combine whose buffer was filled before another
+    low-latency call. Raised on every rank of the call before any data moves; the pending work stays valid."""
 
 
 _RANK_PEER = re.compile(r"rank (-?\d+) peer (-?\d+)")

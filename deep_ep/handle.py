@@ -33,10 +33,13 @@ class HandleState:
             accepts only its own handles.
         backend_state: what the backend that made the handle reuses in its cached dispatch and combine (the CUDA
             kernels' pair counts or intranode handle, the composed path's stage handles), ``None`` for nothing.
+        serial: the number of the call that made the handle among its Buffer's dispatches (the same on every rank
+            that made the same calls; the ranks check it agrees when the handle is used), ``-1`` for none.
     """
 
     __slots__ = ()
     owner: object = None
+    serial: int = -1
     backend_state: object = None
 
 

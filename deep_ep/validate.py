@@ -18,7 +18,7 @@ import torch
 from deep_ep import envs
 
 # check_int lives in the stdlib-only deep_ep.config (its dataclasses use it) and is part of this module's API.
-from deep_ep.config import NUM_MAX_LL_TOPK, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK, check_int
+from deep_ep.config import FP8_BLOCK, NUM_MAX_LL_TOPK, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_TOPK, check_int
 
 # Low-latency hidden sizes: any multiple of LL_HIDDEN_MULTIPLE in [LL_MIN_HIDDEN, LL_MAX_HIDDEN] (DeepEP V1 compiles
 # a fixed list of 8 sizes); UE8M0 scales pack 4 blocks per int32, so use_ue8m0 needs a multiple of 512.
@@ -175,11 +175,26 @@ def check_stream_args(previous_event: object, async_finish: object, allocate_on_
                          f"got previous_event={previous_event!r}, async_finish={async_finish}")
 
 
-def check_ll_hidden(hidden: int, use_fp8: bool, use_ue8m0: bool = False) -> None:
-    """Low-latency hidden sizes: a multiple of 128 in [1024, 16384]; a multiple of 512 with ``use_ue8m0``."""
+def ll_kernel_hidden_refusal(hidden: int, use_fp8: bool, use_ue8m0: bool = False) -> Optional[str]:
+    """Why the CUDA low-latency kernels do not serve ``hidden`` (a multiple of 128 in [1024, 16384]; of 512 with
+    ``use_ue8m0``), or ``None``."""
     if hidden % LL_HIDDEN_MULTIPLE != 0 or not LL_MIN_HIDDEN <= hidden <= LL_MAX_HIDDEN:
-        raise ValueError(f"x hidden size must be a multiple of {LL_HIDDEN_MULTIPLE} in [{LL_MIN_HIDDEN}, "
-                         f"{LL_MAX_HIDDEN}] for low-latency kernels (Unsupported hidden), got {hidden}")
+        return (f"x hidden size must be a multiple of {LL_HIDDEN_MULTIPLE} in [{LL_MIN_HIDDEN}, {LL_MAX_HIDDEN}] for "
+                f"the CUDA low-latency kernels (Unsupported hidden), got {hidden}")
+    if use_fp8 and use_ue8m0 and hidden % LL_UE8M0_HIDDEN_MULTIPLE != 0:
+        return (f"x hidden size must be a multiple of {LL_UE8M0_HIDDEN_MULTIPLE} for use_ue8m0=True (4 scales per "
+                f"int32), got {hidden}")
+    return None
+
+
+def check_ll_hidden(hidden: int, use_fp8: bool, use_ue8m0: bool = False) -> None:
+    """Low-latency hidden sizes of the torch backend: any ``hidden >= 1``; FP8 needs a multiple of 128 (one scale
+    per 128 channels), ``use_ue8m0`` a multiple of 512 (4 scales per int32)."""
+    if hidden < 1:
+        raise ValueError(f"x hidden size must be >= 1 for low-latency calls, got {hidden}")
+    if use_fp8 and hidden % FP8_BLOCK != 0:
+        raise ValueError(f"x hidden size must be a multiple of {FP8_BLOCK} with use_fp8=True (one scale per "
+                         f"{FP8_BLOCK} channels), got {hidden}")
     if use_fp8 and use_ue8m0 and hidden % LL_UE8M0_HIDDEN_MULTIPLE != 0:
         raise ValueError(f"x hidden size must be a multiple of {LL_UE8M0_HIDDEN_MULTIPLE} for use_ue8m0=True (4 "
                          f"scales per int32), got {hidden}")

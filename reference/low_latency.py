@@ -54,7 +54,8 @@ def low_latency_dispatch(x: Sequence[torch.Tensor], topk_idx: Sequence[torch.Ten
     ``e % L`` of rank ``e // L``: one copy per selected expert, not per rank.
 
     Args:
-        x: per rank ``[N_s, H]`` bfloat16, ``N_s <= T``, ``H % 128 == 0`` (``H % 512 == 0`` with UE8M0).
+        x: per rank ``[N_s, H]`` bfloat16, ``N_s <= T``; with ``use_fp8`` ``H % 128 == 0`` (``H % 512 == 0`` with
+            UE8M0).
         topk_idx: per rank ``[N_s, K]`` int32/int64 global expert ids or -1 (skipped).
         num_max_dispatch_tokens_per_rank: ``T``.
         num_experts: ``E``, divisible by ``R`` (the list lengths).
@@ -78,9 +79,10 @@ def low_latency_dispatch(x: Sequence[torch.Tensor], topk_idx: Sequence[torch.Ten
     for s in range(num_ranks):
         check_tensor(f"x[{s}]", x[s], dtype=torch.bfloat16, ndim=2, contiguous=False)
         hidden = x[s].size(1) if hidden is None else hidden
-        if x[s].size(1) != hidden or hidden % FP8_BLOCK != 0:
-            raise ValueError(f"x[{s}] must have the common hidden size, a multiple of {FP8_BLOCK}; got "
-                             f"{x[s].size(1)} (rank 0 has {hidden})")
+        if x[s].size(1) != hidden or (use_fp8 and hidden % FP8_BLOCK != 0):
+            rule = f", a multiple of {FP8_BLOCK} with use_fp8" if use_fp8 else ""
+            raise ValueError(f"x[{s}] must have the common hidden size{rule}; got {x[s].size(1)} (rank 0 has "
+                             f"{hidden})")
         if x[s].size(0) > tokens_cap:
             raise ValueError(f"x[{s}] has {x[s].size(0)} tokens, more than num_max_dispatch_tokens_per_rank "
                              f"({tokens_cap})")

@@ -36,7 +36,9 @@ class LayoutRequest(NamedTuple):
 
 class DispatchRequest(NamedTuple):
     """``Buffer.dispatch``'s arguments (see there): ``x`` is a tensor or ``(x_fp8, x_scales)``; ``handle`` given:
-    a cached dispatch (top-k and the layout tensors are ``None``); ``config`` resolved."""
+    a cached dispatch (top-k and the layout tensors are ``None``); ``config`` resolved. ``signature``: the call's
+    ``deep_ep.backends.agreement.Signature`` when the torch backend checks the ranks' agreement in its count
+    exchange, else ``None`` (checked before, or nothing to check)."""
 
     x: Any
     handle: Any = None
@@ -52,6 +54,7 @@ class DispatchRequest(NamedTuple):
     previous_event: Any = None
     async_finish: bool = False
     allocate_on_comm_stream: bool = False
+    signature: Any = None
 
     def payload(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``(data, scales)``: ``x``, or the FP8 bytes and their scales."""
@@ -72,7 +75,7 @@ class CombineRequest(NamedTuple):
 
 
 class LowLatencyDispatchRequest(NamedTuple):
-    """``Buffer.low_latency_dispatch``'s arguments (see there)."""
+    """``Buffer.low_latency_dispatch``'s arguments (see there); ``signature`` as in :class:`DispatchRequest`."""
 
     x: torch.Tensor
     topk_idx: torch.Tensor
@@ -85,6 +88,7 @@ class LowLatencyDispatchRequest(NamedTuple):
     use_ue8m0: bool = False
     async_finish: bool = False
     return_recv_hook: bool = False
+    signature: Any = None
 
 
 class LowLatencyCombineRequest(NamedTuple):

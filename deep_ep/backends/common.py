@@ -161,16 +161,29 @@ class StreamScope:
         return EventOverlap(event, live)
 
 
+class PendingReceive:
+    """The receive phase of a low-latency call with ``return_recv_hook``: runs exactly once, by ``hook()`` or, when
+    the hook object was dropped uncalled, by the ``Buffer`` at its next call (so that no peer waits for it)."""
+
+    __slots__ = ("receive", "done", "generation")
+
+    def __init__(self, receive: Callable[[], None], generation: int = -1) -> None:
+        self.receive, self.done, self.generation = receive, False, generation
+
+    def run(self) -> None:
+        if self.done:
+            raise RuntimeError("this low-latency receive hook was already called")
+        self.done = True
+        self.receive()
+
+
 class ReceiveHook:
     """``hook()`` of a low-latency call with ``return_recv_hook``: completes the receive, exactly once."""
 
-    __slots__ = ("_fn", "_done")
+    __slots__ = ("pending", "__weakref__")
 
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self._fn, self._done = fn, False
+    def __init__(self, receive: Callable[[], None]) -> None:
+        self.pending = PendingReceive(receive)
 
     def __call__(self) -> None:
-        if self._done:
-            raise RuntimeError("this low-latency receive hook was already called")
-        self._done = True
-        self._fn()
+        self.pending.run()

@@ -125,7 +125,7 @@ class LowLatencyCuda(Backend):
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         """Packed per-expert receive; blocks in ascending source order, rows of a block in (token, k) order."""
         (x, topk_idx, tokens, num_experts, recv_stats, wait_stats, use_fp8, round_scale, use_ue8m0, _,
-         return_recv_hook) = request
+         return_recv_hook, _) = request
         hidden = x.size(1)
         self._prologue(tokens, hidden, num_experts, check_errors=False)
         half = self._flip()

@@ -2,11 +2,11 @@
 
 Works with gloo (CPU tensors) and NCCL (CUDA tensors, also GPUs without NVLink or NVSHMEM); the results are
 bit-identical to ``reference``. Counts (tokens per destination, per-channel prefixes, per-expert counts) travel in
-one ``all_gather`` of a small int64 vector per call; token rows travel point-to-point (``batch_isend_irecv``) as
-byte records, each rank sending a peer exactly the rows it needs. Low-latency calls use a real symmetric buffer of
-``num_rdma_bytes`` laid out by :func:`deep_ep.layout.low_latency_layout`: each call stages its messages in
-``send_i``, receives into ``recv_i`` and flips the parity ``i``, so the zero-copy combine buffer is a view of the
-next ``send_i``.
+one ``all_gather`` of a small int64 vector per call, with the call's signature (:meth:`TorchBackend.agree`); token
+rows travel point-to-point as byte records, each rank sending a peer exactly the rows it needs. Low-latency calls
+use a real symmetric buffer of ``num_rdma_bytes`` laid out by :func:`deep_ep.layout.low_latency_layout`: each call
+stages its messages in ``send_i``, receives into ``recv_i`` and flips the parity ``i``, so the zero-copy combine
+buffer is a view of the next ``send_i``.
 
 Every wait is bounded by ``DEEP_EP_TIMEOUT_S``; a timeout raises :class:`CommTimeoutError` naming this rank, the
 peer, the phase and what was awaited. A timed-out gloo group is unusable afterwards (gloo closes the pair).
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from deep_ep import envs, numerics
 from deep_ep import handle as hd
+from deep_ep.backends.agreement import SIGNATURE_WORDS, Signature, check_agreement
 from deep_ep.backends.base import (
     Backend,
     CombineRequest,
@@ -31,7 +32,7 @@ from deep_ep.backends.base import (
     LowLatencyDispatchRequest,
 )
 from deep_ep.backends.common import ReceiveHook, StreamScope, as_bytes, check_worst_tokens, from_bytes, pad_rows
-from deep_ep.config import FP8_BLOCK, Topology, align_up
+from deep_ep.config import FP8_BLOCK, NUM_MAX_LOCAL_EXPERTS, Topology, align_up
 from deep_ep.errors import CommError, CommTimeoutError, rank_name
 from deep_ep.event import EventOverlap
 from deep_ep.layout import low_latency_layout, low_latency_message_bytes
@@ -51,6 +52,9 @@ _TAG_COMBINE = 13
 _TAG_LL_COUNT = 21
 _TAG_LL_DISPATCH = 22
 _TAG_LL_COMBINE = 23
+_TAG_SIGNATURE = 24
+# Count words of a normal dispatch that ride in the agreement all-gather (the rest follows in a second one).
+_AGREEMENT_PAYLOAD_WORDS = 224
 # Tags are ``kind + _NUM_TAG_KINDS * (batch number mod _NUM_TAG_SEQUENCES)``.
 _NUM_TAG_KINDS = 32
 _NUM_TAG_SEQUENCES = 1 << 20
@@ -73,6 +77,9 @@ class _Pending:
 
 class _Comm:
     """Bounded collective and point-to-point helpers over one process group (ranks are group ranks)."""
+
+    # Shrink mode (Buffer(enable_shrink=True)): errors name the rank to mask.
+    shrink = False
 
     def __init__(self, group: Any, rank: int, num_ranks: int) -> None:
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
@@ -100,46 +107,81 @@ class _Comm:
     def timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=envs.TIMEOUT_S.get())
 
+    def _buffer_rank(self, rank: int) -> int:
+        """Group rank ``rank`` in the Buffer's numbers (``rank_names`` for a stage's subgroup)."""
+        return self.rank_names[rank] if self.rank_names else rank
+
+    def failure(self, exc: BaseException, phase: str, what: str, peer: Optional[int]) -> CommError:
+        """The ``CommError`` (``CommTimeoutError`` for a timeout) for ``exc`` raised by ``torch.distributed`` while
+        this rank posted or awaited ``what`` of ``peer`` (``None``: a collective) in ``phase``. In shrink mode the
+        message names the rank to mask."""
+        text = str(exc)
+        me, who = self._ranks_text(peer)
+        peer_rank = None if peer is None else self._buffer_rank(peer)
+        hint = ""
+        if self.shrink and peer_rank is not None and peer != self.rank:
+            hint = f"; to go on without it, mask rank {peer_rank} (low_latency_update_mask_buffer({peer_rank}, True))"
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            error: CommError = CommTimeoutError(
+                f"deep_ep torch backend: rank {me} timed out after {envs.TIMEOUT_S.get()} s (DEEP_EP_TIMEOUT_S) in "
+                f"phase '{phase}' waiting for {what} from {who}{hint}: {text}")
+        else:
+            error = CommError(f"deep_ep torch backend: rank {me} failed in phase '{phase}' on {what} with {who}"
+                              f"{hint}: {text}")
+        return error.with_origin(self._buffer_rank(self.rank), peer_rank, phase)
+
     def wait_work(self, work: Any, phase: str, what: str, peer: Optional[int]) -> None:
         """Wait for one ``torch.distributed`` work handle within ``DEEP_EP_TIMEOUT_S``."""
         try:
             work.wait(timeout=self.timeout())
         except RuntimeError as exc:
-            text = str(exc)
-            me, who = self._ranks_text(peer)
-            if "timed out" in text.lower() or "timeout" in text.lower():
-                raise CommTimeoutError(
-                    f"deep_ep torch backend: rank {me} timed out after {envs.TIMEOUT_S.get()} s "
-                    f"(DEEP_EP_TIMEOUT_S) in phase '{phase}' waiting for {what} from {who}: {text}") from exc
-            raise CommError(f"deep_ep torch backend: rank {me} failed in phase '{phase}' waiting for {what} "
-                            f"from {who}: {text}") from exc
+            raise self.failure(exc, phase, f"{what}", peer) from exc
 
     def all_gather(self, tensor: torch.Tensor, phase: str, what: str) -> torch.Tensor:
         """``[*]`` -> ``[R, *]``: every rank's ``tensor`` (same shape and dtype on all ranks)."""
         local = tensor.to(self.device).contiguous()
         out = [torch.empty_like(local) for _ in range(self.num_ranks)]
-        work = dist.all_gather(out, local, group=self.group, async_op=True)
+        try:
+            work = dist.all_gather(out, local, group=self.group, async_op=True)
+        except RuntimeError as exc:
+            raise self.failure(exc, phase, f"posting the all-gather of {what}", None) from exc
         self.wait_work(work, phase, what, None)
         return torch.stack(out).to(tensor.device)
 
     def barrier(self, phase: str) -> None:
         token = torch.zeros(1, dtype=torch.int32, device=self.device)
-        work = dist.all_reduce(token, group=self.group, async_op=True)
+        try:
+            work = dist.all_reduce(token, group=self.group, async_op=True)
+        except RuntimeError as exc:
+            raise self.failure(exc, phase, "posting a barrier", None) from exc
         self.wait_work(work, phase, "a barrier", None)
 
     def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
              tag: int, phase: str, what: str) -> _Pending:
-        """Post ``isend``/``irecv`` of contiguous comm-device tensors as one batch (peers are group ranks)."""
+        """Post ``isend``/``irecv`` of contiguous comm-device tensors as one batch (peers are group ranks). NCCL
+        posts them as one group; gloo one by one, so that a failure names its peer."""
         tag += _NUM_TAG_KINDS * (self.num_posts % _NUM_TAG_SEQUENCES)
         self.num_posts += 1
-        ops, peers = [], []
-        for peer, tensor in sends:
-            ops.append(dist.P2POp(dist.isend, tensor, self.global_ranks[peer], self.group, tag))
-            peers.append((peer, "send"))
-        for peer, tensor in recvs:
-            ops.append(dist.P2POp(dist.irecv, tensor, self.global_ranks[peer], self.group, tag))
-            peers.append((peer, "receive"))
-        works = dist.batch_isend_irecv(ops) if ops else []
+        items = [(dist.isend, peer, tensor, "send") for peer, tensor in sends]
+        items += [(dist.irecv, peer, tensor, "receive") for peer, tensor in recvs]
+        peers = [(peer, direction) for _, peer, _, direction in items]
+        if not self.is_nccl:
+            works = []
+            for function, peer, tensor, direction in items:
+                try:
+                    works.append(function(tensor, self.global_ranks[peer], self.group, tag))
+                except RuntimeError as exc:
+                    raise self.failure(exc, phase, f"posting the {direction} of {what}", peer) from exc
+            return _Pending(self, works, peers, phase, what)
+        ops = [dist.P2POp(function, tensor, self.global_ranks[peer], self.group, tag)
+               for function, peer, tensor, _ in items]
+        if not ops:
+            return _Pending(self, [], [], phase, what)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            first = peers[0][0] if len({p for p, _ in peers}) == 1 else None
+            raise self.failure(exc, phase, f"posting the sends and receives of {what}", first) from exc
         if len(works) != len(ops):  # some torch versions return one coalesced work for the whole batch
             peers = [(self.rank if not peers else peers[0][0], "batch")] * len(works)
         return _Pending(self, list(works), peers, phase, what)
@@ -169,7 +211,55 @@ class TorchBackend(Backend):
         self._nvl_buffer: Optional[torch.Tensor] = None
         self._rdma_buffer: Optional[torch.Tensor] = None
         self.ll_parity = 0
-        self.mask = torch.zeros(num_ranks, dtype=torch.int32) if enable_shrink else None
+        self.mask = torch.zeros(num_ranks, dtype=torch.int32, device="cpu") if enable_shrink else None
+        self.comm.shrink = enable_shrink
+
+    def agree(self, signature: Signature, phase: str, low_latency: bool = False, payload: Any = None) -> Any:
+        """Exchange ``signature`` with every rank of the call and check that they agree (``check_agreement``),
+        before any row moves; ``payload`` rides in the same exchange and every rank's comes back.
+
+        Normal mode: one all-gather of ``SIGNATURE_WORDS + _AGREEMENT_PAYLOAD_WORDS`` int64 words, whatever the
+        call (so that ranks making different calls exchange equal sizes); ``payload`` is an ``[n]`` int64 vector
+        (``n`` follows from the agreed arguments) and comes back as ``[R, n]``, its words beyond the fixed part in
+        a second all-gather. Low-latency mode: point-to-point with the active ranks (shrink mode skips masked
+        ranks; a timeout names the peer), receives sized for the largest message; ``payload`` maps each other
+        active rank to its ``[n]`` int64 vector and ``{source: [n] int64}`` comes back."""
+        words = signature.words()
+        if not low_latency:
+            count = 0 if payload is None else payload.numel()
+            head = torch.zeros(SIGNATURE_WORDS + _AGREEMENT_PAYLOAD_WORDS, dtype=torch.int64, device="cpu")
+            head[:SIGNATURE_WORDS] = words
+            riding = min(count, _AGREEMENT_PAYLOAD_WORDS)
+            if riding:
+                head[SIGNATURE_WORDS:SIGNATURE_WORDS + riding] = payload[:riding]
+            gathered = self.comm.all_gather(head, phase, "the call signatures and counts")
+            check_agreement(signature, gathered[:, :SIGNATURE_WORDS], list(range(self.num_ranks)), self.rank)
+            if payload is None:
+                return None
+            rows = gathered[:, SIGNATURE_WORDS:SIGNATURE_WORDS + riding]
+            if count > riding:
+                rest = self.comm.all_gather(payload[riding:].contiguous(), phase, "per-rank token counts")
+                rows = torch.cat([rows, rest.to(torch.int64)], dim=1)
+            return rows
+        return self._agree_peers(signature, phase, payload)[0]
+
+    def _agree_peers(self, signature: Signature, phase: str, payload: Any) -> tuple[Any, _Pending]:
+        """:meth:`agree` of low-latency mode; also returns the exchange's ``_Pending`` (its wait times)."""
+        words = signature.words()
+        ranks = self._active_peers()
+        capacity = SIGNATURE_WORDS + NUM_MAX_LOCAL_EXPERTS
+        bufs = {s: torch.empty(capacity, dtype=torch.int64, device=self.device) for s in ranks if s != self.rank}
+        sends = [(d, torch.cat([words, payload[d]]).to(self.device) if payload is not None else words.to(self.device))
+                 for d in bufs]
+        pending = self.comm.post(sends, list(bufs.items()), _TAG_SIGNATURE, phase, "the call signatures")
+        pending.wait()
+        received = {s: buf.cpu() for s, buf in bufs.items()}
+        gathered = torch.stack([words if s == self.rank else received[s][:SIGNATURE_WORDS] for s in ranks])
+        check_agreement(signature, gathered, ranks, self.rank)
+        if payload is None:
+            return None, pending
+        count = max((p.numel() for p in payload.values()), default=0)  # the same for every peer once agreed
+        return {s: row[SIGNATURE_WORDS:SIGNATURE_WORDS + count] for s, row in received.items()}, pending
 
     def set_rank_names(self, names: Sequence[int], scope: str) -> None:
         """Report ranks in errors as ``names[r]`` instead of this group's ``r``; ``scope`` names the group (the
@@ -197,7 +287,7 @@ class TorchBackend(Backend):
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
         raw = self.rdma_buffer() if use_rdma_buffer else self.nvl_buffer()
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = torch.empty(0, dtype=dtype, device="cpu").element_size()
         # DeepEP's length ignores the offset (it could read past the end); a real view must stay inside.
         count = (raw.numel() - offset) // itemsize
         view = raw[offset:offset + count * itemsize].view(dtype)
@@ -225,7 +315,7 @@ class TorchBackend(Backend):
             prefix = handle.rank_prefix_matrix[:, self.rank].to(torch.int64).cpu()
         else:
             prefix = handle.recv_gbl_rank_prefix_sum.to(torch.int64).cpu()
-        return torch.diff(prefix, prepend=torch.zeros(1, dtype=torch.int64))
+        return torch.diff(prefix, prepend=torch.zeros(1, dtype=torch.int64, device="cpu"))
 
     def _exchange_rows(self, send_rows: list[torch.Tensor], recv_counts: Sequence[int], row_bytes: int, tag: int,
                        phase: str, what: str) -> list[torch.Tensor]:
@@ -299,7 +389,10 @@ class TorchBackend(Backend):
         info = torch.cat([send_counts.to(torch.int64), chan_prefix.flatten().to(torch.int64),
                           num_tokens_per_expert.to(torch.int64), extra.to(torch.int64),
                           torch.tensor([num_tokens], dtype=torch.int64, device=mask.device)])
-        gathered = self.comm.all_gather(info.cpu(), "dispatch notify", "per-rank token counts").to(torch.int64)
+        if request.signature is not None:
+            gathered = self.agree(request.signature, "dispatch notify", payload=info.cpu())
+        else:
+            gathered = self.comm.all_gather(info.cpu(), "dispatch notify", "per-rank token counts").to(torch.int64)
         offsets = [0, num_ranks, num_ranks * num_channels, num_experts, extra.numel(), 1]
         begin = [sum(offsets[:i + 1]) for i in range(len(offsets))]
         count_matrix = gathered[:, begin[0]:begin[1]]                                     # [src, dst]
@@ -382,7 +475,7 @@ class TorchBackend(Backend):
         recv_gbl_chan_prefix = hd.recv_gbl_channel_prefix_matrix(src_chan_prefix, recv_gbl_rank_prefix)
 
         # recv_src_meta: source node and this node's local-rank mask of every received row.
-        source_of_row = torch.repeat_interleave(torch.arange(self.num_ranks), recv_counts)
+        source_of_row = torch.repeat_interleave(torch.arange(self.num_ranks, device=recv_counts.device), recv_counts)
         local_masks = from_bytes(recv_mask_bytes, torch.uint8, num_nodes * per_node)
         local_masks = local_masks.view(num_recv, num_nodes, per_node)[:, my_node].to(torch.bool)
         src_meta = hd.encode_src_meta((source_of_row // per_node).to(dev), local_masks[:num_recv])
@@ -497,7 +590,7 @@ class TorchBackend(Backend):
         source, tokens ascending then top-k slot ascending.
         """
         (x, topk_idx, tokens, num_experts, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-         use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook) = request
+         use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook, signature) = request
         num_ranks, rank = self.num_ranks, self.rank
         num_tokens, hidden = x.shape
         num_local = num_experts // num_ranks
@@ -512,34 +605,40 @@ class TorchBackend(Backend):
         device = x.device
 
         with scope:
+            # Rows per (destination, local expert), ordered by (token, k).
+            idx = topk_idx.to(torch.int64).cpu()
+            flat = idx.flatten()
+            token_of = torch.arange(num_tokens, device="cpu").repeat_interleave(idx.size(1))
+            valid = flat >= 0
+            flat, token_of = flat[valid], token_of[valid]
+            send_counts = torch.bincount(flat, minlength=num_experts).view(num_ranks, num_local).to(torch.int32)
+
+            # Counts first (so that every receiver can post its receives), then the rows; with a signature the
+            # counts ride in the agreement exchange.
+            recv_counts = torch.zeros(num_ranks, num_local, dtype=torch.int32, device="cpu")
+            recv_counts[rank] = send_counts[rank]
+            if signature is not None:
+                counts = {d: send_counts[d].to(torch.int64) for d in active if d != rank}
+                received, count_wait = self._agree_peers(signature, "low-latency dispatch", counts)
+                count_bufs = {s: row.to(torch.int32) for s, row in received.items()}
+            else:
+                count_bufs = {s: torch.empty(num_local, dtype=torch.int32, device=self.device) for s in active
+                              if s != rank}
+                sends = [(d, send_counts[d].to(self.device)) for d in active if d != rank]
+                count_wait = self.comm.post(sends, list(count_bufs.items()), _TAG_LL_COUNT, "low-latency dispatch",
+                                            "per-expert token counts")
+                count_wait.wait()
+
             half = self._flip(layout)
             # Stage one message per token in send_{half}: [int32 source token index | 12 B pad | payload].
             staging = self._region(layout, f"send_{half}")[:num_tokens * dispatch_msg].view(num_tokens, dispatch_msg)
-            staging[:, :4] = as_bytes(torch.arange(num_tokens, dtype=torch.int32)).to(self.device)
+            staging[:, :4] = as_bytes(torch.arange(num_tokens, dtype=torch.int32, device=self.device))
             if use_fp8:
                 q, scales = numerics.per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
                 staging[:, 16:16 + hidden] = as_bytes(q).to(self.device)
                 staging[:, 16 + hidden:16 + hidden + scale_cols * 4] = as_bytes(scales).to(self.device)
             else:
                 staging[:, 16:16 + 2 * hidden] = as_bytes(x).to(self.device)
-
-            # Rows per (destination, local expert), ordered by (token, k).
-            idx = topk_idx.to(torch.int64).cpu()
-            flat = idx.flatten()
-            token_of = torch.arange(num_tokens).repeat_interleave(idx.size(1))
-            valid = flat >= 0
-            flat, token_of = flat[valid], token_of[valid]
-            send_counts = torch.bincount(flat, minlength=num_experts).view(num_ranks, num_local).to(torch.int32)
-
-            # Counts first (fixed size, so every receiver can post its receives), then the rows.
-            recv_counts = torch.zeros(num_ranks, num_local, dtype=torch.int32)
-            recv_counts[rank] = send_counts[rank]
-            count_bufs = {s: torch.empty(num_local, dtype=torch.int32, device=self.device) for s in active
-                          if s != rank}
-            sends = [(d, send_counts[d].to(self.device)) for d in active if d != rank]
-            count_wait = self.comm.post(sends, list(count_bufs.items()), _TAG_LL_COUNT, "low-latency dispatch",
-                                        "per-expert token counts")
-            count_wait.wait()
             signal = self._region(layout, f"signal_{half}").view(torch.int32)[:num_experts].view(num_local, num_ranks)
             for s, buf in count_bufs.items():
                 recv_counts[s] = buf.cpu()
@@ -611,7 +710,7 @@ class TorchBackend(Backend):
                 cumulative_local_expert_recv_stats.add_(packed_recv_count.to(cumulative_local_expert_recv_stats.device))
             if dispatch_wait_recv_cost_stats is not None:
                 waited = torch.tensor([a + b for a, b in zip(count_wait.wait_ns, data_wait.wait_ns)],
-                                      dtype=torch.int64)
+                                      dtype=torch.int64, device="cpu")
                 dispatch_wait_recv_cost_stats.add_(waited.to(dispatch_wait_recv_cost_stats.device))
 
         new_handle = hd.LowLatencyHandle(src_info, layout_range, tokens, hidden, num_experts)
@@ -662,7 +761,7 @@ class TorchBackend(Backend):
 
             # Receive: one block per (owner rank, expert) this rank selected, sized from its own routing.
             idx = topk_idx.to(torch.int64).cpu()
-            owner_ok = torch.zeros(num_ranks, dtype=torch.bool)
+            owner_ok = torch.zeros(num_ranks, dtype=torch.bool, device="cpu")
             owner_ok[active] = True
             flat = idx[idx >= 0]
             flat = flat[owner_ok[flat // num_local]]
@@ -702,7 +801,7 @@ class TorchBackend(Backend):
             combined.copy_(reduce_low_latency_combine(slots, topk_idx.to(self.device), topk_weights.to(self.device),
                                                       num_local, masked_owner.to(self.device)).to(device))
             if combine_wait_recv_cost_stats is not None:
-                combine_wait_recv_cost_stats.add_(torch.tensor(pending.wait_ns, dtype=torch.int64).to(
+                combine_wait_recv_cost_stats.add_(torch.tensor(pending.wait_ns, dtype=torch.int64, device="cpu").to(
                     combine_wait_recv_cost_stats.device))
 
         if return_recv_hook:

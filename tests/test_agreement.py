@@ -1,0 +1,266 @@
+"""Ranks that disagree on a call's arguments all raise promptly, before any row moves, and the next call works.
+
+On gloo pools of 2 and 4 ranks one rank (the "odd" one) passes a different hidden size, dtype, expert count, top-k,
+config, optional tensor, cached-ness, low-latency flag, makes another call, or fails its own validation. Every rank
+must raise within a second: the odd rank's own ``TypeError``/``ValueError`` when its validation failed, else
+``deep_ep.errors.ArgumentMismatchError`` naming the argument and the differing ranks; then a correct dispatch and
+combine on every rank must match ``reference``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import dist
+import pytest
+import torch
+
+MODULE = "test_agreement"
+NUM_TOKENS = 6
+HIDDEN = 128
+LL_TOKENS = 4
+LL_HIDDEN = 1024
+# Seconds a disagreement may take to surface on every rank.
+PROMPT_S = 1.0
+
+
+def _buffers(ctx: dist.WorkerContext) -> tuple[Any, Any]:
+    import deep_ep
+    if "bufs" not in ctx.cache:
+        num_experts = 2 * ctx.world_size
+        hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(LL_TOKENS, LL_HIDDEN, ctx.world_size, num_experts)
+        ctx.cache["bufs"] = (deep_ep.Buffer(ctx.group, 1 << 22),
+                             deep_ep.Buffer(ctx.group, num_rdma_bytes=hint, low_latency_mode=True,
+                                            num_qps_per_rank=1))
+    return ctx.cache["bufs"]
+
+
+def _routing(world: int, rank: int, num_experts: int, num_topk: int = 2) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(17 + rank)
+    return torch.rand(NUM_TOKENS, num_experts, generator=gen).argsort(1)[:, :num_topk].contiguous()
+
+
+def _dispatch(buf: Any, x: Any, idx: torch.Tensor, num_experts: int, **kwargs: Any) -> Any:
+    layout = buf.get_dispatch_layout(idx, num_experts)
+    return buf.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                        num_tokens_per_expert=layout[2], **kwargs)
+
+
+def _round_trip(ctx: dist.WorkerContext, buf: Any) -> Optional[str]:
+    """A correct dispatch + combine, compared with ``reference``."""
+    import reference
+    from deep_ep.config import Topology
+    world, rank = ctx.world_size, ctx.rank
+    num_experts = 2 * world
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randint(-8, 9, (NUM_TOKENS, HIDDEN), generator=gen).to(torch.bfloat16) for _ in range(world)]
+    idxs = [_routing(world, r, num_experts) for r in range(world)]
+    topo = Topology(world, world)
+    recv_x, _, _, _, handle, _ = _dispatch(buf, xs[rank], idxs[rank], num_experts)
+    combined, _, _ = buf.combine(recv_x, handle)
+    masks = [reference.get_dispatch_layout(i, num_experts, topo).is_token_in_rank for i in idxs]
+    refs = reference.dispatch(xs, masks, topo)
+    ref_c = reference.combine([r.recv_x for r in refs], [r.handle for r in refs], topo)
+    if not torch.equal(recv_x, refs[rank].recv_x) or not torch.equal(combined, ref_c[rank].combined_x):
+        return "the correct dispatch/combine after the disagreement gave wrong results"
+    return None
+
+
+def _ll_round_trip(ctx: dist.WorkerContext, ll: Any, use_fp8: bool = False) -> Any:
+    num_experts = 2 * ctx.world_size
+    x = torch.ones(LL_TOKENS, LL_HIDDEN, dtype=torch.bfloat16)
+    idx = torch.full((LL_TOKENS, 1), (2 * ctx.rank + 2) % num_experts, dtype=torch.int64)
+    recv_x, _, handle, _, _ = ll.low_latency_dispatch(x, idx, LL_TOKENS, num_experts, use_fp8=use_fp8)
+    if use_fp8:
+        recv_x = recv_x[0].to(torch.bfloat16)
+    combined, _, _ = ll.low_latency_combine(recv_x, idx, torch.ones(LL_TOKENS, 1), handle)
+    return None if torch.equal(combined, x) else "the correct low-latency round trip gave wrong results"
+
+
+# Each case: (call made by every rank, told whether it is the odd rank; the words the errors must contain).
+def _cases() -> dict[str, tuple[Callable[[dist.WorkerContext, bool], Any], tuple[str, ...]]]:
+    def hidden(ctx: dist.WorkerContext, odd: bool) -> Any:
+        buf, _ = _buffers(ctx)
+        x = torch.zeros(NUM_TOKENS, 2 * HIDDEN if odd else HIDDEN, dtype=torch.bfloat16)
+        return _dispatch(buf, x, _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size), 2 * ctx.world_size)
+
+    def byte_compatible_dtype(ctx: dist.WorkerContext, odd: bool) -> Any:
+        buf, _ = _buffers(ctx)  # float32 [N, 128] has the row bytes of bf16 [N, 256]
+        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.float32) if odd else \
+            torch.zeros(NUM_TOKENS, 2 * HIDDEN, dtype=torch.bfloat16)
+        return _dispatch(buf, x, _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size), 2 * ctx.world_size)
+
+    def num_experts(ctx: dist.WorkerContext, odd: bool) -> Any:
+        buf, _ = _buffers(ctx)
+        experts = 4 * ctx.world_size if odd else 2 * ctx.world_size
+        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
+        return _dispatch(buf, x, _routing(ctx.world_size, ctx.rank, experts), experts)
+
+    def topk(ctx: dist.WorkerContext, odd: bool) -> Any:
+        buf, _ = _buffers(ctx)
+        experts = 2 * ctx.world_size
+        idx = _routing(ctx.world_size, ctx.rank, experts, 3 if odd else 2)
+        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
+        return _dispatch(buf, x, idx, experts, topk_idx=idx, topk_weights=torch.ones(idx.shape))
+
+    def config(ctx: dist.WorkerContext, odd: bool) -> Any:
+        import deep_ep
+        buf, _ = _buffers(ctx)
+        cfg = deep_ep.Config(24 if odd else 20, 6, 256, 6, 128)
+        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
+        return _dispatch(buf, x, _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size), 2 * ctx.world_size,
+                         config=cfg)
+
+    def combine_weights(ctx: dist.WorkerContext, odd: bool) -> Any:
+        buf, _ = _buffers(ctx)
+        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
+        recv_x, _, _, _, handle, _ = _dispatch(buf, x, _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size),
+                                               2 * ctx.world_size)
+        weights = torch.ones(recv_x.size(0), 2) if odd else None
+        return buf.combine(recv_x, handle, topk_weights=weights)
+
+    def cached(ctx: dist.WorkerContext, odd: bool) -> Any:
+        buf, _ = _buffers(ctx)
+        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
+        idx = _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size)
+        _, _, _, _, handle, _ = _dispatch(buf, x, idx, 2 * ctx.world_size)
+        if odd:
+            return buf.dispatch(x, handle=handle)
+        return _dispatch(buf, x, idx, 2 * ctx.world_size)
+
+    def other_call(ctx: dist.WorkerContext, odd: bool) -> Any:
+        buf, _ = _buffers(ctx)
+        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
+        recv_x, _, _, _, handle, _ = _dispatch(buf, x, _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size),
+                                               2 * ctx.world_size)
+        return buf.combine(recv_x, handle) if odd else buf.dispatch(x, handle=handle)
+
+    def refused(ctx: dist.WorkerContext, odd: bool) -> Any:
+        buf, _ = _buffers(ctx)
+        idx = _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size)
+        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
+        return _dispatch(buf, x, idx, 2 * ctx.world_size, expert_alignment=0 if odd else 1)
+
+    def refused_ll(ctx: dist.WorkerContext, odd: bool) -> Any:
+        _, ll = _buffers(ctx)
+        x = torch.zeros(LL_TOKENS + (1 if odd else 0), LL_HIDDEN, dtype=torch.bfloat16)
+        idx = torch.zeros(x.size(0), 1, dtype=torch.int64)
+        return ll.low_latency_dispatch(x, idx, LL_TOKENS, 2 * ctx.world_size, use_fp8=False)
+
+    def ll_fp8(ctx: dist.WorkerContext, odd: bool) -> Any:
+        _, ll = _buffers(ctx)
+        x = torch.zeros(LL_TOKENS, LL_HIDDEN, dtype=torch.bfloat16)
+        idx = torch.zeros(LL_TOKENS, 1, dtype=torch.int64)
+        return ll.low_latency_dispatch(x, idx, LL_TOKENS, 2 * ctx.world_size, use_fp8=odd)
+
+    def ll_combine_handle(ctx: dist.WorkerContext, odd: bool) -> Any:
+        _, ll = _buffers(ctx)
+        experts = 2 * ctx.world_size
+        x = torch.zeros(LL_TOKENS, LL_HIDDEN, dtype=torch.bfloat16)
+        idx = torch.zeros(LL_TOKENS, 1, dtype=torch.int64)
+        first = ll.low_latency_dispatch(x, idx, LL_TOKENS, experts, use_fp8=False)
+        second = ll.low_latency_dispatch(x, idx, LL_TOKENS, experts, use_fp8=False)
+        recv_x, _, handle, _, _ = first if odd else second
+        return ll.low_latency_combine(recv_x, idx, torch.ones(LL_TOKENS, 1), handle)
+
+    return {
+        "hidden": (hidden, ("x.size(1) (hidden)",)),
+        "byte_compatible_dtype": (byte_compatible_dtype, ("hidden",)),
+        "num_experts": (num_experts, ("num_experts",)),
+        "topk": (topk, ("num_topk",)),
+        "config": (config, ("config",)),
+        "combine_weights": (combine_weights, ("topk_weights given",)),
+        "cached": (cached, ("cached",)),
+        "other_call": (other_call, ("different calls", "combine", "dispatch")),
+        "refused": (refused, ("expert_alignment",)),
+        "refused_ll": (refused_ll, ("x",)),
+        "ll_fp8": (ll_fp8, ("use_fp8",)),
+        "ll_combine_handle": (ll_combine_handle, ("handle",)),
+    }
+
+
+def run_disagreement(ctx: dist.WorkerContext, name: str) -> Optional[str]:
+    from deep_ep.errors import ArgumentMismatchError
+    world, rank = ctx.world_size, ctx.rank
+    odd_rank = world // 2
+    call, words = _cases()[name]
+    start = time.monotonic()
+    try:
+        call(ctx, rank == odd_rank)
+    except ArgumentMismatchError as exc:
+        caught: Exception = exc
+    except (TypeError, ValueError) as exc:
+        caught = exc
+        if rank != odd_rank or not name.startswith("refused"):
+            return f"{type(exc).__name__} instead of ArgumentMismatchError: {exc}"
+    else:
+        return "no error although the ranks disagree"
+    waited = time.monotonic() - start
+    text = str(caught)
+    if waited > PROMPT_S:
+        return f"the error took {waited:.2f} s: {text}"
+    if isinstance(caught, ArgumentMismatchError):
+        missing = [w for w in (*words, str(odd_rank)) if w not in text]
+        if missing:
+            return f"the error lacks {missing}: {text}"
+    buf, ll = _buffers(ctx)
+    return _round_trip(ctx, buf) or _ll_round_trip(ctx, ll)
+
+
+def run_exchange_count(ctx: dist.WorkerContext, case: None) -> Optional[str]:
+    """The check rides on the exchanges a call makes anyway: a dispatch makes one all-gather (signature and
+    counts), a low-latency dispatch two point-to-point batches (signature with counts, then rows)."""
+    buf, ll = _buffers(ctx)
+    counts: dict[str, int] = {}
+    for backend in (buf._torch, ll._torch):
+        for name in ("all_gather", "post"):
+            original = getattr(backend.comm, name)
+
+            def counted(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+                counts[_name] = counts.get(_name, 0) + 1
+                return _original(*args, **kwargs)
+            setattr(backend.comm, name, counted)
+    try:
+        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
+        _dispatch(buf, x, _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size), 2 * ctx.world_size)
+        normal = dict(counts)
+        counts.clear()
+        ll_x = torch.zeros(LL_TOKENS, LL_HIDDEN, dtype=torch.bfloat16)
+        ll.low_latency_dispatch(ll_x, torch.zeros(LL_TOKENS, 1, dtype=torch.int64), LL_TOKENS, 2 * ctx.world_size,
+                                use_fp8=False)
+        low_latency = dict(counts)
+    finally:
+        for backend in (buf._torch, ll._torch):
+            for name in ("all_gather", "post"):
+                delattr(backend.comm, name)
+    if normal != {"all_gather": 1, "post": 1}:
+        return f"a dispatch made {normal} exchanges, expected one all-gather and one batch of rows"
+    if low_latency != {"post": 2}:
+        return f"a low-latency dispatch made {low_latency} exchanges, expected two point-to-point batches"
+    return None
+
+
+@pytest.fixture(scope="module")
+def pools():
+    with dist.PoolManager() as manager:
+        yield manager
+
+
+CASES = sorted(_cases())
+
+
+# Four ranks: the cases whose exchange differs with more peers (collective, point-to-point, refusal, other call).
+CASES_4 = ("hidden", "ll_fp8", "other_call", "refused", "refused_ll")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_disagreeing_ranks_raise_promptly(pools, world):
+    pool = pools.get(world, {"DEEP_EP_GPUS_PER_NODE": str(world), "DEEP_EP_TIMEOUT_S": "20"})
+    for name in CASES if world == 2 else CASES_4:
+        pool.check(MODULE, "run_disagreement", name)
+
+
+@pytest.mark.timeout(300)
+def test_agreement_rides_on_the_count_exchanges(pools):
+    pools.get(2, {"DEEP_EP_GPUS_PER_NODE": "2", "DEEP_EP_TIMEOUT_S": "20"}).check(MODULE, "run_exchange_count", None)
