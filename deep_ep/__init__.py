@@ -20,7 +20,8 @@ from importlib import metadata as _metadata
 from typing import Any
 
 from deep_ep.config import Config
-from deep_ep.errors import CommError, CommTimeoutError, PeerAbortedError, RoutingError
+from deep_ep.errors import (ArgumentMismatchError, CommError, CommTimeoutError, LowLatencyMisuseError,
+                            PeerAbortedError, RoutingError)
 
 _LAZY = {
     "Buffer": ("deep_ep.buffer", "Buffer"),
@@ -36,7 +37,8 @@ except _metadata.PackageNotFoundError:  # imported from a source tree that was n
     __version__ = "0+unknown"
 
 __all__ = ["Buffer", "EventOverlap", "Config", "topk_idx_t", "per_token_cast_to_fp8", "per_token_cast_back",
-           "logfmt_roundtrip", "CommError", "CommTimeoutError", "PeerAbortedError", "RoutingError"]
+           "logfmt_roundtrip", "CommError", "CommTimeoutError", "PeerAbortedError", "RoutingError",
+           "ArgumentMismatchError", "LowLatencyMisuseError"]
 
 
 def __getattr__(name: str) -> Any:
