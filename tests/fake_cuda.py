@@ -12,6 +12,18 @@ import contextlib
 import types
 import weakref
 
+# The head of a probe script run in a subprocess as `python -c SCRIPT ROOT`: ROOT and ROOT/tests on sys.path, this
+# fake installed as ``deep_ep._C`` (``ext``) before anything imports deep_ep.
+PROBE_HEAD = r"""
+import gc, json, os, sys, warnings
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+sys.path.insert(0, sys.argv[1])
+import fake_cuda as fake
+import torch
+import torch.distributed as dist
+ext = fake.make_fake_extension(torch)
+sys.modules["deep_ep._C"] = ext
+"""
 
 class FakeStream:
     """Stands in for ``torch.cuda.Stream``: every operation is free."""

@@ -9,21 +9,14 @@ import subprocess
 import sys
 
 import pytest
+from fake_cuda import PROBE_HEAD
 
 pytest.importorskip("torch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Common head of the probes: the fake extension installed before deep_ep is imported.
-_PRELUDE = r"""
-import json, os, sys
-sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
-sys.path.insert(0, sys.argv[1])
-import fake_cuda as fake
-import torch
-import torch.distributed as dist
-ext = fake.make_fake_extension(torch)
-sys.modules["deep_ep._C"] = ext
+_PRELUDE = PROBE_HEAD + r"""
 import deep_ep
 import deep_ep.testing
 """

@@ -11,6 +11,7 @@ from typing import Any, Optional
 import dist
 import pytest
 import torch
+from fake_cuda import PROBE_HEAD
 
 MODULE = "test_misuse"
 NUM_TOKENS = 6
@@ -419,15 +420,7 @@ def test_low_latency_any_hidden_on_the_torch_backend(pools, world):
 # A CUDA low-latency Buffer on the fake extension (tests/fake_cuda.py): hidden 256 is not served by the kernels, so
 # the torch backend carries it with one RuntimeWarning (auto), or the call raises (DEEP_EP_BACKEND=cuda); hidden
 # 1024 still reaches the kernels.
-_FALLBACK_PROBE = r"""
-import json, os, sys, warnings
-sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
-sys.path.insert(0, sys.argv[1])
-import fake_cuda as fake
-import torch
-import torch.distributed as dist
-ext = fake.make_fake_extension(torch)
-sys.modules["deep_ep._C"] = ext
+_FALLBACK_PROBE = PROBE_HEAD + r"""
 kernel_calls = []
 class Recording(ext.LowLatencyRuntime):
     def dispatch(self, *args):
@@ -497,15 +490,7 @@ def test_dead_peer_raises_comm_error(pools, world, mode):
 
 # The CUDA low-latency backend's host side on the fake extension (tests/fake_cuda.py): a dropped hook's receive
 # launch runs at the next call, a third call in flight and a stale zero-copy buffer are refused before any launch.
-_CUDA_MISUSE_PROBE = r"""
-import gc, json, os, sys
-sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
-sys.path.insert(0, sys.argv[1])
-import fake_cuda as fake
-import torch
-import torch.distributed as dist
-ext = fake.make_fake_extension(torch)
-sys.modules["deep_ep._C"] = ext
+_CUDA_MISUSE_PROBE = PROBE_HEAD + r"""
 launches = []
 class Recording(ext.LowLatencyRuntime):
     def dispatch(self, *args):
