@@ -96,6 +96,29 @@ def _worker_main(rank: int, world_size: int, store_path: str, env: dict, tasks: 
     os._exit(0)
 
 
+def round_trip_matches_reference(buf: Any, rank: int, world: int, num_experts: int, seed: int, num_tokens: int = 6,
+                                 hidden: int = 128) -> Optional[str]:
+    """Worker side: a correct dispatch + combine on ``buf`` (every rank calls it; inputs of all ranks drawn from
+    ``seed``, top-2 routing), compared bit for bit with ``reference``. Returns a failure message or None."""
+    import torch
+
+    import reference
+    from deep_ep.config import Topology
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randint(-8, 9, (num_tokens, hidden), generator=gen).to(torch.bfloat16) for _ in range(world)]
+    idxs = [torch.rand(num_tokens, num_experts, generator=gen).argsort(1)[:, :2].contiguous() for _ in range(world)]
+    topo = Topology(world, world)
+    layout = buf.get_dispatch_layout(idxs[rank], num_experts)
+    recv_x, _, _, _, handle, _ = buf.dispatch(xs[rank], num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                                               num_tokens_per_expert=layout[2])
+    combined, _, _ = buf.combine(recv_x, handle)
+    masks = [reference.get_dispatch_layout(i, num_experts, topo).is_token_in_rank for i in idxs]
+    refs = reference.dispatch(xs, masks, topo)
+    ref_c = reference.combine([r.recv_x for r in refs], [r.handle for r in refs], topo)
+    if not torch.equal(recv_x, refs[rank].recv_x) or not torch.equal(combined, ref_c[rank].combined_x):
+        return "a correct dispatch/combine gave results that differ from reference"
+    return None
+
 class WorkerFailure(AssertionError):
     """One or more ranks failed a case (or died); the message holds every rank's report."""
 

@@ -48,22 +48,9 @@ def _dispatch(buf: Any, x: Any, idx: torch.Tensor, num_experts: int, **kwargs: A
 
 def _round_trip(ctx: dist.WorkerContext, buf: Any) -> Optional[str]:
     """A correct dispatch + combine, compared with ``reference``."""
-    import reference
-    from deep_ep.config import Topology
-    world, rank = ctx.world_size, ctx.rank
-    num_experts = 2 * world
-    gen = torch.Generator().manual_seed(5)
-    xs = [torch.randint(-8, 9, (NUM_TOKENS, HIDDEN), generator=gen).to(torch.bfloat16) for _ in range(world)]
-    idxs = [_routing(world, r, num_experts) for r in range(world)]
-    topo = Topology(world, world)
-    recv_x, _, _, _, handle, _ = _dispatch(buf, xs[rank], idxs[rank], num_experts)
-    combined, _, _ = buf.combine(recv_x, handle)
-    masks = [reference.get_dispatch_layout(i, num_experts, topo).is_token_in_rank for i in idxs]
-    refs = reference.dispatch(xs, masks, topo)
-    ref_c = reference.combine([r.recv_x for r in refs], [r.handle for r in refs], topo)
-    if not torch.equal(recv_x, refs[rank].recv_x) or not torch.equal(combined, ref_c[rank].combined_x):
-        return "the correct dispatch/combine after the disagreement gave wrong results"
-    return None
+    message = dist.round_trip_matches_reference(buf, ctx.rank, ctx.world_size, 2 * ctx.world_size, seed=5,
+                                                num_tokens=NUM_TOKENS, hidden=HIDDEN)
+    return message and f"after the disagreement: {message}"
 
 
 def _ll_round_trip(ctx: dist.WorkerContext, ll: Any, use_fp8: bool = False) -> Any:

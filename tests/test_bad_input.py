@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import dist
 import pytest
 import torch
-
-import dist
 
 NUM_EXPERTS = 4
 HIDDEN = 128
@@ -22,22 +21,8 @@ LL_HIDDEN = 2048
 
 def _valid_round_trip(buf: Any, rank: int, seed: int) -> Optional[str]:
     """A correct dispatch + combine on ``buf``; every rank must call it. Returns an error message or None."""
-    import reference
-    from deep_ep.config import Topology
-    gen = torch.Generator().manual_seed(seed)
-    xs = [torch.randint(-8, 9, (NUM_TOKENS, HIDDEN), generator=gen).to(torch.bfloat16) for _ in range(2)]
-    idxs = [torch.rand(NUM_TOKENS, NUM_EXPERTS, generator=gen).argsort(1)[:, :2].contiguous() for _ in range(2)]
-    topo = Topology(2, 2)
-    layout = buf.get_dispatch_layout(idxs[rank], NUM_EXPERTS)
-    recv_x, _, _, _, handle, _ = buf.dispatch(xs[rank], num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                                               num_tokens_per_expert=layout[2])
-    combined, _, _ = buf.combine(recv_x, handle)
-    masks = [reference.get_dispatch_layout(i, NUM_EXPERTS, topo).is_token_in_rank for i in idxs]
-    refs = reference.dispatch(xs, masks, topo)
-    ref_c = reference.combine([r.recv_x for r in refs], [r.handle for r in refs], topo)
-    if not torch.equal(recv_x, refs[rank].recv_x) or not torch.equal(combined, ref_c[rank].combined_x):
-        return "the valid dispatch/combine after a rejected call gave wrong results"
-    return None
+    message = dist.round_trip_matches_reference(buf, rank, 2, NUM_EXPERTS, seed, NUM_TOKENS, HIDDEN)
+    return message and f"after a rejected call: {message}"
 
 
 def _bad_calls(ctx: dist.WorkerContext) -> list[tuple[str, Callable[[], Any], type, tuple[str, ...]]]:
