@@ -7,11 +7,11 @@ passes ``EventOverlap(EventHandle())`` as ``previous_event`` runs unchanged on t
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
+from deep_ep.backends.common import object_all_gather
 from deep_ep.config import Config
 from deep_ep.event import CudaEventHandle, EventOverlap
 
@@ -100,8 +100,7 @@ def check_nvlink_connections(group: Any) -> None:
         raise RuntimeError(f"PCIe GPUs have NVLink connections between pairs only, so the group may have at most 2 "
                            f"ranks, got {size}")
     uuid = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
-    device_ids: list[Optional[str]] = [None] * size
-    dist.all_gather_object(device_ids, uuid, group=group)
+    device_ids = object_all_gather(group)(uuid)
     nvlink_between, shutdown = _nvml_nvlink_probe()
     try:
         _check_pairs([str(d) for d in device_ids], nvlink_between)

@@ -177,7 +177,7 @@ def test_nvlink_check_asks_nvml_about_each_pair_of_pcie_gpus(fake_cuda, monkeypa
         assert obj == "GPU-aaaa"
         output[:] = uuids
 
-    monkeypatch.setattr(utils.dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
     if linked:
         utils.check_nvlink_connections(SizedGroup(2))
     else:

@@ -17,7 +17,7 @@ from deep_ep.event import COMPLETED, CudaEventHandle, EventOverlap
 
 def object_all_gather(group: Any) -> Callable[[object], list]:
     """``all_gather(obj) -> list`` of every rank's ``obj`` over the ``torch.distributed`` ``group``
-    (``all_gather_object``): the bootstrap exchange of the CUDA backends."""
+    (``all_gather_object``): the bootstrap exchanges of the CUDA backends and the NVLink check of PCIe parts."""
     import torch.distributed as dist
 
     def all_gather(obj: object) -> list:
