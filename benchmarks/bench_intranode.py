@@ -92,10 +92,12 @@ def per_token_cast_to_fp8(x: torch.Tensor):
 # One rank
 # ----------------------------------------------------------------------------------------------------------------
 def init_rank(rank: int, args, port: int, backend: str = "nccl"):
-    """Join the group (``backend``: NCCL, or gloo where ranks share GPUs) on GPU ``rank % GPUs`` and draw the
+    """Join the group (``backend``; gloo whenever ranks share GPUs) on GPU ``rank % GPUs`` and draw the
     workload: ``(group, x, x_fp8, topk_idx, topk_weights)`` (uniform routing: top-k of ``|randn| + 1``, unit
     weights)."""
     torch.cuda.set_device(rank % torch.cuda.device_count())
+    if backend == "nccl" and torch.cuda.device_count() < args.num_processes:
+        backend = "gloo"  # NCCL refuses two ranks of one communicator on one GPU
     device = dict(device_id=torch.device("cuda", torch.cuda.current_device())) if backend == "nccl" else {}
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=args.num_processes, **device)
