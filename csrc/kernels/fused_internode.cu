@@ -1,0 +1,568 @@
+// Fused internode normal-mode kernels for N nodes x G GPUs (G > 1): notify and dispatch.
+//
+// Rank r sits on node m = r / G at local index l = r % G. A token of rank (m, l) that needs node n crosses the
+// scale-out network once, to its rail peer (n, l) (the forwarder), which copies it over NVLink to every local rank
+// of node n in the token's mask, in the same kernel:
+//   * senders (warp n of an even CTA, channel c): walk the channel's tokens, pack each token that needs node n once
+//     (payload, scales, local-rank mask of node n, global top-k ids and weights) into the rail ring (c, m) of the
+//     forwarder (n, l), and publish the ring's tail every num_max_rdma_send_tokens records;
+//   * forwarders (warp N + n of the even CTA): poll the tail of their rail ring (c, n) (local memory), copy each
+//     record into the node ring (c, source rank (n, l)) of every local rank in its mask, publish those tails, and
+//     return credits (the rail head) to the sender;
+//   * receivers (warp s of an odd CTA): copy the records of node ring (c, s) into rows recv_gbl_channel_prefix[s][c]
+//     onwards (the contract's order: source rank, then token), top-k ids made local, and return the node head.
+// Roles overlap through the rings; the only waits are on ring counters (bounded, sync.cuh), and the chain
+// receiver <- forwarder <- sender has no cycle. Ring positions are monotonic uint32 kept in the workspace between
+// calls; every ring is empty between calls, and a writer first waits until the rings it wrote in earlier calls are
+// drained (ring geometry may change between calls). Every peer is reached by pointer (CUDA IPC or nvshmem_ptr).
+//
+// Notify exchanges, from every source to every rank, the per-rank totals, per-expert counts and per-channel counts
+// (the shared notify slots of layout.cuh), and, to rail peers only, the per-channel counts of tokens that need the
+// peer's node; it builds the internode handle's prefix matrices as reference/ defines them.
+#include <cstdint>
+
+#include "fused_internode.cuh"
+#include "intranode_common.cuh"
+
+namespace deep_ep {
+namespace kernels {
+
+namespace {
+
+constexpr int kMaxGpusPerNode = 8;  // send_nvl_head has 8 columns; local masks are 8 bits
+
+// ---------------------------------------------------------------------------------------------------------------
+// Notify
+// ---------------------------------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kNotifyThreads, 1)
+    fused_notify_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ FusedNotifyArgs args) {
+    __shared__ int rank_counts[kMaxRanks][kMaxChannels];  // my tokens to rank d in channel c
+    __shared__ int node_counts[kMaxRanks][kMaxChannels];  // my tokens that need node n in channel c
+    __shared__ int rank_totals[kMaxRanks];
+    __shared__ int recv_starts[kMaxRanks];                 // first row of each source's block
+
+    const int num_ranks = ctx.num_ranks, rank = ctx.rank, num_channels = args.num_channels;
+    const int per_node = args.gpus_per_node, num_nodes = num_ranks / per_node;
+    const int my_local = rank % per_node;
+    const int num_local_experts = args.num_experts / num_ranks;
+    const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = lane_id();
+    const int num_warps = static_cast<int>(blockDim.x) / 32;
+
+    // 1. Per-(rank, channel) and per-(node, channel) counts from is_token_in_rank.
+    for (int pair = warp; pair < (num_ranks + num_nodes) * num_channels; pair += num_warps) {
+        const int which = pair / num_channels, c = pair % num_channels;
+        int begin, end;
+        channel_range(args.num_tokens, num_channels, c, &begin, &end);
+        int count = 0;
+        for (int t = begin + lane; t < end; t += 32) {
+            const bool* row = args.is_token_in_rank + static_cast<int64_t>(t) * num_ranks;
+            if (which < num_ranks) {
+                count += row[which] ? 1 : 0;
+            } else {
+                bool any = false;
+                for (int j = 0; j < per_node; ++j) any |= row[(which - num_ranks) * per_node + j];
+                count += any ? 1 : 0;
+            }
+        }
+        count = warp_sum(count);
+        if (lane == 0) {
+            if (which < num_ranks)
+                rank_counts[which][c] = count;
+            else
+                node_counts[which - num_ranks][c] = count;
+        }
+    }
+    __syncthreads();
+
+    // 2. Sender-side prefix matrices and the checks against the caller's layout.
+    if (tid < num_ranks) {
+        const int d = tid;
+        int total = 0;
+        for (int c = 0; c < num_channels; ++c) {
+            total += rank_counts[d][c];
+            args.gbl_channel_prefix_matrix[d * num_channels + c] = total;
+        }
+        rank_totals[d] = total;
+        if (args.num_tokens_per_rank[d] != total)
+            report_error(ctx, kErrorCountMismatch, Site{kKernelNotify, kPhaseNotifyCheckCounts, d, -1},
+                         args.num_tokens_per_rank[d], total, 0);
+    } else if (tid >= 32 && tid < 32 + num_nodes) {
+        const int n = tid - 32;
+        int total = 0;
+        for (int c = 0; c < num_channels; ++c) {
+            total += node_counts[n][c];
+            args.rdma_channel_prefix_matrix[n * num_channels + c] = total;
+        }
+        if (args.num_tokens_per_rdma_rank != nullptr && args.num_tokens_per_rdma_rank[n] != total)
+            report_error(ctx, kErrorCountMismatch, Site{kKernelNotify, kPhaseNotifyCheckCounts, n * per_node, -1},
+                         args.num_tokens_per_rdma_rank[n], total, 0);
+    }
+    const uint32_t epoch = *workspace_u32(ctx, kWsNotifyEpochOffset) + 1;
+    const int parity = static_cast<int>(epoch & 1u);
+    __syncthreads();
+
+    // 3. My counts into every rank's slot [parity][me]: [R totals][L expert counts of d][C channel counts to d],
+    //    and to my rail peers the channel counts of tokens that need their node.
+    const int per_dst = num_ranks + num_local_experts + 2 * num_channels;
+    for (int i = tid; i < num_ranks * per_dst; i += static_cast<int>(blockDim.x)) {
+        const int d = i / per_dst, k = i % per_dst;
+        volatile int* slot = reinterpret_cast<volatile int*>(buffer_u32(ctx.buffers[d], kNotifyDataOffset)) +
+                             (static_cast<int64_t>(parity) * kMaxRanks + rank) * kNotifyInts;
+        if (k < num_ranks) {
+            slot[k] = rank_totals[k];
+        } else if (k < num_ranks + num_local_experts) {
+            slot[kMaxRanks + (k - num_ranks)] = args.num_tokens_per_expert[d * num_local_experts + (k - num_ranks)];
+        } else if (k < num_ranks + num_local_experts + num_channels) {
+            const int c = k - num_ranks - num_local_experts;
+            slot[kMaxRanks + kMaxLocalExperts + c] = rank_counts[d][c];
+        } else if (d % per_node == my_local) {
+            const int c = k - num_ranks - num_local_experts - num_channels;
+            volatile int* counts = reinterpret_cast<volatile int*>(buffer_u32(ctx.buffers[d], kFusedNodeCountOffset));
+            counts[(static_cast<int64_t>(parity) * kMaxRanks + rank) * kMaxChannels + c] = node_counts[d / per_node][c];
+        }
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (tid < num_ranks && !ctx.skip_sends) {
+        fence_acq_rel_sys();
+        st_release_sys(buffer_u32(ctx.buffers[tid], kNotifyFlagOffset) + parity * kMaxRanks + rank, epoch);
+    }
+
+    // 4. Wait for every source's counts of this epoch.
+    if (tid < num_ranks) {
+        uint32_t seen;
+        wait_geq(ctx, buffer_u32(ctx.buffers[rank], kNotifyFlagOffset) + parity * kMaxRanks + tid, epoch,
+                 Site{kKernelNotify, kPhaseNotifyWaitCounts, tid, -1}, &seen);
+    }
+    __syncthreads();
+
+    // 5. Receiver-side matrices (garbage but bounded if a wait failed).
+    const volatile int* data = reinterpret_cast<const volatile int*>(buffer_u32(ctx.buffers[rank], kNotifyDataOffset)) +
+                               static_cast<int64_t>(parity) * kMaxRanks * kNotifyInts;
+    const volatile int* node_data =
+        reinterpret_cast<const volatile int*>(buffer_u32(ctx.buffers[rank], kFusedNodeCountOffset)) +
+        static_cast<int64_t>(parity) * kMaxRanks * kMaxChannels;
+    if (tid == 0) {
+        int prefix = 0;
+        for (int s = 0; s < num_ranks; ++s) {
+            recv_starts[s] = prefix;
+            prefix += data[s * kNotifyInts + rank];
+            args.recv_gbl_rank_prefix_sum[s] = prefix;
+        }
+    } else if (tid == 32) {
+        int forwarded = 0;
+        for (int n = 0; n < num_nodes; ++n) {
+            const int s = n * per_node + my_local;
+            int prefix = 0;
+            for (int c = 0; c < num_channels; ++c) {
+                prefix += node_data[s * kMaxChannels + c];
+                args.recv_rdma_channel_prefix_matrix[n * num_channels + c] = prefix;
+            }
+            forwarded += prefix;
+            args.recv_rdma_rank_prefix_sum[n] = forwarded;
+        }
+        if (args.host_counters != nullptr)
+            reinterpret_cast<volatile int*>(args.host_counters)[kFusedForwardCounter] = forwarded;
+    }
+    __syncthreads();
+    if (tid < num_ranks) {
+        const int s = tid;
+        int row = recv_starts[s];
+        for (int c = 0; c < num_channels; ++c) {
+            args.recv_gbl_channel_prefix_matrix[s * num_channels + c] = row;
+            row += data[s * kNotifyInts + kMaxRanks + kMaxLocalExperts + c];
+        }
+    }
+    if (args.host_counters != nullptr) {
+        for (int e = tid; e < num_local_experts; e += static_cast<int>(blockDim.x)) {
+            int64_t sum = 0;
+            for (int s = 0; s < num_ranks; ++s) sum += data[s * kNotifyInts + kMaxRanks + e];
+            const int64_t align = args.expert_alignment;
+            reinterpret_cast<volatile int*>(args.host_counters)[1 + e] =
+                static_cast<int>((sum + align - 1) / align * align);
+        }
+        __threadfence_system();
+    }
+    __syncthreads();
+    if (tid == 0) {
+        if (args.host_counters != nullptr) {
+            int total = 0;
+            for (int s = 0; s < num_ranks; ++s) total += data[s * kNotifyInts + rank];
+            reinterpret_cast<volatile int*>(args.host_counters)[0] = total;
+            __threadfence_system();
+        }
+        *workspace_u32(ctx, kWsNotifyEpochOffset) = epoch;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dispatch
+// ---------------------------------------------------------------------------------------------------------------
+
+// Lane 0 waits, the warp learns the outcome and the value seen.
+__device__ __forceinline__ bool warp_wait_geq(const KernelContext& ctx, const uint32_t* word, uint32_t target,
+                                              const Site& site, uint32_t* seen) {
+    bool ok = true;
+    uint32_t value = 0;
+    if (lane_id() == 0) ok = wait_geq(ctx, word, target, site, &value);
+    *seen = __shfl_sync(0xffffffffu, value, 0);
+    return __shfl_sync(0xffffffffu, ok ? 1 : 0, 0) != 0;
+}
+
+// The whole warp's stores so far become visible before `value` lands in `word` (lane 0 publishes).
+__device__ __forceinline__ void warp_publish(uint32_t* word, uint32_t value) {
+    __syncwarp();
+    if (lane_id() == 0) {
+        fence_acq_rel_sys();
+        st_release_sys(word, value);
+    }
+    __syncwarp();
+}
+
+// Sender warp of destination node n for channel c.
+static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry& geo, const FusedDispatchArgs& args,
+                                  int channel, int n, int num_checked) {
+    const int lane = lane_id(), per_node = geo.gpus_per_node, num_ranks = ctx.num_ranks;
+    const int my_node = ctx.rank / per_node, fwd = n * per_node + ctx.rank % per_node;
+    uint32_t* heads = buffer_u32(ctx.buffers[ctx.rank], kFusedRailHeadOffset);
+    uint32_t* shadows = workspace_u32(ctx, kWsFusedRailTailShadow);
+
+    bool ok = true;
+    for (int c = channel; c < num_checked && ok; c += geo.num_channels) {
+        uint32_t seen;
+        ok = warp_wait_geq(ctx, heads + counter_index(c, n), shadows[counter_index(c, n)],
+                           Site{kKernelDispatch, kPhaseDispatchSendDrain, fwd, c}, &seen);
+    }
+    fence_acq_rel_sys();
+    uint32_t tail = shadows[counter_index(channel, n)];
+    uint32_t head = tail, published = tail;
+    uint32_t* remote_tail = buffer_u32(ctx.buffers[fwd], kFusedRailTailOffset) + counter_index(channel, my_node);
+    const bool publish = !ctx.skip_sends;
+    int begin, end, count = 0;
+    channel_range(args.num_tokens, geo.num_channels, channel, &begin, &end);
+    const int64_t hidden_int4 = geo.hidden_bytes / 16;
+    for (int t = begin; t < end && ok; ++t) {
+        const bool bit = lane < per_node && args.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + n * per_node + lane];
+        const uint32_t mask = __ballot_sync(0xffffffffu, bit);
+        if (mask == 0) {
+            if (args.send_rdma_head != nullptr && lane == 0) args.send_rdma_head[static_cast<int64_t>(t) * geo.num_nodes + n] = -1;
+            continue;
+        }
+        if (args.send_rdma_head != nullptr && lane == 0) args.send_rdma_head[static_cast<int64_t>(t) * geo.num_nodes + n] = count;
+        const uint32_t needed_head = tail + 1 - static_cast<uint32_t>(geo.rail_capacity);
+        if (!seq_geq(head, needed_head)) {
+            if (published != tail && publish) warp_publish(remote_tail, tail);
+            published = tail;
+            ok = warp_wait_geq(ctx, heads + counter_index(channel, n), needed_head,
+                               Site{kKernelDispatch, kPhaseDispatchSendWaitHead, fwd, channel}, &head);
+            if (!ok) break;
+        }
+        char* slot = static_cast<char*>(ctx.buffers[fwd]) + geo.rail_slot(channel, my_node, tail);
+        int4* dst = reinterpret_cast<int4*>(slot);
+        warp_copy_row<false>(reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + t * geo.hidden_bytes),
+                             hidden_int4, &dst, 1);
+        if (args.x_scales != nullptr) {
+            const uint32_t* scales = static_cast<const uint32_t*>(args.x_scales);
+            for (int i = lane; i < geo.num_scales; i += 32)
+                reinterpret_cast<uint32_t*>(slot + geo.scales_offset)[i] =
+                    scales[t * args.scale_token_stride + i * args.scale_hidden_stride];
+        }
+        int* meta = reinterpret_cast<int*>(slot + geo.meta_offset);
+        if (lane == 0) meta[0] = static_cast<int>(mask);
+        if (args.topk_idx != nullptr) {
+            for (int k = lane; k < geo.num_topk; k += 32) {
+                const int64_t i = static_cast<int64_t>(t) * geo.num_topk + k;
+                const int64_t e = args.topk_idx_bytes == 8 ? static_cast<const int64_t*>(args.topk_idx)[i]
+                                                           : static_cast<const int32_t*>(args.topk_idx)[i];
+                meta[1 + k] = static_cast<int>(e);
+                meta[1 + geo.num_topk + k] = __float_as_int(args.topk_weights[i]);
+            }
+        }
+        ++tail;
+        ++count;
+        if (static_cast<int>(tail - published) >= args.num_max_rdma_send_tokens) {
+            if (publish) warp_publish(remote_tail, tail);
+            published = tail;
+        }
+    }
+    if (ok && published != tail && publish) warp_publish(remote_tail, tail);
+    if (lane == 0) shadows[counter_index(channel, n)] = tail;
+}
+
+// Forwarder warp of source node n for channel c: rank (n, my local)'s records that need my node.
+static __device__ void fused_forward(const KernelContext& ctx, const FusedGeometry& geo,
+                                     const FusedDispatchArgs& args, int channel, int n, int num_checked) {
+    const int lane = lane_id(), per_node = geo.gpus_per_node, num_channels = geo.num_channels;
+    const int my_node = ctx.rank / per_node, src_rank = n * per_node + ctx.rank % per_node;
+    char* own = static_cast<char*>(ctx.buffers[ctx.rank]);
+    uint32_t* node_heads = buffer_u32(own, kFusedNodeHeadOffset);
+    uint32_t* node_tail_shadows = workspace_u32(ctx, kWsFusedNodeTailShadow);
+    const bool is_dst_lane = lane < per_node;
+    const int pair = n * per_node + lane;  // counter index of (source node n, receiver lane) at this forwarder
+
+    // Drain: the node rings this warp wrote in earlier calls (receiver = lane) are consumed.
+    bool ok = true;
+    if (is_dst_lane) {
+        for (int c = channel; c < num_checked && ok; c += num_channels) {
+            uint32_t seen;
+            const uint32_t target = node_tail_shadows[counter_index(c, pair)];
+            if (!seq_geq(ld_relaxed_sys(node_heads + counter_index(c, pair)), target))
+                ok = wait_geq(ctx, node_heads + counter_index(c, pair), target,
+                              Site{kKernelDispatch, kPhaseDispatchSendDrain, my_node * per_node + lane, c}, &seen);
+        }
+    }
+    ok = __all_sync(0xffffffffu, ok);
+    fence_acq_rel_sys();
+
+    const int* prefix = args.recv_rdma_channel_prefix_matrix + n * num_channels;
+    const int before = channel > 0 ? prefix[channel - 1] : 0;
+    const int num_records = prefix[channel] - before;
+    const int64_t first_row = (n > 0 ? args.recv_rdma_rank_prefix_sum[n - 1] : 0) + before;
+    uint32_t* rail_heads_shadow = workspace_u32(ctx, kWsFusedRailHeadShadow) + counter_index(channel, n);
+    const uint32_t* rail_tail = buffer_u32(own, kFusedRailTailOffset) + counter_index(channel, n);
+    uint32_t* credit = buffer_u32(ctx.buffers[src_rank], kFusedRailHeadOffset) + counter_index(channel, my_node);
+    uint32_t rail_head = *rail_heads_shadow;
+    // Lane j < G: node ring (channel, src_rank) at receiver (my node, j).
+    uint32_t node_tail = is_dst_lane ? node_tail_shadows[counter_index(channel, pair)] : 0;
+    uint32_t node_published = node_tail, node_head = node_tail;
+    uint32_t* remote_node_tail =
+        is_dst_lane ? buffer_u32(ctx.buffers[my_node * per_node + lane], kFusedNodeTailOffset) +
+                          counter_index(channel, src_rank)
+                    : nullptr;
+    int seq = 0;  // this call's records to receiver lane
+    const bool publish = !ctx.skip_sends;
+    const int64_t record_int4 = geo.record_bytes / 16;
+
+    for (int done = 0; done < num_records && ok;) {
+        uint32_t seen;
+        ok = warp_wait_geq(ctx, rail_tail, rail_head + 1, Site{kKernelDispatch, kPhaseDispatchRecvWaitTail, src_rank,
+                                                                 channel}, &seen);
+        if (!ok) break;
+        const int available = min(static_cast<int>(seen - rail_head), num_records - done);
+        for (int i = 0; i < available && ok; ++i, ++done, ++rail_head) {
+            const char* record = own + geo.rail_slot(channel, n, rail_head);
+            const uint32_t mask = static_cast<uint32_t>(ld_ring_int(reinterpret_cast<const int*>(record + geo.meta_offset)));
+            const bool bit = is_dst_lane && ((mask >> lane) & 1u) != 0;
+            if (args.send_nvl_head != nullptr && lane < kMaxGpusPerNode)
+                args.send_nvl_head[(first_row + done) * kMaxGpusPerNode + lane] = bit ? seq : -1;
+            // Space in every destination ring; pending tails go out first so that receivers can make room.
+            const uint32_t needed_head = node_tail + 1 - static_cast<uint32_t>(geo.node_capacity);
+            const bool short_of_space = bit && !seq_geq(node_head, needed_head);
+            if (__any_sync(0xffffffffu, short_of_space)) {
+                __syncwarp();
+                if (is_dst_lane && node_published != node_tail && publish) {
+                    fence_acq_rel_sys();
+                    st_release_sys(remote_node_tail, node_tail);
+                }
+                node_published = node_tail;
+                if (short_of_space) {
+                    uint32_t head_seen;
+                    ok = wait_geq(ctx, node_heads + counter_index(channel, pair), needed_head,
+                                  Site{kKernelDispatch, kPhaseDispatchSendWaitHead, my_node * per_node + lane, channel},
+                                  &head_seen);
+                    node_head = head_seen;
+                }
+                ok = __all_sync(0xffffffffu, ok);
+                if (!ok) break;
+            }
+            int4* dsts[kMaxGpusPerNode];
+            int num_dsts = 0;
+            for (int j = 0; j < per_node; ++j) {
+                const uint32_t position = __shfl_sync(0xffffffffu, node_tail, j);
+                if ((mask >> j) & 1u)
+                    dsts[num_dsts++] = reinterpret_cast<int4*>(static_cast<char*>(ctx.buffers[my_node * per_node + j]) +
+                                                               geo.node_slot(channel, src_rank, position));
+            }
+            warp_copy_row<true>(reinterpret_cast<const int4*>(record), record_int4, dsts, num_dsts);
+            if (bit) {
+                ++node_tail;
+                ++seq;
+            }
+            __syncwarp();
+            if (is_dst_lane && static_cast<int>(node_tail - node_published) >= args.num_max_nvl_send_tokens) {
+                if (publish) {
+                    fence_acq_rel_sys();
+                    st_release_sys(remote_node_tail, node_tail);
+                }
+                node_published = node_tail;
+            }
+        }
+        // The batch is copied out: publish what is pending and return the rail slots to the sender.
+        __syncwarp();
+        if (is_dst_lane && node_published != node_tail && publish) {
+            fence_acq_rel_sys();
+            st_release_sys(remote_node_tail, node_tail);
+        }
+        node_published = node_tail;
+        warp_publish(credit, rail_head);
+    }
+    if (lane == 0) *rail_heads_shadow = rail_head;
+    if (is_dst_lane) node_tail_shadows[counter_index(channel, pair)] = node_tail;
+}
+
+// Receiver warp of source rank s for channel c.
+static __device__ void fused_receive(const KernelContext& ctx, const FusedGeometry& geo,
+                                     const FusedDispatchArgs& args, int channel, int s) {
+    const int lane = lane_id(), per_node = geo.gpus_per_node, num_channels = geo.num_channels;
+    const int my_node = ctx.rank / per_node, src_node = s / per_node;
+    const int fwd = my_node * per_node + s % per_node;
+    char* own = static_cast<char*>(ctx.buffers[ctx.rank]);
+    const int first_row = args.recv_gbl_channel_prefix_matrix[s * num_channels + channel];
+    const int end_row = channel + 1 < num_channels ? args.recv_gbl_channel_prefix_matrix[s * num_channels + channel + 1]
+                                                   : args.recv_gbl_rank_prefix_sum[s];
+    if (end_row > args.num_recv_rows) {
+        if (lane == 0)
+            report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchWorstOverflow, s, channel},
+                         args.num_recv_rows, end_row, 0);
+        return;
+    }
+    const int num_local_experts = args.num_experts / ctx.num_ranks;
+    const int expert_begin = ctx.rank * num_local_experts;
+    uint32_t* head_shadow = workspace_u32(ctx, kWsFusedNodeHeadShadow) + counter_index(channel, s);
+    const uint32_t* tail = buffer_u32(own, kFusedNodeTailOffset) + counter_index(channel, s);
+    uint32_t* remote_head = buffer_u32(ctx.buffers[fwd], kFusedNodeHeadOffset) +
+                            counter_index(channel, src_node * per_node + ctx.rank % per_node);
+    uint32_t head = *head_shadow;
+    const int64_t hidden_int4 = geo.hidden_bytes / 16;
+    bool ok = true;
+    for (int row = first_row; row < end_row && ok;) {
+        uint32_t seen;
+        ok = warp_wait_geq(ctx, tail, head + 1, Site{kKernelDispatch, kPhaseDispatchRecvWaitTail, fwd, channel}, &seen);
+        if (!ok) break;
+        const int available = min(static_cast<int>(seen - head), end_row - row);
+        for (int i = 0; i < available; ++i, ++row, ++head) {
+            const char* record = own + geo.node_slot(channel, s, head);
+            int4* dst = reinterpret_cast<int4*>(static_cast<char*>(args.recv_x) + row * geo.hidden_bytes);
+            warp_copy_row<true>(reinterpret_cast<const int4*>(record), hidden_int4, &dst, 1);
+            if (args.recv_x_scales != nullptr) {
+                for (int k = lane; k < geo.num_scales; k += 32)
+                    reinterpret_cast<int*>(args.recv_x_scales)[static_cast<int64_t>(row) * geo.num_scales + k] =
+                        ld_ring_int(reinterpret_cast<const int*>(record + geo.scales_offset) + k);
+            }
+            const int* meta = reinterpret_cast<const int*>(record + geo.meta_offset);
+            if (args.recv_src_meta != nullptr && lane == 0) {
+                args.recv_src_meta[2 * static_cast<int64_t>(row)] = src_node;
+                args.recv_src_meta[2 * static_cast<int64_t>(row) + 1] = ld_ring_int(meta);
+            }
+            if (args.recv_topk_idx != nullptr) {
+                for (int k = lane; k < geo.num_topk; k += 32) {
+                    const int e = ld_ring_int(meta + 1 + k);
+                    const float w = __int_as_float(ld_ring_int(meta + 1 + geo.num_topk + k));
+                    const bool mine = e >= expert_begin && e < expert_begin + num_local_experts;
+                    const int64_t i = static_cast<int64_t>(row) * geo.num_topk + k;
+                    const int local = mine ? e - expert_begin : -1;
+                    if (args.topk_idx_bytes == 8)
+                        static_cast<int64_t*>(args.recv_topk_idx)[i] = local;
+                    else
+                        static_cast<int32_t*>(args.recv_topk_idx)[i] = local;
+                    args.recv_topk_weights[i] = mine ? w : 0.0f;
+                }
+            }
+        }
+        warp_publish(remote_head, head);
+    }
+    if (lane == 0) *head_shadow = head;
+}
+
+__global__ void __launch_bounds__(kChannelThreads, 1)
+    fused_dispatch_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ FusedGeometry geo,
+                          const __grid_constant__ FusedDispatchArgs args) {
+    const int channel = static_cast<int>(blockIdx.x) / 2, warp = static_cast<int>(threadIdx.x) / 32;
+    const int num_nodes = geo.num_nodes;
+    if ((blockIdx.x & 1u) == 0) {
+        if (warp >= 2 * num_nodes) return;
+        int num_checked = 0;
+        if (lane_id() == 0) num_checked = raise_max_channels(ctx, kWsFusedMaxChannels, geo.num_channels);
+        num_checked = __shfl_sync(0xffffffffu, num_checked, 0);
+        if (warp < num_nodes)
+            fused_send(ctx, geo, args, channel, warp, num_checked);
+        else
+            fused_forward(ctx, geo, args, channel, warp - num_nodes, num_checked);
+        return;
+    }
+    if (warp < ctx.num_ranks) {
+        fused_receive(ctx, geo, args, channel, warp);
+    } else if (warp == ctx.num_ranks && channel == 0 && args.worst_token_mode && args.recv_topk_idx != nullptr) {
+        const int real_rows = args.recv_gbl_rank_prefix_sum[ctx.num_ranks - 1];
+        for (int64_t i = static_cast<int64_t>(real_rows) * geo.num_topk + lane_id();
+             i < static_cast<int64_t>(args.num_recv_rows) * geo.num_topk; i += 32) {
+            if (args.topk_idx_bytes == 8)
+                static_cast<int64_t*>(args.recv_topk_idx)[i] = -1;
+            else
+                static_cast<int32_t*>(args.recv_topk_idx)[i] = -1;
+            args.recv_topk_weights[i] = 0.0f;
+        }
+    }
+}
+
+void check_fused_context(const KernelContext& ctx, int gpus_per_node, const char* what) {
+    check_context(ctx, what);
+    DEEP_EP_CHECK_ARG(ctx.put_mask == 0, what, ": the fused kernels reach every peer by pointer, got put peers (mask ",
+                      ctx.put_mask, ")");
+    DEEP_EP_CHECK_ARG(gpus_per_node >= 2 && gpus_per_node <= kMaxGpusPerNode && ctx.num_ranks % gpus_per_node == 0 &&
+                          ctx.num_ranks / gpus_per_node >= 2,
+                      what, ": GPUs per node must be in [2, ", kMaxGpusPerNode,
+                      "] and divide num_ranks into at least 2 nodes, got ", gpus_per_node, " of ", ctx.num_ranks,
+                      " ranks");
+}
+
+}  // namespace
+
+void fused_notify(const KernelContext& ctx, const FusedNotifyArgs& args, cudaStream_t stream) {
+    check_fused_context(ctx, args.gpus_per_node, "fused notify");
+    DEEP_EP_CHECK_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
+                      "fused notify: channels must be in [1, ", kMaxChannels, "], got ", args.num_channels);
+    DEEP_EP_CHECK_ARG(args.num_experts >= ctx.num_ranks && args.num_experts % ctx.num_ranks == 0,
+                      "fused notify: num_experts must be a positive multiple of num_ranks, got ", args.num_experts);
+    DEEP_EP_CHECK_ARG(args.num_experts / ctx.num_ranks <= kMaxLocalExperts,
+                      "fused notify: num_experts / num_ranks must be <= ", kMaxLocalExperts, ", got ",
+                      args.num_experts / ctx.num_ranks);
+    DEEP_EP_CHECK_ARG(args.expert_alignment >= 1, "fused notify: expert_alignment must be >= 1, got ",
+                      args.expert_alignment);
+    DEEP_EP_CHECK_ARG(args.num_tokens >= 0, "fused notify: num_tokens must be >= 0, got ", args.num_tokens);
+    DEEP_EP_CHECK_ARG(ctx.num_nvl_bytes >= kFusedRingsOffset, "fused notify: num_rdma_bytes must be >= ",
+                      kFusedRingsOffset, ", got ", ctx.num_nvl_bytes);
+    fused_notify_kernel<<<1, kNotifyThreads, 0, stream>>>(ctx, args);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void fused_dispatch(const KernelContext& ctx, const FusedGeometry& geo, const FusedDispatchArgs& args,
+                    cudaStream_t stream) {
+    check_fused_context(ctx, geo.gpus_per_node, "fused dispatch");
+    DEEP_EP_CHECK_ARG(geo.num_nodes * geo.gpus_per_node == ctx.num_ranks,
+                      "fused dispatch: nodes x GPUs per node must equal num_ranks, got ", geo.num_nodes, " x ",
+                      geo.gpus_per_node, " for ", ctx.num_ranks);
+    DEEP_EP_CHECK_ARG(geo.num_channels >= 1 && geo.num_channels <= kMaxChannels,
+                      "fused dispatch: channels must be in [1, ", kMaxChannels, "], got ", geo.num_channels);
+    check_resident("fused dispatch", 2 * geo.num_channels);
+    DEEP_EP_CHECK_ARG(2 * geo.num_nodes <= kChannelWarps && ctx.num_ranks < kChannelWarps,
+                      "fused dispatch: at most ", kChannelWarps / 2, " nodes and ", kChannelWarps - 1,
+                      " ranks, got ", geo.num_nodes, " nodes of ", ctx.num_ranks, " ranks");
+    DEEP_EP_CHECK_ARG(geo.hidden_bytes > 0 && geo.hidden_bytes % 16 == 0,
+                      "fused dispatch: hidden bytes must be a positive multiple of 16, got ", geo.hidden_bytes);
+    DEEP_EP_CHECK_ARG(geo.num_topk >= 0 && geo.num_topk <= kMaxTopk, "fused dispatch: num_topk must be in [0, ",
+                      kMaxTopk, "], got ", geo.num_topk);
+    DEEP_EP_CHECK_ARG(args.num_max_rdma_send_tokens >= 1 && geo.rail_capacity >= 2 * args.num_max_rdma_send_tokens,
+                      "fused dispatch: num_max_rdma_chunked_recv_tokens (", geo.rail_capacity,
+                      ") must be >= 2 * num_max_rdma_chunked_send_tokens (", args.num_max_rdma_send_tokens, ") >= 2");
+    DEEP_EP_CHECK_ARG(args.num_max_nvl_send_tokens >= 1 && geo.node_capacity >= 2 * args.num_max_nvl_send_tokens,
+                      "fused dispatch: num_max_nvl_chunked_recv_tokens (", geo.node_capacity,
+                      ") must be >= 2 * num_max_nvl_chunked_send_tokens (", args.num_max_nvl_send_tokens, ") >= 2");
+    DEEP_EP_CHECK_ARG(geo.end_offset <= ctx.num_nvl_bytes, "fused dispatch: num_rdma_bytes must be >= ",
+                      geo.end_offset, " for ", geo.num_channels, " channels, records of ", geo.record_bytes,
+                      " bytes, ", geo.rail_capacity, " rail slots and ", geo.node_capacity, " node slots; got ",
+                      ctx.num_nvl_bytes);
+    DEEP_EP_CHECK_ARG((args.topk_idx == nullptr) == (args.topk_weights == nullptr) &&
+                          (args.topk_idx == nullptr || args.topk_idx_bytes == 4 || args.topk_idx_bytes == 8),
+                      "fused dispatch: topk_idx and topk_weights come together, ids of 4 or 8 bytes");
+    if (args.topk_idx != nullptr)
+        DEEP_EP_CHECK_ARG(args.num_experts >= ctx.num_ranks && args.num_experts % ctx.num_ranks == 0,
+                          "fused dispatch: num_experts must be a positive multiple of num_ranks, got ",
+                          args.num_experts);
+    fused_dispatch_kernel<<<2 * geo.num_channels, kChannelThreads, 0, stream>>>(ctx, geo, args);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace kernels
+}  // namespace deep_ep

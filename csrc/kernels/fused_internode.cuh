@@ -1,0 +1,164 @@
+// Launchers of the fused internode normal-mode kernels (N nodes x G GPUs, G > 1): raw pointers, sizes and a
+// cudaStream_t; no torch. Plain C++ (host files include it). The kernels' design is described in
+// fused_internode.cu.
+//
+// Contract beyond api.cuh's (errors, context, collectiveness):
+//   * The context covers the whole group (rank r = node r / G, local r % G), every peer reached by pointer
+//     (put_mask == 0); the buffer is carved by fused_layout() from the context's num_nvl_bytes.
+//   * Every call is collective with the same geometry (channels, hidden bytes, scales, top-k, ring capacities).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "api.cuh"
+#include "constants.cuh"
+#include "layout.cuh"
+
+namespace deep_ep {
+namespace kernels {
+
+// ---- buffer layout (after the shared control region of layout.cuh) ----
+// Counter arrays are uint32 [kMaxChannels][kMaxRanks], index channel * kMaxRanks + i.
+//   rail tails   at the forwarder, i = source node: written by the sender (n, my local) after its records
+//   rail heads   at the sender, i = destination node: written by the forwarder (credits)
+//   node tails   at the receiver, i = source rank: written by the forwarder after its records
+//   node heads   at the forwarder, i = source node * G + receiver local: written by the receiver
+//   node counts  int32 [2 parities][kMaxRanks sources][kMaxChannels]: notify's per-channel count of the source's
+//                tokens that need this rank's node (written by rail peers only)
+constexpr int64_t kFusedRailTailOffset = kControlBytes;
+constexpr int64_t kFusedRailHeadOffset = kFusedRailTailOffset + kCounterBytes;
+constexpr int64_t kFusedNodeTailOffset = kFusedRailHeadOffset + kCounterBytes;
+constexpr int64_t kFusedNodeHeadOffset = kFusedNodeTailOffset + kCounterBytes;
+constexpr int64_t kFusedNodeCountOffset = kFusedNodeHeadOffset + kCounterBytes;
+constexpr int64_t kFusedRingsOffset =
+    (kFusedNodeCountOffset + 2LL * kMaxRanks * kMaxChannels * 4 + kBufferAlignment - 1) / kBufferAlignment *
+    kBufferAlignment;
+
+// Private workspace words (after the intranode kernels' region): [kMaxChannels][kMaxRanks] uint32 shadows and the
+// largest channel count of any dispatch since the last reset.
+constexpr int64_t kWsFusedBase = (kWsUsedBytes + 127) / 128 * 128;
+constexpr int64_t kWsFusedRailTailShadow = kWsFusedBase;                           // sender, (c, dst node)
+constexpr int64_t kWsFusedRailHeadShadow = kWsFusedRailTailShadow + kCounterBytes;  // forwarder, (c, src node)
+constexpr int64_t kWsFusedNodeTailShadow = kWsFusedRailHeadShadow + kCounterBytes;  // forwarder, (c, n * G + j)
+constexpr int64_t kWsFusedNodeHeadShadow = kWsFusedNodeTailShadow + kCounterBytes;  // receiver, (c, src rank)
+constexpr int64_t kWsFusedMaxChannels = kWsFusedNodeHeadShadow + kCounterBytes;
+static_assert(kWsFusedMaxChannels + 4 <= kWorkspaceBytes, "workspace too small for the fused kernels");
+
+// Host-mapped counter slot where the fused notify publishes the rows this rank forwards (F).
+constexpr int kFusedForwardCounter = 1 + kMaxLocalExperts;
+
+// A record (identical in rail and node rings): [payload, padded to 16][num_scales float32, padded to 16]
+// [int32 local-rank mask of the destination node, K int32 global top-k ids, K float32 weights, padded to 16].
+struct FusedGeometry {
+    int num_nodes;           // N
+    int gpus_per_node;       // G
+    int num_channels;        // C
+    int num_scales;          // S
+    int num_topk;            // K
+    int rail_capacity;       // slots per rail ring (channel, source node) at a forwarder
+    int node_capacity;       // slots per node ring (channel, source rank) at a receiver
+    int64_t hidden_bytes;    // payload bytes per token (a multiple of 16)
+    int64_t scales_offset;   // in the record
+    int64_t meta_offset;     // in the record
+    int64_t record_bytes;
+    int64_t node_rings_offset;  // byte offset of the node rings (the rail rings start at kFusedRingsOffset)
+    int64_t end_offset;         // bytes the layout needs
+
+    DEEP_EP_HOST_DEVICE int64_t rail_slot(int channel, int src_node, uint32_t seq) const {
+        return kFusedRingsOffset +
+               ((static_cast<int64_t>(channel) * num_nodes + src_node) * rail_capacity + seq % rail_capacity) *
+                   record_bytes;
+    }
+    DEEP_EP_HOST_DEVICE int64_t node_slot(int channel, int src_rank, uint32_t seq) const {
+        return node_rings_offset +
+               ((static_cast<int64_t>(channel) * num_nodes * gpus_per_node + src_rank) * node_capacity +
+                seq % node_capacity) * record_bytes;
+    }
+};
+
+DEEP_EP_HOST_DEVICE FusedGeometry fused_layout(int num_nodes, int gpus_per_node, int num_channels, int64_t hidden_bytes,
+                                               int num_scales, int num_topk, int rail_capacity, int node_capacity) {
+    FusedGeometry g{};
+    g.num_nodes = num_nodes;
+    g.gpus_per_node = gpus_per_node;
+    g.num_channels = num_channels;
+    g.num_scales = num_scales;
+    g.num_topk = num_topk;
+    g.rail_capacity = rail_capacity;
+    g.node_capacity = node_capacity;
+    g.hidden_bytes = hidden_bytes;
+    g.scales_offset = align_up64(hidden_bytes, 16);
+    g.meta_offset = g.scales_offset + align_up64(4LL * num_scales, 16);
+    g.record_bytes = g.meta_offset + align_up64(4LL * (1 + 2 * num_topk), 16);
+    g.node_rings_offset = align_up64(
+        kFusedRingsOffset + static_cast<int64_t>(num_channels) * num_nodes * rail_capacity * g.record_bytes,
+        kBufferAlignment);
+    g.end_offset = g.node_rings_offset +
+                   static_cast<int64_t>(num_channels) * num_nodes * gpus_per_node * node_capacity * g.record_bytes;
+    return g;
+}
+
+// ---- notify (non-cached dispatch only) ----
+struct FusedNotifyArgs {
+    const int* num_tokens_per_rank;       // [R]: checked against is_token_in_rank (kErrorCountMismatch)
+    const int* num_tokens_per_rdma_rank;  // [N] or nullptr: checked likewise (tokens needing node n)
+    const int* num_tokens_per_expert;     // [E]
+    const bool* is_token_in_rank;         // [T, R]
+    int num_tokens;                       // T
+    int num_experts;                      // E (E % R == 0, E / R <= kMaxLocalExperts)
+    int num_channels;                     // C
+    int gpus_per_node;                    // G (R % G == 0)
+    int expert_alignment;                 // >= 1
+    // Outputs (the internode handle's prefix matrices, int32)
+    int* rdma_channel_prefix_matrix;      // [N, C] inclusive over channels: my tokens that need node n
+    int* gbl_channel_prefix_matrix;       // [R, C] inclusive over channels: my tokens to rank d
+    int* recv_rdma_channel_prefix_matrix; // [N, C]: rank (n, my local)'s rdma_channel_prefix_matrix[my node]
+    int* recv_rdma_rank_prefix_sum;       // [N] inclusive prefix of its last column
+    int* recv_gbl_channel_prefix_matrix;  // [R, C]: absolute first row of source s's channel c
+    int* recv_gbl_rank_prefix_sum;        // [R] inclusive prefix over sources of rows received
+    // Host-mapped int32 or nullptr (worst-token mode): [0] rows received (written last), [1 + i] aligned count of
+    // local expert i, [kFusedForwardCounter] rows forwarded.
+    int* host_counters;
+};
+
+// One CTA (kNotifyThreads); uses the shared notify flags and data slots (parity, epoch) of layout.cuh.
+void fused_notify(const KernelContext& ctx, const FusedNotifyArgs& args, cudaStream_t stream);
+
+// ---- dispatch (cached or not) ----
+struct FusedDispatchArgs {
+    const void* x;                        // [T, hidden_bytes] raw bytes
+    const void* x_scales;                 // 4-byte elements, or nullptr
+    int64_t scale_token_stride;           // elements
+    int64_t scale_hidden_stride;
+    const void* topk_idx;                 // [T, K] int32/int64 global ids or -1, or nullptr
+    const float* topk_weights;            // [T, K] or nullptr (both or neither)
+    int topk_idx_bytes;                   // 4 or 8 (also recv_topk_idx's element size)
+    int num_experts;                      // E
+    const bool* is_token_in_rank;         // [T, R]
+    int num_tokens;                       // T
+    const int* recv_rdma_channel_prefix_matrix;  // [N, C] (notify output or handle)
+    const int* recv_rdma_rank_prefix_sum;        // [N]
+    const int* recv_gbl_channel_prefix_matrix;   // [R, C]
+    const int* recv_gbl_rank_prefix_sum;         // [R]
+    // Outputs; the handle's are nullptr in a cached call.
+    int* send_rdma_head;                  // [T, N]: index of token t among channel(t)'s tokens to node n, or -1
+    int* send_nvl_head;                   // [F, 8]: forwarded row's index per (source node, channel, local j), or -1
+    int* recv_src_meta;                   // [M, 2] int32: (source node, local-rank mask of my node)
+    void* recv_x;                         // [M, hidden_bytes]
+    float* recv_x_scales;                 // [M, S] contiguous, or nullptr
+    void* recv_topk_idx;                  // [M, K] local ids or -1, or nullptr
+    float* recv_topk_weights;             // [M, K] or nullptr
+    int num_recv_rows;                    // rows allocated (M, or num_worst_tokens)
+    int worst_token_mode;                 // 1: rows past the real count get recv_topk_idx = -1
+    int num_max_rdma_send_tokens;         // records per rail tail publication (at most)
+    int num_max_nvl_send_tokens;          // records per node tail publication (at most)
+};
+
+// 2 * C CTAs of kChannelThreads: even CTAs send and forward channel c, odd CTAs receive it.
+void fused_dispatch(const KernelContext& ctx, const FusedGeometry& geometry, const FusedDispatchArgs& args,
+                    cudaStream_t stream);
+
+}  // namespace kernels
+}  // namespace deep_ep
