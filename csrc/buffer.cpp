@@ -1,6 +1,8 @@
 // Host runtime of the intranode normal-mode kernels: allocation, IPC exchange, error record, tensors -> pointers.
 #include "buffer.hpp"
 
+#include "kernels/fused_internode.cuh"
+
 #include <c10/cuda/CUDAStream.h>
 
 #include <cuda.h>  // types of cuStreamWriteValue32 (resolved at run time through the runtime's driver entry point)
@@ -340,6 +342,13 @@ void Runtime::reset(uintptr_t stream) {
     require_available("reset");
     auto ctx = next_context();
     kernels::intranode_reset(ctx, as_stream(stream));
+    if (fused_gpus_per_node_ > 0)
+        DEEP_EP_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(local_buffer_) + kernels::kControlBytes, 0,
+                                           kernels::kFusedRingsOffset - kernels::kControlBytes, as_stream(stream)));
+    if (fused_gpus_per_node_ > 0)
+        DEEP_EP_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(workspace_) + kernels::kWsFusedBase, 0,
+                                           kernels::kWsFusedMaxChannels + 4 - kernels::kWsFusedBase,
+                                           as_stream(stream)));
     DEEP_EP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
     for (int i = 0; i <= kernels::kMaxLocalExperts; ++i) host_counters_[i] = -1;

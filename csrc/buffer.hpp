@@ -183,6 +183,36 @@ class Runtime {
     // Copy-engine combines so far (0 after reset).
     int64_t get_copy_epoch() const { return copy_epoch_; }
 
+    // ---- fused internode kernels (csrc/fused_internode.cpp, kernels/fused_internode.cu) ----
+    // For a runtime over the whole group of N nodes x `gpus_per_node` ranks, every peer reached by pointer. The
+    // first call fixes gpus_per_node; reset() then also zeroes the fused counters.
+    // Non-cached notify: fills the six int32 prefix tensors of the internode handle (shapes in FusedNotifyArgs)
+    // and, unless in worst-token mode, publishes the counts to the host (wait_recv_counts, forward_count).
+    void fused_notify(const at::Tensor& num_tokens_per_rank, const std::optional<at::Tensor>& num_tokens_per_rdma_rank,
+                      const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank, int num_experts,
+                      int num_channels, int gpus_per_node, int expert_alignment, bool worst_token_mode,
+                      const at::Tensor& rdma_channel_prefix_matrix, const at::Tensor& gbl_channel_prefix_matrix,
+                      const at::Tensor& recv_rdma_channel_prefix_matrix, const at::Tensor& recv_rdma_rank_prefix_sum,
+                      const at::Tensor& recv_gbl_channel_prefix_matrix, const at::Tensor& recv_gbl_rank_prefix_sum,
+                      uintptr_t stream, bool after_current);
+    // After wait_recv_counts: the rows this rank forwards (send_nvl_head's rows) of the same notify.
+    int forward_count() const;
+    // Returns (recv_x [num_recv_rows, H], recv_x_scales [num_recv_rows, S] when x_scales is given, recv_topk_idx
+    // [num_recv_rows, K] and recv_topk_weights [num_recv_rows, K] float32 when topk_idx is given). The handle's
+    // send_rdma_head [T, N], send_nvl_head [F, 8] and recv_src_meta [num_recv_rows, 8] uint8 are written when given
+    // (non-cached calls).
+    std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
+    fused_dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                   const std::optional<at::Tensor>& topk_idx, const std::optional<at::Tensor>& topk_weights,
+                   int num_experts, const at::Tensor& is_token_in_rank, int gpus_per_node,
+                   const at::Tensor& recv_rdma_channel_prefix_matrix, const at::Tensor& recv_rdma_rank_prefix_sum,
+                   const at::Tensor& recv_gbl_channel_prefix_matrix, const at::Tensor& recv_gbl_rank_prefix_sum,
+                   const std::optional<at::Tensor>& send_rdma_head, const std::optional<at::Tensor>& send_nvl_head,
+                   const std::optional<at::Tensor>& recv_src_meta, int num_recv_rows, bool worst_token_mode,
+                   int num_channels, int num_max_rdma_send_tokens, int num_max_rdma_recv_tokens,
+                   int num_max_nvl_send_tokens, int num_max_nvl_recv_tokens, uintptr_t stream, bool after_current,
+                   bool current_after);
+
     // Bounded cross-rank barrier kernel on `stream`.
     void barrier(uintptr_t stream);
 
@@ -198,6 +228,8 @@ class Runtime {
     bool symmetric_ = false;
     bool available_ = false;
     bool destroyed_ = false;
+    int fused_gpus_per_node_ = 0;  // set by the first fused call; reset() then zeroes the fused counters
+    void set_fused(int gpus_per_node);
     int64_t call_seq_ = 0;
     int64_t fault_call_seq_ = 0;
 

@@ -95,6 +95,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("collect_pool_blocks", &deep_ep::Runtime::collect_pool_blocks)
         .def("dispatch", &deep_ep::Runtime::dispatch)
         .def("combine", &deep_ep::Runtime::combine)
+        .def("fused_notify", &deep_ep::Runtime::fused_notify)
+        .def("forward_count", &deep_ep::Runtime::forward_count)
+        .def("fused_dispatch", &deep_ep::Runtime::fused_dispatch)
         .def("barrier", &deep_ep::Runtime::barrier);
 
     // ---- low-latency kernels over NVSHMEM (absent from an intranode-only build) ----

@@ -59,7 +59,7 @@ done
 NVSHMEM_ROOT="${NVSHMEM_DIR:-$("$PYTHON" -c "import nvidia.nvshmem as n, os; print(os.path.dirname(n.__file__) if n.__file__ else list(n.__path__)[0])" 2>/dev/null || true)}"
 if [[ -n "$NVSHMEM_ROOT" && -f "$NVSHMEM_ROOT/include/nvshmem.h" ]]; then
     for src in "$ROOT"/csrc/kernels/low_latency*.cu "$ROOT"/csrc/kernels/*_nvshmem.cu "$ROOT"/csrc/kernels/internode*.cu \
-               "$ROOT"/csrc/kernels/intranode*.cu; do
+               "$ROOT"/csrc/kernels/intranode*.cu "$ROOT"/csrc/kernels/fused*.cu; do
         echo "nvcc sm_90a (NVSHMEM at $NVSHMEM_ROOT): ${src#$ROOT/}"
         if ! "$NVCC" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -rdc=true \
                 -D__CUDA_NO_HALF_OPERATORS__ -U__CUDA_NO_HALF_OPERATORS__ -DDEEP_EP_TOPK_IDX_BITS="$TOPK_BITS" \
