@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 _CHOICES = {
     "dispatch_receive": ("rings", "direct"),
     "combine_send": ("copy", "rings", "zone"),
-    "internode": ("composed", "torch"),
+    "internode": ("composed", "torch", "fused"),
     "composed_rail": ("ipc", "nvshmem", "torch"),
 }
 # Fields that hold a count (None: the tuned value) and their smallest accepted value.
@@ -40,7 +40,8 @@ class Overrides:
             each kernel accepts; ``combine_warps`` also sets the zone senders' warps).
         uncapped_channels: ``num_sms`` channels even above the tuned channel cap.
         internode: normal mode of ``N`` nodes x ``G > 1`` GPUs: ``'composed'`` (rail and node stages for every
-            tensor; torch stages on CPU) or ``'torch'`` (the torch backend).
+            tensor; torch stages on CPU), ``'torch'`` (the torch backend) or ``'fused'`` (the fused CUDA dispatch
+            kernels, deep_ep/backends/fused_internode.py, for CUDA tensors).
         composed_rail: the composed path's rail stage: ``'ipc'``, ``'nvshmem'`` or ``'torch'``.
         ll_put_only: the low-latency kernels reach every peer by NVSHMEM put (the RDMA path), even by NVLink.
         internode_put_only: the internode ring kernels reach every peer by NVSHMEM put; set on any rank, it

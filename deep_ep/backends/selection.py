@@ -4,7 +4,8 @@
 * the CUDA low-latency backend for ``low_latency_mode`` with ``num_rdma_bytes > 0`` when the extension has NVSHMEM;
 * the composed path for ``N`` nodes x ``G > 1`` GPUs: CUDA stages when CUDA, the extension and ``num_nvl_bytes``
   are there and each node's ranks share a host, or torch stages under ``deep_ep.testing`` ``internode='composed'``;
-* the CUDA intranode backend (one NVLink domain of at most 8 ranks) or the CUDA internode backend (one GPU per node).
+* the CUDA intranode backend (one NVLink domain of at most 8 ranks) or the CUDA internode backend (one GPU per node);
+* the fused internode dispatch kernels for ``G > 1`` under ``deep_ep.testing`` ``internode='fused'``.
 
 ``DEEP_EP_BACKEND=torch`` keeps the torch backend only; ``cuda`` turns a reason the CUDA backend cannot serve the
 group into an error. With a GPU present, the automatic choice says in a ``RuntimeWarning`` why CUDA tensors take the
@@ -96,7 +97,7 @@ def build_backends(spec: BufferSpec, group: Any, comm: Any) -> Backends:
                                      spec.num_rdma_bytes, spec.enable_shrink)
     cuda_ll = _cuda_low_latency(spec, group, comm)
     composed, composed_device, refusal = _composed(spec, group)
-    cuda = _cuda(spec, group, comm, cuda_ll, refusal) if composed_device != "cuda" else None
+    cuda = _cuda(spec, group, comm, cuda_ll, refusal, torch_backend) if composed_device != "cuda" else None
     return Backends(torch_backend, cuda, cuda_ll, composed, composed_device)
 
 
@@ -145,11 +146,13 @@ def _cuda_low_latency(spec: BufferSpec, group: Any, comm: Any) -> Optional[Backe
 
 
 def _cuda(spec: BufferSpec, group: Any, comm: Any, cuda_ll: Optional[Backend],
-          composed_refusal: Optional[str]) -> Optional[Backend]:
+          composed_refusal: Optional[str], torch_backend: Optional[Backend] = None) -> Optional[Backend]:
     """The CUDA normal-mode backend when it is built, requested and serves this topology; else ``None``."""
     choice = backend_choice()
     if choice == "torch":
         return None
+    if spec.topology.is_internode and testing.current().internode == "fused":
+        return _fused_internode(spec, group, choice, torch_backend)
     if spec.topology.is_internode:
         return _cuda_internode(spec, group, comm, choice, cuda_ll, composed_refusal)
     return _cuda_intranode(spec, group, comm, choice, cuda_ll)
@@ -199,6 +202,25 @@ def _cuda_internode(spec: BufferSpec, group: Any, comm: Any, choice: str, cuda_l
     return without_cuda(choice, group, "CUDA internode backend", reason)
 
 
+def _fused_internode(spec: BufferSpec, group: Any, choice: str,
+                     torch_backend: Optional[Backend]) -> Optional[Backend]:
+    """The fused internode kernels (``internode='fused'``) when they serve this group; else ``None`` (or the error
+    naming the reason under ``DEEP_EP_BACKEND=cuda``)."""
+    backend_cls, reason = _import_cuda("fused_internode", "FusedInternodeCuda")
+    if backend_cls is not None:
+        reason = backend_cls.unsupported_reason(spec.topology, spec.num_rdma_bytes)
+    if reason is None and (group is None or torch_backend is None):
+        reason = "the fused backend's combine runs on the torch backend, which needs a torch.distributed group"
+    if reason is None:
+        from deep_ep.backends.cuda_internode import UnsupportedTopology
+        try:
+            return backend_cls.from_group(group, spec.topology, torch_backend, num_rdma_bytes=spec.num_rdma_bytes,
+                                          num_qps_per_rank=spec.num_qps_per_rank, allow_mnnvl=spec.allow_mnnvl)
+        except UnsupportedTopology as exc:  # collective: every rank gets here together
+            reason = str(exc)
+    return without_cuda(choice, group, "fused CUDA internode backend", reason)
+
+
 def _composed(spec: BufferSpec, group: Any) -> tuple[Optional[Backend], Optional[str], Optional[str]]:
     """``(composed path, the device type it serves, None)`` for ``N x G`` groups with ``G > 1`` when it serves
     them; ``(None, None, why its CUDA stages cannot serve the group)`` when the automatic choice refuses it.
@@ -210,7 +232,7 @@ def _composed(spec: BufferSpec, group: Any) -> tuple[Optional[Backend], Optional
     Collective: every rank creates every subgroup (``make_stage_groups``)."""
     topo = spec.topology
     choice = testing.current().internode or "auto"
-    if group is None or choice == "torch" or not topo.is_internode or topo.num_scaleup_ranks < 2:
+    if group is None or choice in ("torch", "fused") or not topo.is_internode or topo.num_scaleup_ranks < 2:
         return None, None, None
     reason = None
     if backend_choice() == "torch":

@@ -1,0 +1,193 @@
+"""CUDA normal-mode dispatch of ``N`` nodes x ``G > 1`` GPUs in one kernel (csrc/kernels/fused_internode.cu).
+
+A token crosses to each node it needs once, to the GPU with the sender's local index, which forwards it over
+NVLink to the node's GPUs that need it, inside the same kernel; the ranks' buffers are one NVSHMEM symmetric
+allocation of ``num_rdma_bytes`` (every peer reached by pointer). Notify builds the internode handle's prefix
+matrices on the device; the dispatch kernel writes ``send_rdma_head``, ``send_nvl_head`` and ``recv_src_meta``.
+Combine runs on the torch backend given at construction (the handle's fields are the same on every backend).
+Selected with ``deep_ep.testing.overrides(internode='fused')``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from deep_ep import testing
+from deep_ep.backends.base import Backend, CombineRequest, DispatchRequest, LayoutRequest
+from deep_ep.backends.common import object_all_gather
+from deep_ep.backends.cuda_common import _C, join_nvshmem_world
+from deep_ep.backends.cuda_internode import SymmetricCuda, UnsupportedTopology
+from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config, Topology
+from deep_ep.errors import CommTimeoutError, name_ranks
+from deep_ep.handle import InternodeHandle, node_mask
+from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
+
+
+class FusedInternodeCuda(SymmetricCuda):
+    """Internode normal mode for one rank of ``N`` nodes x ``G`` GPUs (``2 <= G <= 8``, ``N >= 2``,
+    ``N * G <= 24``), every peer reachable by ``nvshmem_ptr``.
+
+    Args:
+        rank, topology: this rank and the group's ``N x G`` (the NVSHMEM world: PE = rank).
+        num_rdma_bytes: bytes of the symmetric buffer (equal on every rank).
+        num_qps_per_rank, allow_mnnvl: NVSHMEM environment.
+        all_gather, barrier: over the group (bootstrap, destroy, reset).
+        combine_backend: the backend that serves ``combine`` (the torch backend of the same group).
+
+    Construction is collective; it raises :class:`UnsupportedTopology` on every rank when some pair of ranks has no
+    pointer path (or ``internode_put_only`` is set): the fused kernels reach peers by pointer only.
+    """
+
+    def __init__(self, rank: int, topology: Topology, num_rdma_bytes: int, num_qps_per_rank: int, allow_mnnvl: bool,
+                 all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]],
+                 combine_backend: Backend) -> None:
+        reason = self.unsupported_reason(topology, num_rdma_bytes)
+        if reason is not None:
+            raise ValueError(f"the fused internode kernels cannot serve this group: {reason}")
+        unique_id = join_nvshmem_world(rank, num_rdma_bytes, num_qps_per_rank, True, allow_mnnvl, all_gather)
+        num_ranks = topology.num_ranks
+        super().__init__(rank, num_ranks, num_rdma_bytes, unique_id, rank, num_ranks, range(num_ranks), all_gather,
+                         barrier)
+        if self.put_peers or self.runtime.get_put_mask() or testing.current().internode_put_only:
+            self.runtime.destroy()
+            raise UnsupportedTopology(f"rank {rank} reaches ranks {sorted(self.put_peers)} only by NVSHMEM puts; "
+                                      "the fused internode kernels reach every peer by pointer")
+        self.topology = topology
+        self.num_nodes, self.per_node = topology.num_scaleout_ranks, topology.num_scaleup_ranks
+        self.combine_backend = combine_backend
+
+    @classmethod
+    def from_group(cls, group: Any, topology: Topology, combine_backend: Backend,
+                   **kwargs: Any) -> "FusedInternodeCuda":
+        import torch.distributed as dist
+
+        return cls(dist.get_rank(group), topology, all_gather=object_all_gather(group),
+                   barrier=lambda: dist.barrier(group=group), combine_backend=combine_backend, **kwargs)
+
+    @staticmethod
+    def unsupported_reason(topology: Topology, num_rdma_bytes: int) -> Optional[str]:
+        """Why the fused kernels cannot serve ``topology`` (``None`` when they can)."""
+        if not getattr(_C, "HAS_LOW_LATENCY", False):
+            return "the extension was built without NVSHMEM"
+        per_node = topology.num_scaleup_ranks
+        if not 2 <= per_node <= NUM_MAX_SCALEUP_RANKS or topology.num_scaleout_ranks < 2:
+            return f"{topology.num_scaleout_ranks} nodes x {per_node} GPUs (needs >= 2 nodes of 2..8 GPUs)"
+        if topology.num_ranks > _C.MAX_RANKS:
+            return f"{topology.num_ranks} ranks exceed the kernels' {_C.MAX_RANKS}"
+        if num_rdma_bytes <= 0:
+            return "num_rdma_bytes is 0"
+        return None
+
+    def num_channels(self, config: Config) -> int:
+        """One channel per two SMs (a sending-and-forwarding CTA and a receiving CTA), as DeepEP's internode."""
+        return max(1, config.num_sms // 2)
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int,
+                                use_rdma_buffer: bool) -> torch.Tensor:
+        """A view of the symmetric (RDMA) buffer; this backend has no NVL buffer."""
+        if not use_rdma_buffer:
+            raise ValueError("use_rdma_buffer=False: the fused internode backend keeps no NVL buffer; pass "
+                             "use_rdma_buffer=True")
+        return super().get_local_buffer_tensor(dtype, size, offset, False)
+
+    def get_dispatch_layout(self, request: LayoutRequest) -> DispatchLayout:
+        """The layout kernel, and ``num_tokens_per_rdma_rank`` (tokens that need node ``n``) after it on the comm
+        stream."""
+        self._call_prologue()
+        topk_idx = request.topk_idx
+        with self._scope(request) as scope:
+            per_rank, per_expert, in_rank = self.runtime.get_dispatch_layout(
+                topk_idx, request.num_experts, self._comm_ptr, scope.after_current, False)
+            compute = torch.cuda.current_stream()
+            with torch.cuda.stream(self.comm_stream):
+                per_node = node_mask(in_rank, self.topology).sum(0, dtype=torch.int32)
+            if compute != self.comm_stream:
+                per_node.record_stream(compute)
+                if scope.current_after:
+                    compute.wait_stream(self.comm_stream)
+            event = scope.finish((topk_idx, per_rank, per_node, per_expert, in_rank))
+        return DispatchLayout(per_rank, per_node, per_expert, in_rank, event)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        """Fused internode dispatch; ``handle`` given: cached (``(recv_x, None, None, None, None, event)``)."""
+        self._call_prologue()
+        data, scales = request.payload()
+        config = request.config
+        num_channels = self.num_channels(config)
+        num_nodes, num_ranks = self.num_nodes, self.num_ranks
+        cached = request.handle is not None
+        topk_idx, topk_weights = request.topk_idx, request.topk_weights
+        num_experts = request.num_tokens_per_expert.numel() if request.num_tokens_per_expert is not None else 0
+        num_worst_tokens = request.num_worst_tokens
+        per_expert_list = None
+        with self._scope(request) as scope:
+            after_current = scope.after_current
+            if cached:
+                handle = request.handle
+                if not isinstance(handle, InternodeHandle) or handle.rdma_channel_prefix_matrix.size(1) != num_channels:
+                    raise ValueError(f"handle must be an internode handle of {num_channels} channels "
+                                     f"(config.num_sms={config.num_sms}); use the dispatch's handle and config")
+                is_token_in_rank = handle.is_token_in_rank
+                prefixes = (handle.recv_rdma_channel_prefix_matrix, handle.recv_rdma_rank_prefix_sum,
+                            handle.recv_gbl_channel_prefix_matrix, handle.recv_gbl_rank_prefix_sum)
+                num_rows, worst = handle.recv_src_meta.size(0), False
+                heads = (None, None, None)
+            else:
+                is_token_in_rank = request.is_token_in_rank
+                device = data.device
+
+                def int32(*shape: int) -> torch.Tensor:
+                    return torch.empty(*shape, dtype=torch.int32, device=device)
+
+                sender = (int32(num_nodes, num_channels), int32(num_ranks, num_channels))
+                prefixes = (int32(num_nodes, num_channels), int32(num_nodes), int32(num_ranks, num_channels),
+                            int32(num_ranks))
+                self.runtime.fused_notify(request.num_tokens_per_rank, request.num_tokens_per_rdma_rank,
+                                          request.num_tokens_per_expert, is_token_in_rank, num_experts, num_channels,
+                                          self.per_node, request.expert_alignment, False, *sender, *prefixes,
+                                          self._comm_ptr, after_current)
+                after_current = False
+                num_local_experts = num_experts // num_ranks
+                try:
+                    num_recv, per_expert_list = self.runtime.wait_recv_counts(num_local_experts)
+                except (_C.HostTimeout, _C.DeviceError) as exc:
+                    self.check_errors()  # a device-side report names the missing peer: prefer it
+                    raise CommTimeoutError(name_ranks(str(exc), self.rank_names, self.rank_scope)) from None
+                num_forwarded = self.runtime.forward_count()
+                worst = num_worst_tokens > 0
+                num_rows = num_worst_tokens if worst else num_recv
+                per_expert_list = [] if worst else list(per_expert_list)
+                meta = (torch.zeros if worst else torch.empty)(num_rows, 8, dtype=torch.uint8, device=device)
+                heads = (int32(data.size(0), num_nodes), int32(num_forwarded, 8), meta)
+            recv_x, recv_scales, recv_topk_idx, recv_topk_weights = self.runtime.fused_dispatch(
+                data, scales, topk_idx, topk_weights, num_experts, is_token_in_rank, self.per_node, *prefixes,
+                *heads, num_rows, worst, num_channels, config.num_max_rdma_chunked_send_tokens,
+                _rdma_capacity(config), config.num_max_nvl_chunked_send_tokens,
+                config.num_max_nvl_chunked_recv_tokens, self._comm_ptr, after_current, scope.current_after)
+            new_handle = None
+            if not cached:
+                send_rdma_head, send_nvl_head, recv_src_meta = heads
+                new_handle = InternodeHandle(is_token_in_rank, *sender, *prefixes[:2], prefixes[2], prefixes[3],
+                                             recv_src_meta, send_rdma_head, send_nvl_head)
+            event = scope.finish((data, scales, topk_idx, topk_weights, is_token_in_rank, recv_x, recv_scales,
+                                  recv_topk_idx, recv_topk_weights, *prefixes, *(t for t in heads if t is not None),
+                                  *(new_handle or ())))
+        out_x = (recv_x, recv_scales) if scales is not None else recv_x
+        if cached:
+            return DispatchResult(out_x, None, None, None, None, event)
+        return DispatchResult(out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event)
+
+    def combine(self, request: CombineRequest) -> CombineResult:
+        """Served by the torch backend given at construction (the process group)."""
+        self._call_prologue()
+        return self.combine_backend.combine(request)
+
+
+def _rdma_capacity(config: Config) -> int:
+    """Rail ring slots: ``num_max_rdma_chunked_recv_tokens`` rounded up to a multiple of the send chunk (as the
+    config's checks do)."""
+    send = config.num_max_rdma_chunked_send_tokens
+    return -(-config.num_max_rdma_chunked_recv_tokens // send) * send
+
