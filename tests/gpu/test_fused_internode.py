@@ -1,0 +1,100 @@
+"""GPU property tests of the fused internode kernels (``FusedInternodeCuda``, built under
+``deep_ep.testing.overrides(internode='fused')``) on virtual nodes of one host.
+
+``DEEP_EP_GPUS_PER_NODE`` splits the ranks into 2 x 2, 2 x 4 and 4 x 2 nodes; every example runs
+``test_internode.task_internode_roundtrip`` against ``reference``: layout, recv_x (BF16 and FP8 with scales), top-k,
+the per-expert list, all ten handle fields, cached and worst-token dispatch, and combine with the fused handle.
+One GPU, the ranks time-sliced on it (correctness only)::
+
+    TEST_RANKS_PER_GPU=8 python -m pytest tests/gpu/test_fused_internode.py
+
+``TEST_EXAMPLES_FUSED``: hypothesis examples per shape (4).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given
+
+torch = pytest.importorskip("torch")
+
+import test_internode as tn  # noqa: E402  (tests/gpu is on sys.path, as for test_internode.py)
+import test_intranode as ti  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+
+FUSED = {"internode": "fused"}
+NUM_RDMA_BYTES = 768 << 20  # the rail and node rings of 12 channels of 7168-BF16 records at 256 slots, 4 x 2
+EXAMPLES = int(os.environ.get("TEST_EXAMPLES_FUSED", "4"))
+
+
+def _make_pool(num_nodes: int, per_node: int, **env: str) -> ti.Pool:
+    """``num_nodes`` x ``per_node`` ranks on the GPUs in turn, checked to run ``FusedInternodeCuda``."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    num_ranks = num_nodes * per_node
+    pool = ti.Pool([rank % max(gpus, 1) for rank in range(num_ranks)],
+                   env={"DEEP_EP_GPUS_PER_NODE": str(per_node), "TEST_NUM_RDMA_BYTES": str(NUM_RDMA_BYTES), **env},
+                   overrides=FUSED)
+    if ti.DEVICE == "cuda" and pool.backends != {"FusedInternodeCuda"}:
+        pool.close()
+        raise AssertionError(f"Buffer did not pick the fused kernels: {pool.backends}")
+    return pool
+
+
+def _fused_pool(num_nodes: int, per_node: int):
+    """The body of the module-scoped fixtures: yields the pool and closes it."""
+    pool = _make_pool(num_nodes, per_node)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="module")
+def two_by_two():
+    yield from _fused_pool(2, 2)
+
+
+@pytest.fixture(scope="module", params=[(2, 4), (4, 2)], ids=["2x4", "4x2"])
+def eight_ranks(request):
+    yield from _fused_pool(*request.param)
+
+
+@pytest.mark.multi_gpu(4)
+@ti.gpu_settings(EXAMPLES)
+@given(case=ti.case_strategy(4, max_tokens=300))
+def test_two_by_two(two_by_two, case):
+    two_by_two.run(tn.TASK, case)
+
+
+@pytest.mark.multi_gpu(8)
+@ti.gpu_settings(EXAMPLES)
+@given(case=ti.case_strategy(8, max_tokens=200))
+def test_eight_ranks(eight_ranks, case):
+    eight_ranks.run(tn.TASK, case)
+
+
+@pytest.mark.multi_gpu(8)
+def test_eight_ranks_large(eight_ranks):
+    """1024 tokens per rank, hidden 7168, top-8 of 64 experts, FP8 and BF16, 24 SMs (12 channels), an empty rank,
+    asynchronous with a previous event (FP8)."""
+    for use_fp8 in (True, False):
+        case = ti.Case(num_ranks=8, seed=5, num_tokens=(1024,) * 7 + (0,), hidden=7168, num_topk=8,
+                       num_experts=64, use_fp8=use_fp8, with_topk=True, num_sms=24, expert_alignment=4,
+                       mask_prob=0.1, empty_rank=-1, async_mode=use_fp8, previous_mode=use_fp8, num_bias=1,
+                       scales_col_major=use_fp8)
+        eight_ranks.run(tn.TASK, case)
+
+
+@pytest.mark.multi_gpu(4)
+def test_stalled_rank_times_out():
+    """Rank 3 never joins the dispatch: ranks 0..2 get a timeout exception within the budget
+    (``test_intranode.task_stall``)."""
+    timeout_s = 5
+    pool = _make_pool(2, 2, DEEP_EP_TIMEOUT_S=str(timeout_s))
+    try:
+        replies = pool.run("stall", {"stalled": 3, "timeout_s": timeout_s}, timeout=timeout_s * 8 + 60)
+        assert replies[3] == "stalled" and all("timeout" in replies[r] for r in range(3)), replies
+    finally:
+        pool.kill()  # the Buffers are in the failed state: discard the pool
