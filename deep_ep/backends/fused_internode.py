@@ -49,10 +49,13 @@ class FusedInternodeCuda(SymmetricCuda):
         num_ranks = topology.num_ranks
         super().__init__(rank, num_ranks, num_rdma_bytes, unique_id, rank, num_ranks, range(num_ranks), all_gather,
                          barrier)
-        if self.put_peers or self.runtime.get_put_mask() or testing.current().internode_put_only:
+        # Decided on every rank alike: the symmetric buffer is released collectively.
+        far = [list(peers) for peers in all_gather(sorted(self.put_peers))]
+        if any(far) or any(all_gather(testing.current().internode_put_only)):
             self.runtime.destroy()
-            raise UnsupportedTopology(f"rank {rank} reaches ranks {sorted(self.put_peers)} only by NVSHMEM puts; "
-                                      "the fused internode kernels reach every peer by pointer")
+            pairs = "; ".join(f"rank {r} reaches {peers} only by puts" for r, peers in enumerate(far) if peers)
+            raise UnsupportedTopology(f"NVSHMEM put peers ({pairs or 'internode_put_only'}): the fused internode "
+                                      "kernels reach every peer by pointer")
         self.topology = topology
         self.num_nodes, self.per_node = topology.num_scaleout_ranks, topology.num_scaleup_ranks
         self.combine_backend = combine_backend
