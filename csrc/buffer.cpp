@@ -347,7 +347,7 @@ void Runtime::reset(uintptr_t stream) {
                                            kernels::kFusedRingsOffset - kernels::kControlBytes, as_stream(stream)));
     if (fused_gpus_per_node_ > 0)
         DEEP_EP_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(workspace_) + kernels::kWsFusedBase, 0,
-                                           kernels::kWsFusedMaxChannels + 4 - kernels::kWsFusedBase,
+                                           kernels::kWsFusedEnd - kernels::kWsFusedBase,
                                            as_stream(stream)));
     DEEP_EP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));

@@ -177,7 +177,8 @@ Runtime::fused_dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_
     const int num_scales = x_scales.has_value() ? static_cast<int>(x_scales->size(1)) : 0;
     const int num_topk = topk_idx.has_value() ? static_cast<int>(topk_idx->size(1)) : 0;
     const auto geometry = kernels::fused_layout(num_nodes, gpus_per_node, num_channels, hidden_bytes, num_scales,
-                                                num_topk, num_max_rdma_recv_tokens, num_max_nvl_recv_tokens);
+                                                num_topk, num_max_rdma_recv_tokens, num_max_nvl_recv_tokens,
+                                                num_nvl_bytes_, false);
     kernels::FusedDispatchArgs args{};
     args.x = ptr(x, workspace_);
     args.x_scales = ptr<const void>(x_scales, workspace_);

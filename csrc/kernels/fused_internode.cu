@@ -19,6 +19,8 @@
 // Notify exchanges, from every source to every rank, the per-rank totals, per-expert counts and per-channel counts
 // (the shared notify slots of layout.cuh), and, to rail peers only, the per-channel counts of tokens that need the
 // peer's node; it builds the internode handle's prefix matrices as reference/ defines them.
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 #include "fused_internode.cuh"
@@ -496,6 +498,294 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Combine
+// ---------------------------------------------------------------------------------------------------------------
+
+// One lane: *word >= target, after publishing what the warp holds back (`flush`) when the value is not there yet:
+// a peer may need those publications to make progress.
+template <typename Flush>
+__device__ __forceinline__ bool wait_flushing(const KernelContext& ctx, const uint32_t* word, uint32_t target,
+                                              const Site& site, uint32_t* cache, Flush&& flush) {
+    bool pending = !seq_geq(*cache, target);
+    if (pending) {
+        *cache = ld_acquire_sys(word);
+        pending = !seq_geq(*cache, target);
+    }
+    if (__any_sync(0xffffffffu, pending)) flush();
+    bool ok = true;
+    if (pending) ok = wait_geq(ctx, word, target, site, cache);
+    return __all_sync(0xffffffffu, ok);
+}
+
+// Adds 8 BF16 values (one int4) to acc in fp32.
+__device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(pairs[i]);
+        acc[2 * i] += f.x;
+        acc[2 * i + 1] += f.y;
+    }
+}
+
+__device__ __forceinline__ int4 to_bf16x8(const float* acc) {
+    int4 out;
+    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    return out;
+}
+
+// Sending warp of source rank s for channel c: my rows of (s, c) back to the forwarder (my node, local of s).
+static __device__ void fused_combine_send(const KernelContext& ctx, const FusedGeometry& geo,
+                                          const FusedCombineArgs& args, int channel, int s, int num_checked) {
+    const int lane = lane_id(), per_node = geo.gpus_per_node, num_channels = geo.num_channels;
+    const int my_node = ctx.rank / per_node, my_local = ctx.rank % per_node;
+    const int fwd = my_node * per_node + s % per_node, ring = (s / per_node) * per_node + my_local;
+    uint32_t* heads = buffer_u32(ctx.buffers[ctx.rank], kFusedCombineNodeHeadOffset);
+    uint32_t* shadows = workspace_u32(ctx, kWsFusedCombineNodeTailShadow);
+    bool ok = true;
+    for (int c = channel; c < num_checked && ok; c += num_channels) {
+        uint32_t seen;
+        ok = warp_wait_geq(ctx, heads + counter_index(c, s), shadows[counter_index(c, s)],
+                           Site{kKernelCombine, kPhaseCombineSendDrain, fwd, c}, &seen);
+    }
+    fence_acq_rel_sys();
+    const int first_row = args.recv_gbl_channel_prefix_matrix[s * num_channels + channel];
+    const int end_row = channel + 1 < num_channels ? args.recv_gbl_channel_prefix_matrix[s * num_channels + channel + 1]
+                                                   : args.recv_gbl_rank_prefix_sum[s];
+    uint32_t tail = shadows[counter_index(channel, s)], head = tail, published = tail;
+    uint32_t* remote_tail = buffer_u32(ctx.buffers[fwd], kFusedCombineNodeTailOffset) + counter_index(channel, ring);
+    const bool publish = !ctx.skip_sends;
+    const int64_t row_int4 = geo.hidden_bytes / 16;
+    for (int row = first_row; row < end_row && ok; ++row) {
+        const uint32_t needed_head = tail + 1 - static_cast<uint32_t>(geo.node_capacity);
+        if (!seq_geq(head, needed_head)) {
+            if (published != tail && publish) warp_publish(remote_tail, tail);
+            published = tail;
+            ok = warp_wait_geq(ctx, heads + counter_index(channel, s), needed_head,
+                               Site{kKernelCombine, kPhaseCombineSendWaitHead, fwd, channel}, &head);
+            if (!ok) break;
+        }
+        char* slot = static_cast<char*>(ctx.buffers[fwd]) + geo.node_slot(channel, ring, tail);
+        int4* dst = reinterpret_cast<int4*>(slot);
+        warp_copy_row<false>(reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * geo.hidden_bytes),
+                             row_int4, &dst, 1);
+        if (args.topk_weights != nullptr)
+            for (int k = lane; k < geo.num_topk; k += 32)
+                reinterpret_cast<float*>(slot + geo.meta_offset)[k] =
+                    args.topk_weights[static_cast<int64_t>(row) * geo.num_topk + k];
+        ++tail;
+        if (static_cast<int>(tail - published) >= args.num_max_nvl_send_tokens) {
+            if (publish) warp_publish(remote_tail, tail);
+            published = tail;
+        }
+    }
+    if (ok && published != tail && publish) warp_publish(remote_tail, tail);
+    if (lane == 0) shadows[counter_index(channel, s)] = tail;
+}
+
+// Forwarder warp of source node n for channel c: each forwarded token's rows from the local ranks of its mask,
+// summed in fp32 in ascending local order, rounded to BF16 once, to the owner (n, my local).
+static __device__ void fused_combine_forward(const KernelContext& ctx, const FusedGeometry& geo,
+                                             const FusedCombineArgs& args, int channel, int n, int num_checked) {
+    const int lane = lane_id(), per_node = geo.gpus_per_node, num_channels = geo.num_channels;
+    const int my_node = ctx.rank / per_node, owner = n * per_node + ctx.rank % per_node;
+    char* own = static_cast<char*>(ctx.buffers[ctx.rank]);
+    uint32_t* rail_heads = buffer_u32(own, kFusedCombineRailHeadOffset);
+    uint32_t* rail_shadows = workspace_u32(ctx, kWsFusedCombineRailTailShadow);
+    bool ok = true;
+    for (int c = channel; c < num_checked && ok; c += num_channels) {
+        uint32_t seen;
+        ok = warp_wait_geq(ctx, rail_heads + counter_index(c, n), rail_shadows[counter_index(c, n)],
+                           Site{kKernelCombine, kPhaseCombineSendDrain, owner, c}, &seen);
+    }
+    fence_acq_rel_sys();
+    const int* prefix = args.recv_rdma_channel_prefix_matrix + n * num_channels;
+    const int before = channel > 0 ? prefix[channel - 1] : 0;
+    const int num_records = prefix[channel] - before;
+    const int64_t first_row = (n > 0 ? args.recv_rdma_rank_prefix_sum[n - 1] : 0) + before;
+
+    // Lane j < G: node ring (channel, n * G + j) here, written by local rank j.
+    const bool is_src_lane = lane < per_node;
+    const int pair = n * per_node + lane;
+    uint32_t* node_head_shadows = workspace_u32(ctx, kWsFusedCombineNodeHeadShadow);
+    const uint32_t base = is_src_lane ? node_head_shadows[counter_index(channel, pair)] : 0;
+    const uint32_t* node_tail = is_src_lane ? buffer_u32(own, kFusedCombineNodeTailOffset) + counter_index(channel, pair)
+                                            : nullptr;
+    uint32_t* remote_node_head = is_src_lane ? buffer_u32(ctx.buffers[my_node * per_node + lane],
+                                                          kFusedCombineNodeHeadOffset) + counter_index(channel, owner)
+                                             : nullptr;
+    uint32_t tail_cache = base, consumed = 0, released = 0;
+    uint32_t rail_tail = rail_shadows[counter_index(channel, n)], rail_head = rail_tail, rail_published = rail_tail;
+    uint32_t* remote_rail_tail = buffer_u32(ctx.buffers[owner], kFusedCombineRailTailOffset) +
+                                 counter_index(channel, my_node);
+    const bool publish = !ctx.skip_sends;
+    auto flush = [&]() {
+        __syncwarp();
+        if (lane == 0 && rail_published != rail_tail && publish) {
+            fence_acq_rel_sys();
+            st_release_sys(remote_rail_tail, rail_tail);
+        }
+        if (is_src_lane && released != consumed) {
+            fence_acq_rel_sys();
+            st_release_sys(remote_node_head, base + consumed);
+        }
+        rail_published = rail_tail;
+        released = consumed;
+        __syncwarp();
+    };
+    const int64_t row_int4 = geo.hidden_bytes / 16;
+    for (int i = 0; i < num_records && ok; ++i) {
+        const int64_t f = first_row + i;
+        const int index = is_src_lane ? args.send_nvl_head[f * kMaxGpusPerNode + lane] : -1;
+        const bool bit = index >= 0;
+        const uint32_t mask = __ballot_sync(0xffffffffu, bit);
+        // The rows of every local rank in the mask are here.
+        uint32_t target = bit ? base + static_cast<uint32_t>(index) + 1 : tail_cache;
+        ok = wait_flushing(ctx, node_tail, target, Site{kKernelCombine, kPhaseCombineRecvWaitTail,
+                                                         my_node * per_node + lane, channel}, &tail_cache, flush);
+        if (!ok) break;
+        // Room in the owner's rail ring.
+        const uint32_t needed_head = rail_tail + 1 - static_cast<uint32_t>(geo.rail_capacity);
+        if (!seq_geq(rail_head, needed_head)) {
+            flush();
+            ok = warp_wait_geq(ctx, rail_heads + counter_index(channel, n), needed_head,
+                               Site{kKernelCombine, kPhaseCombineSendWaitHead, owner, channel}, &rail_head);
+            if (!ok) break;
+        }
+        const int4* srcs[kMaxGpusPerNode];
+        int num_srcs = 0;
+        for (int j = 0; j < per_node; ++j) {
+            const int position = __shfl_sync(0xffffffffu, index, j);
+            const uint32_t ring_base = __shfl_sync(0xffffffffu, base, j);
+            if ((mask >> j) & 1u)
+                srcs[num_srcs++] = reinterpret_cast<const int4*>(
+                    own + geo.node_slot(channel, n * per_node + j, ring_base + static_cast<uint32_t>(position)));
+        }
+        char* slot = static_cast<char*>(ctx.buffers[owner]) + geo.rail_slot(channel, my_node, rail_tail);
+        for (int64_t u = lane; u < row_int4; u += 32) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int k = 0; k < num_srcs; ++k) add_bf16x8(acc, ld_ring_int4(srcs[k] + u));
+            st_na_int4(reinterpret_cast<int4*>(slot) + u, to_bf16x8(acc));
+        }
+        if (args.topk_weights != nullptr) {
+            for (int k = lane; k < geo.num_topk; k += 32) {
+                float w = 0.f;
+                for (int q = 0; q < num_srcs; ++q)
+                    w += __int_as_float(ld_ring_int(reinterpret_cast<const int*>(
+                        reinterpret_cast<const char*>(srcs[q]) + geo.meta_offset) + k));
+                reinterpret_cast<float*>(slot + geo.meta_offset)[k] = w;
+            }
+        }
+        if (bit) consumed = static_cast<uint32_t>(index) + 1;
+        ++rail_tail;
+        if (static_cast<int>(rail_tail - rail_published) >= args.num_max_rdma_send_tokens) flush();
+    }
+    if (ok) flush();
+    if (lane == 0) rail_shadows[counter_index(channel, n)] = rail_tail;
+    if (is_src_lane) node_head_shadows[counter_index(channel, pair)] = base + consumed;
+}
+
+// Owner warp for channel c: my tokens' node partials in ascending node order, after the biases.
+static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGeometry& geo,
+                                         const FusedCombineArgs& args, int channel) {
+    const int lane = lane_id(), per_node = geo.gpus_per_node, num_nodes = geo.num_nodes;
+    const int my_node = ctx.rank / per_node, my_local = ctx.rank % per_node;
+    char* own = static_cast<char*>(ctx.buffers[ctx.rank]);
+    // Lane n < N: rail ring (channel, n) here, written by the forwarder (n, my local).
+    const bool is_node_lane = lane < num_nodes;
+    uint32_t* head_shadows = workspace_u32(ctx, kWsFusedCombineRailHeadShadow);
+    const uint32_t base = is_node_lane ? head_shadows[counter_index(channel, lane)] : 0;
+    const uint32_t* rail_tail = is_node_lane ? buffer_u32(own, kFusedCombineRailTailOffset) + counter_index(channel, lane)
+                                             : nullptr;
+    uint32_t* remote_head = is_node_lane ? buffer_u32(ctx.buffers[lane * per_node + my_local],
+                                                      kFusedCombineRailHeadOffset) + counter_index(channel, my_node)
+                                         : nullptr;
+    uint32_t tail_cache = base, consumed = 0, released = 0;
+    auto flush = [&]() {
+        __syncwarp();
+        if (is_node_lane && released != consumed) {
+            fence_acq_rel_sys();
+            st_release_sys(remote_head, base + consumed);
+        }
+        released = consumed;
+        __syncwarp();
+    };
+    int begin, end;
+    channel_range(args.num_tokens, geo.num_channels, channel, &begin, &end);
+    const int64_t row_int4 = geo.hidden_bytes / 16;
+    bool ok = true;
+    for (int t = begin; t < end && ok; ++t) {
+        const int index = is_node_lane ? args.send_rdma_head[static_cast<int64_t>(t) * num_nodes + lane] : -1;
+        const bool bit = index >= 0;
+        const uint32_t mask = __ballot_sync(0xffffffffu, bit);
+        const uint32_t target = bit ? base + static_cast<uint32_t>(index) + 1 : tail_cache;
+        ok = wait_flushing(ctx, rail_tail, target, Site{kKernelCombine, kPhaseCombineRecvWaitTail,
+                                                         lane * per_node + my_local, channel}, &tail_cache, flush);
+        if (!ok) break;
+        const int4* srcs[kMaxRanks];
+        int num_srcs = 0;
+        for (int n = 0; n < num_nodes; ++n) {
+            const int position = __shfl_sync(0xffffffffu, index, n);
+            const uint32_t node_base = __shfl_sync(0xffffffffu, base, n);
+            if ((mask >> n) & 1u)
+                srcs[num_srcs++] = reinterpret_cast<const int4*>(
+                    own + geo.rail_slot(channel, n, node_base + static_cast<uint32_t>(position)));
+        }
+        const int4* bias_0 = args.bias_0 == nullptr ? nullptr
+            : reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_0) + t * geo.hidden_bytes);
+        const int4* bias_1 = args.bias_1 == nullptr ? nullptr
+            : reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_1) + t * geo.hidden_bytes);
+        int4* out = reinterpret_cast<int4*>(static_cast<char*>(args.combined_x) + t * geo.hidden_bytes);
+        for (int64_t u = lane; u < row_int4; u += 32) {
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            if (bias_0 != nullptr) add_bf16x8(acc, ld_nc_int4(bias_0 + u));
+            if (bias_1 != nullptr) add_bf16x8(acc, ld_nc_int4(bias_1 + u));
+            for (int k = 0; k < num_srcs; ++k) add_bf16x8(acc, ld_ring_int4(srcs[k] + u));
+            out[u] = to_bf16x8(acc);
+        }
+        if (args.combined_topk_weights != nullptr) {
+            for (int k = lane; k < geo.num_topk; k += 32) {
+                float w = 0.f;
+                for (int q = 0; q < num_srcs; ++q)
+                    w += __int_as_float(ld_ring_int(reinterpret_cast<const int*>(
+                        reinterpret_cast<const char*>(srcs[q]) + geo.meta_offset) + k));
+                args.combined_topk_weights[static_cast<int64_t>(t) * geo.num_topk + k] = w;
+            }
+        }
+        if (bit) consumed = static_cast<uint32_t>(index) + 1;
+        if ((t - begin + 1) % args.num_max_rdma_send_tokens == 0) flush();
+    }
+    if (ok) flush();
+    if (is_node_lane) head_shadows[counter_index(channel, lane)] = base + consumed;
+}
+
+__global__ void __launch_bounds__(kChannelThreads, 1)
+    fused_combine_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ FusedGeometry geo,
+                         const __grid_constant__ FusedCombineArgs args) {
+    const int channel = static_cast<int>(blockIdx.x) / 2, warp = static_cast<int>(threadIdx.x) / 32;
+    const int num_nodes = geo.num_nodes;
+    if ((blockIdx.x & 1u) == 0) {
+        if (warp < num_nodes) {
+            int num_checked = 0;
+            if (lane_id() == 0) num_checked = raise_max_channels(ctx, kWsFusedCombineMaxChannels, geo.num_channels);
+            num_checked = __shfl_sync(0xffffffffu, num_checked, 0);
+            fused_combine_forward(ctx, geo, args, channel, warp, num_checked);
+        } else if (warp == num_nodes) {
+            fused_combine_own(ctx, geo, args, channel);
+        }
+        return;
+    }
+    if (warp < ctx.num_ranks) {
+        int num_checked = 0;
+        if (lane_id() == 0) num_checked = raise_max_channels(ctx, kWsFusedCombineMaxChannels, geo.num_channels);
+        num_checked = __shfl_sync(0xffffffffu, num_checked, 0);
+        fused_combine_send(ctx, geo, args, channel, warp, num_checked);
+    }
+}
+
 void check_fused_context(const KernelContext& ctx, int gpus_per_node, const char* what) {
     check_context(ctx, what);
     DEEP_EP_CHECK_ARG(ctx.put_mask == 0, what, ": the fused kernels reach every peer by pointer, got put peers (mask ",
@@ -505,6 +795,16 @@ void check_fused_context(const KernelContext& ctx, int gpus_per_node, const char
                       what, ": GPUs per node must be in [2, ", kMaxGpusPerNode,
                       "] and divide num_ranks into at least 2 nodes, got ", gpus_per_node, " of ", ctx.num_ranks,
                       " ranks");
+}
+
+// The layout of this call fits into its half of the buffer; the message names the num_rdma_bytes that would fit.
+void check_fits(const KernelContext& ctx, const FusedGeometry& geo, const char* what) {
+    const int64_t half = fused_half_bytes(ctx.num_nvl_bytes);
+    const int64_t used = geo.end_offset - geo.rail_rings_offset;
+    DEEP_EP_CHECK_ARG(used <= half, what, ": num_rdma_bytes must be >= ", kFusedRingsOffset + 2 * align_up64(used, kBufferAlignment),
+                      " for ", geo.num_channels, " channels, records of ", geo.record_bytes, " bytes, ",
+                      geo.rail_capacity, " rail slots and ", geo.node_capacity, " node slots per ring; got ",
+                      ctx.num_nvl_bytes);
 }
 
 }  // namespace
@@ -549,10 +849,7 @@ void fused_dispatch(const KernelContext& ctx, const FusedGeometry& geo, const Fu
     DEEP_EP_CHECK_ARG(args.num_max_nvl_send_tokens >= 1 && geo.node_capacity >= 2 * args.num_max_nvl_send_tokens,
                       "fused dispatch: num_max_nvl_chunked_recv_tokens (", geo.node_capacity,
                       ") must be >= 2 * num_max_nvl_chunked_send_tokens (", args.num_max_nvl_send_tokens, ") >= 2");
-    DEEP_EP_CHECK_ARG(geo.end_offset <= ctx.num_nvl_bytes, "fused dispatch: num_rdma_bytes must be >= ",
-                      geo.end_offset, " for ", geo.num_channels, " channels, records of ", geo.record_bytes,
-                      " bytes, ", geo.rail_capacity, " rail slots and ", geo.node_capacity, " node slots; got ",
-                      ctx.num_nvl_bytes);
+    check_fits(ctx, geo, "fused dispatch");
     DEEP_EP_CHECK_ARG((args.topk_idx == nullptr) == (args.topk_weights == nullptr) &&
                           (args.topk_idx == nullptr || args.topk_idx_bytes == 4 || args.topk_idx_bytes == 8),
                       "fused dispatch: topk_idx and topk_weights come together, ids of 4 or 8 bytes");
@@ -561,6 +858,40 @@ void fused_dispatch(const KernelContext& ctx, const FusedGeometry& geo, const Fu
                           "fused dispatch: num_experts must be a positive multiple of num_ranks, got ",
                           args.num_experts);
     fused_dispatch_kernel<<<2 * geo.num_channels, kChannelThreads, 0, stream>>>(ctx, geo, args);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace kernels
+}  // namespace deep_ep
+
+namespace deep_ep {
+namespace kernels {
+
+void fused_combine(const KernelContext& ctx, const FusedGeometry& geo, const FusedCombineArgs& args,
+                   cudaStream_t stream) {
+    check_fused_context(ctx, geo.gpus_per_node, "fused combine");
+    DEEP_EP_CHECK_ARG(geo.num_nodes * geo.gpus_per_node == ctx.num_ranks,
+                      "fused combine: nodes x GPUs per node must equal num_ranks, got ", geo.num_nodes, " x ",
+                      geo.gpus_per_node, " for ", ctx.num_ranks);
+    DEEP_EP_CHECK_ARG(geo.num_channels >= 1 && geo.num_channels <= kMaxChannels,
+                      "fused combine: channels must be in [1, ", kMaxChannels, "], got ", geo.num_channels);
+    check_resident("fused combine", 2 * geo.num_channels);
+    DEEP_EP_CHECK_ARG(geo.num_nodes < kChannelWarps && ctx.num_ranks <= kChannelWarps,
+                      "fused combine: at most ", kChannelWarps - 1, " nodes and ", kChannelWarps, " ranks, got ",
+                      geo.num_nodes, " nodes of ", ctx.num_ranks, " ranks");
+    DEEP_EP_CHECK_ARG(geo.hidden_bytes > 0 && geo.hidden_bytes % 16 == 0,
+                      "fused combine: hidden must be a positive multiple of 8 BF16 elements, got ",
+                      geo.hidden_bytes / 2);
+    DEEP_EP_CHECK_ARG(geo.num_topk >= 0 && geo.num_topk <= kMaxTopk, "fused combine: num_topk must be in [0, ",
+                      kMaxTopk, "], got ", geo.num_topk);
+    DEEP_EP_CHECK_ARG(args.num_max_rdma_send_tokens >= 1 && geo.rail_capacity >= 2 * args.num_max_rdma_send_tokens,
+                      "fused combine: num_max_rdma_chunked_recv_tokens (", geo.rail_capacity,
+                      ") must be >= 2 * num_max_rdma_chunked_send_tokens (", args.num_max_rdma_send_tokens, ") >= 2");
+    DEEP_EP_CHECK_ARG(args.num_max_nvl_send_tokens >= 1 && geo.node_capacity >= 2 * args.num_max_nvl_send_tokens,
+                      "fused combine: num_max_nvl_chunked_recv_tokens (", geo.node_capacity,
+                      ") must be >= 2 * num_max_nvl_chunked_send_tokens (", args.num_max_nvl_send_tokens, ") >= 2");
+    check_fits(ctx, geo, "fused combine");
+    fused_combine_kernel<<<2 * geo.num_channels, kChannelThreads, 0, stream>>>(ctx, geo, args);
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -32,9 +32,23 @@ constexpr int64_t kFusedRailHeadOffset = kFusedRailTailOffset + kCounterBytes;
 constexpr int64_t kFusedNodeTailOffset = kFusedRailHeadOffset + kCounterBytes;
 constexpr int64_t kFusedNodeHeadOffset = kFusedNodeTailOffset + kCounterBytes;
 constexpr int64_t kFusedNodeCountOffset = kFusedNodeHeadOffset + kCounterBytes;
+// Combine counters, the same shape:
+//   combine node tails  at the forwarder, i = source node * G + sending local rank: written by the local rank
+//   combine node heads  at the sending local rank, i = owner rank: written by the forwarder
+//   combine rail tails  at the owner, i = forwarder node: written by the forwarder (n, owner's local)
+//   combine rail heads  at the forwarder, i = owner node: written by the owner (credits)
+constexpr int64_t kFusedCombineNodeTailOffset = kFusedNodeCountOffset + 2LL * kMaxRanks * kMaxChannels * 4;
+constexpr int64_t kFusedCombineNodeHeadOffset = kFusedCombineNodeTailOffset + kCounterBytes;
+constexpr int64_t kFusedCombineRailTailOffset = kFusedCombineNodeHeadOffset + kCounterBytes;
+constexpr int64_t kFusedCombineRailHeadOffset = kFusedCombineRailTailOffset + kCounterBytes;
 constexpr int64_t kFusedRingsOffset =
-    (kFusedNodeCountOffset + 2LL * kMaxRanks * kMaxChannels * 4 + kBufferAlignment - 1) / kBufferAlignment *
-    kBufferAlignment;
+    (kFusedCombineRailHeadOffset + kCounterBytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+// The rest of the buffer is two equal halves: dispatch rings, then combine rings (a rank may start its combine while
+// a peer still reads its dispatch rings).
+DEEP_EP_HOST_DEVICE int64_t fused_half_bytes(int64_t num_bytes) {
+    const int64_t left = num_bytes - kFusedRingsOffset;
+    return left > 0 ? align_down64(left / 2, kBufferAlignment) : 0;
+}
 
 // Private workspace words (after the intranode kernels' region): [kMaxChannels][kMaxRanks] uint32 shadows and the
 // largest channel count of any dispatch since the last reset.
@@ -44,7 +58,13 @@ constexpr int64_t kWsFusedRailHeadShadow = kWsFusedRailTailShadow + kCounterByte
 constexpr int64_t kWsFusedNodeTailShadow = kWsFusedRailHeadShadow + kCounterBytes;  // forwarder, (c, n * G + j)
 constexpr int64_t kWsFusedNodeHeadShadow = kWsFusedNodeTailShadow + kCounterBytes;  // receiver, (c, src rank)
 constexpr int64_t kWsFusedMaxChannels = kWsFusedNodeHeadShadow + kCounterBytes;
-static_assert(kWsFusedMaxChannels + 4 <= kWorkspaceBytes, "workspace too small for the fused kernels");
+constexpr int64_t kWsFusedCombineNodeTailShadow = kWsFusedMaxChannels + 128;                    // sender, (c, owner)
+constexpr int64_t kWsFusedCombineNodeHeadShadow = kWsFusedCombineNodeTailShadow + kCounterBytes;  // forwarder, (c, n * G + j)
+constexpr int64_t kWsFusedCombineRailTailShadow = kWsFusedCombineNodeHeadShadow + kCounterBytes;  // forwarder, (c, owner node)
+constexpr int64_t kWsFusedCombineRailHeadShadow = kWsFusedCombineRailTailShadow + kCounterBytes;  // owner, (c, fwd node)
+constexpr int64_t kWsFusedCombineMaxChannels = kWsFusedCombineRailHeadShadow + kCounterBytes;
+constexpr int64_t kWsFusedEnd = kWsFusedCombineMaxChannels + 4;
+static_assert(kWsFusedEnd <= kWorkspaceBytes, "workspace too small for the fused kernels");
 
 // Host-mapped counter slot where the fused notify publishes the rows this rank forwards (F).
 constexpr int kFusedForwardCounter = 1 + kMaxLocalExperts;
@@ -63,11 +83,12 @@ struct FusedGeometry {
     int64_t scales_offset;   // in the record
     int64_t meta_offset;     // in the record
     int64_t record_bytes;
-    int64_t node_rings_offset;  // byte offset of the node rings (the rail rings start at kFusedRingsOffset)
-    int64_t end_offset;         // bytes the layout needs
+    int64_t rail_rings_offset;  // byte offset of the rail rings (the start of this direction's half)
+    int64_t node_rings_offset;  // byte offset of the node rings
+    int64_t end_offset;         // end of the layout (must not pass the end of the half)
 
     DEEP_EP_HOST_DEVICE int64_t rail_slot(int channel, int src_node, uint32_t seq) const {
-        return kFusedRingsOffset +
+        return rail_rings_offset +
                ((static_cast<int64_t>(channel) * num_nodes + src_node) * rail_capacity + seq % rail_capacity) *
                    record_bytes;
     }
@@ -78,8 +99,11 @@ struct FusedGeometry {
     }
 };
 
+// `combine`: the combine half and its records ([BF16 row, padded to 16][K float32 weights, padded to 16]); the rail
+// rings are then indexed by forwarder node and the node rings by (source node, sending local rank).
 DEEP_EP_HOST_DEVICE FusedGeometry fused_layout(int num_nodes, int gpus_per_node, int num_channels, int64_t hidden_bytes,
-                                               int num_scales, int num_topk, int rail_capacity, int node_capacity) {
+                                               int num_scales, int num_topk, int rail_capacity, int node_capacity,
+                                               int64_t num_bytes, bool combine) {
     FusedGeometry g{};
     g.num_nodes = num_nodes;
     g.gpus_per_node = gpus_per_node;
@@ -91,9 +115,11 @@ DEEP_EP_HOST_DEVICE FusedGeometry fused_layout(int num_nodes, int gpus_per_node,
     g.hidden_bytes = hidden_bytes;
     g.scales_offset = align_up64(hidden_bytes, 16);
     g.meta_offset = g.scales_offset + align_up64(4LL * num_scales, 16);
-    g.record_bytes = g.meta_offset + align_up64(4LL * (1 + 2 * num_topk), 16);
+    g.record_bytes = combine ? g.meta_offset + align_up64(4LL * num_topk, 16)
+                             : g.meta_offset + align_up64(4LL * (1 + 2 * num_topk), 16);
+    g.rail_rings_offset = kFusedRingsOffset + (combine ? fused_half_bytes(num_bytes) : 0);
     g.node_rings_offset = align_up64(
-        kFusedRingsOffset + static_cast<int64_t>(num_channels) * num_nodes * rail_capacity * g.record_bytes,
+        g.rail_rings_offset + static_cast<int64_t>(num_channels) * num_nodes * rail_capacity * g.record_bytes,
         kBufferAlignment);
     g.end_offset = g.node_rings_offset +
                    static_cast<int64_t>(num_channels) * num_nodes * gpus_per_node * node_capacity * g.record_bytes;
@@ -159,6 +185,32 @@ struct FusedDispatchArgs {
 // 2 * C CTAs of kChannelThreads: even CTAs send and forward channel c, odd CTAs receive it.
 void fused_dispatch(const KernelContext& ctx, const FusedGeometry& geometry, const FusedDispatchArgs& args,
                     cudaStream_t stream);
+
+// ---- combine ----
+// combined_x[t] = bf16(b0 + b1 + sum over nodes n ascending of bf16(sum over the local ranks j of node n
+// ascending of x_j[row_j(t)])), fp32 accumulation; combined_topk_weights likewise without rounding.
+struct FusedCombineArgs {
+    const void* x;                        // [M, H] BF16 rows aligned with the dispatch's recv_x
+    const float* topk_weights;            // [M, K] or nullptr
+    const void* bias_0;                   // [T, H] BF16 or nullptr
+    const void* bias_1;
+    int num_tokens;                       // T
+    const int* recv_rdma_channel_prefix_matrix;  // [N, C] (handle)
+    const int* recv_rdma_rank_prefix_sum;        // [N]
+    const int* recv_gbl_channel_prefix_matrix;   // [R, C]
+    const int* recv_gbl_rank_prefix_sum;         // [R]
+    const int* send_rdma_head;            // [T, N]
+    const int* send_nvl_head;             // [F, 8]
+    void* combined_x;                     // [T, H] BF16
+    float* combined_topk_weights;         // [T, K] or nullptr
+    int num_max_rdma_send_tokens;
+    int num_max_nvl_send_tokens;
+};
+
+// 2 * C CTAs: even CTAs forward (reduce inside the node) and own (final reduction) channel c, odd CTAs send the
+// rows back to the forwarders.
+void fused_combine(const KernelContext& ctx, const FusedGeometry& geometry, const FusedCombineArgs& args,
+                   cudaStream_t stream);
 
 }  // namespace kernels
 }  // namespace deep_ep
