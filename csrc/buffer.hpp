@@ -213,6 +213,16 @@ class Runtime {
                    int num_max_nvl_send_tokens, int num_max_nvl_recv_tokens, uintptr_t stream, bool after_current,
                    bool current_after);
 
+    // Returns (combined_x [T, H] BF16, combined_topk_weights [T, K] float32 when topk_weights is given), T being
+    // send_rdma_head's rows; the handle tensors are the dispatch's.
+    std::pair<at::Tensor, std::optional<at::Tensor>> fused_combine(
+        const at::Tensor& x, const std::optional<at::Tensor>& topk_weights, const std::optional<at::Tensor>& bias_0,
+        const std::optional<at::Tensor>& bias_1, int gpus_per_node, const at::Tensor& recv_rdma_channel_prefix_matrix,
+        const at::Tensor& recv_rdma_rank_prefix_sum, const at::Tensor& recv_gbl_channel_prefix_matrix,
+        const at::Tensor& recv_gbl_rank_prefix_sum, const at::Tensor& send_rdma_head, const at::Tensor& send_nvl_head,
+        int num_channels, int num_max_rdma_send_tokens, int num_max_rdma_recv_tokens, int num_max_nvl_send_tokens,
+        int num_max_nvl_recv_tokens, uintptr_t stream, bool after_current, bool current_after);
+
     // Bounded cross-rank barrier kernel on `stream`.
     void barrier(uintptr_t stream);
 

@@ -212,4 +212,72 @@ Runtime::fused_dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_
     return {recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights};
 }
 
+std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::fused_combine(
+    const at::Tensor& x, const std::optional<at::Tensor>& topk_weights, const std::optional<at::Tensor>& bias_0,
+    const std::optional<at::Tensor>& bias_1, int gpus_per_node, const at::Tensor& recv_rdma_channel_prefix_matrix,
+    const at::Tensor& recv_rdma_rank_prefix_sum, const at::Tensor& recv_gbl_channel_prefix_matrix,
+    const at::Tensor& recv_gbl_rank_prefix_sum, const at::Tensor& send_rdma_head, const at::Tensor& send_nvl_head,
+    int num_channels, int num_max_rdma_send_tokens, int num_max_rdma_recv_tokens, int num_max_nvl_send_tokens,
+    int num_max_nvl_recv_tokens, uintptr_t stream, bool after_current, bool current_after) {
+    require_available("combine");
+    set_fused(gpus_per_node);
+    const int num_nodes = num_ranks_ / gpus_per_node;
+    check_on_device("x", x, device_id_);
+    if (x.scalar_type() != at::kBFloat16 || x.dim() != 2 || !x.is_contiguous())
+        fused_invalid("combine x must be a contiguous 2-D torch.bfloat16 tensor, got %s",
+                      c10::toString(x.scalar_type()));
+    if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) fused_invalid("x must start at a 16-byte aligned address");
+    const int64_t num_tokens = send_rdma_head.size(0);
+    check_int_matrix("handle.send_rdma_head", send_rdma_head, num_tokens, num_nodes, device_id_);
+    check_int_matrix("handle.send_nvl_head", send_nvl_head, send_nvl_head.size(0), 8, device_id_);
+    check_int_matrix("handle.recv_rdma_channel_prefix_matrix", recv_rdma_channel_prefix_matrix, num_nodes, num_channels,
+                     device_id_);
+    check_int_matrix("handle.recv_rdma_rank_prefix_sum", recv_rdma_rank_prefix_sum, num_nodes, 0, device_id_);
+    check_int_matrix("handle.recv_gbl_channel_prefix_matrix", recv_gbl_channel_prefix_matrix, num_ranks_, num_channels,
+                     device_id_);
+    check_int_matrix("handle.recv_gbl_rank_prefix_sum", recv_gbl_rank_prefix_sum, num_ranks_, 0, device_id_);
+    if (topk_weights.has_value()) {
+        check_on_device("topk_weights", *topk_weights, device_id_);
+        if (topk_weights->scalar_type() != at::kFloat || !topk_weights->is_contiguous() || topk_weights->dim() != 2 ||
+            topk_weights->size(0) != x.size(0))
+            fused_invalid("topk_weights must be a contiguous float32 [%lld, K] tensor", static_cast<long long>(x.size(0)));
+    }
+    for (const auto* bias : {&bias_0, &bias_1}) {
+        if (!bias->has_value()) continue;
+        check_on_device("bias", **bias, device_id_);
+        if ((*bias)->scalar_type() != at::kBFloat16 || !(*bias)->is_contiguous() || (*bias)->dim() != 2 ||
+            (*bias)->size(0) != num_tokens || (*bias)->size(1) != x.size(1) ||
+            reinterpret_cast<uintptr_t>((*bias)->data_ptr()) % 16 != 0)
+            fused_invalid("bias must be a contiguous, 16-byte aligned torch.bfloat16 [%lld, %lld] tensor",
+                          static_cast<long long>(num_tokens), static_cast<long long>(x.size(1)));
+    }
+    at::Tensor combined_x = at::empty({num_tokens, x.size(1)}, x.options());
+    std::optional<at::Tensor> combined_topk_weights;
+    const int num_topk = topk_weights.has_value() ? static_cast<int>(topk_weights->size(1)) : 0;
+    if (topk_weights.has_value()) combined_topk_weights = at::empty({num_tokens, num_topk}, x.options().dtype(at::kFloat));
+    const auto geometry = kernels::fused_layout(num_nodes, gpus_per_node, num_channels, x.size(1) * 2, 0, num_topk,
+                                                num_max_rdma_recv_tokens, num_max_nvl_recv_tokens, num_nvl_bytes_, true);
+    kernels::FusedCombineArgs args{};
+    args.x = ptr(x, workspace_);
+    args.topk_weights = ptr<const float>(topk_weights, workspace_);
+    args.bias_0 = ptr<const void>(bias_0, workspace_);
+    args.bias_1 = ptr<const void>(bias_1, workspace_);
+    args.num_tokens = static_cast<int>(num_tokens);
+    args.recv_rdma_channel_prefix_matrix = ptr<int>(recv_rdma_channel_prefix_matrix, workspace_);
+    args.recv_rdma_rank_prefix_sum = ptr<int>(recv_rdma_rank_prefix_sum, workspace_);
+    args.recv_gbl_channel_prefix_matrix = ptr<int>(recv_gbl_channel_prefix_matrix, workspace_);
+    args.recv_gbl_rank_prefix_sum = ptr<int>(recv_gbl_rank_prefix_sum, workspace_);
+    args.send_rdma_head = ptr<int>(send_rdma_head, workspace_);
+    args.send_nvl_head = ptr<int>(send_nvl_head, workspace_);
+    args.combined_x = ptr(combined_x, workspace_);
+    args.combined_topk_weights = ptr<float>(combined_topk_weights, workspace_);
+    args.num_max_rdma_send_tokens = num_max_rdma_send_tokens;
+    args.num_max_nvl_send_tokens = num_max_nvl_send_tokens;
+    if (after_current) order(as_stream_handle(stream), current_stream());
+    auto ctx = next_context();
+    kernels::fused_combine(ctx, geometry, args, as_stream_handle(stream));
+    if (current_after) order(current_stream(), as_stream_handle(stream));
+    return {combined_x, combined_topk_weights};
+}
+
 }  // namespace deep_ep

@@ -98,6 +98,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("fused_notify", &deep_ep::Runtime::fused_notify)
         .def("forward_count", &deep_ep::Runtime::forward_count)
         .def("fused_dispatch", &deep_ep::Runtime::fused_dispatch)
+        .def("fused_combine", &deep_ep::Runtime::fused_combine)
         .def("barrier", &deep_ep::Runtime::barrier);
 
     // ---- low-latency kernels over NVSHMEM (absent from an intranode-only build) ----

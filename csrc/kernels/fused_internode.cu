@@ -1,4 +1,4 @@
-// Fused internode normal-mode kernels for N nodes x G GPUs (G > 1): notify and dispatch.
+// Fused internode normal-mode kernels for N nodes x G GPUs (G > 1): notify, dispatch and combine.
 //
 // Rank r sits on node m = r / G at local index l = r % G. A token of rank (m, l) that needs node n crosses the
 // scale-out network once, to its rail peer (n, l) (the forwarder), which copies it over NVLink to every local rank
@@ -15,6 +15,14 @@
 // receiver <- forwarder <- sender has no cycle. Ring positions are monotonic uint32 kept in the workspace between
 // calls; every ring is empty between calls, and a writer first waits until the rings it wrote in earlier calls are
 // drained (ring geometry may change between calls). Every peer is reached by pointer (CUDA IPC or nvshmem_ptr).
+//
+// Combine runs the reverse in one kernel: the local rank j sends its rows of source s = (n, l) (odd CTAs, warp s)
+// into the node ring (c, n, j) of the forwarder (its node, l); the forwarder (warp n of an even CTA) sums each
+// forwarded token's rows in fp32 in ascending j, rounds once to BF16 (the per-node partial) and sends it into the
+// rail ring (c, its node) of the owner (n, l) (one scale-out transfer per (token, node)); the owner (warp N of the
+// even CTA) adds the biases, then the partials in ascending node order, in fp32, and rounds once more. send_nvl_head
+// and send_rdma_head give each row's position in its ring. A warp publishes what it holds back (tails, credits)
+// before any wait that could depend on it. Dispatch and combine rings live in separate halves of the buffer.
 //
 // Notify exchanges, from every source to every rank, the per-rank totals, per-expert counts and per-channel counts
 // (the shared notify slots of layout.cuh), and, to rail peers only, the per-channel counts of tokens that need the

@@ -1,11 +1,13 @@
-"""CUDA normal-mode dispatch of ``N`` nodes x ``G > 1`` GPUs in one kernel (csrc/kernels/fused_internode.cu).
+"""CUDA normal mode of ``N`` nodes x ``G > 1`` GPUs, one kernel per dispatch and per combine
+(csrc/kernels/fused_internode.cu).
 
 A token crosses to each node it needs once, to the GPU with the sender's local index, which forwards it over
-NVLink to the node's GPUs that need it, inside the same kernel; the ranks' buffers are one NVSHMEM symmetric
-allocation of ``num_rdma_bytes`` (every peer reached by pointer). Notify builds the internode handle's prefix
-matrices on the device; the dispatch kernel writes ``send_rdma_head``, ``send_nvl_head`` and ``recv_src_meta``.
-Combine runs on the torch backend given at construction (the handle's fields are the same on every backend).
-Selected with ``deep_ep.testing.overrides(internode='fused')``.
+NVLink to the node's GPUs that need it, inside the same kernel; combine reduces a token's rows inside the node at
+that GPU (one BF16 rounding) and sends one partial per (token, node) back to the owner, which adds the biases and
+the partials in ascending node order. The ranks' buffers are one NVSHMEM symmetric allocation of ``num_rdma_bytes``
+(every peer reached by pointer). Notify builds the internode handle's prefix matrices on the device; the dispatch
+kernel writes ``send_rdma_head``, ``send_nvl_head`` and ``recv_src_meta``. Selected with
+``deep_ep.testing.overrides(internode='fused')``.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from deep_ep import testing
-from deep_ep.backends.base import Backend, CombineRequest, DispatchRequest, LayoutRequest
+from deep_ep.backends.base import CombineRequest, DispatchRequest, LayoutRequest
 from deep_ep.backends.common import object_all_gather
 from deep_ep.backends.cuda_common import _C, join_nvshmem_world
 from deep_ep.backends.cuda_internode import SymmetricCuda, UnsupportedTopology
@@ -33,15 +35,13 @@ class FusedInternodeCuda(SymmetricCuda):
         num_rdma_bytes: bytes of the symmetric buffer (equal on every rank).
         num_qps_per_rank, allow_mnnvl: NVSHMEM environment.
         all_gather, barrier: over the group (bootstrap, destroy, reset).
-        combine_backend: the backend that serves ``combine`` (the torch backend of the same group).
 
     Construction is collective; it raises :class:`UnsupportedTopology` on every rank when some pair of ranks has no
     pointer path (or ``internode_put_only`` is set): the fused kernels reach peers by pointer only.
     """
 
     def __init__(self, rank: int, topology: Topology, num_rdma_bytes: int, num_qps_per_rank: int, allow_mnnvl: bool,
-                 all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]],
-                 combine_backend: Backend) -> None:
+                 all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:
         reason = self.unsupported_reason(topology, num_rdma_bytes)
         if reason is not None:
             raise ValueError(f"the fused internode kernels cannot serve this group: {reason}")
@@ -58,15 +58,13 @@ class FusedInternodeCuda(SymmetricCuda):
                                       "kernels reach every peer by pointer")
         self.topology = topology
         self.num_nodes, self.per_node = topology.num_scaleout_ranks, topology.num_scaleup_ranks
-        self.combine_backend = combine_backend
 
     @classmethod
-    def from_group(cls, group: Any, topology: Topology, combine_backend: Backend,
-                   **kwargs: Any) -> "FusedInternodeCuda":
+    def from_group(cls, group: Any, topology: Topology, **kwargs: Any) -> "FusedInternodeCuda":
         import torch.distributed as dist
 
         return cls(dist.get_rank(group), topology, all_gather=object_all_gather(group),
-                   barrier=lambda: dist.barrier(group=group), combine_backend=combine_backend, **kwargs)
+                   barrier=lambda: dist.barrier(group=group), **kwargs)
 
     @staticmethod
     def unsupported_reason(topology: Topology, num_rdma_bytes: int) -> Optional[str]:
@@ -183,10 +181,28 @@ class FusedInternodeCuda(SymmetricCuda):
         return DispatchResult(out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new_handle, event)
 
     def combine(self, request: CombineRequest) -> CombineResult:
-        """Served by the torch backend given at construction (the process group)."""
+        """Reduce ``x [M, H]`` BF16 (rows aligned with the dispatch's ``recv_x``) back to the original tokens with
+        the internode rounding points (see ``FusedCombineArgs`` in csrc/kernels/fused_internode.cuh)."""
         self._call_prologue()
-        return self.combine_backend.combine(request)
-
+        config, handle = request.config, request.handle
+        num_channels = self.num_channels(config)
+        if not isinstance(handle, InternodeHandle) or handle.rdma_channel_prefix_matrix.size(1) != num_channels:
+            raise ValueError(f"handle must be an internode handle of {num_channels} channels "
+                             f"(config.num_sms={config.num_sms}); use the dispatch's handle and config")
+        x = request.x.contiguous()
+        topk_weights = request.topk_weights.contiguous() if request.topk_weights is not None else None
+        bias_0, bias_1 = (*(b.contiguous() for b in request.bias), None, None)[:2]
+        with self._scope(request) as scope:
+            combined_x, combined_topk_weights = self.runtime.fused_combine(
+                x, topk_weights, bias_0, bias_1, self.per_node, handle.recv_rdma_channel_prefix_matrix,
+                handle.recv_rdma_rank_prefix_sum, handle.recv_gbl_channel_prefix_matrix,
+                handle.recv_gbl_rank_prefix_sum, handle.send_rdma_head, handle.send_nvl_head, num_channels,
+                config.num_max_rdma_chunked_send_tokens, _rdma_capacity(config),
+                config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens, self._comm_ptr,
+                scope.after_current, scope.current_after)
+            event = scope.finish((request.x, x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights,
+                                  *handle))
+        return CombineResult(combined_x, combined_topk_weights, event)
 
 def _rdma_capacity(config: Config) -> int:
     """Rail ring slots: ``num_max_rdma_chunked_recv_tokens`` rounded up to a multiple of the send chunk (as the

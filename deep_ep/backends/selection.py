@@ -97,7 +97,7 @@ def build_backends(spec: BufferSpec, group: Any, comm: Any) -> Backends:
                                      spec.num_rdma_bytes, spec.enable_shrink)
     cuda_ll = _cuda_low_latency(spec, group, comm)
     composed, composed_device, refusal = _composed(spec, group)
-    cuda = _cuda(spec, group, comm, cuda_ll, refusal, torch_backend) if composed_device != "cuda" else None
+    cuda = _cuda(spec, group, comm, cuda_ll, refusal) if composed_device != "cuda" else None
     return Backends(torch_backend, cuda, cuda_ll, composed, composed_device)
 
 
@@ -146,13 +146,13 @@ def _cuda_low_latency(spec: BufferSpec, group: Any, comm: Any) -> Optional[Backe
 
 
 def _cuda(spec: BufferSpec, group: Any, comm: Any, cuda_ll: Optional[Backend],
-          composed_refusal: Optional[str], torch_backend: Optional[Backend] = None) -> Optional[Backend]:
+          composed_refusal: Optional[str]) -> Optional[Backend]:
     """The CUDA normal-mode backend when it is built, requested and serves this topology; else ``None``."""
     choice = backend_choice()
     if choice == "torch":
         return None
     if spec.topology.is_internode and testing.current().internode == "fused":
-        return _fused_internode(spec, group, choice, torch_backend)
+        return _fused_internode(spec, group, comm, choice)
     if spec.topology.is_internode:
         return _cuda_internode(spec, group, comm, choice, cuda_ll, composed_refusal)
     return _cuda_intranode(spec, group, comm, choice, cuda_ll)
@@ -202,20 +202,20 @@ def _cuda_internode(spec: BufferSpec, group: Any, comm: Any, choice: str, cuda_l
     return without_cuda(choice, group, "CUDA internode backend", reason)
 
 
-def _fused_internode(spec: BufferSpec, group: Any, choice: str,
-                     torch_backend: Optional[Backend]) -> Optional[Backend]:
+def _fused_internode(spec: BufferSpec, group: Any, comm: Any, choice: str) -> Optional[Backend]:
     """The fused internode kernels (``internode='fused'``) when they serve this group; else ``None`` (or the error
     naming the reason under ``DEEP_EP_BACKEND=cuda``)."""
     backend_cls, reason = _import_cuda("fused_internode", "FusedInternodeCuda")
     if backend_cls is not None:
         reason = backend_cls.unsupported_reason(spec.topology, spec.num_rdma_bytes)
-    if reason is None and (group is None or torch_backend is None):
-        reason = "the fused backend's combine runs on the torch backend, which needs a torch.distributed group"
     if reason is None:
         from deep_ep.backends.cuda_internode import UnsupportedTopology
+        options = dict(num_rdma_bytes=spec.num_rdma_bytes, num_qps_per_rank=spec.num_qps_per_rank,
+                       allow_mnnvl=spec.allow_mnnvl)
         try:
-            return backend_cls.from_group(group, spec.topology, torch_backend, num_rdma_bytes=spec.num_rdma_bytes,
-                                          num_qps_per_rank=spec.num_qps_per_rank, allow_mnnvl=spec.allow_mnnvl)
+            if group is not None:
+                return backend_cls.from_group(group, spec.topology, **options)
+            return backend_cls(spec.rank, spec.topology, all_gather=comm.allgather, barrier=comm.Barrier, **options)
         except UnsupportedTopology as exc:  # collective: every rank gets here together
             reason = str(exc)
     return without_cuda(choice, group, "fused CUDA internode backend", reason)

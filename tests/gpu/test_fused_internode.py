@@ -3,7 +3,8 @@
 
 ``DEEP_EP_GPUS_PER_NODE`` splits the ranks into 2 x 2, 2 x 4 and 4 x 2 nodes; every example runs
 ``test_internode.task_internode_roundtrip`` against ``reference``: layout, recv_x (BF16 and FP8 with scales), top-k,
-the per-expert list, all ten handle fields, cached and worst-token dispatch, and combine with the fused handle.
+the per-expert list, all ten handle fields, cached and worst-token dispatch, and combine with biases and top-k
+weights (per-node rounding at the forwarder, then across nodes at the owner).
 One GPU, the ranks time-sliced on it (correctness only)::
 
     TEST_RANKS_PER_GPU=8 python -m pytest tests/gpu/test_fused_internode.py
@@ -25,7 +26,9 @@ import test_intranode as ti  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 FUSED = {"internode": "fused"}
-NUM_RDMA_BYTES = 768 << 20  # the rail and node rings of 12 channels of 7168-BF16 records at 256 slots, 4 x 2
+# Two halves (dispatch, combine), each holding the rail and node rings of 12 channels of 7168-BF16 records at 256
+# slots for 4 x 2 (about 540 MB).
+NUM_RDMA_BYTES = 1280 << 20
 EXAMPLES = int(os.environ.get("TEST_EXAMPLES_FUSED", "4"))
 
 
