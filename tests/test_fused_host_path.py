@@ -1,0 +1,149 @@
+"""The host path of the fused internode backend (``deep_ep.backends.fused_internode``) on CPU.
+
+A subprocess installs the fake extension (``tests/fake_cuda.py``) whose fused entry points follow the C++
+signatures of ``csrc/buffer.hpp`` and fill their outputs with what ``reference`` computes for rank 0 of a 2 x 2
+group whose ranks all hold the same inputs (``all_gather`` returns four copies). The backend must assemble the
+internode handle, the results, the cached dispatch and the combine from those outputs exactly as the reference
+has them, pass the notify's tensors on to the kernels, and use ``config.num_sms // 2`` channels.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from fake_cuda import PROBE_HEAD
+
+pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PROBE = PROBE_HEAD + r"""
+import reference
+import deep_ep
+from deep_ep.backends.base import CombineRequest, DispatchRequest, LayoutRequest
+from deep_ep.config import Topology
+
+topo, num_experts, num_sms = Topology(4, 2), 8, 6
+channels = num_sms // 2
+x, x_fp8, topk_idx, topk_weights = fake.scenario(torch, deep_ep, 40, 256, 3, num_experts)
+mask = reference.get_dispatch_layout(topk_idx, num_experts, topo).is_token_in_rank
+use_fp8 = os.environ["PROBE_FP8"] == "1"
+payload = x_fp8 if use_fp8 else x
+ref = reference.dispatch([payload] * 4, [mask] * 4, topo, topk_idx=[topk_idx] * 4, topk_weights=[topk_weights] * 4,
+                         num_experts=num_experts, num_channels=channels)
+mine = ref[0]
+handle_fields = mine.handle._asdict()
+seen = {}
+
+class Fused(ext.Runtime):
+    def sync_symmetric(self, unique_id, world_rank, world_size, pes):
+        return []
+    def set_put_peers(self, ranks, put_area):
+        pass
+    def get_put_mask(self):
+        return 0
+    def get_dispatch_layout(self, topk_idx, num_experts, *streams):
+        lay = reference.get_dispatch_layout(topk_idx, num_experts, topo)
+        return lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank
+    def fused_notify(self, per_rank, per_node, per_expert, in_rank, experts, num_channels, per_node_gpus, alignment,
+                     worst, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_rps, recv_gbl_cpm, recv_gbl_rps, stream,
+                     after_current):
+        assert (num_channels, per_node_gpus, experts, worst) == (channels, 2, num_experts, False)
+        for name, out in (("rdma_channel_prefix_matrix", rdma_cpm), ("gbl_channel_prefix_matrix", gbl_cpm),
+                          ("recv_rdma_channel_prefix_matrix", recv_rdma_cpm),
+                          ("recv_rdma_rank_prefix_sum", recv_rdma_rps),
+                          ("recv_gbl_channel_prefix_matrix", recv_gbl_cpm),
+                          ("recv_gbl_rank_prefix_sum", recv_gbl_rps)):
+            out.copy_(handle_fields[name])
+        seen["notify"] = [t.data_ptr() for t in (recv_rdma_cpm, recv_rdma_rps, recv_gbl_cpm, recv_gbl_rps)]
+    def wait_recv_counts(self, num_local_experts):
+        return mine.handle.recv_src_meta.size(0), list(mine.num_recv_tokens_per_expert_list)
+    def forward_count(self):
+        return handle_fields["send_nvl_head"].size(0)
+    def fused_dispatch(self, data, scales, topk, weights, experts, in_rank, per_node_gpus, recv_rdma_cpm,
+                       recv_rdma_rps, recv_gbl_cpm, recv_gbl_rps, send_rdma_head, send_nvl_head, recv_src_meta, rows,
+                       worst, num_channels, rdma_send, rdma_recv, nvl_send, nvl_recv, stream, after_current,
+                       current_after):
+        assert num_channels == channels and rdma_recv % rdma_send == 0 and nvl_recv >= 2 * nvl_send
+        seen.setdefault("dispatch", []).append(
+            [t.data_ptr() for t in (recv_rdma_cpm, recv_rdma_rps, recv_gbl_cpm, recv_gbl_rps)])
+        for name, out in (("send_rdma_head", send_rdma_head), ("send_nvl_head", send_nvl_head),
+                          ("recv_src_meta", recv_src_meta)):
+            if out is not None:
+                out.copy_(handle_fields[name])
+        recv = mine.recv_x
+        recv_x, recv_scales = (recv[0].clone(), recv[1].contiguous().clone()) if use_fp8 else (recv.clone(), None)
+        if topk is None:
+            return recv_x, recv_scales, None, None
+        return recv_x, recv_scales, mine.recv_topk_idx.clone(), mine.recv_topk_weights.clone()
+    def fused_combine(self, x, weights, bias_0, bias_1, per_node_gpus, recv_rdma_cpm, recv_rdma_rps, recv_gbl_cpm,
+                      recv_gbl_rps, send_rdma_head, send_nvl_head, num_channels, *rest):
+        seen["combine"] = [torch.equal(a, handle_fields[n]) for a, n in (
+            (recv_rdma_cpm, "recv_rdma_channel_prefix_matrix"), (recv_rdma_rps, "recv_rdma_rank_prefix_sum"),
+            (recv_gbl_cpm, "recv_gbl_channel_prefix_matrix"), (recv_gbl_rps, "recv_gbl_rank_prefix_sum"),
+            (send_rdma_head, "send_rdma_head"), (send_nvl_head, "send_nvl_head"))]
+        ys = [x] + [torch.zeros(r.handle.recv_src_meta.size(0), x.size(1), dtype=x.dtype) for r in ref[1:]]
+        out = reference.combine(ys, [r.handle for r in ref], topo, bias=[bias_0] * 4)[0]
+        return out.combined_x, None
+ext.Runtime = Fused
+
+from deep_ep.backends.fused_internode import FusedInternodeCuda  # noqa: E402
+config = deep_ep.Config(num_sms, 8, 256)
+report = {}
+with fake.patched(torch, cuda_tensors=True):
+    backend = FusedInternodeCuda(0, topo, 1 << 30, 1, False, all_gather=lambda obj: [obj] * 4)
+    report["channels"] = backend.num_channels(config)
+    layout = backend.get_dispatch_layout(LayoutRequest(topk_idx, num_experts))
+    report["layout_rdma"] = torch.equal(layout.num_tokens_per_rdma_rank,
+                                        reference.get_dispatch_layout(topk_idx, num_experts, topo)
+                                        .num_tokens_per_rdma_rank)
+    out = backend.dispatch(DispatchRequest(payload, None, layout.num_tokens_per_rank, layout.num_tokens_per_rdma_rank,
+                                           layout.is_token_in_rank, layout.num_tokens_per_expert, topk_idx,
+                                           topk_weights, config=config))
+    report["handle"] = {f: torch.equal(getattr(out.handle, f), handle_fields[f]) for f in handle_fields}
+    report["per_expert"] = list(out.num_recv_tokens_per_expert_list) == list(mine.num_recv_tokens_per_expert_list)
+    report["topk"] = torch.equal(out.recv_topk_idx, mine.recv_topk_idx)
+    report["kernel_args"] = seen["dispatch"][0] == seen["notify"]
+    cached = backend.dispatch(DispatchRequest(payload, out.handle, config=config))
+    report["cached_args"] = seen["dispatch"][1] == [t.data_ptr() for t in (
+        out.handle.recv_rdma_channel_prefix_matrix, out.handle.recv_rdma_rank_prefix_sum,
+        out.handle.recv_gbl_channel_prefix_matrix, out.handle.recv_gbl_rank_prefix_sum)]
+    report["cached_x"] = torch.equal((cached.recv_x[0] if use_fp8 else cached.recv_x).view(torch.uint8),
+                                     (mine.recv_x[0] if use_fp8 else mine.recv_x).view(torch.uint8))
+    y = torch.randn(mine.handle.recv_src_meta.size(0), 256).to(torch.bfloat16)
+    bias = torch.randn(40, 256).to(torch.bfloat16)
+    combined = backend.combine(CombineRequest(y, out.handle, bias=(bias,), config=config))
+    report["combine_args"] = seen["combine"]
+    ys = [y] + [torch.zeros(r.handle.recv_src_meta.size(0), 256, dtype=torch.bfloat16) for r in ref[1:]]
+    report["combined"] = torch.equal(combined.combined_x,
+                                     reference.combine(ys, [r.handle for r in ref], topo, bias=[bias] * 4)[0]
+                                     .combined_x)
+    try:
+        backend.dispatch(DispatchRequest(payload, out.handle, config=deep_ep.Config(2 * num_sms, 8, 256)))
+        report["channel_check"] = "accepted"
+    except ValueError as exc:
+        report["channel_check"] = str(exc)
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+def test_fused_backend_assembles_reference_results(use_fp8):
+    env = {**os.environ, "PROBE_FP8": "1" if use_fp8 else "0", "DEEP_EP_GPUS_PER_NODE": "2"}
+    done = subprocess.run([sys.executable, "-c", _PROBE, ROOT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    import json
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["channels"] == 3
+    assert report["layout_rdma"]
+    assert all(report["handle"].values()) and len(report["handle"]) == 10, report["handle"]
+    assert report["per_expert"] and report["topk"]
+    assert report["kernel_args"], "the dispatch kernel must get the notify's prefix tensors"
+    assert report["cached_args"], "a cached dispatch must pass the handle's prefix tensors"
+    assert report["cached_x"]
+    assert report["combine_args"] == [True] * 6, report["combine_args"]
+    assert report["combined"]
+    assert "channels" in report["channel_check"], report["channel_check"]
