@@ -4,7 +4,8 @@ A subprocess installs the fake extension (``tests/fake_cuda.py``) whose fused en
 signatures of ``csrc/buffer.hpp`` and fill their outputs with what ``reference`` computes for rank 0 of a 2 x 2
 group whose ranks all hold the same inputs (``all_gather`` returns four copies). The backend must assemble the
 internode handle, the results, the cached dispatch and the combine from those outputs exactly as the reference
-has them, pass the notify's tensors on to the kernels, and use ``config.num_sms // 2`` channels.
+has them, pass the notify's tensors on to the kernels, use ``config.num_sms // 2`` channels, and name the peer's
+node in a kernel's timeout.
 """
 from __future__ import annotations
 
@@ -120,6 +121,14 @@ with fake.patched(torch, cuda_tensors=True):
     report["combined"] = torch.equal(combined.combined_x,
                                      reference.combine(ys, [r.handle for r in ref], topo, bias=[bias] * 4)[0]
                                      .combined_x)
+    errors = [{"code": "timeout", "message": "dispatch recv wait tail: rank 0 peer 3 channel 1", "peer": 3}]
+    backend.runtime.read_error = lambda: errors[0]
+    try:
+        backend.check_errors()
+        report["timeout"] = "none"
+    except deep_ep.CommTimeoutError as exc:
+        report["timeout"] = str(exc)
+    backend.runtime.read_error = lambda: None
     try:
         backend.dispatch(DispatchRequest(payload, out.handle, config=deep_ep.Config(2 * num_sms, 8, 256)))
         report["channel_check"] = "accepted"
@@ -147,3 +156,4 @@ def test_fused_backend_assembles_reference_results(use_fp8):
     assert report["combine_args"] == [True] * 6, report["combine_args"]
     assert report["combined"]
     assert "channels" in report["channel_check"], report["channel_check"]
+    assert "peer 3 channel 1" in report["timeout"] and "node 1, local 1" in report["timeout"], report["timeout"]

@@ -18,7 +18,7 @@ import torch
 from deep_ep import testing
 from deep_ep.backends.base import CombineRequest, DispatchRequest, LayoutRequest
 from deep_ep.backends.common import object_all_gather
-from deep_ep.backends.cuda_common import _C, join_nvshmem_world
+from deep_ep.backends.cuda_common import _C, join_nvshmem_world, raise_from_record
 from deep_ep.backends.cuda_internode import SymmetricCuda, UnsupportedTopology
 from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config, Topology
 from deep_ep.errors import CommTimeoutError, name_ranks
@@ -79,6 +79,15 @@ class FusedInternodeCuda(SymmetricCuda):
         if num_rdma_bytes <= 0:
             return "num_rdma_bytes is 0"
         return None
+
+    def check_errors(self) -> None:
+        """Raise the pending device error, if any; the message names the peer's node and local index too."""
+        record = self.runtime.read_error()
+        if record is not None and record.get("peer", -1) >= 0:
+            peer = record["peer"]
+            record = {**record, "message": f"{record['message']} [peer {peer} is node {peer // self.per_node}, "
+                                           f"local {peer % self.per_node}]"}
+        raise_from_record(record, self.rank_names, self.rank_scope)
 
     def num_channels(self, config: Config) -> int:
         """One channel per two SMs (a sending-and-forwarding CTA and a receiving CTA), as DeepEP's internode."""
