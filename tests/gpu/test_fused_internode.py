@@ -9,7 +9,7 @@ One GPU, the ranks time-sliced on it (correctness only)::
 
     TEST_RANKS_PER_GPU=8 python -m pytest tests/gpu/test_fused_internode.py
 
-``TEST_EXAMPLES_FUSED``: hypothesis examples per shape (4).
+``TEST_EXAMPLES_FUSED``: hypothesis examples per shape (4). A stalled rank: every survivor raises within the budget.
 """
 from __future__ import annotations
 
@@ -90,14 +90,55 @@ def test_eight_ranks_large(eight_ranks):
         eight_ranks.run(tn.TASK, case)
 
 
+def task_stall(buffer, rank: int, payload: dict) -> str:
+    """Rank ``payload['stalled']`` skips a dispatch. Every other rank must raise a ``CommError`` within the budget
+    that names it: a timeout naming the stalled rank (its node and local index too), or, when another survivor
+    timed out first and aborted the call everywhere, a ``PeerAbortedError`` naming that survivor. The CUDA context
+    must stay usable."""
+    import re
+    import time
+
+    import deep_ep
+    stalled, world = payload["stalled"], buffer.group_size
+    n, h = 1024, 256
+    x = torch.ones(n, h, dtype=torch.bfloat16, device=ti.DEVICE)
+    layout = dict(num_tokens_per_rank=torch.full((world,), n, dtype=torch.int32, device=ti.DEVICE),
+                  is_token_in_rank=torch.ones(n, world, dtype=torch.bool, device=ti.DEVICE),
+                  num_tokens_per_expert=torch.full((world,), n, dtype=torch.int32, device=ti.DEVICE),
+                  num_tokens_per_rdma_rank=torch.full((buffer.topology.num_scaleout_ranks,), n, dtype=torch.int32,
+                                                      device=ti.DEVICE))
+    if rank == stalled:
+        return "stalled"
+    start = time.monotonic()
+    try:
+        buffer.dispatch(x, config=deep_ep.Config(4, 8, 256), **layout)
+        torch.cuda.synchronize()
+        buffer.dispatch(x, config=deep_ep.Config(4, 8, 256), **layout)  # the error record is read here at the latest
+    except deep_ep.CommError as exc:
+        elapsed, text = time.monotonic() - start, str(exc)
+        assert elapsed < payload["timeout_s"] * 3 + 30, f"the error took {elapsed:.1f} s"
+        assert float((torch.ones(4, device=ti.DEVICE) * 2).sum()) == 8.0
+        per_node = buffer.topology.num_scaleup_ranks
+        if isinstance(exc, deep_ep.CommTimeoutError):
+            where = f"peer {stalled} is node {stalled // per_node}, local {stalled % per_node}"
+            assert re.search(rf"\brank {rank}\b.*\bpeer {stalled}\b", text) and where in text, text
+            return f"timeout: {text}"
+        assert isinstance(exc, deep_ep.PeerAbortedError), f"{type(exc).__name__}: {text}"
+        assert re.search(rf"\brank {rank}\b.*\bpeer \d", text), text
+        return f"aborted: {text}"
+    raise AssertionError("dispatch with a stalled peer raised nothing")
+
+
 @pytest.mark.multi_gpu(4)
 def test_stalled_rank_times_out():
-    """Rank 3 never joins the dispatch: ranks 0..2 get a timeout exception within the budget
-    (``test_intranode.task_stall``)."""
+    """Rank 3 (node 1, local 1) never joins the dispatch: every other rank raises within the budget, at least one
+    with a timeout naming rank 3 and its node."""
     timeout_s = 5
     pool = _make_pool(2, 2, DEEP_EP_TIMEOUT_S=str(timeout_s))
     try:
-        replies = pool.run("stall", {"stalled": 3, "timeout_s": timeout_s}, timeout=timeout_s * 8 + 60)
-        assert replies[3] == "stalled" and all("timeout" in replies[r] for r in range(3)), replies
+        replies = pool.run("test_fused_internode:task_stall", {"stalled": 3, "timeout_s": timeout_s},
+                           timeout=timeout_s * 8 + 60)
+        assert replies[3] == "stalled", replies
+        assert any(r.startswith("timeout") for r in replies[:3]), replies
     finally:
         pool.kill()  # the Buffers are in the failed state: discard the pool
