@@ -8,8 +8,9 @@ internode test counts them: "RDMA" = (token, node) pairs sent x 2H, "NVL" = rows
 ``(1 + 4/128) / 2``). Predictions: ``simulator.predictions`` when simpy imports, else the rows of ``--predictions``;
 error = (predicted - measured) / measured against the rank-averaged wall time, at 24 SMs. ``--put`` adds phase
 "internode_put" (the Buffer built under ``deep_ep.testing.overrides(internode_put_only=True)``: peers by NVSHMEM
-puts, the path behind a NIC). ``--composed``: the composed path next to the torch backend (``internode="torch"``),
-ranks sharing GPUs as 2 virtual nodes, wall times only::
+puts, the path behind a NIC). ``--composed``: the fused kernels (``internode="fused"``, NVSHMEM buffer of
+``--num-rdma-bytes``) and the composed path (``internode="composed"``) next to the torch backend
+(``internode="torch"``), ranks sharing GPUs as 2 virtual nodes, wall times only::
 
     python benchmarks/bench_internode.py --json $OUT/bench_internode.json
     python benchmarks/bench_internode.py --skip-intranode --put --json $OUT/inter_put.json
@@ -108,7 +109,9 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
     if args.composed:  # 2 virtual nodes; the same tensors through both paths
         per_node = args.num_processes // 2
         phases = [(phase, per_node, fields, dict(num_nvl_bytes=args.num_nvl_bytes))
-                  for phase, fields in (("composed", {}), ("torch", {"internode": "torch"}))]
+                  for phase, fields in (("composed", {"internode": "composed"}), ("torch", {"internode": "torch"}))]
+        phases.insert(0, ("fused", per_node, {"internode": "fused"},
+                          dict(num_nvl_bytes=args.num_nvl_bytes, num_rdma_bytes=args.num_rdma_bytes)))
     for phase, per_node, fields, sizes in phases:
         if args.skip_intranode and phase == "intranode":
             continue
@@ -162,7 +165,7 @@ def main() -> None:
     parser.add_argument("--put", action="store_true",
                         help="also the internode backend with every peer reached by puts (phase internode_put)")
     parser.add_argument("--composed", action="store_true",
-                        help="the composed path (CUDA stages) next to the torch backend, ranks sharing GPUs")
+                        help="the fused kernels and the composed path next to the torch backend, ranks sharing GPUs")
     parser.add_argument("--iters", type=int, default=10, help="--composed: warm-ups and timed calls per point")
     parser.add_argument("--predictions", type=Path,
                         default=HERE.parent / "simulator" / "data" / "predictions_deep_ep.json")
@@ -194,7 +197,7 @@ def print_table(summary: dict, predicted: dict) -> None:
         if p["phase"] == "internode_put":  # against the pointer path
             ref = next((q for q in rep["points"] if q["phase"] == "internode" and q["op"] == p["op"]
                         and q["num_sms"] == p["num_sms"]), None)
-        if p["phase"] in ("internode", "composed", "internode_put") and ref is not None:
+        if p["phase"] in ("internode", "composed", "fused", "internode_put") and ref is not None:
             ratio = f"{p['nvl_GBps'] / ref['nvl_GBps']:.2f}"
         key = (p["phase"], *p["op"].split("_"))
         if key in predicted and p["num_sms"] == 24:  # the simulator's cases run 24 SMs

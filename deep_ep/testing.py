@@ -40,8 +40,8 @@ class Overrides:
             each kernel accepts; ``combine_warps`` also sets the zone senders' warps).
         uncapped_channels: ``num_sms`` channels even above the tuned channel cap.
         internode: normal mode of ``N`` nodes x ``G > 1`` GPUs: ``'composed'`` (rail and node stages for every
-            tensor; torch stages on CPU), ``'torch'`` (the torch backend) or ``'fused'`` (the fused CUDA dispatch
-            kernels, deep_ep/backends/fused_internode.py, for CUDA tensors).
+            tensor; torch stages on CPU), ``'torch'`` (the torch backend) or ``'fused'`` (the fused CUDA kernels,
+            deep_ep/backends/fused_internode.py, or a warning naming why they cannot serve the group).
         composed_rail: the composed path's rail stage: ``'ipc'``, ``'nvshmem'`` or ``'torch'``.
         ll_put_only: the low-latency kernels reach every peer by NVSHMEM put (the RDMA path), even by NVLink.
         internode_put_only: the internode ring kernels reach every peer by NVSHMEM put; set on any rank, it

@@ -157,3 +157,56 @@ def test_fused_backend_assembles_reference_results(use_fp8):
     assert report["combined"]
     assert "channels" in report["channel_check"], report["channel_check"]
     assert "peer 3 channel 1" in report["timeout"] and "node 1, local 1" in report["timeout"], report["timeout"]
+
+
+class _Unsupported(RuntimeError):
+    pass
+
+
+class _FakeFused:
+    """Stands in for ``FusedInternodeCuda`` in the selection: serves unless ``refuse`` is set."""
+
+    refuse = False
+
+    @staticmethod
+    def unsupported_reason(topology, num_rdma_bytes):
+        return None if num_rdma_bytes > 0 else "num_rdma_bytes is 0"
+
+    @classmethod
+    def from_group(cls, group, topology, **options):
+        if cls.refuse:
+            raise _Unsupported("rank 0 reaches [2] only by puts")
+        return cls()
+
+
+@pytest.mark.parametrize("override, refuse, rdma, chosen", [
+    (None, False, 1 << 20, True),          # the automatic choice for N x G, G > 1
+    ("composed", False, 1 << 20, False),   # the two-stage composition on request
+    ("torch", False, 1 << 20, False),
+    (None, True, 1 << 20, False),          # put peers: the composed path takes over, silently
+    (None, False, 0, False),               # no RDMA buffer
+    ("fused", True, 1 << 20, False),       # asked for but refused: a warning names why
+])
+def test_selection_prefers_fused_kernels(monkeypatch, override, refuse, rdma, chosen):
+    import types
+    import warnings
+
+    import deep_ep.testing
+    from deep_ep.backends import selection
+    from deep_ep.config import Topology
+
+    fake_module = types.ModuleType("deep_ep.backends.cuda_internode")
+    fake_module.UnsupportedTopology = _Unsupported
+    monkeypatch.setitem(sys.modules, "deep_ep.backends.cuda_internode", fake_module)
+    monkeypatch.setattr(selection, "_import_cuda", lambda module, name: (_FakeFused, None))
+    monkeypatch.setattr(selection.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_FakeFused, "refuse", refuse)
+    spec = selection.BufferSpec(0, 4, Topology(4, 2), 1 << 20, rdma, False, 1, True, False, False)
+    with deep_ep.testing.overrides(internode=override), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = selection._fused_internode(spec, object(), None)
+    assert isinstance(got, _FakeFused) == chosen
+    assert any("puts" in str(w.message) for w in caught) == (override == "fused"), [str(w.message) for w in caught]
+    one_node = spec._replace(topology=Topology(4, 4))
+    with deep_ep.testing.overrides(internode=override):
+        assert selection._fused_internode(one_node, object(), None) is None

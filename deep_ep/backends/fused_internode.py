@@ -6,8 +6,9 @@ NVLink to the node's GPUs that need it, inside the same kernel; combine reduces 
 that GPU (one BF16 rounding) and sends one partial per (token, node) back to the owner, which adds the biases and
 the partials in ascending node order. The ranks' buffers are one NVSHMEM symmetric allocation of ``num_rdma_bytes``
 (every peer reached by pointer). Notify builds the internode handle's prefix matrices on the device; the dispatch
-kernel writes ``send_rdma_head``, ``send_nvl_head`` and ``recv_src_meta``. Selected with
-``deep_ep.testing.overrides(internode='fused')``.
+kernel writes ``send_rdma_head``, ``send_nvl_head`` and ``recv_src_meta``. ``Buffer`` selects it for these groups
+where it serves them (deep_ep/backends/selection.py); ``deep_ep.testing.overrides(internode='composed')`` selects
+the two-stage composition instead.
 """
 from __future__ import annotations
 

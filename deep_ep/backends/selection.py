@@ -2,10 +2,12 @@
 
 * the torch backend, whenever a ``torch.distributed`` group is given (any device, any topology);
 * the CUDA low-latency backend for ``low_latency_mode`` with ``num_rdma_bytes > 0`` when the extension has NVSHMEM;
-* the composed path for ``N`` nodes x ``G > 1`` GPUs: CUDA stages when CUDA, the extension and ``num_nvl_bytes``
-  are there and each node's ranks share a host, or torch stages under ``deep_ep.testing`` ``internode='composed'``;
-* the CUDA intranode backend (one NVLink domain of at most 8 ranks) or the CUDA internode backend (one GPU per node);
-* the fused internode dispatch kernels for ``G > 1`` under ``deep_ep.testing`` ``internode='fused'``.
+* the fused internode kernels for ``N`` nodes x ``G > 1`` GPUs when CUDA, the NVSHMEM build and ``num_rdma_bytes``
+  are there, ``N * G <= 24`` and every rank reaches every other by pointer;
+* else the composed path for ``G > 1``: CUDA stages when CUDA, the extension and ``num_nvl_bytes`` are there and each
+  node's ranks share a host, or torch stages under ``deep_ep.testing`` ``internode='composed'`` (which also skips
+  the fused kernels);
+* the CUDA intranode backend (one NVLink domain of at most 8 ranks) or the CUDA internode backend (one GPU per node).
 
 ``DEEP_EP_BACKEND=torch`` keeps the torch backend only; ``cuda`` turns a reason the CUDA backend cannot serve the
 group into an error. With a GPU present, the automatic choice says in a ``RuntimeWarning`` why CUDA tensors take the
@@ -96,6 +98,9 @@ def build_backends(spec: BufferSpec, group: Any, comm: Any) -> Backends:
         torch_backend = TorchBackend(group, spec.rank, spec.group_size, spec.topology, spec.num_nvl_bytes,
                                      spec.num_rdma_bytes, spec.enable_shrink)
     cuda_ll = _cuda_low_latency(spec, group, comm)
+    fused = _fused_internode(spec, group, comm)
+    if fused is not None:
+        return Backends(torch_backend, fused, cuda_ll, None, None)
     composed, composed_device, refusal = _composed(spec, group)
     cuda = _cuda(spec, group, comm, cuda_ll, refusal) if composed_device != "cuda" else None
     return Backends(torch_backend, cuda, cuda_ll, composed, composed_device)
@@ -151,8 +156,6 @@ def _cuda(spec: BufferSpec, group: Any, comm: Any, cuda_ll: Optional[Backend],
     choice = backend_choice()
     if choice == "torch":
         return None
-    if spec.topology.is_internode and testing.current().internode == "fused":
-        return _fused_internode(spec, group, comm, choice)
     if spec.topology.is_internode:
         return _cuda_internode(spec, group, comm, choice, cuda_ll, composed_refusal)
     return _cuda_intranode(spec, group, comm, choice, cuda_ll)
@@ -202,23 +205,31 @@ def _cuda_internode(spec: BufferSpec, group: Any, comm: Any, choice: str, cuda_l
     return without_cuda(choice, group, "CUDA internode backend", reason)
 
 
-def _fused_internode(spec: BufferSpec, group: Any, comm: Any, choice: str) -> Optional[Backend]:
-    """The fused internode kernels (``internode='fused'``) when they serve this group; else ``None`` (or the error
-    naming the reason under ``DEEP_EP_BACKEND=cuda``)."""
+def _fused_internode(spec: BufferSpec, group: Any, comm: Any) -> Optional[Backend]:
+    """The fused internode kernels for ``N x G`` groups with ``G > 1`` when they serve the group (the automatic
+    choice, or ``internode='fused'``); else ``None`` and the composed path or the torch backend serves it. Under
+    ``internode='fused'`` a reason they cannot is an error with ``DEEP_EP_BACKEND=cuda`` (a ``RuntimeWarning``
+    otherwise). Collective: every rank reaches the same decision."""
+    choice, override = backend_choice(), testing.current().internode
+    topo = spec.topology
+    if choice == "torch" or override not in (None, "fused") or not topo.is_internode or topo.num_scaleup_ranks < 2:
+        return None
     backend_cls, reason = _import_cuda("fused_internode", "FusedInternodeCuda")
     if backend_cls is not None:
-        reason = backend_cls.unsupported_reason(spec.topology, spec.num_rdma_bytes)
+        reason = backend_cls.unsupported_reason(topo, spec.num_rdma_bytes)
     if reason is None:
         from deep_ep.backends.cuda_internode import UnsupportedTopology
         options = dict(num_rdma_bytes=spec.num_rdma_bytes, num_qps_per_rank=spec.num_qps_per_rank,
                        allow_mnnvl=spec.allow_mnnvl)
         try:
             if group is not None:
-                return backend_cls.from_group(group, spec.topology, **options)
-            return backend_cls(spec.rank, spec.topology, all_gather=comm.allgather, barrier=comm.Barrier, **options)
+                return backend_cls.from_group(group, topo, **options)
+            return backend_cls(spec.rank, topo, all_gather=comm.allgather, barrier=comm.Barrier, **options)
         except UnsupportedTopology as exc:  # collective: every rank gets here together
             reason = str(exc)
-    return without_cuda(choice, group, "fused CUDA internode backend", reason)
+    if override == "fused":
+        return without_cuda(choice, group, "fused CUDA internode backend", reason)
+    return None
 
 
 def _composed(spec: BufferSpec, group: Any) -> tuple[Optional[Backend], Optional[str], Optional[str]]:

@@ -2,7 +2,9 @@
 
 4 ranks on GPUs ``[0, 1, 0, 1]`` (one per GPU with 4 or more) with ``DEEP_EP_GPUS_PER_NODE=2`` are 2 virtual nodes
 x 2: the node stage spans both GPUs, each rail stage shares one (gloo group: NCCL refuses two ranks on one GPU). The
-Buffer's own choice must be the composed path with ``CudaBackend`` stages (one host, CUDA IPC); the NVSHMEM rail
+Buffers are built under ``deep_ep.testing.overrides(internode='composed')`` (the automatic choice is the fused
+kernels, tests/gpu/test_fused_internode.py); the composed path must then run ``CudaBackend`` stages (one host, CUDA
+IPC); the NVSHMEM rail
 (``SymmetricCuda``, rail rank ``n`` = PE ``2n + l``, also as put pairs) and the torch rail run under
 ``deep_ep.testing.overrides(composed_rail=...)``. Every example runs ``test_internode.task_internode_roundtrip``
 bit for bit against ``reference``. ``test_many_nodes_by_two``: ``TEST_COMPOSED_MANY_NODES`` (9) nodes x 2;
@@ -29,6 +31,7 @@ import test_intranode as ti  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.timeout(600)]
 
 ENV = {"DEEP_EP_GPUS_PER_NODE": "2"}
+COMPOSED = {"internode": "composed"}
 STAGES = "ComposedInternode cuda CudaBackend CudaBackend"
 NVSHMEM_STAGES = "ComposedInternode cuda SymmetricCuda CudaBackend"
 # The rail stage forced onto the NVSHMEM heap (deep_ep.testing's composed_rail) with 768 MB of RDMA buffer (two
@@ -58,7 +61,7 @@ def _composed_pool(devices: list, gpus_per_node: int, stages: str = STAGES, env:
     to run the composed path with CUDA stages ``stages``; yields it and closes it (the body of the module-scoped
     fixtures)."""
     pool = ti.Pool(devices, env={**ENV, "DEEP_EP_GPUS_PER_NODE": str(gpus_per_node), **(env or {})},
-                   overrides=overrides)
+                   overrides={**COMPOSED, **(overrides or {})})
     try:
         if ti.DEVICE == "cuda":
             assert pool.backends == {"ComposedInternode"}, f"Buffer did not pick the composed path: {pool.backends}"
@@ -157,7 +160,7 @@ def test_stalled_rank_times_out(rail):
     if rail == "torch":  # the torch rail names the Buffer's ranks too (TorchBackend.set_rank_names); rank 1 waits
         overrides = TORCH_RAIL  # first in its count all-gather, which names all ranks, not peer 3
         expect_peer[1] = "all ranks"
-    pool = ti.Pool([rank % gpus for rank in range(4)], env=env, overrides=overrides)
+    pool = ti.Pool([rank % gpus for rank in range(4)], env=env, overrides={**COMPOSED, **(overrides or {})})
     try:
         replies = pool.run("stall", {"stalled": 3, "timeout_s": timeout_s, "expect_peer": expect_peer},
                            timeout=timeout_s * 8 + 60)
