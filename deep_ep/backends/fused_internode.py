@@ -129,7 +129,8 @@ class FusedInternodeCuda(SymmetricCuda):
         num_channels = self.num_channels(config)
         num_nodes, num_ranks = self.num_nodes, self.num_ranks
         cached = request.handle is not None
-        topk_idx, topk_weights = request.topk_idx, request.topk_weights
+        topk_idx = request.topk_idx.contiguous() if request.topk_idx is not None else None
+        topk_weights = request.topk_weights.contiguous() if request.topk_weights is not None else None
         num_experts = request.num_tokens_per_expert.numel() if request.num_tokens_per_expert is not None else 0
         num_worst_tokens = request.num_worst_tokens
         per_expert_list = None
@@ -146,7 +147,7 @@ class FusedInternodeCuda(SymmetricCuda):
                 num_rows, worst = handle.recv_src_meta.size(0), False
                 heads = (None, None, None)
             else:
-                is_token_in_rank = request.is_token_in_rank
+                is_token_in_rank = request.is_token_in_rank.contiguous()
                 device = data.device
 
                 def int32(*shape: int) -> torch.Tensor:
