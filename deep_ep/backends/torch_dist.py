@@ -14,8 +14,9 @@ peer, the phase and what was awaited. A timed-out gloo group is unusable afterwa
 from __future__ import annotations
 
 import datetime
+import functools
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,18 @@ _AGREEMENT_PAYLOAD_WORDS = 224
 # Tags are ``kind + _NUM_TAG_KINDS * (batch number mod _NUM_TAG_SEQUENCES)``.
 _NUM_TAG_KINDS = 32
 _NUM_TAG_SEQUENCES = 1 << 20
+
+
+def _profiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run inside a profiler range ``deep_ep::<name>``: the torch backend launches no kernel of its own, so
+    this range is what a CUDA profile shows of the operation (DeepEP's tests look rows up by ``dispatch`` /
+    ``combine``; a hooked call shows two ranges, its send and its receive)."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(f"deep_ep::{name}"):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 class _Pending:
@@ -330,6 +343,7 @@ class TorchBackend(Backend):
         pending.wait()
         return recv
 
+    @functools.partial(_profiled, "dispatch")
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         """Normal dispatch; see ``Buffer.dispatch`` for shapes. Routing comes only from ``is_token_in_rank``."""
         with StreamScope(self.comm_stream, request.previous_event, request.async_finish,
@@ -513,6 +527,7 @@ class TorchBackend(Backend):
                                   recv_gbl_chan_prefix.to(dev), recv_gbl_rank_prefix.to(dev), src_meta,
                                   sender.send_rdma_head, send_nvl_head)
 
+    @functools.partial(_profiled, "combine")
     def combine(self, request: CombineRequest) -> CombineResult:
         """Normal combine: per original token, the float32 sum of its holders' rows (plus biases), in BF16."""
         with StreamScope(self.comm_stream, request.previous_event, request.async_finish,
@@ -594,6 +609,7 @@ class TorchBackend(Backend):
         self.ll_parity = 1 - half
         return half
 
+    @functools.partial(_profiled, "dispatch")
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         """Send every token once per valid top-k entry to the expert's owner; pack per local expert.
 
@@ -734,7 +750,7 @@ class TorchBackend(Backend):
         outputs = [*(recv_x if use_fp8 else (recv_x,)), packed_recv_count, src_info, layout_range]
         if return_recv_hook:
             return LowLatencyDispatchResult(recv_x, packed_recv_count, new_handle, EventOverlap(None),
-                                            ReceiveHook(receive))
+                                            ReceiveHook(_profiled("dispatch", receive)))
         with scope:
             receive()
         event = scope.finish([x, topk_idx, *outputs])
@@ -742,6 +758,7 @@ class TorchBackend(Backend):
             event.extra_tensors = (x, topk_idx, *outputs)
         return LowLatencyDispatchResult(recv_x, packed_recv_count, new_handle, event, None)
 
+    @functools.partial(_profiled, "combine")
     def low_latency_combine(self, request: LowLatencyCombineRequest) -> LowLatencyCombineResult:
         """Return expert outputs to the token owners and reduce ``sum_k w[t, k] * y(e_k, t)`` in float32."""
         (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
@@ -829,7 +846,7 @@ class TorchBackend(Backend):
                     combine_wait_recv_cost_stats.device))
 
         if return_recv_hook:
-            return LowLatencyCombineResult(combined, EventOverlap(None), ReceiveHook(receive))
+            return LowLatencyCombineResult(combined, EventOverlap(None), ReceiveHook(_profiled("combine", receive)))
         with scope:
             receive()
         event = scope.finish([x, topk_idx, topk_weights, combined])
