@@ -164,8 +164,9 @@ def _normal_step(buffer, rank: int, world: int, case: SoakCase, i: int, use_fp8:
 def _ll_step(buffer, rank: int, world: int, case: SoakCase, i: int, use_fp8: bool, hook: bool, zero_copy: bool,
              check: _Checker) -> None:
     """Low-latency dispatch + combine (hooks or events; copy or zero-copy combine), compared with the reference."""
-    import reference
     from gpu.test_low_latency import expert_output  # the toy expert of the LL tests: dequantised input x 1.5
+
+    import reference
     dev, num_experts = case.device, NUM_LOCAL_EXPERTS * world
     inputs = _inputs(case, i, world, LL_TOKENS, LL_HIDDEN)
     mine = {k: v.to(dev) for k, v in inputs[rank].items()}
