@@ -11,7 +11,8 @@ warps, the dispatch receive path and the combine send path. Every driver wait is
     TEST_RANKS_PER_GPU=2 python -m pytest tests/gpu/test_intranode.py    # one GPU: the 2-GPU tests time-sliced
 
 ``TEST_EXAMPLES_<TEST>`` sets a test's hypothesis examples (``_1``, ``_SHARED``, ``_2GPU``, ``_NCCL``, ``_EP``,
-``_SEQ``); ``TEST_DEVICE=cpu`` puts the workers' tensors on the CPU (the torch backend then serves them).
+``_SEQ``); ``TEST_DEVICE=cpu`` puts the workers' tensors on the CPU (the torch backend then serves them);
+``TEST_TIMEOUT_SCALE`` stretches the driver's and the workers' wait budgets.
 """
 from __future__ import annotations
 
@@ -36,10 +37,13 @@ torch = pytest.importorskip("torch")
 # Examples share long-lived worker pools; one test may run several minutes on the GPU machine.
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
+# TEST_TIMEOUT_SCALE multiplies both budgets below (e.g. under compute-sanitizer, whose instrumentation slows
+# every kernel).
+TIMEOUT_SCALE = float(os.environ.get("TEST_TIMEOUT_SCALE", "1"))
 # Seconds the driver waits for one example on every rank (several ranks time-slice one GPU, so be generous).
-EXAMPLE_TIMEOUT_S = 240.0
+EXAMPLE_TIMEOUT_S = 240.0 * TIMEOUT_SCALE
 # Kernel/host wait budget inside the workers: short, so a hang shows up as an exception quickly.
-WORKER_TIMEOUT_S = "20"
+WORKER_TIMEOUT_S = str(round(20 * TIMEOUT_SCALE))
 # Two full ring halves (2 x 256 MiB) plus a 256 MiB output pool for direct-to-output dispatch.
 NUM_NVL_BYTES = 768 * 1024 * 1024
 # Device of the tensors; "cpu" lets the task functions be dry-run against the torch backend without a GPU.

@@ -11,7 +11,7 @@ exactly; combine is bit-exact for BF16 and within a small tolerance for LogFMT. 
 
 ``TEST_LL_PUT_ONLY=1`` builds every Buffer with ``deep_ep.testing.overrides(ll_put_only=True)`` (the RDMA path);
 ``TEST_EXAMPLES_LL``: examples per property (25); ``TEST_LL_FAILURE_LOG``: a file that gets each failure as it
-happens.
+happens; ``TEST_TIMEOUT_SCALE``: a factor on the driver's and the workers' wait budgets.
 """
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ torch = pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
-EXAMPLE_TIMEOUT_S = 90.0
-WORKER_TIMEOUT_S = "10"
+# TEST_TIMEOUT_SCALE multiplies both budgets (e.g. under compute-sanitizer, whose instrumentation slows every kernel).
+TIMEOUT_SCALE = float(os.environ.get("TEST_TIMEOUT_SCALE", "1"))
+EXAMPLE_TIMEOUT_S = 90.0 * TIMEOUT_SCALE
+WORKER_TIMEOUT_S = str(round(10 * TIMEOUT_SCALE))
 # No shrinking: every example costs real kernel launches; the failure text names the case.
 NO_SHRINK = dict(phases=[Phase.explicit, Phase.reuse, Phase.generate], report_multiple_bugs=False)
 # Largest case of the pools (the symmetric buffer is sized for it).
