@@ -63,8 +63,8 @@ _NUM_TAG_SEQUENCES = 1 << 20
 
 def _profiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run inside a profiler range ``deep_ep::<name>``: the torch backend launches no kernel of its own, so
-    this range is what a CUDA profile shows of the operation (DeepEP's tests look rows up by ``dispatch`` /
-    ``combine``; a hooked call shows two ranges, its send and its receive)."""
+    this range is how a profile with CPU activity (and its trace) shows the operation; a hooked call shows two
+    ranges, its send and its receive."""
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         with torch.profiler.record_function(f"deep_ep::{name}"):
