@@ -128,10 +128,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              [](const deep_ep::LowLatencyRuntime& r) -> py::object {
                  auto record = r.read_error();
                  if (!record.has_value()) return py::none();
-                 static const char* codes[] = {"none", "timeout", "peer_aborted", "bad_routing", "count_mismatch"};
+                 static const char* codes[] = {"none", "timeout", "peer_aborted", "bad_routing", "count_mismatch",
+                                               "argument_mismatch"};
                  const int code = record->code;
                  py::dict out;
-                 out["code"] = (code >= 0 && code <= 4) ? codes[code] : "unknown";
+                 out["code"] = (code >= 0 && code <= 5) ? codes[code] : "unknown";
                  out["message"] = deep_ep::format_ll_error(*record);
                  out["rank"] = record->rank;
                  out["peer"] = record->peer;
@@ -139,6 +140,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                  return out;
              })
         .def("reset", &deep_ep::LowLatencyRuntime::reset)
+        .def("clear_argument_error", &deep_ep::LowLatencyRuntime::clear_argument_error)
         .def("destroy", &deep_ep::LowLatencyRuntime::destroy);
 #endif
 }

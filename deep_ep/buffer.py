@@ -91,14 +91,15 @@ class _Agreement:
         torch_backend = self.buffer._agreeing(self.mode, self.device, self.backend)
         if torch_backend is None:
             # The CUDA kernels: a non-cached dispatch carries the signature in its notify kernel (a refusal launches
-            # that notify with zero counts); other calls, and a single rank, exchange nothing.
-            notify = self.buffer._notify_agreeing(self.method, self.device, self.backend, self.cached)
-            if notify is not None:
+            # that notify with zero counts), a low-latency dispatch its hash in its count messages; other calls,
+            # and a single rank, exchange nothing.
+            kernels = self.buffer._kernel_agreeing(self.method, self.device, self.backend, self.cached)
+            if kernels is not None:
                 signature = Signature(self.method, fields, refused)
                 if refused is None:
                     self.signature = signature
-                else:
-                    notify.refuse_dispatch(signature)
+                elif hasattr(kernels, "refuse_dispatch"):
+                    kernels.refuse_dispatch(signature)
             return
         signature = Signature(self.method, fields, refused)
         if self.rides and refused is None:
@@ -274,11 +275,16 @@ class Buffer:
                 return None
         return self._torch
 
-    def _notify_agreeing(self, method: str, device: Optional[str], backend: Optional[Backend],
+    def _kernel_agreeing(self, method: str, device: Optional[str], backend: Optional[Backend],
                          cached: bool) -> Optional[Backend]:
-        """The CUDA backend whose notify kernel carries the agreement of a non-cached ``dispatch`` (``backend``, or
-        the CUDA route when the device is unknown), else ``None``."""
-        if method != "dispatch" or cached or self.group_size == 1 or self._destroyed:
+        """The CUDA backend whose kernels carry the agreement of the call: the notify kernel of a non-cached
+        ``dispatch`` (``backend``, or the CUDA route when the device is unknown), the count messages of a
+        ``low_latency_dispatch``; else ``None``."""
+        if self.group_size == 1 or self._destroyed:
+            return None
+        if method == "low_latency_dispatch":
+            return backend if getattr(backend, "hashes_signature", False) else None
+        if method != "dispatch" or cached:
             return None
         if backend is None and device == _UNKNOWN_DEVICE:
             backend = self._routes.get(("normal", "cuda"))

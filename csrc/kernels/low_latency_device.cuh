@@ -28,6 +28,9 @@ constexpr int64_t kAbortOffset = 8;
 // Private workspace: the error-record claim word, the barrier base, per-CTA epochs and arrival bases.
 constexpr int64_t kWsClaim = 0;
 constexpr int64_t kWsBarrierBase = 8;
+// u32: 1 once a dispatch saw a source's call-signature hash differ from its own; every LL dispatch and combine
+// kernel then returns at once (on every rank alike: each saw the same disagreement) until the host clears it.
+constexpr int64_t kWsMismatch = 16;
 constexpr int64_t kWsEpochs = 256;        // u32 [kMaxBlocks][2]
 constexpr int64_t kWsBases = 2048;        // u64 [kMaxBlocks][2][R]
 constexpr int kHeaderInts = 1 + kMaxTopk;
@@ -41,6 +44,11 @@ __device__ __forceinline__ char* half_base(const Context& ctx, void* base, int h
 
 __device__ __forceinline__ int64_t load_topk(const void* topk, int bytes, int64_t i) {
     return bytes == 8 ? static_cast<const int64_t*>(topk)[i] : static_cast<const int32_t*>(topk)[i];
+}
+
+// True when an earlier dispatch saw the ranks' call signatures differ (kWsMismatch).
+__device__ __forceinline__ bool signatures_disagreed(const Context& ctx) {
+    return *reinterpret_cast<volatile unsigned int*>(static_cast<char*>(ctx.workspace) + kWsMismatch) != 0u;
 }
 
 __device__ __forceinline__ bool is_masked(const Context& ctx, int r) {

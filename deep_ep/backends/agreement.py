@@ -73,6 +73,14 @@ class Signature:
         return torch.tensor(values, dtype=torch.int64, device="cpu")
 
 
+def signature_hash(signature: Optional[Signature]) -> int:
+    """32-bit hash of ``signature``'s words (0 for ``None``): what the CUDA low-latency kernels carry in their count
+    messages, where a whole signature does not fit."""
+    if signature is None:
+        return 0
+    return zlib.crc32(signature.words().numpy().tobytes())
+
+
 def refused_argument(exc: BaseException) -> str:
     """The argument a validation error names: its message starts with the argument's name."""
     text = str(exc).split(" ", 1)[0].strip(",:;'\"")

@@ -144,8 +144,10 @@ class CudaBackend(Backend):
                                                    self.rank_scope))
         raise_from_record(record, self.rank_names, self.rank_scope)
 
-    # The signature of the last worst-token dispatch (its notify reports a disagreement through the error record).
+    # The signature of the last worst-token dispatch (its notify reports a disagreement through the error record),
+    # and an event after that notify, which the next call waits for (None once waited for, or under graph capture).
     _worst_signature: Optional[Signature] = None
+    _worst_notify: Optional["torch.cuda.Event"] = None
 
     def _check_signatures(self, signature: Signature) -> None:
         """``check_agreement`` over the signatures the last notify gathered (ranks named as in errors)."""
@@ -194,6 +196,9 @@ class CudaBackend(Backend):
     def _call_prologue(self) -> None:
         if self.runtime is None:
             raise RuntimeError("this Buffer's CUDA runtime was destroyed")
+        if self._worst_notify is not None:  # bounded: the notify kernel's waits are
+            self._worst_notify.synchronize()
+            self._worst_notify = None
         self.check_errors()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -262,8 +267,12 @@ class CudaBackend(Backend):
                                              signature.words().tolist() if signature is not None else [], True)
                 after_current = False  # the notify launch did it
                 if worst:
-                    # A disagreement comes back through the error record (the dispatch kernel then moves no row).
+                    # A disagreement comes back through the error record (the dispatch kernel then moves no row);
+                    # the next call waits for this notify before it reads the record, so every rank raises there.
                     self._worst_signature = signature
+                    if signature is not None and not torch.cuda.is_current_stream_capturing():
+                        self._worst_notify = torch.cuda.Event()
+                        self._worst_notify.record(self.comm_stream)
                     num_recv_tokens, per_expert_list = num_worst_tokens, []
                 else:
                     try:
