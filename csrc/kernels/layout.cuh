@@ -72,6 +72,8 @@ constexpr int64_t kNotifyDataOffset =
 constexpr int64_t kNotifyDataBytes = 2LL * kMaxRanks * kNotifyInts * 4;
 constexpr int64_t kCounterBytes = (int64_t)kMaxChannels * kMaxRanks * 4;
 constexpr int64_t kDispatchTailOffset = kNotifyDataOffset + kNotifyDataBytes;
+static_assert(kNotifySignaturePos + 2 * kSignatureWords == kNotifyInts && kNotifySignaturePos % 2 == 0,
+              "notify slot: the signature closes the slot");
 constexpr int64_t kDispatchHeadOffset = kDispatchTailOffset + kCounterBytes;
 constexpr int64_t kCombineTailOffset = kDispatchHeadOffset + kCounterBytes;
 constexpr int64_t kCombineHeadOffset = kCombineTailOffset + kCounterBytes;
@@ -201,6 +203,8 @@ constexpr int64_t kPutNotifyStageOffset = 2 * kControlBytes;
 constexpr int64_t kPutHeaderBytes =
     kPutNotifyStageOffset + ((int64_t)kMaxRanks * kNotifyInts * 4 + kBufferAlignment - 1) / kBufferAlignment *
                                 kBufferAlignment;
+static_assert(kPutNotifyStageOffset + (int64_t)kMaxRanks * kNotifyInts * 4 <= kPutHeaderBytes,
+              "put-peer notify staging: one whole slot per destination rank");
 struct PutLayout {
     int64_t ring_bytes;  // the kernels' region [0, ring_bytes); the put area starts here
     int64_t half;        // bytes of each ring half, and of each staging half
