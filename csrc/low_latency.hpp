@@ -70,8 +70,8 @@ class LowLatencyRuntime {
     // After an error: zero the control words, workspace and abort word, then the error record (no barrier: every
     // rank calls it between two host barriers, with no LL kernel in flight).
     void reset(int num_max_tokens, int hidden, int num_experts, uintptr_t stream);
-    // Zero an error record that holds kErrorArgumentMismatch (no rank aborted; the arrival bases are in step) and,
-    // on `stream`, the claim and mismatch words, so that the next LL kernels run again.
+    // Zero an error record that holds kErrorArgumentMismatch (no rank aborted) and, on `stream`, the claim and
+    // mismatch words, so that the LL kernels run again; after `clean` (which puts the arrival bases back in step).
     void clear_argument_error(uintptr_t stream);
     void destroy();
 

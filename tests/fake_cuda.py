@@ -223,6 +223,9 @@ def make_fake_extension(torch) -> types.ModuleType:
         def destroy(self):
             pass
 
+        def clean(self, num_max_tokens, hidden, num_experts, stream):
+            pass
+
         def dispatch(self, x, topk_idx, tokens, num_experts, recv_stats, wait_stats, use_fp8, round_scale, use_ue8m0,
                      half, phases, stream, current_after, outputs, signature_hash=0):
             if self.record is not None:

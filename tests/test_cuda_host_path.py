@@ -323,6 +323,8 @@ with fake.patched(torch, cuda_tensors=True):
     parity = ll._cuda_ll.parity
     attempt("ll next", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
     out["ll parity kept"] = ll._cuda_ll.parity == parity
+    attempt("ll again", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
+    attempt("ll clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
     attempt("ll after", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
     ll._release()
 dist.destroy_process_group()
@@ -361,8 +363,11 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
         assert out["worst"] == ["ok", "", ["notify", "dispatch"]], out["worst"]
         kind, message, launches = out["worst next"]
         assert kind == "ArgumentMismatchError" and launches == [] and "x.size(1) (hidden)" in message, out
-        # Low latency: the hashes differ, the next launch raises on both ranks, the parity is kept, then it works.
+        # Low latency: the hashes differ; every launch raises on both ranks, keeping the parity, until
+        # clean_low_latency_buffer; then the calls work.
         assert out["ll fp8"][0] == "ok", out["ll fp8"]
         kind, message, _ = out["ll next"]
         assert kind == "ArgumentMismatchError" and "use_fp8" in message and f"rank {1 - rank}" in message, out
-        assert out["ll parity kept"] and out["ll after"][0] == "ok", out
+        assert "clean_low_latency_buffer" in message and out["ll parity kept"], out
+        assert out["ll again"][0] == "ArgumentMismatchError", out["ll again"]
+        assert out["ll clean"][0] == "ok" and out["ll after"][0] == "ok", out

@@ -78,7 +78,8 @@ __attribute__((used)) static __device__ __noinline__ void report(const Context c
 }
 
 // kWaitMasked: the awaited peer was masked meanwhile (by another thread's timeout in shrink mode).
-enum WaitResult { kWaitOk = 0, kWaitTimeout = 1, kWaitAborted = 2, kWaitMasked = 3 };
+// kWaitDisagreed: `stop_on_disagreement` and a thread of this rank saw the call signatures differ (kWsMismatch).
+enum WaitResult { kWaitOk = 0, kWaitTimeout = 1, kWaitAborted = 2, kWaitMasked = 3, kWaitDisagreed = 4 };
 
 // Bounded spin until pred(value) holds on a local symmetric word. Every 64 spins: abort word, deadline and, when
 // `watch_peer` >= 0, its mask bit (so waits on a peer that another CTA has just masked stop within ~64 spins
@@ -86,7 +87,8 @@ enum WaitResult { kWaitOk = 0, kWaitTimeout = 1, kWaitAborted = 2, kWaitMasked =
 // Uses nvshmem_uint64_test when some peer is remote (its success path runs the proxy transports' consistency op).
 template <typename Pred>
 __device__ __forceinline__ WaitResult wait_word(const Context& ctx, uint64_t* addr, Pred pred, uint64_t* seen,
-                                                uint64_t* elapsed_ns, int watch_peer = -1) {
+                                                uint64_t* elapsed_ns, int watch_peer = -1,
+                                                bool stop_on_disagreement = false) {
     const uint64_t* abort = reinterpret_cast<const uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset);
     const uint64_t start = global_timer_ns();
     for (uint64_t spins = 0;; ++spins) {
@@ -103,6 +105,7 @@ __device__ __forceinline__ WaitResult wait_word(const Context& ctx, uint64_t* ad
             *elapsed_ns = elapsed;
             if (ld_acquire_sys_u64(abort) != 0) return kWaitAborted;
             if (watch_peer >= 0 && is_masked(ctx, watch_peer)) return kWaitMasked;
+            if (stop_on_disagreement && signatures_disagreed(ctx)) return kWaitDisagreed;
             if (elapsed > ctx.timeout_ns) return kWaitTimeout;
             if (spins > 4096) __nanosleep(64);
         }

@@ -8,8 +8,9 @@
 //   receive  every CTA waits for all count words of epoch n, derives the per-(expert, source) blocks in source
 //            order, waits until each source's arrival word reaches its private base + messages, and expands its
 //            share of the messages into the packed outputs. A source whose signature hash differs from this
-//            rank's gets no rows (its messages are still awaited, so the arrival bases stay in step) and the error
-//            record gets kErrorArgumentMismatch; later LL kernels return at once until the host clears it.
+//            rank's gets no rows, the error record gets kErrorArgumentMismatch, the rank's other waits of the call
+//            stop, and later LL dispatch and combine kernels return at once until clean_low_latency_buffer (the
+//            arrival bases are then out of step with the peers').
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -265,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Context ctx, Disp
             uint64_t seen = 0, elapsed = 0;
             const WaitResult res = wait_word(
                 ctx, word, [epoch](uint64_t v) { return int16_t(uint16_t(v >> 48) - uint16_t(epoch)) >= 0; }, &seen,
-                &elapsed);
+                &elapsed, -1, true);
             if (res == kWaitOk) {
                 value = uint32_t(seen & 0xffffu);
                 const uint32_t hash = uint32_t(seen >> 16);
@@ -279,6 +280,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Context ctx, Disp
                 }
                 if (j == L && b == 0 && a.wait_stats != nullptr)
                     atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + s), elapsed);
+            } else if (res == kWaitDisagreed) {
+                gone[s] = 2;
             } else if (on_wait_failure(ctx, res, kKernelLlDispatch, kPhaseLlDispatchWaitCounts, s, -1,
                                        epoch & 0xffffu, seen >> 48, elapsed)) {
                 gone[s] = 1;
@@ -314,13 +317,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Context ctx, Disp
     }
     // Data: the arrival word of each source reaches this CTA's base plus its message count.
     for (int s = tid; s < R; s += kThreads) {
-        if (gone[s] == 1 || nmsg[s] == 0) continue;
+        if (gone[s] || nmsg[s] == 0) continue;
         const uint64_t target = bases[s] + uint64_t(nmsg[s]);
         uint64_t seen = 0, elapsed = 0;
         uint64_t* word = reinterpret_cast<uint64_t*>(my_half + lay.darrive_off + int64_t(s) * 8);
         const WaitResult res =
-            wait_word(ctx, word, [target](uint64_t v) { return int64_t(v - target) >= 0; }, &seen, &elapsed);
-        if (res == kWaitOk) {
+            wait_word(ctx, word, [target](uint64_t v) { return int64_t(v - target) >= 0; }, &seen, &elapsed, -1, true);
+        if (res == kWaitDisagreed) {
+            gone[s] = 2;
+        } else if (res == kWaitOk) {
             bases[s] = target;
             if (b == 0 && a.wait_stats != nullptr)
                 atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + s), elapsed);

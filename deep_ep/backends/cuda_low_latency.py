@@ -7,8 +7,8 @@ dispatch/combine pairs in CUDA graphs) and the receive hook. A call crosses into
 ``dispatch`` / ``combine`` allocate the outputs on the current stream and make the plain stream waits, so a
 synchronous call makes no Python stream or event object. A kernel wait that runs out of ``DEEP_EP_TIMEOUT_S``
 raises at the next call (``CommTimeoutError`` / ``PeerAbortedError`` naming rank, peer and phase); a dispatch whose
-count messages carried another rank's call-signature hash moves no row from that rank and raises
-``ArgumentMismatchError`` at the next launch or hook, after which the Buffer is usable again; with
+count messages carried another rank's call-signature hash moves no row from that rank, and every low-latency
+launch or hook after it raises ``ArgumentMismatchError`` until ``clean_low_latency_buffer`` (collective); with
 ``enable_shrink`` a dispatch or combine wait that times out masks the silent rank instead and the call completes for
 the others (every rank then calls ``low_latency_clean_mask_buffer`` and ``clean_low_latency_buffer`` to let it
 rejoin).
@@ -34,8 +34,9 @@ _SEND, _RECV = 1, 2
 
 class LowLatencyCuda(Backend):
     """One rank's LL kernels. A dispatch's count messages carry the hash of its call signature
-    (``hashes_signature``): ranks that disagree take no row from each other, and every LL kernel returns at once
-    until the host has raised :class:`ArgumentMismatchError`.
+    (``hashes_signature``): ranks that disagree take no row from each other, and until
+    :meth:`clean_low_latency_buffer` every LL kernel returns at once and every call raises
+    :class:`ArgumentMismatchError`.
 
     Args:
         rank, num_ranks: position in the group (NVSHMEM PE = rank).
@@ -77,16 +78,15 @@ class LowLatencyCuda(Backend):
 
     def check_errors(self) -> None:
         """Raise the pending kernel error, if any (reads host-mapped memory; never synchronises). A disagreement
-        of call signatures raises :class:`ArgumentMismatchError` once and leaves the backend usable."""
+        of call signatures raises :class:`ArgumentMismatchError` until :meth:`clean_low_latency_buffer`."""
         record = self.runtime.read_error()
         if record is not None and record["code"] == "argument_mismatch":
-            self.runtime.clear_argument_error(torch.cuda.current_stream().cuda_stream)
             raise ArgumentMismatchError(
                 f"rank {self.rank}: the ranks disagree on the arguments of a low_latency_dispatch (hidden, "
-                "num_experts, num_max_dispatch_tokens_per_rank, top-k, use_fp8, round_scale, use_ue8m0, or another "
-                f"rank refused): {record['message']}, expected and observed being this rank's and rank "
-                f"{record['peer']}'s call-signature hash; no rank took rows from a rank that disagrees, and the "
-                "low-latency calls after it did nothing")
+                "num_experts, num_max_dispatch_tokens_per_rank, top-k, use_fp8, round_scale or use_ue8m0): "
+                f"{record['message']}, expected and observed being this rank's and rank {record['peer']}'s "
+                "call-signature hash; no rank took rows from a rank that disagrees and the low-latency calls since "
+                "did nothing; call clean_low_latency_buffer on every rank before the next low-latency call")
         raise_from_record(record)
 
     def _prologue(self, num_max_tokens: int, hidden: int, num_experts: int, check_errors: bool = True) -> None:
@@ -191,11 +191,16 @@ class LowLatencyCuda(Backend):
         return self.runtime.combine_buffer(tokens, hidden, num_experts, self.parity)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Collective: bounded barrier, zero every signal word, bounded barrier (on the current stream)."""
-        self._prologue(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        """Collective: bounded barrier, zero every signal word, bounded barrier (on the current stream). It also
+        ends the standstill after a disagreement of call signatures."""
+        record = self.runtime.read_error() if self.runtime is not None else None
+        disagreed = record is not None and record["code"] == "argument_mismatch"
+        self._prologue(num_max_dispatch_tokens_per_rank, hidden, num_experts, check_errors=not disagreed)
         stream = torch.cuda.current_stream()
         self.runtime.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts, stream.cuda_stream)
         stream.synchronize()
+        if disagreed:
+            self.runtime.clear_argument_error(stream.cuda_stream)
         self.check_errors()
 
     def reset(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
