@@ -149,10 +149,13 @@ class CudaBackend(Backend):
     _worst_signature: Optional[Signature] = None
     _worst_notify: Optional["torch.cuda.Event"] = None
 
-    def _check_signatures(self, signature: Signature) -> None:
-        """``check_agreement`` over the signatures the last notify gathered (ranks named as in errors)."""
-        gathered = torch.tensor(self.runtime.gathered_signatures(), dtype=torch.int64).view(self.num_ranks,
-                                                                                            SIGNATURE_WORDS)
+    def _check_signatures(self, signature: Signature, words: Optional[list] = None) -> None:
+        """``check_agreement`` over the signatures the last notify gathered (ranks named as in errors); ``words``:
+        ``signature.words()`` as a list, when the caller has it."""
+        raw = self.runtime.gathered_signatures()
+        if words is not None and raw == words * self.num_ranks:  # the common case, without building tensors
+            return
+        gathered = torch.tensor(raw, dtype=torch.int64).view(self.num_ranks, SIGNATURE_WORDS)
         names = self.rank_names if self.rank_names is not None else list(range(self.num_ranks))
         check_agreement(signature, gathered, names, names[self.rank])
 
@@ -161,7 +164,7 @@ class CudaBackend(Backend):
         ``signature`` so that the peers' notify completes and every peer raises :class:`ArgumentMismatchError`
         naming this rank; the caller then raises its own error."""
         if self.runtime is not None:
-            self.runtime.refuse_notify(signature.words().tolist(), self._comm_ptr)
+            self.runtime.refuse_notify(signature.values(), self._comm_ptr)
 
     def reset(self) -> None:
         """Collective: clear the error record and the kernels' private state on every rank after a failure."""
@@ -260,11 +263,11 @@ class CudaBackend(Backend):
                 worst = num_worst_tokens > 0
                 pair_counts = None
                 signature = request.signature  # the ranks' agreement rides in notify's slots
+                words = signature.values() if signature is not None else []
                 self.runtime.notify_dispatch(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank,
                                              num_experts, num_channels, request.expert_alignment, worst,
                                              rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
-                                             self._comm_ptr, after_current,
-                                             signature.words().tolist() if signature is not None else [], True)
+                                             self._comm_ptr, after_current, words, True)
                 after_current = False  # the notify launch did it
                 if worst:
                     # A disagreement comes back through the error record (the dispatch kernel then moves no row);
@@ -281,7 +284,7 @@ class CudaBackend(Backend):
                         self.check_errors()  # a device-side report names the missing peer: prefer it
                         raise CommTimeoutError(name_ranks(str(exc), self.rank_names, self.rank_scope)) from None
                     if signature is not None:
-                        self._check_signatures(signature)  # before any row moves: no dispatch kernel on any rank
+                        self._check_signatures(signature, words)  # before any row moves: no rank's dispatch kernel
                     per_expert_list = list(per_expert_list)
                     # The rows of every (source, destination) pair size a landing-zone combine with this handle.
                     pair_counts = self.runtime.pair_counts()
