@@ -77,6 +77,9 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     __shared__ int warp_dst_rank[kChannelWarps][kMaxRanks];   // destination of warp_dsts[w][k]
     __shared__ int64_t warp_dst_row[kChannelWarps][kMaxRanks];  // its output row if direct, else -1
 
+    // The notify of this call saw the ranks' signatures differ: every rank skips alike, no state advances.
+    if (args.agreement_gate && *workspace_u32(ctx, kWsNotifyMismatchOffset) != 0u) return;
+
     const int rank = ctx.rank, num_ranks = ctx.num_ranks, channel = static_cast<int>(blockIdx.x);
     const int num_channels = args.num_channels, capacity = geo.ring.capacity;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = lane_id();
