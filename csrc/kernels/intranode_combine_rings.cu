@@ -16,7 +16,8 @@ struct CombineGeometry {
     int64_t weights_offset;  // in the record
 };
 
-// kPut: some peers are NVSHMEM put peers (put.cuh): rows for them are staged and put with the tails.
+// kPut: some peers are NVSHMEM put peers (put.cuh): rows for them are staged and put per block by their ring
+// senders; the tails follow as signals.
 template <bool kPut>
 __global__ void __launch_bounds__(kChannelThreads, 1)
     combine_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ CombineArgs args,

@@ -54,9 +54,9 @@ struct DirectOutput {
     int64_t row_base;  // row of this channel's first token to the receiver
 };
 
-// kPut: some peers are NVSHMEM put peers (put.cuh). Rings only between put peers: a sender stages their records
-// in its put area and its publisher puts them with the tails; a receiver neither tells them where its outputs lie
-// nor receives their rows in place.
+// kPut: some peers are NVSHMEM put peers (put.cuh). Rings only between put peers: a sender's copy warps stage
+// their records in its put area and put them per block, its publisher signals the tails; a receiver neither tells
+// them where its outputs lie nor receives their rows in place.
 template <typename IdxT, bool kPut>
 __global__ void __launch_bounds__(kChannelThreads, 1)
     dispatch_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ DispatchArgs args,
