@@ -99,7 +99,7 @@ def test_send_warps_with_put_peers():
     for kernel in ("dispatch", "combine"):
         assert tuning.intranode_send_warps(kernel, 2, 16, puts=True) == tuning.PUT_SEND_WARPS[kernel]
     assert tuning.intranode_send_warps("dispatch", 2, 16, fp8=False, puts=True) == 24  # the table's row: 12
-    assert tuning.intranode_send_warps("combine", 2, 24, puts=True) == 24  # the table's row: 6
+    assert tuning.intranode_send_warps("combine", 2, 24, puts=True) == 22  # the table's row: 6
     assert tuning.intranode_send_warps("dispatch", 12, 16, puts=True) == 20  # 32 - R: a receiver per source
     with testing.overrides(dispatch_warps=10, combine_warps=9):
         assert tuning.intranode_send_warps("dispatch", 2, 16, puts=True) == 10
