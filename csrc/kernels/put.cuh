@@ -140,6 +140,7 @@ static __device__ __noinline__ void put_staged_runs(const KernelContext& ctx, co
                                                     uint32_t first, int count) {
 #ifndef DEEP_EP_DISABLE_NVSHMEM
     if (!__any_sync(0xffffffffu, count > 0)) return;
+    __syncwarp();
     if ((threadIdx.x & 31) == 0) fence_acq_rel_sys();
     __syncwarp();
     const int capacity = ring.capacity;
