@@ -52,6 +52,8 @@ class CudaBackend(Backend):
     copy_engine_combine = True
     # The Buffer argument that sizes this backend's buffer (named in messages).
     buffer_arg = "num_nvl_bytes"
+    # The ranks this rank reaches by NVSHMEM puts (cuda_internode.SymmetricCuda sets them; none over IPC).
+    put_peers: Sequence[int] = ()
 
     def __init__(self, rank: int, num_ranks: int, num_nvl_bytes: int,
                  all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:
@@ -298,7 +300,8 @@ class CudaBackend(Backend):
                 channel_prefix_matrix, recv_channel_prefix_matrix, send_head, num_recv_tokens, given_recv_src_idx,
                 data_offset, meta_offset, num_worst_tokens > 0 and not cached, num_channels,
                 config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
-                tuning.intranode_send_warps("dispatch", self.num_ranks, num_channels, scales is not None),
+                tuning.intranode_send_warps("dispatch", self.num_ranks, num_channels, scales is not None,
+                                            bool(self.put_peers)),
                 self._comm_ptr, after_current, scope.current_after)
 
             new_handle = None
@@ -397,7 +400,8 @@ class CudaBackend(Backend):
             if landed and path == "zone":
                 copy_ctas = tuning.zone_ctas(copy_ctas)
             send_warps = tuning.zone_send_warps() if landed and path == "zone" else \
-                tuning.intranode_send_warps("combine", self.num_ranks, copy_ctas if landed else num_channels)
+                tuning.intranode_send_warps("combine", self.num_ranks, copy_ctas if landed else num_channels,
+                                            puts=bool(self.put_peers))
             combined_x, combined_topk_weights = self.runtime.combine(
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,
