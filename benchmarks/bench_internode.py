@@ -8,9 +8,9 @@ internode test counts them: "RDMA" = (token, node) pairs sent x 2H, "NVL" = rows
 ``(1 + 4/128) / 2``). Predictions: ``simulator.predictions`` when simpy imports, else the rows of ``--predictions``;
 error = (predicted - measured) / measured against the rank-averaged wall time, at 24 SMs. ``--put`` adds phase
 "internode_put" (the Buffer built under ``deep_ep.testing.overrides(internode_put_only=True)``: peers by NVSHMEM
-puts, the path behind a NIC). ``--composed``: the fused kernels (``internode="fused"``, NVSHMEM buffer of
-``--num-rdma-bytes``) and the composed path (``internode="composed"``) next to the torch backend
-(``internode="torch"``), ranks sharing GPUs as 2 virtual nodes, wall times only::
+puts, the path behind a NIC; ``--put-warps`` sweeps its copy warps). ``--composed``: the fused kernels
+(``internode="fused"``, NVSHMEM buffer of ``--num-rdma-bytes``) and the composed path (``internode="composed"``) next
+to the torch backend (``internode="torch"``), ranks sharing GPUs as 2 virtual nodes, wall times only::
 
     python benchmarks/bench_internode.py --json $OUT/bench_internode.json
     python benchmarks/bench_internode.py --skip-intranode --put --json $OUT/inter_put.json
@@ -127,10 +127,14 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
         layout = buffer.get_dispatch_layout(topk_idx, e)
         per_node = layout.is_token_in_rank.view(n, num_nodes, -1).any(-1)
         rdma_pairs = int(per_node.sum())
-        try:
-            measure(buffer, rank, args, x, x_fp8, topk_idx, topk_weights, rdma_pairs, report, phase)
-        except Exception:  # noqa: BLE001
-            report["errors"].append(f"{phase}: {traceback.format_exc()}")
+        # The put phase sweeps the copy warps per channel (0: the Buffer's choice); phase internode_put_wN is N.
+        for warps in args.put_warps if phase == "internode_put" else [0]:
+            label = f"{phase}_w{warps}" if warps else phase
+            try:
+                with deep_ep.testing.overrides(**({"dispatch_warps": warps, "combine_warps": warps} if warps else {})):
+                    measure(buffer, rank, args, x, x_fp8, topk_idx, topk_weights, rdma_pairs, report, label)
+            except Exception:  # noqa: BLE001
+                report["errors"].append(f"{label}: {traceback.format_exc()}")
         torch.cuda.synchronize()
         buffer.destroy()
         dist.barrier()
@@ -164,6 +168,8 @@ def main() -> None:
     parser.add_argument("--skip-intranode", action="store_true", help="measure the internode phase(s) only")
     parser.add_argument("--put", action="store_true",
                         help="also the internode backend with every peer reached by puts (phase internode_put)")
+    parser.add_argument("--put-warps", type=int, nargs="+", default=[0],
+                        help="--put: copy warps per channel to sweep in the put phase; 0: the Buffer's choice")
     parser.add_argument("--composed", action="store_true",
                         help="the fused kernels and the composed path next to the torch backend, ranks sharing GPUs")
     parser.add_argument("--iters", type=int, default=10, help="--composed: warm-ups and timed calls per point")
@@ -189,15 +195,16 @@ def print_table(summary: dict, predicted: dict) -> None:
     print(f"# simulator: {summary['prediction_source']}; NVSHMEM over P2P (no NIC: IBGDA untested)")
     base = "torch" if any(p["phase"] == "torch" for p in rep["points"]) else "intranode"
     intra = {(p["op"], p["num_sms"]): p for p in rep["points"] if p["phase"] == base}
-    print(f"{'phase':<10}{'op':<15}{'SMs':>4}{'chunk':>6}{'wall us':>9}{'kern us':>9}{'NVL GB/s':>9}{'RDMA GB/s':>10}"
+    print(f"{'phase':<18}{'op':<15}{'SMs':>4}{'chunk':>6}{'wall us':>9}{'kern us':>9}{'NVL GB/s':>9}{'RDMA GB/s':>10}"
           f"{'vs ' + base[:5]:>9}{'sim us':>8}{'sim err':>8}")
     for p in rep["points"]:
         ratio = sim = err = "-"
         ref = intra.get((p["op"], p["num_sms"]))
-        if p["phase"] == "internode_put":  # against the pointer path
+        if p["phase"].startswith("internode_put"):  # against the pointer path
             ref = next((q for q in rep["points"] if q["phase"] == "internode" and q["op"] == p["op"]
                         and q["num_sms"] == p["num_sms"]), None)
-        if p["phase"] in ("internode", "composed", "fused", "internode_put") and ref is not None:
+        if (p["phase"] in ("internode", "composed", "fused") or p["phase"].startswith("internode_put")) \
+                and ref is not None:
             ratio = f"{p['nvl_GBps'] / ref['nvl_GBps']:.2f}"
         key = (p["phase"], *p["op"].split("_"))
         if key in predicted and p["num_sms"] == 24:  # the simulator's cases run 24 SMs
@@ -208,7 +215,7 @@ def print_table(summary: dict, predicted: dict) -> None:
             sim = f"{predicted[key]:.1f}"
             err = f"{(predicted[key] - measured) / measured * 100:+.0f}%"
         kern = f"{p['kernel_us']:.1f}" if p["kernel_us"] else "-"
-        print(f"{p['phase']:<10}{p['op']:<15}{p['num_sms']:>4}{p['chunk']:>6}{p['wall_us']:>9.1f}{kern:>9}"
+        print(f"{p['phase']:<18}{p['op']:<15}{p['num_sms']:>4}{p['chunk']:>6}{p['wall_us']:>9.1f}{kern:>9}"
               f"{p['nvl_GBps']:>9.0f}{p['rdma_GBps']:>10.0f}{ratio:>9}{sim:>8}{err:>8}")
     for r in summary["ranks"]:
         for e in r["errors"]:

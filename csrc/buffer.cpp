@@ -138,7 +138,9 @@ Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
     DEEP_EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_error_), host_error_, 0));
 
-    const size_t counter_bytes = sizeof(int) * (1 + kernels::kMaxLocalExperts + kernels::kMaxRanks * kernels::kMaxRanks);
+    // [rows, per expert, pairs] int32, then the signatures [kMaxRanks][kSignatureWords] int64 (8-byte aligned).
+    const size_t counter_bytes = sizeof(int) * kSignatureIntOffset +
+                                 sizeof(int64_t) * kernels::kMaxRanks * kernels::kSignatureWords;
     DEEP_EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_counters_), counter_bytes, cudaHostAllocMapped));
     for (int i = 0; i <= kernels::kMaxLocalExperts; ++i) host_counters_[i] = -1;
     DEEP_EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_counters_), host_counters_, 0));
@@ -284,6 +286,7 @@ void Runtime::destroy() {
     local_buffer_ = workspace_ = nullptr;
     host_error_ = device_error_ = nullptr;
     host_counters_ = device_counters_ = nullptr;
+    refusal_scratch_.clear();
 }
 
 void Runtime::require_available(const char* what) const {
@@ -486,8 +489,12 @@ void Runtime::notify_dispatch(const at::Tensor& num_tokens_per_rank, const at::T
                               const at::Tensor& is_token_in_rank, int num_experts, int num_channels,
                               int expert_alignment, bool worst_token_mode, const at::Tensor& rank_prefix_matrix,
                               const at::Tensor& channel_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
-                              uintptr_t stream, bool after_current) {
+                              uintptr_t stream, bool after_current, const std::vector<int64_t>& signature,
+                              bool check_signatures) {
     require_available("dispatch");
+    if (!signature.empty() && static_cast<int>(signature.size()) != kernels::kSignatureWords)
+        invalid("notify: the call signature must have %d words, got %d", kernels::kSignatureWords,
+                static_cast<int>(signature.size()));
     check_device("is_token_in_rank", is_token_in_rank, device_id_);
     check_device("num_tokens_per_rank", num_tokens_per_rank, device_id_);
     check_device("num_tokens_per_expert", num_tokens_per_expert, device_id_);
@@ -502,6 +509,9 @@ void Runtime::notify_dispatch(const at::Tensor& num_tokens_per_rank, const at::T
     args.rank_prefix_matrix = data_of<int>(rank_prefix_matrix, workspace_);
     args.channel_prefix_matrix = data_of<int>(channel_prefix_matrix, workspace_);
     args.recv_channel_prefix_matrix = data_of<int>(recv_channel_prefix_matrix, workspace_);
+    for (size_t w = 0; w < signature.size(); ++w) args.signature[w] = signature[w];
+    args.check_signatures = check_signatures && !signature.empty() ? 1 : 0;
+    args.host_signatures = reinterpret_cast<int64_t*>(device_counters_ + kSignatureIntOffset);
     args.host_counters = nullptr;
     if (!worst_token_mode) {
         // The previous non-worst notify was waited for before its call returned, so nothing writes here now.
@@ -512,6 +522,21 @@ void Runtime::notify_dispatch(const at::Tensor& num_tokens_per_rank, const at::T
     if (after_current) order(as_stream(stream), current_stream());
     auto ctx = next_context();
     kernels::intranode_notify(ctx, args, as_stream(stream));
+}
+
+void Runtime::refuse_notify(const std::vector<int64_t>& signature, uintptr_t stream) {
+    require_available("dispatch");
+    if (refusal_scratch_.empty()) {
+        // Allocated once and kept: the kernels only read the zeros and write the matrices nobody reads, so refusals
+        // (stream-ordered on `stream`) share them.
+        const auto ints = at::TensorOptions().device(at::kCUDA, device_id_).dtype(at::kInt);
+        refusal_scratch_ = {at::zeros({num_ranks_}, ints), at::empty({0, num_ranks_}, ints.dtype(at::kBool)),
+                            at::empty({num_ranks_, num_ranks_}, ints), at::empty({num_ranks_, 1}, ints),
+                            at::empty({num_ranks_, 1}, ints)};
+    }
+    const auto& t = refusal_scratch_;
+    // Zero tokens, one local expert, one channel, worst-token mode (nothing is published to the host counters).
+    notify_dispatch(t[0], t[0], t[1], num_ranks_, 1, 1, true, t[2], t[3], t[4], stream, true, signature, false);
 }
 
 std::pair<int, std::vector<int>> Runtime::wait_recv_counts(int num_local_experts) {
@@ -547,6 +572,26 @@ std::pair<int, std::vector<int>> Runtime::wait_recv_counts(int num_local_experts
     std::vector<int> per_expert(num_local_experts);
     for (int i = 0; i < num_local_experts; ++i) per_expert[i] = static_cast<const volatile int*>(host_counters_)[1 + i];
     return {num_recv_tokens, per_expert};
+}
+
+std::vector<int64_t> Runtime::gathered_signatures() const {
+    std::vector<int64_t> words(static_cast<size_t>(num_ranks_) * kernels::kSignatureWords);
+    const volatile int64_t* source = reinterpret_cast<const volatile int64_t*>(host_counters_ + kSignatureIntOffset);
+    for (size_t i = 0; i < words.size(); ++i) words[i] = source[i];
+    return words;
+}
+
+void Runtime::clear_argument_error(uintptr_t stream) {
+    require_available("clear_argument_error");
+    auto record = read_error();
+    if (!record.has_value() || record->code != kernels::kErrorArgumentMismatch)
+        invalid("clear_argument_error: the error record holds no argument mismatch");
+    // The claim word frees the record for the kernels once the stream reaches it; until then no kernel of this rank
+    // can claim the record, so it is zeroed here at once.
+    DEEP_EP_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(workspace_) + kernels::kWsErrorClaimOffset, 0, 4,
+                                       as_stream(stream)));
+    std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
+    std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 
 std::vector<int64_t> Runtime::pair_counts() const {
@@ -660,6 +705,7 @@ Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales
     args.num_send_warps = num_send_warps;
     args.direct_data_offset = direct_data_offset;
     args.direct_meta_offset = direct_meta_offset;
+    args.agreement_gate = given_recv_src_idx.has_value() ? 0 : 1;  // a non-cached dispatch follows its notify
     if (after_current) order(as_stream(stream), current_stream());
     auto ctx = next_context();
     kernels::intranode_dispatch(ctx, args, as_stream(stream));

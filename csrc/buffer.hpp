@@ -138,12 +138,23 @@ class Runtime {
                          const at::Tensor& is_token_in_rank, int num_experts, int num_channels, int expert_alignment,
                          bool worst_token_mode, const at::Tensor& rank_prefix_matrix,
                          const at::Tensor& channel_prefix_matrix, const at::Tensor& recv_channel_prefix_matrix,
-                         uintptr_t stream, bool after_current);
+                         uintptr_t stream, bool after_current, const std::vector<int64_t>& signature = {},
+                         bool check_signatures = false);
+
+    // The notify of a call this rank refused (its validation failed): zero counts and the refusal `signature`, in
+    // worst-token mode, comparing nothing; the peers' notify sees the refusal and the host raises on every rank.
+    void refuse_notify(const std::vector<int64_t>& signature, uintptr_t stream);
 
     // Bounded CPU wait for the counts of the last non-worst notify: (rows received, aligned per-local-expert counts).
     std::pair<int, std::vector<int>> wait_recv_counts(int num_local_experts);
     // After wait_recv_counts: count(s -> d) of the same notify for every pair, row-major [R * R].
     std::vector<int64_t> pair_counts() const;
+    // After wait_recv_counts (or once the error record holds an argument mismatch): every rank's call signature of
+    // the last notify, row-major [R * kSignatureWords] (the `signature` each rank passed to notify_dispatch).
+    std::vector<int64_t> gathered_signatures() const;
+    // Zero an error record that holds kErrorArgumentMismatch (a worst-token notify saw the signatures differ: no row
+    // moved, no rank aborted, so no reset is needed); the record's claim word is released on `stream`.
+    void clear_argument_error(uintptr_t stream);
 
     // Returns (recv_x [num_recv_rows, H] of x's dtype, recv_x_scales [num_recv_rows, S] of the scales' dtype when
     // x_scales is given, recv_src_idx [num_recv_rows] int32 (the given one, else a new one), recv_topk_idx
@@ -250,7 +261,12 @@ class Runtime {
 
     kernels::ErrorRecord* host_error_ = nullptr;    // host-mapped error record
     kernels::ErrorRecord* device_error_ = nullptr;  // its device alias
-    int* host_counters_ = nullptr;  // host-mapped [1 + kMaxLocalExperts + kMaxRanks^2]: rows, per expert, pairs
+    // host-mapped [1 + kMaxLocalExperts + kMaxRanks^2] int32 (rows, per expert, pairs), then from int32 index
+    // kSignatureIntOffset the int64 [kMaxRanks][kSignatureWords] signatures of the last notify
+    static constexpr int kSignatureIntOffset =
+        (1 + kernels::kMaxLocalExperts + kernels::kMaxRanks * kernels::kMaxRanks + 1) / 2 * 2;
+    int* host_counters_ = nullptr;
+    std::vector<at::Tensor> refusal_scratch_;  // refuse_notify's zero counts and unread outputs, made once
     int* device_counters_ = nullptr;
     cudaEvent_t order_event_ = nullptr;             // reused by order(): a wait snapshots the event's last record
     cudaStream_t copy_stream_ = nullptr;            // copy-engine combine: copies and their flags

@@ -174,7 +174,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, at::Te
     const at::Tensor& x, const at::Tensor& topk_idx, int num_max_tokens, int num_experts,
     const std::optional<at::Tensor>& cumulative_stats, const std::optional<at::Tensor>& wait_stats, bool use_fp8,
     bool round_scale, bool use_ue8m0, int half, int phases, uintptr_t comm_stream, bool current_after,
-    const std::vector<at::Tensor>& outputs) {
+    const std::vector<at::Tensor>& outputs, uint32_t signature_hash) {
     const int hidden = static_cast<int>(x.size(1));
     require_alive("low_latency_dispatch");
     require_no_error();
@@ -222,6 +222,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, at::Te
     a.wait_stats = ptr_or_null<int64_t>(wait_stats);
     a.half = half;
     a.phases = phases;
+    a.signature_hash = signature_hash;
     const cudaStream_t stream = enter(comm_stream);
     ll::dispatch(ctx, a, stream);
     leave(stream, current_after);
@@ -316,6 +317,17 @@ void LowLatencyRuntime::reset(int num_max_tokens, int hidden, int num_experts, u
     auto ctx = context(num_max_tokens, hidden, num_experts);
     ll::clean(ctx, as_stream(stream));
     DEEP_EP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
+    std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+void LowLatencyRuntime::clear_argument_error(uintptr_t stream) {
+    auto record = read_error();
+    DEEP_EP_CHECK_ARG(record.has_value() && record->code == kernels::kErrorArgumentMismatch,
+                      "clear_argument_error: the error record holds no argument mismatch");
+    // Claim word (0) and mismatch word (16) of the workspace; no kernel of this rank claims the record meanwhile.
+    DEEP_EP_CUDA_CHECK(cudaMemsetAsync(workspace_, 0, 4, as_stream(stream)));
+    DEEP_EP_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(workspace_) + 16, 0, 4, as_stream(stream)));
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
     std::atomic_thread_fence(std::memory_order_seq_cst);
 }

@@ -42,12 +42,13 @@ class LowLatencyRuntime {
     // waits (the receive hook's launches). Otherwise on `comm_stream`, after it waited for the current stream; then,
     // with `current_after`, the current stream waits for it (a synchronous call).
     // Outputs: `outputs` empty allocates them; else they are the ones a send launch returned (receive hook).
+    // `signature_hash`: the call's signature hash (DispatchArgs::signature_hash; the same for both launches).
     // Returns (recv_x, recv_scales or None, packed_recv_count, src_info, layout_range).
     std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> dispatch(
         const at::Tensor& x, const at::Tensor& topk_idx, int num_max_tokens, int num_experts,
         const std::optional<at::Tensor>& cumulative_stats, const std::optional<at::Tensor>& wait_stats, bool use_fp8,
         bool round_scale, bool use_ue8m0, int half, int phases, uintptr_t comm_stream, bool current_after,
-        const std::vector<at::Tensor>& outputs);
+        const std::vector<at::Tensor>& outputs, uint32_t signature_hash);
     // Same streams as dispatch; `out` absent allocates the [N, H] BF16 output. Returns it.
     at::Tensor combine(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                        const at::Tensor& src_info, const at::Tensor& layout_range, int num_max_tokens, int num_experts,
@@ -69,6 +70,9 @@ class LowLatencyRuntime {
     // After an error: zero the control words, workspace and abort word, then the error record (no barrier: every
     // rank calls it between two host barriers, with no LL kernel in flight).
     void reset(int num_max_tokens, int hidden, int num_experts, uintptr_t stream);
+    // Zero an error record that holds kErrorArgumentMismatch (no rank aborted) and, on `stream`, the claim and
+    // mismatch words, so that the LL kernels run again; after `clean` (which puts the arrival bases back in step).
+    void clear_argument_error(uintptr_t stream);
     void destroy();
 
    private:

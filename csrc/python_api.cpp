@@ -16,10 +16,11 @@ namespace {
 py::object error_dict(const deep_ep::Runtime& runtime) {
     auto record = runtime.read_error();
     if (!record.has_value()) return py::none();
-    static const char* codes[] = {"none", "timeout", "peer_aborted", "bad_routing", "count_mismatch"};
+    static const char* codes[] = {"none", "timeout", "peer_aborted", "bad_routing", "count_mismatch",
+                                  "argument_mismatch"};
     const int code = record->code;
     py::dict out;
-    out["code"] = (code >= 0 && code <= 4) ? codes[code] : "unknown";
+    out["code"] = (code >= 0 && code <= 5) ? codes[code] : "unknown";
     out["message"] = deep_ep::format_error(*record);
     out["rank"] = record->rank;
     out["peer"] = record->peer;
@@ -88,6 +89,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("notify_dispatch", &deep_ep::Runtime::notify_dispatch)
         .def("wait_recv_counts", &deep_ep::Runtime::wait_recv_counts, py::call_guard<py::gil_scoped_release>())
         .def("pair_counts", &deep_ep::Runtime::pair_counts)
+        .def("gathered_signatures", &deep_ep::Runtime::gathered_signatures)
+        .def("refuse_notify", &deep_ep::Runtime::refuse_notify)
+        .def("clear_argument_error", &deep_ep::Runtime::clear_argument_error)
         .def("would_copy", &deep_ep::Runtime::would_copy)
         .def("get_copy_epoch", &deep_ep::Runtime::get_copy_epoch)
         .def("get_pool_offset", &deep_ep::Runtime::get_pool_offset)
@@ -128,10 +132,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              [](const deep_ep::LowLatencyRuntime& r) -> py::object {
                  auto record = r.read_error();
                  if (!record.has_value()) return py::none();
-                 static const char* codes[] = {"none", "timeout", "peer_aborted", "bad_routing", "count_mismatch"};
+                 static const char* codes[] = {"none", "timeout", "peer_aborted", "bad_routing", "count_mismatch",
+                                               "argument_mismatch"};
                  const int code = record->code;
                  py::dict out;
-                 out["code"] = (code >= 0 && code <= 4) ? codes[code] : "unknown";
+                 out["code"] = (code >= 0 && code <= 5) ? codes[code] : "unknown";
                  out["message"] = deep_ep::format_ll_error(*record);
                  out["rank"] = record->rank;
                  out["peer"] = record->peer;
@@ -139,6 +144,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                  return out;
              })
         .def("reset", &deep_ep::LowLatencyRuntime::reset)
+        .def("clear_argument_error", &deep_ep::LowLatencyRuntime::clear_argument_error)
         .def("destroy", &deep_ep::LowLatencyRuntime::destroy);
 #endif
 }

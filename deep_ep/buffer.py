@@ -6,7 +6,8 @@ naming the argument, the rule and the value), resolves defaults and configs, and
 device (``deep_ep.backends.selection``): the CUDA kernels for CUDA tensors where they serve the group, the composed
 path for ``N`` nodes x ``G > 1`` GPUs, else the torch backend (``torch.distributed``: gloo on CPU, NCCL on GPU).
 Backends return the NamedTuples of ``deep_ep.results``. Where the torch backend serves a collective call, the ranks
-first check that they agree on its arguments (``deep_ep.backends.agreement``). The Buffer also owns the receives of
+first check that they agree on its arguments (``deep_ep.backends.agreement``); a non-cached dispatch of the CUDA
+kernels checks it in their notify kernel. The Buffer also owns the receives of
 low-latency hooks (a dropped hook's receive runs at the next call) and counts low-latency calls to refuse reuse of a
 buffer half still in use.
 """
@@ -70,10 +71,10 @@ class _Agreement:
     its validation: :meth:`agree` exchanges the call's signature; a ``TypeError``/``ValueError`` raised in the block
     before that sends a refusal in its place, so that the peers raise at once instead of waiting."""
 
-    __slots__ = ("buffer", "method", "mode", "device", "backend", "rides", "signature", "done")
+    __slots__ = ("buffer", "method", "mode", "device", "backend", "rides", "signature", "done", "cached")
 
-    def __init__(self, buffer: "Buffer", method: str, mode: str) -> None:
-        self.buffer, self.method, self.mode = buffer, method, mode
+    def __init__(self, buffer: "Buffer", method: str, mode: str, cached: bool = False) -> None:
+        self.buffer, self.method, self.mode, self.cached = buffer, method, mode, cached
         self.device: Optional[str] = _UNKNOWN_DEVICE
         self.backend: Optional[Backend] = None  # the backend serving the call, once chosen
         # rides: the torch backend's count exchange of the call carries the signature (``signature``, for the
@@ -88,7 +89,17 @@ class _Agreement:
     def _exchange(self, fields: Sequence[tuple[str, Any]], refused: Optional[str] = None) -> None:
         self.done = True
         torch_backend = self.buffer._agreeing(self.mode, self.device, self.backend)
-        if torch_backend is None:  # the CUDA kernels, or one rank: nothing to exchange
+        if torch_backend is None:
+            # The CUDA kernels: a non-cached dispatch carries the signature in its notify kernel (a refusal launches
+            # that notify with zero counts), a low-latency dispatch its hash in its count messages; other calls,
+            # and a single rank, exchange nothing.
+            kernels = self.buffer._kernel_agreeing(self.method, self.device, self.backend, self.cached)
+            if kernels is not None:
+                signature = Signature(self.method, fields, refused)
+                if refused is None:
+                    self.signature = signature
+                elif hasattr(kernels, "refuse_dispatch"):
+                    kernels.refuse_dispatch(signature)
             return
         signature = Signature(self.method, fields, refused)
         if self.rides and refused is None:
@@ -263,6 +274,21 @@ class Buffer:
             if candidate is not self._torch and not (candidate is self._composed and self._composed_device == "cpu"):
                 return None
         return self._torch
+
+    def _kernel_agreeing(self, method: str, device: Optional[str], backend: Optional[Backend],
+                         cached: bool) -> Optional[Backend]:
+        """The CUDA backend whose kernels carry the agreement of the call: the notify kernel of a non-cached
+        ``dispatch`` (``backend``, or the CUDA route when the device is unknown), the count messages of a
+        ``low_latency_dispatch``; else ``None``."""
+        if self.group_size == 1 or self._destroyed:
+            return None
+        if method == "low_latency_dispatch":
+            return backend if getattr(backend, "hashes_signature", False) else None
+        if method != "dispatch" or cached:
+            return None
+        if backend is None and device == _UNKNOWN_DEVICE:
+            backend = self._routes.get(("normal", "cuda"))
+        return backend if hasattr(backend, "refuse_dispatch") else None
 
     def _ll_backend(self, method: str, device: Optional[str], hidden: int, use_fp8: bool = False,
                     use_ue8m0: bool = False) -> Backend:
@@ -489,7 +515,7 @@ class Buffer:
             ``(recv_x, None, None, None, None, event)``.
         """
         self._settle_receives()
-        with _Agreement(self, "dispatch", "normal") as agreement:
+        with _Agreement(self, "dispatch", "normal", cached=handle is not None) as agreement:
             data, scales = v.split_dispatch_x(x)
             agreement.device = _device_type(data)
             agreement.backend = self._backend("dispatch", "normal", agreement.device)

@@ -127,8 +127,12 @@ INTRANODE_MAX_RANKS = NUM_MAX_RING_RANKS
 INTRANODE_MAX_CHANNELS = 160
 INTRANODE_MAX_TOPK = 16
 INTRANODE_MAX_LOCAL_EXPERTS = 1024
-# int32 per (parity, source) notify slot: [R totals][L expert counts][C channel counts], at fixed positions.
-INTRANODE_NOTIFY_INTS = INTRANODE_MAX_RANKS + INTRANODE_MAX_LOCAL_EXPERTS + INTRANODE_MAX_CHANNELS
+# int64 words of a call signature (deep_ep.backends.agreement.SIGNATURE_WORDS) in each notify slot.
+INTRANODE_SIGNATURE_WORDS = 32
+# int32 per (parity, source) notify slot: [R totals][L expert counts][C channel counts][the source's call signature,
+# INTRANODE_SIGNATURE_WORDS int64], at fixed positions.
+INTRANODE_NOTIFY_INTS = (INTRANODE_MAX_RANKS + INTRANODE_MAX_LOCAL_EXPERTS + INTRANODE_MAX_CHANNELS
+                         + 2 * INTRANODE_SIGNATURE_WORDS)
 # Bytes of the private device workspace the kernels keep their ring shadows and epochs in.
 INTRANODE_WORKSPACE_BYTES = 1 << 20
 _COUNTER_BYTES = INTRANODE_MAX_CHANNELS * INTRANODE_MAX_RANKS * INT32_BYTES
@@ -182,7 +186,8 @@ def intranode_workspace_layout() -> Layout:
     host-mapped error record; the four shadows are uint32 ``[160][16]``: the sender's last published tail per
     (channel, destination) and the receiver's consumed head per (channel, source), for dispatch and combine;
     ``dispatch_epoch`` uint32 ``[160]`` counts the dispatch calls each channel took part in (the epoch of the
-    ``dispatch_output`` words); ``combine_done`` counts the CTAs of a copy-engine combine that finished.
+    ``dispatch_output`` words); ``combine_done`` counts the CTAs of a copy-engine combine that finished;
+    ``notify_mismatch`` is 1 when the call signatures of the last notify disagreed (its dispatch moves no row).
     """
     return chain(("notify_epoch", INT32_BYTES),
                  ("barrier_epoch", INT32_BYTES),
@@ -194,7 +199,8 @@ def intranode_workspace_layout() -> Layout:
                  ("combine_tail_shadow", _COUNTER_BYTES),
                  ("combine_head_shadow", _COUNTER_BYTES),
                  ("dispatch_epoch", INTRANODE_MAX_CHANNELS * INT32_BYTES),
-                 ("combine_done", INT32_BYTES))
+                 ("combine_done", INT32_BYTES),
+                 ("notify_mismatch", INT32_BYTES))
 
 
 def intranode_dispatch_record_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:

@@ -1,7 +1,9 @@
 """A stand-in ``deep_ep._C`` and CUDA stream API, so that the CUDA backends' host path runs on a CPU machine.
 
 The fake kernels do nothing but allocate the outputs the real ones allocate (``torch.empty`` on CPU); streams and
-events are free; with ``patched(torch, cuda_tensors=True)`` every tensor claims ``is_cuda``. Install it before
+events are free; with ``patched(torch, cuda_tensors=True)`` every tensor claims ``is_cuda``. The call signatures
+the kernels exchange (notify slots, low-latency count words) travel through ``torch.distributed.all_gather_object``
+over the default group, and a disagreement the kernels would record fills the fake error record. Install it before
 ``deep_ep`` is imported (``sys.modules["deep_ep._C"] = make_fake_extension(torch)``), in a process of its own:
 the patches are global. ``tests/test_cuda_host_path.py`` records, through subclasses of these fakes, which stream
 waits and output blocks each call asks the extension for.
@@ -82,14 +84,25 @@ def make_fake_extension(torch) -> types.ModuleType:
             raise ValueError(f"config.num_sms must be in [1, {ext.MAX_CHANNELS}], got {num_sms}")
         return num_sms
 
+    def gather(value):
+        """Every rank's ``value`` (the exchange a kernel makes through the peers' buffers)."""
+        import torch.distributed as dist
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+
     class Runtime:
-        """The normal-mode runtime. ``num_recv`` / ``per_expert``: what the fake notify reports as received."""
+        """The normal-mode runtime. ``num_recv`` / ``per_expert``: what the fake notify reports as received;
+        ``launches``: the kernels launched (``notify``, ``refuse``, ``dispatch``), in order."""
 
         def __init__(self, rank, num_ranks, num_nvl_bytes, timeout_s, **kwargs):
             self.rank, self.num_ranks, self.num_nvl_bytes = rank, num_ranks, num_nvl_bytes
             self.num_recv = 0
             self.per_expert = []
             self.pool_blocks = {}  # offset -> weak references to the tensors viewing the block
+            self.record = None  # the error record
+            self.signatures = [0] * (32 * num_ranks)  # every rank's signature of the last notify
+            self.launches = []
 
         def get_local_device_id(self):
             return 0
@@ -101,7 +114,11 @@ def make_fake_extension(torch) -> types.ModuleType:
             pass
 
         def read_error(self):
-            return None
+            return self.record
+
+        def clear_argument_error(self, stream):
+            assert self.record is not None and self.record["code"] == "argument_mismatch", self.record
+            self.record = None
 
         def destroy(self):
             pass
@@ -127,7 +144,28 @@ def make_fake_extension(torch) -> types.ModuleType:
                     torch.empty(topk_idx.size(0), self.num_ranks, dtype=torch.bool))
 
         def notify_dispatch(self, *args):
-            pass
+            worst, words, check = args[6], args[12], args[13]
+            self.launches.append("notify")
+            self._exchange(words, check, worst)
+
+        def refuse_notify(self, words, stream):
+            self.launches.append("refuse")
+            self._exchange(words, False, True)
+
+        def _exchange(self, words, check, worst):
+            """The notify slots' signatures: gathered, compared when ``check``; in worst-token mode a difference
+            fills the record (the dispatch kernel then moves nothing)."""
+            if not words:
+                return
+            rows = gather(list(words))
+            self.signatures = [w for row in rows for w in row]
+            differ = [s for s, row in enumerate(rows) if row != list(words)]
+            if check and worst and differ and self.record is None:
+                self.record = dict(code="argument_mismatch", rank=self.rank, peer=differ[0],
+                                   message=f"notify agreement: rank {self.rank} peer {differ[0]} (fake)")
+
+        def gathered_signatures(self):
+            return list(self.signatures)
 
         def wait_recv_counts(self, num_local_experts):
             return self.num_recv, self.per_expert
@@ -138,6 +176,7 @@ def make_fake_extension(torch) -> types.ModuleType:
         def dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, is_token_in_rank, rank_prefix_matrix,
                      channel_prefix_matrix, recv_channel_prefix_matrix, send_head, rows, recv_src_idx, data_offset,
                      meta_offset, *rest):
+            self.launches.append("dispatch")
             scales = None if x_scales is None else torch.empty(rows, x_scales.size(1), dtype=x_scales.dtype)
             if recv_src_idx is None:
                 recv_src_idx = torch.empty(rows, dtype=torch.int32)
@@ -162,7 +201,8 @@ def make_fake_extension(torch) -> types.ModuleType:
         of a hook) or allocate them."""
 
         def __init__(self, rank, num_ranks, num_rdma_bytes, timeout_s, enable_shrink, unique_id, put_only=False):
-            self.num_ranks = num_ranks
+            self.rank, self.num_ranks = rank, num_ranks
+            self.record = None
 
         def required_bytes(self, num_max_tokens, hidden, num_experts):
             return 0
@@ -174,13 +214,29 @@ def make_fake_extension(torch) -> types.ModuleType:
             return 132
 
         def read_error(self):
-            return None
+            return self.record
+
+        def clear_argument_error(self, stream):
+            assert self.record is not None and self.record["code"] == "argument_mismatch", self.record
+            self.record = None
 
         def destroy(self):
             pass
 
+        def clean(self, num_max_tokens, hidden, num_experts, stream):
+            pass
+
         def dispatch(self, x, topk_idx, tokens, num_experts, recv_stats, wait_stats, use_fp8, round_scale, use_ue8m0,
-                     half, phases, stream, current_after, outputs):
+                     half, phases, stream, current_after, outputs, signature_hash=0):
+            if self.record is not None:
+                raise DeviceError("a low-latency kernel error is pending (read_error() has it)")
+            if phases & 1 and self.num_ranks > 1:  # the count words carry the hash
+                hashes = gather(signature_hash)
+                differ = [s for s, h in enumerate(hashes) if h != signature_hash]
+                if differ:
+                    self.record = dict(code="argument_mismatch", rank=self.rank, peer=differ[0],
+                                       message=f"low_latency_dispatch agreement: rank {self.rank} peer {differ[0]} "
+                                               f"expected {signature_hash} observed {hashes[differ[0]]} (fake)")
             if outputs:
                 return outputs[0], outputs[4] if use_fp8 else None, outputs[1], outputs[2], outputs[3]
             num_local, rows, hidden = num_experts // self.num_ranks, self.num_ranks * tokens, x.size(1)
@@ -196,6 +252,8 @@ def make_fake_extension(torch) -> types.ModuleType:
 
         def combine(self, x, topk_idx, topk_weights, src_info, layout_range, tokens, num_experts, use_logfmt,
                     zero_copy, out, *rest):
+            if self.record is not None:
+                raise DeviceError("a low-latency kernel error is pending (read_error() has it)")
             return out if out is not None else torch.empty(topk_idx.size(0), x.size(2), dtype=x.dtype)
 
     ext.Runtime = Runtime

@@ -35,7 +35,7 @@ class Recording(ext.Runtime):
         calls.append(["layout", *args[-2:]])
         return super().get_dispatch_layout(*args)
     def notify_dispatch(self, *args):
-        calls.append(["notify", args[-1]])
+        calls.append(["notify", args[11]])  # after_current (the signature and its check follow)
     def dispatch(self, *args):
         calls.append(["dispatch", *args[-2:]])
         offsets.append(list(args[12:14]))
@@ -106,7 +106,7 @@ class Recording(ext.LowLatencyRuntime):
     def dispatch(self, *args):
         if pending:
             raise ext.DeviceError("a low-latency kernel error is pending")
-        phases, stream, current_after, outputs = args[-4:]
+        phases, stream, current_after, outputs = args[-5:-1]  # the signature hash follows
         calls.append(["dispatch", phases, stream != 0, current_after, len(outputs)])
         return super().dispatch(*args)
     def combine(self, *args):
@@ -268,3 +268,106 @@ def test_ll_launches_per_mode():
         # UE8M0 scales: [L, R*T, H/512] int32, column-major.
         assert out[mode]["scales"] == [[8, 16, 2], [32, 1, 16], "torch.int32"], mode
 
+
+
+# Two ranks (argv: ROOT RANK PORT) whose fake kernels exchange the call signatures (tests/fake_cuda.py): the normal
+# dispatch with a disagreement, a refusal, a worst-token disagreement, each followed by a correct call; then the
+# low-latency dispatch with use_fp8 on rank 0 only. Prints, per step, the outcome and the kernels launched.
+_AGREE_PROBE = _PRELUDE + r"""
+import reference
+from deep_ep.config import Topology
+
+rank, port = int(sys.argv[2]), sys.argv[3]
+os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", port
+dist.init_process_group("gloo", rank=rank, world_size=2)
+group = dist.new_group([0, 1])
+x, _, topk_idx, topk_weights = fake.scenario(torch, deep_ep, 16, 256, 4, 8)
+real = reference.get_dispatch_layout(topk_idx, 8, Topology(2, 2))
+wide = torch.cat([x, x], 1)
+out = {}
+
+def attempt(name, runtime, call):
+    before = len(getattr(runtime, "launches", []))
+    try:
+        call()
+        out[name] = ["ok", "", getattr(runtime, "launches", [])[before:]]
+    except Exception as exc:
+        out[name] = [type(exc).__name__, str(exc), getattr(runtime, "launches", [])[before:]]
+
+with fake.patched(torch, cuda_tensors=True):
+    os.environ["DEEP_EP_BACKEND"] = "cuda"
+    buffer = deep_ep.Buffer(group, num_nvl_bytes=1 << 30)
+    runtime = buffer.runtime.runtime
+    runtime.num_recv, runtime.per_expert = 16, [4] * 4
+    counts = dict(num_tokens_per_rank=real.num_tokens_per_rank, is_token_in_rank=real.is_token_in_rank,
+                  num_tokens_per_expert=real.num_tokens_per_expert)
+
+    def dispatch(data=x, **kwargs):
+        return buffer.dispatch(data, topk_idx=topk_idx, topk_weights=topk_weights, **{**counts, **kwargs})
+
+    attempt("agree", runtime, dispatch)
+    attempt("hidden", runtime, lambda: dispatch(wide if rank == 1 else x))
+    attempt("after hidden", runtime, dispatch)
+    bad_counts = real.num_tokens_per_rank.to(torch.int64) if rank == 1 else real.num_tokens_per_rank
+    attempt("refused", runtime, lambda: dispatch(num_tokens_per_rank=bad_counts))
+    attempt("after refused", runtime, dispatch)
+    attempt("worst", runtime, lambda: dispatch(wide if rank == 1 else x, num_worst_tokens=64))
+    attempt("worst next", runtime, dispatch)
+    attempt("after worst", runtime, dispatch)
+    buffer._release()
+
+    ll = deep_ep.Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True)
+    x_ll, _, idx_ll, _ = fake.scenario(torch, deep_ep, 16, 1024, 4, 8)
+    ll_runtime = ll._cuda_ll.runtime
+    attempt("ll fp8", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8, use_fp8=rank == 0))
+    parity = ll._cuda_ll.parity
+    attempt("ll next", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
+    out["ll parity kept"] = ll._cuda_ll.parity == parity
+    attempt("ll again", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
+    attempt("ll clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
+    attempt("ll after", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
+    ll._release()
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_cuda_ranks_that_disagree_raise_on_every_rank():
+    port = str(29900 + os.getpid() % 90)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DEEP_EP_")}, "PYTHONPATH": ROOT}
+    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_PROBE, ROOT, str(rank), port], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    for rank, out in enumerate(outs):
+        ok = ["ok", "", ["notify", "dispatch"]]
+        assert out["agree"] == out["after hidden"] == out["after refused"] == out["after worst"] == ok, out
+        # Hidden sizes differ: both ranks raise naming the argument and who holds what, after notify and before
+        # any dispatch kernel.
+        kind, message, launches = out["hidden"]
+        assert kind == "ArgumentMismatchError" and launches == ["notify"], out["hidden"]
+        assert "x.size(1) (hidden)" in message and "ranks [0]" in message and "=512" in message, message
+        # Rank 1 refuses its own arguments: it launches the zero-count notify and raises its own error; rank 0
+        # raises ArgumentMismatchError naming rank 1 and the argument.
+        kind, message, launches = out["refused"]
+        if rank == 1:
+            assert kind in ("TypeError", "ValueError") and "num_tokens_per_rank" in message, out["refused"]
+            assert launches == ["refuse"], out["refused"]
+        else:
+            assert kind == "ArgumentMismatchError" and "rank 1 (num_tokens_per_rank)" in message, out["refused"]
+            assert launches == ["notify"], out["refused"]
+        # Worst-token mode has no host wait: the notify's record raises at the next call, before its launches.
+        assert out["worst"] == ["ok", "", ["notify", "dispatch"]], out["worst"]
+        kind, message, launches = out["worst next"]
+        assert kind == "ArgumentMismatchError" and launches == [] and "x.size(1) (hidden)" in message, out
+        # Low latency: the hashes differ; every launch raises on both ranks, keeping the parity, until
+        # clean_low_latency_buffer; then the calls work.
+        assert out["ll fp8"][0] == "ok", out["ll fp8"]
+        kind, message, _ = out["ll next"]
+        assert kind == "ArgumentMismatchError" and "use_fp8" in message and f"rank {1 - rank}" in message, out
+        assert "clean_low_latency_buffer" in message and out["ll parity kept"], out
+        assert out["ll again"][0] == "ArgumentMismatchError", out["ll again"]
+        assert out["ll clean"][0] == "ok" and out["ll after"][0] == "ok", out

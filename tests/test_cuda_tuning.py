@@ -76,9 +76,10 @@ def test_send_warps_fit_every_ring_group():
         with testing.overrides(dispatch_warps=override, combine_warps=override):
             for num_ranks in range(2, NUM_MAX_RING_RANKS + 1):
                 for channels, fp8 in ((8, False), (16, True), (24, False)):
-                    d = tuning.intranode_send_warps("dispatch", num_ranks, channels, fp8)
-                    c = tuning.intranode_send_warps("combine", num_ranks, channels)
-                    assert 2 <= d <= 32 - num_ranks and num_ranks - 1 <= c <= 30, (override, num_ranks, d, c)
+                    for puts in (False, True):
+                        d = tuning.intranode_send_warps("dispatch", num_ranks, channels, fp8, puts)
+                        c = tuning.intranode_send_warps("combine", num_ranks, channels, puts=puts)
+                        assert 2 <= d <= 32 - num_ranks and num_ranks - 1 <= c <= 30, (override, num_ranks, d, c)
 
 
 def test_send_warps_follow_the_table():
@@ -90,6 +91,19 @@ def test_send_warps_follow_the_table():
     with testing.overrides(dispatch_warps=10):
         assert tuning.intranode_send_warps("dispatch", 2, 16) == 10
         assert tuning.intranode_send_warps("combine", 2, 16) == 8  # the other kernel keeps its row
+
+
+def test_send_warps_with_put_peers():
+    """A rank with NVSHMEM put peers gives most warps to the senders (they also issue the puts), clamped per rank
+    count; an override still wins."""
+    for kernel in ("dispatch", "combine"):
+        assert tuning.intranode_send_warps(kernel, 2, 16, puts=True) == tuning.PUT_SEND_WARPS[kernel]
+    assert tuning.intranode_send_warps("dispatch", 2, 16, fp8=False, puts=True) == 24  # the table's row: 12
+    assert tuning.intranode_send_warps("combine", 2, 24, puts=True) == 22  # the table's row: 6
+    assert tuning.intranode_send_warps("dispatch", 12, 16, puts=True) == 20  # 32 - R: a receiver per source
+    with testing.overrides(dispatch_warps=10, combine_warps=9):
+        assert tuning.intranode_send_warps("dispatch", 2, 16, puts=True) == 10
+        assert tuning.intranode_send_warps("combine", 2, 16, puts=True) == 9
 
 
 # ---------------------------------------------------------------------------------------------------------------

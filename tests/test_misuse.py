@@ -494,7 +494,7 @@ _CUDA_MISUSE_PROBE = PROBE_HEAD + r"""
 launches = []
 class Recording(ext.LowLatencyRuntime):
     def dispatch(self, *args):
-        launches.append(["dispatch", args[-4]])
+        launches.append(["dispatch", args[10]])
         return super().dispatch(*args)
     def combine(self, *args):
         launches.append(["combine", args[12]])

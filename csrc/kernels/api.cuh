@@ -47,6 +47,7 @@ enum ErrorCode : int32_t {
     kErrorPeerAborted = 2,    // another rank (ErrorRecord::peer) reported an error first
     kErrorBadRouting = 3,     // routing inconsistent with the outputs (e.g. more rows than num_worst_tokens)
     kErrorCountMismatch = 4,  // num_tokens_per_rank disagrees with is_token_in_rank
+    kErrorArgumentMismatch = 5,  // the ranks' call signatures differ (worst-token notify; no row moved, no abort)
 };
 
 enum KernelId : int32_t {
@@ -72,6 +73,8 @@ enum Phase : int32_t {
     kPhaseDispatchSendWaitOutput = 11,  // sender waits for the receiver's output word (expected = epoch)
     kPhaseCombineCopyWaitFreed = 12,    // copy-engine combine: the owner has not finished reading the last call's rows
     kPhaseCombineRecvWaitLanded = 13,   // copy-engine combine: rows not landed (expected / observed: epoch << 20 | rows)
+    kPhaseNotifyAgreement = 14,  // peer = first source whose signature differs, expected / observed = the first
+                                 // differing int32 word of this rank's / the peer's signature
 };
 
 inline const char* phase_name(int32_t phase) {
@@ -89,6 +92,7 @@ inline const char* phase_name(int32_t phase) {
         case kPhaseDispatchSendWaitOutput: return "dispatch send wait output";
         case kPhaseCombineCopyWaitFreed: return "combine copy wait freed";
         case kPhaseCombineRecvWaitLanded: return "combine recv wait landed";
+        case kPhaseNotifyAgreement: return "notify agreement";
         default: return "unknown phase";
     }
 }
@@ -100,6 +104,7 @@ inline const char* error_code_name(int32_t code) {
         case kErrorPeerAborted: return "peer aborted";
         case kErrorBadRouting: return "bad routing";
         case kErrorCountMismatch: return "count mismatch";
+        case kErrorArgumentMismatch: return "argument mismatch";
         default: return "unknown error";
     }
 }
@@ -180,6 +185,16 @@ struct NotifyArgs {
     // Host-mapped int32 [1 + L], or nullptr (worst-token mode). The host writes -1 to [0] before the launch; the
     // kernel writes [1 + i] = aligned count of local expert i, fences, then [0] = rows received (>= 0).
     int* host_counters;
+    // The call signature of this rank (deep_ep/backends/agreement.py), sent in the notify slot to every rank.
+    int64_t signature[kSignatureWords];
+    // Host-mapped int64 [R][kSignatureWords], or nullptr: the kernel copies every source's signature there before
+    // it publishes host_counters[0].
+    int64_t* host_signatures;
+    // 1: compare every source's signature with this rank's. On a difference the workspace's notify-mismatch word
+    // becomes 1 (the dispatch of this call moves no row) and, in worst-token mode (host_counters == nullptr), the
+    // error record gets kErrorArgumentMismatch (no abort: every rank sees the same signatures). 0: a rank that
+    // refused the call sends its refusal and compares nothing.
+    int check_signatures;
 };
 
 // One CTA (kNotifyThreads). No barrier and no zeroing: the counts carry a per-call epoch (two parities).
@@ -228,6 +243,9 @@ struct DispatchArgs {
     // Each receiver chooses for itself; senders learn the choice from the DispatchOutputWord of the call.
     int64_t direct_data_offset;
     int64_t direct_meta_offset;
+    // 1 (a non-cached dispatch after its notify): the kernel moves no row when that notify saw the ranks' call
+    // signatures differ (workspace notify-mismatch word); every rank saw the same signatures, so all skip alike.
+    int agreement_gate;
 };
 
 void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cudaStream_t stream);

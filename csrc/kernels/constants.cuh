@@ -21,6 +21,8 @@ constexpr int kMaxChannels = 160;
 constexpr int kMaxTopk = 16;
 // Largest number of local experts per rank (per-expert counts exchanged by the notify kernel).
 constexpr int kMaxLocalExperts = 1024;
+// int64 words of a call's signature (deep_ep/backends/agreement.py SIGNATURE_WORDS), carried by the notify slots.
+constexpr int kSignatureWords = 32;
 // Largest number of experts in total (get_dispatch_layout).
 constexpr int kMaxExperts = 8 * 1024;
 

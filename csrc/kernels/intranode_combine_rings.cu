@@ -16,7 +16,8 @@ struct CombineGeometry {
     int64_t weights_offset;  // in the record
 };
 
-// kPut: some peers are NVSHMEM put peers (put.cuh): rows for them are staged and put with the tails.
+// kPut: some peers are NVSHMEM put peers (put.cuh): rows for them are staged and put per block by their ring
+// senders; the tails follow as signals.
 template <bool kPut>
 __global__ void __launch_bounds__(kChannelThreads, 1)
     combine_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ CombineArgs args,
@@ -73,6 +74,13 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     __syncthreads();
 
     if (warp < first_reducer) {
+        if constexpr (kPut) {  // a copy warp's progress starts at its first block (the ring-sender loop below)
+            if (warp < num_copy_warps && lane == 0) {
+                const int di = warp % num_dests, d = di < rank ? di : di + 1;
+                const int stride = (num_copy_warps - di + num_dests - 1) / num_dests;
+                progress[warp] = warp / num_dests * put_block_items(block_count[d], stride, args.num_max_send_tokens);
+            }
+        }
         // Warp 0: the previous call's data to every destination must be consumed first (geometry may differ).
         if (warp == 0 && !ctx.skip_sends) {
             const uint32_t peers = ((1u << num_ranks) - 1u) & ~(1u << rank);
@@ -93,7 +101,11 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         const int stride = (num_copy_warps - dest_index + num_dests - 1) / num_dests;
         const int64_t first = block_first[dst];
         const int count = block_count[dst];
-        for (int j = warp / num_dests; j < count && !ctx.skip_sends; j += stride) {
+        // With put peers, blocks of put_block consecutive rows go round the destination's warps instead of row j
+        // to warp j % stride, and a warp puts each block's rows itself before it releases the block (put.cuh).
+        const int put_block = kPut ? put_block_items(count, stride, args.num_max_send_tokens) : 1;
+        for (int j = warp / num_dests * put_block; j < count && !ctx.skip_sends;
+             j += kPut && (j + 1) % put_block != 0 ? 1 : (stride - 1) * put_block + 1) {
             if (cta_failed != 0) break;
             bool ok = true;
             if (lane == 0) {
@@ -106,7 +118,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             }
             const int64_t row = first + j;
             const uint32_t slot = (tail_base[dst] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
-            char* rec = kPut && is_put_peer(ctx, dst)  // the staging twin; the publisher puts it
+            char* rec = kPut && is_put_peer(ctx, dst)  // the staging twin; this warp puts it
                 ? staging_slot(ctx, geo.ring, channel, dst, static_cast<int>(slot))
                 : static_cast<char*>(ctx.buffers[dst]) + geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
             int4* rec_row = reinterpret_cast<int4*>(rec);
@@ -115,7 +127,16 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             warp_copy_row<false>(src_row, row_int4, &rec_row, 1);
             if (lane < args.num_topk)
                 reinterpret_cast<float*>(rec + geo.weights_offset)[lane] = args.topk_weights[row * args.num_topk + lane];
-            release_progress(progress, warp, j + stride);
+            if constexpr (kPut) {
+                if ((j + 1) % put_block == 0 || j + 1 == count) {
+                    const int run_start = j - j % put_block;
+                    put_staged_runs(ctx, geo.ring, channel, tail_base[dst] + static_cast<uint32_t>(run_start),
+                                    lane == dst && is_put_peer(ctx, dst) ? j + 1 - run_start : 0);
+                    release_progress(progress, warp, run_start + stride * put_block);
+                }
+            } else {
+                release_progress(progress, warp, j + stride);
+            }
         }
     } else if (warp == num_copy_warps && num_ranks > 1) {
         // ------------------------------------------------------------------ publisher: tails and heads
@@ -134,7 +155,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                                  (ready - sent >= args.num_max_send_tokens || ready == my_count);
             if (__any_sync(0xffffffffu, publish)) {
                 const int next = publish ? ready : sent;
-                publish_tails<kPut>(ctx, next, sent, tail_base, channel, kCombineTailOffset, geo.ring);
+                publish_tails<kPut>(ctx, next, sent, tail_base, channel, kCombineTailOffset);
                 sent = next;
                 acted = true;
             }

@@ -188,30 +188,29 @@ __device__ __forceinline__ bool wait_space(const KernelContext& ctx, volatile ui
     return ok;
 }
 
-// Publisher lane 0: one system fence, then the new tails of every peer d whose count changed. A put peer's new
-// records (staged by the copy warps) go with its tail: the whole warp puts them (put.cuh put_records).
+// Publisher lane 0: one system fence, then the new tails of every peer d whose count changed: a release store for
+// a pointer peer, a signal for a put peer (whose records the copy warps have put and seen delivered, put.cuh).
 template <bool kPut>
 __device__ __forceinline__ void publish_tails(const KernelContext& ctx, int count, int old_count,
-                                              const uint32_t* tail_base, int channel, int64_t tail_offset,
-                                              RingGeometry ring) {
+                                              const uint32_t* tail_base, int channel, int64_t tail_offset) {
     const int lane = lane_id();
     if (lane == 0) fence_acq_rel_sys();
     for (int d = 0; d < ctx.num_ranks; ++d) {
         const int c = __shfl_sync(0xffffffffu, count, d);
         const int old = __shfl_sync(0xffffffffu, old_count, d);
-        if (kPut && is_put_peer(ctx, d)) {
-            if (d != ctx.rank && c > old && !ctx.skip_sends) {
-                __syncwarp();  // lane 0's fence comes before the warp reads the staged records
-                put_records(ctx, ring, channel, d, tail_base[d] + static_cast<uint32_t>(old), c - old,
-                            tail_offset + 4 * counter_index(channel, ctx.rank),
-                            tail_base[d] + static_cast<uint32_t>(c));
-            }
-        } else if (lane == 0 && d != ctx.rank && c > old && !ctx.skip_sends) {
-            st_release_sys(buffer_u32(ctx.buffers[d], tail_offset) + counter_index(channel, ctx.rank),
-                           tail_base[d] + static_cast<uint32_t>(c));
-        }
+        if (lane == 0 && d != ctx.rank && c > old && !ctx.skip_sends)
+            publish_word<kPut>(ctx, buffer_u32(ctx.buffers[d], tail_offset) + counter_index(channel, ctx.rank),
+                               tail_offset + 4 * counter_index(channel, ctx.rank), d,
+                               tail_base[d] + static_cast<uint32_t>(c));
     }
     __syncwarp();
+}
+
+// Copy warps with put peers (put.cuh): items per block of one copy warp. A block is at most one publication
+// (`chunk` items) and small enough that every copy warp gets one of the `num_items`.
+__device__ __forceinline__ int put_block_items(int num_items, int num_copy_warps, int chunk) {
+    const int even = (num_items + num_copy_warps - 1) / num_copy_warps;
+    return max(1, min(chunk, even));
 }
 
 // ---- host-side checks of the launchers ----

@@ -54,9 +54,9 @@ struct DirectOutput {
     int64_t row_base;  // row of this channel's first token to the receiver
 };
 
-// kPut: some peers are NVSHMEM put peers (put.cuh). Rings only between put peers: a sender stages their records
-// in its put area and its publisher puts them with the tails; a receiver neither tells them where its outputs lie
-// nor receives their rows in place.
+// kPut: some peers are NVSHMEM put peers (put.cuh). Rings only between put peers: a sender's copy warps stage
+// their records in its put area and put them per block, its publisher signals the tails; a receiver neither tells
+// them where its outputs lie nor receives their rows in place.
 template <typename IdxT, bool kPut>
 __global__ void __launch_bounds__(kChannelThreads, 1)
     dispatch_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ DispatchArgs args,
@@ -77,6 +77,9 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     __shared__ int warp_dst_rank[kChannelWarps][kMaxRanks];   // destination of warp_dsts[w][k]
     __shared__ int64_t warp_dst_row[kChannelWarps][kMaxRanks];  // its output row if direct, else -1
 
+    // The notify of this call saw the ranks' signatures differ: every rank skips alike, no state advances.
+    if (args.agreement_gate && *workspace_u32(ctx, kWsNotifyMismatchOffset) != 0u) return;
+
     const int rank = ctx.rank, num_ranks = ctx.num_ranks, channel = static_cast<int>(blockIdx.x);
     const int num_channels = args.num_channels, capacity = geo.ring.capacity;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = lane_id();
@@ -89,6 +92,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     const int* recv_cpm = args.recv_channel_prefix_matrix;
     int begin, end;
     channel_range(args.num_tokens, num_channels, channel, &begin, &end);
+    // Tokens per copy-warp block (put.cuh); 1 without put peers: token i on copy warp i % W.
+    const int put_block = kPut ? put_block_items(end - begin, num_copy_warps, args.num_max_send_tokens) : 1;
 
     // Real number of rows this rank receives; more than allocated means the routing broke a promise.
     const int num_real_rows = P[(num_ranks - 1) * num_ranks + rank];
@@ -112,7 +117,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         staged[d].data = -1;
         staged_rows[d] = 0;
     }
-    if (threadIdx.x < kChannelWarps) progress[threadIdx.x] = static_cast<int>(threadIdx.x);
+    if (threadIdx.x < kChannelWarps) progress[threadIdx.x] = static_cast<int>(threadIdx.x) * put_block;
     __syncthreads();
     const bool overflow = cta_failed != 0;
     const bool receive_direct = args.direct_data_offset >= 0 && !overflow;
@@ -230,7 +235,12 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
 
         if (warp < num_copy_warps) {
             // Phase B (copy warps): token i of the channel belongs to warp i % W; each warp goes in token order.
-            for (int i = warp; i < num_channel_tokens && !overflow; i += num_copy_warps) {
+            // With put peers, blocks of put_block consecutive tokens go round the warps instead, and a warp puts
+            // each block's records itself before it releases the block (put.cuh).
+            uint32_t run_first = 0;  // lane d: sequence number of the block's first record for put peer d
+            int run_count = 0;       // and the number of its records
+            for (int i = warp * put_block; i < num_channel_tokens && !overflow;
+                 i += kPut && (i + 1) % put_block != 0 ? 1 : (num_copy_warps - 1) * put_block + 1) {
                 if (cta_failed != 0) break;
                 const int t = begin + i;
                 const int* head_row = args.send_head + static_cast<int64_t>(t) * num_ranks;
@@ -271,7 +281,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                         } else {
                             const uint32_t slot = (tail_base[d] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
                             byte_offset = geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
-                            if (kPut && is_put_peer(ctx, d)) {  // the staging twin; the publisher puts it
+                            if (kPut && is_put_peer(ctx, d)) {  // the staging twin; this warp puts it
                                 base = own_buffer(ctx) + put_stage_shift(ctx.num_nvl_bytes);
                                 byte_offset = geo.ring.slot_offset(channel, d, static_cast<int>(slot));
                             }
@@ -346,7 +356,18 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                         }
                     }
                 }
-                release_progress(progress, warp, i + num_copy_warps);
+                if constexpr (kPut) {
+                    if (lane < num_ranks && is_put_peer(ctx, lane) && !ctx.skip_sends && head_row[lane] >= 0 &&
+                        run_count++ == 0)
+                        run_first = tail_base[lane] + static_cast<uint32_t>(head_row[lane]);
+                    if ((i + 1) % put_block == 0 || i + 1 == num_channel_tokens) {
+                        put_staged_runs(ctx, geo.ring, channel, run_first, run_count);
+                        run_count = 0;
+                        release_progress(progress, warp, i - i % put_block + num_copy_warps * put_block);
+                    }
+                } else {
+                    release_progress(progress, warp, i + num_copy_warps);
+                }
             }
         } else if (!overflow) {
             // Publisher (R > 1): tails for the complete prefix of tokens, at least Sn new tokens per publication.
@@ -362,7 +383,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                     ((any_ring && ready - published >= args.num_max_send_tokens) || ready == num_channel_tokens)) {
                     const int old = count;
                     count = raise_counts(args.send_head, num_ranks, begin + published, begin + ready, count);
-                    publish_tails<kPut>(ctx, count, old, tail_base, channel, kDispatchTailOffset, geo.ring);
+                    publish_tails<kPut>(ctx, count, old, tail_base, channel, kDispatchTailOffset);
                     published = ready;
                 } else {
                     publisher_idle(ctx, &cta_failed, &spins);

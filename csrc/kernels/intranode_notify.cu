@@ -1,6 +1,7 @@
-// Notify (non-cached dispatch only): every rank writes its per-destination, per-expert and per-channel counts into
-// every rank's notify slot of the call's parity, waits for every source's counts of this epoch, and builds the
-// handle's prefix matrices (and the host-mapped counters) from them. One CTA; no barrier and no zeroing.
+// Notify (non-cached dispatch only): every rank writes its per-destination, per-expert and per-channel counts and
+// its call signature into every rank's notify slot of the call's parity, waits for every source's slot of this
+// epoch, and builds the handle's prefix matrices (and the host-mapped counters and signatures) from them; every rank
+// compares every source's signature with its own (NotifyArgs::check_signatures). One CTA; no barrier, no zeroing.
 #include <cstdint>
 
 #include "intranode_common.cuh"
@@ -18,6 +19,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     __shared__ int channel_counts[kMaxRanks][kMaxChannels];  // my tokens to d in channel c
     __shared__ int rank_totals[kMaxRanks];
     __shared__ int all_counts[kMaxRanks][kMaxRanks];           // count(s -> d) gathered from every source
+    __shared__ int mismatch_source;  // the first source whose signature differs from mine, or kMaxRanks
 
     const int num_ranks = ctx.num_ranks, rank = ctx.rank, num_channels = args.num_channels;
     const int num_local_experts = args.num_experts / num_ranks;
@@ -54,11 +56,15 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     }
     const uint32_t epoch = *workspace_u32(ctx, kWsNotifyEpochOffset) + 1;
     const int parity = static_cast<int>(epoch & 1u);
+    if (threadIdx.x == 0) mismatch_source = kMaxRanks;
     __syncthreads();
 
-    // 3. Write my counts into every rank's notify slot [parity][me]: [R totals][L expert counts of d][C channels].
+    // 3. Write my counts into every rank's notify slot [parity][me]: [R totals][L expert counts of d][C channels]
+    // [my signature].
+    constexpr int kSignatureInts = 2 * kSignatureWords;
+    const int* my_signature = reinterpret_cast<const int*>(args.signature);
     const int slot_ints = kNotifyInts;
-    const int per_dst = num_ranks + num_local_experts + num_channels;
+    const int per_dst = num_ranks + num_local_experts + num_channels + kSignatureInts;
     for (int i = static_cast<int>(threadIdx.x); i < num_ranks * per_dst; i += static_cast<int>(blockDim.x)) {
         const int d = i / per_dst, k = i % per_dst;
         int* slot = kPut && is_put_peer(ctx, d)
@@ -72,9 +78,13 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         } else if (k < num_ranks + num_local_experts) {
             value = args.num_tokens_per_expert[d * num_local_experts + (k - num_ranks)];
             pos = kMaxRanks + (k - num_ranks);
-        } else {
+        } else if (k < num_ranks + num_local_experts + num_channels) {
             value = channel_counts[d][k - num_ranks - num_local_experts];
             pos = kMaxRanks + kMaxLocalExperts + (k - num_ranks - num_local_experts);
+        } else {
+            const int w = k - num_ranks - num_local_experts - num_channels;
+            value = my_signature[w];
+            pos = kNotifySignaturePos + w;
         }
         reinterpret_cast<volatile int*>(slot)[pos] = value;
     }
@@ -128,6 +138,28 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         for (int c = 0; c < num_channels; ++c) {
             args.recv_channel_prefix_matrix[s * num_channels + c] = prefix;
             prefix += data[s * slot_ints + kMaxRanks + kMaxLocalExperts + c];
+        }
+    }
+    // 6. Every source's signature: to the host, and compared with mine (once per call; the hot kernels do not).
+    for (int i = static_cast<int>(threadIdx.x); i < num_ranks * kSignatureInts; i += static_cast<int>(blockDim.x)) {
+        const int s = i / kSignatureInts, w = i % kSignatureInts;
+        const int value = data[s * slot_ints + kNotifySignaturePos + w];
+        if (args.host_signatures != nullptr) reinterpret_cast<volatile int*>(args.host_signatures)[i] = value;
+        if (args.check_signatures && value != my_signature[w]) atomicMin(&mismatch_source, s);
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int s = mismatch_source;
+        *workspace_u32(ctx, kWsNotifyMismatchOffset) = s < num_ranks ? 1u : 0u;
+        if (s < num_ranks && args.host_counters == nullptr) {
+            // Worst-token mode has no host wait: the record carries the disagreement to the host's next check.
+            int w = 0;
+            while (w + 1 < kSignatureInts && data[s * slot_ints + kNotifySignaturePos + w] == my_signature[w]) ++w;
+            fill_error_record(ctx.error,
+                              reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsErrorClaimOffset),
+                              kErrorArgumentMismatch, kKernelNotify, kPhaseNotifyAgreement, rank, s, -1, ctx.call_seq,
+                              my_signature[w], data[s * slot_ints + kNotifySignaturePos + w], 0);
         }
     }
     if (args.host_counters != nullptr) {

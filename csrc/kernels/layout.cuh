@@ -12,7 +12,8 @@
 //     notify flags      uint32 [2][kMaxRanks]       parity p, source s: epoch of the last notify data s wrote here
 //     notify data       int32 [2][kMaxRanks][kNotifyInts]
 //                                                   per (parity, source s): [R counts s->d][L expert counts of my
-//                                                   experts][C channel counts s->me]
+//                                                   experts][C channel counts s->me][s's call signature, int64
+//                                                   kSignatureWords as 2 * kSignatureWords int32]
 //     dispatch tails    uint32 [kMaxChannels][kMaxRanks]   index c*kMaxRanks+src: written by src (sequence numbers)
 //     dispatch heads    uint32 [kMaxChannels][kMaxRanks]   index c*kMaxRanks+dst: written by dst, polled here by me
 //     combine tails     uint32 [kMaxChannels][kMaxRanks]
@@ -58,7 +59,9 @@ DEEP_EP_HOST_DEVICE int64_t align_up64(int64_t value, int64_t alignment) {
 DEEP_EP_HOST_DEVICE int64_t align_down64(int64_t value, int64_t alignment) { return value / alignment * alignment; }
 
 // ---- control region (fixed offsets, independent of the call) ----
-constexpr int kNotifyInts = kMaxRanks + kMaxLocalExperts + kMaxChannels;
+// Position of the call signature in a notify slot (int32 index), then the slot's size.
+constexpr int kNotifySignaturePos = kMaxRanks + kMaxLocalExperts + kMaxChannels;
+constexpr int kNotifyInts = kNotifySignaturePos + 2 * kSignatureWords;
 // Every region starts at a multiple of kBufferAlignment (deep_ep/layout.py chain()); the first three grow with kMaxRanks.
 constexpr int64_t kAbortOffset = 0;
 constexpr int64_t kBarrierOffset = kBufferAlignment;
@@ -69,6 +72,8 @@ constexpr int64_t kNotifyDataOffset =
 constexpr int64_t kNotifyDataBytes = 2LL * kMaxRanks * kNotifyInts * 4;
 constexpr int64_t kCounterBytes = (int64_t)kMaxChannels * kMaxRanks * 4;
 constexpr int64_t kDispatchTailOffset = kNotifyDataOffset + kNotifyDataBytes;
+static_assert(kNotifySignaturePos + 2 * kSignatureWords == kNotifyInts && kNotifySignaturePos % 2 == 0,
+              "notify slot: the signature closes the slot");
 constexpr int64_t kDispatchHeadOffset = kDispatchTailOffset + kCounterBytes;
 constexpr int64_t kCombineTailOffset = kDispatchHeadOffset + kCounterBytes;
 constexpr int64_t kCombineHeadOffset = kCombineTailOffset + kCounterBytes;
@@ -111,7 +116,9 @@ constexpr int64_t kWsCombineHeadShadowOffset = kWsCombineTailShadowOffset + kCou
 constexpr int64_t kWsDispatchEpochOffset = kWsCombineHeadShadowOffset + kCounterBytes;  // uint32 [kMaxChannels]
 // Copy-engine combine: CTAs of the reducing kernel that finished this call (the last one signals `freed`).
 constexpr int64_t kWsCombineDoneOffset = kWsDispatchEpochOffset + (int64_t)kMaxChannels * 4;
-constexpr int64_t kWsUsedBytes = kWsCombineDoneOffset + 4;
+// Notify: 1 when the signatures of its last call disagreed (the dispatch that follows it then moves no row), else 0.
+constexpr int64_t kWsNotifyMismatchOffset = kWsCombineDoneOffset + kBufferAlignment;
+constexpr int64_t kWsUsedBytes = kWsNotifyMismatchOffset + 4;
 static_assert(kWsUsedBytes <= kWorkspaceBytes, "workspace too small");
 
 // ---- ring records ----
@@ -196,6 +203,8 @@ constexpr int64_t kPutNotifyStageOffset = 2 * kControlBytes;
 constexpr int64_t kPutHeaderBytes =
     kPutNotifyStageOffset + ((int64_t)kMaxRanks * kNotifyInts * 4 + kBufferAlignment - 1) / kBufferAlignment *
                                 kBufferAlignment;
+static_assert(kPutNotifyStageOffset + (int64_t)kMaxRanks * kNotifyInts * 4 <= kPutHeaderBytes,
+              "put-peer notify staging: one whole slot per destination rank");
 struct PutLayout {
     int64_t ring_bytes;  // the kernels' region [0, ring_bytes); the put area starts here
     int64_t half;        // bytes of each ring half, and of each staging half

@@ -41,6 +41,7 @@ enum LlPhase : int32_t {
     kPhaseLlCombineWaitToken = 102,     // peer = owner of the missing rows, channel = token, rows expected / seen
     kPhaseLlBarrierWait = 103,          // peer = -1, expected / observed = barrier counter
     kPhaseLlBadRouting = 104,           // expert id >= num_experts (expected = E, observed = id)
+    kPhaseLlDispatchAgreement = 105,    // peer = source whose signature hash differs (expected = mine, observed)
 };
 
 const char* ll_phase_name(int32_t phase);
@@ -114,6 +115,9 @@ struct DispatchArgs {
     int* cumulative_stats;    // [L] or nullptr
     int64_t* wait_stats;      // [R] or nullptr (ns added)
     int half, phases;         // phases: 1 = send, 2 = receive, 3 = both
+    // 32-bit hash of the call's signature (deep_ep/backends/agreement.py), carried in every count word this rank
+    // sends; a receiver whose own hash differs takes no row from that source and records kErrorArgumentMismatch.
+    uint32_t signature_hash;
 };
 
 struct CombineArgs {

@@ -207,6 +207,7 @@ __device__ __forceinline__ bool own_rows_in_place(int phases, const Layout& lay,
 // argument; the fused launch is its own instantiation.
 template <bool kFused>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Context ctx, CombineArgs a) {
+    if (signatures_disagreed(ctx)) return;  // the dispatch moved no rows of some source: no rank combines
     const int phases = kFused ? (kPhaseSend | kPhaseRecv) : a.phases;
     extern __shared__ int4 dyn_smem4[];
     int* rowpre = reinterpret_cast<int*>(dyn_smem4);  // [L + 1] exclusive prefix of rows per local expert

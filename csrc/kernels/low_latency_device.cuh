@@ -28,6 +28,9 @@ constexpr int64_t kAbortOffset = 8;
 // Private workspace: the error-record claim word, the barrier base, per-CTA epochs and arrival bases.
 constexpr int64_t kWsClaim = 0;
 constexpr int64_t kWsBarrierBase = 8;
+// u32: 1 once a dispatch saw a source's call-signature hash differ from its own; every LL dispatch and combine
+// kernel then returns at once (on every rank alike: each saw the same disagreement) until the host clears it.
+constexpr int64_t kWsMismatch = 16;
 constexpr int64_t kWsEpochs = 256;        // u32 [kMaxBlocks][2]
 constexpr int64_t kWsBases = 2048;        // u64 [kMaxBlocks][2][R]
 constexpr int kHeaderInts = 1 + kMaxTopk;
@@ -41,6 +44,11 @@ __device__ __forceinline__ char* half_base(const Context& ctx, void* base, int h
 
 __device__ __forceinline__ int64_t load_topk(const void* topk, int bytes, int64_t i) {
     return bytes == 8 ? static_cast<const int64_t*>(topk)[i] : static_cast<const int32_t*>(topk)[i];
+}
+
+// True when an earlier dispatch saw the ranks' call signatures differ (kWsMismatch).
+__device__ __forceinline__ bool signatures_disagreed(const Context& ctx) {
+    return *reinterpret_cast<volatile unsigned int*>(static_cast<char*>(ctx.workspace) + kWsMismatch) != 0u;
 }
 
 __device__ __forceinline__ bool is_masked(const Context& ctx, int r) {
@@ -70,7 +78,8 @@ __attribute__((used)) static __device__ __noinline__ void report(const Context c
 }
 
 // kWaitMasked: the awaited peer was masked meanwhile (by another thread's timeout in shrink mode).
-enum WaitResult { kWaitOk = 0, kWaitTimeout = 1, kWaitAborted = 2, kWaitMasked = 3 };
+// kWaitDisagreed: `stop_on_disagreement` and a thread of this rank saw the call signatures differ (kWsMismatch).
+enum WaitResult { kWaitOk = 0, kWaitTimeout = 1, kWaitAborted = 2, kWaitMasked = 3, kWaitDisagreed = 4 };
 
 // Bounded spin until pred(value) holds on a local symmetric word. Every 64 spins: abort word, deadline and, when
 // `watch_peer` >= 0, its mask bit (so waits on a peer that another CTA has just masked stop within ~64 spins
@@ -78,7 +87,8 @@ enum WaitResult { kWaitOk = 0, kWaitTimeout = 1, kWaitAborted = 2, kWaitMasked =
 // Uses nvshmem_uint64_test when some peer is remote (its success path runs the proxy transports' consistency op).
 template <typename Pred>
 __device__ __forceinline__ WaitResult wait_word(const Context& ctx, uint64_t* addr, Pred pred, uint64_t* seen,
-                                                uint64_t* elapsed_ns, int watch_peer = -1) {
+                                                uint64_t* elapsed_ns, int watch_peer = -1,
+                                                bool stop_on_disagreement = false) {
     const uint64_t* abort = reinterpret_cast<const uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset);
     const uint64_t start = global_timer_ns();
     for (uint64_t spins = 0;; ++spins) {
@@ -95,6 +105,7 @@ __device__ __forceinline__ WaitResult wait_word(const Context& ctx, uint64_t* ad
             *elapsed_ns = elapsed;
             if (ld_acquire_sys_u64(abort) != 0) return kWaitAborted;
             if (watch_peer >= 0 && is_masked(ctx, watch_peer)) return kWaitMasked;
+            if (stop_on_disagreement && signatures_disagreed(ctx)) return kWaitDisagreed;
             if (elapsed > ctx.timeout_ns) return kWaitTimeout;
             if (spins > 4096) __nanosleep(64);
         }

@@ -1,12 +1,16 @@
 // Low-latency dispatch over NVSHMEM (low_latency.cuh has the data path and the carving). Per call, half h and
 // epoch n (a per-CTA copy, incremented by every call on that half, so CUDA-graph replays stay consistent):
 //   send     every CTA counts the whole top-k (shared-memory histograms; no atomics across CTAs), writes the
-//            per-(destination, local expert) counts as (n << 32 | count) words first, then casts its tile of tokens
+//            per-(destination, local expert) counts as (n mod 2^16 << 48 | signature hash << 16 | count) words
+//            first, then casts its tile of tokens
 //            once and stores each message to every destination rank that holds one of the token's experts, then
 //            adds its message count to the destination's per-source arrival word.
 //   receive  every CTA waits for all count words of epoch n, derives the per-(expert, source) blocks in source
 //            order, waits until each source's arrival word reaches its private base + messages, and expands its
-//            share of the messages into the packed outputs.
+//            share of the messages into the packed outputs. A source whose signature hash differs from this
+//            rank's gets no rows, the error record gets kErrorArgumentMismatch, the rank's other waits of the call
+//            stop, and later LL dispatch and combine kernels return at once until clean_low_latency_buffer (the
+//            arrival bases are then out of step with the peers').
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -59,6 +63,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Context ctx, Disp
     uint64_t* bases = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.workspace) + kWsBases) + (int64_t(b) * 2 + h) * R;
     const int64_t payload_bytes = a.use_fp8 ? H + S * 4 : int64_t(H) * 2;
     const int64_t msg_bytes = lay.header_bytes + payload_bytes;
+    if (signatures_disagreed(ctx)) return;  // uniform over the grid: no state advances
     if (tid == 0) {
         sh.epoch = (phases & kPhaseSend) ? *epoch_ptr + 1 : *epoch_ptr;
         if (phases & kPhaseSend) *epoch_ptr = sh.epoch;
@@ -112,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Context ctx, Disp
             if (is_masked(ctx, d)) continue;
             for (int j = tid; j <= L; j += kThreads) {
                 const uint32_t v = j < L ? tot_e[d * L + j] : tot_r[d];
-                const uint64_t word = (uint64_t(epoch) << 32) | v;
+                const uint64_t word = (uint64_t(epoch & 0xffffu) << 48) | (uint64_t(a.signature_hash) << 16) | v;
                 const int64_t off = lay.half_start(h) + lay.count_off + (int64_t(me) * (L + 1) + j) * 8;
                 if (ctx.peers[d] != nullptr) {
                     st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[d]) + off), word);
@@ -250,23 +255,35 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Context ctx, Disp
     int* beg = cnt + E;              // [L][R] first row of (expert, source) block
     int* nmsg = beg + E;             // [R] messages per source
     int* mpre = nmsg + R;            // [R + 1] exclusive prefix of messages
-    int* gone = mpre + R + 1;        // [R] 1 = source masked / skipped
+    int* gone = mpre + R + 1;        // [R] 1 = source masked / skipped, 2 = its signature differs (no rows)
     for (int s = tid; s < R; s += kThreads) gone[s] = is_masked(ctx, s) ? 1 : 0;
     __syncthreads();
     for (int i = tid; i < R * (L + 1); i += kThreads) {
         const int s = i / (L + 1), j = i % (L + 1);
         uint32_t value = 0;
-        if (!gone[s]) {
+        if (gone[s] != 1) {
             uint64_t* word = reinterpret_cast<uint64_t*>(my_half + lay.count_off + int64_t(i) * 8);
             uint64_t seen = 0, elapsed = 0;
             const WaitResult res = wait_word(
-                ctx, word, [epoch](uint64_t v) { return int32_t(uint32_t(v >> 32) - epoch) >= 0; }, &seen, &elapsed);
+                ctx, word, [epoch](uint64_t v) { return int16_t(uint16_t(v >> 48) - uint16_t(epoch)) >= 0; }, &seen,
+                &elapsed, -1, true);
             if (res == kWaitOk) {
-                value = uint32_t(seen & 0xffffffffu);
+                value = uint32_t(seen & 0xffffu);
+                const uint32_t hash = uint32_t(seen >> 16);
+                if (hash != a.signature_hash) {
+                    gone[s] = 2;
+                    *reinterpret_cast<volatile unsigned int*>(static_cast<char*>(ctx.workspace) + kWsMismatch) = 1u;
+                    fill_error_record(ctx.error, reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) +
+                                                                                 kWsClaim),
+                                      kErrorArgumentMismatch, kKernelLlDispatch, kPhaseLlDispatchAgreement, me, s, -1,
+                                      ctx.call_seq, a.signature_hash, hash, 0);
+                }
                 if (j == L && b == 0 && a.wait_stats != nullptr)
                     atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + s), elapsed);
-            } else if (on_wait_failure(ctx, res, kKernelLlDispatch, kPhaseLlDispatchWaitCounts, s, -1, epoch,
-                                       seen >> 32, elapsed)) {
+            } else if (res == kWaitDisagreed) {
+                gone[s] = 2;
+            } else if (on_wait_failure(ctx, res, kKernelLlDispatch, kPhaseLlDispatchWaitCounts, s, -1,
+                                       epoch & 0xffffu, seen >> 48, elapsed)) {
                 gone[s] = 1;
             } else {
                 sh.failed = 1;
@@ -305,8 +322,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Context ctx, Disp
         uint64_t seen = 0, elapsed = 0;
         uint64_t* word = reinterpret_cast<uint64_t*>(my_half + lay.darrive_off + int64_t(s) * 8);
         const WaitResult res =
-            wait_word(ctx, word, [target](uint64_t v) { return int64_t(v - target) >= 0; }, &seen, &elapsed);
-        if (res == kWaitOk) {
+            wait_word(ctx, word, [target](uint64_t v) { return int64_t(v - target) >= 0; }, &seen, &elapsed, -1, true);
+        if (res == kWaitDisagreed) {
+            gone[s] = 2;
+        } else if (res == kWaitOk) {
             bases[s] = target;
             if (b == 0 && a.wait_stats != nullptr)
                 atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + s), elapsed);

@@ -68,6 +68,7 @@ const char* ll_phase_name(int32_t phase) {
         case kPhaseLlCombineWaitToken: return "low_latency_combine wait token";
         case kPhaseLlBarrierWait: return "low_latency barrier wait";
         case kPhaseLlBadRouting: return "low_latency_dispatch bad routing";
+        case kPhaseLlDispatchAgreement: return "low_latency_dispatch agreement";
         default: return "unknown phase";
     }
 }
@@ -113,6 +114,7 @@ __global__ void ll_clean_kernel(Context ctx) {
     for (int64_t i = first; i < ws_words; i += stride) ws[i] = 0;
     if (first == 0) *reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset) = 0;
     if (first == 0) *reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsClaim) = 0;
+    if (first == 0) *reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsMismatch) = 0;
 }
 
 void configure_kernels() {

@@ -7,10 +7,14 @@
 //   of the twin holds the uint32 value, so the bounded wait (sync.cuh wait_geq) polls it unchanged. After a
 //   successful wait the receiver runs NVSHMEM's consistency operation (proxy transports need it before the data
 //   the signal covers is read).
-// * Records for a put peer are written into this rank's staging twin of the destination's ring slot, and the
-//   publisher puts the staged range to the same ring slots at the peer with put-with-signal of the new tail, so the
-//   records are visible there before the tail. A staging slot is reused only when its ring slot is, i.e. after the
-//   receiver returned the head past it, so its put has been delivered.
+// * Records for a put peer are written into this rank's staging twin of the destination's ring slot. With put
+//   peers, each copy warp takes blocks of consecutive items (tokens, rows) instead of every W-th item, so the
+//   records of one block for one peer are consecutive in the ring; after staging a block the warp puts each such
+//   run itself (put_staged_runs) and waits for its delivery, and only then releases its progress. The publisher
+//   publishes a tail that covers delivered runs only, as a signal (one per peer and publication, at least
+//   num_max_nvl_chunked_send_tokens records apart). So all copy warps of a channel issue puts in parallel, and a
+//   chunk travels as a few contiguous puts. A staging slot is reused only when its ring slot is, i.e. after the
+//   receiver returned the head past it (credits: a slow receiver holds the senders back).
 //
 // Each helper takes `kPut`: false gives exactly the pointer code (the intranode kernels are instantiated so), true
 // tests the peer's bit of KernelContext::put_mask. Without NVSHMEM (DEEP_EP_DISABLE_NVSHMEM) the NVSHMEM calls are
@@ -126,38 +130,41 @@ __device__ __forceinline__ char* staging_slot(const KernelContext& ctx, const Ri
     return own_buffer(ctx) + put_stage_shift(ctx.num_nvl_bytes) + ring.slot_offset(channel, peer, slot);
 }
 
-// Whole warp: the `count` (>= 1, <= capacity) staged records of sequence numbers [first, first + count) of this
-// rank's ring (channel) at put peer `pe` go to their ring slots there, then its tail word at `tail_offset` (the
-// control-region offset at the peer) becomes `tail`: put-with-signal, so the peer sees the records before the
-// tail. A range that wraps round the ring is two puts with a fence between them. The staged records were written
-// by other warps of the CTA, ordered before this call by the caller (CTA-scope acquire, then a system fence).
-static __device__ __noinline__ void put_records(const KernelContext& ctx, const RingGeometry& ring, int channel, int pe,
-                                                uint32_t first, int count, int64_t tail_offset, uint32_t tail) {
+// Whole warp, after it staged a block of records: lane d holds the sequence number `first` of the block's first
+// record for rank d in this rank's ring (channel) at d, and their number `count` (0: none, or d is no put peer).
+// Each such run of consecutive records goes to its ring slots at d in one put (two where it wraps round the
+// ring), issued by the whole warp; then the warp waits until the runs are delivered (quiet), so that the
+// publisher's later tail signal follows them on every transport (over P2P a put is a copy by the warp's threads;
+// over a NIC, one work request per run). The lanes' staged stores come first (warp sync, then one system fence).
+static __device__ __noinline__ void put_staged_runs(const KernelContext& ctx, const RingGeometry& ring, int channel,
+                                                    uint32_t first, int count) {
 #ifndef DEEP_EP_DISABLE_NVSHMEM
+    if (!__any_sync(0xffffffffu, count > 0)) return;
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) fence_acq_rel_sys();
+    __syncwarp();
     const int capacity = ring.capacity;
-    const int slot = static_cast<int>(first % static_cast<uint32_t>(capacity));
-    const int head_part = count < capacity - slot ? count : capacity - slot;
     char* base = own_buffer(ctx);
-    const int target = ctx.pe_of[pe];
-    auto put_range = [&](int from, int n, bool with_tail) {
-        char* dst = base + ring.slot_offset(channel, ctx.rank, from);
-        const char* src = staging_slot(ctx, ring, channel, pe, from);
-        const size_t bytes = static_cast<size_t>(n) * static_cast<size_t>(ring.record_bytes);
-        if (with_tail)
-            nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, signal_twin(ctx, tail_offset), tail, NVSHMEM_SIGNAL_SET,
-                                            target);
-        else
-            nvshmemx_putmem_nbi_warp(dst, src, bytes, target);
-    };
-    if (head_part < count) {
-        put_range(slot, head_part, false);
-        nvshmem_fence();
-        put_range(0, count - head_part, true);
-    } else {
-        put_range(slot, count, true);
+    for (int d = 0; d < ctx.num_ranks; ++d) {
+        const int n = __shfl_sync(0xffffffffu, count, d);
+        const uint32_t seq = __shfl_sync(0xffffffffu, first, d);
+        if (n <= 0) continue;
+        auto put_range = [&](int from, int records) {
+            nvshmemx_putmem_nbi_warp(base + ring.slot_offset(channel, ctx.rank, from),
+                                     staging_slot(ctx, ring, channel, d, from),
+                                     static_cast<size_t>(records) * static_cast<size_t>(ring.record_bytes),
+                                     ctx.pe_of[d]);
+        };
+        const int slot = static_cast<int>(seq % static_cast<uint32_t>(capacity));
+        const int head_part = n < capacity - slot ? n : capacity - slot;
+        put_range(slot, head_part);
+        if (head_part < n) put_range(0, n - head_part);
     }
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) nvshmem_quiet();
+    __syncwarp();
 #else
-    (void)ctx, (void)ring, (void)channel, (void)pe, (void)first, (void)count, (void)tail_offset, (void)tail;
+    (void)ctx, (void)ring, (void)channel, (void)first, (void)count;
 #endif
 }
 

@@ -11,6 +11,7 @@ rank took part in the same exchanges, so the next call works.
 """
 from __future__ import annotations
 
+import struct
 import zlib
 from typing import Any, Optional, Sequence
 
@@ -63,6 +64,10 @@ class Signature:
 
     def words(self) -> torch.Tensor:
         """``[SIGNATURE_WORDS]`` int64 on the CPU."""
+        return torch.tensor(self.values(), dtype=torch.int64, device="cpu")
+
+    def values(self) -> list[int]:
+        """The ``SIGNATURE_WORDS`` words as Python ints."""
         name = [0, 0, 0]
         if self.refused is not None:
             raw = self.refused.encode("ascii", "replace")[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
@@ -70,7 +75,15 @@ class Signature:
         values = [_MAGIC, _METHODS.index(self.method), int(self.refused is not None), *name]
         values += [_encode(value) & 0x7FFFFFFFFFFFFFFF for _, value in self.fields]
         values += [0] * (SIGNATURE_WORDS - len(values))
-        return torch.tensor(values, dtype=torch.int64, device="cpu")
+        return values
+
+
+def signature_hash(signature: Optional[Signature]) -> int:
+    """32-bit hash of ``signature``'s words (0 for ``None``): what the CUDA low-latency kernels carry in their count
+    messages, where a whole signature does not fit."""
+    if signature is None:
+        return 0
+    return zlib.crc32(struct.pack(f"<{SIGNATURE_WORDS}q", *signature.values()))
 
 
 def refused_argument(exc: BaseException) -> str:

@@ -3,7 +3,8 @@
 Importing this module raises ``ImportError`` when the extension is not built; ``Buffer`` then keeps the torch
 backend. Kernels never trap: a kernel-side wait that runs out of ``DEEP_EP_TIMEOUT_S`` fills a host-mapped error
 record and the kernel exits; the backend's next call turns the record into ``CommTimeoutError`` /
-``PeerAbortedError`` / ``RoutingError`` (:func:`raise_from_record`).
+``PeerAbortedError`` / ``RoutingError``, or ``ArgumentMismatchError`` where the kernels saw the ranks' call
+signatures differ (:func:`raise_from_record`).
 """
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from deep_ep.errors import CommError, CommTimeoutError, PeerAbortedError, RoutingError, name_ranks
+from deep_ep.errors import (
+    ArgumentMismatchError,
+    CommError,
+    CommTimeoutError,
+    PeerAbortedError,
+    RoutingError,
+    name_ranks,
+)
 
 try:
     from deep_ep import _C
@@ -38,6 +46,8 @@ def raise_from_record(record: Optional[dict], names: Optional[Sequence[int]] = N
         raise PeerAbortedError(message)
     if code in ("bad_routing", "count_mismatch"):
         raise RoutingError(message)
+    if code == "argument_mismatch":
+        raise ArgumentMismatchError(message)
     raise CommError(message)
 
 

@@ -4,7 +4,7 @@ With one GPU per node every peer is a scale-out peer and each token travels once
 final row (each expert row straight back to its owner's combine slot): the data flow of the intranode ring kernels.
 :class:`InternodeCuda` runs them over a buffer on the NVSHMEM symmetric heap of the world of all ranks (PE = rank),
 reaching a peer through ``nvshmem_ptr`` where it can. A peer it cannot reach (behind a NIC) is a put peer: the
-kernels stage its ring records and put them with a signal of the tail; once any pair of the world is a put pair,
+copy warps stage its ring records and put them per block, the tail follows as a signal; once any pair is a put pair,
 every buffer carves a put area and combines through the rings. :class:`SymmetricCuda` is the same kernels for any
 subgroup of the NVSHMEM world (the composed path's rail stage across hosts).
 

@@ -9,7 +9,9 @@ of the call (``StreamScope.after_current`` / ``current_after``).
 
 A kernel error raises at the next call (:meth:`CudaBackend.check_errors`), naming rank, peer, channel, phase and the
 awaited value; the CPU's wait for notify's counts raises :class:`CommTimeoutError` directly. After an error every
-rank calls :meth:`CudaBackend.reset` (collective) before the next call.
+rank calls :meth:`CudaBackend.reset` (collective) before the next call. A non-cached dispatch's call signature
+(``deep_ep.backends.agreement``) rides in notify's count exchange; ranks that disagree raise
+:class:`ArgumentMismatchError` and stay usable (no row moved, no reset needed).
 """
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ import torch
 
 from deep_ep import envs
 from deep_ep.backends import cuda_tuning as tuning
+from deep_ep.backends.agreement import SIGNATURE_WORDS, Signature, check_agreement
 from deep_ep.backends.base import Backend, CombineRequest, DispatchRequest, LayoutRequest
 from deep_ep.backends.common import StreamScope, object_all_gather
 from deep_ep.backends.cuda_common import _C, raise_from_record, record_streams
 from deep_ep.config import NUM_MAX_RING_RANKS, NUM_MAX_SCALEUP_RANKS
-from deep_ep.errors import CommTimeoutError, name_ranks
+from deep_ep.errors import ArgumentMismatchError, CommTimeoutError, name_ranks
 from deep_ep.handle import IntranodeHandle
 from deep_ep.layout import intranode_dispatch_output_layout
 from deep_ep.pool import OutputPool
@@ -49,6 +52,8 @@ class CudaBackend(Backend):
     copy_engine_combine = True
     # The Buffer argument that sizes this backend's buffer (named in messages).
     buffer_arg = "num_nvl_bytes"
+    # The ranks this rank reaches by NVSHMEM puts (cuda_internode.SymmetricCuda sets them; none over IPC).
+    put_peers: Sequence[int] = ()
 
     def __init__(self, rank: int, num_ranks: int, num_nvl_bytes: int,
                  all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:
@@ -127,8 +132,41 @@ class CudaBackend(Backend):
         self.rank_names, self.rank_scope = [int(r) for r in names], scope
 
     def check_errors(self) -> None:
-        """Raise the pending device error, if any (reads host-mapped memory; never synchronises)."""
-        raise_from_record(self.runtime.read_error(), self.rank_names, self.rank_scope)
+        """Raise the pending device error, if any (reads host-mapped memory; never synchronises). A worst-token
+        notify that saw the ranks' signatures differ raises :class:`ArgumentMismatchError` once and leaves the
+        backend usable."""
+        record = self.runtime.read_error()
+        if record is not None and record["code"] == "argument_mismatch":
+            self.runtime.clear_argument_error(self._comm_ptr)
+            signature, self._worst_signature = self._worst_signature, None
+            if signature is not None:
+                self._check_signatures(signature)  # names the argument and the ranks, when the words are still those
+            raise ArgumentMismatchError(name_ranks(f"rank {self.rank}: the ranks' dispatch call signatures differ "
+                                                   f"({record['message']}); no rank moved data", self.rank_names,
+                                                   self.rank_scope))
+        raise_from_record(record, self.rank_names, self.rank_scope)
+
+    # The signature of the last worst-token dispatch (its notify reports a disagreement through the error record),
+    # and an event after that notify, which the next call waits for (None once waited for, or under graph capture).
+    _worst_signature: Optional[Signature] = None
+    _worst_notify: Optional["torch.cuda.Event"] = None
+
+    def _check_signatures(self, signature: Signature, words: Optional[list] = None) -> None:
+        """``check_agreement`` over the signatures the last notify gathered (ranks named as in errors); ``words``:
+        ``signature.words()`` as a list, when the caller has it."""
+        raw = self.runtime.gathered_signatures()
+        if words is not None and raw == words * self.num_ranks:  # the common case, without building tensors
+            return
+        gathered = torch.tensor(raw, dtype=torch.int64).view(self.num_ranks, SIGNATURE_WORDS)
+        names = self.rank_names if self.rank_names is not None else list(range(self.num_ranks))
+        check_agreement(signature, gathered, names, names[self.rank])
+
+    def refuse_dispatch(self, signature: Signature) -> None:
+        """This rank's validation refused a non-cached dispatch: launch its notify with zero counts and the refusal
+        ``signature`` so that the peers' notify completes and every peer raises :class:`ArgumentMismatchError`
+        naming this rank; the caller then raises its own error."""
+        if self.runtime is not None:
+            self.runtime.refuse_notify(signature.values(), self._comm_ptr)
 
     def reset(self) -> None:
         """Collective: clear the error record and the kernels' private state on every rank after a failure."""
@@ -163,6 +201,9 @@ class CudaBackend(Backend):
     def _call_prologue(self) -> None:
         if self.runtime is None:
             raise RuntimeError("this Buffer's CUDA runtime was destroyed")
+        if self._worst_notify is not None:  # bounded: the notify kernel's waits are
+            self._worst_notify.synchronize()
+            self._worst_notify = None
         self.check_errors()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -223,12 +264,20 @@ class CudaBackend(Backend):
                                                          device=device)
                 worst = num_worst_tokens > 0
                 pair_counts = None
+                signature = request.signature  # the ranks' agreement rides in notify's slots
+                words = signature.values() if signature is not None else []
                 self.runtime.notify_dispatch(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank,
                                              num_experts, num_channels, request.expert_alignment, worst,
                                              rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
-                                             self._comm_ptr, after_current)
+                                             self._comm_ptr, after_current, words, True)
                 after_current = False  # the notify launch did it
                 if worst:
+                    # A disagreement comes back through the error record (the dispatch kernel then moves no row);
+                    # the next call waits for this notify before it reads the record, so every rank raises there.
+                    self._worst_signature = signature
+                    if signature is not None and not torch.cuda.is_current_stream_capturing():
+                        self._worst_notify = torch.cuda.Event()
+                        self._worst_notify.record(self.comm_stream)
                     num_recv_tokens, per_expert_list = num_worst_tokens, []
                 else:
                     try:
@@ -236,6 +285,8 @@ class CudaBackend(Backend):
                     except (_C.HostTimeout, _C.DeviceError) as exc:
                         self.check_errors()  # a device-side report names the missing peer: prefer it
                         raise CommTimeoutError(name_ranks(str(exc), self.rank_names, self.rank_scope)) from None
+                    if signature is not None:
+                        self._check_signatures(signature, words)  # before any row moves: no rank's dispatch kernel
                     per_expert_list = list(per_expert_list)
                     # The rows of every (source, destination) pair size a landing-zone combine with this handle.
                     pair_counts = self.runtime.pair_counts()
@@ -249,7 +300,8 @@ class CudaBackend(Backend):
                 channel_prefix_matrix, recv_channel_prefix_matrix, send_head, num_recv_tokens, given_recv_src_idx,
                 data_offset, meta_offset, num_worst_tokens > 0 and not cached, num_channels,
                 config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
-                tuning.intranode_send_warps("dispatch", self.num_ranks, num_channels, scales is not None),
+                tuning.intranode_send_warps("dispatch", self.num_ranks, num_channels, scales is not None,
+                                            bool(self.put_peers)),
                 self._comm_ptr, after_current, scope.current_after)
 
             new_handle = None
@@ -348,7 +400,8 @@ class CudaBackend(Backend):
             if landed and path == "zone":
                 copy_ctas = tuning.zone_ctas(copy_ctas)
             send_warps = tuning.zone_send_warps() if landed and path == "zone" else \
-                tuning.intranode_send_warps("combine", self.num_ranks, copy_ctas if landed else num_channels)
+                tuning.intranode_send_warps("combine", self.num_ranks, copy_ctas if landed else num_channels,
+                                            puts=bool(self.put_peers))
             combined_x, combined_topk_weights = self.runtime.combine(
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,

@@ -6,7 +6,9 @@ This backend keeps the double-buffer parity (it flips on every LL call, as in De
 dispatch/combine pairs in CUDA graphs) and the receive hook. A call crosses into C++ once: the runtime's
 ``dispatch`` / ``combine`` allocate the outputs on the current stream and make the plain stream waits, so a
 synchronous call makes no Python stream or event object. A kernel wait that runs out of ``DEEP_EP_TIMEOUT_S``
-raises at the next call (``CommTimeoutError`` / ``PeerAbortedError`` naming rank, peer and phase); with
+raises at the next call (``CommTimeoutError`` / ``PeerAbortedError`` naming rank, peer and phase); a dispatch whose
+count messages carried another rank's call-signature hash moves no row from that rank, and every low-latency
+launch or hook after it raises ``ArgumentMismatchError`` until ``clean_low_latency_buffer`` (collective); with
 ``enable_shrink`` a dispatch or combine wait that times out masks the silent rank instead and the call completes for
 the others (every rank then calls ``low_latency_clean_mask_buffer`` and ``clean_low_latency_buffer`` to let it
 rejoin).
@@ -19,9 +21,11 @@ import torch
 
 from deep_ep import envs, testing
 from deep_ep import handle as hd
+from deep_ep.backends.agreement import signature_hash
 from deep_ep.backends.base import Backend, LowLatencyCombineRequest, LowLatencyDispatchRequest
 from deep_ep.backends.common import ReceiveHook, StreamScope, object_all_gather
 from deep_ep.backends.cuda_common import _C, join_nvshmem_world, raise_from_record, record_streams
+from deep_ep.errors import ArgumentMismatchError
 from deep_ep.results import LowLatencyCombineResult, LowLatencyDispatchResult
 
 # Phases of a launch: the send half, the receive half.
@@ -29,7 +33,10 @@ _SEND, _RECV = 1, 2
 
 
 class LowLatencyCuda(Backend):
-    """One rank's LL kernels.
+    """One rank's LL kernels. A dispatch's count messages carry the hash of its call signature
+    (``hashes_signature``): ranks that disagree take no row from each other, and until
+    :meth:`clean_low_latency_buffer` every LL kernel returns at once and every call raises
+    :class:`ArgumentMismatchError`.
 
     Args:
         rank, num_ranks: position in the group (NVSHMEM PE = rank).
@@ -38,6 +45,8 @@ class LowLatencyCuda(Backend):
         symmetric_buffers: buffers of ``num_rdma_bytes`` this process allocates on the symmetric heap (2 when an
             internode backend of the same Buffer allocates one after this one).
     """
+
+    hashes_signature = True
 
     def __init__(self, rank: int, num_ranks: int, num_rdma_bytes: int, num_qps_per_rank: int,
                  allow_nvlink: bool, allow_mnnvl: bool, enable_shrink: bool,
@@ -68,8 +77,17 @@ class LowLatencyCuda(Backend):
         return self.comm_stream
 
     def check_errors(self) -> None:
-        """Raise the pending kernel error, if any (reads host-mapped memory; never synchronises)."""
-        raise_from_record(self.runtime.read_error())
+        """Raise the pending kernel error, if any (reads host-mapped memory; never synchronises). A disagreement
+        of call signatures raises :class:`ArgumentMismatchError` until :meth:`clean_low_latency_buffer`."""
+        record = self.runtime.read_error()
+        if record is not None and record["code"] == "argument_mismatch":
+            raise ArgumentMismatchError(
+                f"rank {self.rank}: the ranks disagree on the arguments of a low_latency_dispatch (hidden, "
+                "num_experts, num_max_dispatch_tokens_per_rank, top-k, use_fp8, round_scale or use_ue8m0): "
+                f"{record['message']}, expected and observed being this rank's and rank {record['peer']}'s "
+                "call-signature hash; no rank took rows from a rank that disagrees and the low-latency calls since "
+                "did nothing; call clean_low_latency_buffer on every rank before the next low-latency call")
+        raise_from_record(record)
 
     def _prologue(self, num_max_tokens: int, hidden: int, num_experts: int, check_errors: bool = True) -> None:
         """Runtime alive, no pending kernel error (unless the caller's launch checks it: ``check_errors=False``),
@@ -93,11 +111,14 @@ class LowLatencyCuda(Backend):
         half, self.parity = self.parity, 1 - self.parity
         return half
 
-    def _launch(self, launch: Callable[..., Any], *args: Any) -> Any:
-        """``launch(*args)``; a kernel error left pending by an earlier call raises its typed exception."""
+    def _launch(self, launch: Callable[..., Any], *args: Any, half: int = -1) -> Any:
+        """``launch(*args)``; a kernel error left pending by an earlier call raises its typed exception (the
+        parity then goes back to ``half``, the half this launch would have used, when given)."""
         try:
             return launch(*args)
         except _C.DeviceError:
+            if half >= 0:
+                self.parity = half
             self.check_errors()
             raise
 
@@ -125,8 +146,9 @@ class LowLatencyCuda(Backend):
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         """Packed per-expert receive; blocks in ascending source order, rows of a block in (token, k) order."""
         (x, topk_idx, tokens, num_experts, recv_stats, wait_stats, use_fp8, round_scale, use_ue8m0, _,
-         return_recv_hook, _) = request
+         return_recv_hook, signature) = request
         hidden = x.size(1)
+        sig_hash = signature_hash(signature)
         self._prologue(tokens, hidden, num_experts, check_errors=False)
         half = self._flip()
         runtime = self.runtime
@@ -134,12 +156,12 @@ class LowLatencyCuda(Backend):
             phases, stream, current_after = self._launch_args(request, scope)
             data, scales, count, src_info, layout_range = self._launch(
                 runtime.dispatch, x, topk_idx, tokens, num_experts, recv_stats, wait_stats, use_fp8, round_scale,
-                use_ue8m0, half, phases, stream, current_after, [])
+                use_ue8m0, half, phases, stream, current_after, [], sig_hash, half=half)
             hook = None
             if return_recv_hook:
                 outputs = [data, count, src_info, layout_range] + ([scales] if use_fp8 else [])
                 hook = self._hook(runtime.dispatch, x, topk_idx, tokens, num_experts, recv_stats, wait_stats, use_fp8,
-                                  round_scale, use_ue8m0, half, _RECV, 0, False, outputs)
+                                  round_scale, use_ue8m0, half, _RECV, 0, False, outputs, sig_hash)
             event = scope.finish((x, topk_idx, data, scales, count, src_info, layout_range, recv_stats, wait_stats))
         handle = hd.LowLatencyHandle(src_info, layout_range, tokens, hidden, num_experts)
         return LowLatencyDispatchResult((data, scales) if use_fp8 else data, count, handle, event, hook)
@@ -155,7 +177,7 @@ class LowLatencyCuda(Backend):
             phases, stream, current_after = self._launch_args(request, scope)
             combined = self._launch(runtime.combine, x, topk_idx, topk_weights, src_info, layout_range, tokens,
                                     num_experts, use_logfmt, zero_copy, out, wait_stats, half, phases, stream,
-                                    current_after)
+                                    current_after, half=half)
             hook = None
             if return_recv_hook:
                 hook = self._hook(runtime.combine, x, topk_idx, topk_weights, src_info, layout_range, tokens,
@@ -169,11 +191,16 @@ class LowLatencyCuda(Backend):
         return self.runtime.combine_buffer(tokens, hidden, num_experts, self.parity)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Collective: bounded barrier, zero every signal word, bounded barrier (on the current stream)."""
-        self._prologue(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        """Collective: bounded barrier, zero every signal word, bounded barrier (on the current stream). It also
+        ends the standstill after a disagreement of call signatures."""
+        record = self.runtime.read_error() if self.runtime is not None else None
+        disagreed = record is not None and record["code"] == "argument_mismatch"
+        self._prologue(num_max_dispatch_tokens_per_rank, hidden, num_experts, check_errors=not disagreed)
         stream = torch.cuda.current_stream()
         self.runtime.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts, stream.cuda_stream)
         stream.synchronize()
+        if disagreed:
+            self.runtime.clear_argument_error(stream.cuda_stream)
         self.check_errors()
 
     def reset(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:

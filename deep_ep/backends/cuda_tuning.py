@@ -62,6 +62,14 @@ def intranode_channels(num_sms: int, num_ranks: int) -> int:
     return min(num_sms, INTRANODE_CHANNEL_CAP.get(num_ranks, num_sms))
 
 
+# Copy warps per channel when the rank has NVSHMEM put peers. Each copy warp then also puts its own staged records
+# (csrc/kernels/put.cuh); over NVSHMEM's P2P transport a put is a copy loop of the calling warp with one 16-byte load
+# per lane in flight (about 1.1 GB/s per warp over NVLink on H200), so staging and putting a record costs a sender
+# warp about three times what the receiver's copy out of the ring (dispatch) or a reduction (combine) costs. The
+# split balances the two at 2 ranks: 24 senders and 7 receivers, 22 senders and 9 reducers.
+PUT_SEND_WARPS: Mapping[str, int] = types.MappingProxyType({"dispatch": 24, "combine": 22})
+
+
 def send_warp_range(kernel: str, num_ranks: int) -> tuple[int, int]:
     """Copy warps per channel the ring ``kernel`` accepts with ``num_ranks`` ranks: dispatch [2, 32 - R] (the
     publisher and a receiver warp per source remain), combine [R - 1, 30] (a ring sender per destination; the
@@ -69,13 +77,16 @@ def send_warp_range(kernel: str, num_ranks: int) -> tuple[int, int]:
     return (2, 32 - num_ranks) if kernel == "dispatch" else (num_ranks - 1, 30)
 
 
-def intranode_send_warps(kernel: str, num_ranks: int, num_channels: int = 24, fp8: bool = False) -> int:
+def intranode_send_warps(kernel: str, num_ranks: int, num_channels: int = 24, fp8: bool = False,
+                         puts: bool = False) -> int:
     """Copy warps per channel of the ring ``kernel`` ('dispatch' or 'combine') for ``num_ranks`` ranks and
-    ``num_channels`` channels (``fp8``: an FP8 dispatch): the override or the tuned table's row, clamped to
-    :func:`send_warp_range`."""
+    ``num_channels`` channels (``fp8``: an FP8 dispatch; ``puts``: this rank has NVSHMEM put peers): the override,
+    else :data:`PUT_SEND_WARPS` with put peers or the tuned table's row, clamped to :func:`send_warp_range`."""
     lowest, highest = send_warp_range(kernel, num_ranks)
     chosen = testing.current()
     warps = chosen.dispatch_warps if kernel == "dispatch" else chosen.combine_warps
+    if warps is None and puts:
+        warps = PUT_SEND_WARPS[kernel]
     if warps is None:
         rows = INTRANODE_SEND_WARP_TABLE[(kernel, "fp8" if fp8 and kernel == "dispatch" else "bf16")]
         warps = next((w for bound, w in rows if num_channels <= bound), rows[-1][1])

@@ -14,8 +14,9 @@ peer, the phase and what was awaited. A timed-out gloo group is unusable afterwa
 from __future__ import annotations
 
 import datetime
+import functools
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,18 @@ _AGREEMENT_PAYLOAD_WORDS = 224
 # Tags are ``kind + _NUM_TAG_KINDS * (batch number mod _NUM_TAG_SEQUENCES)``.
 _NUM_TAG_KINDS = 32
 _NUM_TAG_SEQUENCES = 1 << 20
+
+
+def _profiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run inside a profiler range ``deep_ep::<name>``: the torch backend launches no kernel of its own, so
+    this range is how a profile with CPU activity (and its trace) shows the operation; a hooked call shows two
+    ranges, its send and its receive."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.profiler.record_function(f"deep_ep::{name}"):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 class _Pending:
@@ -330,6 +343,7 @@ class TorchBackend(Backend):
         pending.wait()
         return recv
 
+    @functools.partial(_profiled, "dispatch")
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         """Normal dispatch; see ``Buffer.dispatch`` for shapes. Routing comes only from ``is_token_in_rank``."""
         with StreamScope(self.comm_stream, request.previous_event, request.async_finish,
@@ -513,6 +527,7 @@ class TorchBackend(Backend):
                                   recv_gbl_chan_prefix.to(dev), recv_gbl_rank_prefix.to(dev), src_meta,
                                   sender.send_rdma_head, send_nvl_head)
 
+    @functools.partial(_profiled, "combine")
     def combine(self, request: CombineRequest) -> CombineResult:
         """Normal combine: per original token, the float32 sum of its holders' rows (plus biases), in BF16."""
         with StreamScope(self.comm_stream, request.previous_event, request.async_finish,
@@ -571,6 +586,17 @@ class TorchBackend(Backend):
         as_bf16 = self.rdma_buffer().view(torch.bfloat16)
         return as_bf16.as_strided((num_local_experts, rows, hidden), (rows * slot, slot, 1), region.offset // 2)
 
+    def _combine_recv_view(self, layout: Any, half: int, num_experts: int, tokens: int,
+                           hidden: int) -> torch.Tensor:
+        """BF16 ``[E, T, H]`` view of the payloads in ``recv_{half}`` (row stride ``H + H/64`` elements, after
+        each slot's LogFMT scale pairs)."""
+        region = layout[f"recv_{half}"]
+        _, combine_msg = low_latency_message_bytes(hidden)
+        slot, header = combine_msg // 2, (combine_msg - 2 * hidden) // 2
+        as_bf16 = self.rdma_buffer().view(torch.bfloat16)
+        return as_bf16.as_strided((num_experts, tokens, hidden), (tokens * slot, slot, 1),
+                                  region.offset // 2 + header)
+
     def get_next_low_latency_combine_buffer(self, handle: hd.LowLatencyHandle) -> torch.Tensor:
         tokens, hidden, num_experts = handle[2], handle[3], handle[4]
         layout = self._ll_regions(tokens, hidden, num_experts)
@@ -583,6 +609,7 @@ class TorchBackend(Backend):
         self.ll_parity = 1 - half
         return half
 
+    @functools.partial(_profiled, "dispatch")
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         """Send every token once per valid top-k entry to the expert's owner; pack per local expert.
 
@@ -645,30 +672,26 @@ class TorchBackend(Backend):
             for s in active:
                 signal[:, s] = -(recv_counts[s].to(self.device) + 1)
 
-            recv_area = self._region(layout, f"recv_{half}")[:num_experts * tokens * dispatch_msg]
-            recv_area = recv_area.view(num_local, num_ranks, tokens, dispatch_msg)
-            data_sends, data_recvs = [], []
+            # One message per destination: its rows are contiguous in expert order (local expert, then token
+            # and top-k slot), which is also the order the receiver unpacks them in.
             order = torch.argsort(flat, stable=True)
             sorted_tokens = token_of[order]
-            expert_start = torch.cumsum(send_counts.flatten().to(torch.int64), 0) - send_counts.flatten()
+            dest_totals = send_counts.sum(1).to(torch.int64)
+            dest_start = torch.cumsum(dest_totals, 0) - dest_totals
+            data_sends, own_rows = [], None
             for d in active:
-                for j in range(num_local):
-                    n = int(send_counts[d, j])
-                    if n == 0:
-                        continue
-                    start = int(expert_start[d * num_local + j])
-                    rows = staging[sorted_tokens[start:start + n].to(self.device)]
-                    if d == rank:
-                        recv_area[j, rank, :n] = rows
-                    else:
-                        data_sends.append((d, rows))
-            for s in active:
-                if s == rank:
+                n = int(dest_totals[d])
+                if n == 0:
                     continue
-                for j in range(num_local):
-                    n = int(recv_counts[s, j])
-                    if n:
-                        data_recvs.append((s, recv_area[j, s, :n]))
+                start = int(dest_start[d])
+                rows = staging[sorted_tokens[start:start + n].to(self.device)]
+                if d == rank:
+                    own_rows = rows
+                else:
+                    data_sends.append((d, rows))
+            landing = {s: torch.empty(int(recv_counts[s].sum()), dispatch_msg, dtype=torch.uint8, device=self.device)
+                       for s in active if s != rank and int(recv_counts[s].sum()) > 0}
+            data_recvs = list(landing.items())
             data_wait = self.comm.post(data_sends, data_recvs, _TAG_LL_DISPATCH, "low-latency dispatch",
                                        "token messages")
 
@@ -688,24 +711,34 @@ class TorchBackend(Backend):
 
         def receive() -> None:
             data_wait.wait()
-            for j in range(num_local):
-                begin = 0
-                for s in active:
-                    n = int(recv_counts[s, j])
-                    if n:
-                        msgs = recv_area[j, s, :n].to(device)
-                        src_info[j, begin:begin + n] = from_bytes(msgs[:, :4], torch.int32, 1).view(-1)
-                        if use_fp8:
-                            recv_data[j, begin:begin + n] = from_bytes(msgs[:, 16:16 + hidden],
-                                                                        torch.float8_e4m3fn, hidden)
-                            recv_scales[j, begin:begin + n] = from_bytes(
-                                msgs[:, 16 + hidden:16 + hidden + scale_cols * 4], scale_dtype, scale_cols)
-                        else:
-                            recv_data[j, begin:begin + n] = from_bytes(msgs[:, 16:16 + 2 * hidden],
-                                                                        torch.bfloat16, hidden)
-                    layout_range[j, s] = (begin << 32) | n
-                    begin += n
-                packed_recv_count[j] = begin
+            # Packed order per local expert: sources ascending, each source's rows in arrival order.
+            counts = recv_counts.to(torch.int64)  # [R, L]
+            begins = torch.cumsum(counts, 0) - counts
+            pieces, dst_j, dst_row = [], [], []
+            for s in active:
+                rows = own_rows if s == rank else landing.get(s)
+                if rows is None:
+                    continue
+                j = torch.repeat_interleave(torch.arange(num_local, device="cpu"), counts[s])
+                within = torch.arange(j.numel(), device="cpu") - (torch.cumsum(counts[s], 0) - counts[s])[j]
+                pieces.append(rows)
+                dst_j.append(j)
+                dst_row.append(begins[s, j] + within)
+            if pieces:
+                msgs = torch.cat(pieces).to(device)
+                jj, rr = torch.cat(dst_j).to(device), torch.cat(dst_row).to(device)
+                src_info[jj, rr] = from_bytes(msgs[:, :4], torch.int32, 1).view(-1)
+                if use_fp8:
+                    recv_data[jj, rr] = from_bytes(msgs[:, 16:16 + hidden], torch.float8_e4m3fn, hidden)
+                    recv_scales[jj, rr] = from_bytes(msgs[:, 16 + hidden:16 + hidden + scale_cols * 4], scale_dtype,
+                                                     scale_cols)
+                else:
+                    recv_data[jj, rr] = from_bytes(msgs[:, 16:16 + 2 * hidden], torch.bfloat16, hidden)
+            ranges = (begins << 32) | counts
+            inactive = [s for s in range(num_ranks) if s not in active]
+            ranges[inactive] = 0
+            layout_range.copy_(ranges.t().to(device))
+            packed_recv_count.copy_(counts.sum(0).to(torch.int32).to(device))
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(packed_recv_count.to(cumulative_local_expert_recv_stats.device))
             if dispatch_wait_recv_cost_stats is not None:
@@ -717,7 +750,7 @@ class TorchBackend(Backend):
         outputs = [*(recv_x if use_fp8 else (recv_x,)), packed_recv_count, src_info, layout_range]
         if return_recv_hook:
             return LowLatencyDispatchResult(recv_x, packed_recv_count, new_handle, EventOverlap(None),
-                                            ReceiveHook(receive))
+                                            ReceiveHook(_profiled("dispatch", receive)))
         with scope:
             receive()
         event = scope.finish([x, topk_idx, *outputs])
@@ -725,6 +758,7 @@ class TorchBackend(Backend):
             event.extra_tensors = (x, topk_idx, *outputs)
         return LowLatencyDispatchResult(recv_x, packed_recv_count, new_handle, event, None)
 
+    @functools.partial(_profiled, "combine")
     def low_latency_combine(self, request: LowLatencyCombineRequest) -> LowLatencyCombineResult:
         """Return expert outputs to the token owners and reduce ``sum_k w[t, k] * y(e_k, t)`` in float32."""
         (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
@@ -744,59 +778,66 @@ class TorchBackend(Backend):
             half = self._flip(layout)
             send_view = self._combine_send_view(layout, half, num_local, tokens, hidden)
             begins, counts = hd.unpack_layout_range(layout_range.cpu())
-            sends = []
-            for j in range(num_local):
-                for s in active:
-                    begin, count = int(begins[j, s]), int(counts[j, s])
-                    if count == 0:
-                        continue
-                    if not zero_copy:
-                        send_view[j, begin:begin + count] = x[j, begin:begin + count].to(self.device)
-                    rows = send_view[j, begin:begin + count]
-                    if use_logfmt:
-                        rows = numerics.logfmt_roundtrip(rows)
-                    message = torch.cat([as_bytes(src_info[j, begin:begin + count].to(self.device)),
-                                         as_bytes(rows)], dim=1)
+            # One message per source rank: its rows of every local expert (ascending), each row headed by the
+            # source token index.
+            sends, own_message = [], None
+            for s in active:
+                c = counts[:, s]
+                n = int(c.sum())
+                if n == 0:
+                    continue
+                j = torch.repeat_interleave(torch.arange(num_local, device="cpu"), c)
+                r = begins[j, s] + torch.arange(n, device="cpu") - (torch.cumsum(c, 0) - c)[j]
+                jd, rd = j.to(self.device), r.to(self.device)
+                if not zero_copy:
+                    send_view[jd, rd] = x[j.to(device), r.to(device)].to(self.device)
+                rows = send_view[jd, rd]
+                if use_logfmt:
+                    rows = numerics.logfmt_roundtrip(rows)
+                message = torch.cat([as_bytes(src_info[j.to(src_info.device), r.to(src_info.device)].to(self.device)),
+                                     as_bytes(rows)], dim=1)
+                if s == rank:
+                    own_message = message
+                else:
                     sends.append((s, message))
 
-            # Receive: one block per (owner rank, expert) this rank selected, sized from its own routing.
+            # Receive: one message per owner rank, its experts' rows in expert order, sized from this rank's own
+            # routing (the owner returns every row this rank dispatched to it).
             idx = topk_idx.to(torch.int64).cpu()
             owner_ok = torch.zeros(num_ranks, dtype=torch.bool, device="cpu")
             owner_ok[active] = True
             flat = idx[idx >= 0]
             flat = flat[owner_ok[flat // num_local]]
             expected = torch.bincount(flat, minlength=num_experts)
-            recvs, recv_keys = [], []
-            # Own experts' rows never leave this rank.
-            local_msgs = [m for s, m in sends if s == rank]
-            sends = [(s, m) for s, m in sends if s != rank]
-            for e in range(num_experts):
-                n = int(expected[e])
-                owner = e // num_local
-                if n == 0 or owner == rank:
-                    continue
-                buf = torch.empty(n, 4 + 2 * hidden, dtype=torch.uint8, device=self.device)
-                recvs.append((owner, buf))
-                recv_keys.append(e)
+            per_owner = expected.view(num_ranks, num_local).sum(1)
+            recvs = [(o, torch.empty(int(per_owner[o]), 4 + 2 * hidden, dtype=torch.uint8, device=self.device))
+                     for o in active if o != rank and int(per_owner[o]) > 0]
             pending = self.comm.post(sends, recvs, _TAG_LL_COMBINE, "low-latency combine", "expert output rows")
             recv_area = self._region(layout, f"recv_{half}")[:num_experts * tokens * combine_msg]
-            recv_area = recv_area.view(num_experts, tokens, combine_msg)
+            recv_area = recv_area.view(num_experts * tokens, combine_msg)
             signal = self._region(layout, f"signal_{half}").view(torch.int32)[:num_experts]
             combined = out if out is not None else torch.empty(num_tokens, hidden, dtype=torch.bfloat16,
                                                                device=device)
-            own = [rank * num_local + j for j in range(num_local)
-                   if rank in active and int(counts[j, rank])]
 
         def receive() -> None:
             pending.wait()
-            arrived = list(zip(own, local_msgs)) + [(e, buf) for e, (_, buf) in zip(recv_keys, recvs)]
-            for e, message in arrived:
+            messages, experts = [], []
+            if own_message is not None:
+                messages.append(own_message)
+                own_experts = torch.arange(rank * num_local, (rank + 1) * num_local, device="cpu")
+                experts.append(torch.repeat_interleave(own_experts, counts[:, rank]))
+            for o, buf in recvs:
+                messages.append(buf)
+                owner_experts = torch.arange(o * num_local, (o + 1) * num_local, device="cpu")
+                experts.append(torch.repeat_interleave(owner_experts, expected[o * num_local:(o + 1) * num_local]))
+            if messages:
+                message = torch.cat(messages)
                 token_idx = from_bytes(message[:, :4], torch.int32, 1).view(-1).to(torch.int64)
-                first = _first_occurrence(token_idx)  # a token that chose e twice: its first row counts
-                recv_area[e, token_idx[first], header:] = message[first, 4:]
-                signal[e] = 1
-            slots = from_bytes(recv_area.reshape(num_experts * tokens, combine_msg)[:, header:], torch.bfloat16,
-                                hidden).view(num_experts, tokens, hidden)
+                key = torch.cat(experts).to(self.device) * tokens + token_idx
+                first = _first_occurrence(key)  # a token that chose an expert twice: its first row counts
+                recv_area[key[first], header:] = message[first, 4:]
+                signal[torch.unique(key[first] // tokens)] = 1
+            slots = self._combine_recv_view(layout, half, num_experts, tokens, hidden)
             masked_owner = ~owner_ok
             combined.copy_(reduce_low_latency_combine(slots, topk_idx.to(self.device), topk_weights.to(self.device),
                                                       num_local, masked_owner.to(self.device)).to(device))
@@ -805,7 +846,7 @@ class TorchBackend(Backend):
                     combine_wait_recv_cost_stats.device))
 
         if return_recv_hook:
-            return LowLatencyCombineResult(combined, EventOverlap(None), ReceiveHook(receive))
+            return LowLatencyCombineResult(combined, EventOverlap(None), ReceiveHook(_profiled("combine", receive)))
         with scope:
             receive()
         event = scope.finish([x, topk_idx, topk_weights, combined])

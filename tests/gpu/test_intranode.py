@@ -11,7 +11,8 @@ warps, the dispatch receive path and the combine send path. Every driver wait is
     TEST_RANKS_PER_GPU=2 python -m pytest tests/gpu/test_intranode.py    # one GPU: the 2-GPU tests time-sliced
 
 ``TEST_EXAMPLES_<TEST>`` sets a test's hypothesis examples (``_1``, ``_SHARED``, ``_2GPU``, ``_NCCL``, ``_EP``,
-``_SEQ``); ``TEST_DEVICE=cpu`` puts the workers' tensors on the CPU (the torch backend then serves them).
+``_SEQ``); ``TEST_DEVICE=cpu`` puts the workers' tensors on the CPU (the torch backend then serves them);
+``TEST_TIMEOUT_SCALE`` stretches the driver's and the workers' wait budgets.
 """
 from __future__ import annotations
 
@@ -36,10 +37,13 @@ torch = pytest.importorskip("torch")
 # Examples share long-lived worker pools; one test may run several minutes on the GPU machine.
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
+# TEST_TIMEOUT_SCALE multiplies both budgets below (e.g. under compute-sanitizer, whose instrumentation slows
+# every kernel).
+TIMEOUT_SCALE = float(os.environ.get("TEST_TIMEOUT_SCALE", "1"))
 # Seconds the driver waits for one example on every rank (several ranks time-slice one GPU, so be generous).
-EXAMPLE_TIMEOUT_S = 240.0
+EXAMPLE_TIMEOUT_S = 240.0 * TIMEOUT_SCALE
 # Kernel/host wait budget inside the workers: short, so a hang shows up as an exception quickly.
-WORKER_TIMEOUT_S = "20"
+WORKER_TIMEOUT_S = str(round(20 * TIMEOUT_SCALE))
 # Two full ring halves (2 x 256 MiB) plus a 256 MiB output pool for direct-to-output dispatch.
 NUM_NVL_BYTES = 768 * 1024 * 1024
 # Device of the tensors; "cpu" lets the task functions be dry-run against the torch backend without a GPU.
@@ -795,6 +799,91 @@ def task_bad_routing(buffer, rank: int, payload: dict) -> str:
     return " | ".join(seen)
 
 
+def task_disagree(buffer, rank: int, payload: dict) -> str:
+    """Rank 1 differs from rank 0 in one argument per step (hidden size, dtype, expert count, top-k, config,
+    top-k given or not): every rank raises ArgumentMismatchError naming it, well under a second, and no dispatch kernel
+    runs; rank 1 refuses its own num_tokens_per_rank: rank 0 raises at once; a worst-token dispatch whose hidden sizes
+    differ raises at the next call. After each, a correct dispatch and combine give every rank's rows in (source rank,
+    token) order and their sum."""
+    import time
+
+    import deep_ep
+    n, h, world = 32, 256, buffer.group_size
+    num_experts, config = 2 * world, deep_ep.Config(4, 8, 256)
+    x = _pattern_x(rank, n, h, 0).to(DEVICE)
+    # Every token selects expert 2r on every rank r: all rows reach every rank.
+    topk_idx = (torch.arange(world, device=DEVICE) * 2).repeat(n, 1).to(deep_ep.topk_idx_t)
+    weights = torch.ones(n, world, dtype=torch.float32, device=DEVICE)
+
+    def dispatch(data=x, idx=topk_idx, w=weights, experts=num_experts, cfg=config, **kwargs):
+        layout = buffer.get_dispatch_layout(idx if idx is not None else topk_idx, experts)
+        torch.cuda.synchronize()
+        start = time.monotonic()
+        try:
+            return buffer.dispatch(data, num_tokens_per_rank=kwargs.pop("per_rank", layout.num_tokens_per_rank),
+                                   is_token_in_rank=layout.is_token_in_rank,
+                                   num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=idx, topk_weights=w,
+                                   config=cfg, **kwargs)
+        finally:
+            dispatch.elapsed = time.monotonic() - start
+
+    def correct(label: str) -> None:
+        d = dispatch()
+        want = torch.cat([_pattern_x(r, n, h, 0) for r in range(world)]).to(DEVICE)
+        assert torch.equal(d.recv_x, want), f"after {label}: recv_x differs from every rank's rows in rank order"
+        c = buffer.combine(d.recv_x, d.handle, config=config)
+        torch.cuda.synchronize()
+        assert torch.equal(c.combined_x.float(), x.float() * world), f"after {label}: combine differs"
+
+    other = rank == 1
+    wide_idx = (torch.arange(world, device=DEVICE) * 4).repeat(n, 1).to(deep_ep.topk_idx_t)
+    steps = [
+        ("x.size(1) (hidden)", dict(data=torch.cat([x, x], 1) if other else x)),
+        ("x.dtype", dict(data=x.to(torch.float16) if other else x)),
+        ("num_experts", dict(idx=wide_idx if other else topk_idx, experts=2 * num_experts if other else num_experts)),
+        ("num_topk", dict(idx=topk_idx[:, :1].contiguous() if other else topk_idx,
+                          w=weights[:, :1].contiguous() if other else weights)),
+        ("config", dict(cfg=deep_ep.Config(6, 8, 256) if other else config)),
+        ("topk_idx given", dict(idx=None if other else topk_idx, w=None if other else weights)),
+    ]
+    seen = []
+    correct("start")
+    for name, kwargs in steps:
+        try:
+            dispatch(**kwargs)
+        except deep_ep.ArgumentMismatchError as exc:
+            assert name in str(exc), f"{name}: {exc}"
+            assert dispatch.elapsed < 1.0, f"{name}: raised after {dispatch.elapsed:.3f} s"
+            seen.append(f"{name}: {dispatch.elapsed * 1e3:.0f} ms")
+        else:
+            raise AssertionError(f"{name} differing between the ranks did not raise")
+        correct(name)
+    # Rank 1's own validation fails: it raises its error, rank 0 ArgumentMismatchError naming rank 1.
+    try:
+        dispatch(**(dict(per_rank=torch.zeros(world, dtype=torch.int64, device=DEVICE)) if other else {}))
+    except (TypeError, ValueError) as exc:
+        assert dispatch.elapsed < 1.0, f"refusal: raised after {dispatch.elapsed:.3f} s"
+        if other:
+            assert not isinstance(exc, deep_ep.ArgumentMismatchError) and "num_tokens_per_rank" in str(exc), exc
+        else:
+            assert isinstance(exc, deep_ep.ArgumentMismatchError) and "rank 1 (num_tokens_per_rank)" in str(exc), exc
+        seen.append(f"refusal: {dispatch.elapsed * 1e3:.0f} ms")
+    else:
+        raise AssertionError("a refusal on rank 1 did not raise")
+    correct("refusal")
+    # Worst-token mode: no host wait, so the next call raises (on every rank: it waits for the notify first).
+    dispatch(data=torch.cat([x, x], 1) if other else x, num_worst_tokens=n * world)
+    try:
+        dispatch()
+    except deep_ep.ArgumentMismatchError as exc:
+        assert "x.size(1) (hidden)" in str(exc), str(exc)
+        seen.append("worst: at the next call")
+    else:
+        raise AssertionError("a worst-token dispatch with differing hidden sizes did not raise at the next call")
+    correct("worst")
+    return "; ".join(seen)
+
+
 def _pattern_x(rank: int, n: int, h: int, salt: int) -> torch.Tensor:
     """Rows that identify (rank, token, salt); small integers, exact in BF16."""
     t = torch.arange(n, dtype=torch.int64).view(n, 1)
@@ -890,7 +979,7 @@ def task_reset(buffer, rank: int, payload) -> str:
 
 TASKS: dict[str, Callable] = {"roundtrip": task_roundtrip, "graph": task_graph, "stall": task_stall,
                               "sequence": task_sequence, "bad_routing": task_bad_routing, "reset": task_reset,
-                              "pool_lifetime": task_pool_lifetime}
+                              "pool_lifetime": task_pool_lifetime, "disagree": task_disagree}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -991,6 +1080,11 @@ def test_bad_routing_raises(pools, world, spread):
         pytest.skip("needs 2 GPUs")
     replies = pools(world, spread).run("bad_routing", None)
     print(replies)
+
+
+def test_disagreeing_ranks_raise_and_recover(pools):
+    """Two ranks on one GPU: see task_disagree."""
+    print(pools(2).run("disagree", None))
 
 
 def test_killed_peer_times_out():

@@ -11,7 +11,7 @@ exactly; combine is bit-exact for BF16 and within a small tolerance for LogFMT. 
 
 ``TEST_LL_PUT_ONLY=1`` builds every Buffer with ``deep_ep.testing.overrides(ll_put_only=True)`` (the RDMA path);
 ``TEST_EXAMPLES_LL``: examples per property (25); ``TEST_LL_FAILURE_LOG``: a file that gets each failure as it
-happens.
+happens; ``TEST_TIMEOUT_SCALE``: a factor on the driver's and the workers' wait budgets.
 """
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ torch = pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
-EXAMPLE_TIMEOUT_S = 90.0
-WORKER_TIMEOUT_S = "10"
+# TEST_TIMEOUT_SCALE multiplies both budgets (e.g. under compute-sanitizer, whose instrumentation slows every kernel).
+TIMEOUT_SCALE = float(os.environ.get("TEST_TIMEOUT_SCALE", "1"))
+EXAMPLE_TIMEOUT_S = 90.0 * TIMEOUT_SCALE
+WORKER_TIMEOUT_S = str(round(10 * TIMEOUT_SCALE))
 # No shrinking: every example costs real kernel launches; the failure text names the case.
 NO_SHRINK = dict(phases=[Phase.explicit, Phase.reuse, Phase.generate], report_multiple_bugs=False)
 # Largest case of the pools (the symmetric buffer is sized for it).
@@ -419,6 +421,42 @@ def task_bad_input(buffer, rank: int, case: Case) -> str:
     return "ok"
 
 
+def task_disagree(buffer, rank: int, case: Case) -> str:
+    """Rank 1 dispatches with use_fp8 flipped, then with twice the hidden size: the count messages' signature hashes
+    differ, no rank takes rows from the other, and the next low-latency call raises ArgumentMismatchError on every
+    rank, well under a second after the bad call, until clean_low_latency_buffer; then a correct round matches the
+    reference."""
+    import torch.distributed as dist
+
+    import deep_ep
+    inputs, refs, ref_out = _references(case)
+    mine = inputs[rank]
+    x, idx = mine["x"].cuda(), mine["topk_idx"].cuda()
+    wide = torch.cat([x, x], 1)
+    seen = []
+    for label, kwargs in (("use_fp8", dict(x=x, use_fp8=case.use_fp8 != (rank == 1))),
+                          ("hidden", dict(x=wide if rank == 1 else x, use_fp8=case.use_fp8))):
+        if buffer._cuda_ll.parity != 0:
+            # The count words of buffer half 0 lie where every rank's carving puts them, whatever the hidden size.
+            buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts, use_fp8=case.use_fp8)
+        start = time.monotonic()
+        buffer.low_latency_dispatch(kwargs["x"], idx, case.max_tokens, case.num_experts, use_fp8=kwargs["use_fp8"])
+        torch.cuda.synchronize()
+        dist.barrier()
+        try:
+            buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts, use_fp8=case.use_fp8)
+        except deep_ep.ArgumentMismatchError as exc:
+            elapsed = time.monotonic() - start
+            assert f"rank {1 - rank}" in str(exc), str(exc)
+            assert elapsed < 1.0, f"{label}: raised after {elapsed:.3f} s"
+            seen.append(f"{label}: {elapsed * 1e3:.0f} ms")
+        else:
+            raise AssertionError(f"{label} differing between the ranks did not raise")
+        buffer.clean_low_latency_buffer(case.max_tokens, case.hidden, case.num_experts)
+    _ll_round(buffer, case, rank, inputs, mine, refs, ref_out)
+    return "; ".join(seen)
+
+
 def task_shrink(buffer, rank: int, case: Case) -> str:
     """Rank 1 "dies" before a dispatch: rank 0's dispatch times out on it (DEEP_EP_TIMEOUT_S), masks it and completes
     with rank 0's own rows; its combine drops rank 1's experts; the mask query reports rank 1."""
@@ -488,7 +526,7 @@ def task_shrink_combine(buffer, rank: int, case: Case) -> str:
 
 
 TASKS = {"shrink": task_shrink, "shrink_combine": task_shrink_combine, "round": task_round, "graph": task_graph,
-         "normal_then_clean": task_normal_then_clean, "bad_input": task_bad_input}
+         "normal_then_clean": task_normal_then_clean, "bad_input": task_bad_input, "disagree": task_disagree}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -552,6 +590,14 @@ def test_ll_bad_input_keeps_buffer_usable(pools, world):
                 async_finish=False, use_logfmt=False, zero_copy=False, dispatch_twice=False, with_out=False,
                 with_stats=False)
     pools(world).run("bad_input", case)
+
+
+@pytest.mark.multi_gpu(2)
+def test_ll_ranks_that_disagree_raise_and_recover(pools):
+    case = Case(num_ranks=2, seed=11, num_tokens=(6, 6), max_tokens=16, hidden=2048, num_topk=4, num_experts=8,
+                mask_prob=0.0, use_fp8=False, round_scale=False, use_ue8m0=False, hook=False, async_finish=False,
+                use_logfmt=False, zero_copy=False, dispatch_twice=False, with_out=False, with_stats=False)
+    print(pools(2).run("disagree", case))
 
 
 def _shrink_case(seed: int) -> Case:
