@@ -198,14 +198,16 @@ class Runtime {
     // For a runtime over the whole group of N nodes x `gpus_per_node` ranks, every peer reached by pointer. The
     // first call fixes gpus_per_node; reset() then also zeroes the fused counters.
     // Non-cached notify: fills the six int32 prefix tensors of the internode handle (shapes in FusedNotifyArgs)
-    // and, unless in worst-token mode, publishes the counts to the host (wait_recv_counts, forward_count).
+    // and, unless in worst-token mode, publishes the counts to the host (wait_recv_counts, forward_count) and every
+    // rank's call signature (gathered_signatures; `signature` empty: none sent, none compared).
     void fused_notify(const at::Tensor& num_tokens_per_rank, const std::optional<at::Tensor>& num_tokens_per_rdma_rank,
                       const at::Tensor& num_tokens_per_expert, const at::Tensor& is_token_in_rank, int num_experts,
                       int num_channels, int gpus_per_node, int expert_alignment, bool worst_token_mode,
                       const at::Tensor& rdma_channel_prefix_matrix, const at::Tensor& gbl_channel_prefix_matrix,
                       const at::Tensor& recv_rdma_channel_prefix_matrix, const at::Tensor& recv_rdma_rank_prefix_sum,
                       const at::Tensor& recv_gbl_channel_prefix_matrix, const at::Tensor& recv_gbl_rank_prefix_sum,
-                      uintptr_t stream, bool after_current);
+                      uintptr_t stream, bool after_current, const std::vector<int64_t>& signature,
+                      bool check_signatures);
     // After wait_recv_counts: the rows this rank forwards (send_nvl_head's rows) of the same notify.
     int forward_count() const;
     // Returns (recv_x [num_recv_rows, H], recv_x_scales [num_recv_rows, S] when x_scales is given, recv_topk_idx

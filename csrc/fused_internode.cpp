@@ -64,9 +64,13 @@ void Runtime::fused_notify(const at::Tensor& num_tokens_per_rank,
                            const at::Tensor& recv_rdma_channel_prefix_matrix,
                            const at::Tensor& recv_rdma_rank_prefix_sum,
                            const at::Tensor& recv_gbl_channel_prefix_matrix,
-                           const at::Tensor& recv_gbl_rank_prefix_sum, uintptr_t stream, bool after_current) {
+                           const at::Tensor& recv_gbl_rank_prefix_sum, uintptr_t stream, bool after_current,
+                           const std::vector<int64_t>& signature, bool check_signatures) {
     require_available("dispatch");
     set_fused(gpus_per_node);
+    if (!signature.empty() && static_cast<int>(signature.size()) != kernels::kSignatureWords)
+        fused_invalid("notify: the call signature must have %d words, got %d", kernels::kSignatureWords,
+                      static_cast<int>(signature.size()));
     const int num_nodes = num_ranks_ / gpus_per_node;
     check_int_matrix("num_tokens_per_rank", num_tokens_per_rank, num_ranks_, 0, device_id_);
     if (num_tokens_per_rdma_rank.has_value())
@@ -97,6 +101,9 @@ void Runtime::fused_notify(const at::Tensor& num_tokens_per_rank,
     args.recv_rdma_rank_prefix_sum = ptr<int>(recv_rdma_rank_prefix_sum, workspace_);
     args.recv_gbl_channel_prefix_matrix = ptr<int>(recv_gbl_channel_prefix_matrix, workspace_);
     args.recv_gbl_rank_prefix_sum = ptr<int>(recv_gbl_rank_prefix_sum, workspace_);
+    for (size_t w = 0; w < signature.size(); ++w) args.signature[w] = signature[w];
+    args.check_signatures = check_signatures && !signature.empty() ? 1 : 0;
+    args.host_signatures = reinterpret_cast<int64_t*>(device_counters_ + kSignatureIntOffset);
     args.host_counters = nullptr;
     if (!worst_token_mode) {
         // The previous non-worst notify was waited for before its call returned, so nothing writes here now.
@@ -205,6 +212,7 @@ Runtime::fused_dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_
     args.worst_token_mode = worst_token_mode ? 1 : 0;
     args.num_max_rdma_send_tokens = num_max_rdma_send_tokens;
     args.num_max_nvl_send_tokens = num_max_nvl_send_tokens;
+    args.agreement_gate = send_rdma_head.has_value() ? 1 : 0;
     if (after_current) order(as_stream_handle(stream), current_stream());
     auto ctx = next_context();
     kernels::fused_dispatch(ctx, geometry, args, as_stream_handle(stream));

@@ -4,8 +4,9 @@ A subprocess installs the fake extension (``tests/fake_cuda.py``) whose fused en
 signatures of ``csrc/buffer.hpp`` and fill their outputs with what ``reference`` computes for rank 0 of a 2 x 2
 group whose ranks all hold the same inputs (``all_gather`` returns four copies). The backend must assemble the
 internode handle, the results, the cached dispatch and the combine from those outputs exactly as the reference
-has them, pass the notify's tensors on to the kernels, use ``config.num_sms // 2`` channels, and name the peer's
-node in a kernel's timeout.
+has them, pass the notify's tensors on to the kernels, use ``config.num_sms // 2`` channels, raise
+``ArgumentMismatchError`` before the dispatch kernel when the notify's gathered call signatures differ, and name the
+peer's node in a kernel's timeout.
 """
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ class Fused(ext.Runtime):
         return lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank
     def fused_notify(self, per_rank, per_node, per_expert, in_rank, experts, num_channels, per_node_gpus, alignment,
                      worst, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_rps, recv_gbl_cpm, recv_gbl_rps, stream,
-                     after_current):
-        assert (num_channels, per_node_gpus, experts, worst) == (channels, 2, num_experts, False)
+                     after_current, words, check):
+        assert (num_channels, per_node_gpus, experts, worst, check) == (channels, 2, num_experts, False, True)
+        seen["words"] = list(words)
         for name, out in (("rdma_channel_prefix_matrix", rdma_cpm), ("gbl_channel_prefix_matrix", gbl_cpm),
                           ("recv_rdma_channel_prefix_matrix", recv_rdma_cpm),
                           ("recv_rdma_rank_prefix_sum", recv_rdma_rps),
@@ -59,6 +61,10 @@ class Fused(ext.Runtime):
                           ("recv_gbl_rank_prefix_sum", recv_gbl_rps)):
             out.copy_(handle_fields[name])
         seen["notify"] = [t.data_ptr() for t in (recv_rdma_cpm, recv_rdma_rps, recv_gbl_cpm, recv_gbl_rps)]
+    def gathered_signatures(self):  # rank 3 sends seen["disagree"] when set
+        words = seen["words"]
+        rows = [words] * 3 + [seen.get("disagree") or words]
+        return [w for row in rows for w in row]
     def wait_recv_counts(self, num_local_experts):
         return mine.handle.recv_src_meta.size(0), list(mine.num_recv_tokens_per_expert_list)
     def forward_count(self):
@@ -121,6 +127,19 @@ with fake.patched(torch, cuda_tensors=True):
     report["combined"] = torch.equal(combined.combined_x,
                                      reference.combine(ys, [r.handle for r in ref], topo, bias=[bias] * 4)[0]
                                      .combined_x)
+    from deep_ep.backends.agreement import Signature
+    request = DispatchRequest(payload, None, layout.num_tokens_per_rank, layout.num_tokens_per_rdma_rank,
+                              layout.is_token_in_rank, layout.num_tokens_per_expert, topk_idx, topk_weights,
+                              config=config, signature=Signature("dispatch", (("x.size(1) (hidden)", 256),)))
+    launched = len(seen["dispatch"])
+    backend.dispatch(request)
+    report["agree"] = len(seen["dispatch"]) == launched + 1 and len(seen["words"]) > 0
+    seen["disagree"] = Signature("dispatch", (("x.size(1) (hidden)", 512),)).values()
+    try:
+        backend.dispatch(request)
+        report["disagree"] = "accepted"
+    except deep_ep.ArgumentMismatchError as exc:
+        report["disagree"] = str(exc) if len(seen["dispatch"]) == launched + 1 else "the kernel was launched"
     errors = [{"code": "timeout", "message": "dispatch recv wait tail: rank 0 peer 3 channel 1", "peer": 3}]
     backend.runtime.read_error = lambda: errors[0]
     try:
@@ -156,6 +175,8 @@ def test_fused_backend_assembles_reference_results(use_fp8):
     assert report["combine_args"] == [True] * 6, report["combine_args"]
     assert report["combined"]
     assert "channels" in report["channel_check"], report["channel_check"]
+    assert report["agree"], "a dispatch whose ranks agree runs its kernel"
+    assert "ranks [3]" in report["disagree"], report["disagree"]
     assert "peer 3 channel 1" in report["timeout"] and "node 1, local 1" in report["timeout"], report["timeout"]
 
 

@@ -51,6 +51,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     __shared__ int node_counts[kMaxRanks][kMaxChannels];  // my tokens that need node n in channel c
     __shared__ int rank_totals[kMaxRanks];
     __shared__ int recv_starts[kMaxRanks];                 // first row of each source's block
+    __shared__ int mismatch_source;                        // the first source whose signature differs, or kMaxRanks
 
     const int num_ranks = ctx.num_ranks, rank = ctx.rank, num_channels = args.num_channels;
     const int per_node = args.gpus_per_node, num_nodes = num_ranks / per_node;
@@ -110,11 +111,14 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     }
     const uint32_t epoch = *workspace_u32(ctx, kWsNotifyEpochOffset) + 1;
     const int parity = static_cast<int>(epoch & 1u);
+    if (tid == 0) mismatch_source = kMaxRanks;
     __syncthreads();
 
-    // 3. My counts into every rank's slot [parity][me]: [R totals][L expert counts of d][C channel counts to d],
-    //    and to my rail peers the channel counts of tokens that need their node.
-    const int per_dst = num_ranks + num_local_experts + 2 * num_channels;
+    // 3. My counts into every rank's slot [parity][me]: [R totals][L expert counts of d][C channel counts to d]
+    //    [my signature], and to my rail peers the channel counts of tokens that need their node.
+    constexpr int kSignatureInts = 2 * kSignatureWords;
+    const int* my_signature = reinterpret_cast<const int*>(args.signature);
+    const int per_dst = num_ranks + num_local_experts + 2 * num_channels + kSignatureInts;
     for (int i = tid; i < num_ranks * per_dst; i += static_cast<int>(blockDim.x)) {
         const int d = i / per_dst, k = i % per_dst;
         volatile int* slot = reinterpret_cast<volatile int*>(buffer_u32(ctx.buffers[d], kNotifyDataOffset)) +
@@ -126,6 +130,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         } else if (k < num_ranks + num_local_experts + num_channels) {
             const int c = k - num_ranks - num_local_experts;
             slot[kMaxRanks + kMaxLocalExperts + c] = rank_counts[d][c];
+        } else if (k >= num_ranks + num_local_experts + 2 * num_channels) {
+            const int w = k - num_ranks - num_local_experts - 2 * num_channels;
+            slot[kNotifySignaturePos + w] = my_signature[w];
         } else if (d % per_node == my_local) {
             const int c = k - num_ranks - num_local_experts - num_channels;
             volatile int* counts = reinterpret_cast<volatile int*>(buffer_u32(ctx.buffers[d], kFusedNodeCountOffset));
@@ -182,6 +189,27 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         for (int c = 0; c < num_channels; ++c) {
             args.recv_gbl_channel_prefix_matrix[s * num_channels + c] = row;
             row += data[s * kNotifyInts + kMaxRanks + kMaxLocalExperts + c];
+        }
+    }
+    // Every source's signature: to the host, and compared with mine.
+    for (int i = tid; i < num_ranks * kSignatureInts; i += static_cast<int>(blockDim.x)) {
+        const int s = i / kSignatureInts, w = i % kSignatureInts;
+        const int value = data[s * kNotifyInts + kNotifySignaturePos + w];
+        if (args.host_signatures != nullptr) reinterpret_cast<volatile int*>(args.host_signatures)[i] = value;
+        if (args.check_signatures && value != my_signature[w]) atomicMin(&mismatch_source, s);
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (tid == 0) {
+        const int s = mismatch_source;
+        *workspace_u32(ctx, kWsNotifyMismatchOffset) = s < num_ranks ? 1u : 0u;
+        if (s < num_ranks && args.host_counters == nullptr) {
+            int w = 0;
+            while (w + 1 < kSignatureInts && data[s * kNotifyInts + kNotifySignaturePos + w] == my_signature[w]) ++w;
+            fill_error_record(ctx.error,
+                              reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsErrorClaimOffset),
+                              kErrorArgumentMismatch, kKernelNotify, kPhaseNotifyAgreement, rank, s, -1, ctx.call_seq,
+                              my_signature[w], data[s * kNotifyInts + kNotifySignaturePos + w], 0);
         }
     }
     if (args.host_counters != nullptr) {
@@ -478,6 +506,8 @@ static __device__ void fused_receive(const KernelContext& ctx, const FusedGeomet
 __global__ void __launch_bounds__(kChannelThreads, 1)
     fused_dispatch_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ FusedGeometry geo,
                           const __grid_constant__ FusedDispatchArgs args) {
+    // A non-cached call whose notify saw the ranks' signatures differ moves no row (every rank skips alike).
+    if (args.agreement_gate && *workspace_u32(ctx, kWsNotifyMismatchOffset) != 0u) return;
     const int channel = static_cast<int>(blockIdx.x) / 2, warp = static_cast<int>(threadIdx.x) / 32;
     const int num_nodes = geo.num_nodes;
     if ((blockIdx.x & 1u) == 0) {

@@ -147,6 +147,14 @@ struct FusedNotifyArgs {
     // Host-mapped int32 or nullptr (worst-token mode): [0] rows received (written last), [1 + i] aligned count of
     // local expert i, [kFusedForwardCounter] rows forwarded.
     int* host_counters;
+    // The call signature (deep_ep/backends/agreement.py) in the notify slot, as for NotifyArgs: every source's goes
+    // to host_signatures (host-mapped int64 [R][kSignatureWords], or nullptr) before host_counters[0]; with
+    // check_signatures, a difference sets the workspace's notify-mismatch word (and, without host_counters, the
+    // error record gets kErrorArgumentMismatch). A rank that refuses a call sends its refusal with the intranode
+    // notify (same slots), and the host of every peer raises ArgumentMismatchError before the dispatch.
+    int64_t signature[kSignatureWords];
+    int64_t* host_signatures;
+    int check_signatures;
 };
 
 // One CTA (kNotifyThreads); uses the shared notify flags and data slots (parity, epoch) of layout.cuh.
@@ -180,6 +188,7 @@ struct FusedDispatchArgs {
     int worst_token_mode;                 // 1: rows past the real count get recv_topk_idx = -1
     int num_max_rdma_send_tokens;         // records per rail tail publication (at most)
     int num_max_nvl_send_tokens;          // records per node tail publication (at most)
+    int agreement_gate;                   // 1 (non-cached): no row moves when the notify's signatures differed
 };
 
 // 2 * C CTAs of kChannelThreads: even CTAs send and forward channel c, odd CTAs receive it.

@@ -156,10 +156,12 @@ class FusedInternodeCuda(SymmetricCuda):
                 sender = (int32(num_nodes, num_channels), int32(num_ranks, num_channels))
                 prefixes = (int32(num_nodes, num_channels), int32(num_nodes), int32(num_ranks, num_channels),
                             int32(num_ranks))
+                signature = request.signature  # the ranks' agreement rides in notify's slots
+                words = signature.values() if signature is not None else []
                 self.runtime.fused_notify(request.num_tokens_per_rank, request.num_tokens_per_rdma_rank,
                                           request.num_tokens_per_expert, is_token_in_rank, num_experts, num_channels,
                                           self.per_node, request.expert_alignment, False, *sender, *prefixes,
-                                          self._comm_ptr, after_current)
+                                          self._comm_ptr, after_current, words, True)
                 after_current = False
                 num_local_experts = num_experts // num_ranks
                 try:
@@ -167,6 +169,8 @@ class FusedInternodeCuda(SymmetricCuda):
                 except (_C.HostTimeout, _C.DeviceError) as exc:
                     self.check_errors()  # a device-side report names the missing peer: prefer it
                     raise CommTimeoutError(name_ranks(str(exc), self.rank_names, self.rank_scope)) from None
+                if signature is not None:
+                    self._check_signatures(signature, words)  # before any row moves, on every rank alike
                 num_forwarded = self.runtime.forward_count()
                 worst = num_worst_tokens > 0
                 num_rows = num_worst_tokens if worst else num_recv
