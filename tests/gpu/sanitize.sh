@@ -40,14 +40,16 @@ two_ranks=("tests/gpu/test_intranode.py::test_ranks_sharing_one_gpu[2]" tests/gp
 # NVSHMEM_DISABLE_NCCL: NVSHMEM would otherwise start NCCL for its teams, whose start-up probes kernel images with
 # failing API calls that memcheck reports as errors of the program (none of them ours).
 export NVSHMEM_DISABLE_NCCL=1
+# The test workers exit through the interpreter (not os._exit), so that the tool writes each worker's report.
+export TEST_WORKER_NORMAL_EXIT=1
 export TEST_RANKS_PER_GPU=2 TEST_TIMEOUT_SCALE="${TEST_TIMEOUT_SCALE:-6}" TEST_EXAMPLES_1="$EXAMPLES" \
     TEST_EXAMPLES_SHARED="$EXAMPLES" TEST_EXAMPLES_LL="$EXAMPLES" PYTHONUNBUFFERED=1
 
 status=0
 for tool in $tools; do
     case "$tool" in
-        memcheck) tests=("${single_rank[@]}" "${two_ranks[@]}") ;;
-        racecheck) tests=("${single_rank[@]}") ;;
+        memcheck) tests=("${single_rank[@]}" "${two_ranks[@]}"); processes=3 ;;  # pytest and two rank workers
+        racecheck) tests=("${single_rank[@]}"); processes=1 ;;
         *) echo "sanitize: unknown tool '$tool' (memcheck, racecheck or all)"; exit 2 ;;
     esac
     rm -f "$OUTDIR/$tool".*.log
@@ -64,8 +66,9 @@ for tool in $tools; do
     logs=$(find "$OUTDIR" -name "$tool.*.log" | wc -l)
     tested=$(grep -oE "[0-9]+ (passed|failed|skipped|errors?)" "$OUTDIR/pytest-$tool.txt" | paste -sd, -)
     passed=$(grep -oE "[0-9]+ passed" "$OUTDIR/pytest-$tool.txt" | awk '{s += $1} END {print s + 0}')
-    # PASS needs tests that ran (not all skipped), pytest's success and clean summaries from the processes.
-    if [ "$rc" -eq 0 ] && [ "$passed" -gt 0 ] && [ "$errors" -eq 0 ] && [ "$summaries" -gt 0 ]; then
+    # PASS needs tests that ran (not all skipped), pytest's success and a clean summary from every process that
+    # ran kernels (the two-rank tests' workers included).
+    if [ "$rc" -eq 0 ] && [ "$passed" -gt 0 ] && [ "$errors" -eq 0 ] && [ "$summaries" -ge "$processes" ]; then
         verdict=PASS
     else
         verdict=FAIL
