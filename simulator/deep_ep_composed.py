@@ -1,6 +1,7 @@
-"""deep_ep's composed internode path in the ``--kernels deep_ep`` family: ``N`` nodes x ``G > 1`` GPUs.
+"""deep_ep's composed internode path in the ``--kernels deep_ep`` family: ``N`` nodes x ``G > 1`` GPUs beyond the
+fused kernels' ranks (:mod:`simulator.deep_ep_fused`).
 
-deep_ep runs that topology as two stage calls, not as fused forwarding kernels: a **rail stage** (the ``N`` ranks of
+deep_ep runs that topology as two stage calls: a **rail stage** (the ``N`` ranks of
 one local index: each token goes once to each node it needs, to the rail peer there) and a **node stage** (the ``G``
 ranks of one node: the forwarder sends each row to the local ranks that need it), each a ring op over its subgroup
 (costed by the stage model the caller passes). A stage starts when the last rank of its group is ready; around the
@@ -19,6 +20,7 @@ from typing import Callable
 
 import numpy as np
 
+from simulator.deep_ep_fused import is_fused
 from simulator.hardware import NicProfile
 from simulator.links import GBPS
 from simulator.rank import OpResult, OpSpec, normal_logical_bytes, token_bytes
@@ -29,9 +31,10 @@ StageModel = Callable[[OpSpec, list[SourceTraffic], str], OpResult]
 
 
 def is_composed(spec: OpSpec) -> bool:
-    """Whether deep_ep runs this normal op as the composed path: several nodes of several GPUs (one GPU per node,
-    virtual or behind a NIC, is the one-GPU-per-node backend)."""
-    return spec.mode != "low-latency" and spec.num_nodes > 1 and spec.ranks_per_node > 1
+    """Whether deep_ep runs this normal op as the composed path: several nodes of several GPUs beyond the fused
+    kernels' ranks (:func:`simulator.deep_ep_fused.is_fused`; one GPU per node, virtual or behind a NIC, is the
+    one-GPU-per-node backend)."""
+    return spec.mode != "low-latency" and spec.num_nodes > 1 and spec.ranks_per_node > 1 and not is_fused(spec)
 
 
 def stage_traffic(traffic: list[SourceTraffic], num_nodes: int, per_node: int

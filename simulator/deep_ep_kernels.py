@@ -6,8 +6,9 @@
 * Low latency: one dispatch message per (token, destination rank), expanded by the receiver; one BF16 combine row
   per (token, expert) back to the owner, who reduces each token (:func:`ll_phase_times`).
 * Internode: one GPU per node runs the ring kernels over NVSHMEM (over NVLink P2P for virtual nodes, ``nvlink-p2p``);
-  several GPUs per node the composed path (:mod:`simulator.deep_ep_composed`); past ``NUM_MAX_RING_RANKS`` nodes the
-  torch backend (:mod:`simulator.deep_ep_torch`).
+  several GPUs per node the fused kernels up to ``NUM_MAX_RING_RANKS`` ranks (:mod:`simulator.deep_ep_fused`), the
+  composed path beyond (:mod:`simulator.deep_ep_composed`); past ``NUM_MAX_RING_RANKS`` nodes the torch backend
+  (:mod:`simulator.deep_ep_torch`), or the composed path's torch rail.
 
 Cost of one rank, ``C`` SMs sharing the SM-µs: ``fixed + serial_sm_us / C + max(push_bytes / (C * sm_push_gbps),
 busiest port bytes / port rate)``; the DES (:func:`simulate_normal`) runs the same costs through fluid ports.
@@ -25,6 +26,7 @@ from deep_ep.backends.cuda_tuning import COMBINE_COPY_CHUNK_ROWS, combine_send_p
 from deep_ep.config import FP8_BLOCK, NUM_MAX_LL_TOPK, NUM_MAX_RING_RANKS, ceil_div
 from deep_ep.layout import intranode_combine_record_bytes, intranode_dispatch_record_bytes
 from simulator.deep_ep_composed import composed_rank_times, composed_result, is_composed
+from simulator.deep_ep_fused import fused_rank_times, is_fused, simulate_fused
 from simulator.deep_ep_torch import torch_rank_times, torch_result
 from simulator.hardware import GpuProfile, NicProfile
 from simulator.links import GBPS
@@ -100,6 +102,10 @@ class DeepEpProfile:
         torch_call_us: host work of one torch-backend normal call (count exchange, the host syncs that size its
             outputs, Python) where the kernels do not serve the group, µs (:mod:`simulator.deep_ep_torch`).
         torch_p2p_efficiency: fraction of the link's rate the torch backend's NCCL point-to-point rows reach.
+        warp_push_gbps: rate of one warp storing rows to a peer over NVLink (16-byte stores, 4 loads in flight per
+            lane), GB/s per warp: the fused kernels' forwarders (dispatch) and senders (combine), a few per channel.
+        warp_local_gbps: rate of one warp copying rows within its GPU, GB/s per warp: the fused kernels'
+            receivers, staging senders and reducers.
     """
 
     sm_push_gbps: float = 46.0
@@ -132,6 +138,8 @@ class DeepEpProfile:
     composed_host_us: float = 10.0
     torch_call_us: float = 200.0
     torch_p2p_efficiency: float = 0.8
+    warp_push_gbps: float = 3.84
+    warp_local_gbps: float = 3.59
     sources: tuple[tuple[str, str], ...] = ()
 
     def source_of(self, param: str) -> str:
@@ -181,6 +189,12 @@ _ASSUMED = {
     "torch_call_us": "assumed: a torch.distributed exchange of counts, two host syncs and Python per call (~0.1-0.3 "
                      "ms); not measured over NCCL",
     "torch_p2p_efficiency": "assumed: NCCL send/recv of MB-sized messages at ~80 % of the link's rate",
+    "warp_push_gbps": "measured: lower bound, the intranode sweep's point with the fewest copy warps per SM "
+                      "(simulator/data/intranode_sweep_h200x2.json, BF16 dispatch at 20 SMs x 8 sender warps: 614.9 "
+                      "GB/s of rows, half of them over NVLink) / 160 warps; a lone warp may move more",
+    "warp_local_gbps": "measured: lower bound, the one-GPU proxy's BF16 dispatch into the own buffer at 16 SMs x 12 "
+                       "sender warps, 689.8 GB/s kernel (benchmarks/results/intranode_h200x1.json) / 192 warps; a "
+                       "lone warp may move more",
 }
 DEFAULTS = DeepEpProfile(sources=tuple(_ASSUMED.items()))
 # Parameters a bench JSON of the intranode kernels can fit (the rest stay at their labelled assumptions).
@@ -402,8 +416,9 @@ def normal_work(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     ``copy_chunk_rows`` overrides its chunk size), the zone senders (:func:`zone_combine_work`) or the rings (below).
     """
     if spec.num_nodes > 1 and spec.ranks_per_node > 1:
-        raise ValueError(f"{spec.num_nodes} nodes x {spec.ranks_per_node} GPUs run as deep_ep's composed path: "
-                         f"model it with simulator.deep_ep_composed (simulate_normal does), not as one ring op")
+        raise ValueError(f"{spec.num_nodes} nodes x {spec.ranks_per_node} GPUs run as deep_ep's fused kernels or "
+                         f"composed path: model it with simulator.deep_ep_fused or simulator.deep_ep_composed "
+                         f"(simulate_normal does), not as one ring op")
     path = combine_send_path(num_sms) if combine_path is None else combine_path
     if path not in ("rings", "copy", "zone"):
         raise ValueError(f"combine_path must be 'rings', 'copy' or 'zone', got {combine_path!r}")
@@ -558,8 +573,11 @@ def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
                     prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str) -> OpResult:
     """DES of one deep_ep normal op: per rank, the fixed cost, its serial SM work, then its push flow through the
     fluid ports (SM push budget, NVLink / network egress and ingress); a rank is done when its own flow and every
-    flow into its ports have drained. Several nodes of several GPUs are the composed path
-    (:mod:`simulator.deep_ep_composed`), each stage simulated so."""
+    flow into its ports have drained. Several nodes of several GPUs are the fused kernels
+    (:mod:`simulator.deep_ep_fused`) or, beyond their ranks, the composed path (:mod:`simulator.deep_ep_composed`),
+    each stage simulated so."""
+    if is_fused(spec):
+        return simulate_fused(spec, traffic, gpu, nic, prof, num_sms, dtype)
     if is_composed(spec):
         return composed_result(spec, traffic, nic, dtype, prof.composed_copy_gbps, prof.composed_host_us,
                                lambda s, t, d: simulate_normal(s, t, gpu, nic, prof, num_sms, chunk, d))
@@ -581,6 +599,8 @@ def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
 def closed_form_rank_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
                            prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str) -> np.ndarray:
     """Per-rank closed-form time of one deep_ep normal op (the composed path from its stages' closed forms)."""
+    if is_fused(spec):
+        return np.asarray(fused_rank_times(spec, traffic, gpu, nic, prof, num_sms, dtype))
     if is_composed(spec):
         def stage(s: OpSpec, t: list[SourceTraffic], d: str) -> SimpleNamespace:
             rank_times = closed_form_rank_times(s, t, gpu, nic, prof, num_sms, chunk, d)

@@ -117,6 +117,19 @@ def nic_rate(nic: NicProfile, msg_bytes: float, num_qps: int, efficiency: float 
     return nic.rate(msg_bytes, num_qps, efficiency) * GBPS
 
 
+def rdma_ring_rate(nic: NicProfile, record_bytes: float, chunk_records: int, ring_records: int, num_rings: int,
+                   forward_rate: float) -> float:
+    """Bytes/µs per direction of chunked normal-mode puts into remote rings (one QP per ring): each chunk of
+    ``chunk_records`` records is one message plus a tail atomic (:data:`NIC_MESSAGE_OVERHEAD_BYTES`), at the NIC's
+    ``normal_efficiency``; capped by the credits: a ring of ``ring_records`` slots frees a chunk after one NIC round
+    trip plus the remote forwarder's copy of it (``forward_rate`` bytes/µs; the head travels back over the NIC)."""
+    chunk_bytes = chunk_records * record_bytes
+    rate = nic_rate(nic, chunk_bytes, num_rings, nic.normal_efficiency) * chunk_bytes / (
+        chunk_bytes + NIC_MESSAGE_OVERHEAD_BYTES)
+    credit_rtt_us = 2 * nic.latency_us + chunk_bytes / forward_rate
+    return min(rate, num_rings * ring_records * record_bytes / credit_rtt_us)
+
+
 class _Ports:
     """Ports laid out as ``kind x rank``: port index = ``offset[kind] + rank``.
 
@@ -254,13 +267,8 @@ def normal_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, ni
         # Each RDMA chunk is one put plus a remote atomic on the tail: a fixed per-message cost on the NIC. One
         # QP per channel to each remote node's forwarder.
         chunk_bytes = rdma_chunk * row
-        rate = nic_rate(nic, chunk_bytes, channels * (spec.num_nodes - 1), nic.normal_efficiency) * chunk_bytes / (
-            chunk_bytes + NIC_MESSAGE_OVERHEAD_BYTES)
-        # RDMA credits: a (channel, remote node) ring holds Nr records; a slot is free again after one NIC round
-        # trip plus the forwarder's copy of its chunk (the head travels back over the NIC).
-        credit_rtt_us = 2 * nic.latency_us + rdma_chunk * row / fwd_rate
-        credits = channels * (spec.num_nodes - 1) * cfg.num_max_rdma_chunked_recv_tokens * row / credit_rtt_us
-        rate = min(rate, credits)
+        rate = rdma_ring_rate(nic, row, rdma_chunk, cfg.num_max_rdma_chunked_recv_tokens,
+                              channels * (spec.num_nodes - 1), fwd_rate)
         caps.update(nic_out=rate, nic_in=rate, sm_fwd=channels * fwd_rate)
         # The first RDMA chunk is staged by the sender warps, crosses the NIC, and is forwarded once.
         fill_us += chunk_bytes / (copy_rate * share) + nic.latency_us + nvl_chunk * row / fwd_rate

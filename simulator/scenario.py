@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, replace
 from deep_ep import layout
 from deep_ep.config import (NUM_MAX_LL_TOPK, NUM_MAX_RING_RANKS, NUM_MAX_SCALEUP_RANKS, NUM_MAX_TOPK,
                             SUPPORTED_NORMAL_RANKS, Config, get_combine_config, get_dispatch_config)
-from simulator import deep_ep_kernels, hardware, rank, workload
+from simulator import deep_ep_fused, deep_ep_kernels, hardware, rank, workload
 from simulator.report import OpRow, Report, ScaleRow
 
 MODES = ("normal", "low-latency", "both")
@@ -288,6 +288,11 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
                      f"composed path's rail stage included, has at most {NUM_MAX_RING_RANKS} ranks): at "
                      f"{sc.nodes} nodes the Buffer runs {beyond}; the normal rows model that torch part with "
                      f"assumed parameters (torch_call_us, torch_p2p_efficiency: simulator/deep_ep_torch.py)")
+    if sc.mode in ("normal", "both") and not nic.shares_nvlink and deep_ep_fused.is_fused(
+            rank.OpSpec("internode", "dispatch", sc.hidden, sc.topk, 0, 0, sc.nodes, per_node, None)):
+        notes.append(f"{sc.nodes} x {per_node} GPUs: the normal rows model deep_ep's fused kernels with DeepEP's "
+                     f"chunked puts over the NIC; the fused kernels reach peers by pointer only, so behind a NIC "
+                     f"the Buffer runs the composed path (--nic nvlink-p2p models the one-host case)")
     if nic.shares_nvlink and sc.nodes > 1:
         notes.append(f"nic {nic.name}: virtual-node test setup, {sc.nodes} nodes x {per_node} GPUs on one NVLink "
                      f"host; the scale-out puts share the GPUs' NVLink ports (counted under NVL_GB/s)")

@@ -192,7 +192,7 @@ def test_more_sms_is_never_slower(nodes, per_node, nic, op, combine_path):
 
 
 @pytest.mark.parametrize(("nodes", "per_node", "nic"), [(1, 2, "cx7"), (1, 8, "cx7"), (2, 1, "nvlink-p2p"),
-                                                        (2, 4, "cx7")])
+                                                        (4, 8, "cx7")])
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_normal_byte_conservation(nodes, per_node, nic, op):
     traffic = _traffic(nodes, per_node, 256, seed=1)

@@ -1,0 +1,167 @@
+"""deep_ep's fused internode kernels in the ``--kernels deep_ep`` family: ``N`` nodes x ``G > 1`` GPUs, at most
+``NUM_MAX_RING_RANKS`` ranks (csrc/kernels/fused_internode.cu).
+
+Paths and network are DeepEP V1's internode model: one fluid flow per source (:func:`simulator.rank._normal_flows`:
+a record per (token, node) over the NIC to the forwarder ``(n, local(s))``, which copies it over NVLink to every GPU
+of node ``n`` that needs it; combine the reverse, one BF16 partial per (token, node)), its NIC rate, per-chunk
+message cost, QPs and credits (:func:`simulator.rank.rdma_ring_rate`), its pipeline fill and two-role SM share.
+Ours are the record layout, the rings (Buffer's default config), the CTA roles (``C / 2`` channels; dispatch: even
+CTAs one sender and one forwarder warp per node, odd CTAs one receiver warp per source rank; combine: odd CTAs one
+sender warp per source rank, even CTAs one forwarder warp per node and one owner warp) and the rates, from the
+deep_ep profile: a role moves ``min(warps x warp rate, its SM share x SM rate)`` per channel (forwarders and senders
+over NVLink at ``warp_push_gbps`` / ``sm_push_gbps``, staging, receiving and reducing at ``warp_local_gbps`` /
+``sm_local_gbps`` or ``reduce_gbps``), plus ``row_ns`` per record and ``chunk_sync_us`` per chunk; a dispatch
+forwarder loads a record once and stores it to each GPU in its mask.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from deep_ep.config import (NUM_MAX_RING_RANKS, NUM_MAX_SCALEUP_RANKS, SUPPORTED_NORMAL_RANKS, Config,
+                            get_combine_config, get_dispatch_config)
+from simulator.hardware import GpuProfile, NicProfile
+from simulator.links import GBPS
+from simulator.rank import (SHARED_SM_FRACTION, NormalModel, OpResult, OpSpec, _finish, _normal_flows, _Ports,
+                            max_load_per_kind, normal_logical_bytes, rdma_ring_rate, roofline_us, run_rank_flows)
+from simulator.workload import SourceTraffic
+
+# Share of an even CTA that each of its two roles (senders and forwarders, or forwarders and the owner) gets: DeepEP
+# V1's value for its SMs of two roles.
+ROLE_SHARE = SHARED_SM_FRACTION
+
+
+def is_fused(spec: OpSpec) -> bool:
+    """Whether deep_ep runs this normal op on the fused kernels: several nodes of 2..``NUM_MAX_SCALEUP_RANKS`` GPUs,
+    at most ``NUM_MAX_RING_RANKS`` ranks (the kernels' rank limit)."""
+    return (spec.mode != "low-latency" and spec.num_nodes > 1 and 2 <= spec.ranks_per_node <= NUM_MAX_SCALEUP_RANKS
+            and spec.num_ranks <= NUM_MAX_RING_RANKS)
+
+
+def _pad16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def fused_record_bytes(op: str, hidden: int, dtype: str, topk: int) -> int:
+    """One ring record of the fused kernels (rail and node rings alike). Dispatch: [payload][float32 scales][int32
+    local-rank mask, ``topk`` int32 ids, ``topk`` float32 weights], each part padded to 16 bytes; combine: [BF16 row]
+    [``topk`` float32 weights], each padded to 16."""
+    if op == "combine":
+        return _pad16(2 * hidden) + _pad16(4 * topk)
+    payload = hidden if dtype == "fp8" else 2 * hidden
+    scales = 4 * (hidden // 128) if dtype == "fp8" else 0
+    return _pad16(payload) + _pad16(scales) + _pad16(4 + 8 * topk)
+
+
+def fused_config(op: str, num_ranks: int, num_sms: int) -> Config:
+    """The Buffer's default config of ``op`` for ``num_ranks`` ranks (DeepEP's table row, the next larger one for
+    counts it does not list) at ``num_sms`` SMs."""
+    table = [r for r in SUPPORTED_NORMAL_RANKS if r >= num_ranks] or [max(SUPPORTED_NORMAL_RANKS)]
+    make = get_dispatch_config if op == "dispatch" else get_combine_config
+    return make(min(table), num_sms)
+
+
+def sm_rate(gbps: float, row_ns: float, record: float, chunk_sync_us: float, chunk: int) -> float:
+    """Bytes/µs one SM moves through a ring at ``gbps`` per byte, ``row_ns`` per record and ``chunk_sync_us`` per
+    published chunk of ``chunk`` records."""
+    per_record_us = record / (gbps * GBPS) + row_ns * 1e-3 + chunk_sync_us / max(chunk, 1)
+    return record / per_record_us
+
+
+def fused_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile, prof: Any,
+                num_sms: int, dtype: str) -> tuple[NormalModel, dict[str, str]]:
+    """Capacities, flows and fixed cost of one fused op (``prof``: the deep_ep profile), and the port aliases
+    (virtual nodes: the network ports are the NVLink ports)."""
+    if not is_fused(spec):
+        raise ValueError(f"{spec.num_nodes} nodes x {spec.ranks_per_node} GPUs is not a fused-kernel group (needs "
+                         f">= 2 nodes of 2..{NUM_MAX_SCALEUP_RANKS} GPUs, <= {NUM_MAX_RING_RANKS} ranks)")
+    dispatch = spec.op == "dispatch"
+    cfg = fused_config(spec.op, spec.num_ranks, num_sms)
+    channels = max(num_sms // 2, 1)
+    record = fused_record_bytes(spec.op, spec.hidden, dtype, spec.topk)
+    nvl_chunk, rdma_chunk = cfg.num_max_nvl_chunked_send_tokens, cfg.num_max_rdma_chunked_send_tokens
+    rail_slots = -(-cfg.num_max_rdma_chunked_recv_tokens // rdma_chunk) * rdma_chunk
+    sync = prof.chunk_sync_us
+
+    def role(warps: int, warp_gbps: float, sm_gbps: float, share: float, chunk: int,
+             fan_out: float = 1.0) -> tuple[float, float]:
+        """(capacity of the role over all channels, rate of one of its warps): ``warps`` warps per channel at
+        ``warp_gbps`` each (times ``fan_out`` stores per load), at most ``share`` of an SM at ``sm_gbps``."""
+        per_channel = min(warps * fan_out * sm_rate(warp_gbps, prof.row_ns, record, sync, chunk),
+                          share * sm_rate(sm_gbps, prof.row_ns, record, sync, chunk))
+        return channels * per_channel, per_channel / warps
+    # Warps per channel: dispatch, one sender and one forwarder per node (even CTA), one receiver per source rank
+    # (odd CTA); combine, one sender per source rank (odd CTA), one forwarder per node and one owner (even CTA).
+    # Senders stage into the rail ring: a peer's by pointer over NVLink (virtual nodes), else the own buffer that
+    # the NIC reads.
+    nodes, ranks = spec.num_nodes, spec.num_ranks
+    if nic.shares_nvlink:
+        stage = (prof.warp_push_gbps, prof.sm_push_gbps)
+    else:
+        stage = (prof.warp_local_gbps, prof.sm_local_gbps)
+    if dispatch:
+        send, one_send = role(nodes, *stage, ROLE_SHARE, rdma_chunk)
+        # A forwarder loads a record once and stores it to each local rank in its mask: its warps are bound by
+        # the loads, so they store ``fan_out`` (rows per record) times their rate.
+        rows = sum(sum(t.rows_to_rank) for t in traffic)
+        fan_out = rows / max(sum(sum(t.records_to_node) for t in traffic), 1)
+        fwd, one_fwd = role(nodes, prof.warp_push_gbps, prof.sm_push_gbps, ROLE_SHARE, nvl_chunk, fan_out)
+        recv, _ = role(ranks, prof.warp_local_gbps, prof.sm_local_gbps, 1.0, nvl_chunk)
+    else:
+        send, one_send = role(ranks, prof.warp_push_gbps, prof.sm_push_gbps, 1.0, nvl_chunk)
+        fwd, one_fwd = role(nodes, prof.warp_local_gbps, prof.reduce_gbps, ROLE_SHARE, rdma_chunk)
+        recv, _ = role(1, prof.warp_local_gbps, prof.reduce_gbps, ROLE_SHARE, rdma_chunk)
+    nvl = gpu.nvlink_gbps * prof.nvl_efficiency * GBPS
+    caps = {"nvl_out": nvl, "nvl_in": nvl, "sm_send": send, "sm_recv": min(recv, gpu.hbm_gbps * GBPS / 2),
+            "sm_fwd": fwd}
+    alias: dict[str, str] = {}
+    if nic.shares_nvlink:
+        alias = {"nic_out": "nvl_out", "nic_in": "nvl_in"}
+        caps.update(nic_out=nvl, nic_in=nvl)
+    else:
+        net = rdma_ring_rate(nic, record, rdma_chunk, rail_slots, channels * (spec.num_nodes - 1), one_fwd)
+        caps.update(nic_out=net, nic_in=net)
+    kinds = ("nvl_out", "nvl_in", "nic_out", "nic_in", "sm_send", "sm_fwd", "sm_recv")
+    ports = _Ports(kinds, caps, spec.num_ranks, alias)
+    flows = _normal_flows(spec, traffic, ports, record)
+    # Pipeline fill as DeepEP's: the first chunk is staged (or sent) by one warp, crosses the NIC, is forwarded,
+    # crosses NVLink; each ring is served by one warp.
+    fill_us = (2 * gpu.nvl_latency_us + nic.latency_us + rdma_chunk * record / one_send
+               + nvl_chunk * record / one_fwd)
+    # NVLink credits: each (channel, source) node ring of Nn records refills after one round trip.
+    window = channels * spec.ranks_per_node * cfg.num_max_nvl_chunked_recv_tokens * record / (
+        2 * gpu.nvl_latency_us + nvl_chunk * record / one_send)
+    tail_us = 0.0 if dispatch else prof.combine_extra_us
+    fixed = prof.launch_us + prof.internode_extra_us + fill_us + tail_us
+    return NormalModel(kinds, caps, flows, fixed, fill_us, tail_us, window), alias
+
+
+def fused_rank_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile, prof: Any,
+                     num_sms: int, dtype: str) -> list[float]:
+    """Closed form of one fused op, equal for every rank: fixed cost + the busiest port's bytes / capacity (or
+    the largest flow over the credit window)."""
+    model, alias = fused_model(spec, traffic, gpu, nic, prof, num_sms, dtype)
+    loads = max_load_per_kind(_physical(model, alias), spec.num_ranks)
+    return [roofline_us(_physical(model, alias), loads)] * spec.num_ranks
+
+
+def _physical(model: NormalModel, alias: dict[str, str]) -> NormalModel:
+    """The model with aliased port kinds folded into their targets (the closed form counts physical ports)."""
+    if not alias:
+        return model
+    kinds = tuple(k for k in model.kinds if k not in alias)
+    return NormalModel(kinds, {k: model.caps[k] for k in kinds}, model.flows, model.fixed_us, model.fill_us,
+                       model.tail_us, model.window_cap)
+
+
+def simulate_fused(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile, prof: Any,
+                   num_sms: int, dtype: str) -> OpResult:
+    """DES of one fused op: per rank the launch and fill, then its flow through the fluid ports (SM roles,
+    NVLink, NIC) at most at the credit window's rate, then the combine tail."""
+    model, alias = fused_model(spec, traffic, gpu, nic, prof, num_sms, dtype)
+    ports = _Ports(model.kinds, model.caps, spec.num_ranks, alias)
+    before = model.fixed_us - model.tail_us
+    net, finish = run_rank_flows(f"fused_{spec.op}", ports, model.flows, [before] * spec.num_ranks,
+                                 model.tail_us, model.window_cap)
+    logical, nvl_logical = normal_logical_bytes(spec, traffic)
+    return _finish(net, ports, finish, logical, nvl_logical, model.fixed_us, max(finish) - model.fixed_us,
+                   extra={"fill_us": model.fill_us})

@@ -1,0 +1,160 @@
+"""The simulator's model of deep_ep's fused internode kernels (simulator/deep_ep_fused.py): which groups it serves,
+the bytes it puts on the NIC and NVLink, its rates and its parameters' sources."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from deep_ep.config import NUM_MAX_RING_RANKS
+from simulator import Scenario, hardware, rank, run, workload
+from simulator import deep_ep_fused as fused
+from simulator import deep_ep_kernels as dek
+from simulator.deep_ep_composed import is_composed
+
+
+def _traffic(nodes: int, per_node: int, tokens: int = 512, seed: int = 0) -> list[workload.SourceTraffic]:
+    router = workload.Router("group-limited", None, 256, 8, nodes, seed)
+    redundant = (-256) % (nodes * per_node)  # replicas that make the experts divide over the ranks
+    return workload.build_traffic(router, nodes * per_node, per_node, tokens, redundant, mask_ll=False)
+
+
+def _spec(nodes: int, per_node: int, op: str) -> rank.OpSpec:
+    payload = rank.token_bytes(7168, "fp8" if op == "dispatch" else "bf16")
+    return rank.OpSpec("internode", op, 7168, 8, payload, payload, nodes, per_node, None)
+
+
+def _dtype(op: str) -> str:
+    return "fp8" if op == "dispatch" else "bf16"
+
+
+@pytest.mark.parametrize(("nodes", "per_node", "want"), [(2, 8, True), (3, 8, True), (2, 2, True), (12, 2, True),
+                                                         (4, 8, False), (13, 2, False), (2, 1, False), (1, 8, False)])
+def test_fused_serves_the_kernels_groups_and_the_composed_path_the_rest(nodes, per_node, want):
+    spec = _spec(nodes, per_node, "dispatch")
+    assert fused.is_fused(spec) == want
+    assert is_composed(spec) == (nodes > 1 and per_node > 1 and nodes * per_node > NUM_MAX_RING_RANKS)
+    assert not fused.is_fused(replace(spec, mode="low-latency"))
+
+
+def test_scenario_runs_fused_up_to_the_rank_limit_and_composed_beyond():
+    sc = Scenario(nodes=2, mode="normal", kernels="deep_ep", tokens=256)
+    within, beyond = run(sc), run(replace(sc, nodes=4))
+    assert not any(op.bottleneck.startswith(("rail:", "node:", "copies")) for op in within.ops)
+    assert all(op.bottleneck.startswith(("rail:", "node:", "copies")) for op in beyond.ops)
+    with pytest.raises(ValueError, match="not a fused-kernel group"):
+        fused.fused_model(_spec(4, 8, "dispatch"), _traffic(4, 8, 64), hardware.H800, hardware.CX7, dek.profile(),
+                          24, "fp8")
+
+
+def _hops_and_network(traffic: list[workload.SourceTraffic], per_node: int) -> tuple[int, int]:
+    """Rows a forwarder stores into another GPU of its node, and records that cross to another node."""
+    num_ranks = len(traffic)
+    hops = sum(t.rows_to_rank[d] for s, t in enumerate(traffic) for d in range(num_ranks)
+               if d % per_node != s % per_node)
+    network = sum(x for s, t in enumerate(traffic) for n, x in enumerate(t.records_to_node) if n != s // per_node)
+    return hops, network
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 8), (3, 4), (6, 2)])
+def test_fused_moves_each_token_node_pair_over_the_nic_once_and_nvlink_carries_the_forwarders_copies(op, nodes,
+                                                                                                    per_node):
+    traffic = _traffic(nodes, per_node, 256, seed=3)
+    res = fused.simulate_fused(_spec(nodes, per_node, op), traffic, hardware.H800, hardware.CX7, dek.profile(), 24,
+                               _dtype(op))
+    record = fused.fused_record_bytes(op, 7168, _dtype(op), 8)
+    hops, network = _hops_and_network(traffic, per_node)
+    assert network > 0 and hops > 0
+    # One record per (token, remote node) leaves the NIC of its sender (dispatch) or of the forwarder (combine).
+    assert res.port_bytes["nic_out"] == pytest.approx(network * record)
+    assert res.port_bytes["nic_in"] == pytest.approx(network * record)
+    # NVLink carries the forwarders' copies (dispatch) or the rows the node's GPUs send their forwarder (combine),
+    # never a row to the forwarder itself.
+    assert res.port_bytes["nvl_out"] == pytest.approx(hops * record)
+    assert res.port_bytes["nvl_in"] == pytest.approx(hops * record)
+
+
+def test_fused_on_virtual_nodes_puts_the_network_records_on_nvlink():
+    traffic = _traffic(2, 4, 256, seed=1)
+    res = fused.simulate_fused(_spec(2, 4, "dispatch"), traffic, hardware.H200, hardware.NVLINK_P2P, dek.profile(),
+                               24, "fp8")
+    hops, network = _hops_and_network(traffic, 4)
+    assert "nic_out" not in res.port_bytes
+    assert res.port_bytes["nvl_out"] == pytest.approx((hops + network) * fused.fused_record_bytes("dispatch", 7168,
+                                                                                                  "fp8", 8))
+
+
+def test_fused_record_layout():
+    # [7168 FP8][56 float32 scales = 224][mask + 8 ids + 8 weights = 68 -> 80]; combine [14336 BF16][32 weights].
+    assert fused.fused_record_bytes("dispatch", 7168, "fp8", 8) == 7168 + 224 + 80
+    assert fused.fused_record_bytes("dispatch", 7168, "bf16", 8) == 14336 + 80
+    assert fused.fused_record_bytes("combine", 7168, "bf16", 8) == 14336 + 32
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_fused_time_grows_with_tokens_and_the_closed_form_bounds_the_des(op):
+    times = []
+    for tokens in (128, 512, 2048):
+        traffic = _traffic(2, 8, tokens)
+        spec = _spec(2, 8, op)
+        res = dek.simulate_normal(spec, traffic, hardware.H800, hardware.CX7, dek.profile(), 24, 8, _dtype(op))
+        closed = dek.closed_form_rank_times(spec, traffic, hardware.H800, hardware.CX7, dek.profile(), 24, 8,
+                                            _dtype(op))
+        # The closed form is the busiest port's time: the DES, whose flows share ports, is never below it.
+        assert res.max_time_us >= float(np.max(closed)) * 0.99
+        assert res.max_time_us <= float(np.max(closed)) * 1.5
+        times.append(res.max_time_us)
+    assert times[0] < times[1] < times[2]
+
+
+def test_fused_roles_are_bound_by_their_warps():
+    # Combine at 2 nodes: each channel has two forwarder warps and one owner warp, so their per-warp rate sets the
+    # time; the forwarders' SM share (reduce_gbps) does not. Dispatch receivers have a warp per source rank.
+    traffic, spec, prof = _traffic(2, 8, 512), _spec(2, 8, "combine"), dek.profile()
+
+    def time(p: dek.DeepEpProfile) -> float:
+        return fused.simulate_fused(spec, traffic, hardware.H800, hardware.CX7, p, 24, "bf16").max_time_us
+    base = time(prof)
+    assert time(replace(prof, warp_local_gbps=2 * prof.warp_local_gbps)) < 0.8 * base
+    assert time(replace(prof, reduce_gbps=2 * prof.reduce_gbps)) == pytest.approx(base, rel=0.02)
+    # Fewer SMs, fewer channels: slower.
+    slower = fused.simulate_fused(spec, traffic, hardware.H800, hardware.CX7, prof, 12, "bf16").max_time_us
+    assert slower > 1.5 * base
+
+
+def test_fused_network_is_deepeps():
+    # The NIC ports run at DeepEP V1's chunked-put rate for the same record, chunk, rings and forwarder rate.
+    traffic, spec, prof = _traffic(2, 8, 256), _spec(2, 8, "dispatch"), dek.profile()
+    model, _ = fused.fused_model(spec, traffic, hardware.H800, hardware.CX7, prof, 24, "fp8")
+    cfg = fused.fused_config("dispatch", 16, 24)
+    record = fused.fused_record_bytes("dispatch", 7168, "fp8", 8)
+    wire = rank.rdma_ring_rate(hardware.CX7, record, cfg.num_max_rdma_chunked_send_tokens, 10**9, 12, 1e12)
+    assert model.caps["nic_out"] <= wire * (1 + 1e-9)
+    assert wire == pytest.approx(rank.nic_rate(hardware.CX7, cfg.num_max_rdma_chunked_send_tokens * record, 12,
+                                               hardware.CX7.normal_efficiency)
+                                 * 1 / (1 + rank.NIC_MESSAGE_OVERHEAD_BYTES
+                                        / (cfg.num_max_rdma_chunked_send_tokens * record)))
+
+
+def test_calibrate_show_lists_the_fused_parameters_with_their_measurements():
+    out = subprocess.run([sys.executable, "-m", "simulator.calibrate", "--show"], capture_output=True, text=True,
+                         check=True).stdout
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
+    for name in ("warp_push_gbps", "warp_local_gbps"):
+        assert "measured:" in lines[name], lines[name]
+    assert "intranode_sweep_h200x2.json" in lines["warp_push_gbps"]
+    assert "intranode_h200x1.json" in lines["warp_local_gbps"]
+
+
+def test_report_says_when_the_fused_rows_assume_puts_behind_a_nic():
+    sc = Scenario(nodes=2, gpus_per_node=4, gpu="h200", mode="normal", kernels="deep_ep", tokens=64)
+
+    def notes(s: Scenario) -> str:
+        return " ".join(run(s).scales[0].notes)
+    assert "fused kernels reach peers by pointer only" in notes(sc)
+    assert "fused kernels reach peers by pointer only" not in notes(replace(sc, nic="nvlink-p2p"))
+    assert "fused kernels reach peers by pointer only" not in notes(replace(sc, nodes=8))
