@@ -123,13 +123,13 @@ def fused_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     kinds = ("nvl_out", "nvl_in", "nic_out", "nic_in", "sm_send", "sm_fwd", "sm_recv")
     ports = _Ports(kinds, caps, spec.num_ranks, alias)
     flows = _normal_flows(spec, traffic, ports, record)
-    # Pipeline fill as DeepEP's: the first chunk is staged (or sent) by one warp, crosses the NIC, is forwarded,
-    # crosses NVLink; each ring is served by one warp.
-    fill_us = (2 * gpu.nvl_latency_us + nic.latency_us + rdma_chunk * record / one_send
-               + nvl_chunk * record / one_fwd)
+    # Pipeline fill as DeepEP's: the first chunk crosses every stage, each ring served by one warp. Dispatch: a rail
+    # chunk staged, the NIC, a node chunk forwarded; combine: a node chunk sent, a rail chunk reduced, the NIC.
+    first, second = (rdma_chunk, nvl_chunk) if dispatch else (nvl_chunk, rdma_chunk)
+    fill_us = (2 * gpu.nvl_latency_us + nic.latency_us + first * record / one_send + second * record / one_fwd)
     # NVLink credits: each (channel, source) node ring of Nn records refills after one round trip.
     window = channels * spec.ranks_per_node * cfg.num_max_nvl_chunked_recv_tokens * record / (
-        2 * gpu.nvl_latency_us + nvl_chunk * record / one_send)
+        2 * gpu.nvl_latency_us + nvl_chunk * record / (one_fwd if dispatch else one_send))
     tail_us = 0.0 if dispatch else prof.combine_extra_us
     fixed = prof.launch_us + prof.internode_extra_us + fill_us + tail_us
     return NormalModel(kinds, caps, flows, fixed, fill_us, tail_us, window), alias
