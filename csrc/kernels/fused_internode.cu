@@ -258,9 +258,93 @@ __device__ __forceinline__ void warp_publish(uint32_t* word, uint32_t value) {
     __syncwarp();
 }
 
-// Sender warp of destination node n for channel c.
+// ---------------------------------------------------------------------------------------------------------------
+// Teams
+// ---------------------------------------------------------------------------------------------------------------
+
+// Progress of a team warp that has left its role's loop (above any item count).
+constexpr int kTeamDone = 0x40000000;
+
+// The consecutive warps of a CTA that run one role instance. Every warp runs the role's whole control flow (the same
+// waits on the same monotonic counters for the same items) and moves its contiguous share of each row; warp 0 of the
+// team, the leader, also writes each record's small fields and the side outputs, and alone publishes tails and
+// credits. Each other warp releases its progress (items finished, CTA scope) after every item and before any wait of
+// the next item; the leader publishes a position only after every warp's progress has passed it. A warp waits only
+// for conditions the leader has already seen hold (positions behind its own) or for ones the leader publishes before
+// it waits itself, so the leader's wait on its team ends.
+struct Team {
+    int rank;                // this warp's index in the team; 0 is the leader
+    int size;                // warps in the team
+    volatile int* progress;  // shared, progress[rank] for each warp of the team
+
+    __device__ __forceinline__ bool leader() const { return rank == 0; }
+
+    // This warp's contiguous share [lo, hi) of n units.
+    __device__ __forceinline__ void share(int64_t n, int64_t* lo, int64_t* hi) const {
+        *lo = n * rank / size;
+        *hi = n * (rank + 1) / size;
+    }
+
+    // A non-leader warp has finished its part of the first `done` items (no-op for the leader).
+    __device__ __forceinline__ void report(int done) const {
+        if (rank != 0) release_progress(progress, rank, done);
+    }
+
+    // Leader, whole warp: every warp of the team has finished the first `done` items (lane w watches warp w). Bounded
+    // like wait_geq; a failure is reported at `site` (the role's own phase and peer).
+    __device__ __noinline__ bool wait(const KernelContext& ctx, int done, const Site& site) const {
+        const int lane = lane_id();
+        bool ok = true;
+        if (lane > 0 && lane < size && progress[lane] < done) {
+            const uint64_t start = global_timer_ns();
+            for (uint32_t spins = 1; progress[lane] < done; ++spins) {
+                if ((spins & 63) == 0) {
+                    const uint32_t word = ld_relaxed_sys(abort_word(ctx.buffers[ctx.rank]));
+                    const uint64_t elapsed = global_timer_ns() - start;
+                    if (word != 0 || elapsed > ctx.timeout_ns) {
+                        if (word != 0)
+                            report_abort_seen(ctx, word, site, done, progress[lane], static_cast<int64_t>(elapsed));
+                        else
+                            report_error(ctx, kErrorTimeout, site, done, progress[lane], static_cast<int64_t>(elapsed));
+                        ok = false;
+                        break;
+                    }
+                }
+                if (spins > 256) __nanosleep(32);
+            }
+        }
+        __syncwarp();
+        __threadfence_block();  // acquire: the warps' released rows come before the leader's publication
+        return __all_sync(0xffffffffu, ok);
+    }
+};
+
+// Warp `warp` of `num_warps` in teams of consecutive warps, `num_teams` of them (<= num_warps), sizes differing by at
+// most one (the larger ones first); `*team` is the team's index.
+__device__ __forceinline__ Team make_team(volatile int* progress, int warp, int num_warps, int num_teams, int* team) {
+    const int base = num_warps / num_teams, extra = num_warps % num_teams, big = extra * (base + 1);
+    int first, size;
+    if (warp < big) {
+        size = base + 1;
+        *team = warp / size;
+        first = *team * size;
+    } else {
+        size = base;
+        *team = extra + (warp - big) / base;
+        first = big + (*team - extra) * base;
+    }
+    return Team{warp - first, size, progress + first};
+}
+
+// Every team's progress words start at 0 (before any role runs; the whole CTA calls it).
+__device__ __forceinline__ void reset_teams(volatile int* progress) {
+    if (threadIdx.x < kChannelWarps) progress[threadIdx.x] = 0;
+    __syncthreads();
+}
+
+// Sender team of destination node n for channel c.
 static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry& geo, const FusedDispatchArgs& args,
-                                  int channel, int n, int num_checked) {
+                                  const Team& team, int channel, int n, int num_checked) {
     const int lane = lane_id(), per_node = geo.gpus_per_node, num_ranks = ctx.num_ranks;
     const int my_node = ctx.rank / per_node, fwd = n * per_node + ctx.rank % per_node;
     uint32_t* heads = buffer_u32(ctx.buffers[ctx.rank], kFusedRailHeadOffset);
@@ -276,39 +360,49 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
     uint32_t tail = shadows[counter_index(channel, n)];
     uint32_t head = tail, published = tail;
     uint32_t* remote_tail = buffer_u32(ctx.buffers[fwd], kFusedRailTailOffset) + counter_index(channel, my_node);
-    const bool publish = !ctx.skip_sends;
+    const bool leader = team.leader(), publish = !ctx.skip_sends && leader;
+    const Site site{kKernelDispatch, kPhaseDispatchSendWaitHead, fwd, channel};
     int begin, end, count = 0;
     channel_range(args.num_tokens, geo.num_channels, channel, &begin, &end);
-    const int64_t hidden_int4 = geo.hidden_bytes / 16;
+    int64_t lo, hi;
+    team.share(geo.hidden_bytes / 16, &lo, &hi);
     for (int t = begin; t < end && ok; ++t) {
+        team.report(t - begin);
         const bool bit = lane < per_node && args.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + n * per_node + lane];
         const uint32_t mask = __ballot_sync(0xffffffffu, bit);
+        int* head_out = args.send_rdma_head != nullptr && leader && lane == 0
+                            ? args.send_rdma_head + static_cast<int64_t>(t) * geo.num_nodes + n
+                            : nullptr;
         if (mask == 0) {
-            if (args.send_rdma_head != nullptr && lane == 0) args.send_rdma_head[static_cast<int64_t>(t) * geo.num_nodes + n] = -1;
+            if (head_out != nullptr) *head_out = -1;
             continue;
         }
-        if (args.send_rdma_head != nullptr && lane == 0) args.send_rdma_head[static_cast<int64_t>(t) * geo.num_nodes + n] = count;
+        if (head_out != nullptr) *head_out = count;
         const uint32_t needed_head = tail + 1 - static_cast<uint32_t>(geo.rail_capacity);
         if (!seq_geq(head, needed_head)) {
-            if (published != tail && publish) warp_publish(remote_tail, tail);
+            if (published != tail && publish) {
+                ok = team.wait(ctx, t - begin, site);
+                if (!ok) break;
+                warp_publish(remote_tail, tail);
+            }
             published = tail;
-            ok = warp_wait_geq(ctx, heads + counter_index(channel, n), needed_head,
-                               Site{kKernelDispatch, kPhaseDispatchSendWaitHead, fwd, channel}, &head);
+            ok = warp_wait_geq(ctx, heads + counter_index(channel, n), needed_head, site, &head);
             if (!ok) break;
         }
         char* slot = static_cast<char*>(ctx.buffers[fwd]) + geo.rail_slot(channel, my_node, tail);
-        int4* dst = reinterpret_cast<int4*>(slot);
-        warp_copy_row<false>(reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + t * geo.hidden_bytes),
-                             hidden_int4, &dst, 1);
-        if (args.x_scales != nullptr) {
+        int4* dst = reinterpret_cast<int4*>(slot) + lo;
+        warp_copy_row<false>(
+            reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + t * geo.hidden_bytes) + lo, hi - lo,
+            &dst, 1);
+        if (leader && args.x_scales != nullptr) {
             const uint32_t* scales = static_cast<const uint32_t*>(args.x_scales);
             for (int i = lane; i < geo.num_scales; i += 32)
                 reinterpret_cast<uint32_t*>(slot + geo.scales_offset)[i] =
                     scales[t * args.scale_token_stride + i * args.scale_hidden_stride];
         }
         int* meta = reinterpret_cast<int*>(slot + geo.meta_offset);
-        if (lane == 0) meta[0] = static_cast<int>(mask);
-        if (args.topk_idx != nullptr) {
+        if (leader && lane == 0) meta[0] = static_cast<int>(mask);
+        if (leader && args.topk_idx != nullptr) {
             for (int k = lane; k < geo.num_topk; k += 32) {
                 const int64_t i = static_cast<int64_t>(t) * geo.num_topk + k;
                 const int64_t e = args.topk_idx_bytes == 8 ? static_cast<const int64_t*>(args.topk_idx)[i]
@@ -320,17 +414,26 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
         ++tail;
         ++count;
         if (static_cast<int>(tail - published) >= args.num_max_rdma_send_tokens) {
-            if (publish) warp_publish(remote_tail, tail);
+            if (publish) {
+                ok = team.wait(ctx, t - begin + 1, site);
+                if (!ok) break;
+                warp_publish(remote_tail, tail);
+            }
             published = tail;
         }
     }
-    if (ok && published != tail && publish) warp_publish(remote_tail, tail);
-    if (lane == 0) shadows[counter_index(channel, n)] = tail;
+    team.report(kTeamDone);
+    if (leader) {
+        const bool all_done = team.wait(ctx, kTeamDone, site);
+        if (ok && all_done && published != tail && publish) warp_publish(remote_tail, tail);
+        if (lane == 0) shadows[counter_index(channel, n)] = tail;
+    }
 }
 
-// Forwarder warp of source node n for channel c: rank (n, my local)'s records that need my node.
+// Forwarder team of source node n for channel c: rank (n, my local)'s records that need my node.
 static __device__ void fused_forward(const KernelContext& ctx, const FusedGeometry& geo,
-                                     const FusedDispatchArgs& args, int channel, int n, int num_checked) {
+                                     const FusedDispatchArgs& args, const Team& team, int channel, int n,
+                                     int num_checked) {
     const int lane = lane_id(), per_node = geo.gpus_per_node, num_channels = geo.num_channels;
     const int my_node = ctx.rank / per_node, src_rank = n * per_node + ctx.rank % per_node;
     char* own = static_cast<char*>(ctx.buffers[ctx.rank]);
@@ -339,7 +442,7 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
     const bool is_dst_lane = lane < per_node;
     const int pair = n * per_node + lane;  // counter index of (source node n, receiver lane) at this forwarder
 
-    // Drain: the node rings this warp wrote in earlier calls (receiver = lane) are consumed.
+    // Drain: the node rings this role wrote in earlier calls (receiver = lane) are consumed.
     bool ok = true;
     if (is_dst_lane) {
         for (int c = channel; c < num_checked && ok; c += num_channels) {
@@ -369,29 +472,33 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
                           counter_index(channel, src_rank)
                     : nullptr;
     int seq = 0;  // this call's records to receiver lane
-    const bool publish = !ctx.skip_sends;
-    const int64_t record_int4 = geo.record_bytes / 16;
+    const bool leader = team.leader(), publish = !ctx.skip_sends && leader;
+    const Site site{kKernelDispatch, kPhaseDispatchRecvWaitTail, src_rank, channel};
+    int64_t lo, hi;
+    team.share(geo.record_bytes / 16, &lo, &hi);
 
     for (int done = 0; done < num_records && ok;) {
         uint32_t seen;
-        ok = warp_wait_geq(ctx, rail_tail, rail_head + 1, Site{kKernelDispatch, kPhaseDispatchRecvWaitTail, src_rank,
-                                                                 channel}, &seen);
+        ok = warp_wait_geq(ctx, rail_tail, rail_head + 1, site, &seen);
         if (!ok) break;
         const int available = min(static_cast<int>(seen - rail_head), num_records - done);
         for (int i = 0; i < available && ok; ++i, ++done, ++rail_head) {
             const char* record = own + geo.rail_slot(channel, n, rail_head);
             const uint32_t mask = static_cast<uint32_t>(ld_ring_int(reinterpret_cast<const int*>(record + geo.meta_offset)));
             const bool bit = is_dst_lane && ((mask >> lane) & 1u) != 0;
-            if (args.send_nvl_head != nullptr && lane < kMaxGpusPerNode)
+            if (leader && args.send_nvl_head != nullptr && lane < kMaxGpusPerNode)
                 args.send_nvl_head[(first_row + done) * kMaxGpusPerNode + lane] = bit ? seq : -1;
             // Space in every destination ring; pending tails go out first so that receivers can make room.
             const uint32_t needed_head = node_tail + 1 - static_cast<uint32_t>(geo.node_capacity);
             const bool short_of_space = bit && !seq_geq(node_head, needed_head);
             if (__any_sync(0xffffffffu, short_of_space)) {
-                __syncwarp();
-                if (is_dst_lane && node_published != node_tail && publish) {
-                    fence_acq_rel_sys();
-                    st_release_sys(remote_node_tail, node_tail);
+                if (publish) {
+                    ok = team.wait(ctx, done, site);
+                    if (!ok) break;
+                    if (is_dst_lane && node_published != node_tail) {
+                        fence_acq_rel_sys();
+                        st_release_sys(remote_node_tail, node_tail);
+                    }
                 }
                 node_published = node_tail;
                 if (short_of_space) {
@@ -410,38 +517,52 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
                 const uint32_t position = __shfl_sync(0xffffffffu, node_tail, j);
                 if ((mask >> j) & 1u)
                     dsts[num_dsts++] = reinterpret_cast<int4*>(static_cast<char*>(ctx.buffers[my_node * per_node + j]) +
-                                                               geo.node_slot(channel, src_rank, position));
+                                                               geo.node_slot(channel, src_rank, position)) + lo;
             }
-            warp_copy_row<true>(reinterpret_cast<const int4*>(record), record_int4, dsts, num_dsts);
+            warp_copy_row<true>(reinterpret_cast<const int4*>(record) + lo, hi - lo, dsts, num_dsts);
+            team.report(done + 1);
             if (bit) {
                 ++node_tail;
                 ++seq;
             }
-            __syncwarp();
-            if (is_dst_lane && static_cast<int>(node_tail - node_published) >= args.num_max_nvl_send_tokens) {
+            const bool chunk_full =
+                is_dst_lane && static_cast<int>(node_tail - node_published) >= args.num_max_nvl_send_tokens;
+            if (__any_sync(0xffffffffu, chunk_full)) {
                 if (publish) {
-                    fence_acq_rel_sys();
-                    st_release_sys(remote_node_tail, node_tail);
+                    ok = team.wait(ctx, done + 1, site);
+                    if (!ok) break;
+                    if (chunk_full) {
+                        fence_acq_rel_sys();
+                        st_release_sys(remote_node_tail, node_tail);
+                    }
                 }
-                node_published = node_tail;
+                if (chunk_full) node_published = node_tail;
             }
         }
-        // The batch is copied out: publish what is pending and return the rail slots to the sender.
-        __syncwarp();
-        if (is_dst_lane && node_published != node_tail && publish) {
-            fence_acq_rel_sys();
-            st_release_sys(remote_node_tail, node_tail);
+        if (!ok) break;
+        // The batch is copied out by every warp: publish what is pending and return the rail slots to the sender.
+        if (leader) {
+            ok = team.wait(ctx, done, site);
+            if (!ok) break;
+            if (is_dst_lane && node_published != node_tail && publish) {
+                fence_acq_rel_sys();
+                st_release_sys(remote_node_tail, node_tail);
+            }
+            warp_publish(credit, rail_head);
         }
         node_published = node_tail;
-        warp_publish(credit, rail_head);
     }
-    if (lane == 0) *rail_heads_shadow = rail_head;
-    if (is_dst_lane) node_tail_shadows[counter_index(channel, pair)] = node_tail;
+    team.report(kTeamDone);
+    if (leader) {
+        team.wait(ctx, kTeamDone, site);
+        if (lane == 0) *rail_heads_shadow = rail_head;
+        if (is_dst_lane) node_tail_shadows[counter_index(channel, pair)] = node_tail;
+    }
 }
 
-// Receiver warp of source rank s for channel c.
+// Receiver team of source rank s for channel c.
 static __device__ void fused_receive(const KernelContext& ctx, const FusedGeometry& geo,
-                                     const FusedDispatchArgs& args, int channel, int s) {
+                                     const FusedDispatchArgs& args, const Team& team, int channel, int s) {
     const int lane = lane_id(), per_node = geo.gpus_per_node, num_channels = geo.num_channels;
     const int my_node = ctx.rank / per_node, src_node = s / per_node;
     const int fwd = my_node * per_node + s % per_node;
@@ -450,7 +571,7 @@ static __device__ void fused_receive(const KernelContext& ctx, const FusedGeomet
     const int end_row = channel + 1 < num_channels ? args.recv_gbl_channel_prefix_matrix[s * num_channels + channel + 1]
                                                    : args.recv_gbl_rank_prefix_sum[s];
     if (end_row > args.num_recv_rows) {
-        if (lane == 0)
+        if (team.leader() && lane == 0)
             report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchWorstOverflow, s, channel},
                          args.num_recv_rows, end_row, 0);
         return;
@@ -462,45 +583,60 @@ static __device__ void fused_receive(const KernelContext& ctx, const FusedGeomet
     uint32_t* remote_head = buffer_u32(ctx.buffers[fwd], kFusedNodeHeadOffset) +
                             counter_index(channel, src_node * per_node + ctx.rank % per_node);
     uint32_t head = *head_shadow;
-    const int64_t hidden_int4 = geo.hidden_bytes / 16;
+    const bool leader = team.leader();
+    const Site site{kKernelDispatch, kPhaseDispatchRecvWaitTail, fwd, channel};
+    int64_t lo, hi;
+    team.share(geo.hidden_bytes / 16, &lo, &hi);
     bool ok = true;
     for (int row = first_row; row < end_row && ok;) {
         uint32_t seen;
-        ok = warp_wait_geq(ctx, tail, head + 1, Site{kKernelDispatch, kPhaseDispatchRecvWaitTail, fwd, channel}, &seen);
+        ok = warp_wait_geq(ctx, tail, head + 1, site, &seen);
         if (!ok) break;
         const int available = min(static_cast<int>(seen - head), end_row - row);
         for (int i = 0; i < available; ++i, ++row, ++head) {
             const char* record = own + geo.node_slot(channel, s, head);
-            int4* dst = reinterpret_cast<int4*>(static_cast<char*>(args.recv_x) + row * geo.hidden_bytes);
-            warp_copy_row<true>(reinterpret_cast<const int4*>(record), hidden_int4, &dst, 1);
-            if (args.recv_x_scales != nullptr) {
-                for (int k = lane; k < geo.num_scales; k += 32)
-                    reinterpret_cast<int*>(args.recv_x_scales)[static_cast<int64_t>(row) * geo.num_scales + k] =
-                        ld_ring_int(reinterpret_cast<const int*>(record + geo.scales_offset) + k);
-            }
-            const int* meta = reinterpret_cast<const int*>(record + geo.meta_offset);
-            if (args.recv_src_meta != nullptr && lane == 0) {
-                args.recv_src_meta[2 * static_cast<int64_t>(row)] = src_node;
-                args.recv_src_meta[2 * static_cast<int64_t>(row) + 1] = ld_ring_int(meta);
-            }
-            if (args.recv_topk_idx != nullptr) {
-                for (int k = lane; k < geo.num_topk; k += 32) {
-                    const int e = ld_ring_int(meta + 1 + k);
-                    const float w = __int_as_float(ld_ring_int(meta + 1 + geo.num_topk + k));
-                    const bool mine = e >= expert_begin && e < expert_begin + num_local_experts;
-                    const int64_t i = static_cast<int64_t>(row) * geo.num_topk + k;
-                    const int local = mine ? e - expert_begin : -1;
-                    if (args.topk_idx_bytes == 8)
-                        static_cast<int64_t*>(args.recv_topk_idx)[i] = local;
-                    else
-                        static_cast<int32_t*>(args.recv_topk_idx)[i] = local;
-                    args.recv_topk_weights[i] = mine ? w : 0.0f;
+            int4* dst = reinterpret_cast<int4*>(static_cast<char*>(args.recv_x) + row * geo.hidden_bytes) + lo;
+            warp_copy_row<true>(reinterpret_cast<const int4*>(record) + lo, hi - lo, &dst, 1);
+            if (leader) {
+                if (args.recv_x_scales != nullptr) {
+                    for (int k = lane; k < geo.num_scales; k += 32)
+                        reinterpret_cast<int*>(args.recv_x_scales)[static_cast<int64_t>(row) * geo.num_scales + k] =
+                            ld_ring_int(reinterpret_cast<const int*>(record + geo.scales_offset) + k);
+                }
+                const int* meta = reinterpret_cast<const int*>(record + geo.meta_offset);
+                if (args.recv_src_meta != nullptr && lane == 0) {
+                    args.recv_src_meta[2 * static_cast<int64_t>(row)] = src_node;
+                    args.recv_src_meta[2 * static_cast<int64_t>(row) + 1] = ld_ring_int(meta);
+                }
+                if (args.recv_topk_idx != nullptr) {
+                    for (int k = lane; k < geo.num_topk; k += 32) {
+                        const int e = ld_ring_int(meta + 1 + k);
+                        const float w = __int_as_float(ld_ring_int(meta + 1 + geo.num_topk + k));
+                        const bool mine = e >= expert_begin && e < expert_begin + num_local_experts;
+                        const int64_t i = static_cast<int64_t>(row) * geo.num_topk + k;
+                        const int local = mine ? e - expert_begin : -1;
+                        if (args.topk_idx_bytes == 8)
+                            static_cast<int64_t*>(args.recv_topk_idx)[i] = local;
+                        else
+                            static_cast<int32_t*>(args.recv_topk_idx)[i] = local;
+                        args.recv_topk_weights[i] = mine ? w : 0.0f;
+                    }
                 }
             }
+            team.report(row + 1 - first_row);
         }
-        warp_publish(remote_head, head);
+        // Every warp has copied the batch out: its slots go back to the forwarder.
+        if (leader) {
+            ok = team.wait(ctx, row - first_row, site);
+            if (!ok) break;
+            warp_publish(remote_head, head);
+        }
     }
-    if (lane == 0) *head_shadow = head;
+    team.report(kTeamDone);
+    if (leader) {
+        team.wait(ctx, kTeamDone, site);
+        if (lane == 0) *head_shadow = head;
+    }
 }
 
 __global__ void __launch_bounds__(kChannelThreads, 1)
@@ -508,22 +644,28 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                           const __grid_constant__ FusedDispatchArgs args) {
     // A non-cached call whose notify saw the ranks' signatures differ moves no row (every rank skips alike).
     if (args.agreement_gate && *workspace_u32(ctx, kWsNotifyMismatchOffset) != 0u) return;
+    __shared__ int team_progress[kChannelWarps];
+    reset_teams(team_progress);
     const int channel = static_cast<int>(blockIdx.x) / 2, warp = static_cast<int>(threadIdx.x) / 32;
     const int num_nodes = geo.num_nodes;
+    int role;
     if ((blockIdx.x & 1u) == 0) {
-        if (warp >= 2 * num_nodes) return;
+        // Teams 0 .. N-1 send to node n, teams N .. 2N-1 forward from node n - N.
+        const Team team = make_team(team_progress, warp, kChannelWarps, 2 * num_nodes, &role);
         int num_checked = 0;
         if (lane_id() == 0) num_checked = raise_max_channels(ctx, kWsFusedMaxChannels, geo.num_channels);
         num_checked = __shfl_sync(0xffffffffu, num_checked, 0);
-        if (warp < num_nodes)
-            fused_send(ctx, geo, args, channel, warp, num_checked);
+        if (role < num_nodes)
+            fused_send(ctx, geo, args, team, channel, role, num_checked);
         else
-            fused_forward(ctx, geo, args, channel, warp - num_nodes, num_checked);
+            fused_forward(ctx, geo, args, team, channel, role - num_nodes, num_checked);
         return;
     }
-    if (warp < ctx.num_ranks) {
-        fused_receive(ctx, geo, args, channel, warp);
-    } else if (warp == ctx.num_ranks && channel == 0 && args.worst_token_mode && args.recv_topk_idx != nullptr) {
+    // Team s receives from source rank s; the last warp fills the worst-token tail.
+    if (warp < kChannelWarps - 1) {
+        const Team team = make_team(team_progress, warp, kChannelWarps - 1, ctx.num_ranks, &role);
+        fused_receive(ctx, geo, args, team, channel, role);
+    } else if (channel == 0 && args.worst_token_mode && args.recv_topk_idx != nullptr) {
         const int real_rows = args.recv_gbl_rank_prefix_sum[ctx.num_ranks - 1];
         for (int64_t i = static_cast<int64_t>(real_rows) * geo.num_topk + lane_id();
              i < static_cast<int64_t>(args.num_recv_rows) * geo.num_topk; i += 32) {
@@ -575,9 +717,10 @@ __device__ __forceinline__ int4 to_bf16x8(const float* acc) {
     return out;
 }
 
-// Sending warp of source rank s for channel c: my rows of (s, c) back to the forwarder (my node, local of s).
+// Sending team of source rank s for channel c: my rows of (s, c) back to the forwarder (my node, local of s).
 static __device__ void fused_combine_send(const KernelContext& ctx, const FusedGeometry& geo,
-                                          const FusedCombineArgs& args, int channel, int s, int num_checked) {
+                                          const FusedCombineArgs& args, const Team& team, int channel, int s,
+                                          int num_checked) {
     const int lane = lane_id(), per_node = geo.gpus_per_node, num_channels = geo.num_channels;
     const int my_node = ctx.rank / per_node, my_local = ctx.rank % per_node;
     const int fwd = my_node * per_node + s % per_node, ring = (s / per_node) * per_node + my_local;
@@ -595,39 +738,56 @@ static __device__ void fused_combine_send(const KernelContext& ctx, const FusedG
                                                    : args.recv_gbl_rank_prefix_sum[s];
     uint32_t tail = shadows[counter_index(channel, s)], head = tail, published = tail;
     uint32_t* remote_tail = buffer_u32(ctx.buffers[fwd], kFusedCombineNodeTailOffset) + counter_index(channel, ring);
-    const bool publish = !ctx.skip_sends;
-    const int64_t row_int4 = geo.hidden_bytes / 16;
+    const bool leader = team.leader(), publish = !ctx.skip_sends && leader;
+    const Site site{kKernelCombine, kPhaseCombineSendWaitHead, fwd, channel};
+    int64_t lo, hi;
+    team.share(geo.hidden_bytes / 16, &lo, &hi);
     for (int row = first_row; row < end_row && ok; ++row) {
         const uint32_t needed_head = tail + 1 - static_cast<uint32_t>(geo.node_capacity);
         if (!seq_geq(head, needed_head)) {
-            if (published != tail && publish) warp_publish(remote_tail, tail);
+            if (published != tail && publish) {
+                ok = team.wait(ctx, row - first_row, site);
+                if (!ok) break;
+                warp_publish(remote_tail, tail);
+            }
             published = tail;
-            ok = warp_wait_geq(ctx, heads + counter_index(channel, s), needed_head,
-                               Site{kKernelCombine, kPhaseCombineSendWaitHead, fwd, channel}, &head);
+            ok = warp_wait_geq(ctx, heads + counter_index(channel, s), needed_head, site, &head);
             if (!ok) break;
         }
         char* slot = static_cast<char*>(ctx.buffers[fwd]) + geo.node_slot(channel, ring, tail);
-        int4* dst = reinterpret_cast<int4*>(slot);
-        warp_copy_row<false>(reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * geo.hidden_bytes),
-                             row_int4, &dst, 1);
-        if (args.topk_weights != nullptr)
+        int4* dst = reinterpret_cast<int4*>(slot) + lo;
+        warp_copy_row<false>(
+            reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * geo.hidden_bytes) + lo, hi - lo,
+            &dst, 1);
+        if (leader && args.topk_weights != nullptr)
             for (int k = lane; k < geo.num_topk; k += 32)
                 reinterpret_cast<float*>(slot + geo.meta_offset)[k] =
                     args.topk_weights[static_cast<int64_t>(row) * geo.num_topk + k];
+        team.report(row + 1 - first_row);
         ++tail;
         if (static_cast<int>(tail - published) >= args.num_max_nvl_send_tokens) {
-            if (publish) warp_publish(remote_tail, tail);
+            if (publish) {
+                ok = team.wait(ctx, row + 1 - first_row, site);
+                if (!ok) break;
+                warp_publish(remote_tail, tail);
+            }
             published = tail;
         }
     }
-    if (ok && published != tail && publish) warp_publish(remote_tail, tail);
-    if (lane == 0) shadows[counter_index(channel, s)] = tail;
+    team.report(kTeamDone);
+    if (leader) {
+        const bool all_done = team.wait(ctx, kTeamDone, site);
+        if (ok && all_done && published != tail && publish) warp_publish(remote_tail, tail);
+        if (lane == 0) shadows[counter_index(channel, s)] = tail;
+    }
 }
 
-// Forwarder warp of source node n for channel c: each forwarded token's rows from the local ranks of its mask,
-// summed in fp32 in ascending local order, rounded to BF16 once, to the owner (n, my local).
+// Forwarder team of source node n for channel c: each forwarded token's rows from the local ranks of its mask,
+// summed in fp32 in ascending local order, rounded to BF16 once, to the owner (n, my local). Each warp of the team
+// reduces its share of every row.
 static __device__ void fused_combine_forward(const KernelContext& ctx, const FusedGeometry& geo,
-                                             const FusedCombineArgs& args, int channel, int n, int num_checked) {
+                                             const FusedCombineArgs& args, const Team& team, int channel, int n,
+                                             int num_checked) {
     const int lane = lane_id(), per_node = geo.gpus_per_node, num_channels = geo.num_channels;
     const int my_node = ctx.rank / per_node, owner = n * per_node + ctx.rank % per_node;
     char* own = static_cast<char*>(ctx.buffers[ctx.rank]);
@@ -659,9 +819,17 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
     uint32_t rail_tail = rail_shadows[counter_index(channel, n)], rail_head = rail_tail, rail_published = rail_tail;
     uint32_t* remote_rail_tail = buffer_u32(ctx.buffers[owner], kFusedCombineRailTailOffset) +
                                  counter_index(channel, my_node);
-    const bool publish = !ctx.skip_sends;
+    const bool leader = team.leader(), publish = !ctx.skip_sends;
+    const Site site{kKernelCombine, kPhaseCombineSendWaitHead, owner, channel};
+    int done = 0;  // records this warp has finished
+    bool team_ok = true;
+    // Leader: once every warp has finished `done` records, their rail tail and node credits go out.
     auto flush = [&]() {
-        __syncwarp();
+        if (!leader) return;
+        if (!team.wait(ctx, done, site)) {
+            team_ok = false;
+            return;
+        }
         if (lane == 0 && rail_published != rail_tail && publish) {
             fence_acq_rel_sys();
             st_release_sys(remote_rail_tail, rail_tail);
@@ -674,7 +842,8 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
         released = consumed;
         __syncwarp();
     };
-    const int64_t row_int4 = geo.hidden_bytes / 16;
+    int64_t lo, hi;
+    team.share(geo.hidden_bytes / 16, &lo, &hi);
     for (int i = 0; i < num_records && ok; ++i) {
         const int64_t f = first_row + i;
         const int index = is_src_lane ? args.send_nvl_head[f * kMaxGpusPerNode + lane] : -1;
@@ -684,13 +853,13 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
         uint32_t target = bit ? base + static_cast<uint32_t>(index) + 1 : tail_cache;
         ok = wait_flushing(ctx, node_tail, target, Site{kKernelCombine, kPhaseCombineRecvWaitTail,
                                                          my_node * per_node + lane, channel}, &tail_cache, flush);
+        ok = ok && team_ok;
         if (!ok) break;
         // Room in the owner's rail ring.
         const uint32_t needed_head = rail_tail + 1 - static_cast<uint32_t>(geo.rail_capacity);
         if (!seq_geq(rail_head, needed_head)) {
             flush();
-            ok = warp_wait_geq(ctx, rail_heads + counter_index(channel, n), needed_head,
-                               Site{kKernelCombine, kPhaseCombineSendWaitHead, owner, channel}, &rail_head);
+            ok = team_ok && warp_wait_geq(ctx, rail_heads + counter_index(channel, n), needed_head, site, &rail_head);
             if (!ok) break;
         }
         const int4* srcs[kMaxGpusPerNode];
@@ -703,12 +872,12 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
                     own + geo.node_slot(channel, n * per_node + j, ring_base + static_cast<uint32_t>(position)));
         }
         char* slot = static_cast<char*>(ctx.buffers[owner]) + geo.rail_slot(channel, my_node, rail_tail);
-        for (int64_t u = lane; u < row_int4; u += 32) {
+        for (int64_t u = lo + lane; u < hi; u += 32) {
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             for (int k = 0; k < num_srcs; ++k) add_bf16x8(acc, ld_ring_int4(srcs[k] + u));
             st_na_int4(reinterpret_cast<int4*>(slot) + u, to_bf16x8(acc));
         }
-        if (args.topk_weights != nullptr) {
+        if (leader && args.topk_weights != nullptr) {
             for (int k = lane; k < geo.num_topk; k += 32) {
                 float w = 0.f;
                 for (int q = 0; q < num_srcs; ++q)
@@ -717,18 +886,28 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
                 reinterpret_cast<float*>(slot + geo.meta_offset)[k] = w;
             }
         }
+        team.report(++done);
         if (bit) consumed = static_cast<uint32_t>(index) + 1;
         ++rail_tail;
-        if (static_cast<int>(rail_tail - rail_published) >= args.num_max_rdma_send_tokens) flush();
+        if (static_cast<int>(rail_tail - rail_published) >= args.num_max_rdma_send_tokens) {
+            flush();
+            rail_published = rail_tail;
+            ok = team_ok;
+        }
     }
-    if (ok) flush();
-    if (lane == 0) rail_shadows[counter_index(channel, n)] = rail_tail;
-    if (is_src_lane) node_head_shadows[counter_index(channel, pair)] = base + consumed;
+    team.report(kTeamDone);
+    if (leader) {
+        const bool all_done = team.wait(ctx, kTeamDone, site);
+        if (ok && all_done) flush();
+        if (lane == 0) rail_shadows[counter_index(channel, n)] = rail_tail;
+        if (is_src_lane) node_head_shadows[counter_index(channel, pair)] = base + consumed;
+    }
 }
 
-// Owner warp for channel c: my tokens' node partials in ascending node order, after the biases.
+// Owner team for channel c: my tokens' node partials in ascending node order, after the biases; each warp of the
+// team reduces its share of every row.
 static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGeometry& geo,
-                                         const FusedCombineArgs& args, int channel) {
+                                         const FusedCombineArgs& args, const Team& team, int channel) {
     const int lane = lane_id(), per_node = geo.gpus_per_node, num_nodes = geo.num_nodes;
     const int my_node = ctx.rank / per_node, my_local = ctx.rank % per_node;
     char* own = static_cast<char*>(ctx.buffers[ctx.rank]);
@@ -742,8 +921,17 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
                                                       kFusedCombineRailHeadOffset) + counter_index(channel, my_node)
                                          : nullptr;
     uint32_t tail_cache = base, consumed = 0, released = 0;
+    const bool leader = team.leader();
+    const Site site{kKernelCombine, kPhaseCombineRecvWaitTail, -1, channel};
+    int done = 0;  // tokens this warp has finished
+    bool team_ok = true;
+    // Leader: once every warp has finished `done` tokens, the rail slots they read go back to the forwarders.
     auto flush = [&]() {
-        __syncwarp();
+        if (!leader) return;
+        if (!team.wait(ctx, done, site)) {
+            team_ok = false;
+            return;
+        }
         if (is_node_lane && released != consumed) {
             fence_acq_rel_sys();
             st_release_sys(remote_head, base + consumed);
@@ -753,7 +941,8 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
     };
     int begin, end;
     channel_range(args.num_tokens, geo.num_channels, channel, &begin, &end);
-    const int64_t row_int4 = geo.hidden_bytes / 16;
+    int64_t lo, hi;
+    team.share(geo.hidden_bytes / 16, &lo, &hi);
     bool ok = true;
     for (int t = begin; t < end && ok; ++t) {
         const int index = is_node_lane ? args.send_rdma_head[static_cast<int64_t>(t) * num_nodes + lane] : -1;
@@ -762,6 +951,7 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
         const uint32_t target = bit ? base + static_cast<uint32_t>(index) + 1 : tail_cache;
         ok = wait_flushing(ctx, rail_tail, target, Site{kKernelCombine, kPhaseCombineRecvWaitTail,
                                                          lane * per_node + my_local, channel}, &tail_cache, flush);
+        ok = ok && team_ok;
         if (!ok) break;
         const int4* srcs[kMaxRanks];
         int num_srcs = 0;
@@ -777,14 +967,14 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
         const int4* bias_1 = args.bias_1 == nullptr ? nullptr
             : reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_1) + t * geo.hidden_bytes);
         int4* out = reinterpret_cast<int4*>(static_cast<char*>(args.combined_x) + t * geo.hidden_bytes);
-        for (int64_t u = lane; u < row_int4; u += 32) {
+        for (int64_t u = lo + lane; u < hi; u += 32) {
             float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             if (bias_0 != nullptr) add_bf16x8(acc, ld_nc_int4(bias_0 + u));
             if (bias_1 != nullptr) add_bf16x8(acc, ld_nc_int4(bias_1 + u));
             for (int k = 0; k < num_srcs; ++k) add_bf16x8(acc, ld_ring_int4(srcs[k] + u));
             out[u] = to_bf16x8(acc);
         }
-        if (args.combined_topk_weights != nullptr) {
+        if (leader && args.combined_topk_weights != nullptr) {
             for (int k = lane; k < geo.num_topk; k += 32) {
                 float w = 0.f;
                 for (int q = 0; q < num_srcs; ++q)
@@ -793,35 +983,44 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
                 args.combined_topk_weights[static_cast<int64_t>(t) * geo.num_topk + k] = w;
             }
         }
+        team.report(++done);
         if (bit) consumed = static_cast<uint32_t>(index) + 1;
-        if ((t - begin + 1) % args.num_max_rdma_send_tokens == 0) flush();
+        if ((t - begin + 1) % args.num_max_rdma_send_tokens == 0) {
+            flush();
+            ok = team_ok;
+        }
     }
-    if (ok) flush();
-    if (is_node_lane) head_shadows[counter_index(channel, lane)] = base + consumed;
+    team.report(kTeamDone);
+    if (leader) {
+        const bool all_done = team.wait(ctx, kTeamDone, site);
+        if (ok && all_done) flush();
+        if (is_node_lane) head_shadows[counter_index(channel, lane)] = base + consumed;
+    }
 }
 
 __global__ void __launch_bounds__(kChannelThreads, 1)
     fused_combine_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ FusedGeometry geo,
                          const __grid_constant__ FusedCombineArgs args) {
+    __shared__ int team_progress[kChannelWarps];
+    reset_teams(team_progress);
     const int channel = static_cast<int>(blockIdx.x) / 2, warp = static_cast<int>(threadIdx.x) / 32;
     const int num_nodes = geo.num_nodes;
+    int num_checked = 0;
+    if (lane_id() == 0) num_checked = raise_max_channels(ctx, kWsFusedCombineMaxChannels, geo.num_channels);
+    num_checked = __shfl_sync(0xffffffffu, num_checked, 0);
+    int role;
     if ((blockIdx.x & 1u) == 0) {
-        if (warp < num_nodes) {
-            int num_checked = 0;
-            if (lane_id() == 0) num_checked = raise_max_channels(ctx, kWsFusedCombineMaxChannels, geo.num_channels);
-            num_checked = __shfl_sync(0xffffffffu, num_checked, 0);
-            fused_combine_forward(ctx, geo, args, channel, warp, num_checked);
-        } else if (warp == num_nodes) {
-            fused_combine_own(ctx, geo, args, channel);
-        }
+        // Teams 0 .. N-1 forward to the owners of node n, team N owns the channel's tokens.
+        const Team team = make_team(team_progress, warp, kChannelWarps, num_nodes + 1, &role);
+        if (role < num_nodes)
+            fused_combine_forward(ctx, geo, args, team, channel, role, num_checked);
+        else
+            fused_combine_own(ctx, geo, args, team, channel);
         return;
     }
-    if (warp < ctx.num_ranks) {
-        int num_checked = 0;
-        if (lane_id() == 0) num_checked = raise_max_channels(ctx, kWsFusedCombineMaxChannels, geo.num_channels);
-        num_checked = __shfl_sync(0xffffffffu, num_checked, 0);
-        fused_combine_send(ctx, geo, args, channel, warp, num_checked);
-    }
+    // Team s sends my rows of source rank s.
+    const Team team = make_team(team_progress, warp, kChannelWarps, ctx.num_ranks, &role);
+    fused_combine_send(ctx, geo, args, team, channel, role, num_checked);
 }
 
 void check_fused_context(const KernelContext& ctx, int gpus_per_node, const char* what) {
