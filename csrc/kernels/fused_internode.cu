@@ -3,25 +3,33 @@
 // Rank r sits on node m = r / G at local index l = r % G. A token of rank (m, l) that needs node n crosses the
 // scale-out network once, to its rail peer (n, l) (the forwarder), which copies it over NVLink to every local rank
 // of node n in the token's mask, in the same kernel:
-//   * senders (warp n of an even CTA, channel c): walk the channel's tokens, pack each token that needs node n once
-//     (payload, scales, local-rank mask of node n, global top-k ids and weights) into the rail ring (c, m) of the
-//     forwarder (n, l), and publish the ring's tail every num_max_rdma_send_tokens records;
-//   * forwarders (warp N + n of the even CTA): poll the tail of their rail ring (c, n) (local memory), copy each
-//     record into the node ring (c, source rank (n, l)) of every local rank in its mask, publish those tails, and
-//     return credits (the rail head) to the sender;
-//   * receivers (warp s of an odd CTA): copy the records of node ring (c, s) into rows recv_gbl_channel_prefix[s][c]
-//     onwards (the contract's order: source rank, then token), top-k ids made local, and return the node head.
+//   * senders (even CTA, channel c, one team per destination node n): walk the channel's tokens, pack each token
+//     that needs node n once (payload, scales, local-rank mask of node n, global top-k ids and weights) into the
+//     rail ring (c, m) of the forwarder (n, l), and publish the ring's tail every num_max_rdma_send_tokens records;
+//   * forwarders (even CTA, one team per source node n): poll the tail of their rail ring (c, n) (local memory),
+//     copy each record into the node ring (c, source rank (n, l)) of every local rank in its mask, publish those
+//     tails, and return credits (the rail head) to the sender;
+//   * receivers (odd CTA, one team per source rank s): copy the records of node ring (c, s) into rows
+//     recv_gbl_channel_prefix[s][c] onwards (the contract's order: source rank, then token), top-k ids made local,
+//     and return the node head.
+// Warps: the even CTA's 32 warps form 2N teams (senders of nodes 0 .. N-1, then forwarders), the odd CTA's first
+// 31 warps R receiver teams and its last warp fills the worst-token tail; combine's even CTA forms N forwarder teams
+// and one owner team, its odd CTA R sender teams. Teams take consecutive warps, sizes differing by at most one (at
+// N = 2, G = 2: dispatch 8 warps per sender and forwarder, 8 or 7 per receiver; combine 11, 11 and 10 (owner), 8 per
+// sender). Every warp of a team runs the role's control flow and moves its contiguous share of each row (a
+// reduction's share: the same fp32 sums in the same order); the team's first warp writes the small fields and side
+// outputs and alone publishes a tail or credit, once every warp's progress has passed it (Team below).
 // Roles overlap through the rings; the only waits are on ring counters (bounded, sync.cuh), and the chain
 // receiver <- forwarder <- sender has no cycle. Ring positions are monotonic uint32 kept in the workspace between
 // calls; every ring is empty between calls, and a writer first waits until the rings it wrote in earlier calls are
 // drained (ring geometry may change between calls). Every peer is reached by pointer (CUDA IPC or nvshmem_ptr).
 //
-// Combine runs the reverse in one kernel: the local rank j sends its rows of source s = (n, l) (odd CTAs, warp s)
-// into the node ring (c, n, j) of the forwarder (its node, l); the forwarder (warp n of an even CTA) sums each
+// Combine runs the reverse in one kernel: the local rank j sends its rows of source s = (n, l) (odd CTAs, team s)
+// into the node ring (c, n, j) of the forwarder (its node, l); the forwarder (team n of an even CTA) sums each
 // forwarded token's rows in fp32 in ascending j, rounds once to BF16 (the per-node partial) and sends it into the
-// rail ring (c, its node) of the owner (n, l) (one scale-out transfer per (token, node)); the owner (warp N of the
+// rail ring (c, its node) of the owner (n, l) (one scale-out transfer per (token, node)); the owner (team N of the
 // even CTA) adds the biases, then the partials in ascending node order, in fp32, and rounds once more. send_nvl_head
-// and send_rdma_head give each row's position in its ring. A warp publishes what it holds back (tails, credits)
+// and send_rdma_head give each row's position in its ring. A team publishes what it holds back (tails, credits)
 // before any wait that could depend on it. Dispatch and combine rings live in separate halves of the buffer.
 //
 // Notify exchanges, from every source to every rank, the per-rank totals, per-expert counts and per-channel counts
@@ -280,7 +288,7 @@ struct Team {
     __device__ __forceinline__ bool leader() const { return rank == 0; }
 
     // This warp's contiguous share [lo, hi) of n units.
-    __device__ __forceinline__ void share(int64_t n, int64_t* lo, int64_t* hi) const {
+    __device__ __forceinline__ void share(int n, int* lo, int* hi) const {
         *lo = n * rank / size;
         *hi = n * (rank + 1) / size;
     }
@@ -364,8 +372,8 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
     const Site site{kKernelDispatch, kPhaseDispatchSendWaitHead, fwd, channel};
     int begin, end, count = 0;
     channel_range(args.num_tokens, geo.num_channels, channel, &begin, &end);
-    int64_t lo, hi;
-    team.share(geo.hidden_bytes / 16, &lo, &hi);
+    int lo, hi;
+    team.share(static_cast<int>(geo.hidden_bytes / 16), &lo, &hi);
     for (int t = begin; t < end && ok; ++t) {
         team.report(t - begin);
         const bool bit = lane < per_node && args.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + n * per_node + lane];
@@ -474,8 +482,8 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
     int seq = 0;  // this call's records to receiver lane
     const bool leader = team.leader(), publish = !ctx.skip_sends && leader;
     const Site site{kKernelDispatch, kPhaseDispatchRecvWaitTail, src_rank, channel};
-    int64_t lo, hi;
-    team.share(geo.record_bytes / 16, &lo, &hi);
+    int lo, hi;
+    team.share(static_cast<int>(geo.record_bytes / 16), &lo, &hi);
 
     for (int done = 0; done < num_records && ok;) {
         uint32_t seen;
@@ -585,8 +593,8 @@ static __device__ void fused_receive(const KernelContext& ctx, const FusedGeomet
     uint32_t head = *head_shadow;
     const bool leader = team.leader();
     const Site site{kKernelDispatch, kPhaseDispatchRecvWaitTail, fwd, channel};
-    int64_t lo, hi;
-    team.share(geo.hidden_bytes / 16, &lo, &hi);
+    int lo, hi;
+    team.share(static_cast<int>(geo.hidden_bytes / 16), &lo, &hi);
     bool ok = true;
     for (int row = first_row; row < end_row && ok;) {
         uint32_t seen;
@@ -740,8 +748,8 @@ static __device__ void fused_combine_send(const KernelContext& ctx, const FusedG
     uint32_t* remote_tail = buffer_u32(ctx.buffers[fwd], kFusedCombineNodeTailOffset) + counter_index(channel, ring);
     const bool leader = team.leader(), publish = !ctx.skip_sends && leader;
     const Site site{kKernelCombine, kPhaseCombineSendWaitHead, fwd, channel};
-    int64_t lo, hi;
-    team.share(geo.hidden_bytes / 16, &lo, &hi);
+    int lo, hi;
+    team.share(static_cast<int>(geo.hidden_bytes / 16), &lo, &hi);
     for (int row = first_row; row < end_row && ok; ++row) {
         const uint32_t needed_head = tail + 1 - static_cast<uint32_t>(geo.node_capacity);
         if (!seq_geq(head, needed_head)) {
@@ -842,8 +850,8 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
         released = consumed;
         __syncwarp();
     };
-    int64_t lo, hi;
-    team.share(geo.hidden_bytes / 16, &lo, &hi);
+    int lo, hi;
+    team.share(static_cast<int>(geo.hidden_bytes / 16), &lo, &hi);
     for (int i = 0; i < num_records && ok; ++i) {
         const int64_t f = first_row + i;
         const int index = is_src_lane ? args.send_nvl_head[f * kMaxGpusPerNode + lane] : -1;
@@ -941,8 +949,8 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
     };
     int begin, end;
     channel_range(args.num_tokens, geo.num_channels, channel, &begin, &end);
-    int64_t lo, hi;
-    team.share(geo.hidden_bytes / 16, &lo, &hi);
+    int lo, hi;
+    team.share(static_cast<int>(geo.hidden_bytes / 16), &lo, &hi);
     bool ok = true;
     for (int t = begin; t < end && ok; ++t) {
         const int index = is_node_lane ? args.send_rdma_head[static_cast<int64_t>(t) * num_nodes + lane] : -1;
