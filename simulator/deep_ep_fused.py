@@ -5,10 +5,9 @@ Paths and network are DeepEP V1's internode model: one fluid flow per source (:f
 a record per (token, node) over the NIC to the forwarder ``(n, local(s))``, which copies it over NVLink to every GPU
 of node ``n`` that needs it; combine the reverse, one BF16 partial per (token, node)), its NIC rate, per-chunk
 message cost, QPs and credits (:func:`simulator.rank.rdma_ring_rate`), its pipeline fill and two-role SM share.
-Ours are the record layout, the rings (Buffer's default config), the CTA roles (``C / 2`` channels; dispatch: even
-CTAs one sender and one forwarder warp per node, odd CTAs one receiver warp per source rank; combine: odd CTAs one
-sender warp per source rank, even CTAs one forwarder warp per node and one owner warp) and the rates, from the
-deep_ep profile: a role moves ``min(warps x warp rate, its SM share x SM rate)`` per channel (forwarders and senders
+Ours are the record layout, the rings (Buffer's default config), the CTA roles (``C / 2`` channels of two CTAs of
+32 warps, each ring served by a team of warps, :func:`role_warps`) and the rates, from the deep_ep profile: a role
+moves ``min(warps x warp rate, its SM share x SM rate)`` per channel (forwarders and senders
 over NVLink at ``warp_push_gbps`` / ``sm_push_gbps``, staging, receiving and reducing at ``warp_local_gbps`` /
 ``sm_local_gbps`` or ``reduce_gbps``), plus ``row_ns`` per record and ``chunk_sync_us`` per chunk; a dispatch
 forwarder loads a record once and stores it to each GPU in its mask.
@@ -28,6 +27,31 @@ from simulator.workload import SourceTraffic
 # Share of an even CTA that each of its two roles (senders and forwarders, or forwarders and the owner) gets: DeepEP
 # V1's value for its SMs of two roles.
 ROLE_SHARE = SHARED_SM_FRACTION
+# Warps of one CTA (kChannelThreads / 32).
+CTA_WARPS = 32
+
+
+def team_sizes(num_warps: int, num_teams: int) -> list[int]:
+    """Warps of each of ``num_teams`` teams of consecutive warps out of ``num_warps``, as the kernels split a CTA:
+    sizes differ by at most one, the larger teams first."""
+    if not 1 <= num_teams <= num_warps:
+        raise ValueError(f"num_teams must be in [1, {num_warps}], got {num_teams}")
+    base, extra = divmod(num_warps, num_teams)
+    return [base + 1] * extra + [base] * (num_teams - extra)
+
+
+def role_warps(op: str, num_nodes: int, num_ranks: int) -> dict[str, tuple[int, int]]:
+    """(warps, teams) per channel of each role of the fused ``op``: dispatch, the even CTA's warps in ``2N`` teams
+    (senders of each node, then forwarders), the odd CTA's first 31 in one receiver team per source rank (its last
+    warp fills the worst-token tail); combine, the odd CTA's warps in one sender team per source rank, the even
+    CTA's in ``N`` forwarder teams and one owner team."""
+    if op == "dispatch":
+        even = team_sizes(CTA_WARPS, 2 * num_nodes)
+        return {"send": (sum(even[:num_nodes]), num_nodes), "forward": (sum(even[num_nodes:]), num_nodes),
+                "receive": (CTA_WARPS - 1, num_ranks)}
+    even = team_sizes(CTA_WARPS, num_nodes + 1)
+    return {"send": (CTA_WARPS, num_ranks), "forward": (sum(even[:num_nodes]), num_nodes),
+            "receive": (even[num_nodes], 1)}
 
 
 def is_fused(spec: OpSpec) -> bool:
@@ -82,34 +106,34 @@ def fused_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     rail_slots = -(-cfg.num_max_rdma_chunked_recv_tokens // rdma_chunk) * rdma_chunk
     sync = prof.chunk_sync_us
 
-    def role(warps: int, warp_gbps: float, sm_gbps: float, share: float, chunk: int,
+    def role(name: str, warp_gbps: float, sm_gbps: float, share: float, chunk: int,
              fan_out: float = 1.0) -> tuple[float, float]:
-        """(capacity of the role over all channels, rate of one of its warps): ``warps`` warps per channel at
-        ``warp_gbps`` each (times ``fan_out`` stores per load), at most ``share`` of an SM at ``sm_gbps``."""
+        """(capacity of the role over all channels, rate of one of its teams, i.e. of one ring): its warps per
+        channel at ``warp_gbps`` each (times ``fan_out`` stores per load), at most ``share`` of an SM at
+        ``sm_gbps``, split over its teams."""
+        warps, teams = warps_of[name]
         per_channel = min(warps * fan_out * sm_rate(warp_gbps, prof.row_ns, record, sync, chunk),
                           share * sm_rate(sm_gbps, prof.row_ns, record, sync, chunk))
-        return channels * per_channel, per_channel / warps
-    # Warps per channel: dispatch, one sender and one forwarder per node (even CTA), one receiver per source rank
-    # (odd CTA); combine, one sender per source rank (odd CTA), one forwarder per node and one owner (even CTA).
+        return channels * per_channel, per_channel / teams
     # Senders stage into the rail ring: a peer's by pointer over NVLink (virtual nodes), else the own buffer that
     # the NIC reads.
-    nodes, ranks = spec.num_nodes, spec.num_ranks
+    warps_of = role_warps(spec.op, spec.num_nodes, spec.num_ranks)
     if nic.shares_nvlink:
         stage = (prof.warp_push_gbps, prof.sm_push_gbps)
     else:
         stage = (prof.warp_local_gbps, prof.sm_local_gbps)
     if dispatch:
-        send, one_send = role(nodes, *stage, ROLE_SHARE, rdma_chunk)
+        send, one_send = role("send", *stage, ROLE_SHARE, rdma_chunk)
         # A forwarder loads a record once and stores it to each local rank in its mask: its warps are bound by
         # the loads, so they store ``fan_out`` (rows per record) times their rate.
         rows = sum(sum(t.rows_to_rank) for t in traffic)
         fan_out = rows / max(sum(sum(t.records_to_node) for t in traffic), 1)
-        fwd, one_fwd = role(nodes, prof.warp_push_gbps, prof.sm_push_gbps, ROLE_SHARE, nvl_chunk, fan_out)
-        recv, _ = role(ranks, prof.warp_local_gbps, prof.sm_local_gbps, 1.0, nvl_chunk)
+        fwd, one_fwd = role("forward", prof.warp_push_gbps, prof.sm_push_gbps, ROLE_SHARE, nvl_chunk, fan_out)
+        recv, _ = role("receive", prof.warp_local_gbps, prof.sm_local_gbps, 1.0, nvl_chunk)
     else:
-        send, one_send = role(ranks, prof.warp_push_gbps, prof.sm_push_gbps, 1.0, nvl_chunk)
-        fwd, one_fwd = role(nodes, prof.warp_local_gbps, prof.reduce_gbps, ROLE_SHARE, rdma_chunk)
-        recv, _ = role(1, prof.warp_local_gbps, prof.reduce_gbps, ROLE_SHARE, rdma_chunk)
+        send, one_send = role("send", prof.warp_push_gbps, prof.sm_push_gbps, 1.0, nvl_chunk)
+        fwd, one_fwd = role("forward", prof.warp_local_gbps, prof.reduce_gbps, ROLE_SHARE, rdma_chunk)
+        recv, _ = role("receive", prof.warp_local_gbps, prof.reduce_gbps, ROLE_SHARE, rdma_chunk)
     nvl = gpu.nvlink_gbps * prof.nvl_efficiency * GBPS
     caps = {"nvl_out": nvl, "nvl_in": nvl, "sm_send": send, "sm_recv": min(recv, gpu.hbm_gbps * GBPS / 2),
             "sm_fwd": fwd}
@@ -123,7 +147,7 @@ def fused_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     kinds = ("nvl_out", "nvl_in", "nic_out", "nic_in", "sm_send", "sm_fwd", "sm_recv")
     ports = _Ports(kinds, caps, spec.num_ranks, alias)
     flows = _normal_flows(spec, traffic, ports, record)
-    # Pipeline fill as DeepEP's: the first chunk crosses every stage, each ring served by one warp. Dispatch: a rail
+    # Pipeline fill as DeepEP's: the first chunk crosses every stage, each ring served by one team. Dispatch: a rail
     # chunk staged, the NIC, a node chunk forwarded; combine: a node chunk sent, a rail chunk reduced, the NIC.
     first, second = (rdma_chunk, nvl_chunk) if dispatch else (nvl_chunk, rdma_chunk)
     fill_us = (2 * gpu.nvl_latency_us + nic.latency_us + first * record / one_send + second * record / one_fwd)

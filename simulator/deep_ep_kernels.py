@@ -103,7 +103,7 @@ class DeepEpProfile:
             outputs, Python) where the kernels do not serve the group, µs (:mod:`simulator.deep_ep_torch`).
         torch_p2p_efficiency: fraction of the link's rate the torch backend's NCCL point-to-point rows reach.
         warp_push_gbps: rate of one warp storing rows to a peer over NVLink (16-byte stores, 4 loads in flight per
-            lane), GB/s per warp: the fused kernels' forwarders (dispatch) and senders (combine), a few per channel.
+            lane), GB/s per warp: the fused kernels' forwarders (dispatch) and senders (combine), teams of warps.
         warp_local_gbps: rate of one warp copying rows within its GPU, GB/s per warp: the fused kernels'
             receivers, staging senders and reducers.
     """

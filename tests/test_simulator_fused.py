@@ -111,19 +111,37 @@ def test_fused_time_grows_with_tokens_and_the_closed_form_bounds_the_des(op):
     assert times[0] < times[1] < times[2]
 
 
-def test_fused_roles_are_bound_by_their_warps():
-    # Combine at 2 nodes: each channel has two forwarder warps and one owner warp, so their per-warp rate sets the
-    # time; the forwarders' SM share (reduce_gbps) does not. Dispatch receivers have a warp per source rank.
+def test_fused_roles_use_every_warp_of_their_ctas():
+    # 2 x 2 (the kernels' header comment): dispatch sender and forwarder teams of 8 warps, receiver teams of 8, 8, 8
+    # and 7 (the odd CTA's last warp fills the worst-token tail); combine forwarder teams of 11, an owner team of 10,
+    # sender teams of 8.
+    assert fused.team_sizes(31, 4) == [8, 8, 8, 7]
+    assert fused.team_sizes(32, 3) == [11, 11, 10]
+    assert fused.role_warps("dispatch", 2, 4) == {"send": (16, 2), "forward": (16, 2), "receive": (31, 4)}
+    assert fused.role_warps("combine", 2, 4) == {"send": (32, 4), "forward": (22, 2), "receive": (10, 1)}
+    for nodes, per_node in [(2, 8), (3, 8), (6, 4), (12, 2)]:
+        ranks = nodes * per_node
+        dispatch, combine = fused.role_warps("dispatch", nodes, ranks), fused.role_warps("combine", nodes, ranks)
+        assert dispatch["send"][0] + dispatch["forward"][0] == fused.CTA_WARPS
+        assert dispatch["receive"] == (fused.CTA_WARPS - 1, ranks)
+        assert combine["forward"][0] + combine["receive"][0] == fused.CTA_WARPS
+        assert combine["send"] == (fused.CTA_WARPS, ranks)
+        for warps, teams in (*dispatch.values(), *combine.values()):
+            assert warps >= teams >= 1
+    with pytest.raises(ValueError, match="num_teams"):
+        fused.team_sizes(32, 33)
+
+
+def test_fused_roles_are_bound_by_their_sm_share_not_one_warp():
+    # Combine at 2 nodes: the forwarders and the owner have 22 and 10 warps per channel, so one warp's rate does
+    # not set the time; fewer SMs (fewer channels) do.
     traffic, spec, prof = _traffic(2, 8, 512), _spec(2, 8, "combine"), dek.profile()
 
-    def time(p: dek.DeepEpProfile) -> float:
-        return fused.simulate_fused(spec, traffic, hardware.H800, hardware.CX7, p, 24, "bf16").max_time_us
+    def time(p: dek.DeepEpProfile, num_sms: int = 24) -> float:
+        return fused.simulate_fused(spec, traffic, hardware.H800, hardware.CX7, p, num_sms, "bf16").max_time_us
     base = time(prof)
-    assert time(replace(prof, warp_local_gbps=2 * prof.warp_local_gbps)) < 0.8 * base
-    assert time(replace(prof, reduce_gbps=2 * prof.reduce_gbps)) == pytest.approx(base, rel=0.02)
-    # Fewer SMs, fewer channels: slower.
-    slower = fused.simulate_fused(spec, traffic, hardware.H800, hardware.CX7, prof, 12, "bf16").max_time_us
-    assert slower > 1.5 * base
+    assert time(replace(prof, warp_local_gbps=0.5 * prof.warp_local_gbps)) == pytest.approx(base, rel=0.02)
+    assert time(prof, 12) > 1.3 * base
 
 
 def test_fused_network_is_deepeps():
