@@ -277,9 +277,9 @@ constexpr int kTeamDone = 0x40000000;
 // waits on the same monotonic counters for the same items) and moves its contiguous share of each row; warp 0 of the
 // team, the leader, also writes each record's small fields and the side outputs, and alone publishes tails and
 // credits. Each other warp releases its progress (items finished, CTA scope) after every item and before any wait of
-// the next item; the leader publishes a position only after every warp's progress has passed it. A warp waits only
-// for conditions the leader has already seen hold (positions behind its own) or for ones the leader publishes before
-// it waits itself, so the leader's wait on its team ends.
+// the next item; the leader publishes a position only after every warp's progress has passed it. A warp behind the
+// leader waits only for conditions the leader has seen hold (the same targets on monotonic counters), and one ahead
+// of it has passed the position the leader waits for, so the leader's wait on its team ends.
 struct Team {
     int rank;                // this warp's index in the team; 0 is the leader
     int size;                // warps in the team
