@@ -71,6 +71,18 @@ def test_two_by_two(two_by_two, case):
     two_by_two.run(tn.TASK, case)
 
 
+@pytest.mark.multi_gpu(4)
+@pytest.mark.parametrize(("hidden", "use_fp8"), [(8, False), (136, False), (128, True)])
+def test_two_by_two_rows_narrower_than_a_team(two_by_two, hidden, use_fp8):
+    """Rows of 1, 17 and 8 16-byte units over teams of 7 to 11 warps (every role at 2 x 2): most warps hold an empty
+    or a one-unit share of each row, the shares are uneven, and the team's first warp alone writes the scales,
+    top-k fields and handle rows."""
+    case = ti.Case(num_ranks=4, seed=17, num_tokens=(300, 0, 257, 64), hidden=hidden, num_topk=4, num_experts=16,
+                   use_fp8=use_fp8, with_topk=True, num_sms=4, expert_alignment=1, mask_prob=0.1, empty_rank=-1,
+                   async_mode=False, previous_mode=False, num_bias=2, scales_col_major=False)
+    two_by_two.run(tn.TASK, case)
+
+
 @pytest.mark.multi_gpu(8)
 @ti.gpu_settings(EXAMPLES)
 @given(case=ti.case_strategy(8, max_tokens=200))
