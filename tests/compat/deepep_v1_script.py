@@ -38,10 +38,13 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
-def to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 data and float32 scales per (token, 128 channels), with ``data * scale ~= x``."""
+def to_fp8(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 data and float32 scales per (token, 128 channels), with ``data * scale ~= x``; ``round_scale`` rounds
+    the scales up to powers of two."""
     blocks = x.float().unflatten(-1, (-1, BLOCK))
     scales = blocks.abs().amax(-1).clamp_min(1e-4) / FP8_MAX
+    if round_scale:
+        scales = torch.exp2(scales.log2().ceil())
     return (blocks / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2), scales
 
 
@@ -88,13 +91,14 @@ class Source:
     topk_weights: torch.Tensor  # [N, K] float32
     num_ranks: int
     num_experts: int
+    num_local: int = field(init=False)  # experts per rank
     in_rank: torch.Tensor = field(init=False)  # [N, R] bool
     per_rank: torch.Tensor = field(init=False)  # [R] int32
     per_expert: torch.Tensor = field(init=False)  # [E] int32
 
     def __post_init__(self) -> None:
-        num_local = self.num_experts // self.num_ranks
-        owner = torch.where(self.topk_idx >= 0, self.topk_idx // num_local, self.num_ranks).long()
+        self.num_local = self.num_experts // self.num_ranks
+        owner = torch.where(self.topk_idx >= 0, self.topk_idx // self.num_local, self.num_ranks).long()
         hits = torch.zeros(self.x.size(0), self.num_ranks + 1, dtype=torch.bool).scatter_(1, owner, True)
         self.in_rank = hits[:, :-1].contiguous()
         self.per_rank = self.in_rank.sum(0).int()
@@ -103,8 +107,8 @@ class Source:
 
     def local_topk(self, rank: int) -> torch.Tensor:
         """``topk_idx`` as rank ``rank``'s local expert ids; -1 where the expert lives elsewhere."""
-        local = self.topk_idx - rank * (self.num_experts // self.num_ranks)
-        return local.masked_fill((self.topk_idx < 0) | (local < 0) | (local >= self.num_experts // self.num_ranks), -1)
+        local = self.topk_idx - rank * self.num_local
+        return local.masked_fill((self.topk_idx < 0) | (local < 0) | (local >= self.num_local), -1)
 
 
 def make_sources(num_ranks: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int) -> list[Source]:
@@ -120,9 +124,7 @@ def make_sources(num_ranks: int, num_tokens: int, hidden: int, num_experts: int,
     return sources
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Normal mode
-# ---------------------------------------------------------------------------------------------------------------
+# ---- Normal mode
 @dataclass(frozen=True)
 class Variant:
     """One way of calling the normal-mode methods."""
@@ -198,7 +200,7 @@ def check_cached(buffer: deep_ep.Buffer, handle: tuple, sources: list[Source], r
     result = buffer.dispatch(reversed_x[rank], handle=handle, config=config, **variant.stream_args(buffer))
     variant.finish(result[5])
     assert identical(result[0], stacked([take(x, p) for x, p in zip(reversed_x, picks)])), "cached dispatch rows"
-    assert result[1:5] == (None, None, None, None), "a cached dispatch returns only recv_x and the event"
+    assert all(v is None for v in result[1:5]), "a cached dispatch returns only recv_x and the event"
 
 
 def check_combine(buffer: deep_ep.Buffer, handle: tuple, recv: tuple, me: Source, rank: int, variant: Variant,
@@ -223,7 +225,7 @@ def check_combine(buffer: deep_ep.Buffer, handle: tuple, recv: tuple, me: Source
 
 def check_dispatch(buffer: deep_ep.Buffer, sources: list[Source], rank: int, variant: Variant,
                    config: deep_ep.Config) -> None:
-    me, num_local = sources[rank], num_local_experts(sources)
+    me = sources[rank]
     picks = [s.in_rank[:, rank].nonzero().flatten() for s in sources]
     alignment = 4 if variant.async_finish else 1
     args = {"x": variant.payload(me), "num_tokens_per_rank": me.per_rank, "is_token_in_rank": me.in_rank,
@@ -236,7 +238,7 @@ def check_dispatch(buffer: deep_ep.Buffer, sources: list[Source], rank: int, var
     assert identical(recv_x, stacked([take(variant.payload(s), p) for s, p in zip(sources, picks)])), \
         f"recv_x rows differ ({variant})"
     check_intranode_handle(handle, sources, rank, picks)
-    totals = sum(s.per_expert for s in sources)[rank * num_local:(rank + 1) * num_local]
+    totals = sum(s.per_expert for s in sources)[rank * me.num_local:(rank + 1) * me.num_local]
     assert counts == [-(-int(c) // alignment) * alignment for c in totals], f"expert counts {counts} ({variant})"
     if variant.with_topk:
         want_idx = torch.cat([s.local_topk(rank)[p] for s, p in zip(sources, picks)])
@@ -248,10 +250,6 @@ def check_dispatch(buffer: deep_ep.Buffer, sources: list[Source], rank: int, var
         assert recv_idx is None and recv_weights is None, "no top-k outputs without top-k inputs"
         check_cached(buffer, handle, sources, rank, picks, variant, config)
     check_combine(buffer, handle, result, me, rank, variant, config)
-
-
-def num_local_experts(sources: list[Source]) -> int:
-    return sources[0].num_experts // sources[0].num_ranks
 
 
 def run_normal_mode(group: dist.ProcessGroup, rank: int, num_ranks: int) -> None:
@@ -272,9 +270,7 @@ def run_normal_mode(group: dist.ProcessGroup, rank: int, num_ranks: int) -> None
     buffer.destroy()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Low-latency mode
-# ---------------------------------------------------------------------------------------------------------------
+# ---- Low-latency mode
 @dataclass(frozen=True)
 class Cast:
     """The payload options of ``low_latency_dispatch``."""
@@ -282,6 +278,10 @@ class Cast:
     use_fp8: bool = False
     round_scale: bool = False
     use_ue8m0: bool = False
+
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        """What a receiver reads back for the BF16 rows ``x``."""
+        return from_fp8(*to_fp8(x, self.round_scale)) if self.use_fp8 else x
 
 
 def check_ll_received(recv_x: XInput, recv_count: torch.Tensor, handle: tuple, stats: torch.Tensor, repeats: int,
@@ -295,9 +295,9 @@ def check_ll_received(recv_x: XInput, recv_count: torch.Tensor, handle: tuple, s
         assert scales.dtype == (torch.int32 if cast.use_ue8m0 else torch.float32), f"scale dtype {scales.dtype}"
         assert scales.transpose(1, 2).is_contiguous(), "packed scales are column-major per expert"
     values = as_bf16(recv_x)
-    assert values.shape == (num_local_experts(sources), me.num_ranks * max_tokens, me.x.size(1))
-    for local in range(values.size(0)):
-        expert = rank * values.size(0) + local
+    assert values.shape == (me.num_local, me.num_ranks * max_tokens, me.x.size(1))
+    for local in range(me.num_local):
+        expert = rank * me.num_local + local
         begins, counts = layout_range[local] >> 32, layout_range[local] & 0xFFFFFFFF
         want = torch.stack([(s.topk_idx == expert).sum() for s in sources])
         assert torch.equal(counts, want), f"expert {expert}: per-source counts {counts} != {want}"
@@ -307,11 +307,8 @@ def check_ll_received(recv_x: XInput, recv_count: torch.Tensor, handle: tuple, s
         for source, begin, count in zip(sources, begins.tolist(), counts.tolist()):
             tokens = src_info[local, begin:begin + count].long()
             assert torch.equal(tokens.sort().values, (source.topk_idx == expert).any(1).nonzero().flatten())
-            got, ref = values[local, begin:begin + count], source.x[tokens]
-            if cast.round_scale and not cast.use_ue8m0:
-                mantissas = torch.frexp(recv_x[1][local, begin:begin + count]).mantissa
-                assert (mantissas == 0.5).all(), "rounded scales are powers of two"
-            assert torch.equal(got, ref) if not cast.use_fp8 else rel_error(got, ref) < 0.05, "packed rows"
+            got, ref = values[local, begin:begin + count], cast.round_trip(source.x[tokens])
+            assert torch.equal(got, ref) if not cast.use_fp8 else rel_error(got, ref) < 1e-2, "packed rows"
     return values
 
 
@@ -319,18 +316,15 @@ def check_ll_round(buffer: deep_ep.Buffer, sources: list[Source], rank: int, max
                    use_hook: bool, repeats: int) -> None:
     """``repeats`` dispatches in a row (both buffer halves), then combines with and without zero-copy."""
     me = sources[rank]
-    num_local = num_local_experts(sources)
-    stats = torch.zeros(num_local, dtype=torch.int32)
-    wait_stats = torch.zeros(me.num_ranks, dtype=torch.int64)
+    stats = torch.zeros(me.num_local, dtype=torch.int32)
     for _ in range(repeats):
         recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
             me.x, me.topk_idx, max_tokens, me.num_experts, cumulative_local_expert_recv_stats=stats,
-            dispatch_wait_recv_cost_stats=wait_stats, use_fp8=cast.use_fp8, round_scale=cast.round_scale,
-            use_ue8m0=cast.use_ue8m0, async_finish=not use_hook, return_recv_hook=use_hook)
+            use_fp8=cast.use_fp8, round_scale=cast.round_scale, use_ue8m0=cast.use_ue8m0,
+            async_finish=not use_hook, return_recv_hook=use_hook)
         hook() if use_hook else event.current_stream_wait()
-    assert (wait_stats >= 0).all()
     values = check_ll_received(recv_x, recv_count, handle, stats, repeats, sources, rank, cast, max_tokens)
-    gains = torch.arange(rank * num_local + 1, (rank + 1) * num_local + 1, dtype=torch.float).view(-1, 1, 1)
+    gains = torch.arange(rank * me.num_local + 1, (rank + 1) * me.num_local + 1, dtype=torch.float).view(-1, 1, 1)
     y = (values.float() * gains).bfloat16()  # expert e returns (e + 1) * its input
     factor = (me.topk_weights * (me.topk_idx + 1)).masked_fill(me.topk_idx < 0, 0).sum(1, keepdim=True)
     for zero_copy in (False, True):
@@ -342,8 +336,8 @@ def check_ll_round(buffer: deep_ep.Buffer, sources: list[Source], rank: int, max
                                                            return_recv_hook=use_hook, out=out)
         hook() if use_hook else event.current_stream_wait()
         assert combined.data_ptr() == out.data_ptr(), "low_latency_combine writes into out"
-        error = rel_error(combined, me.x.float() * factor)
-        assert error < (0.05 if cast.use_fp8 else 5e-3), f"combine error {error:.2e} ({cast}, {zero_copy=})"
+        error = rel_error(combined, cast.round_trip(me.x).float() * factor)
+        assert error < (1e-2 if cast.use_fp8 else 5e-3), f"combine error {error:.2e} ({cast}, {zero_copy=})"
 
 
 def run_low_latency_mode(group: dist.ProcessGroup, rank: int, num_ranks: int) -> None:
