@@ -153,6 +153,7 @@ class Variant:
 
 
 def check_layout(buffer: deep_ep.Buffer, me: Source) -> None:
+    """``get_dispatch_layout`` returns (per rank, per RDMA rank, per expert, is_token_in_rank, event)."""
     for kwargs in ({}, {"previous_event": buffer.capture(), "async_finish": True}):
         per_rank, per_rdma_rank, per_expert, in_rank, event = buffer.get_dispatch_layout(
             me.topk_idx, me.num_experts, **kwargs)
@@ -225,6 +226,8 @@ def check_combine(buffer: deep_ep.Buffer, handle: tuple, recv: tuple, me: Source
 
 def check_dispatch(buffer: deep_ep.Buffer, sources: list[Source], rank: int, variant: Variant,
                    config: deep_ep.Config) -> None:
+    """Dispatch with ``variant``: rows by (source rank, source token), local top-k ids, counts, handle; then the
+    worst-token or cached dispatch, then combine."""
     me = sources[rank]
     picks = [s.in_rank[:, rank].nonzero().flatten() for s in sources]
     alignment = 4 if variant.async_finish else 1
