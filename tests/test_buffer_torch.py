@@ -15,12 +15,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import pytest
-import torch
-from hypothesis import Phase, given, settings, strategies as st
-
 import dist
+import pytest
 import strategies
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 
 # Low-latency cases: one T for all (R*T must be a multiple of 4); H is LL_HIDDEN or a size DeepEP V1 does not
 # compile (any multiple of 128 in [1024, 16384] is allowed); the buffer is sized for LL_HIDDEN, the largest.

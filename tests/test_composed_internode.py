@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import dist
 import pytest
+import test_buffer_torch as tbt
 import torch
 from hypothesis import given, settings
 
-import dist
-import test_buffer_torch as tbt
 from deep_ep.backends.base import Backend
 
 # (world size, GPUs per node) -> examples: the 8-rank pools are the slowest per example; 18 ranks are 9 nodes, a
