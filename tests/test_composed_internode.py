@@ -96,11 +96,6 @@ def run_auto_is_torch(ctx: dist.WorkerContext, case: None) -> Optional[str]:
 # Driver side.
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def pools():
-    with dist.PoolManager() as manager:
-        yield manager
-
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("topology", list(TOPOLOGIES), ids=lambda t: f"{t[0]}ranks-{t[0] // t[1]}x{t[1]}")

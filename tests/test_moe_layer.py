@@ -505,11 +505,6 @@ def test_dispatch_argument_validation() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with dist.PoolManager() as manager:
-        yield manager
-
 
 HF_CASES_2 = [
     MoECase(seed=11, tokens_per_rank=(7, 12)),
