@@ -227,7 +227,6 @@ def run_exchange_count(ctx: dist.WorkerContext, case: None) -> Optional[str]:
     return None
 
 
-
 CASES = sorted(_cases())
 
 

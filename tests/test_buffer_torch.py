@@ -428,7 +428,6 @@ def run_low_latency(ctx: dist.WorkerContext, case: LowLatencyCase) -> Optional[s
 TOPOLOGIES = [(2, 2), (3, 3), (4, 4), (4, 2), (2, 1), (8, 8), (8, 4)]
 
 
-
 def _pool(pools: dist.PoolManager, world_size: int, per_node: int) -> dist.RankPool:
     return pools.get(world_size, {"DEEP_EP_GPUS_PER_NODE": str(per_node)})
 

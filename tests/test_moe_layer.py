@@ -505,7 +505,6 @@ def test_dispatch_argument_validation() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-
 HF_CASES_2 = [
     MoECase(seed=11, tokens_per_rank=(7, 12)),
     MoECase(seed=12, tokens_per_rank=(9, 0), top_k=3),
