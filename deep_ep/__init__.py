@@ -20,8 +20,14 @@ from importlib import metadata as _metadata
 from typing import Any
 
 from deep_ep.config import Config
-from deep_ep.errors import (ArgumentMismatchError, CommError, CommTimeoutError, LowLatencyMisuseError,
-                            PeerAbortedError, RoutingError)
+from deep_ep.errors import (
+    ArgumentMismatchError,
+    CommError,
+    CommTimeoutError,
+    LowLatencyMisuseError,
+    PeerAbortedError,
+    RoutingError,
+)
 
 _LAZY = {
     "Buffer": ("deep_ep.buffer", "Buffer"),

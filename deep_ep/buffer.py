@@ -98,7 +98,7 @@ class _Agreement:
                 signature = Signature(self.method, fields, refused)
                 if refused is None:
                     self.signature = signature
-                elif hasattr(kernels, "refuse_dispatch"):
+                elif kernels.notify_agreement:
                     kernels.refuse_dispatch(signature)
             return
         signature = Signature(self.method, fields, refused)
@@ -283,12 +283,12 @@ class Buffer:
         if self.group_size == 1 or self._destroyed:
             return None
         if method == "low_latency_dispatch":
-            return backend if getattr(backend, "hashes_signature", False) else None
+            return backend if backend is not None and backend.hashes_signature else None
         if method != "dispatch" or cached:
             return None
         if backend is None and device == _UNKNOWN_DEVICE:
             backend = self._routes.get(("normal", "cuda"))
-        return backend if hasattr(backend, "refuse_dispatch") else None
+        return backend if backend is not None and backend.notify_agreement else None
 
     def _ll_backend(self, method: str, device: Optional[str], hidden: int, use_fp8: bool = False,
                     use_ue8m0: bool = False) -> Backend:

@@ -24,7 +24,6 @@ from typing import Callable
 import numpy as np
 
 from deep_ep.backends.cuda_tuning import intranode_channels, send_warp_range
-
 from simulator import deep_ep_kernels as dek
 from simulator import hardware, rank, workload
 from simulator.deep_ep_kernels import CALIBRATION_PATH, DeepEpProfile

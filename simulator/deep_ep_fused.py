@@ -16,12 +16,30 @@ from __future__ import annotations
 
 from typing import Any
 
-from deep_ep.config import (NUM_MAX_RING_RANKS, NUM_MAX_SCALEUP_RANKS, SUPPORTED_NORMAL_RANKS, Config,
-                            get_combine_config, get_dispatch_config)
+from deep_ep.config import (
+    NUM_MAX_RING_RANKS,
+    NUM_MAX_SCALEUP_RANKS,
+    SUPPORTED_NORMAL_RANKS,
+    Config,
+    get_combine_config,
+    get_dispatch_config,
+)
 from simulator.hardware import GpuProfile, NicProfile
 from simulator.links import GBPS
-from simulator.rank import (SHARED_SM_FRACTION, NormalModel, OpResult, OpSpec, _finish, _normal_flows, _Ports,
-                            max_load_per_kind, normal_logical_bytes, rdma_ring_rate, roofline_us, run_rank_flows)
+from simulator.rank import (
+    SHARED_SM_FRACTION,
+    NormalModel,
+    OpResult,
+    OpSpec,
+    _finish,
+    _normal_flows,
+    _Ports,
+    max_load_per_kind,
+    normal_logical_bytes,
+    rdma_ring_rate,
+    roofline_us,
+    run_rank_flows,
+)
 from simulator.workload import SourceTraffic
 
 # Share of an even CTA that each of its two roles (senders and forwarders, or forwarders and the owner) gets: DeepEP

@@ -4,8 +4,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from deep_ep import layout
-from deep_ep.config import (NUM_MAX_LL_TOPK, NUM_MAX_RING_RANKS, NUM_MAX_SCALEUP_RANKS, NUM_MAX_TOPK,
-                            SUPPORTED_NORMAL_RANKS, Config, get_combine_config, get_dispatch_config)
+from deep_ep.config import (
+    NUM_MAX_LL_TOPK,
+    NUM_MAX_RING_RANKS,
+    NUM_MAX_SCALEUP_RANKS,
+    NUM_MAX_TOPK,
+    SUPPORTED_NORMAL_RANKS,
+    Config,
+    get_combine_config,
+    get_dispatch_config,
+)
 from simulator import deep_ep_fused, deep_ep_kernels, hardware, rank, workload
 from simulator.report import OpRow, Report, ScaleRow
 

@@ -86,3 +86,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"hypothesis profile: {PROFILE} (set HYPOTHESIS_PROFILE=dev|ci|gpu)"
+
+
+@pytest.fixture(scope="module")
+def pools():
+    """The rank pools of one test module (``dist.PoolManager``): processes started once per (world size,
+    environment) and shared by the module's multi-process tests; a module may define its own ``pools``."""
+    import dist
+
+    with dist.PoolManager() as manager:
+        yield manager

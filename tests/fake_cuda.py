@@ -91,7 +91,22 @@ def make_fake_extension(torch) -> types.ModuleType:
         dist.all_gather_object(out, value)
         return out
 
-    class Runtime:
+    class _ErrorRecord:
+        """What both runtimes do with their error record (``record``: ``None`` or the pending error)."""
+
+        record = None
+
+        def read_error(self):
+            return self.record
+
+        def clear_argument_error(self, stream):
+            assert self.record is not None and self.record["code"] == "argument_mismatch", self.record
+            self.record = None
+
+        def destroy(self):
+            pass
+
+    class Runtime(_ErrorRecord):
         """The normal-mode runtime. ``num_recv`` / ``per_expert``: what the fake notify reports as received;
         ``launches``: the kernels launched (``notify``, ``refuse``, ``dispatch``), in order."""
 
@@ -113,15 +128,6 @@ def make_fake_extension(torch) -> types.ModuleType:
         def sync(self, device_ids, handles):
             pass
 
-        def read_error(self):
-            return self.record
-
-        def clear_argument_error(self, stream):
-            assert self.record is not None and self.record["code"] == "argument_mismatch", self.record
-            self.record = None
-
-        def destroy(self):
-            pass
 
         # The output pool of direct-to-output dispatch. A block comes back once every tensor made on it is gone (the
         # real deleter runs when the last view dies), as if its stream work were complete.
@@ -196,7 +202,7 @@ def make_fake_extension(torch) -> types.ModuleType:
             weights = None if topk_weights is None else torch.empty(send_head.size(0), topk_weights.size(1))
             return torch.empty(send_head.size(0), x.size(1), dtype=x.dtype), weights
 
-    class LowLatencyRuntime:
+    class LowLatencyRuntime(_ErrorRecord):
         """The low-latency runtime: ``dispatch`` / ``combine`` return the outputs they are given (the receive launch
         of a hook) or allocate them."""
 
@@ -213,15 +219,6 @@ def make_fake_extension(torch) -> types.ModuleType:
         def num_blocks(self):
             return 132
 
-        def read_error(self):
-            return self.record
-
-        def clear_argument_error(self, stream):
-            assert self.record is not None and self.record["code"] == "argument_mismatch", self.record
-            self.record = None
-
-        def destroy(self):
-            pass
 
         def clean(self, num_max_tokens, hidden, num_experts, stream):
             pass

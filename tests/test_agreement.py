@@ -227,12 +227,6 @@ def run_exchange_count(ctx: dist.WorkerContext, case: None) -> Optional[str]:
     return None
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with dist.PoolManager() as manager:
-        yield manager
-
-
 CASES = sorted(_cases())
 
 

@@ -262,12 +262,6 @@ def run_timeout(ctx: dist.WorkerContext, phase: str) -> Optional[str]:
     return "no timeout raised although rank 1 never joined"
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with dist.PoolManager() as manager:
-        yield manager
-
-
 @pytest.mark.timeout(600)
 def test_bad_inputs_are_rejected_and_recoverable(pools):
     pools.get(2, {"DEEP_EP_GPUS_PER_NODE": "2"}).check("test_bad_input", "run_bad_inputs", "bad-inputs")

@@ -15,12 +15,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import pytest
-import torch
-from hypothesis import Phase, given, settings, strategies as st
-
 import dist
+import pytest
 import strategies
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 
 # Low-latency cases: one T for all (R*T must be a multiple of 4); H is LL_HIDDEN or a size DeepEP V1 does not
 # compile (any multiple of 128 in [1024, 16384] is allowed); the buffer is sized for LL_HIDDEN, the largest.
@@ -329,6 +329,35 @@ def run_channel_rule(ctx: dist.WorkerContext, case: None) -> Optional[str]:
     return "\n".join(errors) or None
 
 
+def run_profiler_ranges(ctx: dist.WorkerContext, case: None) -> Optional[str]:
+    """Each torch-backend dispatch and combine shows in a CPU profile as one ``deep_ep::dispatch`` /
+    ``deep_ep::combine`` range; a hooked low-latency call adds one range for its receive."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import deep_ep
+    world, hidden, experts = ctx.world_size, 128, 2 * ctx.world_size
+    idx = torch.tensor([[r % experts, (r + 1) % experts] for r in range(4)], dtype=torch.int64)
+    x = torch.ones(4, hidden, dtype=torch.bfloat16)
+    normal = _buffer(ctx, "normal", num_nvl_bytes=1 << 20)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(4, hidden, world, experts)
+    ll = _buffer(ctx, f"ll-{hint}", num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        layout = normal.get_dispatch_layout(idx, experts)
+        recv = normal.dispatch(x, num_tokens_per_rank=layout.num_tokens_per_rank,
+                               is_token_in_rank=layout.is_token_in_rank,
+                               num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=idx,
+                               topk_weights=torch.ones(4, 2))
+        normal.combine(recv[0], recv[4])
+        recv_x, _, handle, _, hook = ll.low_latency_dispatch(x, idx, 4, experts, use_fp8=False,
+                                                             return_recv_hook=True)
+        hook()
+        _, _, hook = ll.low_latency_combine(recv_x, idx, torch.ones(4, 2), handle, return_recv_hook=True)
+        hook()
+    counts = {e.key: e.count for e in prof.key_averages() if e.key.startswith("deep_ep::")}
+    expected = {"deep_ep::dispatch": 3, "deep_ep::combine": 3}
+    return None if counts == expected else f"rank {ctx.rank}: profiler ranges {counts}, expected {expected}"
+
+
 def run_low_latency(ctx: dist.WorkerContext, case: LowLatencyCase) -> Optional[str]:
     """Low-latency dispatch and combine on this rank vs the global reference."""
     import deep_ep
@@ -428,12 +457,6 @@ def run_low_latency(ctx: dist.WorkerContext, case: LowLatencyCase) -> Optional[s
 TOPOLOGIES = [(2, 2), (3, 3), (4, 4), (4, 2), (2, 1), (8, 8), (8, 4)]
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with dist.PoolManager() as manager:
-        yield manager
-
-
 def _pool(pools: dist.PoolManager, world_size: int, per_node: int) -> dist.RankPool:
     return pools.get(world_size, {"DEEP_EP_GPUS_PER_NODE": str(per_node)})
 
@@ -462,6 +485,11 @@ def test_handles_follow_the_channel_rule(pools, topology):
     """Handles from the same Config have the same shape on every backend: the torch backend's follow the CUDA
     kernels' channel rule."""
     _pool(pools, *topology).check("test_buffer_torch", "run_channel_rule", None)
+
+
+@pytest.mark.timeout(300)
+def test_profiler_ranges_name_each_operation(pools):
+    _pool(pools, 2, 2).check("test_buffer_torch", "run_profiler_ranges", None)
 
 
 @pytest.mark.timeout(900)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import dist
 import pytest
+import test_buffer_torch as tbt
 import torch
 from hypothesis import given, settings
 
-import dist
-import test_buffer_torch as tbt
 from deep_ep.backends.base import Backend
 
 # (world size, GPUs per node) -> examples: the 8-rank pools are the slowest per example; 18 ranks are 9 nodes, a
@@ -95,11 +95,6 @@ def run_auto_is_torch(ctx: dist.WorkerContext, case: None) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------------------------
 # Driver side.
 # ---------------------------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def pools():
-    with dist.PoolManager() as manager:
-        yield manager
 
 
 @pytest.mark.timeout(600)

@@ -59,12 +59,6 @@ def site() -> str:
     return str(megatron_site())
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with dist.PoolManager() as manager:
-        yield manager
-
-
 # One pool of 4 ranks in 2 virtual nodes of 2 (Megatron's import dominates the cost: paid once). Cases on groups of
 # 2 run in each node's pair of ranks at once (intranode); cases on all 4 span both nodes (internode).
 # Megatron wraps its flex dispatcher's preprocessing in torch.compile; TORCHDYNAMO_DISABLE runs it eagerly, sparing a

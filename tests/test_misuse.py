@@ -353,12 +353,6 @@ def _env(world: int) -> dict:
     return {"DEEP_EP_GPUS_PER_NODE": str(world), "DEEP_EP_TIMEOUT_S": "5"}
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with dist.PoolManager() as manager:
-        yield manager
-
-
 @pytest.mark.timeout(300)
 def test_timeout_must_be_finite_and_positive(pools):
     pools.get(2, _env(2)).check(MODULE, "run_bad_timeout", None)

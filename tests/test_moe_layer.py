@@ -505,12 +505,6 @@ def test_dispatch_argument_validation() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with dist.PoolManager() as manager:
-        yield manager
-
-
 HF_CASES_2 = [
     MoECase(seed=11, tokens_per_rank=(7, 12)),
     MoECase(seed=12, tokens_per_rank=(9, 0), top_k=3),

@@ -486,13 +486,6 @@ def run_distributed_adapter(ctx, case: strategies.Case) -> None:
     assert torch.equal(out, expected.bfloat16())
 
 
-@pytest.fixture(scope="module")
-def pools():
-    import dist
-    with dist.PoolManager() as manager:
-        yield manager
-
-
 @settings(deadline=None, max_examples=3)
 @given(case=strategies.ll_cases(max_ranks=2).filter(lambda c: c.num_ranks == 2))
 def test_distributed_adapter_two_ranks(pools, case):

@@ -14,7 +14,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include <algorithm>
 
 #include "low_latency_device.cuh"
 
@@ -419,7 +418,7 @@ namespace {
 
 int dispatch_smem(const Context& ctx) {
     const int E = ctx.layout.num_experts, R = ctx.num_ranks;
-    return static_cast<int>(std::max<int64_t>(2 * E + 3 * R, 2 * E + 3 * R + 1) * 4);
+    return (2 * E + 3 * R + 1) * 4;
 }
 
 constexpr int kMaxDynamicSmem = 160 * 1024;

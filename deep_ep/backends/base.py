@@ -117,10 +117,15 @@ class Backend(Protocol):
         num_ranks: ranks of the group the backend serves.
         needs_host_checks: the backend relies on ``Buffer`` for the checks that read tensor contents (expert ids in
             range, counts that match the routing); the CUDA kernels check those themselves (``RoutingError``).
+        notify_agreement: a non-cached ``dispatch`` carries the call's signature in its notify kernel, and
+            :meth:`refuse_dispatch` takes part in that exchange for a rank whose validation failed.
+        hashes_signature: a ``low_latency_dispatch`` carries a hash of the call's signature in its count messages.
     """
 
     num_ranks: int
     needs_host_checks: bool = False
+    notify_agreement: bool = False
+    hashes_signature: bool = False
 
     # Normal mode.
     def get_dispatch_layout(self, request: LayoutRequest) -> DispatchLayout:
@@ -128,6 +133,9 @@ class Backend(Protocol):
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         raise _unserved(self, "dispatch")
+
+    def refuse_dispatch(self, signature: Any) -> None:
+        raise _unserved(self, "refuse_dispatch")
 
     def combine(self, request: CombineRequest) -> CombineResult:
         raise _unserved(self, "combine")

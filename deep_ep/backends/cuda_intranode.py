@@ -52,6 +52,8 @@ class CudaBackend(Backend):
     copy_engine_combine = True
     # The Buffer argument that sizes this backend's buffer (named in messages).
     buffer_arg = "num_nvl_bytes"
+    # A non-cached dispatch's notify kernel carries the call's signature (Backend.notify_agreement).
+    notify_agreement = True
     # The ranks this rank reaches by NVSHMEM puts (cuda_internode.SymmetricCuda sets them; none over IPC).
     put_peers: Sequence[int] = ()
 

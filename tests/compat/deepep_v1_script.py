@@ -1,19 +1,25 @@
-"""A user script written only against DeepEP V1's documented ``deep_ep.Buffer`` API.
+"""A user script of DeepEP V1's ``deep_ep.Buffer`` API that runs unchanged on ``deep_ep`` (gloo on CPU).
 
-It follows the flow of DeepEP's own intranode and low-latency tests: ``get_dispatch_layout``, ``dispatch`` (BF16,
-FP8 with column-major scales, top-k, async events, previous events, worst-token mode, cached dispatch), checks of
-the received data through the handle's prefix matrix, ``combine`` (with ``/ #ranks`` recovery), then
-``low_latency_dispatch`` / ``low_latency_combine`` with hooks, FP8 casts and zero-copy. It uses constructor
-arguments, keyword names and tuple positions exactly as DeepEP V1 does and nothing else from ``deep_ep``.
+It uses only V1's public names (``Buffer``, ``Config``, ``topk_idx_t``) with V1's constructor arguments, keyword
+names and result / handle tuple positions. Every rank regenerates all ranks' inputs from per-rank seeds and checks
+its results against what they imply:
 
-Run: ``python tests/compat/deepep_v1_script.py --num-processes 4`` (gloo on CPU; ``MASTER_PORT`` optional).
-Exits non-zero on any failed assertion.
+- normal mode: ``get_dispatch_layout``; ``dispatch`` of BF16 and of FP8 ``(data, column-major scales)``, with and
+  without top-k, synchronous, ``async_finish`` and ``previous_event=capture()``; expert alignment, worst-token
+  padding, cached dispatch by handle, the intranode handle's fields; ``combine`` with bias and top-k weights;
+- low-latency mode: ``low_latency_dispatch`` (BF16, FP8, rounded and UE8M0 scales, hooks, two calls in a row,
+  receive statistics) and ``low_latency_combine`` (weights, ``out``, zero-copy through
+  ``get_next_low_latency_combine_buffer``).
+
+Run: ``python tests/compat/deepep_v1_script.py --num-processes 4 [--port P]``; a failed check exits non-zero.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
-import random
+from dataclasses import dataclass, field
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -21,303 +27,352 @@ import torch.multiprocessing as mp
 
 import deep_ep
 
-
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """DeepEP's similarity measure: 0 when equal (both shifted by 1 first)."""
-    x, y = x.double() + 1, y.double() + 1
-    denominator = (x * x + y * y).sum()
-    return float(1 - 2 * (x * y).sum() / denominator)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+BLOCK = 128  # channels that share one FP8 scale
+XInput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
-def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-128-channel FP8 cast: data ``x * 448/amax`` and scales ``amax/448`` (DeepEP's test helper)."""
-    m, n = x.shape
-    blocks = x.float().view(m, -1, 128)
-    amax = blocks.abs().amax(dim=2).clamp(1e-4)
-    q = (blocks * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, n)
-    return q, amax / 448.0
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative L2 distance of ``got`` from ``want``."""
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
-def per_token_cast_back(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def to_fp8(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 data and float32 scales per (token, 128 channels), with ``data * scale ~= x``; ``round_scale`` rounds
+    the scales up to powers of two."""
+    blocks = x.float().unflatten(-1, (-1, BLOCK))
+    scales = blocks.abs().amax(-1).clamp_min(1e-4) / FP8_MAX
+    if round_scale:
+        scales = torch.exp2(scales.log2().ceil())
+    return (blocks / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2), scales
+
+
+def from_fp8(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """BF16 values of FP8 ``data``; int32 ``scales`` pack four UE8M0 exponent bytes (lowest byte first)."""
     if scales.dtype == torch.int32:
-        scales = (scales.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
-    m, n = q.shape
-    return (q.float().view(m, -1, 128) * scales.view(m, -1, 1)).view(m, n).to(torch.bfloat16)
+        scales = torch.exp2(scales.contiguous().view(torch.uint8).float() - 127)
+    return (data.float().unflatten(-1, (-1, BLOCK)) * scales.unsqueeze(-1)).flatten(-2).bfloat16()
 
 
-def inplace_unique(x: torch.Tensor, num_slots: int) -> None:
-    """Rows become their distinct non-negative values sorted descending, padded with -1."""
-    assert x.dim() == 2
-    mask = x < 0
-    x_padded = x.masked_fill(mask, num_slots)
-    bin_count = torch.zeros((x.size(0), num_slots + 1), dtype=x.dtype)
-    bin_count.scatter_add_(1, x_padded, torch.ones_like(x_padded))
-    bin_count = bin_count[:, :num_slots]
-    sorted_bin_count, sorted_bin_idx = torch.sort(bin_count, dim=-1, descending=True)
-    sorted_bin_idx.masked_fill_(sorted_bin_count == 0, -1)
-    sorted_bin_idx = torch.sort(sorted_bin_idx, descending=True, dim=-1).values
-    x[:, :].fill_(-1)
-    valid_len = min(num_slots, x.size(1))
-    x[:, :valid_len] = sorted_bin_idx[:, :valid_len]
+def as_bf16(x: XInput) -> torch.Tensor:
+    return from_fp8(*x) if isinstance(x, tuple) else x
 
 
-def check_data(check_x: torch.Tensor, rank_prefix_matrix: torch.Tensor, rank: int) -> None:
-    """Rows from source ``i`` are the block ``[P[i-1][rank], P[i][rank])`` and every one equals ``i``."""
-    assert torch.equal(check_x.amin(dim=1), check_x.amax(dim=1))
-    begin = 0
-    for i in range(rank_prefix_matrix.size(0)):
-        end = int(rank_prefix_matrix[i][rank])
-        assert (check_x[begin:end, :] - i).abs().sum() == 0
-        begin = end
+def take(x: XInput, rows: Union[torch.Tensor, slice]) -> XInput:
+    """Rows of a tensor, or of both members of an FP8 pair."""
+    return (x[0][rows], x[1][rows]) if isinstance(x, tuple) else x[rows]
 
 
-def test_intranode(rank: int, num_ranks: int, group: dist.ProcessGroup, buffer: deep_ep.Buffer) -> None:
-    num_tokens, hidden, num_topk, num_experts = 64, 256, 4, 4 * num_ranks
-    assert num_experts % num_ranks == 0
-    torch.manual_seed(rank)
-    x = torch.ones((num_tokens, hidden), dtype=torch.bfloat16) * rank
-    x_pure_rand = torch.randn((num_tokens, hidden), dtype=torch.bfloat16)
-    x_e4m3 = per_token_cast_to_fp8(x)
-    x_e4m3 = (x_e4m3[0], x_e4m3[1].T.contiguous().T)  # column-major scales, as upstream
-    scores = torch.randn((num_tokens, num_experts), dtype=torch.float32).abs() + 1
-    topk_idx = torch.topk(scores, num_topk, dim=-1, largest=True, sorted=False)[1].to(deep_ep.topk_idx_t)
-    topk_weights = torch.ones((num_tokens, num_topk), dtype=torch.float32) * rank
-    topk_weights_pure_rand = torch.randn((num_tokens, num_topk), dtype=torch.float32)
-    rank_idx = topk_idx // (num_experts // num_ranks)
-    rank_idx.masked_fill_(topk_idx == -1, -1)
-    inplace_unique(rank_idx, num_ranks)
-
-    # Reference layout, and its global sums.
-    num_tokens_per_expert = torch.zeros((num_experts,), dtype=torch.int)
-    for i in range(num_experts):
-        num_tokens_per_expert[i] = (topk_idx == i).sum()
-    gbl_num_tokens_per_expert = num_tokens_per_expert.clone()
-    dist.all_reduce(gbl_num_tokens_per_expert, group=group)
-    num_tokens_per_rank = torch.empty((num_ranks,), dtype=torch.int)
-    token_idx_in_rank = torch.full((num_ranks, num_tokens), -1, dtype=torch.long)
-    for i in range(num_ranks):
-        num_tokens_per_rank[i] = (rank_idx == i).sum()
-        token_sel = (rank_idx == i).max(dim=-1)[0]
-        count = token_sel.sum().item()
-        tokens = torch.sort(token_sel.to(torch.int), descending=True)[1]
-        tokens[:count] = torch.sort(tokens[:count])[0]
-        token_idx_in_rank[i][tokens[:count]] = torch.arange(count, dtype=torch.long)
-    token_idx_in_rank = token_idx_in_rank.T.contiguous().to(torch.int)
-    is_token_in_rank = token_idx_in_rank >= 0
-    gbl_num_tokens_per_rank = num_tokens_per_rank.clone()
-    dist.all_reduce(gbl_num_tokens_per_rank, group=group)
-
-    ref_num_tokens_per_rank, _, ref_num_tokens_per_expert, ref_is_token_in_rank, _ = \
-        buffer.get_dispatch_layout(topk_idx, num_experts)
-    assert torch.allclose(ref_num_tokens_per_rank, num_tokens_per_rank)
-    assert torch.allclose(ref_num_tokens_per_expert, num_tokens_per_expert)
-    assert torch.allclose(ref_is_token_in_rank, is_token_in_rank)
-
-    deep_ep.Buffer.set_num_sms(24)
-    config = deep_ep.Config(24, 8, 256)
-    for previous_mode in (False, True):
-        for async_mode in (False, True):
-            for current_x in (x_pure_rand, x, x_e4m3):
-                for with_topk in (False, True):
-                    dispatch_args = {'x': current_x, 'num_tokens_per_rank': num_tokens_per_rank,
-                                     'is_token_in_rank': is_token_in_rank,
-                                     'num_tokens_per_expert': num_tokens_per_expert, 'config': config,
-                                     'async_finish': async_mode}
-                    if with_topk:
-                        dispatch_args.update({'topk_idx': topk_idx, 'topk_weights': topk_weights_pure_rand
-                                              if current_x is x_pure_rand else topk_weights})
-                    if previous_mode:
-                        dispatch_args.update({'previous_event': buffer.capture()})
-                    recv_x, recv_topk_idx, recv_topk_weights, recv_num_tokens_per_expert_list, handle, event = \
-                        buffer.dispatch(**dispatch_args)
-                    event.current_stream_wait() if async_mode else ()
-                    recv_x = per_token_cast_back(*recv_x) if isinstance(recv_x, tuple) else recv_x
-
-                    rank_prefix_matrix = handle[0]
-                    assert gbl_num_tokens_per_rank[rank].item() == recv_x.size(0)
-                    assert gbl_num_tokens_per_expert.view(num_ranks, -1)[rank].tolist() == \
-                        recv_num_tokens_per_expert_list
-                    if current_x is not x_pure_rand:
-                        check_data(recv_x, rank_prefix_matrix, rank)
-                    recv_topk_weights_clone = None
-                    if with_topk:
-                        assert recv_topk_idx.eq(-1).logical_or(
-                            recv_topk_idx.ge(0) & recv_topk_idx.lt(num_experts // num_ranks)).all()
-                        for i, count in enumerate(recv_num_tokens_per_expert_list):
-                            assert recv_topk_idx.eq(i).sum().item() == count
-                        recv_topk_weights_clone = recv_topk_weights.clone()
-                        if current_x is not x_pure_rand:
-                            recv_topk_weights[recv_topk_idx.eq(-1)] = \
-                                recv_topk_weights.amax(dim=1, keepdim=True).expand_as(recv_topk_weights)[
-                                    recv_topk_idx.eq(-1)]
-                            check_data(recv_topk_weights, rank_prefix_matrix, rank)
-
-                    # Worst-token mode.
-                    if with_topk:
-                        num_worst_tokens = num_tokens * num_ranks
-                        dispatch_args.update({'num_worst_tokens': num_worst_tokens})
-                        if previous_mode:
-                            dispatch_args.update({'previous_event': buffer.capture()})
-                        recv_worst_x, recv_worst_topk_idx, recv_worst_topk_weights, empty_list, _, event = \
-                            buffer.dispatch(**dispatch_args)
-                        event.current_stream_wait() if async_mode else ()
-                        recv_worst_x = per_token_cast_back(*recv_worst_x) if isinstance(recv_worst_x, tuple) \
-                            else recv_worst_x
-                        assert len(empty_list) == 0
-                        assert num_worst_tokens == recv_worst_x.size(0)
-                        assert num_worst_tokens == recv_worst_topk_idx.size(0)
-                        assert num_worst_tokens == recv_worst_topk_weights.size(0)
-                        assert torch.equal(recv_x, recv_worst_x[:recv_x.size(0)])
-                        assert torch.equal(recv_topk_idx, recv_worst_topk_idx[:recv_x.size(0)])
-                        assert torch.equal(recv_topk_weights_clone, recv_worst_topk_weights[:recv_x.size(0)])
-                        assert torch.all(recv_worst_topk_idx[recv_x.size(0):] == -1).item()
-
-                    # Cached dispatch.
-                    if not with_topk:
-                        dispatch_args = {'x': current_x, 'handle': handle, 'config': config,
-                                         'async_finish': async_mode}
-                        if previous_mode:
-                            dispatch_args.update({'previous_event': buffer.capture()})
-                        recv_x, _, _, _, _, event = buffer.dispatch(**dispatch_args)
-                        event.current_stream_wait() if async_mode else ()
-                        recv_x = per_token_cast_back(*recv_x) if isinstance(recv_x, tuple) else recv_x
-                        if current_x is not x_pure_rand:
-                            check_data(recv_x, rank_prefix_matrix, rank)
-
-                    # Combine.
-                    combine_args = {'x': recv_x, 'handle': handle, 'config': config, 'async_finish': async_mode}
-                    if with_topk:
-                        combine_args.update({'topk_weights': recv_topk_weights})
-                    if previous_mode:
-                        combine_args.update({'previous_event': buffer.capture()})
-                    combined_x, combined_topk_weights, event = buffer.combine(**combine_args)
-                    event.current_stream_wait() if async_mode else ()
-                    check_x = combined_x.float() / is_token_in_rank.sum(dim=1).unsqueeze(1)
-                    ref_x = x_pure_rand if current_x is x_pure_rand else x
-                    assert calc_diff(check_x, ref_x) < 5e-6
-                    if with_topk:
-                        check_topk_weights = combined_topk_weights if current_x is x_pure_rand else \
-                            combined_topk_weights / is_token_in_rank.sum(dim=1).unsqueeze(1)
-                        ref_topk_weights = topk_weights_pure_rand if current_x is x_pure_rand else topk_weights
-                        assert calc_diff(check_topk_weights, ref_topk_weights) < 1e-9
-    deep_ep.Buffer.set_num_sms(20)
-    assert deep_ep.Buffer.num_sms == 20
+def num_rows(x: XInput) -> int:
+    return (x[0] if isinstance(x, tuple) else x).size(0)
 
 
-def test_low_latency(rank: int, num_ranks: int, group: dist.ProcessGroup, buffer: deep_ep.Buffer,
-                     num_tokens: int, hidden: int, num_experts: int, num_topk: int, seed: int = 0) -> None:
-    torch.manual_seed(seed + rank)
-    random.seed(seed + rank)
-    assert num_experts % num_ranks == 0
-    num_local_experts = num_experts // num_ranks
-    rank_offset = 128
-    x = torch.ones((num_tokens, hidden), dtype=torch.bfloat16) * (rank - rank_offset)
-    x[:, -128:] = torch.arange(num_tokens).to(torch.bfloat16).view(-1, 1)
-    scores = torch.randn((num_tokens, num_experts), dtype=torch.float32).abs() + 1
-    topk_idx = torch.topk(scores, num_topk, dim=-1, largest=True, sorted=True)[1].to(deep_ep.topk_idx_t)
-    topk_weights = torch.randn((num_tokens, num_topk), dtype=torch.float32).abs()
-    for _ in range(3):
-        topk_idx[random.randint(0, num_tokens - 1), random.randint(0, num_topk - 1)] = -1
-    gathered = [torch.empty_like(topk_idx) for _ in range(num_ranks)]
-    dist.all_gather(gathered, topk_idx, group=group)  # gloo: list form of all_gather_into_tensor
-    all_topk_idx = torch.stack(gathered)
-
-    for return_recv_hook in (False, True):
-        for dispatch_use_fp8 in (False, True):
-            for round_scale in (False, True) if dispatch_use_fp8 else (False,):
-                for use_ue8m0 in (False, True) if round_scale else (False,):
-                    for num_times in (1, 2):  # one or two dispatches in a row exercise both buffer halves
-                        for _ in range(num_times):
-                            cumulative_local_expert_recv_stats = torch.zeros((num_local_experts,), dtype=torch.int)
-                            packed_recv_x, packed_recv_count, handle, event, hook = buffer.low_latency_dispatch(
-                                x, topk_idx, num_tokens, num_experts, use_fp8=dispatch_use_fp8,
-                                round_scale=round_scale, use_ue8m0=use_ue8m0,
-                                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                                async_finish=not return_recv_hook, return_recv_hook=return_recv_hook)
-                            hook() if return_recv_hook else event.current_stream_wait()
-                    packed_recv_x = (packed_recv_x[0], packed_recv_x[1].contiguous()) if dispatch_use_fp8 \
-                        else packed_recv_x
-                    simulated_gemm_x = per_token_cast_back(packed_recv_x[0].view(-1, hidden),
-                                                           packed_recv_x[1].view(-1, packed_recv_x[1].size(-1))
-                                                           ).view(packed_recv_x[0].shape) \
-                        if dispatch_use_fp8 else packed_recv_x.clone()
-                    for i in range(num_local_experts):
-                        expert_id = rank * num_local_experts + i
-                        recv_x = per_token_cast_back(packed_recv_x[0][i], packed_recv_x[1][i]) \
-                            if dispatch_use_fp8 else packed_recv_x[i]
-                        recv_count, recv_src_info, recv_layout_range = \
-                            packed_recv_count[i], handle[0][i], handle[1][i]
-                        int_mask = (2 ** 32) - 1
-                        num_valid_tokens = recv_count.item()
-                        assert cumulative_local_expert_recv_stats[i].item() == num_valid_tokens
-                        assert num_valid_tokens == (recv_layout_range & int_mask).sum().item()
-                        assert num_valid_tokens == (all_topk_idx == expert_id).sum().item()
-                        if num_valid_tokens == 0:
-                            continue
-                        recv_x = recv_x[:num_valid_tokens]
-                        recv_x_amin = recv_x[:, :-128].amin(dim=-1)
-                        recv_src_info = recv_src_info[:num_valid_tokens]
-                        assert torch.equal(recv_x_amin, recv_x[:, :-128].amax(dim=-1))
-                        if round_scale:
-                            assert calc_diff(recv_x[:, -1], recv_src_info.view(-1)) < 0.007
-                        else:
-                            assert (recv_x[:, -128:] - recv_src_info.view(-1, 1) % num_tokens).sum().item() == 0
-                        for j in range(num_ranks):
-                            begin_idx, count = (recv_layout_range[j] >> 32).item(), \
-                                (recv_layout_range[j] & int_mask).item()
-                            if not round_scale:
-                                assert (recv_x_amin == j - rank_offset).sum().item() == \
-                                    (all_topk_idx[j] == expert_id).sum().item()
-                                assert (recv_x[begin_idx:begin_idx + count, :-128] - j + rank_offset).sum().item() \
-                                    == 0
-
-                    for zero_copy in (False, True):
-                        if zero_copy:
-                            buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = simulated_gemm_x
-                        out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16)
-                        combined_x, event, hook = buffer.low_latency_combine(
-                            simulated_gemm_x, topk_idx, topk_weights, handle, async_finish=not return_recv_hook,
-                            zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out)
-                        hook() if return_recv_hook else event.current_stream_wait()
-                        diff = calc_diff(x * topk_weights.masked_fill(topk_idx == -1, 0).sum(dim=1).view(-1, 1),
-                                         combined_x)
-                        assert torch.isnan(combined_x).sum().item() == 0
-                        if not round_scale:
-                            assert diff < (9e-4 if dispatch_use_fp8 else 1e-5), f'Error: {diff=}, {zero_copy=}'
+def identical(got: XInput, want: XInput) -> bool:
+    """Bitwise equality of tensors or FP8 pairs (FP8 data compared as bytes)."""
+    if isinstance(want, tuple):
+        return (isinstance(got, tuple) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+                and torch.equal(got[1], want[1]))
+    return not isinstance(got, tuple) and torch.equal(got, want)
 
 
-def worker(local_rank: int, num_local_ranks: int, port: int) -> None:
-    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', world_size=num_local_ranks,
-                            rank=local_rank)
-    torch.set_num_threads(1)
-    rank, num_ranks = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(list(range(num_ranks)))
+def stacked(parts: list[XInput]) -> XInput:
+    if isinstance(parts[0], tuple):
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return torch.cat(parts)
 
-    # Normal mode (buffer sized by DeepEP's hints for this hidden size).
-    num_nvl_bytes = 0
-    for config in (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks)):
-        num_nvl_bytes = max(config.get_nvl_buffer_size_hint(256 * 2, num_ranks), num_nvl_bytes)
+
+@dataclass
+class Source:
+    """One rank's tokens and routing (identical on every rank) and the layout they imply."""
+
+    x: torch.Tensor  # [N, H] bf16
+    topk_idx: torch.Tensor  # [N, K] global expert ids, -1 = unused slot
+    topk_weights: torch.Tensor  # [N, K] float32
+    num_ranks: int
+    num_experts: int
+    num_local: int = field(init=False)  # experts per rank
+    in_rank: torch.Tensor = field(init=False)  # [N, R] bool
+    per_rank: torch.Tensor = field(init=False)  # [R] int32
+    per_expert: torch.Tensor = field(init=False)  # [E] int32
+
+    def __post_init__(self) -> None:
+        self.num_local = self.num_experts // self.num_ranks
+        owner = torch.where(self.topk_idx >= 0, self.topk_idx // self.num_local, self.num_ranks).long()
+        hits = torch.zeros(self.x.size(0), self.num_ranks + 1, dtype=torch.bool).scatter_(1, owner, True)
+        self.in_rank = hits[:, :-1].contiguous()
+        self.per_rank = self.in_rank.sum(0).int()
+        used = self.topk_idx[self.topk_idx >= 0].long()
+        self.per_expert = torch.bincount(used, minlength=self.num_experts).int()
+
+    def local_topk(self, rank: int) -> torch.Tensor:
+        """``topk_idx`` as rank ``rank``'s local expert ids; -1 where the expert lives elsewhere."""
+        local = self.topk_idx - rank * self.num_local
+        return local.masked_fill((self.topk_idx < 0) | (local < 0) | (local >= self.num_local), -1)
+
+
+def make_sources(num_ranks: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int) -> list[Source]:
+    """Every rank's inputs, seeded by rank; about a quarter as many top-k slots as tokens are -1."""
+    sources = []
+    for rank in range(num_ranks):
+        gen = torch.Generator().manual_seed(7919 * (rank + 1))
+        x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+        topk_idx = torch.rand(num_tokens, num_experts, generator=gen).topk(num_topk, dim=1).indices
+        topk_idx.view(-1)[torch.randint(0, topk_idx.numel(), (num_tokens // 4,), generator=gen)] = -1
+        weights = torch.rand(num_tokens, num_topk, generator=gen) + 0.5
+        sources.append(Source(x, topk_idx.to(deep_ep.topk_idx_t), weights, num_ranks, num_experts))
+    return sources
+
+
+# ---- Normal mode
+@dataclass(frozen=True)
+class Variant:
+    """One way of calling the normal-mode methods."""
+
+    fp8: bool
+    with_topk: bool
+    async_finish: bool
+    previous: bool
+
+    def stream_args(self, buffer: deep_ep.Buffer) -> dict:
+        args: dict = {"async_finish": self.async_finish}
+        if self.previous:
+            args.update(previous_event=buffer.capture(), allocate_on_comm_stream=self.async_finish)
+        return args
+
+    def finish(self, event: object) -> None:
+        if self.async_finish:
+            event.current_stream_wait()
+
+    def payload(self, source: Source) -> XInput:
+        """BF16 tokens, or their FP8 cast with the scales in column-major storage."""
+        if not self.fp8:
+            return source.x
+        data, scales = to_fp8(source.x)
+        return data, scales.t().contiguous().t()
+
+
+def check_layout(buffer: deep_ep.Buffer, me: Source) -> None:
+    """``get_dispatch_layout`` returns (per rank, per RDMA rank, per expert, is_token_in_rank, event)."""
+    for kwargs in ({}, {"previous_event": buffer.capture(), "async_finish": True}):
+        per_rank, per_rdma_rank, per_expert, in_rank, event = buffer.get_dispatch_layout(
+            me.topk_idx, me.num_experts, **kwargs)
+        if kwargs:
+            event.current_stream_wait()
+        assert per_rdma_rank is None, "num_tokens_per_rdma_rank is None within one node"
+        assert torch.equal(per_rank, me.per_rank), f"num_tokens_per_rank {per_rank} != {me.per_rank}"
+        assert torch.equal(per_expert, me.per_expert), f"num_tokens_per_expert {per_expert} != {me.per_expert}"
+        assert torch.equal(in_rank, me.in_rank), "is_token_in_rank differs from the routing"
+
+
+def check_intranode_handle(handle: tuple, sources: list[Source], rank: int, picks: list[torch.Tensor]) -> None:
+    """V1's intranode handle: (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+    recv_src_idx, is_token_in_rank, send_head)."""
+    assert len(handle) == 6, f"the intranode handle has 6 fields, got {len(handle)}"
+    sent = torch.stack([s.per_rank for s in sources]).long()  # [source, destination]
+    assert torch.equal(handle[0].long(), sent.cumsum(0)), "rank_prefix_matrix is the prefix over sources"
+    me = sources[rank]
+    assert torch.equal(handle[1][:, -1].long(), me.per_rank.long()), "channel_prefix_matrix ends at the totals"
+    assert not handle[2][:, 0].any(), "recv_channel_prefix_matrix starts every source at 0"
+    assert torch.equal(handle[3].long(), torch.cat(picks)), "recv_src_idx lists the source rows"
+    assert torch.equal(handle[4], me.in_rank), "the handle keeps is_token_in_rank"
+    assert torch.equal(handle[5] >= 0, me.in_rank), "send_head is -1 exactly where a token is not sent"
+
+
+def check_worst_tokens(buffer: deep_ep.Buffer, args: dict, variant: Variant, first: tuple) -> None:
+    """With ``num_worst_tokens`` every output has that many rows; the leading rows repeat the plain dispatch."""
+    worst = args["num_tokens_per_rank"].numel() * num_rows(args["x"])
+    recv_x, recv_idx, recv_weights, counts, _, event = buffer.dispatch(
+        **args, num_worst_tokens=worst, **variant.stream_args(buffer))
+    variant.finish(event)
+    real = num_rows(first[0])
+    assert counts == [], "the expert count list is empty in worst-token mode"
+    for got, want in ((recv_x, first[0]), (recv_idx, first[1]), (recv_weights, first[2])):
+        assert num_rows(got) == worst, f"worst-token output has {num_rows(got)} rows, not {worst}"
+        assert identical(take(got, slice(0, real)), want), "worst-token rows differ from the plain dispatch"
+    assert (recv_idx[real:] == -1).all(), "padding rows carry topk id -1"
+
+
+def check_cached(buffer: deep_ep.Buffer, handle: tuple, sources: list[Source], rank: int, picks: list[torch.Tensor],
+                 variant: Variant, config: deep_ep.Config) -> None:
+    """A cached dispatch moves new data (tokens in reverse order) along the handle's routes."""
+    backwards = torch.arange(sources[rank].x.size(0) - 1, -1, -1)
+    reversed_x = [take(variant.payload(s), backwards) for s in sources]
+    result = buffer.dispatch(reversed_x[rank], handle=handle, config=config, **variant.stream_args(buffer))
+    variant.finish(result[5])
+    assert identical(result[0], stacked([take(x, p) for x, p in zip(reversed_x, picks)])), "cached dispatch rows"
+    assert all(v is None for v in result[1:5]), "a cached dispatch returns only recv_x and the event"
+
+
+def check_combine(buffer: deep_ep.Buffer, handle: tuple, recv: tuple, me: Source, rank: int, variant: Variant,
+                  config: deep_ep.Config) -> None:
+    """Rank ``d`` returns ``(d + 1) * row``; combine sums the holders' rows plus the bias."""
+    y = (as_bf16(recv[0]).float() * (rank + 1)).bfloat16()
+    gen = torch.Generator().manual_seed(rank)
+    b0, b1 = (torch.randn(me.x.shape, generator=gen).bfloat16() for _ in range(2))
+    bias = (b0, b1) if variant.with_topk else b0
+    combined, combined_weights, event = buffer.combine(y, handle, topk_weights=recv[2], bias=bias, config=config,
+                                                       **variant.stream_args(buffer))
+    variant.finish(event)
+    holders = me.in_rank.float() @ torch.arange(1, me.num_ranks + 1, dtype=torch.float)
+    own = as_bf16(variant.payload(me)).float()
+    want = own * holders.unsqueeze(1) + b0.float() + (b1.float() if variant.with_topk else 0)
+    assert rel_error(combined, want) < 5e-3, f"combine error {rel_error(combined, want):.2e} ({variant})"
+    if variant.with_topk:
+        assert torch.equal(combined_weights, me.topk_weights.masked_fill(me.topk_idx < 0, 0)), "combined weights"
+    else:
+        assert combined_weights is None, "combined_topk_weights is None without top-k"
+
+
+def check_dispatch(buffer: deep_ep.Buffer, sources: list[Source], rank: int, variant: Variant,
+                   config: deep_ep.Config) -> None:
+    """Dispatch with ``variant``: rows by (source rank, source token), local top-k ids, counts, handle; then the
+    worst-token or cached dispatch, then combine."""
+    me = sources[rank]
+    picks = [s.in_rank[:, rank].nonzero().flatten() for s in sources]
+    alignment = 4 if variant.async_finish else 1
+    args = {"x": variant.payload(me), "num_tokens_per_rank": me.per_rank, "is_token_in_rank": me.in_rank,
+            "num_tokens_per_expert": me.per_expert, "expert_alignment": alignment, "config": config}
+    if variant.with_topk:
+        args.update(topk_idx=me.topk_idx, topk_weights=me.topk_weights)
+    result = buffer.dispatch(**args, **variant.stream_args(buffer))
+    recv_x, recv_idx, recv_weights, counts, handle, event = result
+    variant.finish(event)
+    assert identical(recv_x, stacked([take(variant.payload(s), p) for s, p in zip(sources, picks)])), \
+        f"recv_x rows differ ({variant})"
+    check_intranode_handle(handle, sources, rank, picks)
+    totals = sum(s.per_expert for s in sources)[rank * me.num_local:(rank + 1) * me.num_local]
+    assert counts == [-(-int(c) // alignment) * alignment for c in totals], f"expert counts {counts} ({variant})"
+    if variant.with_topk:
+        want_idx = torch.cat([s.local_topk(rank)[p] for s, p in zip(sources, picks)])
+        want_weights = torch.cat([s.topk_weights[p] for s, p in zip(sources, picks)]).masked_fill(want_idx < 0, 0)
+        assert torch.equal(recv_idx, want_idx), "recv_topk_idx holds local ids or -1"
+        assert torch.equal(recv_weights, want_weights), "recv_topk_weights is 0 on -1 slots"
+        check_worst_tokens(buffer, args, variant, result)
+    else:
+        assert recv_idx is None and recv_weights is None, "no top-k outputs without top-k inputs"
+        check_cached(buffer, handle, sources, rank, picks, variant, config)
+    check_combine(buffer, handle, result, me, rank, variant, config)
+
+
+def run_normal_mode(group: dist.ProcessGroup, rank: int, num_ranks: int) -> None:
+    hidden = 256
+    sources = make_sources(num_ranks, num_tokens=64, hidden=hidden, num_experts=4 * num_ranks, num_topk=4)
+    hints = (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks))
+    num_nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden * 2, num_ranks) for c in hints)
     buffer = deep_ep.Buffer(group, num_nvl_bytes, 0, low_latency_mode=False, num_qps_per_rank=1,
                             explicitly_destroy=True)
-    test_intranode(rank, num_ranks, group, buffer)
+    assert (buffer.rank, buffer.group_size) == (rank, num_ranks)
+    deep_ep.Buffer.set_num_sms(24)
+    config = deep_ep.Config(24, 8, 256, 6, 128)
+    check_layout(buffer, sources[rank])
+    for flags in itertools.product((False, True), repeat=4):
+        check_dispatch(buffer, sources, rank, Variant(*flags), config)
+    deep_ep.Buffer.set_num_sms(20)
+    assert deep_ep.Buffer.num_sms == 20
     buffer.destroy()
-    dist.barrier(group)
 
-    # Low-latency mode.
-    num_tokens, hidden, num_topk, num_experts = 16, 2048, 4, 2 * num_ranks
-    num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, num_ranks, num_experts)
-    with deep_ep.Buffer(group, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True,
-                        num_qps_per_rank=num_experts // num_ranks, explicitly_destroy=True) as ll_buffer:
-        test_low_latency(rank, num_ranks, group, ll_buffer, num_tokens, hidden, num_experts, num_topk)
+
+# ---- Low-latency mode
+@dataclass(frozen=True)
+class Cast:
+    """The payload options of ``low_latency_dispatch``."""
+
+    use_fp8: bool = False
+    round_scale: bool = False
+    use_ue8m0: bool = False
+
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        """What a receiver reads back for the BF16 rows ``x``."""
+        return from_fp8(*to_fp8(x, self.round_scale)) if self.use_fp8 else x
+
+
+def check_ll_received(recv_x: XInput, recv_count: torch.Tensor, handle: tuple, stats: torch.Tensor, repeats: int,
+                      sources: list[Source], rank: int, cast: Cast, max_tokens: int) -> torch.Tensor:
+    """Checks the packed per-expert rows against the sources; returns them as BF16 ``[L, R*T, H]``."""
+    src_info, layout_range, handle_tokens, handle_hidden, handle_experts = handle
+    me = sources[rank]
+    assert (handle_tokens, handle_hidden, handle_experts) == (max_tokens, me.x.size(1), me.num_experts)
+    if cast.use_fp8:
+        scales = recv_x[1]
+        assert scales.dtype == (torch.int32 if cast.use_ue8m0 else torch.float32), f"scale dtype {scales.dtype}"
+        assert scales.transpose(1, 2).is_contiguous(), "packed scales are column-major per expert"
+    values = as_bf16(recv_x)
+    assert values.shape == (me.num_local, me.num_ranks * max_tokens, me.x.size(1))
+    for local in range(me.num_local):
+        expert = rank * me.num_local + local
+        begins, counts = layout_range[local] >> 32, layout_range[local] & 0xFFFFFFFF
+        want = torch.stack([(s.topk_idx == expert).sum() for s in sources])
+        assert torch.equal(counts, want), f"expert {expert}: per-source counts {counts} != {want}"
+        assert int(recv_count[local]) == int(want.sum()) and int(stats[local]) == repeats * int(want.sum())
+        order = begins.argsort()
+        assert torch.equal(begins[order], counts[order].cumsum(0) - counts[order]), "source blocks tile the rows"
+        for source, begin, count in zip(sources, begins.tolist(), counts.tolist()):
+            tokens = src_info[local, begin:begin + count].long()
+            assert torch.equal(tokens.sort().values, (source.topk_idx == expert).any(1).nonzero().flatten())
+            got, ref = values[local, begin:begin + count], cast.round_trip(source.x[tokens])
+            assert torch.equal(got, ref) if not cast.use_fp8 else rel_error(got, ref) < 1e-2, "packed rows"
+    return values
+
+
+def check_ll_round(buffer: deep_ep.Buffer, sources: list[Source], rank: int, max_tokens: int, cast: Cast,
+                   use_hook: bool, repeats: int) -> None:
+    """``repeats`` dispatches in a row (both buffer halves), then combines with and without zero-copy."""
+    me = sources[rank]
+    stats = torch.zeros(me.num_local, dtype=torch.int32)
+    for _ in range(repeats):
+        recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
+            me.x, me.topk_idx, max_tokens, me.num_experts, cumulative_local_expert_recv_stats=stats,
+            use_fp8=cast.use_fp8, round_scale=cast.round_scale, use_ue8m0=cast.use_ue8m0,
+            async_finish=not use_hook, return_recv_hook=use_hook)
+        hook() if use_hook else event.current_stream_wait()
+    values = check_ll_received(recv_x, recv_count, handle, stats, repeats, sources, rank, cast, max_tokens)
+    gains = torch.arange(rank * me.num_local + 1, (rank + 1) * me.num_local + 1, dtype=torch.float).view(-1, 1, 1)
+    y = (values.float() * gains).bfloat16()  # expert e returns (e + 1) * its input
+    factor = (me.topk_weights * (me.topk_idx + 1)).masked_fill(me.topk_idx < 0, 0).sum(1, keepdim=True)
+    for zero_copy in (False, True):
+        if zero_copy:
+            buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = y
+        out = torch.empty_like(me.x)
+        combined, event, hook = buffer.low_latency_combine(y, me.topk_idx, me.topk_weights, handle,
+                                                           zero_copy=zero_copy, async_finish=not use_hook,
+                                                           return_recv_hook=use_hook, out=out)
+        hook() if use_hook else event.current_stream_wait()
+        assert combined.data_ptr() == out.data_ptr(), "low_latency_combine writes into out"
+        error = rel_error(combined, cast.round_trip(me.x).float() * factor)
+        assert error < (1e-2 if cast.use_fp8 else 5e-3), f"combine error {error:.2e} ({cast}, {zero_copy=})"
+
+
+def run_low_latency_mode(group: dist.ProcessGroup, rank: int, num_ranks: int) -> None:
+    max_tokens, hidden, num_experts = 16, 2048, 2 * num_ranks
+    sources = make_sources(num_ranks, num_tokens=max_tokens - 3, hidden=hidden, num_experts=num_experts, num_topk=4)
+    num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, num_ranks, num_experts)
+    buffer = deep_ep.Buffer(group, 0, num_rdma_bytes, low_latency_mode=True,
+                            num_qps_per_rank=num_experts // num_ranks, allow_nvlink_for_low_latency_mode=True,
+                            explicitly_destroy=True)
+    buffer.clean_low_latency_buffer(max_tokens, hidden, num_experts)
+    casts = (Cast(), Cast(use_fp8=True), Cast(True, round_scale=True), Cast(True, True, use_ue8m0=True))
+    for use_hook, cast, repeats in itertools.product((False, True), casts, (1, 2)):
+        check_ll_round(buffer, sources, rank, max_tokens, cast, use_hook, repeats)
+    buffer.destroy()
+
+
+def worker(rank: int, num_ranks: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=num_ranks, rank=rank)
+    torch.set_num_threads(1)
+    group = dist.new_group(list(range(num_ranks)))
+    run_normal_mode(group, rank, num_ranks)
+    dist.barrier(group)
+    run_low_latency_mode(group, rank, num_ranks)
     dist.barrier(group)
     if rank == 0:
-        print('deepep_v1_script: all checks passed', flush=True)
+        print("deepep_v1_script: all checks passed", flush=True)
     dist.destroy_process_group()
 
 
-if __name__ == '__main__':
-    parser = argparse.ArgumentParser(description='DeepEP V1 API compatibility script (gloo, CPU)')
-    parser.add_argument('--num-processes', type=int, default=4)
-    parser.add_argument('--port', type=int, default=int(os.environ.get('MASTER_PORT', '29531')))
-    args = parser.parse_args()
-    mp.spawn(worker, args=(args.num_processes, args.port), nprocs=args.num_processes)
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="DeepEP V1 API compatibility script (gloo, CPU)")
+    parser.add_argument("--num-processes", type=int, default=4)
+    parser.add_argument("--port", type=int, default=int(os.environ.get("MASTER_PORT", "29531")))
+    cli = parser.parse_args()
+    mp.spawn(worker, args=(cli.num_processes, cli.port), nprocs=cli.num_processes)

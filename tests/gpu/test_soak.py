@@ -283,12 +283,6 @@ def run_soak(ctx: dist.WorkerContext, fields: dict) -> Optional[str]:
     return None
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with dist.PoolManager() as manager:
-        yield manager
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The soak (GPU, opt-in)
 # ----------------------------------------------------------------------------------------------------------------
