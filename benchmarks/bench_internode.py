@@ -64,7 +64,7 @@ def measure(buffer, rank: int, args, x, x_fp8, topk_idx, topk_weights, rdma_pair
                ("combine_bf16", first.recv_x, 1.0, args.combine_chunks, "combine")]
         for op, cur, factor, chunks, keyword in ops:
             best = None
-            for chunk in (chunks[:1] if args.composed else chunks):
+            for chunk in chunks:
                 cfg = deep_ep.Config(num_sms, chunk, 256)
                 if keyword == "dispatch":
                     fn = functools.partial(buffer.dispatch, cur, handle=handle, config=cfg)
@@ -80,7 +80,7 @@ def measure(buffer, rank: int, args, x, x_fp8, topk_idx, topk_weights, rdma_pair
             if best is None:
                 continue
             try:
-                kt = None if args.composed else kernel_time(best[2], keyword)
+                kt = None if phase in ("composed", "torch") else kernel_time(best[2], keyword)
             except Exception:  # noqa: BLE001
                 kt = None
             wall = best[1]["mean"]
