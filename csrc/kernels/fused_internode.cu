@@ -16,9 +16,10 @@
 // 31 warps R receiver teams and its last warp fills the worst-token tail; combine's even CTA forms N forwarder teams
 // and one owner team, its odd CTA R sender teams. Teams take consecutive warps, sizes differing by at most one (at
 // N = 2, G = 2: dispatch 8 warps per sender and forwarder, 8 or 7 per receiver; combine 11, 11 and 10 (owner), 8 per
-// sender). Every warp of a team runs the role's control flow and moves its contiguous share of each row (a
-// reduction's share: the same fp32 sums in the same order); the team's first warp writes the small fields and side
-// outputs and alone publishes a tail or credit, once every warp's progress has passed it (Team below).
+// sender). In dispatch every warp of a team runs the role's control flow and moves its contiguous share of each
+// row; the team's first warp writes the small fields and side outputs and alone publishes a tail or credit, once
+// every warp's progress has passed it (Team below). In combine the warps of a team take whole rows in turn (a
+// reduction per warp keeps enough loads in flight) and the first warp publishes the finished prefix.
 // Roles overlap through the rings; the only waits are on ring counters (bounded, sync.cuh), and the chain
 // receiver <- forwarder <- sender has no cycle. Ring positions are monotonic uint32 kept in the workspace between
 // calls; every ring is empty between calls, and a writer first waits until the rings it wrote in earlier calls are
@@ -690,20 +691,89 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
 // Combine
 // ---------------------------------------------------------------------------------------------------------------
 
-// One lane: *word >= target, after publishing what the warp holds back (`flush`) when the value is not there yet:
-// a peer may need those publications to make progress.
+// Row-interleaved teams (the combine roles): warp w of a team of T handles items w, w + T, w + 2T, ... whole, and
+// keeps progress[w] at the next item it will handle, so every item below the team's minimum progress is finished.
+// Only the leader publishes (tails, credits), non-blocking, from that minimum; it does so after its own items and
+// inside every spin of its waits, so a teammate's wait on a peer (which may need those publications) always ends.
+
+// This warp's progress: every item of it below `next` is finished; the warp's stores come first (CTA scope).
+__device__ __forceinline__ void team_progress(const Team& team, int next) {
+    release_progress(team.progress, team.rank, next);
+}
+
+// Leader, whole warp: the items the whole team has finished (a prefix), with their stores visible to this warp.
+__device__ __forceinline__ int team_finished(const Team& team, int num_items) {
+    const int lane = lane_id();
+    const int p = warp_min(lane < team.size ? min(team.progress[lane], num_items) : num_items);
+    __threadfence_block();
+    return p;
+}
+
+// Whole warp: every lane with `word` != nullptr sees *word >= target (cached in *cache). While some lane does not,
+// the leader calls flush() between polls. Bounded like wait_geq; a lane's failure is reported at its `site`.
 template <typename Flush>
-__device__ __forceinline__ bool wait_flushing(const KernelContext& ctx, const uint32_t* word, uint32_t target,
-                                              const Site& site, uint32_t* cache, Flush&& flush) {
-    bool pending = !seq_geq(*cache, target);
+__device__ __forceinline__ bool team_wait_geq(const KernelContext& ctx, const uint32_t* word, uint32_t target,
+                                              const Site& site, uint32_t* cache, bool leader, Flush&& flush) {
+    bool pending = word != nullptr && !seq_geq(*cache, target);
     if (pending) {
         *cache = ld_acquire_sys(word);
         pending = !seq_geq(*cache, target);
     }
-    if (__any_sync(0xffffffffu, pending)) flush();
-    bool ok = true;
-    if (pending) ok = wait_geq(ctx, word, target, site, cache);
-    return __all_sync(0xffffffffu, ok);
+    if (!__any_sync(0xffffffffu, pending)) return true;
+    const uint32_t* abort = abort_word(ctx.buffers[ctx.rank]);
+    const uint64_t start = global_timer_ns();
+    for (uint32_t spins = 1;; ++spins) {
+        if (leader) flush();
+        if (pending) {
+            const uint32_t value = ld_relaxed_sys(word);
+            if (seq_geq(value, target)) {
+                *cache = ld_acquire_sys(word);
+                pending = false;
+            }
+        }
+        if (!__any_sync(0xffffffffu, pending)) return true;
+        bool failed = false;
+        if ((spins & 63) == 0 && pending) {
+            const uint32_t abort_value = ld_relaxed_sys(abort);
+            const uint64_t elapsed = global_timer_ns() - start;
+            if (abort_value != 0) {
+                report_abort_seen(ctx, abort_value, site, target, *cache, static_cast<int64_t>(elapsed));
+                failed = true;
+            } else if (elapsed > ctx.timeout_ns) {
+                report_error(ctx, kErrorTimeout, site, target, ld_relaxed_sys(word), static_cast<int64_t>(elapsed));
+                failed = true;
+            }
+        }
+        if (__any_sync(0xffffffffu, failed)) return false;
+        if (spins > 256) __nanosleep(128);
+    }
+}
+
+// Leader, whole warp, after its own items: publishes until the whole team has finished `num_items` (bounded).
+template <typename Flush>
+__device__ __forceinline__ bool team_drain(const KernelContext& ctx, const Team& team, int num_items,
+                                           const Site& site, Flush&& flush) {
+    const uint32_t* abort = abort_word(ctx.buffers[ctx.rank]);
+    const uint64_t start = global_timer_ns();
+    for (uint32_t spins = 1;; ++spins) {
+        const int finished = team_finished(team, num_items);
+        flush(true);  // publishes at least `finished`
+        if (finished >= num_items) return true;
+        bool failed = false;
+        if ((spins & 63) == 0 && lane_id() == 0) {
+            const uint32_t abort_value = ld_relaxed_sys(abort);
+            const uint64_t elapsed = global_timer_ns() - start;
+            if (abort_value != 0) {
+                report_abort_seen(ctx, abort_value, site, num_items, finished, static_cast<int64_t>(elapsed));
+                failed = true;
+            } else if (elapsed > ctx.timeout_ns) {
+                report_error(ctx, kErrorTimeout, site, num_items, finished, static_cast<int64_t>(elapsed));
+                failed = true;
+            }
+        }
+        if (__any_sync(0xffffffffu, failed)) return false;
+        if (spins > 256) __nanosleep(128);
+    }
 }
 
 // Adds 8 BF16 values (one int4) to acc in fp32.
@@ -725,7 +795,50 @@ __device__ __forceinline__ int4 to_bf16x8(const float* acc) {
     return out;
 }
 
-// Sending team of source rank s for channel c: my rows of (s, c) back to the forwarder (my node, local of s).
+// One warp: out = bf16(bias_0 + bias_1 + srcs[0] + srcs[1] + ...) over n int4, summed in fp32 in that order (absent
+// biases skipped), kU int4 of two sources in flight per lane. Sources are ring slots written by peers. Not inlined:
+// inside the combine kernel's 64-register budget the loaded chunks would be spilled.
+template <int kU>
+static __device__ __noinline__ void reduce_row(const int4* const* srcs, int num_srcs, const int4* bias_0,
+                                               const int4* bias_1, int4* out, int n) {
+    for (int base = lane_id(); base < n; base += 32 * kU) {
+        float acc[kU][8];
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[u][e] = 0.f;
+        if (bias_0 != nullptr)
+#pragma unroll
+            for (int u = 0; u < kU; ++u)
+                if (base + u * 32 < n) add_bf16x8(acc[u], ld_nc_int4(bias_0 + base + u * 32));
+        if (bias_1 != nullptr)
+#pragma unroll
+            for (int u = 0; u < kU; ++u)
+                if (base + u * 32 < n) add_bf16x8(acc[u], ld_nc_int4(bias_1 + base + u * 32));
+        for (int k = 0; k < num_srcs; k += 2) {
+            const bool two = k + 1 < num_srcs;
+            int4 a[kU], b[kU];
+#pragma unroll
+            for (int u = 0; u < kU; ++u) {
+                if (base + u * 32 >= n) continue;
+                a[u] = ld_ring_int4(srcs[k] + base + u * 32);
+                if (two) b[u] = ld_ring_int4(srcs[k + 1] + base + u * 32);
+            }
+#pragma unroll
+            for (int u = 0; u < kU; ++u) {
+                if (base + u * 32 >= n) continue;
+                add_bf16x8(acc[u], a[u]);
+                if (two) add_bf16x8(acc[u], b[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+            if (base + u * 32 < n) st_na_int4(out + base + u * 32, to_bf16x8(acc[u]));
+    }
+}
+
+// Sending team of source rank s for channel c: my rows of (s, c) back to the forwarder (my node, local of s), each
+// warp whole rows in turn (row-interleaved team).
 static __device__ void fused_combine_send(const KernelContext& ctx, const FusedGeometry& geo,
                                           const FusedCombineArgs& args, const Team& team, int channel, int s,
                                           int num_checked) {
@@ -744,55 +857,50 @@ static __device__ void fused_combine_send(const KernelContext& ctx, const FusedG
     const int first_row = args.recv_gbl_channel_prefix_matrix[s * num_channels + channel];
     const int end_row = channel + 1 < num_channels ? args.recv_gbl_channel_prefix_matrix[s * num_channels + channel + 1]
                                                    : args.recv_gbl_rank_prefix_sum[s];
-    uint32_t tail = shadows[counter_index(channel, s)], head = tail, published = tail;
+    const int num_rows = end_row - first_row;
+    const uint32_t tail0 = shadows[counter_index(channel, s)];
+    uint32_t head = tail0;
+    int published = 0;
     uint32_t* remote_tail = buffer_u32(ctx.buffers[fwd], kFusedCombineNodeTailOffset) + counter_index(channel, ring);
-    const bool leader = team.leader(), publish = !ctx.skip_sends && leader;
+    const bool leader = team.leader(), publish = !ctx.skip_sends;
     const Site site{kKernelCombine, kPhaseCombineSendWaitHead, fwd, channel};
-    int lo, hi;
-    team.share(static_cast<int>(geo.hidden_bytes / 16), &lo, &hi);
-    for (int row = first_row; row < end_row && ok; ++row) {
-        const uint32_t needed_head = tail + 1 - static_cast<uint32_t>(geo.node_capacity);
-        if (!seq_geq(head, needed_head)) {
-            if (published != tail && publish) {
-                ok = team.wait(ctx, row - first_row, site);
-                if (!ok) break;
-                warp_publish(remote_tail, tail);
-            }
-            published = tail;
-            ok = warp_wait_geq(ctx, heads + counter_index(channel, s), needed_head, site, &head);
-            if (!ok) break;
+    // Leader: the finished prefix's tail to the forwarder, at least a chunk apart unless `force`.
+    auto flush = [&](bool force = false) {
+        const int finished = team_finished(team, num_rows);
+        if (finished > published && (force || finished - published >= args.num_max_nvl_send_tokens)) {
+            if (publish) warp_publish(remote_tail, tail0 + static_cast<uint32_t>(finished));
+            published = finished;
         }
-        char* slot = static_cast<char*>(ctx.buffers[fwd]) + geo.node_slot(channel, ring, tail);
-        int4* dst = reinterpret_cast<int4*>(slot) + lo;
-        warp_copy_row<false>(
-            reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * geo.hidden_bytes) + lo, hi - lo,
-            &dst, 1);
-        if (leader && args.topk_weights != nullptr)
+    };
+    const int row_int4 = static_cast<int>(geo.hidden_bytes / 16);
+    team_progress(team, min(team.rank, num_rows));
+    for (int i = team.rank; i < num_rows && ok; i += team.size) {
+        const uint32_t needed_head = tail0 + static_cast<uint32_t>(i) + 1 - static_cast<uint32_t>(geo.node_capacity);
+        ok = team_wait_geq(ctx, lane == 0 ? heads + counter_index(channel, s) : nullptr, needed_head, site, &head,
+                           leader, [&] { flush(true); });
+        if (!ok) break;
+        head = __shfl_sync(0xffffffffu, head, 0);
+        const int row = first_row + i;
+        char* slot = static_cast<char*>(ctx.buffers[fwd]) + geo.node_slot(channel, ring, tail0 + static_cast<uint32_t>(i));
+        int4* dst = reinterpret_cast<int4*>(slot);
+        warp_copy_row<false>(reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + row * geo.hidden_bytes),
+                             row_int4, &dst, 1);
+        if (args.topk_weights != nullptr)
             for (int k = lane; k < geo.num_topk; k += 32)
                 reinterpret_cast<float*>(slot + geo.meta_offset)[k] =
                     args.topk_weights[static_cast<int64_t>(row) * geo.num_topk + k];
-        team.report(row + 1 - first_row);
-        ++tail;
-        if (static_cast<int>(tail - published) >= args.num_max_nvl_send_tokens) {
-            if (publish) {
-                ok = team.wait(ctx, row + 1 - first_row, site);
-                if (!ok) break;
-                warp_publish(remote_tail, tail);
-            }
-            published = tail;
-        }
+        team_progress(team, min(i + team.size, num_rows));
+        if (leader) flush();
     }
-    team.report(kTeamDone);
     if (leader) {
-        const bool all_done = team.wait(ctx, kTeamDone, site);
-        if (ok && all_done && published != tail && publish) warp_publish(remote_tail, tail);
-        if (lane == 0) shadows[counter_index(channel, s)] = tail;
+        ok = team_drain(ctx, team, num_rows, site, flush) && ok;
+        if (lane == 0) shadows[counter_index(channel, s)] = tail0 + static_cast<uint32_t>(published);
     }
 }
 
 // Forwarder team of source node n for channel c: each forwarded token's rows from the local ranks of its mask,
-// summed in fp32 in ascending local order, rounded to BF16 once, to the owner (n, my local). Each warp of the team
-// reduces its share of every row.
+// summed in fp32 in ascending local order, rounded to BF16 once, to the owner (n, my local). Each warp reduces whole
+// records in turn (row-interleaved team); the leader returns node credits and publishes the rail tail.
 static __device__ void fused_combine_forward(const KernelContext& ctx, const FusedGeometry& geo,
                                              const FusedCombineArgs& args, const Team& team, int channel, int n,
                                              int num_checked) {
@@ -824,52 +932,51 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
                                                           kFusedCombineNodeHeadOffset) + counter_index(channel, owner)
                                              : nullptr;
     uint32_t tail_cache = base, consumed = 0, released = 0;
-    uint32_t rail_tail = rail_shadows[counter_index(channel, n)], rail_head = rail_tail, rail_published = rail_tail;
+    const uint32_t rail_tail0 = rail_shadows[counter_index(channel, n)];
+    uint32_t rail_head = rail_tail0;
+    int published = 0, scanned = 0;
     uint32_t* remote_rail_tail = buffer_u32(ctx.buffers[owner], kFusedCombineRailTailOffset) +
                                  counter_index(channel, my_node);
     const bool leader = team.leader(), publish = !ctx.skip_sends;
     const Site site{kKernelCombine, kPhaseCombineSendWaitHead, owner, channel};
-    int done = 0;  // records this warp has finished
-    bool team_ok = true;
-    // Leader: once every warp has finished `done` records, their rail tail and node credits go out.
-    auto flush = [&]() {
-        if (!leader) return;
-        if (!team.wait(ctx, done, site)) {
-            team_ok = false;
-            return;
+    // Leader: the finished prefix's rail tail to the owner and its node slots back to the local senders, at least a
+    // chunk apart unless `force`.
+    auto flush = [&](bool force = false) {
+        const int finished = team_finished(team, num_records);
+        if (finished <= published || (!force && finished - published < args.num_max_rdma_send_tokens)) return;
+        for (; scanned < finished; ++scanned) {
+            const int index = is_src_lane ? args.send_nvl_head[(first_row + scanned) * kMaxGpusPerNode + lane] : -1;
+            if (index >= 0) consumed = static_cast<uint32_t>(index) + 1;
         }
-        if (lane == 0 && rail_published != rail_tail && publish) {
+        if (lane == 0 && publish) {
             fence_acq_rel_sys();
-            st_release_sys(remote_rail_tail, rail_tail);
+            st_release_sys(remote_rail_tail, rail_tail0 + static_cast<uint32_t>(finished));
         }
         if (is_src_lane && released != consumed) {
             fence_acq_rel_sys();
             st_release_sys(remote_node_head, base + consumed);
+            released = consumed;
         }
-        rail_published = rail_tail;
-        released = consumed;
+        published = finished;
         __syncwarp();
     };
-    int lo, hi;
-    team.share(static_cast<int>(geo.hidden_bytes / 16), &lo, &hi);
-    for (int i = 0; i < num_records && ok; ++i) {
+    const int row_int4 = static_cast<int>(geo.hidden_bytes / 16);
+    team_progress(team, min(team.rank, num_records));
+    for (int i = team.rank; i < num_records && ok; i += team.size) {
         const int64_t f = first_row + i;
         const int index = is_src_lane ? args.send_nvl_head[f * kMaxGpusPerNode + lane] : -1;
-        const bool bit = index >= 0;
-        const uint32_t mask = __ballot_sync(0xffffffffu, bit);
+        const uint32_t mask = __ballot_sync(0xffffffffu, index >= 0);
         // The rows of every local rank in the mask are here.
-        uint32_t target = bit ? base + static_cast<uint32_t>(index) + 1 : tail_cache;
-        ok = wait_flushing(ctx, node_tail, target, Site{kKernelCombine, kPhaseCombineRecvWaitTail,
-                                                         my_node * per_node + lane, channel}, &tail_cache, flush);
-        ok = ok && team_ok;
+        ok = team_wait_geq(ctx, index >= 0 ? node_tail : nullptr, base + static_cast<uint32_t>(index) + 1,
+                           Site{kKernelCombine, kPhaseCombineRecvWaitTail, my_node * per_node + lane, channel},
+                           &tail_cache, leader, [&] { flush(true); });
         if (!ok) break;
         // Room in the owner's rail ring.
-        const uint32_t needed_head = rail_tail + 1 - static_cast<uint32_t>(geo.rail_capacity);
-        if (!seq_geq(rail_head, needed_head)) {
-            flush();
-            ok = team_ok && warp_wait_geq(ctx, rail_heads + counter_index(channel, n), needed_head, site, &rail_head);
-            if (!ok) break;
-        }
+        const uint32_t needed_head = rail_tail0 + static_cast<uint32_t>(i) + 1 - static_cast<uint32_t>(geo.rail_capacity);
+        ok = team_wait_geq(ctx, lane == 0 ? rail_heads + counter_index(channel, n) : nullptr, needed_head, site,
+                           &rail_head, leader, [&] { flush(true); });
+        if (!ok) break;
+        rail_head = __shfl_sync(0xffffffffu, rail_head, 0);
         const int4* srcs[kMaxGpusPerNode];
         int num_srcs = 0;
         for (int j = 0; j < per_node; ++j) {
@@ -879,13 +986,10 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
                 srcs[num_srcs++] = reinterpret_cast<const int4*>(
                     own + geo.node_slot(channel, n * per_node + j, ring_base + static_cast<uint32_t>(position)));
         }
-        char* slot = static_cast<char*>(ctx.buffers[owner]) + geo.rail_slot(channel, my_node, rail_tail);
-        for (int64_t u = lo + lane; u < hi; u += 32) {
-            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int k = 0; k < num_srcs; ++k) add_bf16x8(acc, ld_ring_int4(srcs[k] + u));
-            st_na_int4(reinterpret_cast<int4*>(slot) + u, to_bf16x8(acc));
-        }
-        if (leader && args.topk_weights != nullptr) {
+        char* slot = static_cast<char*>(ctx.buffers[owner]) +
+                     geo.rail_slot(channel, my_node, rail_tail0 + static_cast<uint32_t>(i));
+        reduce_row<2>(srcs, num_srcs, nullptr, nullptr, reinterpret_cast<int4*>(slot), row_int4);
+        if (args.topk_weights != nullptr) {
             for (int k = lane; k < geo.num_topk; k += 32) {
                 float w = 0.f;
                 for (int q = 0; q < num_srcs; ++q)
@@ -894,26 +998,18 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
                 reinterpret_cast<float*>(slot + geo.meta_offset)[k] = w;
             }
         }
-        team.report(++done);
-        if (bit) consumed = static_cast<uint32_t>(index) + 1;
-        ++rail_tail;
-        if (static_cast<int>(rail_tail - rail_published) >= args.num_max_rdma_send_tokens) {
-            flush();
-            rail_published = rail_tail;
-            ok = team_ok;
-        }
+        team_progress(team, min(i + team.size, num_records));
+        if (leader) flush();
     }
-    team.report(kTeamDone);
     if (leader) {
-        const bool all_done = team.wait(ctx, kTeamDone, site);
-        if (ok && all_done) flush();
-        if (lane == 0) rail_shadows[counter_index(channel, n)] = rail_tail;
-        if (is_src_lane) node_head_shadows[counter_index(channel, pair)] = base + consumed;
+        ok = team_drain(ctx, team, num_records, site, flush) && ok;
+        if (lane == 0) rail_shadows[counter_index(channel, n)] = rail_tail0 + static_cast<uint32_t>(published);
+        if (is_src_lane) node_head_shadows[counter_index(channel, pair)] = base + released;
     }
 }
 
-// Owner team for channel c: my tokens' node partials in ascending node order, after the biases; each warp of the
-// team reduces its share of every row.
+// Owner team for channel c: my tokens' node partials in ascending node order, after the biases; each warp reduces
+// whole tokens in turn (row-interleaved team); the leader returns the rail slots to the forwarders.
 static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGeometry& geo,
                                          const FusedCombineArgs& args, const Team& team, int channel) {
     const int lane = lane_id(), per_node = geo.gpus_per_node, num_nodes = geo.num_nodes;
@@ -931,58 +1027,53 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
     uint32_t tail_cache = base, consumed = 0, released = 0;
     const bool leader = team.leader();
     const Site site{kKernelCombine, kPhaseCombineRecvWaitTail, -1, channel};
-    int done = 0;  // tokens this warp has finished
-    bool team_ok = true;
-    // Leader: once every warp has finished `done` tokens, the rail slots they read go back to the forwarders.
-    auto flush = [&]() {
-        if (!leader) return;
-        if (!team.wait(ctx, done, site)) {
-            team_ok = false;
-            return;
+    int begin, end;
+    channel_range(args.num_tokens, geo.num_channels, channel, &begin, &end);
+    const int num_items = end - begin;
+    int published = 0;
+    // Leader: the rail slots of the finished prefix back to the forwarders, at least a chunk apart unless `force`.
+    auto flush = [&](bool force = false) {
+        const int finished = team_finished(team, num_items);
+        if (finished <= published || (!force && finished - published < args.num_max_rdma_send_tokens)) return;
+        for (; published < finished; ++published) {
+            const int index = is_node_lane
+                ? args.send_rdma_head[static_cast<int64_t>(begin + published) * num_nodes + lane] : -1;
+            if (index >= 0) consumed = static_cast<uint32_t>(index) + 1;
         }
         if (is_node_lane && released != consumed) {
             fence_acq_rel_sys();
             st_release_sys(remote_head, base + consumed);
+            released = consumed;
         }
-        released = consumed;
         __syncwarp();
     };
-    int begin, end;
-    channel_range(args.num_tokens, geo.num_channels, channel, &begin, &end);
-    int lo, hi;
-    team.share(static_cast<int>(geo.hidden_bytes / 16), &lo, &hi);
+    const int row_int4 = static_cast<int>(geo.hidden_bytes / 16);
     bool ok = true;
-    for (int t = begin; t < end && ok; ++t) {
+    team_progress(team, min(team.rank, num_items));
+    for (int i = team.rank; i < num_items && ok; i += team.size) {
+        const int t = begin + i;
         const int index = is_node_lane ? args.send_rdma_head[static_cast<int64_t>(t) * num_nodes + lane] : -1;
-        const bool bit = index >= 0;
-        const uint32_t mask = __ballot_sync(0xffffffffu, bit);
-        const uint32_t target = bit ? base + static_cast<uint32_t>(index) + 1 : tail_cache;
-        ok = wait_flushing(ctx, rail_tail, target, Site{kKernelCombine, kPhaseCombineRecvWaitTail,
-                                                         lane * per_node + my_local, channel}, &tail_cache, flush);
-        ok = ok && team_ok;
+        const uint32_t mask = __ballot_sync(0xffffffffu, index >= 0);
+        ok = team_wait_geq(ctx, index >= 0 ? rail_tail : nullptr, base + static_cast<uint32_t>(index) + 1,
+                           Site{kKernelCombine, kPhaseCombineRecvWaitTail, lane * per_node + my_local, channel},
+                           &tail_cache, leader, [&] { flush(true); });
         if (!ok) break;
         const int4* srcs[kMaxRanks];
         int num_srcs = 0;
-        for (int n = 0; n < num_nodes; ++n) {
-            const int position = __shfl_sync(0xffffffffu, index, n);
-            const uint32_t node_base = __shfl_sync(0xffffffffu, base, n);
-            if ((mask >> n) & 1u)
+        for (int m = 0; m < num_nodes; ++m) {
+            const int position = __shfl_sync(0xffffffffu, index, m);
+            const uint32_t node_base = __shfl_sync(0xffffffffu, base, m);
+            if ((mask >> m) & 1u)
                 srcs[num_srcs++] = reinterpret_cast<const int4*>(
-                    own + geo.rail_slot(channel, n, node_base + static_cast<uint32_t>(position)));
+                    own + geo.rail_slot(channel, m, node_base + static_cast<uint32_t>(position)));
         }
         const int4* bias_0 = args.bias_0 == nullptr ? nullptr
             : reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_0) + t * geo.hidden_bytes);
         const int4* bias_1 = args.bias_1 == nullptr ? nullptr
             : reinterpret_cast<const int4*>(static_cast<const char*>(args.bias_1) + t * geo.hidden_bytes);
-        int4* out = reinterpret_cast<int4*>(static_cast<char*>(args.combined_x) + t * geo.hidden_bytes);
-        for (int64_t u = lo + lane; u < hi; u += 32) {
-            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            if (bias_0 != nullptr) add_bf16x8(acc, ld_nc_int4(bias_0 + u));
-            if (bias_1 != nullptr) add_bf16x8(acc, ld_nc_int4(bias_1 + u));
-            for (int k = 0; k < num_srcs; ++k) add_bf16x8(acc, ld_ring_int4(srcs[k] + u));
-            out[u] = to_bf16x8(acc);
-        }
-        if (leader && args.combined_topk_weights != nullptr) {
+        reduce_row<2>(srcs, num_srcs, bias_0, bias_1,
+                      reinterpret_cast<int4*>(static_cast<char*>(args.combined_x) + t * geo.hidden_bytes), row_int4);
+        if (args.combined_topk_weights != nullptr) {
             for (int k = lane; k < geo.num_topk; k += 32) {
                 float w = 0.f;
                 for (int q = 0; q < num_srcs; ++q)
@@ -991,18 +1082,12 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
                 args.combined_topk_weights[static_cast<int64_t>(t) * geo.num_topk + k] = w;
             }
         }
-        team.report(++done);
-        if (bit) consumed = static_cast<uint32_t>(index) + 1;
-        if ((t - begin + 1) % args.num_max_rdma_send_tokens == 0) {
-            flush();
-            ok = team_ok;
-        }
+        team_progress(team, min(i + team.size, num_items));
+        if (leader) flush();
     }
-    team.report(kTeamDone);
     if (leader) {
-        const bool all_done = team.wait(ctx, kTeamDone, site);
-        if (ok && all_done) flush();
-        if (is_node_lane) head_shadows[counter_index(channel, lane)] = base + consumed;
+        ok = team_drain(ctx, team, num_items, site, flush) && ok;
+        if (is_node_lane) head_shadows[counter_index(channel, lane)] = base + released;
     }
 }
 
