@@ -294,11 +294,9 @@ struct Team {
         *hi = n * (rank + 1) / size;
     }
 
-    // A non-leader warp has finished its part of the first `done` items (no-op for the leader). `to_peers`: the
-    // warp's stores went to a peer's ring, so they are made visible system-wide first (the leader's release covers
-    // only what is visible when it publishes).
-    __device__ __forceinline__ void report(int done, bool to_peers) const {
-        if (rank != 0) release_progress(progress, rank, done, to_peers);
+    // A non-leader warp has finished its part of the first `done` items (no-op for the leader).
+    __device__ __forceinline__ void report(int done) const {
+        if (rank != 0) release_progress(progress, rank, done);
     }
 
     // Leader, whole warp: every warp of the team has finished the first `done` items (lane w watches warp w). Bounded
@@ -378,7 +376,7 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
     int lo, hi;
     team.share(static_cast<int>(geo.hidden_bytes / 16), &lo, &hi);
     for (int t = begin; t < end && ok; ++t) {
-        team.report(t - begin, true);
+        team.report(t - begin);
         const bool bit = lane < per_node && args.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + n * per_node + lane];
         const uint32_t mask = __ballot_sync(0xffffffffu, bit);
         int* head_out = args.send_rdma_head != nullptr && leader && lane == 0
@@ -433,7 +431,7 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
             published = tail;
         }
     }
-    team.report(kTeamDone, true);
+    team.report(kTeamDone);
     if (leader) {
         const bool all_done = team.wait(ctx, kTeamDone, site);
         if (ok && all_done && published != tail && publish) warp_publish(remote_tail, tail);
@@ -531,7 +529,7 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
                                                                geo.node_slot(channel, src_rank, position)) + lo;
             }
             warp_copy_row<true>(reinterpret_cast<const int4*>(record) + lo, hi - lo, dsts, num_dsts);
-            team.report(done + 1, true);
+            team.report(done + 1);
             if (bit) {
                 ++node_tail;
                 ++seq;
@@ -563,7 +561,7 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
         }
         node_published = node_tail;
     }
-    team.report(kTeamDone, true);
+    team.report(kTeamDone);
     if (leader) {
         team.wait(ctx, kTeamDone, site);
         if (lane == 0) *rail_heads_shadow = rail_head;
@@ -634,7 +632,7 @@ static __device__ void fused_receive(const KernelContext& ctx, const FusedGeomet
                     }
                 }
             }
-            team.report(row + 1 - first_row, false);
+            team.report(row + 1 - first_row);
         }
         // Every warp has copied the batch out: its slots go back to the forwarder.
         if (leader) {
@@ -643,7 +641,7 @@ static __device__ void fused_receive(const KernelContext& ctx, const FusedGeomet
             warp_publish(remote_head, head);
         }
     }
-    team.report(kTeamDone, false);
+    team.report(kTeamDone);
     if (leader) {
         team.wait(ctx, kTeamDone, site);
         if (lane == 0) *head_shadow = head;
@@ -698,17 +696,15 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
 // Only the leader publishes (tails, credits), non-blocking, from that minimum; it does so after its own items and
 // inside every spin of its waits, so a teammate's wait on a peer (which may need those publications) always ends.
 
-// This warp's progress: every item of it below `next` is finished; the warp's stores come first (system-wide when
-// `to_peers`: they went to a peer's ring).
-__device__ __forceinline__ void team_progress(const Team& team, int next, bool to_peers) {
-    release_progress(team.progress, team.rank, next, to_peers);
+// This warp's progress: every item of it below `next` is finished; the warp's stores come first (CTA scope).
+__device__ __forceinline__ void team_progress(const Team& team, int next) {
+    release_progress(team.progress, team.rank, next);
 }
 
 // Leader, whole warp: the items the whole team has finished (a prefix), with their stores visible to this warp.
 __device__ __forceinline__ int team_finished(const Team& team, int num_items) {
     const int lane = lane_id();
     const int p = warp_min(lane < team.size ? min(team.progress[lane], num_items) : num_items);
-    __syncwarp();
     __threadfence_block();
     return p;
 }
@@ -723,10 +719,7 @@ __device__ __forceinline__ bool team_wait_geq(const KernelContext& ctx, const ui
         *cache = ld_acquire_sys(word);
         pending = !seq_geq(*cache, target);
     }
-    if (!__any_sync(0xffffffffu, pending)) {
-        __syncwarp();  // the waiting lanes' acquire orders every lane's reads that follow
-        return true;
-    }
+    if (!__any_sync(0xffffffffu, pending)) return true;
     const uint32_t* abort = abort_word(ctx.buffers[ctx.rank]);
     const uint64_t start = global_timer_ns();
     for (uint32_t spins = 1;; ++spins) {
@@ -738,10 +731,7 @@ __device__ __forceinline__ bool team_wait_geq(const KernelContext& ctx, const ui
                 pending = false;
             }
         }
-        if (!__any_sync(0xffffffffu, pending)) {
-            __syncwarp();
-            return true;
-        }
+        if (!__any_sync(0xffffffffu, pending)) return true;
         bool failed = false;
         if ((spins & 63) == 0 && pending) {
             const uint32_t abort_value = ld_relaxed_sys(abort);
@@ -883,7 +873,7 @@ static __device__ void fused_combine_send(const KernelContext& ctx, const FusedG
         }
     };
     const int row_int4 = static_cast<int>(geo.hidden_bytes / 16);
-    team_progress(team, min(team.rank, num_rows), false);
+    team_progress(team, min(team.rank, num_rows));
     for (int i = team.rank; i < num_rows && ok; i += team.size) {
         const uint32_t needed_head = tail0 + static_cast<uint32_t>(i) + 1 - static_cast<uint32_t>(geo.node_capacity);
         ok = team_wait_geq(ctx, lane == 0 ? heads + counter_index(channel, s) : nullptr, needed_head, site, &head,
@@ -899,7 +889,7 @@ static __device__ void fused_combine_send(const KernelContext& ctx, const FusedG
             for (int k = lane; k < geo.num_topk; k += 32)
                 reinterpret_cast<float*>(slot + geo.meta_offset)[k] =
                     args.topk_weights[static_cast<int64_t>(row) * geo.num_topk + k];
-        team_progress(team, min(i + team.size, num_rows), true);
+        team_progress(team, min(i + team.size, num_rows));
         if (leader) flush();
     }
     if (leader) {
@@ -971,7 +961,7 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
         __syncwarp();
     };
     const int row_int4 = static_cast<int>(geo.hidden_bytes / 16);
-    team_progress(team, min(team.rank, num_records), false);
+    team_progress(team, min(team.rank, num_records));
     for (int i = team.rank; i < num_records && ok; i += team.size) {
         const int64_t f = first_row + i;
         const int index = is_src_lane ? args.send_nvl_head[f * kMaxGpusPerNode + lane] : -1;
@@ -1008,7 +998,7 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
                 reinterpret_cast<float*>(slot + geo.meta_offset)[k] = w;
             }
         }
-        team_progress(team, min(i + team.size, num_records), true);
+        team_progress(team, min(i + team.size, num_records));
         if (leader) flush();
     }
     if (leader) {
@@ -1059,7 +1049,7 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
     };
     const int row_int4 = static_cast<int>(geo.hidden_bytes / 16);
     bool ok = true;
-    team_progress(team, min(team.rank, num_items), false);
+    team_progress(team, min(team.rank, num_items));
     for (int i = team.rank; i < num_items && ok; i += team.size) {
         const int t = begin + i;
         const int index = is_node_lane ? args.send_rdma_head[static_cast<int64_t>(t) * num_nodes + lane] : -1;
@@ -1092,7 +1082,7 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
                 args.combined_topk_weights[static_cast<int64_t>(t) * geo.num_topk + k] = w;
             }
         }
-        team_progress(team, min(i + team.size, num_items), false);
+        team_progress(team, min(i + team.size, num_items));
         if (leader) flush();
     }
     if (leader) {

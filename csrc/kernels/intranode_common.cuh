@@ -127,15 +127,11 @@ __device__ __forceinline__ int raise_max_channels(const KernelContext& ctx, int6
 // (after one system fence) or heads for that prefix. Its system fence is the only one per publication, and copy
 // warps keep copying while it stalls in it.
 
-// Copy warp, after an item: all lanes' stores and loads of the item come first (warp sync, CTA fence; a system
-// fence when `system` is set).
-__device__ __forceinline__ void release_progress(volatile int* progress, int warp, int value, bool system = false) {
+// Copy warp, after an item: all lanes' stores and loads of the item come first (warp sync, CTA fence).
+__device__ __forceinline__ void release_progress(volatile int* progress, int warp, int value) {
     __syncwarp();
     if (lane_id() == 0) {
-        if (system)
-            fence_acq_rel_sys();
-        else
-            __threadfence_block();
+        __threadfence_block();
         progress[warp] = value;
     }
 }
