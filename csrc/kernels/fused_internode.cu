@@ -705,6 +705,7 @@ __device__ __forceinline__ void team_progress(const Team& team, int next) {
 __device__ __forceinline__ int team_finished(const Team& team, int num_items) {
     const int lane = lane_id();
     const int p = warp_min(lane < team.size ? min(team.progress[lane], num_items) : num_items);
+    __syncwarp();  // the lanes that read the progress words come before lane 0's publication
     __threadfence_block();
     return p;
 }
@@ -719,7 +720,10 @@ __device__ __forceinline__ bool team_wait_geq(const KernelContext& ctx, const ui
         *cache = ld_acquire_sys(word);
         pending = !seq_geq(*cache, target);
     }
-    if (!__any_sync(0xffffffffu, pending)) return true;
+    if (!__any_sync(0xffffffffu, pending)) {
+        __syncwarp();  // the waiting lanes' acquire orders every lane's reads that follow
+        return true;
+    }
     const uint32_t* abort = abort_word(ctx.buffers[ctx.rank]);
     const uint64_t start = global_timer_ns();
     for (uint32_t spins = 1;; ++spins) {
@@ -731,7 +735,10 @@ __device__ __forceinline__ bool team_wait_geq(const KernelContext& ctx, const ui
                 pending = false;
             }
         }
-        if (!__any_sync(0xffffffffu, pending)) return true;
+        if (!__any_sync(0xffffffffu, pending)) {
+            __syncwarp();
+            return true;
+        }
         bool failed = false;
         if ((spins & 63) == 0 && pending) {
             const uint32_t abort_value = ld_relaxed_sys(abort);
