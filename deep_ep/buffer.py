@@ -91,14 +91,14 @@ class _Agreement:
         torch_backend = self.buffer._agreeing(self.mode, self.device, self.backend)
         if torch_backend is None:
             # The CUDA kernels: a non-cached dispatch carries the signature in its notify kernel (a refusal launches
-            # that notify with zero counts), a low-latency dispatch its hash in its count messages; other calls,
-            # and a single rank, exchange nothing.
+            # that notify with zero counts), a cached dispatch its hash in its kernel's output words, a low-latency
+            # dispatch its hash in its count messages; other calls, and a single rank, exchange nothing.
             kernels = self.buffer._kernel_agreeing(self.method, self.device, self.backend, self.cached)
             if kernels is not None:
                 signature = Signature(self.method, fields, refused)
                 if refused is None:
                     self.signature = signature
-                elif kernels.notify_agreement:
+                elif kernels.notify_agreement and not self.cached:
                     kernels.refuse_dispatch(signature)
             return
         signature = Signature(self.method, fields, refused)
@@ -278,16 +278,18 @@ class Buffer:
     def _kernel_agreeing(self, method: str, device: Optional[str], backend: Optional[Backend],
                          cached: bool) -> Optional[Backend]:
         """The CUDA backend whose kernels carry the agreement of the call: the notify kernel of a non-cached
-        ``dispatch`` (``backend``, or the CUDA route when the device is unknown), the count messages of a
-        ``low_latency_dispatch``; else ``None``."""
+        ``dispatch`` (``backend``, or the CUDA route when the device is unknown), the output words of a cached one,
+        the count messages of a ``low_latency_dispatch``; else ``None``."""
         if self.group_size == 1 or self._destroyed:
             return None
         if method == "low_latency_dispatch":
             return backend if backend is not None and backend.hashes_signature else None
-        if method != "dispatch" or cached:
+        if method != "dispatch":
             return None
         if backend is None and device == _UNKNOWN_DEVICE:
             backend = self._routes.get(("normal", "cuda"))
+        if cached:
+            return backend if backend is not None and backend.handle_agreement else None
         return backend if backend is not None and backend.notify_agreement else None
 
     def _ll_backend(self, method: str, device: Optional[str], hidden: int, use_fp8: bool = False,

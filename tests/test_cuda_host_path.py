@@ -37,7 +37,7 @@ class Recording(ext.Runtime):
     def notify_dispatch(self, *args):
         calls.append(["notify", args[11]])  # after_current (the signature and its check follow)
     def dispatch(self, *args):
-        calls.append(["dispatch", *args[-2:]])
+        calls.append(["dispatch", *args[20:22]])  # after_current, current_after (the signature hash follows)
         offsets.append(list(args[12:14]))
         return super().dispatch(*args)
     def combine(self, *args):
@@ -271,8 +271,9 @@ def test_ll_launches_per_mode():
 
 
 # Two ranks (argv: ROOT RANK PORT) whose fake kernels exchange the call signatures (tests/fake_cuda.py): the normal
-# dispatch with a disagreement, a refusal, a worst-token disagreement, each followed by a correct call; then the
-# low-latency dispatch with use_fp8 on rank 0 only. Prints, per step, the outcome and the kernels launched.
+# dispatch with a disagreement, a refusal, a worst-token disagreement, a cached dispatch with a disagreement, each
+# followed by a correct call; then the low-latency dispatch with use_fp8 on rank 0 only. Prints, per step, the
+# outcome and the kernels launched.
 _AGREE_PROBE = _PRELUDE + r"""
 import reference
 from deep_ep.config import Topology
@@ -314,6 +315,12 @@ with fake.patched(torch, cuda_tensors=True):
     attempt("worst", runtime, lambda: dispatch(wide if rank == 1 else x, num_worst_tokens=64))
     attempt("worst next", runtime, dispatch)
     attempt("after worst", runtime, dispatch)
+    made = {}
+    attempt("cached handle", runtime, lambda: made.update(handle=dispatch()[4]))
+    attempt("cached", runtime, lambda: buffer.dispatch(wide if rank == 1 else x, handle=made["handle"]))
+    attempt("cached next", runtime, lambda: buffer.dispatch(x, handle=made["handle"]))
+    attempt("after cached", runtime, lambda: buffer.dispatch(x, handle=made["handle"]))
+    attempt("after cached next", runtime, dispatch)
     buffer._release()
 
     ll = deep_ep.Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True)
@@ -363,6 +370,14 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
         assert out["worst"] == ["ok", "", ["notify", "dispatch"]], out["worst"]
         kind, message, launches = out["worst next"]
         assert kind == "ArgumentMismatchError" and launches == [] and "x.size(1) (hidden)" in message, out
+        # Cached dispatch: the kernel compares the signature hashes in its output words (no host wait); the next
+        # call awaits the kernel's verdict and raises on both ranks before its launches; then the calls work.
+        assert out["cached handle"][0] == "ok" and out["cached"] == ["ok", "", ["dispatch"]], out["cached"]
+        kind, message, launches = out["cached next"]
+        assert kind == "ArgumentMismatchError" and launches == ["await"], out["cached next"]
+        assert "cached dispatch" in message and f"peer {1 - rank}" in message, message
+        assert out["after cached"] == ["ok", "", ["dispatch"]], out["after cached"]
+        assert out["after cached next"] == ["ok", "", ["await", "notify", "dispatch"]], out["after cached next"]
         # Low latency: the hashes differ; every launch raises on both ranks, keeping the parity, until
         # clean_low_latency_buffer; then the calls work.
         assert out["ll fp8"][0] == "ok", out["ll fp8"]
