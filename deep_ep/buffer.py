@@ -71,7 +71,7 @@ class _Agreement:
     its validation: :meth:`agree` exchanges the call's signature; a ``TypeError``/``ValueError`` raised in the block
     before that sends a refusal in its place, so that the peers raise at once instead of waiting."""
 
-    __slots__ = ("buffer", "method", "mode", "device", "backend", "rides", "signature", "done", "cached")
+    __slots__ = ("buffer", "method", "mode", "device", "backend", "rides", "signature", "done", "cached", "ll_shape")
 
     def __init__(self, buffer: "Buffer", method: str, mode: str, cached: bool = False) -> None:
         self.buffer, self.method, self.mode, self.cached = buffer, method, mode, cached
@@ -82,6 +82,9 @@ class _Agreement:
         self.rides = False
         self.signature: Optional[Signature] = None
         self.done = False
+        # A low-latency dispatch's (T, H, E) once validated, and x's device: a refusal after that launches the call's
+        # kernel.
+        self.ll_shape: Optional[tuple[int, int, int, torch.device]] = None
 
     def __enter__(self) -> "_Agreement":
         return self
@@ -92,7 +95,8 @@ class _Agreement:
         if torch_backend is None:
             # The CUDA kernels: a non-cached dispatch carries the signature in its notify kernel (a refusal launches
             # that notify with zero counts), a cached dispatch its hash in its kernel's output words, a low-latency
-            # dispatch its hash in its count messages; other calls, and a single rank, exchange nothing.
+            # dispatch its hash in its count messages (a refusal launches it with no tokens, once (T, H, E) are
+            # valid); other calls, and a single rank, exchange nothing.
             kernels = self.buffer._kernel_agreeing(self.method, self.device, self.backend, self.cached)
             if kernels is not None:
                 signature = Signature(self.method, fields, refused)
@@ -100,6 +104,9 @@ class _Agreement:
                     self.signature = signature
                 elif kernels.notify_agreement and not self.cached:
                     kernels.refuse_dispatch(signature)
+                elif kernels.hashes_signature and self.ll_shape is not None:
+                    kernels.refuse_low_latency_dispatch(signature, *self.ll_shape)
+                    self.buffer._count_refused_low_latency_dispatch()
             return
         signature = Signature(self.method, fields, refused)
         if self.rides and refused is None:
@@ -333,6 +340,12 @@ class Buffer:
                     f"{method} would be a third low-latency call in flight: the receive hook of low-latency call "
                     f"#{receive.generation} (this is call #{self._ll_generation}) has not been called, and this call "
                     "reuses its buffer half; call that hook first (at most two low-latency calls may be in flight)")
+
+    def _count_refused_low_latency_dispatch(self) -> None:
+        """This rank refused a low-latency dispatch whose kernel still ran with the peers' (they got a handle and
+        counted a call): count the handle number and the call too, so that later handles and buffer halves match."""
+        self._num_handles += 1
+        self._ll_generation += 1
 
     def _track_receive(self, hook: Optional[ReceiveHook]) -> None:
         """Count a low-latency call; keep its hook's receive until it runs."""
@@ -714,6 +727,7 @@ class Buffer:
             backend = agreement.backend = self._ll_backend("low_latency_dispatch", _device_type(x), hidden, use_fp8,
                                                            use_ue8m0)
             agreement.rides = backend is self._torch
+            agreement.ll_shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts, x.device)
             v.check_ll_tokens("x", num_tokens, num_max_dispatch_tokens_per_rank)
             topk_idx = v.check_topk_idx("topk_idx", topk_idx, num_tokens=num_tokens, device=x.device)
             v.check_ll_topk("topk_idx", topk_idx.size(1))

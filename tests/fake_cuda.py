@@ -226,6 +226,7 @@ def make_fake_extension(torch) -> types.ModuleType:
         def __init__(self, rank, num_ranks, num_rdma_bytes, timeout_s, enable_shrink, unique_id, put_only=False):
             self.rank, self.num_ranks = rank, num_ranks
             self.record = None
+            self.launches = []  # "dispatch (N tokens)" per dispatch launch
 
         def required_bytes(self, num_max_tokens, hidden, num_experts):
             return 0
@@ -244,6 +245,7 @@ def make_fake_extension(torch) -> types.ModuleType:
                      half, phases, stream, current_after, outputs, signature_hash=0):
             if self.record is not None:
                 raise DeviceError("a low-latency kernel error is pending (read_error() has it)")
+            self.launches.append(f"dispatch ({x.size(0)} tokens)")
             if phases & 1 and self.num_ranks > 1:  # the count words carry the hash
                 hashes = gather(signature_hash)
                 differ = [s for s, h in enumerate(hashes) if h != signature_hash]

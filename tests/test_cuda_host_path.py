@@ -272,8 +272,8 @@ def test_ll_launches_per_mode():
 
 # Two ranks (argv: ROOT RANK PORT) whose fake kernels exchange the call signatures (tests/fake_cuda.py): the normal
 # dispatch with a disagreement, a refusal, a worst-token disagreement, a cached dispatch with a disagreement, each
-# followed by a correct call; then the low-latency dispatch with use_fp8 on rank 0 only. Prints, per step, the
-# outcome and the kernels launched.
+# followed by a correct call; then the low-latency dispatch with use_fp8 on rank 0 only, and one that rank 1 refuses.
+# Prints, per step, the outcome and the kernels launched.
 _AGREE_PROBE = _PRELUDE + r"""
 import reference
 from deep_ep.config import Topology
@@ -333,6 +333,15 @@ with fake.patched(torch, cuda_tensors=True):
     attempt("ll again", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
     attempt("ll clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
     attempt("ll after", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
+    too_many = torch.cat([x_ll, x_ll]) if rank == 1 else x_ll  # 32 tokens > T = 16: rank 1 refuses
+    idx_many = torch.cat([idx_ll, idx_ll]) if rank == 1 else idx_ll
+    attempt("ll refused", ll_runtime, lambda: ll.low_latency_dispatch(too_many, idx_many, 16, 8))
+    attempt("ll refused next", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
+    attempt("ll refused clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
+    made = {}
+    attempt("ll after refused", ll_runtime,
+            lambda: made.update(serial=ll.low_latency_dispatch(x_ll, idx_ll, 16, 8).handle.serial))
+    out["ll state"] = [ll._cuda_ll.parity, ll._ll_generation, made.get("serial")]
     ll._release()
 dist.destroy_process_group()
 print(json.dumps(out))
@@ -386,3 +395,15 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
         assert "clean_low_latency_buffer" in message and out["ll parity kept"], out
         assert out["ll again"][0] == "ArgumentMismatchError", out["ll again"]
         assert out["ll clean"][0] == "ok" and out["ll after"][0] == "ok", out
+        # Rank 1 refuses a low-latency dispatch (too many tokens): it launches the dispatch with no tokens and the
+        # hash of its refusal, so rank 0's kernel sees a differing hash at once; both ranks then raise until clean.
+        kind, message, launches = out["ll refused"]
+        if rank == 1:
+            assert kind == "ValueError" and message.startswith("x") and launches == ["dispatch (0 tokens)"], out
+        else:
+            assert kind == "ok" and launches == ["dispatch (16 tokens)"], out["ll refused"]
+        kind, message, _ = out["ll refused next"]
+        assert kind == "ArgumentMismatchError" and f"rank {1 - rank}" in message and "refused" in message, out
+        assert out["ll refused clean"][0] == "ok" and out["ll after refused"][0] == "ok", out
+    # The refusing rank counted the call as its peer did: same parity, call number and handle number.
+    assert outs[0]["ll state"] == outs[1]["ll state"], (outs[0]["ll state"], outs[1]["ll state"])

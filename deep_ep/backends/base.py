@@ -120,7 +120,8 @@ class Backend(Protocol):
             range, counts that match the routing); the CUDA kernels check those themselves (``RoutingError``).
         notify_agreement: a non-cached ``dispatch`` carries the call's signature in its notify kernel, and
             :meth:`refuse_dispatch` takes part in that exchange for a rank whose validation failed.
-        hashes_signature: a ``low_latency_dispatch`` carries a hash of the call's signature in its count messages.
+        hashes_signature: a ``low_latency_dispatch`` carries a hash of the call's signature in its count messages,
+            and :meth:`refuse_low_latency_dispatch` sends them for a rank whose validation failed.
         handle_agreement: a cached ``dispatch`` carries a hash of the call's signature in the words its kernel
             exchanges at its start; a disagreement raises at the backend's next call.
     """
@@ -151,6 +152,10 @@ class Backend(Protocol):
     # Low-latency mode.
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         raise _unserved(self, "low_latency_dispatch")
+
+    def refuse_low_latency_dispatch(self, signature: Any, num_max_tokens: int, hidden: int, num_experts: int,
+                                    device: torch.device) -> None:
+        raise _unserved(self, "refuse_low_latency_dispatch")
 
     def low_latency_combine(self, request: LowLatencyCombineRequest) -> LowLatencyCombineResult:
         raise _unserved(self, "low_latency_combine")
