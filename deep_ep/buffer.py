@@ -71,7 +71,8 @@ class _Agreement:
     its validation: :meth:`agree` exchanges the call's signature; a ``TypeError``/``ValueError`` raised in the block
     before that sends a refusal in its place, so that the peers raise at once instead of waiting."""
 
-    __slots__ = ("buffer", "method", "mode", "device", "backend", "rides", "signature", "done", "cached", "ll_shape")
+    __slots__ = ("buffer", "method", "mode", "device", "backend", "rides", "signature", "done", "cached", "ll_shape",
+                 "handle")
 
     def __init__(self, buffer: "Buffer", method: str, mode: str, cached: bool = False) -> None:
         self.buffer, self.method, self.mode, self.cached = buffer, method, mode, cached
@@ -85,6 +86,8 @@ class _Agreement:
         # A low-latency dispatch's (T, H, E) once validated, and x's device: a refusal after that launches the call's
         # kernel.
         self.ll_shape: Optional[tuple[int, int, int, torch.device]] = None
+        # A cached dispatch's handle, once checked: a refusal after that launches the call's kernel.
+        self.handle: Any = None
 
     def __enter__(self) -> "_Agreement":
         return self
@@ -94,7 +97,8 @@ class _Agreement:
         torch_backend = self.buffer._agreeing(self.mode, self.device, self.backend)
         if torch_backend is None:
             # The CUDA kernels: a non-cached dispatch carries the signature in its notify kernel (a refusal launches
-            # that notify with zero counts), a cached dispatch its hash in its kernel's output words, a low-latency
+            # that notify with zero counts), a cached dispatch its hash in its kernel's output words (a refusal
+            # launches that kernel, once the handle is valid), a low-latency
             # dispatch its hash in its count messages (a refusal launches it with no tokens, once (T, H, E) are
             # valid); other calls, and a single rank, exchange nothing.
             kernels = self.buffer._kernel_agreeing(self.method, self.device, self.backend, self.cached)
@@ -104,6 +108,8 @@ class _Agreement:
                     self.signature = signature
                 elif kernels.notify_agreement and not self.cached:
                     kernels.refuse_dispatch(signature)
+                elif self.cached and self.handle is not None:
+                    kernels.refuse_cached_dispatch(signature, self.handle)
                 elif kernels.hashes_signature and self.ll_shape is not None:
                     kernels.refuse_low_latency_dispatch(signature, *self.ll_shape)
                     self.buffer._count_refused_low_latency_dispatch()
@@ -538,7 +544,7 @@ class Buffer:
             request = self._dispatch_request(data, scales, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                              is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                              expert_alignment, num_worst_tokens, config, previous_event,
-                                             async_finish, allocate_on_comm_stream)
+                                             async_finish, allocate_on_comm_stream, agreement)
             req_handle, req_idx = request.handle, request.topk_idx
             agreement.agree(("cached (handle given)", req_handle is not None),
                             ("handle (its dispatch number)", req_handle.serial if req_handle is not None else -1),
@@ -564,8 +570,9 @@ class Buffer:
                           topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
                           expert_alignment: int, num_worst_tokens: int, config: Optional[Config],
                           previous_event: Optional[EventOverlap], async_finish: bool,
-                          allocate_on_comm_stream: bool) -> DispatchRequest:
-        """``dispatch``'s checks after ``x``; returns the validated request."""
+                          allocate_on_comm_stream: bool, agreement: _Agreement) -> DispatchRequest:
+        """``dispatch``'s checks after ``x``; returns the validated request (a cached call's checked handle goes
+        to ``agreement`` at once)."""
         num_tokens = data.size(0)
         x = (data, scales) if scales is not None else data
         v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
@@ -576,7 +583,7 @@ class Buffer:
         R = self.group_size
 
         if handle is not None:
-            handle = self._check_handle(handle, "normal")
+            handle = agreement.handle = self._check_handle(handle, "normal")
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights, got "
                                  f"topk_idx={'a tensor' if topk_idx is not None else None}, "

@@ -321,6 +321,10 @@ with fake.patched(torch, cuda_tensors=True):
     attempt("cached next", runtime, lambda: buffer.dispatch(x, handle=made["handle"]))
     attempt("after cached", runtime, lambda: buffer.dispatch(x, handle=made["handle"]))
     attempt("after cached next", runtime, dispatch)
+    attempt("cached handle 2", runtime, lambda: made.update(handle=dispatch()[4]))
+    attempt("cached refused", runtime, lambda: buffer.dispatch(x[:-1] if rank == 1 else x, handle=made["handle"]))
+    attempt("cached refused next", runtime, lambda: buffer.dispatch(x, handle=made["handle"]))
+    attempt("after cached refused", runtime, lambda: buffer.dispatch(x, handle=made["handle"]))
     buffer._release()
 
     ll = deep_ep.Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True)
@@ -387,6 +391,14 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
         assert "cached dispatch" in message and f"peer {1 - rank}" in message, message
         assert out["after cached"] == ["ok", "", ["dispatch"]], out["after cached"]
         assert out["after cached next"] == ["ok", "", ["await", "notify", "dispatch"]], out["after cached next"]
+        # Rank 1 refuses a cached dispatch (x has a row too few): it launches the kernel with its refusal's hash and
+        # raises its own error; both ranks' next call raises ArgumentMismatchError (their calls stay paired).
+        kind, message, launches = out["cached refused"]
+        assert launches == ["dispatch"], out["cached refused"]
+        assert kind == ("ValueError" if rank == 1 else "ok") and (rank == 0 or message.startswith("x must")), message
+        kind, message, launches = out["cached refused next"]
+        assert kind == "ArgumentMismatchError" and launches == ["await"] and f"peer {1 - rank}" in message, message
+        assert out["after cached refused"][0] == "ok", out["after cached refused"]
         # Low latency: the hashes differ; every launch raises on both ranks, keeping the parity, until
         # clean_low_latency_buffer; then the calls work.
         assert out["ll fp8"][0] == "ok", out["ll fp8"]

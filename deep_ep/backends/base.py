@@ -124,6 +124,7 @@ class Backend(Protocol):
             and :meth:`refuse_low_latency_dispatch` sends them for a rank whose validation failed.
         handle_agreement: a cached ``dispatch`` carries a hash of the call's signature in the words its kernel
             exchanges at its start; a disagreement raises at the backend's next call.
+            :meth:`refuse_cached_dispatch` takes part in that exchange for a rank whose validation failed.
     """
 
     num_ranks: int
@@ -141,6 +142,9 @@ class Backend(Protocol):
 
     def refuse_dispatch(self, signature: Any) -> None:
         raise _unserved(self, "refuse_dispatch")
+
+    def refuse_cached_dispatch(self, signature: Any, handle: Any) -> None:
+        raise _unserved(self, "refuse_cached_dispatch")
 
     def combine(self, request: CombineRequest) -> CombineResult:
         raise _unserved(self, "combine")

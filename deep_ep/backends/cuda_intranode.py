@@ -181,6 +181,27 @@ class CudaBackend(Backend):
         if self.runtime is not None:
             self.runtime.refuse_notify(signature.values(), self._comm_ptr)
 
+    def refuse_cached_dispatch(self, signature: Signature, handle: object) -> None:
+        """This rank's validation refused a cached dispatch with ``handle`` (valid) that its peers make: launch the
+        dispatch kernel of the handle's channels with the hash of the refusal ``signature`` and a stand-in payload,
+        so that every peer's kernel sees a hash that differs at once (no rank moves a row). The caller raises its
+        own error now; the next call raises :class:`ArgumentMismatchError` on every rank, this one too, so that the
+        ranks' calls stay paired."""
+        if self.runtime is None:
+            return
+        self._call_prologue()
+        handle = self._kernel_handle(handle)
+        num_channels = handle.channel_prefix_matrix.size(1)
+        is_token_in_rank = handle.is_token_in_rank
+        stand_in = torch.empty(is_token_in_rank.size(0), 8, dtype=torch.bfloat16, device=is_token_in_rank.device)
+        self.runtime.dispatch(stand_in, None, None, None, 0, is_token_in_rank, handle.rank_prefix_matrix,
+                              handle.channel_prefix_matrix, handle.recv_channel_prefix_matrix, handle.send_head,
+                              handle.recv_src_idx.size(0), handle.recv_src_idx, -1, -1, False, num_channels, 8, 256,
+                              tuning.intranode_send_warps("dispatch", self.num_ranks, num_channels,
+                                                          puts=bool(self.put_peers)),
+                              self._comm_ptr, True, True, signature_hash(signature) or 1)
+        self._verdict_pending = not torch.cuda.is_current_stream_capturing()
+
     def reset(self) -> None:
         """Collective: clear the error record and the kernels' private state on every rank after a failure."""
         torch.cuda.synchronize()

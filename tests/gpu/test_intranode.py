@@ -887,8 +887,10 @@ def task_disagree(buffer, rank: int, payload: dict) -> str:
 def task_cached_disagree(buffer, rank: int, payload: dict) -> str:
     """Rank 1 passes a cached dispatch a different hidden size, dtype, FP8 payload or config chunking: its kernel
     moves no row on any rank, and every rank's next call raises ArgumentMismatchError naming the cached dispatch,
-    well under a second, before it launches anything. After each, a correct cached dispatch and combine give every
-    rank's rows in (source rank, token) order and their sum (the rings and epochs stayed in step)."""
+    well under a second, before it launches anything. Then rank 1 refuses a cached dispatch (a row too few): it
+    raises its own ValueError at once, and every rank's next call raises as above. After each, a correct cached
+    dispatch and combine give every rank's rows in (source rank, token) order and their sum (the rings and epochs
+    stayed in step)."""
     import time
 
     import deep_ep
@@ -916,11 +918,18 @@ def task_cached_disagree(buffer, rank: int, payload: dict) -> str:
     steps = [("hidden", torch.cat([x, x], 1) if other else x, config),
              ("dtype", x.to(torch.float16) if other else x, config),
              ("FP8", fp8 if other else x, config),
-             ("config", x, deep_ep.Config(4, 6, 256) if other else config)]
+             ("config", x, deep_ep.Config(4, 6, 256) if other else config),
+             ("refusal", x[:-1] if other else x, config)]
     seen = []
     correct("start")
     for name, data, cfg in steps:
-        buffer.dispatch(data, handle=handle, config=cfg)
+        refused = False
+        try:
+            buffer.dispatch(data, handle=handle, config=cfg)
+        except ValueError as exc:
+            assert not isinstance(exc, deep_ep.ArgumentMismatchError) and str(exc).startswith("x must"), str(exc)
+            refused = True
+        assert refused == (name == "refusal" and other), f"{name}: the call itself raised: {refused}"
         start = time.monotonic()
         try:
             buffer.dispatch(x, handle=handle, config=config)
