@@ -139,10 +139,11 @@ Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_
     DEEP_EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_error_), host_error_, 0));
 
     // [rows, per expert, pairs] int32, then the signatures [kMaxRanks][kSignatureWords] int64 (8-byte aligned).
-    const size_t counter_bytes = sizeof(int) * kSignatureIntOffset +
-                                 sizeof(int64_t) * kernels::kMaxRanks * kernels::kSignatureWords;
+    // Then the verdict word of cached dispatches (int64).
+    const size_t counter_bytes = sizeof(int) * kVerdictIntOffset + sizeof(int64_t);
     DEEP_EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_counters_), counter_bytes, cudaHostAllocMapped));
     for (int i = 0; i <= kernels::kMaxLocalExperts; ++i) host_counters_[i] = -1;
+    *reinterpret_cast<int64_t*>(host_counters_ + kVerdictIntOffset) = 0;
     DEEP_EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_counters_), host_counters_, 0));
     DEEP_EP_CUDA_CHECK(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming));
     DEEP_EP_CUDA_CHECK(cudaEventCreateWithFlags(&copy_event_, cudaEventDisableTiming));
@@ -355,6 +356,7 @@ void Runtime::reset(uintptr_t stream) {
     DEEP_EP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
     for (int i = 0; i <= kernels::kMaxLocalExperts; ++i) host_counters_[i] = -1;
+    pending_verdict_ = 0;
     copy_epoch_ = 0;
     std::atomic_thread_fence(std::memory_order_seq_cst);
 }
@@ -574,6 +576,33 @@ std::pair<int, std::vector<int>> Runtime::wait_recv_counts(int num_local_experts
     return {num_recv_tokens, per_expert};
 }
 
+void Runtime::await_agreement() {
+    if (pending_verdict_ == 0) return;
+    require_available("dispatch");
+    const int64_t target = pending_verdict_;
+    pending_verdict_ = 0;
+    const double budget_s = timeout_s_ * 1.05 + 2.0;  // the kernel's own waits report first (they name the peer)
+    const auto start = std::chrono::steady_clock::now();
+    const volatile int64_t* verdict = reinterpret_cast<const volatile int64_t*>(host_counters_ + kVerdictIntOffset);
+    for (int64_t spins = 0; *verdict < target; ++spins) {
+        if ((spins & 1023) == 1023) {
+            if (read_error().has_value()) return;  // the caller raises it
+            const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            if (waited > budget_s) {
+                char text[256];
+                std::snprintf(text, sizeof(text),
+                              "cached dispatch CPU wait for the agreement verdict: rank %d peer -1 channel -1 expected "
+                              "call %lld observed %lld after %.1f s (timeout; DEEP_EP_TIMEOUT_S=%g)",
+                              rank_, static_cast<long long>(target), static_cast<long long>(*verdict), waited,
+                              timeout_s_);
+                throw HostTimeout(text);
+            }
+            if (spins > (1 << 20)) std::this_thread::yield();
+        }
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+}
+
 std::vector<int64_t> Runtime::gathered_signatures() const {
     std::vector<int64_t> words(static_cast<size_t>(num_ranks_) * kernels::kSignatureWords);
     const volatile int64_t* source = reinterpret_cast<const volatile int64_t*>(host_counters_ + kSignatureIntOffset);
@@ -609,8 +638,10 @@ Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales
                   const at::Tensor& send_head, int num_recv_rows, const std::optional<at::Tensor>& given_recv_src_idx,
                   int64_t direct_data_offset, int64_t direct_meta_offset, bool worst_token_mode, int num_channels,
                   int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream,
-                  bool after_current, bool current_after) {
+                  bool after_current, bool current_after, int64_t signature_hash) {
     require_available("dispatch");
+    if (signature_hash != 0 && !given_recv_src_idx.has_value())
+        invalid("dispatch: signature_hash is for cached calls (a non-cached call's notify compares signatures)");
     if (num_recv_rows < 0) invalid("dispatch: num_recv_rows must be >= 0, got %d", num_recv_rows);
     if (direct_meta_offset >= 0 && (direct_data_offset < 0 || given_recv_src_idx.has_value()))
         invalid("dispatch: direct_meta_offset %lld needs direct_data_offset (got %lld) and no handle.recv_src_idx",
@@ -706,9 +737,16 @@ Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales
     args.direct_data_offset = direct_data_offset;
     args.direct_meta_offset = direct_meta_offset;
     args.agreement_gate = given_recv_src_idx.has_value() ? 0 : 1;  // a non-cached dispatch follows its notify
+    args.signature_hash = static_cast<uint32_t>(signature_hash);
+    args.host_verdict = nullptr;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    DEEP_EP_CUDA_CHECK(cudaStreamIsCapturing(as_stream(stream), &capture));
+    const bool verdict = signature_hash != 0 && capture == cudaStreamCaptureStatusNone;
+    if (verdict) args.host_verdict = reinterpret_cast<int64_t*>(device_counters_ + kVerdictIntOffset);
     if (after_current) order(as_stream(stream), current_stream());
     auto ctx = next_context();
     kernels::intranode_dispatch(ctx, args, as_stream(stream));
+    if (verdict) pending_verdict_ = ctx.call_seq;
     if (current_after) order(current_stream(), as_stream(stream));
     return {recv_x, recv_x_scales, recv_src_idx, recv_topk_idx, recv_topk_weights};
 }

@@ -173,7 +173,12 @@ class Runtime {
              const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_recv_rows,
              const std::optional<at::Tensor>& recv_src_idx, int64_t direct_data_offset, int64_t direct_meta_offset,
              bool worst_token_mode, int num_channels, int num_max_send_tokens, int num_max_recv_tokens,
-             int num_send_warps, uintptr_t stream, bool after_current, bool current_after);
+             int num_send_warps, uintptr_t stream, bool after_current, bool current_after,
+             int64_t signature_hash = 0);
+    // After a cached dispatch given a signature_hash outside CUDA-graph capture: bounded CPU wait until its kernel
+    // has compared the ranks' hashes (not for its rows), so that a disagreement is in the error record when this
+    // returns. A no-op when no such dispatch is pending.
+    void await_agreement();
 
     // Returns (combined_x [N, H] BF16, combined_topk_weights [N, K] float32 when topk_weights is given), N being
     // send_head's rows.
@@ -264,9 +269,12 @@ class Runtime {
     kernels::ErrorRecord* host_error_ = nullptr;    // host-mapped error record
     kernels::ErrorRecord* device_error_ = nullptr;  // its device alias
     // host-mapped [1 + kMaxLocalExperts + kMaxRanks^2] int32 (rows, per expert, pairs), then from int32 index
-    // kSignatureIntOffset the int64 [kMaxRanks][kSignatureWords] signatures of the last notify
+    // kSignatureIntOffset the int64 [kMaxRanks][kSignatureWords] signatures of the last notify, then from
+    // kVerdictIntOffset one int64: the call_seq of the last cached dispatch whose hashes were compared
     static constexpr int kSignatureIntOffset =
         (1 + kernels::kMaxLocalExperts + kernels::kMaxRanks * kernels::kMaxRanks + 1) / 2 * 2;
+    static constexpr int kVerdictIntOffset = kSignatureIntOffset + 2 * kernels::kMaxRanks * kernels::kSignatureWords;
+    int64_t pending_verdict_ = 0;  // call_seq of a cached dispatch whose verdict the host has not awaited, or 0
     int* host_counters_ = nullptr;
     std::vector<at::Tensor> refusal_scratch_;  // refuse_notify's zero counts and unread outputs, made once
     int* device_counters_ = nullptr;

@@ -92,6 +92,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("gathered_signatures", &deep_ep::Runtime::gathered_signatures)
         .def("refuse_notify", &deep_ep::Runtime::refuse_notify)
         .def("clear_argument_error", &deep_ep::Runtime::clear_argument_error)
+        .def("await_agreement", &deep_ep::Runtime::await_agreement, py::call_guard<py::gil_scoped_release>())
         .def("would_copy", &deep_ep::Runtime::would_copy)
         .def("get_copy_epoch", &deep_ep::Runtime::get_copy_epoch)
         .def("get_pool_offset", &deep_ep::Runtime::get_pool_offset)

@@ -71,7 +71,8 @@ class _Agreement:
     its validation: :meth:`agree` exchanges the call's signature; a ``TypeError``/``ValueError`` raised in the block
     before that sends a refusal in its place, so that the peers raise at once instead of waiting."""
 
-    __slots__ = ("buffer", "method", "mode", "device", "backend", "rides", "signature", "done", "cached")
+    __slots__ = ("buffer", "method", "mode", "device", "backend", "rides", "signature", "done", "cached", "ll_shape",
+                 "handle")
 
     def __init__(self, buffer: "Buffer", method: str, mode: str, cached: bool = False) -> None:
         self.buffer, self.method, self.mode, self.cached = buffer, method, mode, cached
@@ -82,6 +83,11 @@ class _Agreement:
         self.rides = False
         self.signature: Optional[Signature] = None
         self.done = False
+        # A low-latency dispatch's (T, H, E) once validated, and x's device: a refusal after that launches the call's
+        # kernel.
+        self.ll_shape: Optional[tuple[int, int, int, torch.device]] = None
+        # A cached dispatch's handle, once checked: a refusal after that launches the call's kernel.
+        self.handle: Any = None
 
     def __enter__(self) -> "_Agreement":
         return self
@@ -91,15 +97,22 @@ class _Agreement:
         torch_backend = self.buffer._agreeing(self.mode, self.device, self.backend)
         if torch_backend is None:
             # The CUDA kernels: a non-cached dispatch carries the signature in its notify kernel (a refusal launches
-            # that notify with zero counts), a low-latency dispatch its hash in its count messages; other calls,
-            # and a single rank, exchange nothing.
+            # that notify with zero counts), a cached dispatch its hash in its kernel's output words (a refusal
+            # launches that kernel, once the handle is valid), a low-latency
+            # dispatch its hash in its count messages (a refusal launches it with no tokens, once (T, H, E) are
+            # valid); other calls, and a single rank, exchange nothing.
             kernels = self.buffer._kernel_agreeing(self.method, self.device, self.backend, self.cached)
             if kernels is not None:
                 signature = Signature(self.method, fields, refused)
                 if refused is None:
                     self.signature = signature
-                elif kernels.notify_agreement:
+                elif kernels.notify_agreement and not self.cached:
                     kernels.refuse_dispatch(signature)
+                elif self.cached and self.handle is not None:
+                    kernels.refuse_cached_dispatch(signature, self.handle)
+                elif kernels.hashes_signature and self.ll_shape is not None:
+                    kernels.refuse_low_latency_dispatch(signature, *self.ll_shape)
+                    self.buffer._count_refused_low_latency_dispatch()
             return
         signature = Signature(self.method, fields, refused)
         if self.rides and refused is None:
@@ -278,16 +291,18 @@ class Buffer:
     def _kernel_agreeing(self, method: str, device: Optional[str], backend: Optional[Backend],
                          cached: bool) -> Optional[Backend]:
         """The CUDA backend whose kernels carry the agreement of the call: the notify kernel of a non-cached
-        ``dispatch`` (``backend``, or the CUDA route when the device is unknown), the count messages of a
-        ``low_latency_dispatch``; else ``None``."""
+        ``dispatch`` (``backend``, or the CUDA route when the device is unknown), the output words of a cached one,
+        the count messages of a ``low_latency_dispatch``; else ``None``."""
         if self.group_size == 1 or self._destroyed:
             return None
         if method == "low_latency_dispatch":
             return backend if backend is not None and backend.hashes_signature else None
-        if method != "dispatch" or cached:
+        if method != "dispatch":
             return None
         if backend is None and device == _UNKNOWN_DEVICE:
             backend = self._routes.get(("normal", "cuda"))
+        if cached:
+            return backend if backend is not None and backend.handle_agreement else None
         return backend if backend is not None and backend.notify_agreement else None
 
     def _ll_backend(self, method: str, device: Optional[str], hidden: int, use_fp8: bool = False,
@@ -331,6 +346,12 @@ class Buffer:
                     f"{method} would be a third low-latency call in flight: the receive hook of low-latency call "
                     f"#{receive.generation} (this is call #{self._ll_generation}) has not been called, and this call "
                     "reuses its buffer half; call that hook first (at most two low-latency calls may be in flight)")
+
+    def _count_refused_low_latency_dispatch(self) -> None:
+        """This rank refused a low-latency dispatch whose kernel still ran with the peers' (they got a handle and
+        counted a call): count the handle number and the call too, so that later handles and buffer halves match."""
+        self._num_handles += 1
+        self._ll_generation += 1
 
     def _track_receive(self, hook: Optional[ReceiveHook]) -> None:
         """Count a low-latency call; keep its hook's receive until it runs."""
@@ -523,7 +544,7 @@ class Buffer:
             request = self._dispatch_request(data, scales, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                              is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
                                              expert_alignment, num_worst_tokens, config, previous_event,
-                                             async_finish, allocate_on_comm_stream)
+                                             async_finish, allocate_on_comm_stream, agreement)
             req_handle, req_idx = request.handle, request.topk_idx
             agreement.agree(("cached (handle given)", req_handle is not None),
                             ("handle (its dispatch number)", req_handle.serial if req_handle is not None else -1),
@@ -549,8 +570,9 @@ class Buffer:
                           topk_idx: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
                           expert_alignment: int, num_worst_tokens: int, config: Optional[Config],
                           previous_event: Optional[EventOverlap], async_finish: bool,
-                          allocate_on_comm_stream: bool) -> DispatchRequest:
-        """``dispatch``'s checks after ``x``; returns the validated request."""
+                          allocate_on_comm_stream: bool, agreement: _Agreement) -> DispatchRequest:
+        """``dispatch``'s checks after ``x``; returns the validated request (a cached call's checked handle goes
+        to ``agreement`` at once)."""
         num_tokens = data.size(0)
         x = (data, scales) if scales is not None else data
         v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
@@ -561,7 +583,7 @@ class Buffer:
         R = self.group_size
 
         if handle is not None:
-            handle = self._check_handle(handle, "normal")
+            handle = agreement.handle = self._check_handle(handle, "normal")
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("a cached dispatch (handle given) takes no topk_idx/topk_weights, got "
                                  f"topk_idx={'a tensor' if topk_idx is not None else None}, "
@@ -712,6 +734,7 @@ class Buffer:
             backend = agreement.backend = self._ll_backend("low_latency_dispatch", _device_type(x), hidden, use_fp8,
                                                            use_ue8m0)
             agreement.rides = backend is self._torch
+            agreement.ll_shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts, x.device)
             v.check_ll_tokens("x", num_tokens, num_max_dispatch_tokens_per_rank)
             topk_idx = v.check_topk_idx("topk_idx", topk_idx, num_tokens=num_tokens, device=x.device)
             v.check_ll_topk("topk_idx", topk_idx.size(1))

@@ -149,9 +149,10 @@ def intranode_control_layout() -> Layout:
       source.
     * ``dispatch_head`` / ``combine_head``: uint32 ``[160][16]``, index ``channel * 16 + destination``, written by
       the destination (the receiver) and polled here by this rank as a sender.
-    * ``dispatch_output``: 16-byte words ``[160][16]`` ``(epoch, data_units, meta_units, rows)`` uint32, index
-      ``channel * 16 + destination``, written by the destination at the start of every dispatch: where its outputs
-      of the call lie in its output pool (offsets in units of ``BUFFER_ALIGNMENT``; ``0xffffffff`` = rings / none).
+    * ``dispatch_output``: 24-byte words ``[160][16]`` ``(epoch, data_units, meta_units, rows, hash[2])`` uint32,
+      index ``channel * 16 + destination``, written by the destination at the start of every dispatch: where its
+      outputs of the call lie in its output pool (offsets in units of ``BUFFER_ALIGNMENT``; ``0xffffffff`` = rings /
+      none) and, at ``hash[epoch % 2]``, the hash of its call signature (a cached dispatch compares them).
     * ``combine_landed``: uint32 ``[16]``, index source: ``epoch << 20 | rows`` of that source's copy-engine combine
       landed here. ``combine_freed``: uint32 ``[16]``, index owner: the last copy-engine combine epoch whose
       landing zone of this rank's rows the owner has finished reading. ``combine_zone_landed``: uint32 ``[160][16]``,
@@ -166,7 +167,7 @@ def intranode_control_layout() -> Layout:
                  ("dispatch_head", _COUNTER_BYTES),
                  ("combine_tail", _COUNTER_BYTES),
                  ("combine_head", _COUNTER_BYTES),
-                 ("dispatch_output", INTRANODE_MAX_CHANNELS * INTRANODE_MAX_RANKS * 16),
+                 ("dispatch_output", INTRANODE_MAX_CHANNELS * INTRANODE_MAX_RANKS * 24),
                  ("combine_landed", INTRANODE_MAX_RANKS * INT32_BYTES),
                  ("combine_freed", INTRANODE_MAX_RANKS * INT32_BYTES),
                  ("combine_zone_landed", _COUNTER_BYTES))
@@ -187,7 +188,8 @@ def intranode_workspace_layout() -> Layout:
     (channel, destination) and the receiver's consumed head per (channel, source), for dispatch and combine;
     ``dispatch_epoch`` uint32 ``[160]`` counts the dispatch calls each channel took part in (the epoch of the
     ``dispatch_output`` words); ``combine_done`` counts the CTAs of a copy-engine combine that finished;
-    ``notify_mismatch`` is 1 when the call signatures of the last notify disagreed (its dispatch moves no row).
+    ``notify_mismatch`` is 1 when the call signatures of the last notify disagreed (its dispatch moves no row);
+    ``agreement_arrivals`` counts the CTAs of a cached dispatch that compared the peers' signature hashes.
     """
     return chain(("notify_epoch", INT32_BYTES),
                  ("barrier_epoch", INT32_BYTES),
@@ -200,7 +202,8 @@ def intranode_workspace_layout() -> Layout:
                  ("combine_head_shadow", _COUNTER_BYTES),
                  ("dispatch_epoch", INTRANODE_MAX_CHANNELS * INT32_BYTES),
                  ("combine_done", INT32_BYTES),
-                 ("notify_mismatch", INT32_BYTES))
+                 ("notify_mismatch", INT32_BYTES),
+                 ("agreement_arrivals", INT32_BYTES))
 
 
 def intranode_dispatch_record_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:

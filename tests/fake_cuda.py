@@ -2,7 +2,8 @@
 
 The fake kernels do nothing but allocate the outputs the real ones allocate (``torch.empty`` on CPU); streams and
 events are free; with ``patched(torch, cuda_tensors=True)`` every tensor claims ``is_cuda``. The call signatures
-the kernels exchange (notify slots, low-latency count words) travel through ``torch.distributed.all_gather_object``
+the kernels exchange (notify slots, cached-dispatch output words, low-latency count words) travel through
+``torch.distributed.all_gather_object``
 over the default group, and a disagreement the kernels would record fills the fake error record. Install it before
 ``deep_ep`` is imported (``sys.modules["deep_ep._C"] = make_fake_extension(torch)``), in a process of its own:
 the patches are global. ``tests/test_cuda_host_path.py`` records, through subclasses of these fakes, which stream
@@ -167,8 +168,13 @@ def make_fake_extension(torch) -> types.ModuleType:
             self.signatures = [w for row in rows for w in row]
             differ = [s for s, row in enumerate(rows) if row != list(words)]
             if check and worst and differ and self.record is None:
-                self.record = dict(code="argument_mismatch", rank=self.rank, peer=differ[0],
+                self.record = dict(code="argument_mismatch", phase="notify agreement", rank=self.rank,
+                                   peer=differ[0],
                                    message=f"notify agreement: rank {self.rank} peer {differ[0]} (fake)")
+
+        def await_agreement(self):
+            self.pending_verdict = False
+            self.launches.append("await")
 
         def gathered_signatures(self):
             return list(self.signatures)
@@ -183,6 +189,17 @@ def make_fake_extension(torch) -> types.ModuleType:
                      channel_prefix_matrix, recv_channel_prefix_matrix, send_head, rows, recv_src_idx, data_offset,
                      meta_offset, *rest):
             self.launches.append("dispatch")
+            signature_hash = rest[-1]
+            if signature_hash:  # a cached call: every rank's kernel compares the hashes in the output words
+                assert recv_src_idx is not None, "signature_hash is for cached calls"
+                hashes = gather(signature_hash)
+                differ = [s for s, h in enumerate(hashes) if h != signature_hash]
+                if differ and self.record is None:
+                    self.record = dict(code="argument_mismatch", phase="dispatch agreement", rank=self.rank,
+                                       peer=differ[0],
+                                       message=f"dispatch agreement: rank {self.rank} peer {differ[0]} expected "
+                                               f"{signature_hash} observed {hashes[differ[0]]} (fake)")
+                self.pending_verdict = True
             scales = None if x_scales is None else torch.empty(rows, x_scales.size(1), dtype=x_scales.dtype)
             if recv_src_idx is None:
                 recv_src_idx = torch.empty(rows, dtype=torch.int32)
@@ -209,6 +226,7 @@ def make_fake_extension(torch) -> types.ModuleType:
         def __init__(self, rank, num_ranks, num_rdma_bytes, timeout_s, enable_shrink, unique_id, put_only=False):
             self.rank, self.num_ranks = rank, num_ranks
             self.record = None
+            self.launches = []  # "dispatch (N tokens)" per dispatch launch
 
         def required_bytes(self, num_max_tokens, hidden, num_experts):
             return 0
@@ -227,6 +245,7 @@ def make_fake_extension(torch) -> types.ModuleType:
                      half, phases, stream, current_after, outputs, signature_hash=0):
             if self.record is not None:
                 raise DeviceError("a low-latency kernel error is pending (read_error() has it)")
+            self.launches.append(f"dispatch ({x.size(0)} tokens)")
             if phases & 1 and self.num_ranks > 1:  # the count words carry the hash
                 hashes = gather(signature_hash)
                 differ = [s for s, h in enumerate(hashes) if h != signature_hash]

@@ -37,7 +37,7 @@ class Recording(ext.Runtime):
     def notify_dispatch(self, *args):
         calls.append(["notify", args[11]])  # after_current (the signature and its check follow)
     def dispatch(self, *args):
-        calls.append(["dispatch", *args[-2:]])
+        calls.append(["dispatch", *args[20:22]])  # after_current, current_after (the signature hash follows)
         offsets.append(list(args[12:14]))
         return super().dispatch(*args)
     def combine(self, *args):
@@ -271,8 +271,9 @@ def test_ll_launches_per_mode():
 
 
 # Two ranks (argv: ROOT RANK PORT) whose fake kernels exchange the call signatures (tests/fake_cuda.py): the normal
-# dispatch with a disagreement, a refusal, a worst-token disagreement, each followed by a correct call; then the
-# low-latency dispatch with use_fp8 on rank 0 only. Prints, per step, the outcome and the kernels launched.
+# dispatch with a disagreement, a refusal, a worst-token disagreement, a cached dispatch with a disagreement, each
+# followed by a correct call; then the low-latency dispatch with use_fp8 on rank 0 only, and one that rank 1 refuses.
+# Prints, per step, the outcome and the kernels launched.
 _AGREE_PROBE = _PRELUDE + r"""
 import reference
 from deep_ep.config import Topology
@@ -314,6 +315,16 @@ with fake.patched(torch, cuda_tensors=True):
     attempt("worst", runtime, lambda: dispatch(wide if rank == 1 else x, num_worst_tokens=64))
     attempt("worst next", runtime, dispatch)
     attempt("after worst", runtime, dispatch)
+    made = {}
+    attempt("cached handle", runtime, lambda: made.update(handle=dispatch()[4]))
+    attempt("cached", runtime, lambda: buffer.dispatch(wide if rank == 1 else x, handle=made["handle"]))
+    attempt("cached next", runtime, lambda: buffer.dispatch(x, handle=made["handle"]))
+    attempt("after cached", runtime, lambda: buffer.dispatch(x, handle=made["handle"]))
+    attempt("after cached next", runtime, dispatch)
+    attempt("cached handle 2", runtime, lambda: made.update(handle=dispatch()[4]))
+    attempt("cached refused", runtime, lambda: buffer.dispatch(x[:-1] if rank == 1 else x, handle=made["handle"]))
+    attempt("cached refused next", runtime, lambda: buffer.dispatch(x, handle=made["handle"]))
+    attempt("after cached refused", runtime, lambda: buffer.dispatch(x, handle=made["handle"]))
     buffer._release()
 
     ll = deep_ep.Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True)
@@ -326,6 +337,15 @@ with fake.patched(torch, cuda_tensors=True):
     attempt("ll again", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
     attempt("ll clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
     attempt("ll after", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
+    too_many = torch.cat([x_ll, x_ll]) if rank == 1 else x_ll  # 32 tokens > T = 16: rank 1 refuses
+    idx_many = torch.cat([idx_ll, idx_ll]) if rank == 1 else idx_ll
+    attempt("ll refused", ll_runtime, lambda: ll.low_latency_dispatch(too_many, idx_many, 16, 8))
+    attempt("ll refused next", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
+    attempt("ll refused clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
+    made = {}
+    attempt("ll after refused", ll_runtime,
+            lambda: made.update(serial=ll.low_latency_dispatch(x_ll, idx_ll, 16, 8).handle.serial))
+    out["ll state"] = [ll._cuda_ll.parity, ll._ll_generation, made.get("serial")]
     ll._release()
 dist.destroy_process_group()
 print(json.dumps(out))
@@ -363,6 +383,22 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
         assert out["worst"] == ["ok", "", ["notify", "dispatch"]], out["worst"]
         kind, message, launches = out["worst next"]
         assert kind == "ArgumentMismatchError" and launches == [] and "x.size(1) (hidden)" in message, out
+        # Cached dispatch: the kernel compares the signature hashes in its output words (no host wait); the next
+        # call awaits the kernel's verdict and raises on both ranks before its launches; then the calls work.
+        assert out["cached handle"][0] == "ok" and out["cached"] == ["ok", "", ["dispatch"]], out["cached"]
+        kind, message, launches = out["cached next"]
+        assert kind == "ArgumentMismatchError" and launches == ["await"], out["cached next"]
+        assert "cached dispatch" in message and f"peer {1 - rank}" in message, message
+        assert out["after cached"] == ["ok", "", ["dispatch"]], out["after cached"]
+        assert out["after cached next"] == ["ok", "", ["await", "notify", "dispatch"]], out["after cached next"]
+        # Rank 1 refuses a cached dispatch (x has a row too few): it launches the kernel with its refusal's hash and
+        # raises its own error; both ranks' next call raises ArgumentMismatchError (their calls stay paired).
+        kind, message, launches = out["cached refused"]
+        assert launches == ["dispatch"], out["cached refused"]
+        assert kind == ("ValueError" if rank == 1 else "ok") and (rank == 0 or message.startswith("x must")), message
+        kind, message, launches = out["cached refused next"]
+        assert kind == "ArgumentMismatchError" and launches == ["await"] and f"peer {1 - rank}" in message, message
+        assert out["after cached refused"][0] == "ok", out["after cached refused"]
         # Low latency: the hashes differ; every launch raises on both ranks, keeping the parity, until
         # clean_low_latency_buffer; then the calls work.
         assert out["ll fp8"][0] == "ok", out["ll fp8"]
@@ -371,3 +407,15 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
         assert "clean_low_latency_buffer" in message and out["ll parity kept"], out
         assert out["ll again"][0] == "ArgumentMismatchError", out["ll again"]
         assert out["ll clean"][0] == "ok" and out["ll after"][0] == "ok", out
+        # Rank 1 refuses a low-latency dispatch (too many tokens): it launches the dispatch with no tokens and the
+        # hash of its refusal, so rank 0's kernel sees a differing hash at once; both ranks then raise until clean.
+        kind, message, launches = out["ll refused"]
+        if rank == 1:
+            assert kind == "ValueError" and message.startswith("x") and launches == ["dispatch (0 tokens)"], out
+        else:
+            assert kind == "ok" and launches == ["dispatch (16 tokens)"], out["ll refused"]
+        kind, message, _ = out["ll refused next"]
+        assert kind == "ArgumentMismatchError" and f"rank {1 - rank}" in message and "refused" in message, out
+        assert out["ll refused clean"][0] == "ok" and out["ll after refused"][0] == "ok", out
+    # The refusing rank counted the call as its peer did: same parity, call number and handle number.
+    assert outs[0]["ll state"] == outs[1]["ll state"], (outs[0]["ll state"], outs[1]["ll state"])

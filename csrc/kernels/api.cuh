@@ -75,6 +75,8 @@ enum Phase : int32_t {
     kPhaseCombineRecvWaitLanded = 13,   // copy-engine combine: rows not landed (expected / observed: epoch << 20 | rows)
     kPhaseNotifyAgreement = 14,  // peer = first source whose signature differs, expected / observed = the first
                                  // differing int32 word of this rank's / the peer's signature
+    kPhaseDispatchAgreement = 15,  // cached dispatch: peer = first rank whose signature hash differs (expected =
+                                   // this rank's hash, observed = the peer's)
 };
 
 inline const char* phase_name(int32_t phase) {
@@ -93,6 +95,7 @@ inline const char* phase_name(int32_t phase) {
         case kPhaseCombineCopyWaitFreed: return "combine copy wait freed";
         case kPhaseCombineRecvWaitLanded: return "combine recv wait landed";
         case kPhaseNotifyAgreement: return "notify agreement";
+        case kPhaseDispatchAgreement: return "dispatch agreement";
         default: return "unknown phase";
     }
 }
@@ -246,6 +249,14 @@ struct DispatchArgs {
     // 1 (a non-cached dispatch after its notify): the kernel moves no row when that notify saw the ranks' call
     // signatures differ (workspace notify-mismatch word); every rank saw the same signatures, so all skip alike.
     int agreement_gate;
+    // Cached dispatch (no notify) when != 0: the hash of this rank's call signature, carried by its output words.
+    // Every channel then reads every pointer peer's word of the call before moving a row; when any hash differs
+    // from this one, every rank's kernel moves no row and advances no ring (each sees the same hashes), and the
+    // error record gets kErrorArgumentMismatch (no abort). Non-cached calls pass 0 (their notify compares).
+    uint32_t signature_hash;
+    // Host-mapped, or nullptr: the last CTA to compare the hashes writes the call's KernelContext::call_seq here
+    // (after any mismatch record), so the host learns the verdict without waiting for the rows.
+    int64_t* host_verdict;
 };
 
 void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cudaStream_t stream);

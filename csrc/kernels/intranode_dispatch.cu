@@ -18,6 +18,8 @@ namespace kernels {
 namespace {
 
 constexpr int kPrefixBatch = 8;  // groups of 32 tokens whose routing bytes one send_head warp loads at once
+// The verdict of a cached call on the ranks' signature hashes (the kernel's shared `agreement`).
+constexpr int kAgreementPending = 0, kAgreementHolds = 1, kAgreementDiffers = 2;
 // Receivers: one group per source of at least one warp, beside at least three sender warps (two copy warps and the
 // publisher). A group of several warps syncs on its own named barrier, a one-warp group with __syncwarp. Groups
 // get warps round robin, so with S sources and Wr <= kChannelWarps - 3 receiver warps the first min(S, Wr - S) groups
@@ -76,6 +78,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     __shared__ int expected_total[kMaxRanks];       // the handle's count of this channel's tokens to d
     __shared__ int warp_dst_rank[kChannelWarps][kMaxRanks];   // destination of warp_dsts[w][k]
     __shared__ int64_t warp_dst_row[kChannelWarps][kMaxRanks];  // its output row if direct, else -1
+    // Cached call: kAgreementPending until the output-word warp has compared every peer's signature hash.
+    __shared__ volatile int agreement;
 
     // The notify of this call saw the ranks' signatures differ: every rank skips alike, no state advances.
     if (args.agreement_gate && *workspace_u32(ctx, kWsNotifyMismatchOffset) != 0u) return;
@@ -99,6 +103,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     const int num_real_rows = P[(num_ranks - 1) * num_ranks + rank];
     if (threadIdx.x == 0) {
         cta_failed = 0;
+        agreement = args.signature_hash != 0u ? kAgreementPending : kAgreementHolds;
         call_epoch = *workspace_u32(ctx, kWsDispatchEpochOffset + 4 * channel) + 1u;
         local_row_base = (rank > 0 ? P[(rank - 1) * num_ranks + rank] : 0) + recv_cpm[rank * num_channels + channel];
         if (num_real_rows > args.num_recv_rows) {
@@ -133,6 +138,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         fields[2] = receive_direct && args.direct_meta_offset >= 0
                         ? static_cast<uint32_t>(args.direct_meta_offset / kBufferAlignment) : kNoOutput;
         fields[3] = static_cast<uint32_t>(args.num_recv_rows);
+        fields[4 + (call_epoch & 1u)] = args.signature_hash;
         fence_acq_rel_sys();
         st_release_sys(&word->epoch, call_epoch);
     }
@@ -171,50 +177,89 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                                          kKernelDispatch, kPhaseDispatchSendDrain, channel) && lane == 0)
                 cta_failed = 1;
         }
-        if (warp == (num_ranks + 1) % num_send_warps && lane < num_ranks && lane != rank && !overflow &&
-            !ctx.skip_sends) {
+        if (warp == (num_ranks + 1) % num_send_warps) {
             // Lane d: the handle's count of my tokens to d in this channel (channel_prefix_matrix is inclusive).
             // A receiver that expects rows from me cannot start its next call before it has them, so its word
             // holds this call's epoch or an older one; one that expects none may already be a call ahead, so
-            // its word is not read (Phase A's count is checked against this one below).
+            // its word is only read by a cached call, for the hash of this call (Phase A's count is checked
+            // against this one below).
             const int d = lane;
-            const int* cpm_row = args.channel_prefix_matrix + d * num_channels;
-            const int expected = cpm_row[channel] - (channel > 0 ? cpm_row[channel - 1] : 0);
-            expected_total[d] = expected;
-            if (expected > 0 && !(kPut && is_put_peer(ctx, d))) {
-                auto* word = reinterpret_cast<DispatchOutputWord*>(static_cast<char*>(ctx.buffers[rank]) +
-                                                                   kDispatchOutputOffset) + counter_index(channel, d);
-                uint32_t seen;
-                if (!wait_geq(ctx, &word->epoch, call_epoch,
-                              Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d, channel}, &seen)) {
-                    cta_failed = 1;
-                } else if (seen != call_epoch) {
+            const bool check = args.signature_hash != 0u;
+            uint32_t their_hash = args.signature_hash;
+            bool ahead_with_rows = false;  // a cached call: d is a call ahead although it expects rows from me
+            if (lane < num_ranks && lane != rank && !overflow && !ctx.skip_sends) {
+                const int* cpm_row = args.channel_prefix_matrix + d * num_channels;
+                const int expected = cpm_row[channel] - (channel > 0 ? cpm_row[channel - 1] : 0);
+                expected_total[d] = expected;
+                if ((expected > 0 || check) && !(kPut && is_put_peer(ctx, d))) {
+                    auto* word = reinterpret_cast<DispatchOutputWord*>(static_cast<char*>(ctx.buffers[rank]) +
+                                                                       kDispatchOutputOffset) + counter_index(channel, d);
+                    uint32_t seen;
+                    if (!wait_geq(ctx, &word->epoch, call_epoch,
+                                  Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d, channel}, &seen)) {
+                        cta_failed = 1;
+                    } else if (seen != call_epoch && (!check || seen != call_epoch + 1u)) {
+                        report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d, channel},
+                                     call_epoch, seen, 0);
+                        cta_failed = 1;
+                    } else {
+                        const volatile uint32_t* fields = reinterpret_cast<const volatile uint32_t*>(word);
+                        if (check) their_hash = fields[4 + (call_epoch & 1u)];
+                        ahead_with_rows = seen != call_epoch && expected > 0;
+                        const uint32_t data_units = fields[1], meta_units = fields[2], rows = fields[3];
+                        if (expected > 0 && seen == call_epoch && data_units != kNoOutput) {
+                            const DispatchOutputLayout l = dispatch_output_layout(rows, args.hidden_bytes, args.num_scales,
+                                                                                  args.num_topk, args.topk_idx_bytes);
+                            DirectOutput out;
+                            out.data = static_cast<int64_t>(data_units) * kBufferAlignment;
+                            out.meta = meta_units != kNoOutput ? static_cast<int64_t>(meta_units) * kBufferAlignment : -1;
+                            out.scales = out.data + l.scales;
+                            out.topk_idx = out.data + l.topk_idx;
+                            out.topk_weights = out.data + l.topk_weights;
+                            out.row_base = (rank > 0 ? P[(rank - 1) * num_ranks + d] : 0) +
+                                           (channel > 0 ? cpm_row[channel - 1] : 0);
+                            staged_rows[d] = static_cast<int64_t>(rows);
+                            staged[d] = out;
+                        }
+                    }
+                }
+            }
+            if (check) {
+                // Every rank compares the same hashes, so every rank's kernels skip alike on a difference.
+                const uint32_t differ = __ballot_sync(0xffffffffu, their_hash != args.signature_hash);
+                const int first = differ != 0u ? __ffs(static_cast<int>(differ)) - 1 : 0;
+                const uint32_t first_hash = __shfl_sync(0xffffffffu, their_hash, first);
+                if (lane == 0) {
+                    if (differ != 0u)
+                        fill_error_record(ctx.error, workspace_u32(ctx, kWsErrorClaimOffset), kErrorArgumentMismatch,
+                                          kKernelDispatch, kPhaseDispatchAgreement, rank, first, channel, ctx.call_seq,
+                                          args.signature_hash, first_hash, 0);
+                    agreement = differ != 0u ? kAgreementDiffers : kAgreementHolds;
+                }
+                // Equal hashes mean the same handle: a peer a call ahead that expects rows from me broke it.
+                if (differ == 0u && ahead_with_rows) {
                     report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d, channel},
-                                 call_epoch, seen, 0);
+                                 call_epoch, call_epoch + 1u, 0);
                     cta_failed = 1;
-                } else {
-                    const volatile uint32_t* fields = reinterpret_cast<const volatile uint32_t*>(word);
-                    const uint32_t data_units = fields[1], meta_units = fields[2], rows = fields[3];
-                    if (data_units != kNoOutput) {
-                        const DispatchOutputLayout l = dispatch_output_layout(rows, args.hidden_bytes, args.num_scales,
-                                                                              args.num_topk, args.topk_idx_bytes);
-                        DirectOutput out;
-                        out.data = static_cast<int64_t>(data_units) * kBufferAlignment;
-                        out.meta = meta_units != kNoOutput ? static_cast<int64_t>(meta_units) * kBufferAlignment : -1;
-                        out.scales = out.data + l.scales;
-                        out.topk_idx = out.data + l.topk_idx;
-                        out.topk_weights = out.data + l.topk_weights;
-                        out.row_base = (rank > 0 ? P[(rank - 1) * num_ranks + d] : 0) +
-                                       (channel > 0 ? cpm_row[channel - 1] : 0);
-                        staged_rows[d] = static_cast<int64_t>(rows);
-                        staged[d] = out;
+                }
+                if (lane == 0) {
+                    if (args.host_verdict != nullptr) {
+                        __threadfence();
+                        const uint32_t arrived = atomicAdd(workspace_u32(ctx, kWsAgreementArrivalsOffset), 1u) + 1u;
+                        if (arrived == static_cast<uint32_t>(num_channels)) {
+                            *workspace_u32(ctx, kWsAgreementArrivalsOffset) = 0u;
+                            fence_acq_rel_sys();
+                            *reinterpret_cast<volatile int64_t*>(args.host_verdict) = ctx.call_seq;
+                            __threadfence_system();
+                        }
                     }
                 }
             }
         }
         named_barrier(kBarrierAllSenders, num_send_warps * 32);
         // Lane d of warp 0: Phase A's count must be the handle's, and the rows must fit the receiver's outputs.
-        if (warp == 0 && lane < num_ranks && lane != rank && !overflow && !ctx.skip_sends && cta_failed == 0) {
+        if (warp == 0 && lane < num_ranks && lane != rank && !overflow && !ctx.skip_sends && cta_failed == 0 &&
+            agreement != kAgreementDiffers) {
             const int d = lane;
             if (total[d] != expected_total[d]) {
                 report_error(ctx, kErrorBadRouting, Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d, channel},
@@ -232,6 +277,8 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         }
         named_barrier(kBarrierAllSenders, num_send_warps * 32);
         const int num_channel_tokens = end - begin;
+        // The ranks disagree on this cached call: no row moves and no ring advances.
+        const bool skip = overflow || agreement == kAgreementDiffers;
 
         if (warp < num_copy_warps) {
             // Phase B (copy warps): token i of the channel belongs to warp i % W; each warp goes in token order.
@@ -239,7 +286,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             // each block's records itself before it releases the block (put.cuh).
             uint32_t run_first = 0;  // lane d: sequence number of the block's first record for put peer d
             int run_count = 0;       // and the number of its records
-            for (int i = warp * put_block; i < num_channel_tokens && !overflow;
+            for (int i = warp * put_block; i < num_channel_tokens && !skip;
                  i += kPut && (i + 1) % put_block != 0 ? 1 : (num_copy_warps - 1) * put_block + 1) {
                 if (cta_failed != 0) break;
                 const int t = begin + i;
@@ -369,7 +416,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                     release_progress(progress, warp, i + num_copy_warps);
                 }
             }
-        } else if (!overflow) {
+        } else if (!skip) {
             // Publisher (R > 1): tails for the complete prefix of tokens, at least Sn new tokens per publication.
             // A receiver of direct-to-output rows only waits for its last row, so when no destination of this
             // channel uses a ring the tails are published once, at the end (one system fence per channel).
@@ -396,6 +443,9 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         }
     } else {
         // ------------------------------------------------------------------ receiver (R > 1)
+        // A cached call waits for the verdict on the signature hashes (bounded: the output-word warp's waits are).
+        while (agreement == kAgreementPending) __nanosleep(64);
+        const bool skip = overflow || agreement == kAgreementDiffers;
         const int num_sources = num_ranks - 1;
         const int recv_warp = warp - num_send_warps;
         const int num_recv_warps = kChannelWarps - num_send_warps;  // >= num_sources (launcher check)
@@ -424,7 +474,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         uint32_t* remote_head = kPut && is_put_peer(ctx, src) ? nullptr : buffer_u32(ctx.buffers[src], head_offset);
 
         int done = 0;
-        if (receive_direct && !(kPut && is_put_peer(ctx, src))) {
+        if (receive_direct && !skip && !(kPut && is_put_peer(ctx, src))) {
             // Senders wrote my rows in place: wait until their tails cover all of them, then free the sequence
             // numbers (the sender's next call checks the head before reusing the ring).
             if (warp_in_group == 0 && lane == 0 && num_slots > 0) {
@@ -437,7 +487,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             }
             done = num_slots;
         }
-        while (done < num_slots && !overflow) {
+        while (done < num_slots && !skip) {
             if (warp_in_group == 0 && lane == 0) {
                 uint32_t seen;
                 int avail = -1;
@@ -482,7 +532,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 publish_word<kPut>(ctx, remote_head, head_offset, src, base + static_cast<uint32_t>(avail));
             done = avail;
         }
-        if (warp_in_group == 0 && lane == 0 && !overflow) *head_shadow = base + static_cast<uint32_t>(num_slots);
+        if (warp_in_group == 0 && lane == 0 && !skip) *head_shadow = base + static_cast<uint32_t>(num_slots);
     }
 
     // Worst-token mode: rows past the real ones get -1 top-k ids (spread over the channels' CTAs).

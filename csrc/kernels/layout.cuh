@@ -20,7 +20,8 @@
 //     combine heads     uint32 [kMaxChannels][kMaxRanks]
 //     dispatch outputs  DispatchOutputWord [kMaxChannels][kMaxRanks]  index c*kMaxRanks+dst: written by dst (the receiver)
 //                                                   at the start of each dispatch: where its outputs of this call
-//                                                   lie (direct-to-output receive) or that it uses the rings
+//                                                   lie (direct-to-output receive) or that it uses the rings, and
+//                                                   the hash of its call signature (cached calls compare them)
 //     combine landed    uint32 [kMaxRanks]          index src: (epoch << 20) | rows of src's copy-engine combine
 //                                                   that have landed in src's landing zone here (copy stream)
 //     combine freed     uint32 [kMaxRanks]          index owner: last copy-engine combine epoch whose landing zone
@@ -78,7 +79,7 @@ constexpr int64_t kDispatchHeadOffset = kDispatchTailOffset + kCounterBytes;
 constexpr int64_t kCombineTailOffset = kDispatchHeadOffset + kCounterBytes;
 constexpr int64_t kCombineHeadOffset = kCombineTailOffset + kCounterBytes;
 constexpr int64_t kDispatchOutputOffset = kCombineHeadOffset + kCounterBytes;
-constexpr int64_t kCombineLandedOffset = kDispatchOutputOffset + (int64_t)kMaxChannels * kMaxRanks * 16;
+constexpr int64_t kCombineLandedOffset = kDispatchOutputOffset + (int64_t)kMaxChannels * kMaxRanks * 24;
 constexpr int64_t kCombineFreedOffset = kCombineLandedOffset + kBufferAlignment;
 constexpr int64_t kCombineZoneLandedOffset = kCombineFreedOffset + kBufferAlignment;
 static_assert(4 * kMaxRanks <= kBufferAlignment, "combine landed / freed: one uint32 per rank in one aligned region");
@@ -88,16 +89,20 @@ constexpr int64_t kControlBytes =
 constexpr int kLandedRowBits = 20;
 constexpr int64_t kMaxLandedRows = (1 << kLandedRowBits) - 1;
 
-// Where receiver `dst` puts its outputs of one dispatch call (16 bytes, in every sender's control region at index
-// channel * kMaxRanks + dst). The receiver writes data_units, meta_units and rows, then (system fence) the epoch
-// with a release store; a sender reads the other fields after an acquire load shows the epoch of its call.
+// Where receiver `dst` puts its outputs of one dispatch call (24 bytes, in every sender's control region at index
+// channel * kMaxRanks + dst). The receiver writes data_units, meta_units, rows and hash[epoch & 1], then (system
+// fence) the epoch with a release store; a sender reads the other fields after an acquire load shows the epoch of
+// its call. A cached dispatch reads every peer's word; a peer that expects no rows from this rank may already have
+// written the next call's word (epoch + 1, the other hash), never the one after: that call waits for this rank's.
 // Offsets are in units of kBufferAlignment from the buffer base; kNoOutput means "not in the pool".
 struct DispatchOutputWord {
     uint32_t epoch;       // per-channel dispatch call counter (workspace kWsDispatchEpochOffset), 1, 2, ...
     uint32_t data_units;  // block holding recv_x, scales, top-k ids and weights; kNoOutput: use the rings
     uint32_t meta_units;  // block holding recv_src_idx; kNoOutput: senders skip it (cached calls)
     uint32_t rows;        // rows of the receiver's outputs (sizes the sections of the data block)
+    uint32_t hash[2];     // by epoch parity: the call's signature hash (DispatchArgs::signature_hash; 0 unchecked)
 };
+static_assert(sizeof(DispatchOutputWord) == 24, "dispatch output words: 24 bytes (deep_ep/layout.py)");
 constexpr uint32_t kNoOutput = 0xffffffffu;
 
 // ---- private workspace (zeroed device memory, never shared) ----
@@ -118,7 +123,10 @@ constexpr int64_t kWsDispatchEpochOffset = kWsCombineHeadShadowOffset + kCounter
 constexpr int64_t kWsCombineDoneOffset = kWsDispatchEpochOffset + (int64_t)kMaxChannels * 4;
 // Notify: 1 when the signatures of its last call disagreed (the dispatch that follows it then moves no row), else 0.
 constexpr int64_t kWsNotifyMismatchOffset = kWsCombineDoneOffset + kBufferAlignment;
-constexpr int64_t kWsUsedBytes = kWsNotifyMismatchOffset + 4;
+// Cached dispatch: CTAs of the current call that have compared the peers' signature hashes (the last one resets it
+// and publishes the call's verdict to the host).
+constexpr int64_t kWsAgreementArrivalsOffset = kWsNotifyMismatchOffset + kBufferAlignment;
+constexpr int64_t kWsUsedBytes = kWsAgreementArrivalsOffset + 4;
 static_assert(kWsUsedBytes <= kWorkspaceBytes, "workspace too small");
 
 // ---- ring records ----

@@ -37,8 +37,9 @@ class LayoutRequest(NamedTuple):
 class DispatchRequest(NamedTuple):
     """``Buffer.dispatch``'s arguments (see there): ``x`` is a tensor or ``(x_fp8, x_scales)``; ``handle`` given:
     a cached dispatch (top-k and the layout tensors are ``None``); ``config`` resolved. ``signature``: the call's
-    ``deep_ep.backends.agreement.Signature`` when the torch backend checks the ranks' agreement in its count
-    exchange, else ``None`` (checked before, or nothing to check)."""
+    ``deep_ep.backends.agreement.Signature`` when the backend checks the ranks' agreement in an exchange of the call
+    (the torch backend's count exchange, the CUDA notify or cached-dispatch kernel), else ``None`` (checked before,
+    or nothing to check)."""
 
     x: Any
     handle: Any = None
@@ -119,13 +120,18 @@ class Backend(Protocol):
             range, counts that match the routing); the CUDA kernels check those themselves (``RoutingError``).
         notify_agreement: a non-cached ``dispatch`` carries the call's signature in its notify kernel, and
             :meth:`refuse_dispatch` takes part in that exchange for a rank whose validation failed.
-        hashes_signature: a ``low_latency_dispatch`` carries a hash of the call's signature in its count messages.
+        hashes_signature: a ``low_latency_dispatch`` carries a hash of the call's signature in its count messages,
+            and :meth:`refuse_low_latency_dispatch` sends them for a rank whose validation failed.
+        handle_agreement: a cached ``dispatch`` carries a hash of the call's signature in the words its kernel
+            exchanges at its start; a disagreement raises at the backend's next call.
+            :meth:`refuse_cached_dispatch` takes part in that exchange for a rank whose validation failed.
     """
 
     num_ranks: int
     needs_host_checks: bool = False
     notify_agreement: bool = False
     hashes_signature: bool = False
+    handle_agreement: bool = False
 
     # Normal mode.
     def get_dispatch_layout(self, request: LayoutRequest) -> DispatchLayout:
@@ -137,6 +143,9 @@ class Backend(Protocol):
     def refuse_dispatch(self, signature: Any) -> None:
         raise _unserved(self, "refuse_dispatch")
 
+    def refuse_cached_dispatch(self, signature: Any, handle: Any) -> None:
+        raise _unserved(self, "refuse_cached_dispatch")
+
     def combine(self, request: CombineRequest) -> CombineResult:
         raise _unserved(self, "combine")
 
@@ -147,6 +156,10 @@ class Backend(Protocol):
     # Low-latency mode.
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         raise _unserved(self, "low_latency_dispatch")
+
+    def refuse_low_latency_dispatch(self, signature: Any, num_max_tokens: int, hidden: int, num_experts: int,
+                                    device: torch.device) -> None:
+        raise _unserved(self, "refuse_low_latency_dispatch")
 
     def low_latency_combine(self, request: LowLatencyCombineRequest) -> LowLatencyCombineResult:
         raise _unserved(self, "low_latency_combine")

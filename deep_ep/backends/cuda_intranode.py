@@ -10,8 +10,9 @@ of the call (``StreamScope.after_current`` / ``current_after``).
 A kernel error raises at the next call (:meth:`CudaBackend.check_errors`), naming rank, peer, channel, phase and the
 awaited value; the CPU's wait for notify's counts raises :class:`CommTimeoutError` directly. After an error every
 rank calls :meth:`CudaBackend.reset` (collective) before the next call. A non-cached dispatch's call signature
-(``deep_ep.backends.agreement``) rides in notify's count exchange; ranks that disagree raise
-:class:`ArgumentMismatchError` and stay usable (no row moved, no reset needed).
+(``deep_ep.backends.agreement``) rides in notify's count exchange, a cached dispatch's hash in the output words its
+kernel exchanges at its start (raised at the next call); ranks that disagree raise :class:`ArgumentMismatchError`
+and stay usable (no row moved, no reset needed).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 
 from deep_ep import envs
 from deep_ep.backends import cuda_tuning as tuning
-from deep_ep.backends.agreement import SIGNATURE_WORDS, Signature, check_agreement
+from deep_ep.backends.agreement import SIGNATURE_WORDS, Signature, check_agreement, signature_hash
 from deep_ep.backends.base import Backend, CombineRequest, DispatchRequest, LayoutRequest
 from deep_ep.backends.common import StreamScope, object_all_gather
 from deep_ep.backends.cuda_common import _C, raise_from_record, record_streams
@@ -54,6 +55,8 @@ class CudaBackend(Backend):
     buffer_arg = "num_nvl_bytes"
     # A non-cached dispatch's notify kernel carries the call's signature (Backend.notify_agreement).
     notify_agreement = True
+    # A cached dispatch's kernel compares the hashes of the ranks' call signatures (Backend.handle_agreement).
+    handle_agreement = True
     # The ranks this rank reaches by NVSHMEM puts (cuda_internode.SymmetricCuda sets them; none over IPC).
     put_peers: Sequence[int] = ()
 
@@ -140,6 +143,12 @@ class CudaBackend(Backend):
         record = self.runtime.read_error()
         if record is not None and record["code"] == "argument_mismatch":
             self.runtime.clear_argument_error(self._comm_ptr)
+            if record["phase"] == "dispatch agreement":
+                raise ArgumentMismatchError(name_ranks(
+                    f"rank {self.rank}: the ranks' cached dispatch call signatures differ ({record['message']}: "
+                    "expected is this rank's signature hash, observed the peer's); every rank must pass the same "
+                    "handle, x (hidden, dtype), x_scales and config; no rank moved data", self.rank_names,
+                    self.rank_scope))
             signature, self._worst_signature = self._worst_signature, None
             if signature is not None:
                 self._check_signatures(signature)  # names the argument and the ranks, when the words are still those
@@ -152,6 +161,8 @@ class CudaBackend(Backend):
     # and an event after that notify, which the next call waits for (None once waited for, or under graph capture).
     _worst_signature: Optional[Signature] = None
     _worst_notify: Optional["torch.cuda.Event"] = None
+    # A cached dispatch whose kernel compares signature hashes was launched: the next call awaits its verdict.
+    _verdict_pending = False
 
     def _check_signatures(self, signature: Signature, words: Optional[list] = None) -> None:
         """``check_agreement`` over the signatures the last notify gathered (ranks named as in errors); ``words``:
@@ -170,11 +181,33 @@ class CudaBackend(Backend):
         if self.runtime is not None:
             self.runtime.refuse_notify(signature.values(), self._comm_ptr)
 
+    def refuse_cached_dispatch(self, signature: Signature, handle: object) -> None:
+        """This rank's validation refused a cached dispatch with ``handle`` (valid) that its peers make: launch the
+        dispatch kernel of the handle's channels with the hash of the refusal ``signature`` and a stand-in payload,
+        so that every peer's kernel sees a hash that differs at once (no rank moves a row). The caller raises its
+        own error now; the next call raises :class:`ArgumentMismatchError` on every rank, this one too, so that the
+        ranks' calls stay paired."""
+        if self.runtime is None:
+            return
+        self._call_prologue()
+        handle = self._kernel_handle(handle)
+        num_channels = handle.channel_prefix_matrix.size(1)
+        is_token_in_rank = handle.is_token_in_rank
+        stand_in = torch.empty(is_token_in_rank.size(0), 8, dtype=torch.bfloat16, device=is_token_in_rank.device)
+        self.runtime.dispatch(stand_in, None, None, None, 0, is_token_in_rank, handle.rank_prefix_matrix,
+                              handle.channel_prefix_matrix, handle.recv_channel_prefix_matrix, handle.send_head,
+                              handle.recv_src_idx.size(0), handle.recv_src_idx, -1, -1, False, num_channels, 8, 256,
+                              tuning.intranode_send_warps("dispatch", self.num_ranks, num_channels,
+                                                          puts=bool(self.put_peers)),
+                              self._comm_ptr, True, True, signature_hash(signature) or 1)
+        self._verdict_pending = not torch.cuda.is_current_stream_capturing()
+
     def reset(self) -> None:
         """Collective: clear the error record and the kernels' private state on every rank after a failure."""
         torch.cuda.synchronize()
         if self._barrier is not None:
             self._barrier()
+        self._verdict_pending = False
         self.runtime.reset(self.comm_stream.cuda_stream)
         torch.cuda.synchronize()
         if self._barrier is not None:
@@ -206,6 +239,13 @@ class CudaBackend(Backend):
         if self._worst_notify is not None:  # bounded: the notify kernel's waits are
             self._worst_notify.synchronize()
             self._worst_notify = None
+        if self._verdict_pending:
+            self._verdict_pending = False
+            try:
+                self.runtime.await_agreement()
+            except _C.HostTimeout as exc:
+                self.check_errors()  # a device-side report names the missing peer: prefer it
+                raise CommTimeoutError(name_ranks(str(exc), self.rank_names, self.rank_scope)) from None
         self.check_errors()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -255,6 +295,9 @@ class CudaBackend(Backend):
                                      f"was made with {channel_prefix_matrix.size(1)}; use the dispatch's config")
                 num_recv_tokens = handle.recv_src_idx.size(0)
                 per_expert_list = None
+                # The ranks' agreement rides in the output words the kernel exchanges at its start (never 0: 0 is
+                # "unchecked"); the next call raises a disagreement.
+                hashed = (signature_hash(request.signature) or 1) if request.signature is not None else 0
                 given_recv_src_idx, send_head = handle.recv_src_idx, handle.send_head
             else:
                 given_recv_src_idx = None  # allocated by the runtime, with the outputs
@@ -266,6 +309,7 @@ class CudaBackend(Backend):
                                                          device=device)
                 worst = num_worst_tokens > 0
                 pair_counts = None
+                hashed = 0
                 signature = request.signature  # the ranks' agreement rides in notify's slots
                 words = signature.values() if signature is not None else []
                 self.runtime.notify_dispatch(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank,
@@ -304,7 +348,8 @@ class CudaBackend(Backend):
                 config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
                 tuning.intranode_send_warps("dispatch", self.num_ranks, num_channels, scales is not None,
                                             bool(self.put_peers)),
-                self._comm_ptr, after_current, scope.current_after)
+                self._comm_ptr, after_current, scope.current_after, hashed)
+            self._verdict_pending = hashed != 0 and not torch.cuda.is_current_stream_capturing()
 
             new_handle = None
             if not cached:

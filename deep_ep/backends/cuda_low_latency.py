@@ -8,7 +8,8 @@ dispatch/combine pairs in CUDA graphs) and the receive hook. A call crosses into
 synchronous call makes no Python stream or event object. A kernel wait that runs out of ``DEEP_EP_TIMEOUT_S``
 raises at the next call (``CommTimeoutError`` / ``PeerAbortedError`` naming rank, peer and phase); a dispatch whose
 count messages carried another rank's call-signature hash moves no row from that rank, and every low-latency
-launch or hook after it raises ``ArgumentMismatchError`` until ``clean_low_latency_buffer`` (collective); with
+launch or hook after it raises ``ArgumentMismatchError`` until ``clean_low_latency_buffer`` (collective); a rank
+whose own validation refused a dispatch still launches it, with no tokens and the hash of its refusal; with
 ``enable_shrink`` a dispatch or combine wait that times out masks the silent rank instead and the call completes for
 the others (every rank then calls ``low_latency_clean_mask_buffer`` and ``clean_low_latency_buffer`` to let it
 rejoin).
@@ -27,6 +28,7 @@ from deep_ep.backends.common import ReceiveHook, StreamScope, object_all_gather
 from deep_ep.backends.cuda_common import _C, join_nvshmem_world, raise_from_record, record_streams
 from deep_ep.errors import ArgumentMismatchError
 from deep_ep.results import LowLatencyCombineResult, LowLatencyDispatchResult
+from deep_ep.validate import topk_idx_dtype
 
 # Phases of a launch: the send half, the receive half.
 _SEND, _RECV = 1, 2
@@ -85,7 +87,8 @@ class LowLatencyCuda(Backend):
                 f"rank {self.rank}: the ranks disagree on the arguments of a low_latency_dispatch (hidden, "
                 "num_experts, num_max_dispatch_tokens_per_rank, top-k, use_fp8, round_scale or use_ue8m0): "
                 f"{record['message']}, expected and observed being this rank's and rank {record['peer']}'s "
-                "call-signature hash; no rank took rows from a rank that disagrees and the low-latency calls since "
+                "call-signature hash (a rank whose own validation refused the call sent the hash of its refusal and "
+                "raised its own error); no rank took rows from a rank that disagrees and the low-latency calls since "
                 "did nothing; call clean_low_latency_buffer on every rank before the next low-latency call")
         raise_from_record(record)
 
@@ -165,6 +168,25 @@ class LowLatencyCuda(Backend):
             event = scope.finish((x, topk_idx, data, scales, count, src_info, layout_range, recv_stats, wait_stats))
         handle = hd.LowLatencyHandle(src_info, layout_range, tokens, hidden, num_experts)
         return LowLatencyDispatchResult((data, scales) if use_fp8 else data, count, handle, event, hook)
+
+    def refuse_low_latency_dispatch(self, signature: Any, num_max_tokens: int, hidden: int, num_experts: int,
+                                    device: torch.device) -> None:
+        """This rank's validation refused a ``low_latency_dispatch`` of (T, H, E) that its peers make: launch it
+        with no tokens (on ``device``, on the current stream) and the hash of the refusal ``signature``, so that
+        every peer's kernel receives count words whose hash differs at once instead of waiting for them until the
+        timeout. Every rank then raises ``ArgumentMismatchError`` from its next low-latency call until
+        ``clean_low_latency_buffer``, as after any disagreement; the caller raises its own error now. With a kernel
+        error already pending nothing is launched (the peers wait until that error's abort or their timeout)."""
+        if self.runtime is None:
+            return
+        x = torch.empty(0, hidden, dtype=torch.bfloat16, device=device)
+        topk_idx = torch.empty(0, 1, dtype=topk_idx_dtype(), device=device)
+        half = self._flip()
+        try:
+            self.runtime.dispatch(x, topk_idx, num_max_tokens, num_experts, None, None, False, False, False, half,
+                                  _SEND | _RECV, 0, False, [], signature_hash(signature))
+        except (RuntimeError, ValueError):  # a pending kernel error (DeviceError): the caller's own error prevails
+            self.parity = half
 
     def low_latency_combine(self, request: LowLatencyCombineRequest) -> LowLatencyCombineResult:
         """``out[t] = bf16(sum_k w[t, k] * y(e_k, t))``, summed in fp32 in ascending k."""

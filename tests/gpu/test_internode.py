@@ -260,6 +260,15 @@ def test_put_peers_follow_the_switch(virtual_nodes):
 
 
 @pytest.mark.multi_gpu
+def test_cached_disagreement_raises_at_next_call(virtual_nodes):
+    """Two virtual nodes: see ``test_intranode.task_cached_disagree`` (the output words that carry the signature
+    hashes are read through ``nvshmem_ptr``; put peers exchange none)."""
+    if ti.DEVICE != "cuda" or PUT_ONLY:
+        pytest.skip("the CUDA kernels' agreement between pointer peers")
+    print(virtual_nodes.run("test_intranode:task_cached_disagree", None))
+
+
+@pytest.mark.multi_gpu
 def test_stalled_node_times_out():
     """Node 1 never joins the dispatch: node 0 gets a timeout exception naming the peer within the budget, and a
     usable CUDA context (``test_intranode.task_stall``)."""

@@ -884,6 +884,67 @@ def task_disagree(buffer, rank: int, payload: dict) -> str:
     return "; ".join(seen)
 
 
+def task_cached_disagree(buffer, rank: int, payload: dict) -> str:
+    """Rank 1 passes a cached dispatch a different hidden size, dtype, FP8 payload or config chunking: its kernel
+    moves no row on any rank, and every rank's next call raises ArgumentMismatchError naming the cached dispatch,
+    well under a second, before it launches anything. Then rank 1 refuses a cached dispatch (a row too few): it
+    raises its own ValueError at once, and every rank's next call raises as above. After each, a correct cached
+    dispatch and combine give every rank's rows in (source rank, token) order and their sum (the rings and epochs
+    stayed in step)."""
+    import time
+
+    import deep_ep
+    n, h, world = 32, 256, buffer.group_size
+    num_experts, config = 2 * world, deep_ep.Config(4, 8, 256)
+    x = _pattern_x(rank, n, h, 0).to(DEVICE)
+    # Every token selects expert 2r on every rank r: all rows reach every rank.
+    topk_idx = (torch.arange(world, device=DEVICE) * 2).repeat(n, 1).to(deep_ep.topk_idx_t)
+    layout = buffer.get_dispatch_layout(topk_idx, num_experts)
+    handle = buffer.dispatch(x, num_tokens_per_rank=layout.num_tokens_per_rank,
+                             num_tokens_per_rdma_rank=layout.num_tokens_per_rdma_rank,
+                             is_token_in_rank=layout.is_token_in_rank,
+                             num_tokens_per_expert=layout.num_tokens_per_expert, config=config).handle
+    want = torch.cat([_pattern_x(r, n, h, 0) for r in range(world)]).to(DEVICE)
+
+    def correct(label: str) -> None:
+        recv_x = buffer.dispatch(x, handle=handle, config=config).recv_x
+        assert torch.equal(recv_x, want), f"after {label}: the cached recv_x differs from every rank's rows"
+        c = buffer.combine(recv_x, handle, config=config)
+        torch.cuda.synchronize()
+        assert torch.equal(c.combined_x.float(), x.float() * world), f"after {label}: combine differs"
+
+    other = rank == 1
+    fp8 = (x.to(torch.float8_e4m3fn), torch.ones(n, h // 128, dtype=torch.float32, device=DEVICE))
+    steps = [("hidden", torch.cat([x, x], 1) if other else x, config),
+             ("dtype", x.to(torch.float16) if other else x, config),
+             ("FP8", fp8 if other else x, config),
+             ("config", x, deep_ep.Config(4, 6, 256) if other else config),
+             ("refusal", x[:-1] if other else x, config)]
+    seen = []
+    correct("start")
+    for name, data, cfg in steps:
+        refused = False
+        try:
+            buffer.dispatch(data, handle=handle, config=cfg)
+        except ValueError as exc:
+            assert not isinstance(exc, deep_ep.ArgumentMismatchError) and str(exc).startswith("x must"), str(exc)
+            refused = True
+        assert refused == (name == "refusal" and other), f"{name}: the call itself raised: {refused}"
+        start = time.monotonic()
+        try:
+            buffer.dispatch(x, handle=handle, config=config)
+        except deep_ep.ArgumentMismatchError as exc:
+            elapsed = time.monotonic() - start
+            assert "cached dispatch" in str(exc), f"{name}: {exc}"
+            assert world != 2 or f"peer {1 - rank}" in str(exc), f"{name}: {exc}"
+            assert elapsed < 1.0, f"{name}: raised after {elapsed:.3f} s"
+            seen.append(f"{name}: {elapsed * 1e3:.0f} ms")
+        else:
+            raise AssertionError(f"a cached dispatch whose {name} differs between the ranks did not raise")
+        correct(name)
+    return "; ".join(seen)
+
+
 def _pattern_x(rank: int, n: int, h: int, salt: int) -> torch.Tensor:
     """Rows that identify (rank, token, salt); small integers, exact in BF16."""
     t = torch.arange(n, dtype=torch.int64).view(n, 1)
@@ -979,7 +1040,8 @@ def task_reset(buffer, rank: int, payload) -> str:
 
 TASKS: dict[str, Callable] = {"roundtrip": task_roundtrip, "graph": task_graph, "stall": task_stall,
                               "sequence": task_sequence, "bad_routing": task_bad_routing, "reset": task_reset,
-                              "pool_lifetime": task_pool_lifetime, "disagree": task_disagree}
+                              "pool_lifetime": task_pool_lifetime, "disagree": task_disagree,
+                              "cached_disagree": task_cached_disagree}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1085,6 +1147,13 @@ def test_bad_routing_raises(pools, world, spread):
 def test_disagreeing_ranks_raise_and_recover(pools):
     """Two ranks on one GPU: see task_disagree."""
     print(pools(2).run("disagree", None))
+
+
+def test_cached_disagreement_raises_at_next_call(pools):
+    """Two ranks on one GPU: see task_cached_disagree."""
+    if DEVICE != "cuda":
+        pytest.skip("the CUDA kernels' agreement (the torch backend raises in the call itself)")
+    print(pools(2).run("cached_disagree", None))
 
 
 def test_killed_peer_times_out():

@@ -457,6 +457,50 @@ def task_disagree(buffer, rank: int, case: Case) -> str:
     return "; ".join(seen)
 
 
+def task_refusal(buffer, rank: int, case: Case) -> str:
+    """Rank 1 refuses its low_latency_dispatch (more tokens than num_max_dispatch_tokens_per_rank): it raises its
+    own ValueError at once and still launches the call's kernel with no tokens and the hash of its refusal, so rank
+    0's dispatch finishes without waiting for the timeout; every rank's next low-latency call raises
+    ArgumentMismatchError naming the other rank, well under a second after the refused call; after
+    clean_low_latency_buffer a correct round matches the reference."""
+    import torch.distributed as dist
+
+    import deep_ep
+    inputs, refs, ref_out = _references(case)
+    mine = inputs[rank]
+    x, idx = mine["x"].cuda(), mine["topk_idx"].cuda()
+    start = time.monotonic()
+    if rank == 1:
+        extra = case.max_tokens + 1 - x.size(0)
+        try:
+            buffer.low_latency_dispatch(torch.cat([x, x[:1].repeat(extra, 1)]),
+                                        torch.cat([idx, idx[:1].repeat(extra, 1)]), case.max_tokens,
+                                        case.num_experts, use_fp8=case.use_fp8)
+        except deep_ep.ArgumentMismatchError as exc:
+            raise AssertionError(f"the refusing rank raised ArgumentMismatchError, not its own error: {exc}") from None
+        except ValueError as exc:
+            assert "num_max_dispatch_tokens_per_rank" in str(exc), str(exc)
+        else:
+            raise AssertionError("a dispatch of more than num_max_dispatch_tokens_per_rank tokens was accepted")
+    else:
+        buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts, use_fp8=case.use_fp8)
+    torch.cuda.synchronize()
+    finished = time.monotonic() - start
+    assert finished < 1.0, f"the refused dispatch's kernels finished after {finished:.3f} s"
+    dist.barrier()
+    try:
+        buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts, use_fp8=case.use_fp8)
+    except deep_ep.ArgumentMismatchError as exc:
+        elapsed = time.monotonic() - start
+        assert f"rank {1 - rank}" in str(exc) and "refused" in str(exc), str(exc)
+        assert elapsed < 1.0, f"raised after {elapsed:.3f} s"
+    else:
+        raise AssertionError("the call after a refused low-latency dispatch did not raise")
+    buffer.clean_low_latency_buffer(case.max_tokens, case.hidden, case.num_experts)
+    _ll_round(buffer, case, rank, inputs, mine, refs, ref_out)
+    return f"kernels done after {finished * 1e3:.0f} ms, raised after {elapsed * 1e3:.0f} ms"
+
+
 def task_shrink(buffer, rank: int, case: Case) -> str:
     """Rank 1 "dies" before a dispatch: rank 0's dispatch times out on it (DEEP_EP_TIMEOUT_S), masks it and completes
     with rank 0's own rows; its combine drops rank 1's experts; the mask query reports rank 1."""
@@ -526,7 +570,8 @@ def task_shrink_combine(buffer, rank: int, case: Case) -> str:
 
 
 TASKS = {"shrink": task_shrink, "shrink_combine": task_shrink_combine, "round": task_round, "graph": task_graph,
-         "normal_then_clean": task_normal_then_clean, "bad_input": task_bad_input, "disagree": task_disagree}
+         "normal_then_clean": task_normal_then_clean, "bad_input": task_bad_input, "disagree": task_disagree,
+         "refusal": task_refusal}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -592,19 +637,27 @@ def test_ll_bad_input_keeps_buffer_usable(pools, world):
     pools(world).run("bad_input", case)
 
 
+def _ep2_case(seed: int, num_tokens: int) -> Case:
+    """EP2, ``num_tokens`` tokens per rank of top-4 over 8 experts, BF16, T = 16, H = 2048, no options."""
+    return Case(num_ranks=2, seed=seed, num_tokens=(num_tokens, num_tokens), max_tokens=16, hidden=2048, num_topk=4,
+                num_experts=8, mask_prob=0.0, use_fp8=False, round_scale=False, use_ue8m0=False, hook=False,
+                async_finish=False, use_logfmt=False, zero_copy=False, dispatch_twice=False, with_out=False,
+                with_stats=False)
+
+
 @pytest.mark.multi_gpu(2)
 def test_ll_ranks_that_disagree_raise_and_recover(pools):
-    case = Case(num_ranks=2, seed=11, num_tokens=(6, 6), max_tokens=16, hidden=2048, num_topk=4, num_experts=8,
-                mask_prob=0.0, use_fp8=False, round_scale=False, use_ue8m0=False, hook=False, async_finish=False,
-                use_logfmt=False, zero_copy=False, dispatch_twice=False, with_out=False, with_stats=False)
-    print(pools(2).run("disagree", case))
+    print(pools(2).run("disagree", _ep2_case(11, 6)))
+
+
+@pytest.mark.multi_gpu(2)
+def test_ll_refusal_on_one_rank_is_prompt(pools):
+    print(pools(2).run("refusal", _ep2_case(12, 6)))
 
 
 def _shrink_case(seed: int) -> Case:
-    """EP2, 12 tokens of top-4 over 8 experts, BF16: every token almost surely has rows from both ranks."""
-    return Case(num_ranks=2, seed=seed, num_tokens=(12, 12), max_tokens=16, hidden=2048, num_topk=4, num_experts=8,
-                mask_prob=0.0, use_fp8=False, round_scale=False, use_ue8m0=False, hook=False, async_finish=False,
-                use_logfmt=False, zero_copy=False, dispatch_twice=False, with_out=False, with_stats=False)
+    """12 tokens per rank: every token almost surely has rows from both ranks."""
+    return _ep2_case(seed, 12)
 
 
 @pytest.mark.multi_gpu(2)
