@@ -41,6 +41,9 @@ class FusedInternodeCuda(SymmetricCuda):
     pointer path (or ``internode_put_only`` is set): the fused kernels reach peers by pointer only.
     """
 
+    # The agreement rides in the fused notify (non-cached dispatch); a cached dispatch exchanges no per-call words.
+    handle_agreement = False
+
     def __init__(self, rank: int, topology: Topology, num_rdma_bytes: int, num_qps_per_rank: int, allow_mnnvl: bool,
                  all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:
         reason = self.unsupported_reason(topology, num_rdma_bytes)
