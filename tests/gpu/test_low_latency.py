@@ -299,6 +299,13 @@ def _check_dispatch(case: Case, rank: int, res, ref) -> None:
         assert scales.stride()[1] == 1 and scales.stride()[2] == scales.size(1), f"scales strides {scales.stride()}"
 
 
+def _settle(buffer) -> None:
+    """Wait for the device, then raise the error a kernel left pending (a timeout, a peer's abort), so that a failed
+    kernel is reported as such and not as outputs that differ from the reference."""
+    torch.cuda.synchronize()
+    buffer._cuda_ll.check_errors()
+
+
 def _ll_round(buffer, case: Case, rank: int, inputs: list, mine: dict, refs: list, ref_out: list) -> None:
     """One dispatch (twice when asked: both buffer halves) + combine on this rank, checked."""
     num_local = case.num_experts // case.num_ranks
@@ -317,7 +324,7 @@ def _ll_round(buffer, case: Case, rank: int, inputs: list, mine: dict, refs: lis
             res.hook()
         elif case.async_finish:
             res.event.current_stream_wait()
-        torch.cuda.synchronize()
+        _settle(buffer)
         _check_dispatch(case, rank, res, refs[rank])
     if stats is not None:
         rounds = 2 if case.dispatch_twice else 1
@@ -333,7 +340,7 @@ def _ll_round(buffer, case: Case, rank: int, inputs: list, mine: dict, refs: lis
         comb.hook()
     elif case.async_finish:
         comb.event.current_stream_wait()
-    torch.cuda.synchronize()
+    _settle(buffer)
     if out is not None:
         assert comb.combined_x.data_ptr() == out.data_ptr()
     got, want = comb.combined_x.cpu(), ref_out[rank]
@@ -385,7 +392,7 @@ def task_graph(buffer, rank: int, case: Case) -> str:
         for key in ("x", "topk_idx", "topk_weights"):
             static[key].copy_(inputs[rank][key][:num_tokens])
         graph.replay()
-        torch.cuda.synchronize()
+        _settle(buffer)
         _check_dispatch(fresh, rank, res, refs[rank])
         _eq(f"graph replay {replay} combined_x", comb.combined_x.cpu(), ref_out[rank])
     return "ok"
