@@ -511,16 +511,7 @@ void Runtime::notify_dispatch(const at::Tensor& num_tokens_per_rank, const at::T
     args.rank_prefix_matrix = data_of<int>(rank_prefix_matrix, workspace_);
     args.channel_prefix_matrix = data_of<int>(channel_prefix_matrix, workspace_);
     args.recv_channel_prefix_matrix = data_of<int>(recv_channel_prefix_matrix, workspace_);
-    for (size_t w = 0; w < signature.size(); ++w) args.signature[w] = signature[w];
-    args.check_signatures = check_signatures && !signature.empty() ? 1 : 0;
-    args.host_signatures = reinterpret_cast<int64_t*>(device_counters_ + kSignatureIntOffset);
-    args.host_counters = nullptr;
-    if (!worst_token_mode) {
-        // The previous non-worst notify was waited for before its call returned, so nothing writes here now.
-        host_counters_[0] = -1;
-        std::atomic_thread_fence(std::memory_order_seq_cst);
-        args.host_counters = device_counters_;
-    }
+    arm_notify(args, signature, check_signatures, worst_token_mode);
     if (after_current) order(as_stream(stream), current_stream());
     auto ctx = next_context();
     kernels::intranode_notify(ctx, args, as_stream(stream));

@@ -21,6 +21,7 @@
 #include <ATen/ATen.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -278,6 +279,21 @@ class Runtime {
     int* host_counters_ = nullptr;
     std::vector<at::Tensor> refusal_scratch_;  // refuse_notify's zero counts and unread outputs, made once
     int* device_counters_ = nullptr;
+    // A notify's agreement and host fields (NotifyArgs, FusedNotifyArgs): the call signature, where the kernel
+    // leaves every rank's signature, and, outside worst-token mode, the host-mapped counters it fills (reset to -1
+    // first: the previous non-worst notify was waited for before its call returned, so nothing writes there now).
+    template <typename Args>
+    void arm_notify(Args& args, const std::vector<int64_t>& signature, bool check_signatures, bool worst_token_mode) {
+        for (size_t w = 0; w < signature.size(); ++w) args.signature[w] = signature[w];
+        args.check_signatures = check_signatures && !signature.empty() ? 1 : 0;
+        args.host_signatures = reinterpret_cast<int64_t*>(device_counters_ + kSignatureIntOffset);
+        args.host_counters = nullptr;
+        if (!worst_token_mode) {
+            host_counters_[0] = -1;
+            std::atomic_thread_fence(std::memory_order_seq_cst);
+            args.host_counters = device_counters_;
+        }
+    }
     cudaEvent_t order_event_ = nullptr;             // reused by order(): a wait snapshots the event's last record
     cudaStream_t copy_stream_ = nullptr;            // copy-engine combine: copies and their flags
     cudaEvent_t copy_event_ = nullptr;              // joins copy_stream_ back into the call's stream

@@ -101,16 +101,7 @@ void Runtime::fused_notify(const at::Tensor& num_tokens_per_rank,
     args.recv_rdma_rank_prefix_sum = ptr<int>(recv_rdma_rank_prefix_sum, workspace_);
     args.recv_gbl_channel_prefix_matrix = ptr<int>(recv_gbl_channel_prefix_matrix, workspace_);
     args.recv_gbl_rank_prefix_sum = ptr<int>(recv_gbl_rank_prefix_sum, workspace_);
-    for (size_t w = 0; w < signature.size(); ++w) args.signature[w] = signature[w];
-    args.check_signatures = check_signatures && !signature.empty() ? 1 : 0;
-    args.host_signatures = reinterpret_cast<int64_t*>(device_counters_ + kSignatureIntOffset);
-    args.host_counters = nullptr;
-    if (!worst_token_mode) {
-        // The previous non-worst notify was waited for before its call returned, so nothing writes here now.
-        host_counters_[0] = -1;
-        std::atomic_thread_fence(std::memory_order_seq_cst);
-        args.host_counters = device_counters_;
-    }
+    arm_notify(args, signature, check_signatures, worst_token_mode);
     if (after_current) order(as_stream_handle(stream), current_stream());
     auto ctx = next_context();
     kernels::fused_notify(ctx, args, as_stream_handle(stream));
