@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from deep_ep import layout
 from deep_ep.config import Config, get_combine_config, get_dispatch_config
-from simulator import Scenario, hardware, rank, run, run_sweep, validate, workload
+from simulator import Scenario, hardware, rank, run, validate, workload
 from simulator.links import FluidNetwork
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,15 +268,6 @@ def test_json_output_has_per_op_fields():
             entry = result[mode][op]
             assert entry["time_us"] > 0 and entry["logical_gbps"] > 0 and entry["bottleneck"]
     assert result["num_nvl_bytes"] > 0 and result["recommended_num_sms"] % 2 == 0
-
-
-def test_sweep_and_plot(tmp_path):
-    png = tmp_path / "plan.png"
-    out = _cli("--sweep-nodes", "1,2", "--tokens", "256", "--plot", str(png)).stdout
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "    1    8 normal" in out and "    2   16 normal" in out
-    report = run_sweep(Scenario(tokens=256), [1, 2])
-    assert [s.nodes for s in report.scales] == [1, 2]
 
 
 def test_scenario_rejects_bad_values():

@@ -180,12 +180,15 @@ def test_fluid_batched_completion_keeps_utilization_within_capacity():
 # Plot, help, recommendations
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_plot_says_what_it_wrote_and_puts_one_unit_per_axis(capsys, tmp_path):
-    path = tmp_path / "plan.svg"
+@pytest.mark.parametrize("name, head", [("plan.svg", b"<?xml"), ("plan.png", b"\x89PNG\r\n\x1a\n")])
+def test_plot_says_what_it_wrote_and_puts_one_unit_per_axis(capsys, tmp_path, name, head):
+    path = tmp_path / name
     rc, out, err = _cli(capsys, "--sweep-nodes", "1,2", "--tokens", "256", "--plot", str(path))
-    assert rc == 0 and path.read_text().lstrip().startswith("<?xml")
+    assert rc == 0 and path.read_bytes().lstrip().startswith(head)  # the extension picks the format
     assert err.startswith(f"wrote {path}: ") and "nodes 1,2" in err
+    assert "    1    8 normal" in out and "    2   16 normal" in out  # the sweep's table: one row per scale
     report = scenario.run_sweep(Scenario(tokens=256, kernels="deep_ep"), [1, 2])
+    assert [s.nodes for s in report.scales] == [1, 2]
     fig = report.figure()
     axes = fig.get_axes()
     assert len(axes) == 4  # one row per mode: time, bandwidth
