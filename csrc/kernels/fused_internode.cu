@@ -125,7 +125,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
 
     // 3. My counts into every rank's slot [parity][me]: [R totals][L expert counts of d][C channel counts to d]
     //    [my signature], and to my rail peers the channel counts of tokens that need their node.
-    constexpr int kSignatureInts = 2 * kSignatureWords;
     const int* my_signature = reinterpret_cast<const int*>(args.signature);
     const int per_dst = num_ranks + num_local_experts + 2 * num_channels + kSignatureInts;
     for (int i = tid; i < num_ranks * per_dst; i += static_cast<int>(blockDim.x)) {
@@ -201,34 +200,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         }
     }
     // Every source's signature: to the host, and compared with mine.
-    for (int i = tid; i < num_ranks * kSignatureInts; i += static_cast<int>(blockDim.x)) {
-        const int s = i / kSignatureInts, w = i % kSignatureInts;
-        const int value = data[s * kNotifyInts + kNotifySignaturePos + w];
-        if (args.host_signatures != nullptr) reinterpret_cast<volatile int*>(args.host_signatures)[i] = value;
-        if (args.check_signatures && value != my_signature[w]) atomicMin(&mismatch_source, s);
-    }
-    __threadfence_system();
-    __syncthreads();
-    if (tid == 0) {
-        const int s = mismatch_source;
-        *workspace_u32(ctx, kWsNotifyMismatchOffset) = s < num_ranks ? 1u : 0u;
-        if (s < num_ranks && args.host_counters == nullptr) {
-            int w = 0;
-            while (w + 1 < kSignatureInts && data[s * kNotifyInts + kNotifySignaturePos + w] == my_signature[w]) ++w;
-            fill_error_record(ctx.error,
-                              reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsErrorClaimOffset),
-                              kErrorArgumentMismatch, kKernelNotify, kPhaseNotifyAgreement, rank, s, -1, ctx.call_seq,
-                              my_signature[w], data[s * kNotifyInts + kNotifySignaturePos + w], 0);
-        }
-    }
+    notify_agreement(ctx, args, data, kNotifyInts, my_signature, &mismatch_source);
     if (args.host_counters != nullptr) {
-        for (int e = tid; e < num_local_experts; e += static_cast<int>(blockDim.x)) {
-            int64_t sum = 0;
-            for (int s = 0; s < num_ranks; ++s) sum += data[s * kNotifyInts + kMaxRanks + e];
-            const int64_t align = args.expert_alignment;
-            reinterpret_cast<volatile int*>(args.host_counters)[1 + e] =
-                static_cast<int>((sum + align - 1) / align * align);
-        }
+        notify_expert_counts(args, data, kNotifyInts, num_ranks, num_local_experts);
         __threadfence_system();
     }
     __syncthreads();

@@ -258,5 +258,53 @@ inline void check_send_warps(const char* what, int num_send_warps, int lowest, i
                       lowest, ", ", highest, "] for this rank count, got ", num_send_warps);
 }
 
+constexpr int kSignatureInts = 2 * kSignatureWords;  // a call signature as the notify slots hold it (int32)
+
+// Notify, whole CTA (the intranode and the fused notify kernels; slot s of the gathered notify data starts at
+// data + s * slot_ints). Every source's signature goes to the host and, with check_signatures, is compared with
+// mine: *mismatch_source (shared, kMaxRanks before) becomes the first source that differs, the workspace's mismatch
+// word says whether one did, and in worst-token mode (no host wait: host_counters == nullptr) the error record
+// carries the disagreement to the host's next check. Ends with the CTA synchronised.
+template <typename Args>
+__device__ __forceinline__ void notify_agreement(const KernelContext& ctx, const Args& args,
+                                                 const volatile int* data, int slot_ints, const int* my_signature,
+                                                 int* mismatch_source) {
+    const int num_ranks = ctx.num_ranks;
+    for (int i = static_cast<int>(threadIdx.x); i < num_ranks * kSignatureInts; i += static_cast<int>(blockDim.x)) {
+        const int s = i / kSignatureInts, w = i % kSignatureInts;
+        const int value = data[s * slot_ints + kNotifySignaturePos + w];
+        if (args.host_signatures != nullptr) reinterpret_cast<volatile int*>(args.host_signatures)[i] = value;
+        if (args.check_signatures && value != my_signature[w]) atomicMin(mismatch_source, s);
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int s = *mismatch_source;
+        *workspace_u32(ctx, kWsNotifyMismatchOffset) = s < num_ranks ? 1u : 0u;
+        if (s < num_ranks && args.host_counters == nullptr) {
+            int w = 0;
+            while (w + 1 < kSignatureInts && data[s * slot_ints + kNotifySignaturePos + w] == my_signature[w]) ++w;
+            fill_error_record(ctx.error,
+                              reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsErrorClaimOffset),
+                              kErrorArgumentMismatch, kKernelNotify, kPhaseNotifyAgreement, ctx.rank, s, -1,
+                              ctx.call_seq, my_signature[w], data[s * slot_ints + kNotifySignaturePos + w], 0);
+        }
+    }
+}
+
+// Notify, whole CTA, with a host wait (host_counters != nullptr): host_counters[1 + e] = the rows of local expert e
+// from every source (the per-expert counts at kMaxRanks of each slot), rounded up to expert_alignment.
+template <typename Args>
+__device__ __forceinline__ void notify_expert_counts(const Args& args, const volatile int* data, int slot_ints,
+                                                     int num_ranks, int num_local_experts) {
+    for (int e = static_cast<int>(threadIdx.x); e < num_local_experts; e += static_cast<int>(blockDim.x)) {
+        int64_t sum = 0;
+        for (int s = 0; s < num_ranks; ++s) sum += data[s * slot_ints + kMaxRanks + e];
+        const int64_t align = args.expert_alignment;
+        reinterpret_cast<volatile int*>(args.host_counters)[1 + e] =
+            static_cast<int>((sum + align - 1) / align * align);
+    }
+}
+
 }  // namespace kernels
 }  // namespace deep_ep
