@@ -281,17 +281,9 @@ struct Team {
         if (lane > 0 && lane < size && progress[lane] < done) {
             const uint64_t start = global_timer_ns();
             for (uint32_t spins = 1; progress[lane] < done; ++spins) {
-                if ((spins & 63) == 0) {
-                    const uint32_t word = ld_relaxed_sys(abort_word(ctx.buffers[ctx.rank]));
-                    const uint64_t elapsed = global_timer_ns() - start;
-                    if (word != 0 || elapsed > ctx.timeout_ns) {
-                        if (word != 0)
-                            report_abort_seen(ctx, word, site, done, progress[lane], static_cast<int64_t>(elapsed));
-                        else
-                            report_error(ctx, kErrorTimeout, site, done, progress[lane], static_cast<int64_t>(elapsed));
-                        ok = false;
-                        break;
-                    }
+                if ((spins & 63) == 0 && spin_expired(ctx, start, site, done, progress[lane])) {
+                    ok = false;
+                    break;
                 }
                 if (spins > 256) __nanosleep(32);
             }
@@ -698,7 +690,6 @@ __device__ __forceinline__ bool team_wait_geq(const KernelContext& ctx, const ui
         __syncwarp();  // the waiting lanes' acquire orders every lane's reads that follow
         return true;
     }
-    const uint32_t* abort = abort_word(ctx.buffers[ctx.rank]);
     const uint64_t start = global_timer_ns();
     for (uint32_t spins = 1;; ++spins) {
         if (leader) flush();
@@ -713,18 +704,8 @@ __device__ __forceinline__ bool team_wait_geq(const KernelContext& ctx, const ui
             __syncwarp();
             return true;
         }
-        bool failed = false;
-        if ((spins & 63) == 0 && pending) {
-            const uint32_t abort_value = ld_relaxed_sys(abort);
-            const uint64_t elapsed = global_timer_ns() - start;
-            if (abort_value != 0) {
-                report_abort_seen(ctx, abort_value, site, target, *cache, static_cast<int64_t>(elapsed));
-                failed = true;
-            } else if (elapsed > ctx.timeout_ns) {
-                report_error(ctx, kErrorTimeout, site, target, ld_relaxed_sys(word), static_cast<int64_t>(elapsed));
-                failed = true;
-            }
-        }
+        const bool failed =
+            (spins & 63) == 0 && pending && spin_expired(ctx, start, site, target, ld_relaxed_sys(word));
         if (__any_sync(0xffffffffu, failed)) return false;
         if (spins > 256) __nanosleep(128);
     }
@@ -734,24 +715,12 @@ __device__ __forceinline__ bool team_wait_geq(const KernelContext& ctx, const ui
 template <typename Flush>
 __device__ __forceinline__ bool team_drain(const KernelContext& ctx, const Team& team, int num_items,
                                            const Site& site, Flush&& flush) {
-    const uint32_t* abort = abort_word(ctx.buffers[ctx.rank]);
     const uint64_t start = global_timer_ns();
     for (uint32_t spins = 1;; ++spins) {
         const int finished = team_finished(team, num_items);
         flush(true);  // publishes at least `finished`
         if (finished >= num_items) return true;
-        bool failed = false;
-        if ((spins & 63) == 0 && lane_id() == 0) {
-            const uint32_t abort_value = ld_relaxed_sys(abort);
-            const uint64_t elapsed = global_timer_ns() - start;
-            if (abort_value != 0) {
-                report_abort_seen(ctx, abort_value, site, num_items, finished, static_cast<int64_t>(elapsed));
-                failed = true;
-            } else if (elapsed > ctx.timeout_ns) {
-                report_error(ctx, kErrorTimeout, site, num_items, finished, static_cast<int64_t>(elapsed));
-                failed = true;
-            }
-        }
+        const bool failed = (spins & 63) == 0 && lane_id() == 0 && spin_expired(ctx, start, site, num_items, finished);
         if (__any_sync(0xffffffffu, failed)) return false;
         if (spins > 256) __nanosleep(128);
     }
