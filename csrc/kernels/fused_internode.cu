@@ -726,25 +726,6 @@ __device__ __forceinline__ bool team_drain(const KernelContext& ctx, const Team&
     }
 }
 
-// Adds 8 BF16 values (one int4) to acc in fp32.
-__device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(pairs[i]);
-        acc[2 * i] += f.x;
-        acc[2 * i + 1] += f.y;
-    }
-}
-
-__device__ __forceinline__ int4 to_bf16x8(const float* acc) {
-    int4 out;
-    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    return out;
-}
-
 // One warp: out = bf16(bias_0 + bias_1 + srcs[0] + srcs[1] + ...) over n int4, summed in fp32 in that order (absent
 // biases skipped), kU int4 of two sources in flight per lane. Sources are ring slots written by peers. Not inlined:
 // inside the combine kernel's 64-register budget the loaded chunks would be spilled.
@@ -783,7 +764,7 @@ static __device__ __noinline__ void reduce_row(const int4* const* srcs, int num_
         }
 #pragma unroll
         for (int u = 0; u < kU; ++u)
-            if (base + u * 32 < n) st_na_int4(out + base + u * 32, to_bf16x8(acc[u]));
+            if (base + u * 32 < n) st_na_int4(out + base + u * 32, pack_bf16x8(acc[u]));
     }
 }
 

@@ -13,6 +13,7 @@
 // kernel's register budget.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -256,6 +257,29 @@ inline void check_channels(const char* what, int num_channels, int num_max_send_
 inline void check_send_warps(const char* what, int num_send_warps, int lowest, int highest) {
     DEEP_EP_CHECK_ARG(num_send_warps >= lowest && num_send_warps <= highest, what, ": send warps per channel must be in [",
                       lowest, ", ", highest, "] for this rank count, got ", num_send_warps);
+}
+
+// Adds 8 BF16 values (one int4) to acc in fp32 (exact: a BF16 is the upper half of an fp32).
+__device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
+    const uint32_t words[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                               static_cast<uint32_t>(v.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc[2 * i] += __uint_as_float(words[i] << 16);
+        acc[2 * i + 1] += __uint_as_float(words[i] & 0xffff0000u);
+    }
+}
+
+// 8 fp32 values rounded to nearest-even BF16, as one int4.
+__device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
+    uint32_t words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+        words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+    return make_int4(static_cast<int>(words[0]), static_cast<int>(words[1]), static_cast<int>(words[2]),
+                     static_cast<int>(words[3]));
 }
 
 constexpr int kSignatureInts = 2 * kSignatureWords;  // a call signature as the notify slots hold it (int32)
