@@ -23,7 +23,7 @@ import multiprocessing as mp
 import os
 import queue
 import re
-import socket
+import tempfile
 import traceback
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
@@ -153,13 +153,14 @@ def make_inputs(case: Case, rank: int) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # Worker pool
 # ----------------------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_file() -> str:
+    """A new empty file for the workers' ``file://`` rendezvous (no port that another process could take first)."""
+    fd, path = tempfile.mkstemp(prefix="deep_ep_pool_")
+    os.close(fd)
+    return path
 
 
-def _worker(rank: int, world: int, device: int, port: int, env: dict, overrides: dict, tasks, results) -> None:
+def _worker(rank: int, world: int, device: int, rendezvous: str, env: dict, overrides: dict, tasks, results) -> None:
     os.environ.update(env)
     # The workers' CPU work (inputs, the reference) in small torch ops: with torch's default of one thread per core
     # in every worker, 16 workers on 16 cores spent minutes per example in OpenMP contention.
@@ -171,7 +172,7 @@ def _worker(rank: int, world: int, device: int, port: int, env: dict, overrides:
         # TEST_GROUP=nccl: an NCCL group (one rank per GPU), for the torch backend's CUDA path.
         group_backend = os.environ.get("TEST_GROUP", "gloo")
         device_id = dict(device_id=torch.device("cuda", device)) if group_backend == "nccl" else {}
-        dist.init_process_group(group_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group(group_backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                                 **device_id)
         import deep_ep
         import deep_ep.testing
@@ -246,11 +247,12 @@ class Pool:
         self.world = len(devices)
         self.tasks = [ctx.Queue() for _ in devices]
         self.results = ctx.Queue()
-        port = _free_port()
+        self.rendezvous = _rendezvous_file()
         full_env = {"DEEP_EP_TIMEOUT_S": WORKER_TIMEOUT_S, "DEEP_EP_BACKEND": "cuda" if DEVICE == "cuda" else "torch",
                     "TEST_DEVICE": DEVICE, **(env or {})}
-        self.procs = [ctx.Process(target=_worker, args=(r, self.world, d, port, full_env, dict(overrides or {}),
-                                                         self.tasks[r], self.results), daemon=True)
+        self.procs = [ctx.Process(target=_worker, args=(r, self.world, d, self.rendezvous, full_env,
+                                                         dict(overrides or {}), self.tasks[r], self.results),
+                                  daemon=True)
                       for r, d in enumerate(devices)]
         for p in self.procs:
             p.start()
@@ -303,6 +305,8 @@ class Pool:
     def kill(self) -> None:
         for p in self.procs:
             p.kill()
+        with contextlib.suppress(OSError):
+            os.remove(self.rendezvous)
 
     def close(self) -> None:
         for q in self.tasks:
@@ -311,6 +315,8 @@ class Pool:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        with contextlib.suppress(OSError):  # the store removes its file when its last rank leaves
+            os.remove(self.rendezvous)
 
 
 def _devices(world: int, spread: bool) -> list[int]:

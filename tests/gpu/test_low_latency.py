@@ -20,7 +20,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
-import socket
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -125,19 +125,20 @@ def expert_output(recv_x, use_fp8: bool) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 # Worker pool
 # ----------------------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_file() -> str:
+    """A new empty file for the workers' ``file://`` rendezvous (no port that another process could take first)."""
+    fd, path = tempfile.mkstemp(prefix="deep_ep_pool_")
+    os.close(fd)
+    return path
 
 
-def _worker(rank: int, world: int, port: int, env: dict, shrink: bool, put_only: bool, tasks, results) -> None:
+def _worker(rank: int, world: int, rendezvous: str, env: dict, shrink: bool, put_only: bool, tasks, results) -> None:
     os.environ.update(env)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as test_intranode's workers: no OpenMP contention
     try:
         import torch.distributed as dist
         torch.cuda.set_device(rank % torch.cuda.device_count())  # ranks share GPUs when there are fewer
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
         import deep_ep
         import deep_ep.testing
         rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, MAX_HIDDEN, world,
@@ -191,8 +192,8 @@ class Pool:
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         env = {"DEEP_EP_TIMEOUT_S": WORKER_TIMEOUT_S, "DEEP_EP_BACKEND": "cuda"}
-        port = _free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, env, shrink, PUT_ONLY, self.tasks[r],
+        self.rendezvous = _rendezvous_file()
+        self.procs = [ctx.Process(target=_worker, args=(r, world, self.rendezvous, env, shrink, PUT_ONLY, self.tasks[r],
                                                          self.results), daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
@@ -242,6 +243,8 @@ class Pool:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        with contextlib.suppress(OSError):  # the store removes its file when its last rank leaves
+            os.remove(self.rendezvous)
 
 
 @pytest.fixture(scope="module")
