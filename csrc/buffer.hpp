@@ -208,6 +208,9 @@ class Runtime {
                       const at::Tensor& recv_gbl_channel_prefix_matrix, const at::Tensor& recv_gbl_rank_prefix_sum,
                       uintptr_t stream, bool after_current, const std::vector<int64_t>& signature,
                       bool check_signatures);
+    // The fused notify of a call this rank refused (refuse_notify's counterpart for a fused runtime: the fused
+    // notify has slots of its own).
+    void fused_refuse_notify(const std::vector<int64_t>& signature, int gpus_per_node, uintptr_t stream);
     // After wait_recv_counts: the rows this rank forwards (send_nvl_head's rows) of the same notify.
     int forward_count() const;
     // Returns (recv_x [num_recv_rows, H], recv_x_scales [num_recv_rows, S] when x_scales is given, recv_topk_idx
@@ -264,11 +267,12 @@ class Runtime {
     kernels::ErrorRecord* host_error_ = nullptr;    // host-mapped error record
     kernels::ErrorRecord* device_error_ = nullptr;  // its device alias
     // host-mapped [1 + kMaxLocalExperts + kMaxRanks^2] int32 (rows, per expert, pairs), then from int32 index
-    // kSignatureIntOffset the int64 [kMaxRanks][kSignatureWords] signatures of the last notify
+    // kSignatureIntOffset the int64 [kMaxRuntimeRanks][kSignatureWords] signatures of the last notify
     static constexpr int kSignatureIntOffset =
         (1 + kernels::kMaxLocalExperts + kernels::kMaxRanks * kernels::kMaxRanks + 1) / 2 * 2;
     int* host_counters_ = nullptr;
     std::vector<at::Tensor> refusal_scratch_;  // refuse_notify's zero counts and unread outputs, made once
+    std::vector<at::Tensor> fused_refusal_scratch_;  // the same for fused_refuse_notify
     int* device_counters_ = nullptr;
     cudaEvent_t order_event_ = nullptr;             // reused by order(): a wait snapshots the event's last record
     cudaStream_t copy_stream_ = nullptr;            // copy-engine combine: copies and their flags
