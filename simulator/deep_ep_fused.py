@@ -8,9 +8,9 @@ message cost, QPs and credits (:func:`simulator.rank.rdma_ring_rate`), its pipel
 Ours are the record layout, the rings (Buffer's default config), the CTA roles (``C / 2`` channels of two CTAs of
 32 warps, each ring served by a team of warps or, past 32 rings, by a warp in turn with others, :func:`role_warps`)
 and the rates, from the deep_ep profile: a role moves ``min(warps x warp rate, its SM share x SM rate)`` per
-channel (forwarders and senders over NVLink at ``warp_push_gbps`` / ``sm_push_gbps``, staging, receiving and reducing at ``warp_local_gbps`` /
-``sm_local_gbps`` or ``reduce_gbps``), plus ``row_ns`` per record and ``chunk_sync_us`` per chunk; a dispatch
-forwarder loads a record once and stores it to each GPU in its mask.
+channel (forwarders and senders over NVLink at ``warp_push_gbps`` / ``sm_push_gbps``, staging, receiving and
+reducing at ``warp_local_gbps`` / ``sm_local_gbps`` or ``reduce_gbps``), plus ``row_ns`` per record and
+``chunk_sync_us`` per chunk; a dispatch forwarder loads a record once and stores it to each GPU in its mask.
 """
 from __future__ import annotations
 

@@ -85,6 +85,7 @@ class FusedInternodeCuda(SymmetricCuda):
 
     @classmethod
     def max_ranks(cls) -> int:
+        """Largest group of the fused kernels (their own limit, above the ring kernels')."""
         return NUM_MAX_FUSED_RANKS
 
     def refuse_dispatch(self, signature) -> None:
