@@ -43,8 +43,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::register_exception<deep_ep::DeviceError>(m, "DeviceError", PyExc_RuntimeError);
 
     m.attr("MAX_RANKS") = deep_ep::kernels::kMaxRanks;
+    m.attr("MAX_RUNTIME_RANKS") = deep_ep::kernels::kMaxRuntimeRanks;
     m.attr("FUSED_MAX_RANKS") = deep_ep::kernels::kFusedMaxRanks;
-    m.attr("FUSED_MAX_NODES") = deep_ep::kernels::kFusedMaxNodes;
     m.attr("MAX_CHANNELS") = deep_ep::kernels::kMaxChannels;
     m.attr("MAX_TOPK") = deep_ep::kernels::kMaxTopk;
     m.attr("MAX_LOCAL_EXPERTS") = deep_ep::kernels::kMaxLocalExperts;

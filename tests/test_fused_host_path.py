@@ -6,7 +6,7 @@ group whose ranks all hold the same inputs (``all_gather`` returns four copies).
 internode handle, the results, the cached dispatch and the combine from those outputs exactly as the reference
 has them, pass the notify's tensors on to the kernels, use ``config.num_sms // 2`` channels, raise
 ``ArgumentMismatchError`` before the dispatch kernel when the notify's gathered call signatures differ, send a
-refusal through the fused notify, serve up to 16 nodes and 64 ranks, and name the peer's node in a kernel's timeout.
+refusal through the fused notify, serve up to 32 nodes and 64 ranks, and name the peer's node in a kernel's timeout.
 """
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ with fake.patched(torch, cuda_tensors=True):
     report["refuse"] = seen.get("refused") == [list(refusal.values()), 2]
     reason = FusedInternodeCuda.unsupported_reason
     report["limits"] = {f"{n}x{g}": reason(Topology(n * g, g), 1 << 30) for n, g in
-                        ((16, 2), (8, 4), (8, 8), (16, 4), (17, 2), (32, 2), (16, 8))}
+                        ((16, 2), (8, 4), (8, 8), (16, 4), (32, 2), (33, 2), (16, 8))}
     errors = [{"code": "timeout", "message": "dispatch recv wait tail: rank 0 peer 3 channel 1", "peer": 3}]
     backend.runtime.read_error = lambda: errors[0]
     try:
@@ -187,9 +187,8 @@ def test_fused_backend_assembles_reference_results(use_fp8):
     assert "ranks [3]" in report["disagree"], report["disagree"]
     assert report["refuse"], "a refused dispatch reaches the peers through the fused notify's slots"
     limits = report["limits"]
-    assert all(limits[k] is None for k in ("16x2", "8x4", "8x8", "16x4")), limits
-    assert "17 nodes exceed" in limits["17x2"] and "32 nodes exceed" in limits["32x2"], limits
-    assert "128 ranks exceed" in limits["16x8"], limits
+    assert all(limits[k] is None for k in ("16x2", "8x4", "8x8", "16x4", "32x2")), limits
+    assert "66 ranks exceed" in limits["33x2"] and "128 ranks exceed" in limits["16x8"], limits
     assert "peer 3 channel 1" in report["timeout"] and "node 1, local 1" in report["timeout"], report["timeout"]
 
 

@@ -192,10 +192,12 @@ def test_more_sms_is_never_slower(nodes, per_node, nic, op, combine_path):
 
 
 @pytest.mark.parametrize(("nodes", "per_node", "nic"), [(1, 2, "cx7"), (1, 8, "cx7"), (2, 1, "nvlink-p2p"),
-                                                        (4, 8, "cx7")])
+                                                        (17, 4, "cx7")])
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_normal_byte_conservation(nodes, per_node, nic, op):
-    traffic = _traffic(nodes, per_node, 256, seed=1)
+    # 17 x 4: past the fused kernels' 64 ranks, the composed path (tests/test_simulator_fused.py checks the fused
+    # kernels' bytes); 8 experts per rank.
+    traffic = _traffic(nodes, per_node, 256, seed=1, experts=8 * nodes * per_node)
     spec = _spec(nodes, per_node, op, "fp8" if op == "dispatch" else "bf16")
     nic_p = hardware.get_nic(nic)
     res = dek.simulate_normal(spec, traffic, hardware.H200, nic_p, dek.profile(), 24, 8,

@@ -32,10 +32,10 @@ def _dtype(op: str) -> str:
 
 @pytest.mark.parametrize(("nodes", "per_node", "want"), [(2, 8, True), (3, 8, True), (2, 2, True), (12, 2, True),
                                                          (16, 2, True), (8, 4, True), (8, 8, True), (16, 4, True),
-                                                         (9, 8, False), (17, 2, False), (32, 2, False),
+                                                         (32, 2, True), (9, 8, False), (33, 2, False),
                                                          (2, 1, False), (1, 8, False)])
 def test_fused_serves_the_kernels_groups_and_the_composed_path_the_rest(nodes, per_node, want):
-    # The kernels' limits: 2..16 nodes (a sender and a forwarder warp per node), at most 64 ranks.
+    # The kernels' limit: at most 64 ranks.
     spec = _spec(nodes, per_node, "dispatch")
     assert fused.is_fused(spec) == want
     assert is_composed(spec) == (nodes > 1 and per_node > 1 and not want)
@@ -119,15 +119,18 @@ def test_fused_roles_use_every_warp_of_their_ctas():
     assert fused.team_sizes(32, 3) == [11, 11, 10]
     assert fused.role_warps("dispatch", 2, 4) == {"send": (16, 2), "forward": (16, 2), "receive": (32, 4)}
     assert fused.role_warps("combine", 2, 4) == {"send": (32, 4), "forward": (22, 2), "receive": (10, 1)}
-    for nodes, per_node in [(2, 8), (3, 8), (6, 4), (12, 2), (16, 2), (8, 8), (16, 4)]:
+    for nodes, per_node in [(2, 8), (3, 8), (6, 4), (12, 2), (16, 2), (8, 8), (16, 4), (17, 2), (32, 2)]:
         ranks = nodes * per_node
         dispatch, combine = fused.role_warps("dispatch", nodes, ranks), fused.role_warps("combine", nodes, ranks)
         assert dispatch["send"][0] + dispatch["forward"][0] == fused.CTA_WARPS
         assert combine["forward"][0] + combine["receive"][0] == fused.CTA_WARPS
         # One ring per source rank: every warp of the CTA, in teams, or past 32 ranks each warp serving several.
         assert dispatch["receive"] == combine["send"] == (fused.CTA_WARPS, ranks)
-        for warps, teams in (dispatch["send"], dispatch["forward"], combine["forward"], combine["receive"]):
-            assert warps >= teams >= 1
+        # Past 16 nodes (dispatch) and 31 (combine) each sender or forwarder warp serves several nodes in turn.
+        assert dispatch["send"][1] == dispatch["forward"][1] == combine["forward"][1] == nodes
+        assert combine["receive"][1] == 1 and min(w for w, _ in (*dispatch.values(), *combine.values())) >= 1
+    assert fused.role_warps("dispatch", 17, 34)["send"] == (16, 17)
+    assert fused.role_warps("combine", 32, 64) == {"send": (32, 64), "forward": (31, 32), "receive": (1, 1)}
     with pytest.raises(ValueError, match="num_teams"):
         fused.team_sizes(32, 33)
 

@@ -12,12 +12,13 @@
 //   * receivers (odd CTA, one team per source rank s): copy the records of node ring (c, s) into rows
 //     recv_gbl_channel_prefix[s][c] onwards (the contract's order: source rank, then token), top-k ids made local,
 //     and return the node head.
-// Warps: the even CTA's 32 warps form 2N teams (senders of nodes 0 .. N-1, then forwarders; N <= 16), the odd
-// CTA's 32 warps R receiver teams (channel 0's last warp first fills the worst-token tail); combine's even CTA forms
-// N forwarder teams and one owner team, its odd CTA R sender teams. Teams take consecutive warps, sizes differing by
+// Warps: the even CTA's 32 warps form 2N teams (senders of nodes 0 .. N-1, then forwarders), the odd CTA's 32
+// warps R receiver teams (channel 0's last warp first fills the worst-token tail); combine's even CTA forms N
+// forwarder teams and one owner team, its odd CTA R sender teams. Teams take consecutive warps, sizes differing by
 // at most one (at N = 2, G = 2: dispatch 8 warps per sender, forwarder and receiver; combine 11, 11 and 10 (owner),
-// 8 per sender). Past 32 ranks (up to kFusedMaxRanks) each receiver and combine-sender warp serves several source
-// ranks one after the other, in ascending order on every rank (make_roles). Every warp of a team runs the role's control flow and moves its contiguous share of each row (a
+// 8 per sender). Where a CTA has more roles than warps (past 32 ranks, 16 nodes for dispatch, 31 for combine), each
+// warp serves several of them one after the other, in ascending order on every rank (make_roles); the owner keeps
+// a warp of its own. Every warp of a team runs the role's control flow and moves its contiguous share of each row (a
 // reduction's share: the same fp32 sums in the same order); the team's first warp writes the small fields and side
 // outputs and alone publishes a tail or credit, once every warp's progress has passed it (Team below).
 // Roles overlap through the rings; the only waits are on ring counters (bounded, sync.cuh), and the chain
@@ -49,8 +50,7 @@ namespace kernels {
 namespace {
 
 constexpr int kMaxGpusPerNode = 8;  // send_nvl_head has 8 columns; local masks are 8 bits
-static_assert(2 * kFusedMaxNodes <= kChannelWarps && kFusedMaxNodes + 1 <= kChannelWarps && kFusedMaxNodes <= 32,
-              "a warp per sender and forwarder (dispatch), per forwarder and the owner (combine); a lane per node");
+static_assert(kFusedMaxNodes <= 32, "a lane per node (combine owner, notify)");
 static_assert(kFusedMaxRanks <= kNotifyThreads - kFusedMaxRanks, "notify: a thread per rank, another per node");
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -359,11 +359,12 @@ __device__ __forceinline__ Team make_team(volatile int* progress, int warp, int 
 
 // Role instances [0, count) over the warps [0, num_warps) of a CTA. Up to num_warps instances: teams (make_team), one
 // instance each. More: one warp per team, warp w serving instances w, w + num_warps, ... one after the other in
-// ascending order; `*first` and `*stride` give the loop. Sharing is used for the roles of one source rank each
-// (dispatch receivers, combine senders), whose waits reach only roles with warps of their own (forwarders, owners)
-// and through them the same source's instances at other ranks. Every rank serves the sources in the same order, so
-// the smallest source still waited on has every instance running or done, and its rings drain as in the unshared
-// case: no cycle.
+// ascending order; `*first` and `*stride` give the loop. No cycle follows: give each instance the key of the flow
+// it serves (dispatch: source node + destination node of its rail connection; combine: the owner's rank). Within a
+// flow the roles are the unshared design's; a shared warp makes an instance wait only for instances earlier in the
+// warp's order, every one of a lower key (a receiver's or combine sender's lower source rank, a sender's or
+// forwarder's node 16 lower, a combine forwarder's owner of node 0). The lowest key still waited on thus has all its
+// instances running or done, and its flow drains.
 __device__ __forceinline__ Team make_roles(volatile int* progress, int warp, int num_warps, int count, int* first,
                                            int* stride) {
     if (count <= num_warps) {
@@ -689,15 +690,31 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     const int num_nodes = geo.num_nodes;
     int role;
     if ((blockIdx.x & 1u) == 0) {
-        // Teams 0 .. N-1 send to node n, teams N .. 2N-1 forward from node n - N.
-        const Team team = make_team(team_progress, warp, kChannelWarps, 2 * num_nodes, &role);
         int num_checked = 0;
         if (lane_id() == 0) num_checked = raise_max_channels(ctx, kWsFusedMaxChannels, geo.num_channels);
         num_checked = __shfl_sync(0xffffffffu, num_checked, 0);
-        if (role < num_nodes)
-            fused_send(ctx, geo, args, team, channel, role, num_checked);
-        else
-            fused_forward(ctx, geo, args, team, channel, role - num_nodes, num_checked);
+        if (2 * num_nodes <= kChannelWarps) {
+            // Teams 0 .. N-1 send to node n, teams N .. 2N-1 forward from node n - N.
+            const Team team = make_team(team_progress, warp, kChannelWarps, 2 * num_nodes, &role);
+            if (role < num_nodes)
+                fused_send(ctx, geo, args, team, channel, role, num_checked);
+            else
+                fused_forward(ctx, geo, args, team, channel, role - num_nodes, num_checked);
+            return;
+        }
+        // Past 16 nodes: the first half of the warps send, the second half forward, each warp serving its nodes in
+        // ascending order (make_roles): rail connection (m, n) waits on (m, n - 16) through its sender's warp and on
+        // (m - 16, n) through its forwarder's.
+        constexpr int kHalf = kChannelWarps / 2;
+        const int in_half = warp % kHalf;
+        int stride;
+        const Team team = make_roles(team_progress + (warp - in_half), in_half, kHalf, num_nodes, &role, &stride);
+        for (int n = role; n < num_nodes; n += stride) {
+            if (warp < kHalf)
+                fused_send(ctx, geo, args, team, channel, n, num_checked);
+            else
+                fused_forward(ctx, geo, args, team, channel, n, num_checked);
+        }
         return;
     }
     // Channel 0's last warp first fills the worst-token tail (no waits); then team s receives from source rank s.
@@ -1049,18 +1066,32 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     num_checked = __shfl_sync(0xffffffffu, num_checked, 0);
     int role;
     if ((blockIdx.x & 1u) == 0) {
-        // Teams 0 .. N-1 forward to the owners of node n, team N owns the channel's tokens.
-        const Team team = make_team(team_progress, warp, kChannelWarps, num_nodes + 1, &role);
-        if (role < num_nodes)
-            fused_combine_forward(ctx, geo, args, team, channel, role, num_checked);
-        else
-            fused_combine_own(ctx, geo, args, team, channel);
+        if (num_nodes + 1 <= kChannelWarps) {
+            // Teams 0 .. N-1 forward to the owners of node n, team N owns the channel's tokens.
+            const Team team = make_team(team_progress, warp, kChannelWarps, num_nodes + 1, &role);
+            if (role < num_nodes)
+                fused_combine_forward(ctx, geo, args, team, channel, role, num_checked);
+            else
+                fused_combine_own(ctx, geo, args, team, channel);
+            return;
+        }
+        // Past 31 nodes: the last warp owns, the others forward, each serving its nodes in ascending order
+        // (make_roles).
+        if (warp == kChannelWarps - 1) {
+            fused_combine_own(ctx, geo, args, Team{0, 1, team_progress + warp}, channel);
+            return;
+        }
+        int stride;
+        const Team team = make_roles(team_progress, warp, kChannelWarps - 1, num_nodes, &role, &stride);
+        for (int n = role; n < num_nodes; n += stride)
+            fused_combine_forward(ctx, geo, args, team, channel, n, num_checked);
         return;
     }
     // Team s sends my rows of source rank s.
     int stride;
     const Team team = make_roles(team_progress, warp, kChannelWarps, ctx.num_ranks, &role, &stride);
-    for (int s = role; s < ctx.num_ranks; s += stride) fused_combine_send(ctx, geo, args, team, channel, s, num_checked);
+    for (int s = role; s < ctx.num_ranks; s += stride)
+        fused_combine_send(ctx, geo, args, team, channel, s, num_checked);
 }
 
 void check_fused_context(const KernelContext& ctx, int gpus_per_node, const char* what) {

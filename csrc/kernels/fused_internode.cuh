@@ -20,12 +20,12 @@ namespace deep_ep {
 namespace kernels {
 
 // ---- limits ----
-// Largest group of the fused kernels, and largest node count: their own counters, notify slots and workspace
-// shadows (below) are sized by kFusedMaxRanks, independent of the ring kernels' kMaxRanks. The dispatch's sending
-// CTA gives each of the 2N sender and forwarder roles at least one warp (N <= kChannelWarps / 2); receivers and
-// combine senders, one role per source rank, share warps beyond kChannelWarps ranks (fused_internode.cu, Teams).
+// Largest group of the fused kernels, and so (G >= 2) their largest node count: their own counters, notify slots and
+// workspace shadows (below) are sized by kFusedMaxRanks, independent of the ring kernels' kMaxRanks; the combine
+// owner gives each node a lane (kFusedMaxNodes <= 32). Roles beyond a CTA's 32 warps share warps
+// (fused_internode.cu, Teams).
 constexpr int kFusedMaxRanks = 64;
-constexpr int kFusedMaxNodes = kChannelWarps / 2;
+constexpr int kFusedMaxNodes = kFusedMaxRanks / 2;
 static_assert(kFusedMaxRanks <= kMaxRuntimeRanks, "a fused group is one runtime");
 
 // ---- buffer layout (after the shared control region of layout.cuh, which the fused kernels leave alone but for

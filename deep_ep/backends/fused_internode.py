@@ -21,15 +21,15 @@ from deep_ep.backends.base import CombineRequest, DispatchRequest, LayoutRequest
 from deep_ep.backends.common import object_all_gather
 from deep_ep.backends.cuda_common import _C, join_nvshmem_world, raise_from_record
 from deep_ep.backends.cuda_internode import SymmetricCuda, UnsupportedTopology
-from deep_ep.config import NUM_MAX_FUSED_NODES, NUM_MAX_FUSED_RANKS, NUM_MAX_SCALEUP_RANKS, Config, Topology
+from deep_ep.config import NUM_MAX_FUSED_RANKS, NUM_MAX_SCALEUP_RANKS, Config, Topology
 from deep_ep.errors import CommTimeoutError, name_ranks
 from deep_ep.handle import InternodeHandle, node_mask
 from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
 
 
 class FusedInternodeCuda(SymmetricCuda):
-    """Internode normal mode for one rank of ``N`` nodes x ``G`` GPUs (``2 <= G <= 8``, ``2 <= N <= 16``,
-    ``N * G <= 64``: ``NUM_MAX_FUSED_NODES``, ``NUM_MAX_FUSED_RANKS``), every peer reachable by ``nvshmem_ptr``.
+    """Internode normal mode for one rank of ``N`` nodes x ``G`` GPUs (``2 <= G <= 8``, ``N >= 2``,
+    ``N * G <= 64``, ``NUM_MAX_FUSED_RANKS``), every peer reachable by ``nvshmem_ptr``.
 
     Args:
         rank, topology: this rank and the group's ``N x G`` (the NVSHMEM world: PE = rank).
@@ -75,8 +75,6 @@ class FusedInternodeCuda(SymmetricCuda):
         per_node = topology.num_scaleup_ranks
         if not 2 <= per_node <= NUM_MAX_SCALEUP_RANKS or topology.num_scaleout_ranks < 2:
             return f"{topology.num_scaleout_ranks} nodes x {per_node} GPUs (needs >= 2 nodes of 2..8 GPUs)"
-        if topology.num_scaleout_ranks > NUM_MAX_FUSED_NODES:
-            return f"{topology.num_scaleout_ranks} nodes exceed the kernels' {NUM_MAX_FUSED_NODES}"
         if topology.num_ranks > NUM_MAX_FUSED_RANKS:
             return f"{topology.num_ranks} ranks exceed the kernels' {NUM_MAX_FUSED_RANKS}"
         if num_rdma_bytes <= 0:
