@@ -40,7 +40,8 @@ class SymmetricCuda(CudaBackend):
     cannot (put peers). Intranode interface and handles.
 
     Args:
-        rank, num_ranks: position in the group; ``2 <= num_ranks <= 24`` (``_C.MAX_RANKS``).
+        rank, num_ranks: position in the group; ``2 <= num_ranks <= max_ranks()`` (the ring kernels' 24,
+            ``_C.MAX_RANKS``; a subclass running other kernels may allow more).
         num_rdma_bytes: bytes of the symmetric buffer the kernels carve (equal on every rank of the world).
         unique_id: the NVSHMEM world's unique id (``join_nvshmem_world`` over the world's group).
         world_rank, world_size: this process's PE and the world's size.
