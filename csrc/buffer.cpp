@@ -236,13 +236,15 @@ std::vector<int> Runtime::sync_symmetric(const std::string& unique_id, int world
 void Runtime::set_put_peers(const std::vector<int>& put_ranks, bool put_area) {
     if (!symmetric_ || local_buffer_ == nullptr || available_ || destroyed_)
         throw std::runtime_error("Runtime::set_put_peers needs a symmetric runtime right after sync_symmetric");
+    // Only the ring kernels have a put path, and they serve kMaxRanks; put_area is decided world-wide, so every rank
+    // of a larger group refuses alike.
+    if (num_ranks_ > kernels::kMaxRanks && (put_area || !put_ranks.empty()))
+        invalid("NVSHMEM put peers need a group of at most %d ranks (the ring kernels' put path), got %d ranks",
+                kernels::kMaxRanks, num_ranks_);
     uint32_t mask = 0;
     for (int r : put_ranks) {
         if (r < 0 || r >= num_ranks_ || r == rank_)
             invalid("put peers must be other ranks in [0, %d), got %d (this rank is %d)", num_ranks_, r, rank_);
-        if (num_ranks_ > kernels::kMaxRanks)  // only the ring kernels have a put path, and they serve kMaxRanks
-            invalid("put peers need a group of at most %d ranks (the ring kernels'), got %d ranks", kernels::kMaxRanks,
-                    num_ranks_);
         mask |= 1u << r;
     }
     for (int r = 0; r < num_ranks_; ++r)

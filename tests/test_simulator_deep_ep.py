@@ -696,7 +696,8 @@ def test_beyond_the_ring_groups_the_rail_is_torch():
     own CTAs)."""
     from deep_ep.config import NUM_MAX_RING_RANKS
 
-    sc = Scenario(nodes=NUM_MAX_RING_RANKS + 1, gpus_per_node=2, gpu="h200", mode="normal", kernels="deep_ep",
+    # 4 GPUs per node: past the fused kernels' 64 ranks at both node counts.
+    sc = Scenario(nodes=NUM_MAX_RING_RANKS + 1, gpus_per_node=4, gpu="h200", mode="normal", kernels="deep_ep",
                   tokens=64)
     beyond, within = run(sc), run(replace(sc, nodes=NUM_MAX_RING_RANKS))
     assert all(op.bottleneck.startswith("rail:torch:") for op in beyond.ops), [op.bottleneck for op in beyond.ops]
