@@ -179,3 +179,7 @@ def test_report_says_when_the_fused_rows_assume_puts_behind_a_nic():
     assert "fused kernels reach peers by pointer only" in notes(sc)
     assert "fused kernels reach peers by pointer only" not in notes(replace(sc, nic="nvlink-p2p"))
     assert "fused kernels reach peers by pointer only" not in notes(replace(sc, nodes=17))
+    # 32 x 2: past the ring kernels' 24 nodes but fused, so no torch-rail note.
+    wide = notes(replace(sc, nodes=32, gpus_per_node=2, nic="nvlink-p2p"))
+    assert "torch rail" not in wide and "serve at most" not in wide, wide
+    assert "torch rail" in notes(replace(sc, nodes=32, gpus_per_node=4, nic="nvlink-p2p"))
