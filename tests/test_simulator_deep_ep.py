@@ -656,8 +656,10 @@ def test_more_nodes_than_the_kernels_serve_is_noted():
 
     assert any("at most 24 nodes" in note and "torch backend" in note for note in notes(sc))
     assert not any("at most 24 nodes" in note for note in notes(replace(sc, nodes=24)))
-    # With several GPUs per node the node stage stays on the kernels beside a torch rail (NCCL).
-    assert any("torch rail" in note for note in notes(replace(sc, gpus_per_node=2, tokens=64)))
+    # With several GPUs per node past the fused kernels' 64 ranks the node stage stays on the kernels beside a torch
+    # rail (NCCL); 32 x 2 is fused.
+    assert any("torch rail" in note for note in notes(replace(sc, gpus_per_node=4, tokens=64)))
+    assert not any("torch rail" in note for note in notes(replace(sc, gpus_per_node=2, tokens=64)))
 
 
 def test_torch_backend_model_closed_form():
