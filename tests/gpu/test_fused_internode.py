@@ -81,7 +81,7 @@ def test_two_by_two(two_by_two, case):
 @pytest.mark.multi_gpu(4)
 @pytest.mark.parametrize(("hidden", "use_fp8"), [(8, False), (136, False), (128, True)])
 def test_two_by_two_rows_narrower_than_a_team(two_by_two, hidden, use_fp8):
-    """Rows of 1, 17 and 8 16-byte units over teams of 7 to 11 warps (every role at 2 x 2): most warps hold an empty
+    """Rows of 1, 17 and 8 16-byte units over teams of 8 to 11 warps (every role at 2 x 2): most warps hold an empty
     or a one-unit share of each row, the shares are uneven, and the team's first warp alone writes the scales,
     top-k fields and handle rows."""
     case = ti.Case(num_ranks=4, seed=17, num_tokens=(300, 0, 257, 64), hidden=hidden, num_topk=4, num_experts=16,
