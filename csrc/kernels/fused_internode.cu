@@ -13,7 +13,7 @@
 //     recv_gbl_channel_prefix[s][c] onwards (the contract's order: source rank, then token), top-k ids made local,
 //     and return the node head.
 // Warps: the even CTA's 32 warps form 2N teams (senders of nodes 0 .. N-1, then forwarders), the odd CTA's 32
-// warps R receiver teams (channel 0's last warp first fills the worst-token tail); combine's even CTA forms N
+// warps R receiver teams (each last warp first fills its share of the worst-token tail); combine's even CTA forms N
 // forwarder teams and one owner team, its odd CTA R sender teams. Teams take consecutive warps, sizes differing by
 // at most one (at N = 2, G = 2: dispatch 8 warps per sender, forwarder and receiver; combine 11, 11 and 10 (owner),
 // 8 per sender). Where a CTA has more roles than warps (past 32 ranks, 16 nodes for dispatch, 31 for combine), each
@@ -717,11 +717,12 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         }
         return;
     }
-    // Channel 0's last warp first fills the worst-token tail (no waits); then team s receives from source rank s.
-    if (warp == kChannelWarps - 1 && channel == 0 && args.worst_token_mode && args.recv_topk_idx != nullptr) {
+    // Each channel's last warp first fills its share of the worst-token tail (no waits); then team s receives from
+    // source rank s.
+    if (warp == kChannelWarps - 1 && args.worst_token_mode && args.recv_topk_idx != nullptr) {
         const int real_rows = args.recv_gbl_rank_prefix_sum[ctx.num_ranks - 1];
-        for (int64_t i = static_cast<int64_t>(real_rows) * geo.num_topk + lane_id();
-             i < static_cast<int64_t>(args.num_recv_rows) * geo.num_topk; i += 32) {
+        for (int64_t i = static_cast<int64_t>(real_rows) * geo.num_topk + channel * 32 + lane_id();
+             i < static_cast<int64_t>(args.num_recv_rows) * geo.num_topk; i += 32 * geo.num_channels) {
             if (args.topk_idx_bytes == 8)
                 static_cast<int64_t*>(args.recv_topk_idx)[i] = -1;
             else
