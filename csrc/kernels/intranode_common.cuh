@@ -215,8 +215,9 @@ __device__ __forceinline__ int put_block_items(int num_items, int num_copy_warps
 
 // ---- host-side checks of the launchers ----
 
-inline void check_context(const KernelContext& ctx, const char* what) {
-    DEEP_EP_CHECK_ARG(ctx.num_ranks >= 1 && ctx.num_ranks <= kMaxRanks, what, ": num_ranks must be in [1, ", kMaxRanks,
+// `max_ranks`: the calling kernels' group limit (the ring kernels' kMaxRanks unless given).
+inline void check_context(const KernelContext& ctx, const char* what, int max_ranks = kMaxRanks) {
+    DEEP_EP_CHECK_ARG(ctx.num_ranks >= 1 && ctx.num_ranks <= max_ranks, what, ": num_ranks must be in [1, ", max_ranks,
                       "], got ", ctx.num_ranks);
     DEEP_EP_CHECK_ARG(ctx.rank >= 0 && ctx.rank < ctx.num_ranks, what, ": rank must be in [0, num_ranks), got ",
                       ctx.rank);
