@@ -696,24 +696,26 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         int num_checked = 0;
         if (lane_id() == 0) num_checked = raise_max_channels(ctx, kWsFusedMaxChannels, geo.num_channels);
         num_checked = __shfl_sync(0xffffffffu, num_checked, 0);
-        if (2 * num_nodes <= kChannelWarps) {
-            // Teams 0 .. N-1 send to node n, teams N .. 2N-1 forward from node n - N.
-            const Team team = make_team(team_progress, warp, kChannelWarps, 2 * num_nodes, &role);
-            if (role < num_nodes)
-                fused_send(ctx, geo, args, team, channel, role, num_checked);
-            else
-                fused_forward(ctx, geo, args, team, channel, role - num_nodes, num_checked);
-            return;
-        }
-        // Past 16 nodes: the first half of the warps send, the second half forward, each warp serving its nodes in
-        // ascending order (make_roles): rail connection (m, n) waits on (m, n - 16) through its sender's warp and on
-        // (m - 16, n) through its forwarder's.
-        constexpr int kHalf = kChannelWarps / 2;
-        const int in_half = warp % kHalf;
+        // Up to 16 nodes, teams 0 .. N-1 send to node n and teams N .. 2N-1 forward from node n - N. Past 16 nodes,
+        // the first half of the warps send, the second half forward, each warp serving its nodes in ascending order
+        // (make_roles): rail connection (m, n) waits on (m, n - 16) through its sender's warp and on (m - 16, n)
+        // through its forwarder's. One call site per role keeps the kernel's registers to one copy of each.
+        bool sends;
         int stride;
-        const Team team = make_roles(team_progress + (warp - in_half), in_half, kHalf, num_nodes, &role, &stride);
+        Team team;
+        if (2 * num_nodes <= kChannelWarps) {
+            team = make_team(team_progress, warp, kChannelWarps, 2 * num_nodes, &role);
+            sends = role < num_nodes;
+            role = sends ? role : role - num_nodes;
+            stride = num_nodes;
+        } else {
+            constexpr int kHalf = kChannelWarps / 2;
+            const int in_half = warp % kHalf;
+            team = make_roles(team_progress + (warp - in_half), in_half, kHalf, num_nodes, &role, &stride);
+            sends = warp < kHalf;
+        }
         for (int n = role; n < num_nodes; n += stride) {
-            if (warp < kHalf)
+            if (sends)
                 fused_send(ctx, geo, args, team, channel, n, num_checked);
             else
                 fused_forward(ctx, geo, args, team, channel, n, num_checked);
@@ -1161,23 +1163,25 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     num_checked = __shfl_sync(0xffffffffu, num_checked, 0);
     int role;
     if ((blockIdx.x & 1u) == 0) {
-        if (num_nodes + 1 <= kChannelWarps) {
-            // Teams 0 .. N-1 forward to the owners of node n, team N owns the channel's tokens.
-            const Team team = make_team(team_progress, warp, kChannelWarps, num_nodes + 1, &role);
-            if (role < num_nodes)
-                fused_combine_forward(ctx, geo, args, team, channel, role, num_checked);
-            else
-                fused_combine_own(ctx, geo, args, team, channel);
-            return;
-        }
-        // Past 31 nodes: the last warp owns, the others forward, each serving its nodes in ascending order
-        // (make_roles).
-        if (warp == kChannelWarps - 1) {
-            fused_combine_own(ctx, geo, args, Team{0, 1, team_progress + warp}, channel);
-            return;
-        }
+        // Up to 31 nodes, teams 0 .. N-1 forward to the owners of node n and team N owns the channel's tokens. Past
+        // 31 nodes, the last warp owns and the others forward, each serving its nodes in ascending order
+        // (make_roles). One call site per role keeps the kernel's registers to one copy of each.
         int stride;
-        const Team team = make_roles(team_progress, warp, kChannelWarps - 1, num_nodes, &role, &stride);
+        Team team;
+        if (num_nodes + 1 <= kChannelWarps) {
+            team = make_team(team_progress, warp, kChannelWarps, num_nodes + 1, &role);
+            stride = num_nodes + 1;
+        } else if (warp == kChannelWarps - 1) {
+            team = Team{0, 1, team_progress + warp};
+            role = num_nodes;
+            stride = 1;
+        } else {
+            team = make_roles(team_progress, warp, kChannelWarps - 1, num_nodes, &role, &stride);
+        }
+        if (role == num_nodes) {
+            fused_combine_own(ctx, geo, args, team, channel);
+            return;
+        }
         for (int n = role; n < num_nodes; n += stride)
             fused_combine_forward(ctx, geo, args, team, channel, n, num_checked);
         return;
