@@ -367,7 +367,10 @@ __device__ __forceinline__ Team make_team(volatile int* progress, int warp, int 
 // flow the roles are the unshared design's; a shared warp makes an instance wait only for instances earlier in the
 // warp's order, every one of a lower key (a receiver's or combine sender's lower source rank, a sender's or
 // forwarder's node 16 lower, a combine forwarder's owner of node 0). The lowest key still waited on thus has all its
-// instances running or done, and its flow drains.
+// instances running or done, and its flow drains. An instance publishes what it holds back before (combine: inside)
+// each of its waits and returns only once it has published everything it finished (dispatch: its last batch;
+// combine: team_drain), so no wait of a warp depends on its own unpublished records, of this instance or an earlier
+// one (tests/test_fused_role_order.py models the order and the combine's publications).
 __device__ __forceinline__ Team make_roles(volatile int* progress, int warp, int num_warps, int count, int* first,
                                            int* stride) {
     if (count <= num_warps) {
