@@ -214,6 +214,9 @@ class Runtime {
                       const at::Tensor& recv_gbl_channel_prefix_matrix, const at::Tensor& recv_gbl_rank_prefix_sum,
                       uintptr_t stream, bool after_current, const std::vector<int64_t>& signature,
                       bool check_signatures);
+    // The fused notify of a call this rank refused (refuse_notify's counterpart for a fused runtime: the fused
+    // notify has slots of its own).
+    void fused_refuse_notify(const std::vector<int64_t>& signature, int gpus_per_node, uintptr_t stream);
     // After wait_recv_counts: the rows this rank forwards (send_nvl_head's rows) of the same notify.
     int forward_count() const;
     // Returns (recv_x [num_recv_rows, H], recv_x_scales [num_recv_rows, S] when x_scales is given, recv_topk_idx
@@ -270,14 +273,16 @@ class Runtime {
     kernels::ErrorRecord* host_error_ = nullptr;    // host-mapped error record
     kernels::ErrorRecord* device_error_ = nullptr;  // its device alias
     // host-mapped [1 + kMaxLocalExperts + kMaxRanks^2] int32 (rows, per expert, pairs), then from int32 index
-    // kSignatureIntOffset the int64 [kMaxRanks][kSignatureWords] signatures of the last notify, then from
+    // kSignatureIntOffset the int64 [kMaxRuntimeRanks][kSignatureWords] signatures of the last notify, then from
     // kVerdictIntOffset one int64: the call_seq of the last cached dispatch whose hashes were compared
     static constexpr int kSignatureIntOffset =
         (1 + kernels::kMaxLocalExperts + kernels::kMaxRanks * kernels::kMaxRanks + 1) / 2 * 2;
-    static constexpr int kVerdictIntOffset = kSignatureIntOffset + 2 * kernels::kMaxRanks * kernels::kSignatureWords;
+    static constexpr int kVerdictIntOffset =
+        kSignatureIntOffset + 2 * kernels::kMaxRuntimeRanks * kernels::kSignatureWords;
     int64_t pending_verdict_ = 0;  // call_seq of a cached dispatch whose verdict the host has not awaited, or 0
     int* host_counters_ = nullptr;
     std::vector<at::Tensor> refusal_scratch_;  // refuse_notify's zero counts and unread outputs, made once
+    std::vector<at::Tensor> fused_refusal_scratch_;  // the same for fused_refuse_notify
     int* device_counters_ = nullptr;
     // A notify's agreement and host fields (NotifyArgs, FusedNotifyArgs): the call signature, where the kernel
     // leaves every rank's signature, and, outside worst-token mode, the host-mapped counters it fills (reset to -1

@@ -5,8 +5,8 @@ signatures of ``csrc/buffer.hpp`` and fill their outputs with what ``reference``
 group whose ranks all hold the same inputs (``all_gather`` returns four copies). The backend must assemble the
 internode handle, the results, the cached dispatch and the combine from those outputs exactly as the reference
 has them, pass the notify's tensors on to the kernels, use ``config.num_sms // 2`` channels, raise
-``ArgumentMismatchError`` before the dispatch kernel when the notify's gathered call signatures differ, and name the
-peer's node in a kernel's timeout.
+``ArgumentMismatchError`` before the dispatch kernel when the notify's gathered call signatures differ, send a
+refusal through the fused notify, serve up to 32 nodes and 64 ranks, and name the peer's node in a kernel's timeout.
 """
 from __future__ import annotations
 
@@ -66,6 +66,8 @@ class Fused(ext.Runtime):
         return mine.handle.recv_src_meta.size(0), list(mine.num_recv_tokens_per_expert_list)
     def forward_count(self):
         return handle_fields["send_nvl_head"].size(0)
+    def fused_refuse_notify(self, words, gpus_per_node, stream):
+        seen["refused"] = [list(words), gpus_per_node]
     def fused_dispatch(self, data, scales, topk, weights, experts, in_rank, per_node_gpus, recv_rdma_cpm,
                        recv_rdma_rps, recv_gbl_cpm, recv_gbl_rps, send_rdma_head, send_nvl_head, recv_src_meta, rows,
                        worst, num_channels, rdma_send, rdma_recv, nvl_send, nvl_recv, stream, after_current,
@@ -137,6 +139,12 @@ with fake.patched(torch, cuda_tensors=True):
         report["disagree"] = "accepted"
     except deep_ep.ArgumentMismatchError as exc:
         report["disagree"] = str(exc) if len(seen["dispatch"]) == launched + 1 else "the kernel was launched"
+    refusal = Signature("dispatch", (("refused", 1),))
+    backend.refuse_dispatch(refusal)
+    report["refuse"] = seen.get("refused") == [list(refusal.values()), 2]
+    reason = FusedInternodeCuda.unsupported_reason
+    report["limits"] = {f"{n}x{g}": reason(Topology(n * g, g), 1 << 30) for n, g in
+                        ((16, 2), (8, 4), (8, 8), (16, 4), (32, 2), (33, 2), (16, 8))}
     errors = [{"code": "timeout", "message": "dispatch recv wait tail: rank 0 peer 3 channel 1", "peer": 3}]
     backend.runtime.read_error = lambda: errors[0]
     try:
@@ -169,6 +177,10 @@ def test_fused_backend_assembles_reference_results(use_fp8):
     assert "channels" in report["channel_check"], report["channel_check"]
     assert report["agree"], "a dispatch whose ranks agree runs its kernel"
     assert "ranks [3]" in report["disagree"], report["disagree"]
+    assert report["refuse"], "a refused dispatch reaches the peers through the fused notify's slots"
+    limits = report["limits"]
+    assert all(limits[k] is None for k in ("16x2", "8x4", "8x8", "16x4", "32x2")), limits
+    assert "66 ranks exceed" in limits["33x2"] and "128 ranks exceed" in limits["16x8"], limits
     assert "peer 3 channel 1" in report["timeout"] and "node 1, local 1" in report["timeout"], report["timeout"]
 
 

@@ -136,14 +136,14 @@ struct ErrorRecord {
 
 struct KernelContext {
     // Scale-up buffer base of every rank (own = local): IPC- or nvshmem_ptr-mapped; null for a put peer.
-    void* buffers[kMaxRanks];
+    void* buffers[kMaxRuntimeRanks];
     void* workspace;           // this rank's private zeroed workspace (kWorkspaceBytes), see layout.cuh
     ErrorRecord* error;        // device alias of the host-mapped error record
     int64_t num_nvl_bytes;     // size of every rank's buffer (equal on all ranks)
     uint64_t timeout_ns;       // budget of every wait (DEEP_EP_TIMEOUT_S * 1e9)
     int64_t call_seq;          // host call counter, only reported in the error record
     int32_t rank;              // 0 <= rank < num_ranks
-    int32_t num_ranks;         // 1..kMaxRanks
+    int32_t num_ranks;         // 1..kMaxRuntimeRanks (each kernel family checks its own limit)
     int32_t skip_sends;        // fault injection (tests): 1 = this rank writes no ring data and publishes no tails
     // NVSHMEM put peers (symmetric runtimes only; layout.cuh, "put area"). Bit r set: rank r has no pointer and is
     // reached by puts from this rank's staging (buffers[rank] is the symmetric address) and signals. Ranks without
@@ -152,7 +152,7 @@ struct KernelContext {
     uint32_t put_mask;
     // NVSHMEM PE of group rank r, for the NVSHMEM calls of put peers (put.cuh): r itself when the group is the whole
     // NVSHMEM world, another PE when the runtime serves a subgroup (the composed path's rail stage).
-    int32_t pe_of[kMaxRanks];
+    int32_t pe_of[kMaxRuntimeRanks];
 };
 
 // ---------------------------------------------------------------------------------------------------------------

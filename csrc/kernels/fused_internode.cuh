@@ -19,30 +19,50 @@
 namespace deep_ep {
 namespace kernels {
 
-// ---- buffer layout (after the shared control region of layout.cuh) ----
-// Counter arrays are uint32 [kMaxChannels][kMaxRanks], index channel * kMaxRanks + i.
+// ---- limits ----
+// Largest group of the fused kernels, and so (G >= 2) their largest node count: their own counters, notify slots and
+// workspace shadows (below) are sized by kFusedMaxRanks, independent of the ring kernels' kMaxRanks; the combine
+// owner gives each node a lane (kFusedMaxNodes <= 32). Roles beyond a CTA's 32 warps share warps
+// (fused_internode.cu, Teams).
+constexpr int kFusedMaxRanks = 64;
+constexpr int kFusedMaxNodes = kFusedMaxRanks / 2;
+static_assert(kFusedMaxRanks <= kMaxRuntimeRanks, "a fused group is one runtime");
+
+// ---- buffer layout (after the shared control region of layout.cuh, which the fused kernels leave alone but for
+// the abort word) ----
+// Notify: flags uint32 [2 parities][kFusedMaxRanks sources] (the epoch of the source's last data here), data int32
+// [2][kFusedMaxRanks][kFusedNotifyInts] per (parity, source s): [R counts s->d][L expert counts of my experts][C
+// channel counts s->me][s's call signature as 2 * kSignatureWords int32].
+constexpr int kFusedNotifySignaturePos = kFusedMaxRanks + kMaxLocalExperts + kMaxChannels;
+constexpr int kFusedNotifyInts = kFusedNotifySignaturePos + 2 * kSignatureWords;
+constexpr int64_t kFusedNotifyFlagOffset = kControlBytes;
+constexpr int64_t kFusedNotifyDataOffset =
+    kFusedNotifyFlagOffset + (8LL * kFusedMaxRanks + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+// Counter arrays are uint32 [kMaxChannels][kFusedMaxRanks], index fused_index(channel, i).
 //   rail tails   at the forwarder, i = source node: written by the sender (n, my local) after its records
 //   rail heads   at the sender, i = destination node: written by the forwarder (credits)
 //   node tails   at the receiver, i = source rank: written by the forwarder after its records
 //   node heads   at the forwarder, i = source node * G + receiver local: written by the receiver
-//   node counts  int32 [2 parities][kMaxRanks sources][kMaxChannels]: notify's per-channel count of the source's
-//                tokens that need this rank's node (written by rail peers only)
-constexpr int64_t kFusedRailTailOffset = kControlBytes;
-constexpr int64_t kFusedRailHeadOffset = kFusedRailTailOffset + kCounterBytes;
-constexpr int64_t kFusedNodeTailOffset = kFusedRailHeadOffset + kCounterBytes;
-constexpr int64_t kFusedNodeHeadOffset = kFusedNodeTailOffset + kCounterBytes;
-constexpr int64_t kFusedNodeCountOffset = kFusedNodeHeadOffset + kCounterBytes;
+//   node counts  int32 [2 parities][kFusedMaxRanks sources][kMaxChannels]: notify's per-channel count of the
+//                source's tokens that need this rank's node (written by rail peers only)
+constexpr int64_t kFusedCounterBytes = 4LL * kMaxChannels * kFusedMaxRanks;
+DEEP_EP_HOST_DEVICE int fused_index(int channel, int i) { return channel * kFusedMaxRanks + i; }
+constexpr int64_t kFusedRailTailOffset = kFusedNotifyDataOffset + 2LL * kFusedMaxRanks * kFusedNotifyInts * 4;
+constexpr int64_t kFusedRailHeadOffset = kFusedRailTailOffset + kFusedCounterBytes;
+constexpr int64_t kFusedNodeTailOffset = kFusedRailHeadOffset + kFusedCounterBytes;
+constexpr int64_t kFusedNodeHeadOffset = kFusedNodeTailOffset + kFusedCounterBytes;
+constexpr int64_t kFusedNodeCountOffset = kFusedNodeHeadOffset + kFusedCounterBytes;
 // Combine counters, the same shape:
 //   combine node tails  at the forwarder, i = source node * G + sending local rank: written by the local rank
 //   combine node heads  at the sending local rank, i = owner rank: written by the forwarder
 //   combine rail tails  at the owner, i = forwarder node: written by the forwarder (n, owner's local)
 //   combine rail heads  at the forwarder, i = owner node: written by the owner (credits)
-constexpr int64_t kFusedCombineNodeTailOffset = kFusedNodeCountOffset + 2LL * kMaxRanks * kMaxChannels * 4;
-constexpr int64_t kFusedCombineNodeHeadOffset = kFusedCombineNodeTailOffset + kCounterBytes;
-constexpr int64_t kFusedCombineRailTailOffset = kFusedCombineNodeHeadOffset + kCounterBytes;
-constexpr int64_t kFusedCombineRailHeadOffset = kFusedCombineRailTailOffset + kCounterBytes;
+constexpr int64_t kFusedCombineNodeTailOffset = kFusedNodeCountOffset + 2LL * kFusedMaxRanks * kMaxChannels * 4;
+constexpr int64_t kFusedCombineNodeHeadOffset = kFusedCombineNodeTailOffset + kFusedCounterBytes;
+constexpr int64_t kFusedCombineRailTailOffset = kFusedCombineNodeHeadOffset + kFusedCounterBytes;
+constexpr int64_t kFusedCombineRailHeadOffset = kFusedCombineRailTailOffset + kFusedCounterBytes;
 constexpr int64_t kFusedRingsOffset =
-    (kFusedCombineRailHeadOffset + kCounterBytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+    (kFusedCombineRailHeadOffset + kFusedCounterBytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
 // The rest of the buffer is two equal halves: dispatch rings, then combine rings (a rank may start its combine while
 // a peer still reads its dispatch rings).
 DEEP_EP_HOST_DEVICE int64_t fused_half_bytes(int64_t num_bytes) {
@@ -50,19 +70,21 @@ DEEP_EP_HOST_DEVICE int64_t fused_half_bytes(int64_t num_bytes) {
     return left > 0 ? align_down64(left / 2, kBufferAlignment) : 0;
 }
 
-// Private workspace words (after the intranode kernels' region): [kMaxChannels][kMaxRanks] uint32 shadows and the
-// largest channel count of any dispatch since the last reset.
+// Private workspace words (after the intranode kernels' region): [kMaxChannels][kFusedMaxRanks] uint32 shadows and
+// the largest channel count of any dispatch since the last reset.
 constexpr int64_t kWsFusedBase = (kWsUsedBytes + 127) / 128 * 128;
-constexpr int64_t kWsFusedRailTailShadow = kWsFusedBase;                           // sender, (c, dst node)
-constexpr int64_t kWsFusedRailHeadShadow = kWsFusedRailTailShadow + kCounterBytes;  // forwarder, (c, src node)
-constexpr int64_t kWsFusedNodeTailShadow = kWsFusedRailHeadShadow + kCounterBytes;  // forwarder, (c, n * G + j)
-constexpr int64_t kWsFusedNodeHeadShadow = kWsFusedNodeTailShadow + kCounterBytes;  // receiver, (c, src rank)
-constexpr int64_t kWsFusedMaxChannels = kWsFusedNodeHeadShadow + kCounterBytes;
-constexpr int64_t kWsFusedCombineNodeTailShadow = kWsFusedMaxChannels + 128;                    // sender, (c, owner)
-constexpr int64_t kWsFusedCombineNodeHeadShadow = kWsFusedCombineNodeTailShadow + kCounterBytes;  // forwarder, (c, n * G + j)
-constexpr int64_t kWsFusedCombineRailTailShadow = kWsFusedCombineNodeHeadShadow + kCounterBytes;  // forwarder, (c, owner node)
-constexpr int64_t kWsFusedCombineRailHeadShadow = kWsFusedCombineRailTailShadow + kCounterBytes;  // owner, (c, fwd node)
-constexpr int64_t kWsFusedCombineMaxChannels = kWsFusedCombineRailHeadShadow + kCounterBytes;
+// sender (c, dst node); forwarder (c, src node); forwarder (c, n * G + j); receiver (c, src rank)
+constexpr int64_t kWsFusedRailTailShadow = kWsFusedBase;
+constexpr int64_t kWsFusedRailHeadShadow = kWsFusedRailTailShadow + kFusedCounterBytes;
+constexpr int64_t kWsFusedNodeTailShadow = kWsFusedRailHeadShadow + kFusedCounterBytes;
+constexpr int64_t kWsFusedNodeHeadShadow = kWsFusedNodeTailShadow + kFusedCounterBytes;
+constexpr int64_t kWsFusedMaxChannels = kWsFusedNodeHeadShadow + kFusedCounterBytes;
+// combine: sender (c, owner); forwarder (c, n * G + j); forwarder (c, owner node); owner (c, forwarder node)
+constexpr int64_t kWsFusedCombineNodeTailShadow = kWsFusedMaxChannels + 128;
+constexpr int64_t kWsFusedCombineNodeHeadShadow = kWsFusedCombineNodeTailShadow + kFusedCounterBytes;
+constexpr int64_t kWsFusedCombineRailTailShadow = kWsFusedCombineNodeHeadShadow + kFusedCounterBytes;
+constexpr int64_t kWsFusedCombineRailHeadShadow = kWsFusedCombineRailTailShadow + kFusedCounterBytes;
+constexpr int64_t kWsFusedCombineMaxChannels = kWsFusedCombineRailHeadShadow + kFusedCounterBytes;
 constexpr int64_t kWsFusedEnd = kWsFusedCombineMaxChannels + 4;
 static_assert(kWsFusedEnd <= kWorkspaceBytes, "workspace too small for the fused kernels");
 
@@ -157,7 +179,8 @@ struct FusedNotifyArgs {
     int check_signatures;
 };
 
-// One CTA (kNotifyThreads); uses the shared notify flags and data slots (parity, epoch) of layout.cuh.
+// One CTA (kNotifyThreads); uses the fused notify flags and data slots (parity, epoch) above. A rank that refuses
+// a call launches it with zero counts, no tokens and its refusal signature.
 void fused_notify(const KernelContext& ctx, const FusedNotifyArgs& args, cudaStream_t stream);
 
 // ---- dispatch (cached or not) ----

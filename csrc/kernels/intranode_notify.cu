@@ -140,9 +140,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         }
     }
     // 6. Every source's signature: to the host, and compared with mine (once per call; the hot kernels do not).
-    notify_agreement(ctx, args, data, slot_ints, my_signature, &mismatch_source);
+    notify_agreement(ctx, args, data + kNotifySignaturePos, slot_ints, my_signature, &mismatch_source);
     if (args.host_counters != nullptr) {
-        notify_expert_counts(args, data, slot_ints, num_ranks, num_local_experts);
+        notify_expert_counts(args, data + kMaxRanks, slot_ints, num_ranks, num_local_experts);
         // Then count(s -> d) of every pair (row-major [R][R]): the host sizes copy-engine combines with them.
         for (int i = static_cast<int>(threadIdx.x); i < num_ranks * num_ranks; i += static_cast<int>(blockDim.x))
             reinterpret_cast<volatile int*>(args.host_counters)[1 + kMaxLocalExperts + i] =

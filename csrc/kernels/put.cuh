@@ -41,7 +41,9 @@ constexpr bool kHasPutPath = false;
 constexpr bool kHasPutPath = true;
 #endif
 
-__device__ __forceinline__ bool is_put_peer(const KernelContext& ctx, int r) { return ((ctx.put_mask >> r) & 1u) != 0; }
+__device__ __forceinline__ bool is_put_peer(const KernelContext& ctx, int r) {
+    return r < 32 && ((ctx.put_mask >> r) & 1u) != 0;
+}
 
 // The helpers below take group ranks (`pe` names the peer as the ring kernels number it); the NVSHMEM calls get the
 // peer's PE in the NVSHMEM world, KernelContext::pe_of.

@@ -21,7 +21,7 @@ from deep_ep.backends.base import CombineRequest, DispatchRequest, LayoutRequest
 from deep_ep.backends.common import object_all_gather
 from deep_ep.backends.cuda_common import _C, join_nvshmem_world, raise_from_record
 from deep_ep.backends.cuda_internode import SymmetricCuda, UnsupportedTopology
-from deep_ep.config import NUM_MAX_SCALEUP_RANKS, Config, Topology
+from deep_ep.config import NUM_MAX_FUSED_RANKS, NUM_MAX_SCALEUP_RANKS, Config, Topology
 from deep_ep.errors import CommTimeoutError, name_ranks
 from deep_ep.handle import InternodeHandle, node_mask
 from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
@@ -29,7 +29,7 @@ from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
 
 class FusedInternodeCuda(SymmetricCuda):
     """Internode normal mode for one rank of ``N`` nodes x ``G`` GPUs (``2 <= G <= 8``, ``N >= 2``,
-    ``N * G <= 24``), every peer reachable by ``nvshmem_ptr``.
+    ``N * G <= 64``, ``NUM_MAX_FUSED_RANKS``), every peer reachable by ``nvshmem_ptr``.
 
     Args:
         rank, topology: this rank and the group's ``N x G`` (the NVSHMEM world: PE = rank).
@@ -78,11 +78,22 @@ class FusedInternodeCuda(SymmetricCuda):
         per_node = topology.num_scaleup_ranks
         if not 2 <= per_node <= NUM_MAX_SCALEUP_RANKS or topology.num_scaleout_ranks < 2:
             return f"{topology.num_scaleout_ranks} nodes x {per_node} GPUs (needs >= 2 nodes of 2..8 GPUs)"
-        if topology.num_ranks > _C.MAX_RANKS:
-            return f"{topology.num_ranks} ranks exceed the kernels' {_C.MAX_RANKS}"
+        if topology.num_ranks > NUM_MAX_FUSED_RANKS:
+            return f"{topology.num_ranks} ranks exceed the kernels' {NUM_MAX_FUSED_RANKS}"
         if num_rdma_bytes <= 0:
             return "num_rdma_bytes is 0"
         return None
+
+    @classmethod
+    def max_ranks(cls) -> int:
+        """Largest group of the fused kernels (their own limit, above the ring kernels')."""
+        return NUM_MAX_FUSED_RANKS
+
+    def refuse_dispatch(self, signature) -> None:
+        """As :meth:`CudaBackend.refuse_dispatch`, through the fused notify's own slots (the peers run the fused
+        notify)."""
+        if self.runtime is not None:
+            self.runtime.fused_refuse_notify(signature.values(), self.per_node, self._comm_ptr)
 
     def check_errors(self) -> None:
         """Raise the pending device error, if any; the message names the peer's node and local index too."""

@@ -1,13 +1,17 @@
 """GPU property tests of the fused internode kernels (``FusedInternodeCuda``, built under
 ``deep_ep.testing.overrides(internode='fused')``) on virtual nodes of one host.
 
-``DEEP_EP_GPUS_PER_NODE`` splits the ranks into 2 x 2, 2 x 4 and 4 x 2 nodes; every example runs
+``DEEP_EP_GPUS_PER_NODE`` splits the ranks into 2 x 2, 2 x 4 and 4 x 2 nodes, and the wide groups 16 x 2 and
+8 x 4 (32 ranks: one warp per role), 8 x 8 (64 ranks: each receiver and combine-sender warp serves two source
+ranks in turn) and 32 x 2 (besides, each sender and forwarder warp serves two nodes, one combine forwarder warp
+two owners' nodes) on small fixed cases; every example runs
 ``test_internode.task_internode_roundtrip`` against ``reference``: layout, recv_x (BF16 and FP8 with scales), top-k,
 the per-expert list, all ten handle fields, cached and worst-token dispatch, and combine with biases and top-k
 weights (per-node rounding at the forwarder, then across nodes at the owner).
 One GPU, the ranks time-sliced on it (correctness only)::
 
     TEST_RANKS_PER_GPU=8 python -m pytest tests/gpu/test_fused_internode.py
+    TEST_RANKS_PER_GPU=32 python -m pytest tests/gpu/test_fused_internode.py -k wide   (64 for 8 x 8, 32 x 2)
 
 ``TEST_EXAMPLES_FUSED``: hypothesis examples per shape (4). A stalled rank: every survivor raises within the budget.
 """
@@ -29,15 +33,18 @@ FUSED = {"internode": "fused"}
 # Two halves (dispatch, combine), each holding the rail and node rings of 12 channels of 7168-BF16 records at 256
 # slots for 4 x 2 (about 540 MB).
 NUM_RDMA_BYTES = 1280 << 20
+# The wide groups' cases (hidden <= 512, at most 12 SMs): their rings take at most about 130 MB per direction, and
+# up to 64 ranks share one GPU's memory.
+WIDE_RDMA_BYTES = 384 << 20
 EXAMPLES = int(os.environ.get("TEST_EXAMPLES_FUSED", "4"))
 
 
-def _make_pool(num_nodes: int, per_node: int, **env: str) -> ti.Pool:
+def _make_pool(num_nodes: int, per_node: int, rdma_bytes: int = NUM_RDMA_BYTES, **env: str) -> ti.Pool:
     """``num_nodes`` x ``per_node`` ranks on the GPUs in turn, checked to run ``FusedInternodeCuda``."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 2
     num_ranks = num_nodes * per_node
     pool = ti.Pool([rank % max(gpus, 1) for rank in range(num_ranks)],
-                   env={"DEEP_EP_GPUS_PER_NODE": str(per_node), "TEST_NUM_RDMA_BYTES": str(NUM_RDMA_BYTES), **env},
+                   env={"DEEP_EP_GPUS_PER_NODE": str(per_node), "TEST_NUM_RDMA_BYTES": str(rdma_bytes), **env},
                    overrides=FUSED)
     if ti.DEVICE == "cuda" and pool.backends != {"FusedInternodeCuda"}:
         pool.close()
@@ -74,7 +81,7 @@ def test_two_by_two(two_by_two, case):
 @pytest.mark.multi_gpu(4)
 @pytest.mark.parametrize(("hidden", "use_fp8"), [(8, False), (136, False), (128, True)])
 def test_two_by_two_rows_narrower_than_a_team(two_by_two, hidden, use_fp8):
-    """Rows of 1, 17 and 8 16-byte units over teams of 7 to 11 warps (every role at 2 x 2): most warps hold an empty
+    """Rows of 1, 17 and 8 16-byte units over teams of 8 to 11 warps (every role at 2 x 2): most warps hold an empty
     or a one-unit share of each row, the shares are uneven, and the team's first warp alone writes the scales,
     top-k fields and handle rows."""
     case = ti.Case(num_ranks=4, seed=17, num_tokens=(300, 0, 257, 64), hidden=hidden, num_topk=4, num_experts=16,
@@ -100,6 +107,47 @@ def test_eight_ranks_large(eight_ranks):
                        mask_prob=0.1, empty_rank=-1, async_mode=use_fp8, previous_mode=use_fp8, num_bias=1,
                        scales_col_major=use_fp8)
         eight_ranks.run(tn.TASK, case)
+
+
+def test_limits_mirror_the_extension():
+    """The Python mirrors of the kernels' group limits and of the control region (deep_ep/config.py, layout.py)."""
+    from deep_ep import config, layout
+    from deep_ep.backends.cuda_common import _C
+    assert (_C.MAX_RUNTIME_RANKS, _C.FUSED_MAX_RANKS) == (config.NUM_MAX_RUNTIME_RANKS, config.NUM_MAX_FUSED_RANKS)
+    assert _C.CONTROL_BYTES == layout.intranode_control_bytes()
+
+
+def _wide_cases(num_nodes: int, per_node: int) -> list:
+    """Small cases of a wide group: BF16 with two biases, -1 masks and an empty rank; FP8 with column-major scales,
+    top-8, 6 channels, asynchronous with a previous event; uneven token counts (some ranks send nothing). At 64
+    ranks the larger one's rings take about 130 MB per direction."""
+    ranks = num_nodes * per_node
+    tokens = tuple((7 * r + 3) % 65 for r in range(ranks))
+    return [ti.Case(num_ranks=ranks, seed=23, num_tokens=tokens, hidden=256, num_topk=4, num_experts=2 * ranks,
+                    use_fp8=False, with_topk=True, num_sms=8, expert_alignment=4, mask_prob=0.1, empty_rank=ranks - 3,
+                    async_mode=False, previous_mode=False, num_bias=2, scales_col_major=False),
+            ti.Case(num_ranks=ranks, seed=29, num_tokens=tokens[::-1], hidden=512, num_topk=8,
+                    num_experts=4 * ranks, use_fp8=True, with_topk=True, num_sms=12, expert_alignment=1,
+                    mask_prob=0.0, empty_rank=-1, async_mode=True, previous_mode=True, num_bias=0,
+                    scales_col_major=True)]
+
+
+@pytest.mark.parametrize(("num_nodes", "per_node"), [
+    pytest.param(16, 2, marks=pytest.mark.multi_gpu(32), id="16x2"),
+    pytest.param(8, 4, marks=pytest.mark.multi_gpu(32), id="8x4"),
+    pytest.param(8, 8, marks=pytest.mark.multi_gpu(64), id="8x8"),
+    pytest.param(32, 2, marks=pytest.mark.multi_gpu(64), id="32x2"),
+])
+def test_wide_groups(num_nodes, per_node):
+    """Past the ring kernels' 24 ranks: the fused kernels' own notify slots and counters, 16 nodes of one sender and
+    one forwarder warp each, and at 64 ranks warps that serve several roles in turn; every output against
+    ``reference``."""
+    pool = _make_pool(num_nodes, per_node, WIDE_RDMA_BYTES)
+    try:
+        for case in _wide_cases(num_nodes, per_node):
+            pool.run(tn.TASK, case)
+    finally:
+        pool.close()
 
 
 def task_stall(buffer, rank: int, payload: dict) -> str:
