@@ -1,0 +1,180 @@
+"""Buffer-half reuse of the CUDA low-latency kernels under real concurrency: two ranks issue rounds of LL calls back
+to back (no host synchronisation between calls or rounds) and every result is compared bit for bit with
+``reference`` at the end.
+
+Calls alternate the two buffer halves, so call ``k`` of a rank writes into the half its peer's call ``k - 2`` used.
+Rank 1 dispatches with a receive hook and sleeps on the GPU between the send and the hook, so its receive lags; in
+every other round rank 0 routes its tokens to its own experts only (or has none), so its combine needs nothing from
+rank 1 and only the kernels' own ordering (a send waits for the peers' release of the half) keeps it from
+overwriting what rank 1 has still to read. Rounds mix the call patterns dispatch-combine, dispatch-dispatch-combine
+and dispatch-combine-combine (the combine run again with the same handle) and token counts from 0 to ``T``.
+
+Two ranks on one GPU, time-sliced, and truly concurrent under MPS (each < 60 s; ``TEST_LL_REUSE_ROUNDS`` rounds, 24
+by default; with two GPUs the ranks get one each)::
+
+    python -m pytest -q tests/gpu/test_ll_reuse.py
+
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY && nvidia-cuda-mps-control -d
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 NVSHMEM_DISABLE_NCCL=1 python -m pytest -q tests/gpu/test_ll_reuse.py
+    echo quit | nvidia-cuda-mps-control
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+WORKER_MODULE = "gpu.test_ll_reuse"
+ROUNDS = int(os.environ.get("TEST_LL_REUSE_ROUNDS", "24") or 24)
+T, H, NUM_LOCAL, NUM_TOPK = 32, 2048, 4, 3
+# GPU cycles rank 1 sleeps between a dispatch's send and its receive hook (about 10 ms at H200 clocks): long next to
+# a call, short next to the kernels' wait budget.
+LAG_CYCLES = 20_000_000
+PATTERNS = ("DC", "DDC", "DCC")
+
+
+@dataclass(frozen=True)
+class ReuseCase:
+    rounds: int
+    seed: int
+    device: str = "cuda"  # "cuda": the CUDA kernels; "cpu": the torch backend (the check of the loop itself)
+    corrupt_round: int = -1  # round whose first combine result gets one value changed before the check (-1: none)
+
+    def describe(self) -> str:
+        return f"ReuseCase({asdict(self)})"
+
+
+def round_inputs(seed: int, r: int, world: int) -> list[dict]:
+    """CPU inputs of every rank for round ``r``: BF16 rows, distinct top-k experts with -1 holes, weights. In odd
+    rounds rank 0 routes only to its own experts (its combine then waits for no peer); token counts 0..T."""
+    import deep_ep
+    experts = NUM_LOCAL * world
+    out = []
+    for rank in range(world):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + r * 101 + rank)
+        n = int(torch.randint(0, T + 1, (1,), generator=gen))
+        if r % 4 == 1 and rank == 0:
+            n = 0
+        x = (torch.randn(n, H, generator=gen) * 3).to(torch.bfloat16)
+        pool = NUM_LOCAL if (r % 2 == 1 and rank == 0) else experts
+        topk = torch.rand(n, pool, generator=gen).argsort(1)[:, :NUM_TOPK] if n else torch.empty(0, NUM_TOPK)
+        topk = topk.to(torch.int64).contiguous()
+        topk[torch.rand(n, NUM_TOPK, generator=gen) < 0.2] = -1
+        weights = torch.rand(n, NUM_TOPK, generator=gen, dtype=torch.float32)
+        out.append({"x": x, "topk_idx": topk.to(deep_ep.topk_idx_t), "topk_weights": weights})
+    return out
+
+
+def _expert(recv_x: "torch.Tensor") -> "torch.Tensor":
+    """A toy expert, exact in BF16: the received rows times 1.5."""
+    return (recv_x.float() * 1.5).to(torch.bfloat16).contiguous()
+
+
+def _compare(name: str, got: "torch.Tensor", want: "torch.Tensor") -> Optional[str]:
+    got, want = got.cpu(), want.cpu()
+    if got.shape != want.shape:
+        return f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if not torch.equal(got, want):
+        first = (got != want).nonzero()[:3].tolist()
+        return f"{name}: differs from the reference (first at {first})"
+    return None
+
+
+def run_reuse(ctx, fields: dict) -> Optional[str]:
+    """Worker side: ``rounds`` rounds issued back to back, then every result checked. None when all match."""
+    import deep_ep
+    import reference
+    case = ReuseCase(**fields)
+    rank, world = ctx.rank, ctx.world_size
+    cuda = case.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    experts = NUM_LOCAL * world
+    buffer = ctx.cache.get(("reuse", case.device))
+    if buffer is None:
+        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, world, experts)
+        buffer = deep_ep.Buffer(ctx.group, num_rdma_bytes=rdma, low_latency_mode=True, num_qps_per_rank=NUM_LOCAL)
+        served = type(buffer._cuda_ll).__name__ if buffer._cuda_ll is not None else None
+        if cuda and served != "LowLatencyCuda":
+            return f"rank {rank}: the LL calls are not served by the CUDA kernels ({served})"
+        ctx.cache[("reuse", case.device)] = buffer
+    buffer.clean_low_latency_buffer(T, H, experts)
+    lagging = rank == 1
+    issued = []  # per round: (pattern, inputs, [dispatch results], [combine results])
+    for r in range(case.rounds):
+        pattern = PATTERNS[r % len(PATTERNS)]
+        inputs = round_inputs(case.seed, r, world)
+        mine = {k: v.to(case.device) for k, v in inputs[rank].items()}
+        dispatches, combines = [], []
+        for _ in range(pattern.count("D")):
+            res = buffer.low_latency_dispatch(mine["x"], mine["topk_idx"], T, experts, use_fp8=False,
+                                              return_recv_hook=lagging)
+            if lagging:
+                if cuda:
+                    torch.cuda._sleep(LAG_CYCLES)
+                res.hook()
+            dispatches.append(res)
+        y = _expert(dispatches[-1].recv_x)
+        for _ in range(pattern.count("C")):
+            comb = buffer.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], dispatches[-1].handle)
+            combines.append(comb.combined_x)
+        issued.append((pattern, inputs, dispatches, combines))
+    if cuda:
+        torch.cuda.synchronize()
+        buffer._cuda_ll.check_errors()  # a kernel that timed out raises here, naming rank, peer and phase
+    for r, (pattern, inputs, dispatches, combines) in enumerate(issued):
+        refs = reference.low_latency_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs], T, experts,
+                                              use_fp8=False)
+        want = reference.low_latency_combine([_expert(ref.recv_x) for ref in refs],
+                                             [i["topk_idx"] for i in inputs], [i["topk_weights"] for i in inputs],
+                                             [ref.handle for ref in refs])[rank]
+        ref = refs[rank]
+        counts = ref.packed_recv_count
+        for d, res in enumerate(dispatches):
+            where = f"round {r} ({pattern}) dispatch {d}"
+            problem = _compare(f"{where} packed_recv_count", res.packed_recv_count, counts)
+            for j in range(NUM_LOCAL):
+                n = int(counts[j])
+                problem = problem or _compare(f"{where} src_info[{j}]", res.handle.packed_recv_src_info[j, :n],
+                                              ref.handle.packed_recv_src_info[j, :n])
+                problem = problem or _compare(f"{where} recv_x[{j}]", res.recv_x[j, :n], ref.recv_x[j, :n])
+            if problem:
+                return f"rank {rank}: {problem}"
+        for c, combined in enumerate(combines):
+            if r == case.corrupt_round and c == 0 and combined.numel():
+                combined = combined.clone()
+                combined.view(-1)[0] += 1
+            problem = _compare(f"round {r} ({pattern}) combine {c}", combined, want)
+            if problem:
+                return f"rank {rank}: {problem}"
+    return None
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_ll_back_to_back_rounds_with_a_lagging_rank(pools):
+    case = ReuseCase(rounds=ROUNDS, seed=int(os.environ.get("TEST_LL_REUSE_SEED", "3")))
+    pools.get(2, {"DEEP_EP_BACKEND": "cuda", "DEEP_EP_TIMEOUT_S": "20"}).check(WORKER_MODULE, "run_reuse",
+                                                                             asdict(case), timeout_s=240)
+
+
+# The same loop on the torch backend (CPU): it passes, and a changed result fails it.
+CPU_ROUNDS = 2 * len(PATTERNS)
+
+
+def test_reuse_loop_passes_on_cpu(pools):
+    pools.get(2).check(WORKER_MODULE, "run_reuse", asdict(ReuseCase(rounds=CPU_ROUNDS, seed=5, device="cpu")))
+
+
+def test_reuse_loop_reports_a_changed_result(pools):
+    corrupt = 0
+    while not round_inputs(5, corrupt, 2)[0]["x"].size(0):  # a round where rank 0 has tokens to combine
+        corrupt += 1
+    reports = pools.get(2).run(WORKER_MODULE, "run_reuse",
+                               asdict(ReuseCase(rounds=CPU_ROUNDS, seed=5, device="cpu", corrupt_round=corrupt)))
+    assert reports[0] is not None and f"round {corrupt} (" in reports[0] and "combine 0" in reports[0], reports
