@@ -170,6 +170,15 @@ void LowLatencyRuntime::leave(cudaStream_t launched_on, bool current_after) {
     DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(current, order_event_, 0));
 }
 
+void LowLatencyRuntime::order_release(cudaStream_t stream, int phases) {
+    if (!(phases & ll::kPhaseSend)) return;  // a hooked receive releases its half itself
+    if (unreleased_stream_ != nullptr && unreleased_stream_ != stream) {
+        DEEP_EP_CUDA_CHECK(cudaEventRecord(order_event_, unreleased_stream_));
+        DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(stream, order_event_, 0));
+    }
+    unreleased_stream_ = (phases & ll::kPhaseRecv) ? stream : nullptr;
+}
+
 std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> LowLatencyRuntime::dispatch(
     const at::Tensor& x, const at::Tensor& topk_idx, int num_max_tokens, int num_experts,
     const std::optional<at::Tensor>& cumulative_stats, const std::optional<at::Tensor>& wait_stats, bool use_fp8,
@@ -224,6 +233,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, at::Te
     a.phases = phases;
     a.signature_hash = signature_hash;
     const cudaStream_t stream = enter(comm_stream);
+    order_release(stream, phases);
     ll::dispatch(ctx, a, stream);
     leave(stream, current_after);
     return {recv_x, scales, count, src_info, layout_range};
@@ -256,6 +266,7 @@ at::Tensor LowLatencyRuntime::combine(const at::Tensor& x, const at::Tensor& top
     a.half = half;
     a.phases = phases;
     const cudaStream_t stream = enter(comm_stream);
+    order_release(stream, phases);
     ll::combine(ctx, a, stream);
     leave(stream, current_after);
     return combined;
@@ -280,6 +291,7 @@ void LowLatencyRuntime::clean(int num_max_tokens, int hidden, int num_experts, u
     ll::barrier(ctx, as_stream(stream));
     ll::clean(ctx, as_stream(stream));
     ll::barrier(ctx, as_stream(stream));
+    unreleased_stream_ = nullptr;  // the clean zeroed the release counts and the unreleased halves
 }
 
 void LowLatencyRuntime::update_mask(int rank, bool mask, uintptr_t stream) {
@@ -316,6 +328,7 @@ std::optional<kernels::ErrorRecord> LowLatencyRuntime::read_error() const {
 void LowLatencyRuntime::reset(int num_max_tokens, int hidden, int num_experts, uintptr_t stream) {
     auto ctx = context(num_max_tokens, hidden, num_experts);
     ll::clean(ctx, as_stream(stream));
+    unreleased_stream_ = nullptr;
     DEEP_EP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
     std::atomic_thread_fence(std::memory_order_seq_cst);

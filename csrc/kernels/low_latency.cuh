@@ -42,6 +42,7 @@ enum LlPhase : int32_t {
     kPhaseLlBarrierWait = 103,          // peer = -1, expected / observed = barrier counter
     kPhaseLlBadRouting = 104,           // expert id >= num_experts (expected = E, observed = id)
     kPhaseLlDispatchAgreement = 105,    // peer = source whose signature hash differs (expected = mine, observed)
+    kPhaseLlHalfRelease = 106,          // peer, channel = half; expected / observed = its releases (mod 2^16)
 };
 
 const char* ll_phase_name(int32_t phase);
@@ -51,7 +52,9 @@ const char* ll_phase_name(int32_t phase);
 //   half h = 0, 1: [ctrl: count words [R][L+1] u64 | dispatch arrival [R] u64 | combine arrival [T][R] u64]
 //                  [data: csend [L][R*T] x cmsg | crecv [E][T] x 2H]                 (combine)
 //                  [data: drecv [R][T] x dmsg | dstage [T] x dmsg (R > 1 only)]    (dispatch, overlays the combine)
-// A half serves one LL call at a time (calls alternate halves), so dispatch and combine regions may overlap.
+// A half serves one LL call at a time (calls alternate halves), so dispatch and combine regions may overlap: a send
+// phase writes into a peer's half only once that peer has released it (its receive phases there are complete; the
+// release count sits in the high 16 bits of the dispatch arrival words, low_latency_device.cuh acquire_half).
 // Combine arrival word (t, o) of a half counts the rows owner o has delivered for this rank's token t (ctrl: zeroed
 // by clean, consumed by the reducer). The cmsg - 2H = H/32 >= 32 tail bytes of each csend slot hold two u32 words
 // outside the zero-copy view: at +0 the sender's RDMA staging of its row's LogFMT chunk flags, at +4 the receiver's

@@ -1,9 +1,11 @@
 // Low-latency combine over NVSHMEM (low_latency.cuh has the data path and the carving):
-//   send     one warp per received row writes the row into the token owner's [expert][token] slot and adds 1 to the
-//            token owner's arrival word (token, sender).
+//   send     once the peers released half h (low_latency_device.cuh acquire_half), one warp per received row
+//            writes the row into the token owner's [expert][token] slot and adds 1 to the token owner's arrival
+//            word (token, sender).
 //   receive  one CTA per token; warp 0's lanes wait in parallel, one per distinct expert owner, for that owner's
 //            rows, consume them (subtract), and (shrink) mask an owner that times out; then the CTA reduces
-//            sum_k w_k * y_k over the arrived entries in fp32 in ascending k, rounding to BF16 once.
+//            sum_k w_k * y_k over the arrived entries in fp32 in ascending k, rounding to BF16 once. A hooked
+//            receive releases half h at its end (release_half); a fused one is released by the rank's next launch.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -193,6 +195,8 @@ struct CombineShared {
     const char* row[kMaxTopk];  // where each expert's row is read (receive slot, or in place for own rows);
                                 // nullptr: its owner was masked
     int staged;                 // the rows are staged in shared memory (stage_bar's current phase)
+    int failed;                 // acquire_half
+    int last;                   // release_half
     uint64_t stage_bar;
 };
 
@@ -224,6 +228,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Context ctx, Combi
     if (tid == 0 && (phases & kPhaseRecv) && a.stage_slots > 0) mbar_init(&sh.stage_bar, 1);
 
     if (phases & kPhaseSend) {
+        // The peers' half h is written below (rows, arrival and flag words): only once they released it.
+        if (!acquire_half(ctx, h, kFused, kKernelLlCombine, &sh.failed)) return;
         if (warp == 0) {
             int carry = 0;
             for (int j0 = 0; j0 < L; j0 += 32) {
@@ -487,6 +493,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Context ctx, Combi
         }
         __syncthreads();  // the next token reuses the routing slots and the stage
     }
+    // A hooked receive may run after its rank's next send: it releases half h itself (every read of the half,
+    // arrival words, rows and flag words, is done).
+    if (!kFused) release_half(ctx, h, &sh.last);
 }
 
 namespace {

@@ -69,6 +69,7 @@ const char* ll_phase_name(int32_t phase) {
         case kPhaseLlBarrierWait: return "low_latency barrier wait";
         case kPhaseLlBadRouting: return "low_latency_dispatch bad routing";
         case kPhaseLlDispatchAgreement: return "low_latency_dispatch agreement";
+        case kPhaseLlHalfRelease: return "low_latency wait peer release of buffer half";
         default: return "unknown phase";
     }
 }
