@@ -369,7 +369,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Context ctx, Combi
                     res = wait_word(ctx, word, [expected](uint64_t v) { return v >= expected; }, &seen, &elapsed,
                                     ctx.mask != nullptr ? owner : -1);
                     if (res == kWaitOk) {
-                        // Consume this call's arrivals: the word returns to what later calls' senders add.
+                        // Consume this call's arrivals: the word returns to what later calls' senders add. A
+                        // device-scope atomic suffices: the owner added its last row for this token before the
+                        // wait saw it, and the next call on this half adds only after this rank released the half.
                         atomicAdd(reinterpret_cast<unsigned long long*>(word),
                                   static_cast<unsigned long long>(-int64_t(expected)));
                         if (a.wait_stats != nullptr)

@@ -79,8 +79,9 @@ __attribute__((used)) static __device__ __noinline__ void report(const Context c
     const uint64_t word = (uint64_t(code) << 32) | uint64_t(ctx.rank + 1);
     for (int r = 0; r < ctx.num_ranks; ++r) {
         if (ctx.peers[r] != nullptr) {
-            atomicCAS(reinterpret_cast<unsigned long long*>(static_cast<char*>(ctx.peers[r]) + kAbortOffset), 0ull,
-                      static_cast<unsigned long long>(word));
+            // System scope: ranks on other GPUs may raise the same word at the same time.
+            atomicCAS_system(reinterpret_cast<unsigned long long*>(static_cast<char*>(ctx.peers[r]) + kAbortOffset),
+                             0ull, static_cast<unsigned long long>(word));
         } else {
             nvshmemx_signal_op(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset), word,
                                NVSHMEM_SIGNAL_SET, r);
