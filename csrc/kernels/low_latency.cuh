@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "api.cuh"
@@ -153,6 +154,8 @@ void clean(const Context& ctx, cudaStream_t stream);
 std::vector<uint8_t> nvshmem_unique_id();
 // Initialises NVSHMEM as PE `rank` of `num_ranks` (once per process; a second call must agree).
 void nvshmem_bootstrap(const std::vector<uint8_t>& unique_id, int rank, int num_ranks);
+// The world this process joined: {PE, number of PEs}, or {-1, 0} before the first nvshmem_bootstrap.
+std::pair<int, int> nvshmem_world();
 void* nvshmem_alloc_zeroed(int64_t bytes);   // collective
 void nvshmem_release(void* ptr);             // collective
 // nvshmem_ptr(ptr, pes[r]) for every r.

@@ -174,6 +174,11 @@ void nvshmem_bootstrap(const std::vector<uint8_t>& unique_id, int rank, int num_
     g_init_ranks = num_ranks;
 }
 
+std::pair<int, int> nvshmem_world() {
+    std::lock_guard<std::mutex> lock(g_init_mutex);
+    return {g_init_rank, g_init_ranks};
+}
+
 void* nvshmem_alloc_zeroed(int64_t bytes) {
     void* ptr = nvshmem_align(128, static_cast<size_t>(bytes));
     if (ptr == nullptr) throw std::runtime_error(concat_message("nvshmem_align of ", bytes, " bytes failed"));

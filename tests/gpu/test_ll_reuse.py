@@ -3,11 +3,14 @@ to back (no host synchronisation between calls or rounds) and every result is co
 ``reference`` at the end.
 
 Calls alternate the two buffer halves, so call ``k`` of a rank writes into the half its peer's call ``k - 2`` used.
-Rank 1 dispatches with a receive hook and sleeps on the GPU between the send and the hook, so its receive lags; in
-every other round rank 0 routes its tokens to its own experts only (or has none), so its combine needs nothing from
-rank 1 and only the kernels' own ordering (a send waits for the peers' release of the half) keeps it from
-overwriting what rank 1 has still to read. Rounds mix the call patterns dispatch-combine, dispatch-dispatch-combine
-and dispatch-combine-combine (the combine run again with the same handle) and token counts from 0 to ``T``.
+Rank 1 lags: with ``lag="hook"`` it dispatches with a receive hook and sleeps on the GPU between the send and the
+hook, so its receive runs late; with ``lag="fused"`` it calls without hooks and sleeps after each dispatch, so the
+launch that releases its dispatch's half starts late. In every other round rank 0 routes its tokens to its own
+experts only (or has none), so its combine needs nothing from rank 1 and only the kernels' own ordering (a send
+waits for the peers' release of the half) keeps it from overwriting what rank 1 has still to read. Rounds mix the
+call patterns dispatch-combine, dispatch-dispatch-combine and dispatch-combine-combine (the combine run again with
+the same handle) and token counts from 0 to ``T``. With ``second_buffer`` the rounds alternate between two LL
+Buffers of the same ranks in each process (NVSHMEM is initialised once per process; the second joins its world).
 
 Two ranks on one GPU, time-sliced, and truly concurrent under MPS (each < 60 s; ``TEST_LL_REUSE_ROUNDS`` rounds, 24
 by default; with two GPUs the ranks get one each)::
@@ -44,6 +47,8 @@ class ReuseCase:
     seed: int
     device: str = "cuda"  # "cuda": the CUDA kernels; "cpu": the torch backend (the check of the loop itself)
     corrupt_round: int = -1  # round whose first combine result gets one value changed before the check (-1: none)
+    lag: str = "hook"  # how rank 1 lags (module docstring)
+    second_buffer: bool = False
 
     def describe(self) -> str:
         return f"ReuseCase({asdict(self)})"
@@ -95,28 +100,34 @@ def run_reuse(ctx, fields: dict) -> Optional[str]:
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     experts = NUM_LOCAL * world
-    buffer = ctx.cache.get(("reuse", case.device))
-    if buffer is None:
-        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, world, experts)
-        buffer = deep_ep.Buffer(ctx.group, num_rdma_bytes=rdma, low_latency_mode=True, num_qps_per_rank=NUM_LOCAL)
-        served = type(buffer._cuda_ll).__name__ if buffer._cuda_ll is not None else None
-        if cuda and served != "LowLatencyCuda":
-            return f"rank {rank}: the LL calls are not served by the CUDA kernels ({served})"
-        ctx.cache[("reuse", case.device)] = buffer
-    buffer.clean_low_latency_buffer(T, H, experts)
+    buffers = []
+    for key in ("reuse", "second")[:2 if case.second_buffer else 1]:
+        buffer = ctx.cache.get((key, case.device))
+        if buffer is None:
+            rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, world, experts)
+            buffer = deep_ep.Buffer(ctx.group, num_rdma_bytes=rdma, low_latency_mode=True,
+                                    num_qps_per_rank=NUM_LOCAL)
+            served = type(buffer._cuda_ll).__name__ if buffer._cuda_ll is not None else None
+            if cuda and served != "LowLatencyCuda":
+                return f"rank {rank}: the LL calls are not served by the CUDA kernels ({served})"
+            ctx.cache[(key, case.device)] = buffer
+        buffer.clean_low_latency_buffer(T, H, experts)
+        buffers.append(buffer)
     lagging = rank == 1
+    hook = lagging and case.lag == "hook"
     issued = []  # per round: (pattern, inputs, [dispatch results], [combine results])
     for r in range(case.rounds):
+        buffer = buffers[r % len(buffers)]
         pattern = PATTERNS[r % len(PATTERNS)]
         inputs = round_inputs(case.seed, r, world)
         mine = {k: v.to(case.device) for k, v in inputs[rank].items()}
         dispatches, combines = [], []
         for _ in range(pattern.count("D")):
             res = buffer.low_latency_dispatch(mine["x"], mine["topk_idx"], T, experts, use_fp8=False,
-                                              return_recv_hook=lagging)
-            if lagging:
-                if cuda:
-                    torch.cuda._sleep(LAG_CYCLES)
+                                              return_recv_hook=hook)
+            if lagging and cuda:
+                torch.cuda._sleep(LAG_CYCLES)
+            if hook:
                 res.hook()
             dispatches.append(res)
         y = _expert(dispatches[-1].recv_x)
@@ -126,7 +137,8 @@ def run_reuse(ctx, fields: dict) -> Optional[str]:
         issued.append((pattern, inputs, dispatches, combines))
     if cuda:
         torch.cuda.synchronize()
-        buffer._cuda_ll.check_errors()  # a kernel that timed out raises here, naming rank, peer and phase
+        for buffer in buffers:
+            buffer._cuda_ll.check_errors()  # a kernel that timed out raises here, naming rank, peer and phase
     for r, (pattern, inputs, dispatches, combines) in enumerate(issued):
         refs = reference.low_latency_dispatch([i["x"] for i in inputs], [i["topk_idx"] for i in inputs], T, experts,
                                               use_fp8=False)
@@ -155,26 +167,42 @@ def run_reuse(ctx, fields: dict) -> Optional[str]:
     return None
 
 
+GPU_ENV = {"DEEP_EP_BACKEND": "cuda", "DEEP_EP_TIMEOUT_S": "20"}
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
-def test_ll_back_to_back_rounds_with_a_lagging_rank(pools):
-    case = ReuseCase(rounds=ROUNDS, seed=int(os.environ.get("TEST_LL_REUSE_SEED", "3")))
-    pools.get(2, {"DEEP_EP_BACKEND": "cuda", "DEEP_EP_TIMEOUT_S": "20"}).check(WORKER_MODULE, "run_reuse",
-                                                                             asdict(case), timeout_s=240)
+@pytest.mark.parametrize("lag", ["hook", "fused"])
+def test_ll_back_to_back_rounds_with_a_lagging_rank(pools, lag):
+    case = ReuseCase(rounds=ROUNDS, seed=int(os.environ.get("TEST_LL_REUSE_SEED", "3")), lag=lag)
+    pools.get(2, GPU_ENV).check(WORKER_MODULE, "run_reuse", asdict(case), timeout_s=240)
 
 
-# The same loop on the torch backend (CPU): it passes, and a changed result fails it.
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_ll_two_buffers_in_one_process(pools):
+    """A second LL Buffer of the same ranks in each process (the first one cached by the tests above, or built
+    here) joins the process's NVSHMEM world; rounds alternate between the two."""
+    case = ReuseCase(rounds=2 * len(PATTERNS), seed=7, second_buffer=True)
+    pools.get(2, GPU_ENV).check(WORKER_MODULE, "run_reuse", asdict(case), timeout_s=240)
+
+
+# The same loop on the torch backend (CPU, DEEP_EP_BACKEND=torch: no NVSHMEM Buffer even on a GPU host): it passes,
+# and a changed result fails it.
 CPU_ROUNDS = 2 * len(PATTERNS)
+CPU_ENV = {"DEEP_EP_BACKEND": "torch"}
 
 
 def test_reuse_loop_passes_on_cpu(pools):
-    pools.get(2).check(WORKER_MODULE, "run_reuse", asdict(ReuseCase(rounds=CPU_ROUNDS, seed=5, device="cpu")))
+    pools.get(2, CPU_ENV).check(WORKER_MODULE, "run_reuse",
+                                asdict(ReuseCase(rounds=CPU_ROUNDS, seed=5, device="cpu")))
 
 
 def test_reuse_loop_reports_a_changed_result(pools):
     corrupt = 0
     while not round_inputs(5, corrupt, 2)[0]["x"].size(0):  # a round where rank 0 has tokens to combine
         corrupt += 1
-    reports = pools.get(2).run(WORKER_MODULE, "run_reuse",
-                               asdict(ReuseCase(rounds=CPU_ROUNDS, seed=5, device="cpu", corrupt_round=corrupt)))
+    reports = pools.get(2, CPU_ENV).run(WORKER_MODULE, "run_reuse",
+                                        asdict(ReuseCase(rounds=CPU_ROUNDS, seed=5, device="cpu",
+                                                         corrupt_round=corrupt)))
     assert reports[0] is not None and f"round {corrupt} (" in reports[0] and "combine 0" in reports[0], reports
