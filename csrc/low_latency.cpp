@@ -170,13 +170,13 @@ void LowLatencyRuntime::leave(cudaStream_t launched_on, bool current_after) {
     DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(current, order_event_, 0));
 }
 
-void LowLatencyRuntime::order_release(cudaStream_t stream, int phases) {
-    if (!(phases & ll::kPhaseSend)) return;  // a hooked receive releases its half itself
-    if (unreleased_stream_ != nullptr && unreleased_stream_ != stream) {
-        DEEP_EP_CUDA_CHECK(cudaEventRecord(order_event_, unreleased_stream_));
-        DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(stream, order_event_, 0));
-    }
-    unreleased_stream_ = (phases & ll::kPhaseRecv) ? stream : nullptr;
+void LowLatencyRuntime::order_sends(cudaStream_t stream, int phases, bool after_current) {
+    if (!(phases & ll::kPhaseSend)) return;  // a hooked receive releases its half itself and records nothing
+    const cudaStream_t previous = last_send_stream_;
+    last_send_stream_ = stream;
+    if (previous == nullptr || previous == stream || (after_current && previous == current_stream())) return;
+    DEEP_EP_CUDA_CHECK(cudaEventRecord(order_event_, previous));
+    DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(stream, order_event_, 0));
 }
 
 std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> LowLatencyRuntime::dispatch(
@@ -233,7 +233,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, at::Te
     a.phases = phases;
     a.signature_hash = signature_hash;
     const cudaStream_t stream = enter(comm_stream);
-    order_release(stream, phases);
+    order_sends(stream, phases, comm_stream != 0);
     ll::dispatch(ctx, a, stream);
     leave(stream, current_after);
     return {recv_x, scales, count, src_info, layout_range};
@@ -266,7 +266,7 @@ at::Tensor LowLatencyRuntime::combine(const at::Tensor& x, const at::Tensor& top
     a.half = half;
     a.phases = phases;
     const cudaStream_t stream = enter(comm_stream);
-    order_release(stream, phases);
+    order_sends(stream, phases, comm_stream != 0);
     ll::combine(ctx, a, stream);
     leave(stream, current_after);
     return combined;
@@ -291,7 +291,7 @@ void LowLatencyRuntime::clean(int num_max_tokens, int hidden, int num_experts, u
     ll::barrier(ctx, as_stream(stream));
     ll::clean(ctx, as_stream(stream));
     ll::barrier(ctx, as_stream(stream));
-    unreleased_stream_ = nullptr;  // the clean zeroed the release counts and the unreleased halves
+    last_send_stream_ = nullptr;  // the clean zeroed the release counts and the record of unreleased halves
 }
 
 void LowLatencyRuntime::update_mask(int rank, bool mask, uintptr_t stream) {
@@ -328,7 +328,7 @@ std::optional<kernels::ErrorRecord> LowLatencyRuntime::read_error() const {
 void LowLatencyRuntime::reset(int num_max_tokens, int hidden, int num_experts, uintptr_t stream) {
     auto ctx = context(num_max_tokens, hidden, num_experts);
     ll::clean(ctx, as_stream(stream));
-    unreleased_stream_ = nullptr;
+    last_send_stream_ = nullptr;
     DEEP_EP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
     std::atomic_thread_fence(std::memory_order_seq_cst);

@@ -93,9 +93,8 @@ class LowLatencyRuntime {
     kernels::ErrorRecord* device_error_ = nullptr;
     cudaEvent_t order_event_ = nullptr;  // reused by order(): a wait snapshots the event's last record
     kernels::ll::Layout layout_{};       // carving of the last (T, H, E) a call used
-    // Stream of the last launch with both phases, while its receive awaits the release that the next launch with a
-    // send phase makes at its start (low_latency_device.cuh acquire_half); nullptr when none awaits.
-    cudaStream_t unreleased_stream_ = nullptr;
+    // Stream of the last launch with a send phase (nullptr: none since construction, clean or reset).
+    cudaStream_t last_send_stream_ = nullptr;
     bool has_layout_ = false;
 
     kernels::ll::Context context(int num_max_tokens, int hidden, int num_experts);
@@ -107,10 +106,12 @@ class LowLatencyRuntime {
     // Stream order before / after a launch on `comm` (no-op when comm == 0, i.e. a launch on the current stream).
     cudaStream_t enter(uintptr_t comm);
     void leave(cudaStream_t launched_on, bool current_after);
-    // Before a launch of `phases` on `stream`: a launch with a send phase releases the receive of the last fused
-    // launch, so it must follow that launch's end: when that ran on another stream (an asynchronous call followed
-    // by a hooked one), `stream` waits for it. Then records whether this launch leaves a receive to release.
-    void order_release(cudaStream_t stream, int phases);
+    // Before a launch of `phases` on `stream`, `after_current`: `stream` already waits for the current stream. A
+    // launch with a send phase releases the receive of the previous fused launch and rewrites the kernels' record
+    // of it (low_latency_device.cuh acquire_half), so the launches with a send phase run in the order they are
+    // issued: when the previous one ran on a stream that `stream` does not follow already (a hooked call after an
+    // asynchronous one, hooked calls on different streams), `stream` waits for it.
+    void order_sends(cudaStream_t stream, int phases, bool after_current);
 };
 
 // "<phase>: rank R peer P token/channel C expected E observed O after T s (<code>)".

@@ -165,14 +165,15 @@ __device__ __forceinline__ void signal_add(const Context& ctx, int pe, int64_t o
 // So every send phase on half h first waits until each unmasked peer has released as many receive phases on h as
 // this rank ran send phases there (acquire_half), and every receive phase is released once, when it is complete:
 //   fused launch (send and receive in one kernel, the calls without a hook): by the rank's next send-capable
-//     launch, at its start, before its own wait (release_unreleased). The host orders that launch after the fused
-//     one on one stream (LowLatencyRuntime::order_after_unreleased), so the kernel boundary has completed every
-//     read of the receive; nothing is added to the receive's critical path, and a sender that reaches call k only
-//     waits where the peer has not yet started its call k - 1 (or later) at all.
+//     launch, at its start, before its own wait (acquire_half). The host runs the launches with a send phase in
+//     the order they are issued (LowLatencyRuntime::order_sends), so the kernel boundary has completed every read
+//     of the receive; nothing is added to the receive's critical path, and a sender that reaches call k only waits
+//     where the peer has not yet started its call k - 1 at all.
 //   hooked receive (its own launch, which may run after the rank's next send): at its end, the last CTA of the
 //     grid to finish (release_half); only the hook path pays this.
 // A receive hook of call k must therefore run before its rank issues call k + 2 (at most two calls in flight):
-// otherwise that send waits for the rank's own receive and times out (phase kPhaseLlHalfRelease).
+// otherwise the peers' sends of call k + 2 (and the rank's own, which precedes the hook on its stream) wait for
+// that receive and time out (phase kPhaseLlHalfRelease).
 
 // Whole CTA, before a send phase on half h writes anything: releases the fused receives of this rank's earlier
 // launches that await it (kWsUnreleased: CTA b signals peers d = b mod nb, as the dispatch count words), then the
@@ -218,16 +219,14 @@ __device__ __forceinline__ bool acquire_half(const Context& ctx, int h, bool fus
 }
 
 // Whole CTA, after the last read of a hooked receive phase on half h: the last CTA of the grid to arrive adds one
-// release to this rank's arrival word of half h at every unmasked peer (a gpu-scope fence orders every CTA's reads
-// before its count; the signal is a system-scope release after the last count).
+// release to this rank's arrival word of half h at every unmasked peer (each CTA's count is a gpu-scope
+// acquire-release after its reads, so the last count follows every CTA's reads; the signal is a system-scope
+// release after it).
 __device__ __forceinline__ void release_half(const Context& ctx, int h, int* last) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        auto* done = reinterpret_cast<unsigned long long*>(static_cast<char*>(ctx.workspace) + kWsRecvDone) + h;
-        __threadfence();
-        const unsigned long long count = atomicAdd(done, 1ull) + 1;
-        *last = count % gridDim.x == 0 ? 1 : 0;
-        __threadfence();
+        auto* done = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.workspace) + kWsRecvDone) + h;
+        *last = (atom_add_acq_rel_gpu_u64(done, 1) + 1) % gridDim.x == 0 ? 1 : 0;
     }
     __syncthreads();
     if (*last == 0) return;
