@@ -5,7 +5,10 @@ to back (no host synchronisation between calls or rounds) and every result is co
 Calls alternate the two buffer halves, so call ``k`` of a rank writes into the half its peer's call ``k - 2`` used.
 Rank 1 lags: with ``lag="hook"`` it dispatches with a receive hook and sleeps on the GPU between the send and the
 hook, so its receive runs late; with ``lag="fused"`` it calls without hooks and sleeps after each dispatch, so the
-launch that releases its dispatch's half starts late. In every other round rank 0 routes its tokens to its own
+launch that releases its dispatch's half starts late; with ``lag="mixed"`` its dispatches alternate between
+asynchronous calls (``async_finish``, the event awaited only before the expert reads the outputs) and hooked ones,
+so a hooked send is issued while the fused launch before it may still run on the communication stream. In every
+other round rank 0 routes its tokens to its own
 experts only (or has none), so its combine needs nothing from rank 1 and only the kernels' own ordering (a send
 waits for the peers' release of the half) keeps it from overwriting what rank 1 has still to read. Rounds mix the
 call patterns dispatch-combine, dispatch-dispatch-combine and dispatch-combine-combine (the combine run again with
@@ -114,7 +117,7 @@ def run_reuse(ctx, fields: dict) -> Optional[str]:
         buffer.clean_low_latency_buffer(T, H, experts)
         buffers.append(buffer)
     lagging = rank == 1
-    hook = lagging and case.lag == "hook"
+    calls = 0  # LL dispatches this rank issued (lag="mixed" alternates their kind)
     issued = []  # per round: (pattern, inputs, [dispatch results], [combine results])
     for r in range(case.rounds):
         buffer = buffers[r % len(buffers)]
@@ -123,13 +126,18 @@ def run_reuse(ctx, fields: dict) -> Optional[str]:
         mine = {k: v.to(case.device) for k, v in inputs[rank].items()}
         dispatches, combines = [], []
         for _ in range(pattern.count("D")):
+            hook = lagging and (case.lag == "hook" or (case.lag == "mixed" and calls % 2 == 1))
+            asynchronous = lagging and case.lag == "mixed" and not hook
+            calls += 1
             res = buffer.low_latency_dispatch(mine["x"], mine["topk_idx"], T, experts, use_fp8=False,
-                                              return_recv_hook=hook)
+                                              async_finish=asynchronous, return_recv_hook=hook)
             if lagging and cuda:
                 torch.cuda._sleep(LAG_CYCLES)
             if hook:
                 res.hook()
             dispatches.append(res)
+        if asynchronous:  # the last dispatch: its outputs are read now
+            res.event.current_stream_wait()
         y = _expert(dispatches[-1].recv_x)
         for _ in range(pattern.count("C")):
             comb = buffer.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], dispatches[-1].handle)
@@ -172,7 +180,7 @@ GPU_ENV = {"DEEP_EP_BACKEND": "cuda", "DEEP_EP_TIMEOUT_S": "20"}
 
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("lag", ["hook", "fused"])
+@pytest.mark.parametrize("lag", ["hook", "fused", "mixed"])
 def test_ll_back_to_back_rounds_with_a_lagging_rank(pools, lag):
     case = ReuseCase(rounds=ROUNDS, seed=int(os.environ.get("TEST_LL_REUSE_SEED", "3")), lag=lag)
     pools.get(2, GPU_ENV).check(WORKER_MODULE, "run_reuse", asdict(case), timeout_s=240)
@@ -193,9 +201,10 @@ CPU_ROUNDS = 2 * len(PATTERNS)
 CPU_ENV = {"DEEP_EP_BACKEND": "torch"}
 
 
-def test_reuse_loop_passes_on_cpu(pools):
+@pytest.mark.parametrize("lag", ["hook", "fused", "mixed"])
+def test_reuse_loop_passes_on_cpu(pools, lag):
     pools.get(2, CPU_ENV).check(WORKER_MODULE, "run_reuse",
-                                asdict(ReuseCase(rounds=CPU_ROUNDS, seed=5, device="cpu")))
+                                asdict(ReuseCase(rounds=CPU_ROUNDS, seed=5, device="cpu", lag=lag)))
 
 
 def test_reuse_loop_reports_a_changed_result(pools):
