@@ -119,6 +119,9 @@ struct DispatchArgs {
     int* cumulative_stats;    // [L] or nullptr
     int64_t* wait_stats;      // [R] or nullptr (ns added)
     int half, phases;         // phases: 1 = send, 2 = receive, 3 = both
+    // A receive launch (phases 2): 1 = it leaves the release of half h to the rank's next send (the host issued no
+    // later send and orders the next one after it), 0 = it releases the half at its end (low_latency_device.cuh).
+    int release_by_next_send;
     // 32-bit hash of the call's signature (deep_ep/backends/agreement.py), carried in every count word this rank
     // sends; a receiver whose own hash differs takes no row from that source and records kErrorArgumentMismatch.
     uint32_t signature_hash;
@@ -135,6 +138,7 @@ struct CombineArgs {
     void* out;                // [N, H] BF16
     int64_t* wait_stats;      // [R] or nullptr
     int half, phases;
+    int release_by_next_send;  // as DispatchArgs
     int stage_slots, stage_offset;  // set by combine(): rows staged in shared memory, and where the stage starts
 };
 

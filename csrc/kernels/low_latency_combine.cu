@@ -4,8 +4,8 @@
 //            word (token, sender).
 //   receive  one CTA per token; warp 0's lanes wait in parallel, one per distinct expert owner, for that owner's
 //            rows, consume them (subtract), and (shrink) mask an owner that times out; then the CTA reduces
-//            sum_k w_k * y_k over the arrived entries in fp32 in ascending k, rounding to BF16 once. A hooked
-//            receive releases half h at its end (release_half); a fused one is released by the rank's next launch.
+//            sum_k w_k * y_k over the arrived entries in fp32 in ascending k, rounding to BF16 once. The rank's
+//            next send releases half h, or, for a hooked receive issued after that send, the receive at its end.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -226,6 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Context ctx, Combi
     const bool in_place = own_rows_in_place(phases, lay, a);
     // The receive's stage barrier, initialised once; the first __syncthreads of either phase publishes it.
     if (tid == 0 && (phases & kPhaseRecv) && a.stage_slots > 0) mbar_init(&sh.stage_bar, 1);
+    if (!kFused && phases == kPhaseRecv && a.release_by_next_send) defer_release(ctx, h);
 
     if (phases & kPhaseSend) {
         // The peers' half h is written below (rows, arrival and flag words): only once they released it.
@@ -495,9 +496,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Context ctx, Combi
         }
         __syncthreads();  // the next token reuses the routing slots and the stage
     }
-    // A hooked receive may run after its rank's next send: it releases half h itself (every read of the half,
-    // arrival words, rows and flag words, is done).
-    if (!kFused) release_half(ctx, h, &sh.last);
+    // A hooked receive issued after its rank's next send releases half h itself (every read of the half, arrival
+    // words, rows and flag words, is done).
+    if (!kFused && !a.release_by_next_send) release_half(ctx, h, &sh.last);
 }
 
 namespace {

@@ -166,21 +166,23 @@ __device__ __forceinline__ void signal_add(const Context& ctx, int pe, int64_t o
 // this rank ran send phases there (acquire_half), and every receive phase is released once, when it is complete:
 //   fused launch (send and receive in one kernel, the calls without a hook): by the rank's next send-capable
 //     launch, at its start, before its own wait (acquire_half). The host runs the launches with a send phase in
-//     the order they are issued (LowLatencyRuntime::order_sends), so the kernel boundary has completed every read
+//     the order they are issued (LowLatencyRuntime::order_launch), so the kernel boundary has completed every read
 //     of the receive; nothing is added to the receive's critical path, and a sender that reaches call k only waits
 //     where the peer has not yet started its call k - 1 at all.
-//   hooked receive (its own launch, which may run after the rank's next send): at its end, the last CTA of the
-//     grid to finish (release_half); only the hook path pays this.
+//   hooked receive (its own launch): when the rank has issued no later send yet (the usual send, hook, next call),
+//     as a fused one, by the rank's next send (defer_release; the host orders that send after this launch); when
+//     the rank's next send was issued before it (two calls overlapped), at its end, by the last CTA of the grid to
+//     finish (release_half): only that case adds to a receive's critical path.
 // A receive hook of call k must therefore run before its rank issues call k + 2 (at most two calls in flight):
 // otherwise the peers' sends of call k + 2 (and the rank's own, which precedes the hook on its stream) wait for
 // that receive and time out (phase kPhaseLlHalfRelease).
 
-// Whole CTA, before a send phase on half h writes anything: releases the fused receives of this rank's earlier
-// launches that await it (kWsUnreleased: CTA b signals peers d = b mod nb, as the dispatch count words), then the
-// acquire above (one waiting thread per peer; nearly always satisfied at the first load), then this CTA counts the
-// send phase and, for a fused launch, marks half h's receive as awaiting release by the next launch (set at the
-// start: every later send-capable launch of this rank follows this one's end). False: a wait failed without
-// shrink (reported); the CTA must not write.
+// Whole CTA, before a send phase on half h writes anything: releases the receives of this rank's earlier launches
+// that await it (kWsUnreleased: CTA b signals peers d = b mod nb, as the dispatch count words), then the acquire
+// above (one waiting thread per peer; nearly always satisfied at the first load), then this CTA counts the send
+// phase and, for a fused launch, marks half h's receive as awaiting release by the next send (set at the start:
+// the host runs the next send after this launch's end). False: a wait failed without shrink (reported); the CTA
+// must not write.
 __device__ __forceinline__ bool acquire_half(const Context& ctx, int h, bool fused, int32_t kernel, int* failed) {
     char* ws = static_cast<char*>(ctx.workspace);
     uint32_t* sends = reinterpret_cast<uint32_t*>(ws + kWsSends) + blockIdx.x * 2 + h;
@@ -216,6 +218,14 @@ __device__ __forceinline__ bool acquire_half(const Context& ctx, int h, bool fus
         *unreleased = fused ? 1u << h : 0u;
     }
     return *failed == 0;
+}
+
+// At the start of a hooked receive on half h that leaves its release to the rank's next send (the host issued no
+// later send, and runs the next one after this launch): marks half h in this CTA's record, as a fused launch does.
+__device__ __forceinline__ void defer_release(const Context& ctx, int h) {
+    if (threadIdx.x == 0)
+        atomicOr(reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsUnreleased) + blockIdx.x,
+                 1u << h);
 }
 
 // Whole CTA, after the last read of a hooked receive phase on half h: the last CTA of the grid to arrive adds one

@@ -11,8 +11,8 @@
 //            share of the messages into the packed outputs. A source whose signature hash differs from this
 //            rank's gets no rows, the error record gets kErrorArgumentMismatch, the rank's other waits of the call
 //            stop, and later LL dispatch and combine kernels return at once until clean_low_latency_buffer (the
-//            arrival bases are then out of step with the peers'). A hooked receive releases half h at its end
-//            (release_half); a fused one is released by the rank's next launch.
+//            arrival bases are then out of step with the peers'). The rank's next send releases half h, or, for a
+//            hooked receive issued after that send, the receive at its end (low_latency_device.cuh).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -66,6 +66,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Context ctx, Disp
     const int64_t payload_bytes = a.use_fp8 ? H + S * 4 : int64_t(H) * 2;
     const int64_t msg_bytes = lay.header_bytes + payload_bytes;
     if (signatures_disagreed(ctx)) return;  // uniform over the grid: no state advances
+    if (!kFused && phases == kPhaseRecv && a.release_by_next_send) defer_release(ctx, h);
     if (tid == 0) {
         sh.epoch = (phases & kPhaseSend) ? *epoch_ptr + 1 : *epoch_ptr;
         if (phases & kPhaseSend) *epoch_ptr = sh.epoch;
@@ -419,9 +420,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Context ctx, Disp
             }
         }
     }
-    // A hooked receive may run after its rank's next send: it releases half h itself (every read of the half, count
+    // A hooked receive issued after its rank's next send releases half h itself (every read of the half, count
     // words, arrival words and messages, is done).
-    if (!kFused) release_half(ctx, h, &sh.last);
+    if (!kFused && !a.release_by_next_send) release_half(ctx, h, &sh.last);
 }
 
 namespace {

@@ -7,7 +7,10 @@ Rank 1 lags: with ``lag="hook"`` it dispatches with a receive hook and sleeps on
 hook, so its receive runs late; with ``lag="fused"`` it calls without hooks and sleeps after each dispatch, so the
 launch that releases its dispatch's half starts late; with ``lag="mixed"`` its dispatches alternate between
 asynchronous calls (``async_finish``, the event awaited only before the expert reads the outputs) and hooked ones,
-so a hooked send is issued while the fused launch before it may still run on the communication stream. In every
+so a hooked send is issued while the fused launch before it may still run on the communication stream; with
+``lag="overlap"`` it hooks every call and, where the next call of the round does not read the outputs (the first
+dispatch of dispatch-dispatch-combine, the first combine of dispatch-combine-combine), runs the hook after the next
+call's send (that receive then releases its half itself). In every
 other round rank 0 routes its tokens to its own
 experts only (or has none), so its combine needs nothing from rank 1 and only the kernels' own ordering (a send
 waits for the peers' release of the half) keeps it from overwriting what rank 1 has still to read. Rounds mix the
@@ -125,22 +128,41 @@ def run_reuse(ctx, fields: dict) -> Optional[str]:
         inputs = round_inputs(case.seed, r, world)
         mine = {k: v.to(case.device) for k, v in inputs[rank].items()}
         dispatches, combines = [], []
-        for _ in range(pattern.count("D")):
-            hook = lagging and (case.lag == "hook" or (case.lag == "mixed" and calls % 2 == 1))
+        waiting = None  # lag="overlap": the hook of the round's previous call, run after the next call's send
+        num = pattern.count("D")
+        for i in range(num):
+            hook = lagging and (case.lag in ("hook", "overlap") or (case.lag == "mixed" and calls % 2 == 1))
             asynchronous = lagging and case.lag == "mixed" and not hook
             calls += 1
             res = buffer.low_latency_dispatch(mine["x"], mine["topk_idx"], T, experts, use_fp8=False,
                                               async_finish=asynchronous, return_recv_hook=hook)
             if lagging and cuda:
                 torch.cuda._sleep(LAG_CYCLES)
+            if waiting is not None:
+                waiting()
+                waiting = None
             if hook:
-                res.hook()
+                if case.lag == "overlap" and i < num - 1:
+                    waiting = res.hook
+                else:
+                    res.hook()
             dispatches.append(res)
         if asynchronous:  # the last dispatch: its outputs are read now
             res.event.current_stream_wait()
         y = _expert(dispatches[-1].recv_x)
-        for _ in range(pattern.count("C")):
-            comb = buffer.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], dispatches[-1].handle)
+        num = pattern.count("C")
+        for i in range(num):
+            hook = lagging and case.lag == "overlap"
+            comb = buffer.low_latency_combine(y, mine["topk_idx"], mine["topk_weights"], dispatches[-1].handle,
+                                              return_recv_hook=hook)
+            if waiting is not None:
+                waiting()
+                waiting = None
+            if hook:
+                if i < num - 1:
+                    waiting = comb.hook
+                else:
+                    comb.hook()
             combines.append(comb.combined_x)
         issued.append((pattern, inputs, dispatches, combines))
     if cuda:
@@ -180,7 +202,7 @@ GPU_ENV = {"DEEP_EP_BACKEND": "cuda", "DEEP_EP_TIMEOUT_S": "20"}
 
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("lag", ["hook", "fused", "mixed"])
+@pytest.mark.parametrize("lag", ["hook", "fused", "mixed", "overlap"])
 def test_ll_back_to_back_rounds_with_a_lagging_rank(pools, lag):
     case = ReuseCase(rounds=ROUNDS, seed=int(os.environ.get("TEST_LL_REUSE_SEED", "3")), lag=lag)
     pools.get(2, GPU_ENV).check(WORKER_MODULE, "run_reuse", asdict(case), timeout_s=240)
@@ -201,7 +223,7 @@ CPU_ROUNDS = 2 * len(PATTERNS)
 CPU_ENV = {"DEEP_EP_BACKEND": "torch"}
 
 
-@pytest.mark.parametrize("lag", ["hook", "fused", "mixed"])
+@pytest.mark.parametrize("lag", ["hook", "fused", "mixed", "overlap"])
 def test_reuse_loop_passes_on_cpu(pools, lag):
     pools.get(2, CPU_ENV).check(WORKER_MODULE, "run_reuse",
                                 asdict(ReuseCase(rounds=CPU_ROUNDS, seed=5, device="cpu", lag=lag)))
