@@ -177,7 +177,14 @@ int LowLatencyRuntime::order_launch(cudaStream_t stream, int half, int phases, b
     const cudaStream_t previous = last_ordered_stream_;
     last_ordered_stream_ = stream;
     if (send) last_send_half_ = half;
-    if (previous != nullptr && previous != stream && !(after_current && previous == current_stream())) {
+    if (previous == nullptr || previous == stream || (after_current && previous == current_stream()))
+        return by_next_send;
+    // A stream capture cannot wait for work outside it (nor the reverse): a graph's first such launch follows, when
+    // replayed, what ran before the replay on its stream.
+    cudaStreamCaptureStatus mine = cudaStreamCaptureStatusNone, theirs = cudaStreamCaptureStatusNone;
+    DEEP_EP_CUDA_CHECK(cudaStreamIsCapturing(stream, &mine));
+    DEEP_EP_CUDA_CHECK(cudaStreamIsCapturing(previous, &theirs));
+    if (mine == theirs) {
         DEEP_EP_CUDA_CHECK(cudaEventRecord(order_event_, previous));
         DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(stream, order_event_, 0));
     }
