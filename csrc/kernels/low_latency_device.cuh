@@ -34,7 +34,7 @@ constexpr int64_t kWsBarrierBase = 8;
 constexpr int64_t kWsMismatch = 16;
 constexpr int64_t kWsEpochs = 256;        // u32 [kMaxBlocks][2]
 constexpr int64_t kWsSends = 1536;        // u32 [kMaxBlocks][2]: send phases this CTA ran on each half
-constexpr int64_t kWsUnreleased = 2816;   // u32 [kMaxBlocks]: bit h = a fused receive on half h awaits its release
+constexpr int64_t kWsUnreleased = 2816;   // u32 [kMaxBlocks]: bit h = a receive on half h awaits the next send
 constexpr int64_t kWsRecvDone = 3456;     // u64 [2]: CTAs that finished a hooked receive phase on each half
 constexpr int64_t kWsBases = 3584;        // u64 [kMaxBlocks][2][R]
 static_assert(kWsEpochs + kMaxBlocks * 2 * 4 <= kWsSends && kWsSends + kMaxBlocks * 2 * 4 <= kWsUnreleased &&
