@@ -1,22 +1,15 @@
 """Buffer-half reuse of the CUDA low-latency kernels under real concurrency: two ranks issue rounds of LL calls back
-to back (no host synchronisation between calls or rounds) and every result is compared bit for bit with
-``reference`` at the end.
+to back (no host synchronisation) and every result is compared bit for bit with ``reference`` at the end.
 
-Calls alternate the two buffer halves, so call ``k`` of a rank writes into the half its peer's call ``k - 2`` used.
-Rank 1 lags: with ``lag="hook"`` it dispatches with a receive hook and sleeps on the GPU between the send and the
-hook, so its receive runs late; with ``lag="fused"`` it calls without hooks and sleeps after each dispatch, so the
-launch that releases its dispatch's half starts late; with ``lag="mixed"`` its dispatches alternate between
-asynchronous calls (``async_finish``, the event awaited only before the expert reads the outputs) and hooked ones,
-so a hooked send is issued while the fused launch before it may still run on the communication stream; with
-``lag="overlap"`` it hooks every call and, where the next call of the round does not read the outputs (the first
-dispatch of dispatch-dispatch-combine, the first combine of dispatch-combine-combine), runs the hook after the next
-call's send (that receive then releases its half itself). In every
-other round rank 0 routes its tokens to its own
-experts only (or has none), so its combine needs nothing from rank 1 and only the kernels' own ordering (a send
-waits for the peers' release of the half) keeps it from overwriting what rank 1 has still to read. Rounds mix the
-call patterns dispatch-combine, dispatch-dispatch-combine and dispatch-combine-combine (the combine run again with
-the same handle) and token counts from 0 to ``T``. With ``second_buffer`` the rounds alternate between two LL
-Buffers of the same ranks in each process (NVSHMEM is initialised once per process; the second joins its world).
+Call ``k`` of a rank writes into the half its peer's call ``k - 2`` used. Rank 1 lags (a GPU sleep after each
+dispatch's send), in one of four ways (``lag``): ``hook`` (the hook after the sleep), ``fused`` (no hooks: the next
+launch, which releases the half, starts late), ``mixed`` (an asynchronous dispatch, then a hooked one issued while
+the fused launch before it may still run) and ``overlap`` (every call hooked; where the next call of the round does
+not read the outputs, the hook runs after that call's send and releases its half itself).
+In every other round rank 0's combine needs nothing from rank 1, so only the kernels' ordering (a send waits for the
+peers' release of the half) keeps it from overwriting what rank 1 has still to read. Rounds mix dispatch-combine,
+dispatch-dispatch-combine and dispatch-combine-combine, with 0 to ``T`` tokens; ``second_buffer`` alternates the
+rounds between two LL Buffers of the same ranks in each process (the second joins the process's NVSHMEM world).
 
 Two ranks on one GPU, time-sliced, and truly concurrent under MPS (each < 60 s; ``TEST_LL_REUSE_ROUNDS`` rounds, 24
 by default; with two GPUs the ranks get one each)::
@@ -41,8 +34,8 @@ torch = pytest.importorskip("torch")
 WORKER_MODULE = "gpu.test_ll_reuse"
 ROUNDS = int(os.environ.get("TEST_LL_REUSE_ROUNDS", "24") or 24)
 T, H, NUM_LOCAL, NUM_TOPK = 32, 2048, 4, 3
-# GPU cycles rank 1 sleeps between a dispatch's send and its receive hook (about 10 ms at H200 clocks): long next to
-# a call, short next to the kernels' wait budget.
+# GPU cycles rank 1 sleeps after a dispatch's send (about 10 ms at H200 clocks): long next to a call, short next to
+# the kernels' wait budget.
 LAG_CYCLES = 20_000_000
 PATTERNS = ("DC", "DDC", "DCC")
 
@@ -120,7 +113,6 @@ def run_reuse(ctx, fields: dict) -> Optional[str]:
         buffer.clean_low_latency_buffer(T, H, experts)
         buffers.append(buffer)
     lagging = rank == 1
-    calls = 0  # LL dispatches this rank issued (lag="mixed" alternates their kind)
     issued = []  # per round: (pattern, inputs, [dispatch results], [combine results])
     for r in range(case.rounds):
         buffer = buffers[r % len(buffers)]
@@ -131,9 +123,9 @@ def run_reuse(ctx, fields: dict) -> Optional[str]:
         waiting = None  # lag="overlap": the hook of the round's previous call, run after the next call's send
         num = pattern.count("D")
         for i in range(num):
-            hook = lagging and (case.lag in ("hook", "overlap") or (case.lag == "mixed" and calls % 2 == 1))
+            # mixed: the first dispatch of a round asynchronous, the second (dispatch-dispatch-combine) hooked
+            hook = lagging and (case.lag in ("hook", "overlap") or (case.lag == "mixed" and i == 1))
             asynchronous = lagging and case.lag == "mixed" and not hook
-            calls += 1
             res = buffer.low_latency_dispatch(mine["x"], mine["topk_idx"], T, experts, use_fp8=False,
                                               async_finish=asynchronous, return_recv_hook=hook)
             if lagging and cuda:
