@@ -7,11 +7,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-
-import numpy as np
-import pytest
 
 from simulator import Scenario, bench_fit, hardware, rank, run, workload
 from simulator import deep_ep_fused as fused
