@@ -711,8 +711,9 @@ def write_calibration(result: FitResult, path: str | Path = CALIBRATION_PATH, co
         section = {**summary, f"hold_out_{SWEEP_NAMES[result.run.kind].split()[0].lower()}s": list(result.hold_out),
                    "mape_fit": rounded(result.mape(False)),
                    "mape_hold_out": rounded(result.mape(True)), "points": points}
-        data = {"family": "deep_ep", **{k: v for k, v in old.items() if k not in ("family", "params", section_name)},
-                "params": params, section_name: section}
+        # The file's other entries keep their places.
+        data = {"family": "deep_ep", **{k: v for k, v in old.items() if k != "family"}}
+        data.update(params=params, **{section_name: section})
     else:
         data = {"family": "deep_ep", **summary, "hold_out_sms": list(result.hold_out),
                 "mape_fit": rounded(result.mape(False)), "mape_hold_out": rounded(result.mape(True)),
