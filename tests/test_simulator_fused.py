@@ -2,6 +2,7 @@
 the bytes it puts on the NIC and NVLink, its rates and its parameters' sources."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -255,3 +256,24 @@ def test_report_says_when_the_fused_rows_assume_puts_behind_a_nic():
     wide = notes(replace(sc, nodes=32, gpus_per_node=2, nic="nvlink-p2p"))
     assert "torch rail" not in wide and "serve at most" not in wide, wide
     assert "torch rail" in notes(replace(sc, nodes=32, gpus_per_node=4, nic="nvlink-p2p"))
+
+
+def test_fused_fit_writes_its_section_and_parameters_and_keeps_the_rest(tmp_path):
+    stored = dek.CALIBRATION_PATH
+    path = tmp_path / "calibration.json"
+    path.write_text(stored.read_text())
+    run_ = bench_fit.read_bench(FUSED_BENCH)
+    prof = replace(dek.profile(), warp_local_gbps=2.5, fused_row_ns=1000.0, fused_chunk_us=3.0, warp_push_gbps=2.5)
+    result = bench_fit.FitResult(run_, prof, dek.FUSED_FIT_PARAMS, (), [400.0, 450.0, 380.0], 1, ())
+    bench_fit.write_calibration(result, path, "python -m simulator.calibrate --from-bench x.json")
+    before, after = json.loads(stored.read_text()), json.loads(path.read_text())
+    assert after["params"]["fused_row_ns"]["value"] == 1000.0 and after["params"]["warp_push_gbps"]["value"] == 2.5
+    assert {k: v for k, v in after["params"].items() if k not in (*dek.FUSED_FIT_PARAMS, "warp_push_gbps")} == \
+        {k: v for k, v in before["params"].items() if k not in (*dek.FUSED_FIT_PARAMS, "warp_push_gbps")}
+    # The top level (the intranode fit) and the low-latency section stay; the fused section holds its points.
+    assert {k: v for k, v in after.items() if k not in ("params", "fused")} == \
+        {k: v for k, v in before.items() if k not in ("params", "fused")}
+    section = after["fused"]
+    assert section["bench"] == str(FUSED_BENCH) and section["hold_out_sms"] == []
+    assert [p["measured_us"] for p in section["points"]] == [388.71, 453.02, 385.84]
+    assert dek.load_profile(path).fused_chunk_us == 3.0
