@@ -24,6 +24,8 @@ from typing import Callable
 import numpy as np
 
 from deep_ep.backends.cuda_tuning import intranode_channels, send_warp_range
+from deep_ep.config import Config
+from simulator import deep_ep_fused as fused
 from simulator import deep_ep_kernels as dek
 from simulator import hardware, rank, workload
 from simulator.deep_ep_kernels import CALIBRATION_PATH, DeepEpProfile
@@ -236,6 +238,41 @@ def _read_internode(data: dict, path: str, warps: str = "default") -> BenchRun:
                     int(args.get("num_topk", 8)), int(args.get("num_experts", 256)), tuple(points))
 
 
+def _is_fused(data: dict) -> bool:
+    points = [p for p in _first_rank(data).get("points", []) if isinstance(p, dict)]
+    return any(p.get("phase") == "fused" for p in points)
+
+
+def _read_fused(data: dict, path: str, warps: str = "default") -> BenchRun:
+    """``benchmarks/bench_internode.py --composed`` output: phase ``fused`` is the fused kernels on 2 virtual nodes
+    of ``num_processes / 2`` ranks, all ranks on one GPU under MPS (:func:`simulator.deep_ep_fused.shared_gpu`).
+    A point's time is the mean over ranks of ``wall_us`` at the best chunk (the chunk most ranks chose); the other
+    phases (composed path, torch backend) are not read. ``warps`` is unused (the kernels' warps are fixed)."""
+    del warps
+    args = data.get("args", {})
+    num_ranks = int(args.get("num_processes", len(data["ranks"])))
+    samples: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for r in data["ranks"]:
+        for p in r.get("points", []):
+            if p.get("phase") != "fused" or p.get("op") not in _INTRANODE_OPS:
+                continue
+            t = _positive(path, f"fused point {p['op']} at {p.get('num_sms')} SMs", p.get("wall_us"))
+            samples.setdefault((p["op"], int(p["num_sms"])), []).append((int(p.get("chunk", 0)), t))
+    order = list(_INTRANODE_OPS)
+    points = []
+    for (op_name, sms), values in sorted(samples.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))):
+        op, dtype, _ = _INTRANODE_OPS[op_name]
+        chunks = [c for c, _ in values]
+        points.append(BenchPoint(op, dtype, sms, max(set(chunks), key=chunks.count),
+                                 sum(t for _, t in values) / len(values), "fused", 2))
+    if not points or num_ranks % 2 or num_ranks < 4:
+        raise ValueError(f"bench {path}: needs fused dispatch/combine points of 2 virtual nodes of >= 2 ranks, got "
+                         f"{len(points)} points, {num_ranks} ranks")
+    return BenchRun("fused", path, str(data.get("date", "unknown")), str(data.get("machine", "unknown")),
+                    num_ranks, int(args.get("num_tokens", 4096)), int(args.get("hidden", 7168)),
+                    int(args.get("num_topk", 8)), int(args.get("num_experts", 256)), tuple(points))
+
+
 # bench_low_latency.py kernel names -> (op, dtype, phase); dispatch is FP8 (the bench's only dispatch format).
 _LL_KERNELS = {("kernel_s", "dispatch"): ("dispatch", "fp8", "fused"),
                ("kernel_s", "combine"): ("combine", "bf16", "fused"),
@@ -284,6 +321,7 @@ def _read_low_latency(data: dict, path: str, warps: str = "default") -> BenchRun
 
 # (name, detector, reader): the first detector that accepts the JSON object reads it.
 BENCH_READERS: list[tuple[str, Callable[[dict], bool], Callable[..., BenchRun]]] = [
+    ("fused kernels on one GPU (benchmarks/bench_internode.py --composed)", _is_fused, _read_fused),
     ("intranode (benchmarks/bench_intranode.py)", _is_intranode, _read_intranode),
     ("internode on virtual nodes (benchmarks/bench_internode.py)", _is_internode, _read_internode),
     ("low latency (benchmarks/bench_low_latency.py)", _is_low_latency, _read_low_latency),
@@ -291,17 +329,22 @@ BENCH_READERS: list[tuple[str, Callable[[dict], bool], Callable[..., BenchRun]]]
 # Weight of the log-space prior toward the assumed defaults (dek.DEFAULTS), per parameter (a factor 2 away costs
 # as much as a point 3.5 % off).
 PRIOR_WEIGHT = 0.05
+# Kinds without that prior: the fused file has as many points as parameters, each rate binding a different point,
+# so the fit solves them exactly.
+NO_PRIOR_KINDS = ("fused",)
+SPAN = math.log(1e4)
 DEFAULTS_FOR_PRIOR = dek.DEFAULTS
 # Parameters each bench kind fits; the others keep their values (and sources) from the current profile.
 FIT_PARAMS: dict[str, tuple[str, ...]] = {"intranode": dek.INTRANODE_FIT_PARAMS,
                                           "internode": dek.INTRANODE_FIT_PARAMS,
-                                          "low-latency": dek.LL_FIT_PARAMS}
+                                          "low-latency": dek.LL_FIT_PARAMS, "fused": dek.FUSED_FIT_PARAMS}
 # Sweep values held out when the caller names none: SM counts (normal mode), tokens per rank (low latency).
-DEFAULT_HOLD_OUT: dict[str, tuple[int, ...]] = {"intranode": (16, 32), "internode": (16, 32),
+DEFAULT_HOLD_OUT: dict[str, tuple[int, ...]] = {"intranode": (16, 32), "internode": (16, 32), "fused": (),
                                                 "low-latency": (2, 4, 16, 32, 128)}
 # Bench kinds whose fit restarts Levenberg-Marquardt from several points (see :func:`fit`).
-MULTI_START_KINDS = ("low-latency",)
-SWEEP_NAMES = {"intranode": "SM counts", "internode": "SM counts", "low-latency": "token counts"}
+MULTI_START_KINDS = ("low-latency", "fused")
+SWEEP_NAMES = {"intranode": "SM counts", "internode": "SM counts", "low-latency": "token counts",
+               "fused": "SM counts"}
 
 
 def read_bench(path: str | Path, warps: str = "default") -> BenchRun:
@@ -378,6 +421,8 @@ def predict_point(run: BenchRun, point: BenchPoint, prof: DeepEpProfile,
     :func:`bench_traffic` of the run."""
     gpu = hardware.get_gpu(run.gpu)
     payload = rank.token_bytes(run.hidden, point.dtype)
+    if run.kind == "fused":
+        return _fused_time(run, point, prof, traffic, seed)
     if point.tokens:
         return float(_ll_times(run, point, prof, traffic)[_LL_PHASE_KEYS[point.phase]].mean())
     traffic_ = traffic[run.num_tokens]
@@ -393,6 +438,21 @@ def predict_point(run: BenchRun, point: BenchPoint, prof: DeepEpProfile,
                            point.num_sms, point.chunk, point.dtype, point.channels, combine_path=path,
                            copy_chunk_rows=point.chunk if path == "copy" else 0)
     return float(dek.closed_form_times(work, point.num_sms, run.num_ranks).mean())
+
+
+def _fused_time(run: BenchRun, point: BenchPoint, prof: DeepEpProfile,
+                traffic: dict[int, list[workload.SourceTraffic]], seed: int) -> float:
+    """A fused-kernel point of :func:`_read_fused`: 2 virtual nodes of all ranks on one GPU, the bench's config
+    (``deep_ep.Config(num_sms, chunk, 256)``), mean over ranks."""
+    per_node = run.num_ranks // point.num_nodes
+    payload = rank.token_bytes(run.hidden, point.dtype)
+    spec = rank.OpSpec("internode", point.op, run.hidden, run.topk, payload, payload, point.num_nodes, per_node,
+                       None)
+    res = fused.simulate_fused(spec, _nodes_traffic(run, point.num_nodes, traffic[run.num_tokens], seed),
+                               fused.shared_gpu(hardware.get_gpu(run.gpu), run.num_ranks),
+                               hardware.get_nic("nvlink-p2p"), fused.on_one_gpu(prof), point.num_sms, point.dtype,
+                               Config(point.num_sms, point.chunk, 256))
+    return res.time_us
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -489,7 +549,8 @@ def fit(run: BenchRun, hold_out: list[int] | tuple[int, ...] | None = None, star
     names = tuple(n for n in FIT_PARAMS[run.kind] if n not in fixed)
     hold_out = tuple(DEFAULT_HOLD_OUT[run.kind] if hold_out is None else hold_out)
     sweep = SWEEP_NAMES[run.kind]
-    base = start or dek.DEFAULTS
+    # The fused kernels also use the intranode fit's SM rates and fixed costs: their fit keeps the profile in use.
+    base = start or (dek.profile() if run.kind == "fused" else dek.DEFAULTS)
     if fixed:
         sources = dict(base.sources)
         sources.update({n: f"fixed by --fix at {v}" for n, v in fixed.items()})
@@ -501,10 +562,12 @@ def fit(run: BenchRun, hold_out: list[int] | tuple[int, ...] | None = None, star
                          f"parameters ({sweep} in the file: {sweep_all})")
     traffic = bench_traffic(run, seed)
 
-    def make(x: np.ndarray) -> DeepEpProfile:
-        return replace(base, **{n: float(v) for n, v in zip(names, np.exp(x))})
-
     x0 = np.log([max(float(getattr(DEFAULTS_FOR_PRIOR, n)), 1e-3) for n in names])
+
+    def make(x: np.ndarray) -> DeepEpProfile:
+        # Within 10^4 of the assumed values either way: a step into a flat direction stays finite.
+        x = np.clip(x, x0 - SPAN, x0 + SPAN)
+        return replace(base, **{n: float(v) for n, v in zip(names, np.exp(x))})
 
     def residual(x: np.ndarray) -> np.ndarray:
         prof = make(x)
@@ -512,15 +575,19 @@ def fit(run: BenchRun, hold_out: list[int] | tuple[int, ...] | None = None, star
                                                          fit_points)]
         # Weak prior toward the assumed values: parameters the points cannot separate (at EP2 the local and
         # remote byte counts are equal) stay near their estimate instead of drifting to 0 or infinity.
-        return np.concatenate([data, PRIOR_WEIGHT * (x - x0)])
+        weight = 0.0 if run.kind in NO_PRIOR_KINDS else PRIOR_WEIGHT
+        return np.concatenate([data, weight * (x - x0)])
 
     x, iterations = levenberg_marquardt(residual, x0)
     if run.kind in MULTI_START_KINDS:
         # The max() terms of the LL phases have flat directions (a rate that binds nowhere has no gradient): start
-        # again from every parameter 4x below and above its assumed value and keep the lowest cost.
+        # again from every parameter 4x below and above its assumed value and keep the lowest cost. The fused
+        # teams bind only far from their assumed rates, so those starts reach 64x either way.
         cost = float(residual(x) @ residual(x))
+        shifts = (-math.log(4), math.log(4)) if run.kind == "low-latency" else \
+            tuple(k * math.log(4) for k in (-3, -2, -1, 1, 2, 3))
         for j in range(len(names)):
-            for shift in (-math.log(4), math.log(4)):
+            for shift in shifts:
                 start_x = x0.copy()
                 start_x[j] += shift
                 x_j, it_j = levenberg_marquardt(residual, start_x)
@@ -531,9 +598,18 @@ def fit(run: BenchRun, hold_out: list[int] | tuple[int, ...] | None = None, star
     stamp = datetime.date.today().isoformat()
     source = f"fit: {Path(run.path).name} ({run.date}, {run.machine}), least squares on {len(fit_points)} points, " \
              f"{sweep} {[s for s in sweep_all if s not in hold_out]} (held out {list(hold_out)}), fitted {stamp}"
+    if run.kind == "fused":
+        source = f"fit: {run.path} ({run.date}, {run.machine}; {run.num_ranks} ranks as 2 virtual nodes under MPS), " \
+                 f"solved on its {len(fit_points)} fused-phase points (wall µs, mean over ranks: " \
+                 f"{', '.join(f'{p.dtype} {p.op} {p.time_us:.1f}' for p in fit_points)}), fitted {stamp}"
     sources = dict(base.sources)
     sources.update(dict.fromkeys(names, source))
     prof = replace(make(x), sources=tuple(sources.items()))
+    if run.kind == "fused":
+        # On one GPU a push is a local copy through a P2P mapping: the fit gives the pushing warps the same rate.
+        prof = replace(prof, warp_push_gbps=prof.warp_local_gbps, sources=tuple({
+            **sources, "warp_push_gbps": f"{source}; one GPU: pushes are local copies, so warp_local_gbps's "
+                                         f"value (NVLink pushes not measured)"}.items()))
     predicted = predict_points(run, run.points, prof, traffic, seed)
     checks = []
     for other in check:
@@ -594,24 +670,27 @@ def to_text(result: FitResult) -> str:
 # Section of the calibration file that holds the low-latency fit's summary and points (the top level holds the
 # normal-mode fit's, which ``simulator.predictions`` reads the measured column from).
 LL_SECTION = "low_latency"
+# Section of each bench kind that does not write the top level.
+SECTIONS = {"low-latency": LL_SECTION, "fused": "fused"}
 
 
 def write_calibration(result: FitResult, path: str | Path = CALIBRATION_PATH, command: str | None = None) -> None:
     """Write the fitted (and ``--fix``-ed) parameters with their sources, plus the fit summary (bench file, its date
     and machine, the fit's date and ``command``, the command line that ran the fit) and its points.
 
-    Parameters an existing file holds that this fit does not touch (e.g. those of another bench kind) are kept. A
-    normal-mode fit writes its summary and points at the top level and keeps the file's :data:`LL_SECTION`; a
-    low-latency fit writes them into :data:`LL_SECTION` and keeps the top level.
+    Parameters an existing file holds that this fit does not touch (e.g. those of another bench kind) are kept. An
+    intranode or internode fit writes its summary and points at the top level and keeps the file's
+    :data:`SECTIONS`; a low-latency or fused fit writes them into its section and keeps the rest.
     """
     path = Path(path)
     params, old = {}, {}
+    written = FIT_PARAMS[result.run.kind] + (("warp_push_gbps",) if result.run.kind == "fused" else ())
     if path.exists():
         old = workload.read_json(str(path), f"deep_ep calibration {path}")
         old = old if isinstance(old, dict) else {}
-        params = {k: v for k, v in old.get("params", {}).items() if k not in FIT_PARAMS[result.run.kind]}
+        params = {k: v for k, v in old.get("params", {}).items() if k not in written}
     for name, value, source in result.profile.describe():
-        if name in FIT_PARAMS[result.run.kind]:
+        if name in written:
             params[name] = {"value": round(float(value), 4), "source": source}
 
     def rounded(x: float) -> float | None:
@@ -627,17 +706,18 @@ def write_calibration(result: FitResult, path: str | Path = CALIBRATION_PATH, co
                "fitted": datetime.date.today().isoformat()}
     if command:
         summary["command"] = command
-    if result.run.kind == "low-latency":
-        section = {**summary, "hold_out_tokens": list(result.hold_out),
+    section_name = SECTIONS.get(result.run.kind)
+    if section_name is not None:
+        section = {**summary, f"hold_out_{SWEEP_NAMES[result.run.kind].split()[0].lower()}s": list(result.hold_out),
                    "mape_fit": rounded(result.mape(False)),
                    "mape_hold_out": rounded(result.mape(True)), "points": points}
-        data = {"family": "deep_ep", **{k: v for k, v in old.items() if k not in ("family", "params", LL_SECTION)},
-                "params": params, LL_SECTION: section}
+        # The file's other entries keep their places.
+        data = {"family": "deep_ep", **{k: v for k, v in old.items() if k != "family"}}
+        data.update(params=params, **{section_name: section})
     else:
         data = {"family": "deep_ep", **summary, "hold_out_sms": list(result.hold_out),
                 "mape_fit": rounded(result.mape(False)), "mape_hold_out": rounded(result.mape(True)),
                 "check": [c.run.path for c in result.checks], "mape_check": rounded(result.mape_check()),
                 "params": params, "points": points}
-        if LL_SECTION in old:
-            data[LL_SECTION] = old[LL_SECTION]
+        data.update({k: old[k] for k in SECTIONS.values() if k in old})
     Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")

@@ -9,7 +9,8 @@ every other row is a hold-out. :func:`leave_one_group_out` re-fits without each 
 [--fix NAME=VALUE] [--no-write]`` fits deep_ep's kernel parameters by least squares on the bench points (the given
 SM counts held out), predicts the ``--check`` files' points (never fitted), prints measured vs predicted per point
 and the MAPEs, and writes ``simulator/data/calibration_deep_ep.json`` (values, sources, command, every point). A
-``benchmarks/bench_low_latency.py`` file fits the low-latency parameters; ``--hold-out`` then names token counts.
+``benchmarks/bench_low_latency.py`` file fits the low-latency parameters; ``--hold-out`` then names token counts. A
+``benchmarks/bench_internode.py --composed`` file fits the fused kernels' team rates (ranks on one GPU under MPS).
 """
 from __future__ import annotations
 

@@ -4,17 +4,19 @@
 Paths and network are DeepEP V1's internode model: one fluid flow per source (:func:`simulator.rank._normal_flows`:
 a record per (token, node) over the NIC to the forwarder ``(n, local(s))``, which copies it over NVLink to every GPU
 of node ``n`` that needs it; combine the reverse, one BF16 partial per (token, node)), its NIC rate, per-chunk
-message cost, QPs and credits (:func:`simulator.rank.rdma_ring_rate`), its pipeline fill and two-role SM share.
-Ours are the record layout, the rings (Buffer's default config), the CTA roles (``C / 2`` channels of two CTAs of
-32 warps, each ring served by a team of warps or, past 32 rings, by a warp in turn with others, :func:`role_warps`)
-and the rates, from the deep_ep profile: a role moves ``min(warps x warp rate, its SM share x SM rate)`` per
-channel (forwarders and senders over NVLink at ``warp_push_gbps`` / ``sm_push_gbps``, staging, receiving and
-reducing at ``warp_local_gbps`` / ``sm_local_gbps`` or ``reduce_gbps``), plus ``row_ns`` per record and
-``chunk_sync_us`` per chunk; a dispatch forwarder loads a record once and stores it to each GPU in its mask.
+message cost, QPs and credits (:func:`simulator.rank.rdma_ring_rate`) and its two-role SM share. Ours are the record
+layout, the rings, the CTA roles (``C / 2`` channels of two CTAs of 32 warps, each ring served by a team of warps,
+:func:`role_warps`) and the rates (:func:`team_rate`): a dispatch team shares every record (each warp moves its
+part, the record's control cost ``fused_row_ns`` is paid once per team); a combine team's warps take whole records
+in turn. A role moves ``min(sum of its teams, its SM share x the SM rate)`` per channel. Times are the pipelined
+steady state in closed form (:func:`simulate_fused`), monotone in every capacity.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
+
+import numpy as np
 
 from deep_ep.config import (
     NUM_MAX_FUSED_RANKS,
@@ -27,18 +29,17 @@ from deep_ep.config import (
 from simulator.hardware import GpuProfile, NicProfile
 from simulator.links import GBPS
 from simulator.rank import (
+    PORT_LABELS,
     SHARED_SM_FRACTION,
     NormalModel,
     OpResult,
     OpSpec,
-    _finish,
+    _arrival_times,
     _normal_flows,
     _Ports,
-    max_load_per_kind,
     normal_logical_bytes,
+    port_loads,
     rdma_ring_rate,
-    roofline_us,
-    run_rank_flows,
 )
 from simulator.workload import SourceTraffic
 
@@ -116,33 +117,65 @@ def sm_rate(gbps: float, row_ns: float, record: float, chunk_sync_us: float, chu
     return record / per_record_us
 
 
+def team_rate(warps: float, warp_gbps: float, row_ns: float, record: float, chunk_us: float, chunk: int,
+              whole_records: bool) -> float:
+    """Bytes/µs of records one ring's team of ``warps`` warps moves (fewer than one: a warp serving ``1 / warps``
+    rings in turn). Dispatch: the warps share each record, its bytes split over them and its control cost
+    ``row_ns`` paid once by the team. Combine (``whole_records``): each warp takes whole records in turn, bytes
+    and control cost of a record on one warp, ``warps`` records at once. Either way one warp publishes the team's
+    progress, ``chunk_us`` per chunk of ``chunk`` records."""
+    turn, team = min(warps, 1.0), max(warps, 1.0)
+    row_us = row_ns * 1e-3
+    if whole_records:
+        per_record_us = (record / (warp_gbps * GBPS) + row_us) / team
+    else:
+        per_record_us = record / (team * warp_gbps * GBPS) + row_us
+    return turn * record / (per_record_us + chunk_us / max(chunk, 1))
+
+
+def shared_gpu(gpu: GpuProfile, ranks: int) -> GpuProfile:
+    """``gpu`` as each of ``ranks`` ranks sharing one device under MPS sees it (virtual nodes on one GPU): a
+    peer's buffer is the same HBM through a P2P mapping, so a byte sent is read and written there, and the ranks
+    split its bandwidth: "NVLink" ``hbm_gbps / (2 ranks)`` per direction, local copies ``hbm_gbps / ranks``. The
+    SMs are the kernel's own (MPS gives each rank its share; ``num_sms`` must fit in it)."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    return replace(gpu, name=f"{gpu.name}/{ranks}", nvlink_gbps=gpu.hbm_gbps / (2 * ranks),
+                   hbm_gbps=gpu.hbm_gbps / ranks)
+
+
+def on_one_gpu(prof: Any) -> Any:
+    """The deep_ep profile ``prof`` as ranks sharing one GPU run it: every push is a local copy through a P2P
+    mapping, at the local rates (per warp and per SM)."""
+    return replace(prof, warp_push_gbps=prof.warp_local_gbps, sm_push_gbps=prof.sm_local_gbps)
+
+
 def fused_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile, prof: Any,
-                num_sms: int, dtype: str) -> tuple[NormalModel, dict[str, str]]:
-    """Capacities, flows and fixed cost of one fused op (``prof``: the deep_ep profile), and the port aliases
-    (virtual nodes: the network ports are the NVLink ports)."""
+                num_sms: int, dtype: str, cfg: Config | None = None) -> tuple[NormalModel, dict[str, str]]:
+    """Capacities, flows and fixed cost of one fused op (``prof``: the deep_ep profile; ``cfg``: the ring config,
+    default :func:`fused_config`), and the port aliases (virtual nodes: the network ports are the NVLink ports)."""
     if not is_fused(spec):
         raise ValueError(f"{spec.num_nodes} nodes x {spec.ranks_per_node} GPUs is not a fused-kernel group (needs "
                          f">= 2 nodes of 2..{NUM_MAX_SCALEUP_RANKS} GPUs, <= {NUM_MAX_FUSED_RANKS} ranks)")
     dispatch = spec.op == "dispatch"
-    cfg = fused_config(spec.op, spec.num_ranks, num_sms)
+    cfg = cfg or fused_config(spec.op, spec.num_ranks, num_sms)
     channels = max(num_sms // 2, 1)
     record = fused_record_bytes(spec.op, spec.hidden, dtype, spec.topk)
     nvl_chunk, rdma_chunk = cfg.num_max_nvl_chunked_send_tokens, cfg.num_max_rdma_chunked_send_tokens
     rail_slots = -(-cfg.num_max_rdma_chunked_recv_tokens // rdma_chunk) * rdma_chunk
-    sync = prof.chunk_sync_us
+    warps_of = role_warps(spec.op, spec.num_nodes, spec.num_ranks)
 
     def role(name: str, warp_gbps: float, sm_gbps: float, share: float, chunk: int,
              fan_out: float = 1.0) -> tuple[float, float]:
-        """(capacity of the role over all channels, rate of one of its teams, i.e. of one ring): its warps per
-        channel at ``warp_gbps`` each (times ``fan_out`` stores per load), at most ``share`` of an SM at
-        ``sm_gbps``, split over its teams."""
+        """(capacity of the role over all channels, rate of one of its teams, i.e. of one ring): its teams at
+        :func:`team_rate` (times ``fan_out`` stores per load), at most ``share`` of an SM at ``sm_gbps``."""
         warps, teams = warps_of[name]
-        per_channel = min(warps * fan_out * sm_rate(warp_gbps, prof.row_ns, record, sync, chunk),
-                          share * sm_rate(sm_gbps, prof.row_ns, record, sync, chunk))
+        one = fan_out * team_rate(warps / teams, warp_gbps, prof.fused_row_ns, record, prof.fused_chunk_us, chunk,
+                                  not dispatch)
+        per_channel = min(teams * one, share * sm_rate(sm_gbps, prof.row_ns, record, prof.chunk_sync_us, chunk))
         return channels * per_channel, per_channel / teams
     # Senders stage into the rail ring: a peer's by pointer over NVLink (virtual nodes), else the own buffer that
     # the NIC reads.
-    warps_of = role_warps(spec.op, spec.num_nodes, spec.num_ranks)
     if nic.shares_nvlink:
         stage = (prof.warp_push_gbps, prof.sm_push_gbps)
     else:
@@ -156,6 +189,8 @@ def fused_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
         fwd, one_fwd = role("forward", prof.warp_push_gbps, prof.sm_push_gbps, ROLE_SHARE, nvl_chunk, fan_out)
         recv, _ = role("receive", prof.warp_local_gbps, prof.sm_local_gbps, 1.0, nvl_chunk)
     else:
+        # Forwarders and the owner reduce whole records per warp, two sources' loads in flight (warp_local_gbps
+        # counts the bytes read).
         send, one_send = role("send", prof.warp_push_gbps, prof.sm_push_gbps, 1.0, nvl_chunk)
         fwd, one_fwd = role("forward", prof.warp_local_gbps, prof.reduce_gbps, ROLE_SHARE, rdma_chunk)
         recv, _ = role("receive", prof.warp_local_gbps, prof.reduce_gbps, ROLE_SHARE, rdma_chunk)
@@ -181,36 +216,45 @@ def fused_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
         2 * gpu.nvl_latency_us + nvl_chunk * record / (one_fwd if dispatch else one_send))
     tail_us = 0.0 if dispatch else prof.combine_extra_us
     fixed = prof.launch_us + prof.internode_extra_us + fill_us + tail_us
-    return NormalModel(kinds, caps, flows, fixed, fill_us, tail_us, window), alias
+    physical = tuple(k for k in kinds if k not in alias)
+    return NormalModel(physical, {k: caps[k] for k in physical}, flows, fixed, fill_us, tail_us, window), alias
+
+
+def _flow_times(model: NormalModel, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(time each port needs at full rate for its bytes, ``[kinds x ranks]``; data time of each flow): a flow
+    streams at the pace of the slowest port on its path, every port shared in proportion to the bytes crossing it
+    (the pipelined steady state), and at most at the credit window's rate."""
+    caps = np.repeat([model.caps[k] for k in model.kinds], num_ranks)
+    busy = port_loads(model.flows, caps.size) / caps
+    flow_us = np.array([max(float(busy[ports].max(initial=0.0)), size / model.window_cap)
+                        for size, ports, _ in model.flows])
+    return busy, flow_us
 
 
 def fused_rank_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile, prof: Any,
-                     num_sms: int, dtype: str) -> list[float]:
-    """Closed form of one fused op, equal for every rank: fixed cost + the busiest port's bytes / capacity (or
-    the largest flow over the credit window)."""
-    model, alias = fused_model(spec, traffic, gpu, nic, prof, num_sms, dtype)
-    loads = max_load_per_kind(_physical(model, alias), spec.num_ranks)
-    return [roofline_us(_physical(model, alias), loads)] * spec.num_ranks
-
-
-def _physical(model: NormalModel, alias: dict[str, str]) -> NormalModel:
-    """The model with aliased port kinds folded into their targets (the closed form counts physical ports)."""
-    if not alias:
-        return model
-    kinds = tuple(k for k in model.kinds if k not in alias)
-    return NormalModel(kinds, {k: model.caps[k] for k in kinds}, model.flows, model.fixed_us, model.fill_us,
-                       model.tail_us, model.window_cap)
+                     num_sms: int, dtype: str, cfg: Config | None = None) -> list[float]:
+    """Time of one fused op per rank (µs): :func:`simulate_fused`'s."""
+    return simulate_fused(spec, traffic, gpu, nic, prof, num_sms, dtype, cfg).rank_time_us
 
 
 def simulate_fused(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile, prof: Any,
-                   num_sms: int, dtype: str) -> OpResult:
-    """DES of one fused op: per rank the launch and fill, then its flow through the fluid ports (SM roles,
-    NVLink, NIC) at most at the credit window's rate, then the combine tail."""
-    model, alias = fused_model(spec, traffic, gpu, nic, prof, num_sms, dtype)
-    ports = _Ports(model.kinds, model.caps, spec.num_ranks, alias)
-    before = model.fixed_us - model.tail_us
-    net, finish = run_rank_flows(f"fused_{spec.op}", ports, model.flows, [before] * spec.num_ranks,
-                                 model.tail_us, model.window_cap)
+                   num_sms: int, dtype: str, cfg: Config | None = None) -> OpResult:
+    """One fused op in closed form: a rank ends at the fixed cost (launch, fill, combine tail) plus the data time
+    of the latest flow that loads one of its ports (:func:`_flow_times`). Each time is a maximum of bytes over
+    capacities, so more SMs, NVLink or NIC bandwidth never make it slower."""
+    model, _ = fused_model(spec, traffic, gpu, nic, prof, num_sms, dtype, cfg)
+    busy, flow_us = _flow_times(model, spec.num_ranks)
+    finish = _arrival_times(model.flows, spec.num_ranks, [model.fixed_us + t for t in flow_us])
+    data_us = max(finish) - model.fixed_us
+    loads = busy * np.repeat([model.caps[k] for k in model.kinds], spec.num_ranks)
+    port_bytes, utilization, busiest = {}, {}, {}
+    for i, kind in enumerate(model.kinds):
+        part = slice(i * spec.num_ranks, (i + 1) * spec.num_ranks)
+        port_bytes[kind] = float(loads[part].sum())
+        busiest[kind] = float(busy[part].max())
+        utilization[kind] = min(busiest[kind] / max(data_us, 1e-9), 1.0)
+    top = max(busiest, key=lambda k: (busiest[k], k))
+    bottleneck = PORT_LABELS.get(top, top) if busiest[top] >= 0.6 * data_us else "latency"
     logical, nvl_logical = normal_logical_bytes(spec, traffic)
-    return _finish(net, ports, finish, logical, nvl_logical, model.fixed_us, max(finish) - model.fixed_us,
-                   extra={"fill_us": model.fill_us})
+    return OpResult(sum(finish) / len(finish), max(finish), finish, logical, nvl_logical, port_bytes, utilization,
+                    bottleneck, model.fixed_us, extra={"fill_us": model.fill_us})

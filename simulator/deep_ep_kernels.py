@@ -105,7 +105,11 @@ class DeepEpProfile:
         warp_push_gbps: rate of one warp storing rows to a peer over NVLink (16-byte stores, 4 loads in flight per
             lane), GB/s per warp: the fused kernels' forwarders (dispatch) and senders (combine), teams of warps.
         warp_local_gbps: rate of one warp copying rows within its GPU, GB/s per warp: the fused kernels'
-            receivers, staging senders and reducers.
+            receivers, staging senders and reducers (bytes read).
+        fused_row_ns: control cost of one record in a fused kernel's ring team (dispatch: paid once per record by
+            the team whose warps share it; combine: by the warp that takes the record), ns.
+        fused_chunk_us: turn-around of one published chunk on a fused kernel's ring (the team's progress
+            handshake, the tail or credit store and fence, the consumer's poll), µs per chunk of its team.
     """
 
     sm_push_gbps: float = 46.0
@@ -140,6 +144,8 @@ class DeepEpProfile:
     torch_p2p_efficiency: float = 0.8
     warp_push_gbps: float = 3.84
     warp_local_gbps: float = 3.59
+    fused_row_ns: float = 60.0
+    fused_chunk_us: float = 1.0
     sources: tuple[tuple[str, str], ...] = ()
 
     def source_of(self, param: str) -> str:
@@ -195,11 +201,16 @@ _ASSUMED = {
     "warp_local_gbps": "measured: lower bound, the one-GPU proxy's BF16 dispatch into the own buffer at 16 SMs x 12 "
                        "sender warps, 689.8 GB/s kernel (benchmarks/results/intranode_h200x1.json) / 192 warps; a "
                        "lone warp may move more",
+    "fused_row_ns": "assumed: as row_ns's prior, one record's metadata and progress handshake",
+    "fused_chunk_us": "assumed: as chunk_sync_us, a system fence with remote stores outstanding",
 }
 DEFAULTS = DeepEpProfile(sources=tuple(_ASSUMED.items()))
 # Parameters a bench JSON of the intranode kernels can fit (the rest stay at their labelled assumptions).
 INTRANODE_FIT_PARAMS = ("launch_us", "combine_extra_us", "sm_push_gbps", "sm_local_gbps", "row_ns", "reduce_gbps",
                         "nvl_efficiency")
+# Parameters a bench JSON of the fused internode kernels on one GPU (benchmarks/bench_internode.py --composed) fits;
+# only the fused kernels use them (that fit also sets warp_push_gbps to warp_local_gbps's value).
+FUSED_FIT_PARAMS = ("warp_local_gbps", "fused_row_ns", "fused_chunk_us")
 # Parameters a bench JSON of the low-latency kernels (benchmarks/bench_low_latency.py) can fit; none is shared with
 # the normal-mode kernels, so an LL fit leaves every normal-mode prediction as it was.
 LL_FIT_PARAMS = ("ll_fixed_us", "ll_hook_fixed_us", "ll_hook_dispatch_extra_us", "ll_overlap_us", "ll_send_gbps",

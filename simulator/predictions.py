@@ -20,7 +20,7 @@ from pathlib import Path
 
 from deep_ep.backends.cuda_tuning import combine_send_path
 from simulator import deep_ep_kernels as dek
-from simulator.bench_fit import LL_SECTION
+from simulator.bench_fit import LL_SECTION, SECTIONS
 from simulator.scenario import Scenario, run
 
 
@@ -134,13 +134,14 @@ def provenance(calibration: Path | None = None) -> dict:
     path = Path(calibration) if calibration is not None else dek.CALIBRATION_PATH
     data = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     data = data if isinstance(data, dict) else {}
-    ll = data.get(LL_SECTION, {})
+    ll, fused = data.get(LL_SECTION, {}), data.get(SECTIONS["fused"], {})
     command = "python -m simulator predict --json"
     if calibration is not None:
         command += f" --calibration {calibration}"
     return {"machine": f"computed by the simulator; calibrated on {data.get('machine', 'defaults only')}",
             "date": f"calibration fitted {data.get('fitted', '-')} (runs of {data.get('bench_date', '-')}, "
-                    f"low latency {ll.get('bench_date', '-')})",
+                    f"low latency {ll.get('bench_date', '-')}, fused kernels {fused.get('bench_date', '-')} on "
+                    f"{fused.get('machine', '-')})",
             "command": command}
 
 

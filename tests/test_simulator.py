@@ -211,9 +211,10 @@ SLACK = 5e-4
 @given(nodes=st.sampled_from([1, 2, 4]), op=st.sampled_from(["dispatch", "combine"]),
        sms=st.integers(2, 31).map(lambda x: 2 * x), tokens=st.integers(64, 1024), seed=st.integers(0, 3))
 def test_more_sms_or_bandwidth_is_never_slower(nodes, op, sms, tokens, seed):
-    """Within SLACK: the DES shares each port max-min fairly among the flows crossing it, so when more capacity moves
-    the bottleneck from one port to another (the fused kernels at 2 x 8: SM:forward -> NVLink) the flows' phases
-    shift and the makespan can grow by parts in 10^4, never more."""
+    """DeepEP V1's model (``rank.simulate_normal``), within SLACK: its DES shares each port max-min fairly among the
+    flows crossing it, so when more capacity moves the bottleneck from one port to another (internode at 2 x 8:
+    SM:forward -> NVLink) the flows' phases shift and the makespan can grow by parts in 10^4, never more. deep_ep's
+    fused model is a closed form and exactly monotone (test_simulator_fused)."""
     traffic = _traffic(nodes, tokens, "group-limited", seed=seed)
     table = (get_dispatch_config if op == "dispatch" else get_combine_config)(nodes * 8, 24)
     times = []

@@ -2,14 +2,17 @@
 the bytes it puts on the NIC and NVLink, its rates and its parameters' sources."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
-import numpy as np
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-from simulator import Scenario, hardware, rank, run, workload
+from simulator import Scenario, bench_fit, hardware, rank, run, workload
 from simulator import deep_ep_fused as fused
 from simulator import deep_ep_kernels as dek
 from simulator.deep_ep_composed import is_composed
@@ -98,7 +101,7 @@ def test_fused_record_layout():
 
 
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
-def test_fused_time_grows_with_tokens_and_the_closed_form_bounds_the_des(op):
+def test_fused_time_grows_with_tokens_and_the_planner_uses_the_same_times(op):
     times = []
     for tokens in (128, 512, 2048):
         traffic = _traffic(2, 8, tokens)
@@ -106,11 +109,33 @@ def test_fused_time_grows_with_tokens_and_the_closed_form_bounds_the_des(op):
         res = dek.simulate_normal(spec, traffic, hardware.H800, hardware.CX7, dek.profile(), 24, 8, _dtype(op))
         closed = dek.closed_form_rank_times(spec, traffic, hardware.H800, hardware.CX7, dek.profile(), 24, 8,
                                             _dtype(op))
-        # The closed form is the busiest port's time: the DES, whose flows share ports, is never below it.
-        assert res.max_time_us >= float(np.max(closed)) * 0.99
-        assert res.max_time_us <= float(np.max(closed)) * 1.5
+        assert list(closed) == pytest.approx(res.rank_time_us, rel=1e-12)
+        # The data phase is the busiest port's bytes at its capacity.
+        model, _ = fused.fused_model(spec, traffic, hardware.H800, hardware.CX7, dek.profile(), 24, _dtype(op))
+        busiest = max(rank.max_load_per_kind(model, 16)[k] / model.caps[k] for k in model.kinds)
+        assert res.max_time_us == pytest.approx(model.fixed_us + max(busiest, max(f[0] for f in model.flows)
+                                                                     / model.window_cap), rel=1e-9)
         times.append(res.max_time_us)
     assert times[0] < times[1] < times[2]
+
+
+@settings(max_examples=25, deadline=None)
+@given(nodes=st.sampled_from([2, 3, 4, 8]), per_node=st.sampled_from([2, 4, 8]),
+       op=st.sampled_from(["dispatch", "combine"]), sms=st.integers(1, 31).map(lambda x: 2 * x),
+       tokens=st.integers(32, 1024), seed=st.integers(0, 3))
+def test_fused_more_sms_or_bandwidth_is_never_slower(nodes, per_node, op, sms, tokens, seed):
+    # The fused times are maxima of bytes over capacities, each capacity non-decreasing in SMs, NVLink and NIC
+    # rate: exact monotonicity, no slack.
+    assume(nodes * per_node <= 64)
+    traffic, spec, prof = _traffic(nodes, per_node, tokens, seed), _spec(nodes, per_node, op), dek.profile()
+
+    def time(num_sms: int, gpu: hardware.GpuProfile = hardware.H800, nic: hardware.NicProfile = hardware.CX7,
+             ) -> float:
+        return fused.simulate_fused(spec, traffic, gpu, nic, prof, num_sms, _dtype(op)).max_time_us
+    base = time(sms)
+    assert time(sms + 2) <= base * (1 + 1e-12)
+    assert time(sms, gpu=replace(hardware.H800, nvlink_gbps=2 * hardware.H800.nvlink_gbps)) <= base * (1 + 1e-12)
+    assert time(sms, nic=replace(hardware.CX7, line_gbps=2 * hardware.CX7.line_gbps)) <= base * (1 + 1e-12)
 
 
 def test_fused_roles_use_every_warp_of_their_ctas():
@@ -135,15 +160,34 @@ def test_fused_roles_use_every_warp_of_their_ctas():
         fused.team_sizes(32, 33)
 
 
-def test_fused_roles_are_bound_by_their_sm_share_not_one_warp():
-    # Combine at 2 nodes: the forwarders and the owner have 22 and 10 warps per channel, so one warp's rate does
-    # not set the time; fewer SMs (fewer channels) do.
-    traffic, spec, prof = _traffic(2, 8, 512), _spec(2, 8, "combine"), dek.profile()
+def test_fused_dispatch_teams_share_records_and_combine_warps_take_whole_records():
+    # Dispatch: a record's bytes split over the team's warps, its control cost paid once per team; combine: each
+    # warp a whole record, so a team of w warps is w warps but for the chunk publish, one per team.
+    record, chunk = 14416.0, 8
+
+    def rate(warps: float, whole: bool, row_ns: float = 2000.0, chunk_us: float = 4.0) -> float:
+        return fused.team_rate(warps, 1.5, row_ns, record, chunk_us, chunk, whole)
+    assert rate(8, True, chunk_us=0.0) == pytest.approx(8 * rate(1, True, chunk_us=0.0))
+    assert rate(16, True) < 2 * rate(8, True)
+    assert rate(8, False) < rate(8, True)
+    # Without a per-record cost a shared record moves at the team's byte rate; with one, more warps help less.
+    assert rate(8, False, 0.0, 0.0) == pytest.approx(rate(8, True, 0.0, 0.0))
+    assert rate(16, False) / rate(8, False) < 1.5
+    # A warp serving two rings in turn gives each half its rate.
+    assert rate(0.5, False) == pytest.approx(rate(1, False) / 2) and rate(0.5, True) == pytest.approx(rate(1, True) / 2)
+
+
+def test_fused_roles_are_capped_by_their_sm_share():
+    # With fast warps and no per-record cost the teams do not bind: the time is the SM shares' (and the links'),
+    # so fewer SMs (fewer channels) are slower and faster warps change nothing.
+    traffic, spec = _traffic(2, 8, 512), _spec(2, 8, "combine")
+    prof = replace(dek.profile(), warp_push_gbps=100.0, warp_local_gbps=100.0, fused_row_ns=0.0, fused_chunk_us=0.0)
 
     def time(p: dek.DeepEpProfile, num_sms: int = 24) -> float:
         return fused.simulate_fused(spec, traffic, hardware.H800, hardware.CX7, p, num_sms, "bf16").max_time_us
     base = time(prof)
-    assert time(replace(prof, warp_local_gbps=0.5 * prof.warp_local_gbps)) == pytest.approx(base, rel=0.02)
+    faster = replace(prof, warp_push_gbps=200.0, warp_local_gbps=200.0)
+    assert time(faster) == pytest.approx(base, rel=0.02)
     assert time(prof, 12) > 1.3 * base
 
 
@@ -165,10 +209,39 @@ def test_calibrate_show_lists_the_fused_parameters_with_their_measurements():
     out = subprocess.run([sys.executable, "-m", "simulator.calibrate", "--show"], capture_output=True, text=True,
                          check=True).stdout
     lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
-    for name in ("warp_push_gbps", "warp_local_gbps"):
-        assert "measured:" in lines[name], lines[name]
-    assert "intranode_sweep_h200x2.json" in lines["warp_push_gbps"]
-    assert "intranode_h200x1.json" in lines["warp_local_gbps"]
+    for name in ("warp_push_gbps", *dek.FUSED_FIT_PARAMS):
+        assert "fit: benchmarks/results/fused_h200x1.json" in lines[name], lines[name]
+        assert "fp8 dispatch 388.7, bf16 dispatch 453.0, bf16 combine 385.8" in lines[name], lines[name]
+    assert "one GPU: pushes are local copies" in lines["warp_push_gbps"]
+
+
+FUSED_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "fused_h200x1.json"
+
+
+def test_fused_bench_reads_the_fused_phase_and_the_calibration_reproduces_it():
+    run_ = bench_fit.read_bench(FUSED_BENCH)
+    assert run_.kind == "fused" and run_.num_ranks == 4 and run_.num_tokens == 1024
+    # Wall µs averaged over the four ranks, the chunk most ranks chose.
+    got = {(p.op, p.dtype): (round(p.time_us, 1), p.chunk, p.num_nodes) for p in run_.points}
+    assert got == {("dispatch", "fp8"): (388.7, 32, 2), ("dispatch", "bf16"): (453.0, 32, 2),
+                   ("combine", "bf16"): (385.8, 8, 2)}
+    predicted = bench_fit.predict_points(run_, run_.points, dek.profile(), bench_fit.bench_traffic(run_))
+    for pt, t in zip(run_.points, predicted):
+        assert t == pytest.approx(pt.time_us, rel=0.005), pt.label
+    # Each parameter binds: off by 2x, some point is off by more than 10 %.
+    for name in dek.FUSED_FIT_PARAMS:
+        off = replace(dek.profile(), **{name: 2 * getattr(dek.profile(), name)})
+        moved = bench_fit.predict_points(run_, run_.points, off, bench_fit.bench_traffic(run_))
+        assert max(abs(a - b) / b for a, b in zip(moved, predicted)) > 0.1, name
+
+
+def test_shared_gpu_splits_the_hbm_and_pushes_are_local():
+    gpu = fused.shared_gpu(hardware.H200, 4)
+    assert gpu.hbm_gbps == hardware.H200.hbm_gbps / 4 and gpu.nvlink_gbps == hardware.H200.hbm_gbps / 8
+    prof = fused.on_one_gpu(dek.profile())
+    assert prof.warp_push_gbps == prof.warp_local_gbps and prof.sm_push_gbps == prof.sm_local_gbps
+    with pytest.raises(ValueError, match="ranks must be >= 1"):
+        fused.shared_gpu(hardware.H200, 0)
 
 
 def test_report_says_when_the_fused_rows_assume_puts_behind_a_nic():
@@ -183,3 +256,24 @@ def test_report_says_when_the_fused_rows_assume_puts_behind_a_nic():
     wide = notes(replace(sc, nodes=32, gpus_per_node=2, nic="nvlink-p2p"))
     assert "torch rail" not in wide and "serve at most" not in wide, wide
     assert "torch rail" in notes(replace(sc, nodes=32, gpus_per_node=4, nic="nvlink-p2p"))
+
+
+def test_fused_fit_writes_its_section_and_parameters_and_keeps_the_rest(tmp_path):
+    stored = dek.CALIBRATION_PATH
+    path = tmp_path / "calibration.json"
+    path.write_text(stored.read_text())
+    run_ = bench_fit.read_bench(FUSED_BENCH)
+    prof = replace(dek.profile(), warp_local_gbps=2.5, fused_row_ns=1000.0, fused_chunk_us=3.0, warp_push_gbps=2.5)
+    result = bench_fit.FitResult(run_, prof, dek.FUSED_FIT_PARAMS, (), [400.0, 450.0, 380.0], 1, ())
+    bench_fit.write_calibration(result, path, "python -m simulator.calibrate --from-bench x.json")
+    before, after = json.loads(stored.read_text()), json.loads(path.read_text())
+    assert after["params"]["fused_row_ns"]["value"] == 1000.0 and after["params"]["warp_push_gbps"]["value"] == 2.5
+    assert {k: v for k, v in after["params"].items() if k not in (*dek.FUSED_FIT_PARAMS, "warp_push_gbps")} == \
+        {k: v for k, v in before["params"].items() if k not in (*dek.FUSED_FIT_PARAMS, "warp_push_gbps")}
+    # The top level (the intranode fit) and the low-latency section stay; the fused section holds its points.
+    assert {k: v for k, v in after.items() if k not in ("params", "fused")} == \
+        {k: v for k, v in before.items() if k not in ("params", "fused")}
+    section = after["fused"]
+    assert section["bench"] == str(FUSED_BENCH) and section["hold_out_sms"] == []
+    assert [p["measured_us"] for p in section["points"]] == [388.71, 453.02, 385.84]
+    assert dek.load_profile(path).fused_chunk_us == 3.0
