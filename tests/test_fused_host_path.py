@@ -192,6 +192,58 @@ def test_fused_backend_assembles_reference_results(use_fp8):
     assert "peer 3 channel 1" in report["timeout"] and "node 1, local 1" in report["timeout"], report["timeout"]
 
 
+_PUT_PROBE = PROBE_HEAD + r"""
+import deep_ep
+import deep_ep.testing
+from deep_ep.backends.cuda_internode import UnsupportedTopology
+from deep_ep.config import Topology
+
+calls = []
+
+class Fused(ext.Runtime):
+    def sync_symmetric(self, unique_id, world_rank, world_size, pes):
+        return list(unreachable)  # every rank reports the same (all_gather returns four copies)
+    def set_put_peers(self, ranks, put_area):
+        calls.append(["set_put_peers", list(ranks), put_area])
+    def get_put_mask(self):
+        return 0
+    def destroy(self):
+        calls.append(["destroy"])
+ext.Runtime = Fused
+
+from deep_ep.backends.fused_internode import FusedInternodeCuda  # noqa: E402
+report = {}
+for name, unreachable, put_only in (("pointer", [], False), ("rail", [2, 3], False), ("near", [1], False),
+                                    ("forced", [], True)):
+    calls.clear()
+    with fake.patched(torch, cuda_tensors=True), deep_ep.testing.overrides(internode_put_only=put_only):
+        try:
+            backend = FusedInternodeCuda(0, Topology(4, 2), 1 << 30, 1, False, all_gather=lambda obj: [obj] * 4)
+            report[name] = {"put_peers": list(backend.put_peers), "calls": list(calls)}
+        except UnsupportedTopology as exc:
+            report[name] = {"refused": str(exc), "calls": list(calls)}
+print(json.dumps(report))
+"""
+
+
+def test_fused_backend_accepts_rail_put_peers_only():
+    """Put peers of other nodes (or internode_put_only, which forces exactly those) are served by the fused kernels
+    with a put area; a put pair inside a node is refused (and the buffer released) so that the composed path takes
+    over."""
+    env = {**os.environ, "DEEP_EP_GPUS_PER_NODE": "2"}
+    done = subprocess.run([sys.executable, "-c", _PUT_PROBE, ROOT], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    import json
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["pointer"] == {"put_peers": [], "calls": [["set_put_peers", [], False]]}, report["pointer"]
+    assert report["rail"] == {"put_peers": [2, 3], "calls": [["set_put_peers", [2, 3], True]]}, report["rail"]
+    assert report["forced"] == {"put_peers": [2, 3], "calls": [["set_put_peers", [2, 3], True]]}, report["forced"]
+    near = report["near"]
+    assert "inside a node" in near.get("refused", "") and "rank 0 reaches [1]" in near["refused"], near
+    assert near["calls"] == [["set_put_peers", [1], True], ["destroy"]], near
+
+
 class _Unsupported(RuntimeError):
     pass
 
@@ -208,7 +260,7 @@ class _FakeFused:
     @classmethod
     def from_group(cls, group, topology, **options):
         if cls.refuse:
-            raise _Unsupported("rank 0 reaches [2] only by puts")
+            raise _Unsupported("NVSHMEM put peers inside a node (rank 0 reaches [1] only by puts)")
         return cls()
 
 
@@ -216,7 +268,7 @@ class _FakeFused:
     (None, False, 1 << 20, True),          # the automatic choice for N x G, G > 1
     ("composed", False, 1 << 20, False),   # the two-stage composition on request
     ("torch", False, 1 << 20, False),
-    (None, True, 1 << 20, False),          # put peers: the composed path takes over, silently
+    (None, True, 1 << 20, False),          # put peers inside a node: the composed path takes over, silently
     (None, False, 0, False),               # no RDMA buffer
     ("fused", True, 1 << 20, False),       # asked for but refused: a warning names why
 ])
