@@ -281,12 +281,12 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     //     the flag's signal once they are delivered.
     for (int d = warp; d < num_ranks && ctx.put_mask != 0 && !ctx.skip_sends; d += num_warps) {
         if (!is_put_peer(ctx, d)) continue;
-        const int64_t slot_bytes = 4LL * kFusedNotifyInts, counts_bytes = 4LL * kMaxChannels;
-        const int64_t mine = static_cast<int64_t>(parity) * kFusedMaxRanks + rank;
-        const int64_t theirs = static_cast<int64_t>(parity) * kFusedMaxRanks + d;
         if (lane == 0) fence_acq_rel_sys();
         __syncwarp();
 #ifndef DEEP_EP_DISABLE_NVSHMEM
+        const int64_t slot_bytes = 4LL * kFusedNotifyInts, counts_bytes = 4LL * kMaxChannels;
+        const int64_t mine = static_cast<int64_t>(parity) * kFusedMaxRanks + rank;
+        const int64_t theirs = static_cast<int64_t>(parity) * kFusedMaxRanks + d;
         nvshmemx_putmem_nbi_warp(own_buffer(ctx) + kFusedNotifyDataOffset + mine * slot_bytes,
                                  fused_stage(ctx, kFusedNotifyDataOffset) + theirs * slot_bytes,
                                  static_cast<size_t>(slot_bytes), ctx.pe_of[d]);
@@ -1364,8 +1364,9 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
 
 void check_fused_context(const KernelContext& ctx, int gpus_per_node, const char* what) {
     check_context(ctx, what, kFusedMaxRanks);
+    DEEP_EP_CHECK_ARG(ctx.put_mask == 0 || kHasPutPath, what, ": NVSHMEM put peers need an NVSHMEM build, got put mask ",
+                      ctx.put_mask);
     if (ctx.put_mask != 0) {
-        DEEP_EP_CHECK_ARG(kHasPutPath, what, ": NVSHMEM put peers need an NVSHMEM build, got put mask ", ctx.put_mask);
         DEEP_EP_CHECK_ARG(ctx.num_ranks <= 32, what, ": NVSHMEM put peers need a group of at most 32 ranks, got ",
                           ctx.num_ranks);
         for (int r = 0; r < ctx.num_ranks && gpus_per_node > 0; ++r)
