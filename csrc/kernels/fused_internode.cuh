@@ -5,7 +5,7 @@
 // Contract beyond api.cuh's (errors, context, collectiveness):
 //   * The context covers the whole group (rank r = node r / G, local r % G). Every peer of the own node is reached
 //     by pointer; a peer of another node may be an NVSHMEM put peer (put_mask, api.cuh; the group then has at most
-//     32 ranks and the buffer a put area, layout.cuh). The buffer is carved by fused_layout() from
+//     kMaxRanks ranks and the buffer a put area, layout.cuh). The buffer is carved by fused_layout() from
 //     fused_region_bytes(the context's num_nvl_bytes, put_mask != 0).
 //   * Every call is collective with the same geometry (channels, hidden bytes, scales, top-k, ring capacities).
 #pragma once
