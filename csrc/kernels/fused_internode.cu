@@ -126,14 +126,17 @@ __device__ __forceinline__ void warp_raise(const KernelContext& ctx, uint32_t* w
     }
 }
 
-// Whole warp: records [from, to) (sequence numbers) of a ring of `capacity` slots of `record_bytes`, from this rank's
-// staging of the ring whose slot 0 is at `stage_ring` to the ring whose slot 0 is at `dest_ring` of put peer `pe`,
-// as one put (two where the run wraps); once they are delivered (quiet), the signal at `signal_offset` there becomes
-// `to`. The records' stores (the team's, acquired by the caller's team wait) come first.
-static __device__ __noinline__ void fused_put_run(const KernelContext& ctx, int64_t stage_ring, int64_t dest_ring,
-                                                  int capacity, int64_t record_bytes, uint32_t from, uint32_t to,
-                                                  int pe, int64_t signal_offset) {
+// Whole warp: records [from, to) (sequence numbers) of rail ring (channel, `dest_node`) at put peer `pe`, from this
+// rank's staging of its own rail ring (channel, `stage_node`) (`geo`: the direction's layout), as one put (two where
+// the run wraps); once they are delivered (quiet), the signal at `signal_offset` there becomes `to`. The records'
+// stores (the team's, acquired by the caller's team wait) come first.
+static __device__ __noinline__ void fused_put_run(const KernelContext& ctx, const FusedGeometry& geo, int channel,
+                                                  int stage_node, int dest_node, uint32_t from, uint32_t to, int pe,
+                                                  int64_t signal_offset) {
 #ifndef DEEP_EP_DISABLE_NVSHMEM
+    const int capacity = geo.rail_capacity;
+    const int64_t record_bytes = geo.record_bytes;
+    const int64_t stage_ring = geo.rail_slot(channel, stage_node, 0), dest_ring = geo.rail_slot(channel, dest_node, 0);
     const int n = static_cast<int>(to - from);
     __syncwarp();
     if (lane_id() == 0) fence_acq_rel_sys();
@@ -153,7 +156,7 @@ static __device__ __noinline__ void fused_put_run(const KernelContext& ctx, int6
     if (lane_id() == 0) fused_signal(ctx, signal_offset, pe, to);
     __syncwarp();
 #else
-    (void)ctx, (void)stage_ring, (void)dest_ring, (void)capacity, (void)record_bytes, (void)from, (void)to, (void)pe,
+    (void)ctx, (void)geo, (void)channel, (void)stage_node, (void)dest_node, (void)from, (void)to, (void)pe,
         (void)signal_offset;
 #endif
 }
@@ -534,8 +537,7 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
     // Leader, whole warp: the records [published, tail) are finished by every warp; they reach the forwarder.
     auto raise_tail = [&]() {
         if (put)
-            fused_put_run(ctx, geo.rail_slot(channel, n, 0), geo.rail_slot(channel, my_node, 0), geo.rail_capacity,
-                          geo.record_bytes, published, tail, fwd, tail_signal);
+            fused_put_run(ctx, geo, channel, n, my_node, published, tail, fwd, tail_signal);
         else
             warp_publish(remote_tail, tail);
     };
@@ -1161,8 +1163,7 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
             if (index >= 0) consumed = static_cast<uint32_t>(index) + 1;
         }
         if (put && publish) {
-            fused_put_run(ctx, geo.rail_slot(channel, n, 0), geo.rail_slot(channel, my_node, 0), geo.rail_capacity,
-                          geo.record_bytes, rail_tail0 + static_cast<uint32_t>(published),
+            fused_put_run(ctx, geo, channel, n, my_node, rail_tail0 + static_cast<uint32_t>(published),
                           rail_tail0 + static_cast<uint32_t>(finished), owner, tail_signal);
         } else if (lane == 0 && publish) {
             fence_acq_rel_sys();
