@@ -1,4 +1,4 @@
-"""Multi-process harness: a pool of gloo ranks that stays up across test cases.
+"""Multi-process harness: a pool of gloo (or NCCL, one GPU per rank) ranks that stays up across test cases.
 
 A :class:`RankPool` starts ``world_size`` processes once (spawn context, gloo over a ``FileStore``) and runs many
 cases on them: :meth:`RankPool.run` ships ``(module, function, case)`` to every rank, which calls
@@ -45,7 +45,7 @@ class WorkerContext:
 
     Attributes:
         rank / world_size: this process's rank and the group size.
-        group: the gloo process group of all ranks.
+        group: the process group of all ranks (gloo, or NCCL in a pool built with ``backend="nccl"``).
         cache: a per-process dict that survives across cases (e.g. to reuse a Buffer).
     """
 
@@ -55,8 +55,10 @@ class WorkerContext:
     cache: dict = field(default_factory=dict)
 
 
-def _worker_main(rank: int, world_size: int, store_path: str, env: dict, tasks: Any, results: Any) -> None:
-    """Entry point of one rank: set up gloo, then serve tasks until ``None`` arrives."""
+def _worker_main(rank: int, world_size: int, store_path: str, env: dict, backend: str, tasks: Any,
+                 results: Any) -> None:
+    """Entry point of one rank: set up the ``backend`` group (NCCL: on ``cuda:rank``), then serve tasks until
+    ``None`` arrives."""
     os.environ.update(env)
     os.environ.setdefault("DEEP_EP_TIMEOUT_S", str(WORKER_TIMEOUT_S))
     for path in (str(REPO_ROOT), str(TESTS_DIR)):
@@ -69,9 +71,13 @@ def _worker_main(rank: int, world_size: int, store_path: str, env: dict, tasks: 
         import torch
         import torch.distributed as dist
         torch.set_num_threads(1)
+        device = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = dict(device_id=torch.device("cuda", rank))
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S * 2))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S * 2), **device)
         ctx = WorkerContext(rank, world_size, dist.group.WORLD)
         results.put((rank, "ready", None))
     except BaseException:  # report the setup failure to the driver instead of dying silently
@@ -127,15 +133,16 @@ class WorkerFailure(AssertionError):
 
 
 class RankPool:
-    """``world_size`` worker processes sharing one gloo group.
+    """``world_size`` worker processes sharing one process group.
 
     Args:
         world_size: number of ranks.
         env: environment variables set in every worker before anything is imported (e.g.
             ``DEEP_EP_GPUS_PER_NODE``).
+        backend: ``"gloo"``, or ``"nccl"`` with rank ``r`` on GPU ``r``.
     """
 
-    def __init__(self, world_size: int, env: Optional[dict] = None) -> None:
+    def __init__(self, world_size: int, env: Optional[dict] = None, backend: str = "gloo") -> None:
         self.world_size = world_size
         self.env = dict(env or {})
         self.broken = False
@@ -146,7 +153,8 @@ class RankPool:
         self._results = context.Queue()
         self._tasks = [context.Queue() for _ in range(world_size)]
         self._procs = [context.Process(target=_worker_main, daemon=True,
-                                       args=(r, world_size, store_path, self.env, self._tasks[r], self._results))
+                                       args=(r, world_size, store_path, self.env, backend, self._tasks[r],
+                                             self._results))
                        for r in range(world_size)]
         for proc in self._procs:
             proc.start()

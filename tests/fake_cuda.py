@@ -12,8 +12,14 @@ waits and output blocks each call asks the extension for.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
 import types
 import weakref
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The head of a probe script run in a subprocess as `python -c SCRIPT ROOT`: ROOT and ROOT/tests on sys.path, this
 # fake installed as ``deep_ep._C`` (``ext``) before anything imports deep_ep.
@@ -27,6 +33,21 @@ import torch.distributed as dist
 ext = fake.make_fake_extension(torch)
 sys.modules["deep_ep._C"] = ext
 """
+
+
+def probe_env(**env: str) -> dict:
+    """The environment of a probe: the caller's without its DEEP_EP_* variables (the probes check the library's
+    defaults), with ``env`` added."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("DEEP_EP_")}, "PYTHONPATH": ROOT, **env}
+
+
+def run_probe(script: str, **env: str) -> dict:
+    """Run ``script`` (it starts with :data:`PROBE_HEAD`) as ``python -c SCRIPT ROOT`` in :func:`probe_env`;
+    returns the JSON object it printed last."""
+    done = subprocess.run([sys.executable, "-c", script, ROOT], cwd=ROOT, env=probe_env(**env), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 class FakeStream:
     """Stands in for ``torch.cuda.Stream``: every operation is free."""

@@ -35,15 +35,32 @@ def _buffers(ctx: dist.WorkerContext) -> tuple[Any, Any]:
     return ctx.cache["bufs"]
 
 
-def _routing(world: int, rank: int, num_experts: int, num_topk: int = 2) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(17 + rank)
-    return torch.rand(NUM_TOKENS, num_experts, generator=gen).argsort(1)[:, :num_topk].contiguous()
+def _x(hidden: int = HIDDEN, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.zeros(NUM_TOKENS, hidden, dtype=dtype)
 
 
-def _dispatch(buf: Any, x: Any, idx: torch.Tensor, num_experts: int, **kwargs: Any) -> Any:
+def _dispatch(ctx: dist.WorkerContext, x: Any = None, num_experts: int = 0, num_topk: int = 2,
+              with_topk: bool = False, **kwargs: Any) -> Any:
+    """A dispatch on the normal Buffer of ``x`` (default: zeros ``[NUM_TOKENS, HIDDEN]`` BF16), each token routed to
+    ``num_topk`` of ``num_experts`` experts (default: 2 per rank); ``with_topk``: pass the top-k too."""
+    buf, _ = _buffers(ctx)
+    num_experts = num_experts or 2 * ctx.world_size
+    x = _x() if x is None else x
+    gen = torch.Generator().manual_seed(17 + ctx.rank)
+    idx = torch.rand(NUM_TOKENS, num_experts, generator=gen).argsort(1)[:, :num_topk].contiguous()
+    if with_topk:
+        kwargs.update(topk_idx=idx, topk_weights=torch.ones(idx.shape))
     layout = buf.get_dispatch_layout(idx, num_experts)
     return buf.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
                         num_tokens_per_expert=layout[2], **kwargs)
+
+
+def _ll_dispatch(ctx: dist.WorkerContext, num_tokens: int = LL_TOKENS, use_fp8: bool = False) -> Any:
+    """A low-latency dispatch of ``num_tokens`` zero rows, every token to expert 0."""
+    _, ll = _buffers(ctx)
+    x = torch.zeros(num_tokens, LL_HIDDEN, dtype=torch.bfloat16)
+    return ll.low_latency_dispatch(x, torch.zeros(num_tokens, 1, dtype=torch.int64), LL_TOKENS, 2 * ctx.world_size,
+                                   use_fp8=use_fp8)
 
 
 def _round_trip(ctx: dist.WorkerContext, buf: Any) -> Optional[str]:
@@ -67,88 +84,52 @@ def _ll_round_trip(ctx: dist.WorkerContext, ll: Any, use_fp8: bool = False) -> A
 # Each case: (call made by every rank, told whether it is the odd rank; the words the errors must contain).
 def _cases() -> dict[str, tuple[Callable[[dist.WorkerContext, bool], Any], tuple[str, ...]]]:
     def hidden(ctx: dist.WorkerContext, odd: bool) -> Any:
-        buf, _ = _buffers(ctx)
-        x = torch.zeros(NUM_TOKENS, 2 * HIDDEN if odd else HIDDEN, dtype=torch.bfloat16)
-        return _dispatch(buf, x, _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size), 2 * ctx.world_size)
+        return _dispatch(ctx, _x(2 * HIDDEN if odd else HIDDEN))
 
     def byte_compatible_dtype(ctx: dist.WorkerContext, odd: bool) -> Any:
-        buf, _ = _buffers(ctx)  # float32 [N, 128] has the row bytes of bf16 [N, 256]
-        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.float32) if odd else \
-            torch.zeros(NUM_TOKENS, 2 * HIDDEN, dtype=torch.bfloat16)
-        return _dispatch(buf, x, _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size), 2 * ctx.world_size)
+        return _dispatch(ctx, _x(HIDDEN, torch.float32) if odd else _x(2 * HIDDEN))  # the same row bytes
 
     def num_experts(ctx: dist.WorkerContext, odd: bool) -> Any:
-        buf, _ = _buffers(ctx)
-        experts = 4 * ctx.world_size if odd else 2 * ctx.world_size
-        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
-        return _dispatch(buf, x, _routing(ctx.world_size, ctx.rank, experts), experts)
+        return _dispatch(ctx, num_experts=4 * ctx.world_size if odd else 2 * ctx.world_size)
 
     def topk(ctx: dist.WorkerContext, odd: bool) -> Any:
-        buf, _ = _buffers(ctx)
-        experts = 2 * ctx.world_size
-        idx = _routing(ctx.world_size, ctx.rank, experts, 3 if odd else 2)
-        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
-        return _dispatch(buf, x, idx, experts, topk_idx=idx, topk_weights=torch.ones(idx.shape))
+        return _dispatch(ctx, num_topk=3 if odd else 2, with_topk=True)
 
     def config(ctx: dist.WorkerContext, odd: bool) -> Any:
         import deep_ep
-        buf, _ = _buffers(ctx)
-        cfg = deep_ep.Config(24 if odd else 20, 6, 256, 6, 128)
-        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
-        return _dispatch(buf, x, _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size), 2 * ctx.world_size,
-                         config=cfg)
+        return _dispatch(ctx, config=deep_ep.Config(24 if odd else 20, 6, 256, 6, 128))
 
     def combine_weights(ctx: dist.WorkerContext, odd: bool) -> Any:
         buf, _ = _buffers(ctx)
-        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
-        recv_x, _, _, _, handle, _ = _dispatch(buf, x, _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size),
-                                               2 * ctx.world_size)
+        recv_x, _, _, _, handle, _ = _dispatch(ctx)
         weights = torch.ones(recv_x.size(0), 2) if odd else None
         return buf.combine(recv_x, handle, topk_weights=weights)
 
     def cached(ctx: dist.WorkerContext, odd: bool) -> Any:
         buf, _ = _buffers(ctx)
-        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
-        idx = _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size)
-        _, _, _, _, handle, _ = _dispatch(buf, x, idx, 2 * ctx.world_size)
-        if odd:
-            return buf.dispatch(x, handle=handle)
-        return _dispatch(buf, x, idx, 2 * ctx.world_size)
+        handle = _dispatch(ctx).handle
+        return buf.dispatch(_x(), handle=handle) if odd else _dispatch(ctx)
 
     def other_call(ctx: dist.WorkerContext, odd: bool) -> Any:
         buf, _ = _buffers(ctx)
-        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
-        recv_x, _, _, _, handle, _ = _dispatch(buf, x, _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size),
-                                               2 * ctx.world_size)
-        return buf.combine(recv_x, handle) if odd else buf.dispatch(x, handle=handle)
+        recv_x, _, _, _, handle, _ = _dispatch(ctx)
+        return buf.combine(recv_x, handle) if odd else buf.dispatch(_x(), handle=handle)
 
     def refused(ctx: dist.WorkerContext, odd: bool) -> Any:
-        buf, _ = _buffers(ctx)
-        idx = _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size)
-        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
-        return _dispatch(buf, x, idx, 2 * ctx.world_size, expert_alignment=0 if odd else 1)
+        return _dispatch(ctx, expert_alignment=0 if odd else 1)
 
     def refused_ll(ctx: dist.WorkerContext, odd: bool) -> Any:
-        _, ll = _buffers(ctx)
-        x = torch.zeros(LL_TOKENS + (1 if odd else 0), LL_HIDDEN, dtype=torch.bfloat16)
-        idx = torch.zeros(x.size(0), 1, dtype=torch.int64)
-        return ll.low_latency_dispatch(x, idx, LL_TOKENS, 2 * ctx.world_size, use_fp8=False)
+        return _ll_dispatch(ctx, LL_TOKENS + (1 if odd else 0))
 
     def ll_fp8(ctx: dist.WorkerContext, odd: bool) -> Any:
-        _, ll = _buffers(ctx)
-        x = torch.zeros(LL_TOKENS, LL_HIDDEN, dtype=torch.bfloat16)
-        idx = torch.zeros(LL_TOKENS, 1, dtype=torch.int64)
-        return ll.low_latency_dispatch(x, idx, LL_TOKENS, 2 * ctx.world_size, use_fp8=odd)
+        return _ll_dispatch(ctx, use_fp8=odd)
 
     def ll_combine_handle(ctx: dist.WorkerContext, odd: bool) -> Any:
         _, ll = _buffers(ctx)
-        experts = 2 * ctx.world_size
-        x = torch.zeros(LL_TOKENS, LL_HIDDEN, dtype=torch.bfloat16)
-        idx = torch.zeros(LL_TOKENS, 1, dtype=torch.int64)
-        first = ll.low_latency_dispatch(x, idx, LL_TOKENS, experts, use_fp8=False)
-        second = ll.low_latency_dispatch(x, idx, LL_TOKENS, experts, use_fp8=False)
+        first, second = _ll_dispatch(ctx), _ll_dispatch(ctx)
         recv_x, _, handle, _, _ = first if odd else second
-        return ll.low_latency_combine(recv_x, idx, torch.ones(LL_TOKENS, 1), handle)
+        return ll.low_latency_combine(recv_x, torch.zeros(LL_TOKENS, 1, dtype=torch.int64), torch.ones(LL_TOKENS, 1),
+                                      handle)
 
     return {
         "hidden": (hidden, ("x.size(1) (hidden)",)),
@@ -208,13 +189,10 @@ def run_exchange_count(ctx: dist.WorkerContext, case: None) -> Optional[str]:
                 return _original(*args, **kwargs)
             setattr(backend.comm, name, counted)
     try:
-        x = torch.zeros(NUM_TOKENS, HIDDEN, dtype=torch.bfloat16)
-        _dispatch(buf, x, _routing(ctx.world_size, ctx.rank, 2 * ctx.world_size), 2 * ctx.world_size)
+        _dispatch(ctx)
         normal = dict(counts)
         counts.clear()
-        ll_x = torch.zeros(LL_TOKENS, LL_HIDDEN, dtype=torch.bfloat16)
-        ll.low_latency_dispatch(ll_x, torch.zeros(LL_TOKENS, 1, dtype=torch.int64), LL_TOKENS, 2 * ctx.world_size,
-                                use_fp8=False)
+        _ll_dispatch(ctx)
         low_latency = dict(counts)
     finally:
         for backend in (buf._torch, ll._torch):

@@ -67,7 +67,7 @@ def test_core_modules_are_stdlib_only(module):
 
 def test_simulator_loads_no_torch():
     require_package("simulator")
-    new = loaded_after("import simulator")
+    new = loaded_after("import simulator, simulator.__main__")  # the package and its command line
     tops = {name.split(".")[0] for name in new}
     assert "torch" not in tops, "import simulator loaded torch"
     assert "reference" not in tops

@@ -466,15 +466,22 @@ def _topology_id(topology: tuple) -> str:
     return f"{world}ranks-{world // per_node}x{per_node}"
 
 
+# mode -> (case strategy, worker, topologies).
+MODES = {"normal": (normal_cases, "run_normal", TOPOLOGIES),
+         "low_latency": (low_latency_cases, "run_low_latency", [(2, 2), (3, 3), (4, 2), (8, 8)])}
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("topology", TOPOLOGIES, ids=_topology_id)
-def test_normal_dispatch_combine(pools, topology):
+@pytest.mark.parametrize("mode, topology", [(mode, t) for mode, (_, _, ts) in MODES.items() for t in ts],
+                         ids=lambda v: _topology_id(v) if isinstance(v, tuple) else v)
+def test_dispatch_combine(pools, mode, topology):
     world, per_node = topology
+    cases, worker, _ = MODES[mode]
 
     @settings(max_examples=_examples(world), phases=PHASES)
-    @given(case=normal_cases(world, per_node))
-    def check(case: NormalCase) -> None:
-        _pool(pools, world, per_node).check("test_buffer_torch", "run_normal", case)
+    @given(case=cases(world, per_node))
+    def check(case: Any) -> None:
+        _pool(pools, world, per_node).check("test_buffer_torch", worker, case)
 
     check()
 
@@ -490,16 +497,3 @@ def test_handles_follow_the_channel_rule(pools, topology):
 @pytest.mark.timeout(300)
 def test_profiler_ranges_name_each_operation(pools):
     _pool(pools, 2, 2).check("test_buffer_torch", "run_profiler_ranges", None)
-
-
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("topology", [(2, 2), (3, 3), (4, 2), (8, 8)], ids=_topology_id)
-def test_low_latency_dispatch_combine(pools, topology):
-    world, per_node = topology
-
-    @settings(max_examples=_examples(world), phases=PHASES)
-    @given(case=low_latency_cases(world, per_node))
-    def check(case: LowLatencyCase) -> None:
-        _pool(pools, world, per_node).check("test_buffer_torch", "run_low_latency", case)
-
-    check()

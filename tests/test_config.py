@@ -90,40 +90,30 @@ def test_zero_chunk_or_capacity_rejected(field):
         Config(**{field: 0})
 
 
-@pytest.mark.parametrize("send, recv", [(256, 256), (300, 256), (8, 8)])
+@pytest.mark.parametrize("send, recv", [(256, 256), (300, 256), (8, 8), (255, 256)])
 def test_nvl_send_must_be_below_recv(send, recv):
+    if send < recv:
+        assert Config(num_max_nvl_chunked_send_tokens=send, num_max_nvl_chunked_recv_tokens=recv).num_sms == 20
+        return
     with pytest.raises(ValueError, match=rf"num_max_nvl_chunked_send_tokens must be < "
                                          rf"num_max_nvl_chunked_recv_tokens, got {send} >= {recv}"):
         Config(num_max_nvl_chunked_send_tokens=send, num_max_nvl_chunked_recv_tokens=recv)
 
 
-def test_nvl_send_just_below_recv_is_accepted():
-    assert Config(num_max_nvl_chunked_send_tokens=255, num_max_nvl_chunked_recv_tokens=256).num_sms == 20
-
-
+# Nr is rounded up to a multiple of Sr; then Sr <= rounded Nr // 2 can only fail when Nr <= Sr (rounded Nr == Sr).
+# rounded None: refused.
 @pytest.mark.parametrize("send, recv, rounded", [(6, 128, 132), (20, 128, 140), (8, 128, 128), (12, 128, 132),
-                                                 (7, 1, 7), (1, 5, 5)])
-def test_rdma_recv_is_rounded_up_to_a_multiple_of_send(send, recv, rounded):
-    if send > rounded // 2:
-        with pytest.raises(ValueError, match="num_max_rdma_chunked_send_tokens must be <="):
+                                                 (7, 1, None), (1, 5, 5), (6, 6, None), (6, 1, None),
+                                                 (64, 64, None), (5, 3, None), (6, 12, 12), (6, 11, 12),
+                                                 (64, 100, 128), (3, 5, 6)])
+def test_rdma_recv_is_rounded_up_and_send_at_most_half_of_it(send, recv, rounded):
+    if rounded is None:
+        with pytest.raises(ValueError, match=r"num_max_rdma_chunked_send_tokens must be <= "
+                                             r"num_max_rdma_chunked_recv_tokens // 2"):
             Config(num_max_rdma_chunked_send_tokens=send, num_max_rdma_chunked_recv_tokens=recv)
     else:
         config = Config(num_max_rdma_chunked_send_tokens=send, num_max_rdma_chunked_recv_tokens=recv)
         assert config.num_max_rdma_chunked_recv_tokens == rounded
-
-
-# After rounding Nr up to a multiple of Sr the rule can only fail when Nr <= Sr (rounded Nr == Sr).
-@pytest.mark.parametrize("send, recv", [(6, 6), (6, 1), (64, 64), (5, 3)])
-def test_rdma_send_must_be_at_most_half_of_rounded_recv(send, recv):
-    with pytest.raises(ValueError, match=r"num_max_rdma_chunked_send_tokens must be <= "
-                                         r"num_max_rdma_chunked_recv_tokens // 2"):
-        Config(num_max_rdma_chunked_send_tokens=send, num_max_rdma_chunked_recv_tokens=recv)
-
-
-@pytest.mark.parametrize("send, recv, rounded", [(6, 12, 12), (6, 11, 12), (64, 100, 128), (3, 5, 6)])
-def test_rdma_send_exactly_half_is_accepted(send, recv, rounded):
-    config = Config(num_max_rdma_chunked_send_tokens=send, num_max_rdma_chunked_recv_tokens=recv)
-    assert config.num_max_rdma_chunked_recv_tokens == rounded
 
 
 def _oracle(num_sms, sn, nn, sr, nr):

@@ -9,11 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from fake_cuda import PROBE_HEAD
+from fake_cuda import PROBE_HEAD, ROOT, probe_env, run_probe
 
 pytest.importorskip("torch")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Common head of the probes: the fake extension installed before deep_ep is imported.
 _PRELUDE = PROBE_HEAD + r"""
@@ -176,17 +174,8 @@ print(json.dumps(out))
 
 
 
-def _run(args: list, timeout: int = 300) -> str:
-    # The probes check the library's defaults: the caller's DEEP_EP_* settings (DEEP_EP_TIMEOUT_S, ...) stay out.
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DEEP_EP_")}, "PYTHONPATH": ROOT}
-    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return done.stdout
-
-
 def test_stream_waits_per_mode():
-    out = json.loads(_run(["-c", _PROBE, ROOT]).strip().splitlines()[-1])
+    out = run_probe(_PROBE)
     # (after_current, current_after) of layout, notify (after_current only), non-cached dispatch, cached dispatch,
     # combine; then how often the stream was switched and how many record_stream batches were made.
     expected = {
@@ -229,7 +218,7 @@ def test_stream_waits_per_mode():
 
 
 def test_ll_launches_per_mode():
-    out = json.loads(_run(["-c", _LL_PROBE, ROOT]).strip().splitlines()[-1])
+    out = run_probe(_LL_PROBE)
     # One launch per call, on comm (both phases), allocating its outputs; the current stream waits after it
     # unless async_finish. The FP8 dispatch then the BF16 one, each followed by its combine, then a UE8M0 dispatch.
     for mode, current_after in (("sync", True), ("async", False)):
@@ -354,8 +343,7 @@ print(json.dumps(out))
 
 def test_cuda_ranks_that_disagree_raise_on_every_rank():
     port = str(29900 + os.getpid() % 90)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DEEP_EP_")}, "PYTHONPATH": ROOT}
-    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_PROBE, ROOT, str(rank), port], cwd=ROOT, env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_PROBE, ROOT, str(rank), port], cwd=ROOT, env=probe_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     outs = []
     for proc in procs:

@@ -10,16 +10,13 @@ refusal through the fused notify, serve up to 32 nodes and 64 ranks, and name th
 """
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
-from fake_cuda import PROBE_HEAD
+from fake_cuda import PROBE_HEAD, run_probe
 
 pytest.importorskip("torch")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _PROBE = PROBE_HEAD + r"""
 import reference
@@ -167,12 +164,7 @@ print(json.dumps(report))
 
 @pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
 def test_fused_backend_assembles_reference_results(use_fp8):
-    env = {**os.environ, "PROBE_FP8": "1" if use_fp8 else "0", "DEEP_EP_GPUS_PER_NODE": "2"}
-    done = subprocess.run([sys.executable, "-c", _PROBE, ROOT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    import json
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_probe(_PROBE, PROBE_FP8="1" if use_fp8 else "0", DEEP_EP_GPUS_PER_NODE="2")
     assert report["channels"] == 3
     assert report["layout_rdma"]
     assert all(report["handle"].values()) and len(report["handle"]) == 10, report["handle"]

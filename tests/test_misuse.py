@@ -11,7 +11,7 @@ from typing import Any, Optional
 import dist
 import pytest
 import torch
-from fake_cuda import PROBE_HEAD
+from fake_cuda import PROBE_HEAD, run_probe
 
 MODULE = "test_misuse"
 NUM_TOKENS = 6
@@ -449,10 +449,7 @@ print(json.dumps(out))
 
 
 def test_cuda_low_latency_falls_back_for_hidden_the_kernels_do_not_serve():
-    import json
-
-    from test_cuda_host_path import ROOT, _run
-    out = json.loads(_run(["-c", _FALLBACK_PROBE, ROOT]).strip().splitlines()[-1])
+    out = run_probe(_FALLBACK_PROBE)
     assert out["auto"] == ["ok", True], out
     warned = out["auto warnings"]
     assert len(warned) == 1 and "hidden=256" in warned[0] and "torch backend" in warned[0], warned
@@ -539,10 +536,7 @@ print(json.dumps(out))
 
 
 def test_cuda_low_latency_host_side_drains_and_refuses_misuse():
-    import json
-
-    from test_cuda_host_path import ROOT, _run
-    out = json.loads(_run(["-c", _CUDA_MISUSE_PROBE, ROOT]).strip().splitlines()[-1])
+    out = run_probe(_CUDA_MISUSE_PROBE)
     # Phases: 1 send, 2 receive, 3 both. The dropped hook's receive runs before the next call's launch.
     assert out["dropped"] == [["dispatch", 1], ["dispatch", 2], ["dispatch", 3]], out
     assert "third low-latency call" in out["third"], out

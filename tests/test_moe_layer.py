@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
-import traceback
 from types import SimpleNamespace
 from typing import Any
 
@@ -549,64 +547,6 @@ def test_example_training_step(pools, world: int, case: ExampleCase) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _device_rank_main(rank: int, world: int, backend: str, store_path: str, cases: list, results: Any) -> None:
-    """One rank of the device launcher: a ``backend`` group (NCCL on ``cuda:rank``, or gloo on the CPU), then every
-    ``(worker name, job)`` in ``cases``; each outcome goes to ``results`` as ``(rank, what, None or message)``."""
-    try:
-        import datetime
-
-        import torch.distributed as tdist
-
-        os.environ.setdefault("DEEP_EP_TIMEOUT_S", "60")
-        device_id = None
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            device_id = torch.device("cuda", rank)
-        tdist.init_process_group(backend, store=tdist.FileStore(store_path, world), rank=rank, world_size=world,
-                                 timeout=datetime.timedelta(seconds=120), device_id=device_id)
-        ctx = dist.WorkerContext(rank, world, tdist.group.WORLD)
-        for worker, job in cases:
-            try:
-                message = globals()[worker](ctx, job)
-            except BaseException:
-                message = f"rank {rank} raised:\n{traceback.format_exc()}"
-            results.put((rank, job.describe(), message))
-        tdist.destroy_process_group()
-    except BaseException:
-        results.put((rank, "setup", traceback.format_exc()))
-
-
-def run_on_devices(cases: list, world: int = 2, backend: str = "nccl", timeout_s: float = 300.0) -> None:
-    """Run ``(worker name, job)`` pairs on ``world`` fresh processes (one GPU each for NCCL); assert no failure."""
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    failures = []
-    with tempfile.TemporaryDirectory(prefix="deep_ep_moe_dev_") as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [context.Process(target=_device_rank_main, args=(r, world, backend, store, cases, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            for _ in range(world * len(cases)):
-                rank, what, message = results.get(timeout=timeout_s)
-                if message is not None:
-                    failures.append(f"--- rank {rank}, {what} ---\n{message}")
-                if what == "setup":
-                    break
-        except Exception as exc:  # queue.Empty: a rank hung or died without reporting
-            failures.append(f"no report within {timeout_s:.0f} s ({type(exc).__name__}); exit codes "
-                            f"{[p.exitcode for p in procs]}")
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.terminate()
-    assert not failures, "\n".join(failures)
-
-
 @pytest.mark.gpu
 @pytest.mark.multi_gpu(2)
 def test_layer_matches_hf_block_on_2_gpus() -> None:
@@ -615,4 +555,9 @@ def test_layer_matches_hf_block_on_2_gpus() -> None:
                                             use_fp8=True)]]
     cases.append(("adjoint_worker", AdjointCase(seed=33, tokens_per_rank=(64, 40), device="cuda")))
     cases.append(("example_training_worker", ExampleCase(("--steps", "6", "--warmup", "1"), device="cuda")))
-    run_on_devices(cases)
+    pool = dist.RankPool(2, {"DEEP_EP_TIMEOUT_S": "60"}, backend="nccl")
+    try:
+        for worker, job in cases:
+            pool.check(MODULE, worker, job, timeout_s=300.0)
+    finally:
+        pool.close()

@@ -605,35 +605,23 @@ def _measured_run(data: dict) -> bench_fit.BenchRun:
                               args["hidden"], args["num_topk"], args["num_experts"], ())
 
 
-def test_zone_combine_model_predicts_its_points():
-    # The zone-sender combine on 2 x H200 at its default 4 sender warps: Buffer-default points (24 CTAs at budgets
-    # of 24, 32 and 48 SMs; 20 CTAs) and a warp sweep's 4-warp points at 16-24 CTAs; the profile's zone_* parameters
-    # predict each within 6 %.
-    data = json.loads((DATA / "combine_zone_h200x2.json").read_text())
+# The zone-sender combine on 2 x H200 at its default 4 sender warps: Buffer-default points (24 CTAs at budgets of 24,
+# 32 and 48 SMs; 20 CTAs) and a warp sweep's 4-warp points at 16-24 CTAs, predicted by the profile's zone_*
+# parameters within 6 %; the copy-engine combine's chunk-row sweep at 8..24 SMs, by its ce_* parameters within 12 %.
+@pytest.mark.parametrize("name, path, count, bound", [("combine_zone_h200x2.json", "zone", 9, 0.06),
+                                                      ("combine_copy_h200x2.json", "copy", 16, 0.12)])
+def test_combine_send_path_models_predict_their_points(name, path, count, bound):
+    data = json.loads((DATA / name).read_text())
     run = _measured_run(data)
     traffic = bench_fit.bench_traffic(run)
-    points = [(p["num_sms"], p["wall_us"]) for p in data["points"] if p["sender_warps"] == 4]
-    assert len(points) == 9
+    points = [p for p in data["points"] if p.get("sender_warps", 4) == 4]  # copy-engine points have no warps
+    assert len(points) == count
     errors = []
-    for sms, us in points:
-        point = bench_fit.BenchPoint("combine", "bf16", sms, 8, us, "zone", channels=sms)
-        errors.append(bench_fit.predict_point(run, point, dek.profile(), traffic) / us - 1)
-    assert max(abs(e) for e in errors) < 0.06, errors
-
-
-def test_copy_engine_combine_model_predicts_its_sweep():
-    # The copy-engine combine's chunk-row sweep on 2 x H200 at 8..24 SMs: the model with the profile's ce_*
-    # parameters predicts every point within 12 %.
-    data = json.loads((DATA / "combine_copy_h200x2.json").read_text())
-    run = _measured_run(data)
-    traffic = bench_fit.bench_traffic(run)
-    points = [(p["num_sms"], p["copy_chunk_rows"], p["wall_us"]) for p in data["points"]]
-    assert len(points) == 16
-    errors = []
-    for sms, rows, us in points:
-        point = bench_fit.BenchPoint("combine", "bf16", sms, rows, us, "copy", channels=sms)
-        errors.append(bench_fit.predict_point(run, point, dek.profile(), traffic) / us - 1)
-    assert max(abs(e) for e in errors) < 0.12, errors
+    for p in points:
+        chunk = p["copy_chunk_rows"] if path == "copy" else 8
+        point = bench_fit.BenchPoint("combine", "bf16", p["num_sms"], chunk, p["wall_us"], path, channels=p["num_sms"])
+        errors.append(bench_fit.predict_point(run, point, dek.profile(), traffic) / p["wall_us"] - 1)
+    assert max(abs(e) for e in errors) < bound, errors
 
 
 def test_normal_work_rejects_an_unknown_combine_path():

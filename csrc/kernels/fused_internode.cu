@@ -242,7 +242,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     // 3. My counts into every rank's slot [parity][me]: [R totals][L expert counts of d][C channel counts to d]
     //    [my signature], and to my rail peers the channel counts of tokens that need their node. For a put peer d
     //    they go to my staging of slot [parity][d] (and of d's node counts) first, and a warp puts them (3b).
-    constexpr int kSignatureInts = 2 * kSignatureWords;
     const int* my_signature = reinterpret_cast<const int*>(args.signature);
     const int per_dst = num_ranks + num_local_experts + 2 * num_channels + kSignatureInts;
     for (int i = tid; i < num_ranks * per_dst; i += static_cast<int>(blockDim.x)) {
@@ -354,35 +353,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         }
     }
     // Every source's signature: to the host, and compared with mine.
-    for (int i = tid; i < num_ranks * kSignatureInts; i += static_cast<int>(blockDim.x)) {
-        const int s = i / kSignatureInts, w = i % kSignatureInts;
-        const int value = data[s * kFusedNotifyInts + kFusedNotifySignaturePos + w];
-        if (args.host_signatures != nullptr) reinterpret_cast<volatile int*>(args.host_signatures)[i] = value;
-        if (args.check_signatures && value != my_signature[w]) atomicMin(&mismatch_source, s);
-    }
-    __threadfence_system();
-    __syncthreads();
-    if (tid == 0) {
-        const int s = mismatch_source;
-        *workspace_u32(ctx, kWsNotifyMismatchOffset) = s < num_ranks ? 1u : 0u;
-        if (s < num_ranks && args.host_counters == nullptr) {
-            int w = 0;
-            const volatile int* theirs = data + s * kFusedNotifyInts + kFusedNotifySignaturePos;
-            while (w + 1 < kSignatureInts && theirs[w] == my_signature[w]) ++w;
-            fill_error_record(ctx.error,
-                              reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsErrorClaimOffset),
-                              kErrorArgumentMismatch, kKernelNotify, kPhaseNotifyAgreement, rank, s, -1, ctx.call_seq,
-                              my_signature[w], theirs[w], 0);
-        }
-    }
+    notify_agreement(ctx, args, data + kFusedNotifySignaturePos, kFusedNotifyInts, my_signature, &mismatch_source);
     if (args.host_counters != nullptr) {
-        for (int e = tid; e < num_local_experts; e += static_cast<int>(blockDim.x)) {
-            int64_t sum = 0;
-            for (int s = 0; s < num_ranks; ++s) sum += data[s * kFusedNotifyInts + kFusedMaxRanks + e];
-            const int64_t align = args.expert_alignment;
-            reinterpret_cast<volatile int*>(args.host_counters)[1 + e] =
-                static_cast<int>((sum + align - 1) / align * align);
-        }
+        notify_expert_counts(args, data + kFusedMaxRanks, kFusedNotifyInts, num_ranks, num_local_experts);
         __threadfence_system();
     }
     __syncthreads();
@@ -442,17 +415,9 @@ struct Team {
         if (lane > 0 && lane < size && progress[lane] < done) {
             const uint64_t start = global_timer_ns();
             for (uint32_t spins = 1; progress[lane] < done; ++spins) {
-                if ((spins & 63) == 0) {
-                    const uint32_t word = ld_relaxed_sys(abort_word(ctx.buffers[ctx.rank]));
-                    const uint64_t elapsed = global_timer_ns() - start;
-                    if (word != 0 || elapsed > ctx.timeout_ns) {
-                        if (word != 0)
-                            report_abort_seen(ctx, word, site, done, progress[lane], static_cast<int64_t>(elapsed));
-                        else
-                            report_error(ctx, kErrorTimeout, site, done, progress[lane], static_cast<int64_t>(elapsed));
-                        ok = false;
-                        break;
-                    }
+                if ((spins & 63) == 0 && spin_expired(ctx, start, site, done, progress[lane])) {
+                    ok = false;
+                    break;
                 }
                 if (spins > 256) __nanosleep(32);
             }
@@ -924,7 +889,6 @@ __device__ __forceinline__ bool team_wait_geq(const KernelContext& ctx, const ui
         __syncwarp();  // the waiting lanes' acquire orders every lane's reads that follow
         return true;
     }
-    const uint32_t* abort = abort_word(ctx.buffers[ctx.rank]);
     const uint64_t start = global_timer_ns();
     for (uint32_t spins = 1;; ++spins) {
         if (leader) flush();
@@ -939,18 +903,8 @@ __device__ __forceinline__ bool team_wait_geq(const KernelContext& ctx, const ui
             __syncwarp();
             return true;
         }
-        bool failed = false;
-        if ((spins & 63) == 0 && pending) {
-            const uint32_t abort_value = ld_relaxed_sys(abort);
-            const uint64_t elapsed = global_timer_ns() - start;
-            if (abort_value != 0) {
-                report_abort_seen(ctx, abort_value, site, target, *cache, static_cast<int64_t>(elapsed));
-                failed = true;
-            } else if (elapsed > ctx.timeout_ns) {
-                report_error(ctx, kErrorTimeout, site, target, ld_relaxed_sys(word), static_cast<int64_t>(elapsed));
-                failed = true;
-            }
-        }
+        const bool failed =
+            (spins & 63) == 0 && pending && spin_expired(ctx, start, site, target, ld_relaxed_sys(word));
         if (__any_sync(0xffffffffu, failed)) return false;
         if (spins > 256) __nanosleep(128);
     }
@@ -960,46 +914,15 @@ __device__ __forceinline__ bool team_wait_geq(const KernelContext& ctx, const ui
 template <typename Flush>
 __device__ __forceinline__ bool team_drain(const KernelContext& ctx, const Team& team, int num_items,
                                            const Site& site, Flush&& flush) {
-    const uint32_t* abort = abort_word(ctx.buffers[ctx.rank]);
     const uint64_t start = global_timer_ns();
     for (uint32_t spins = 1;; ++spins) {
         const int finished = team_finished(team, num_items);
         flush(true);  // publishes at least `finished`
         if (finished >= num_items) return true;
-        bool failed = false;
-        if ((spins & 63) == 0 && lane_id() == 0) {
-            const uint32_t abort_value = ld_relaxed_sys(abort);
-            const uint64_t elapsed = global_timer_ns() - start;
-            if (abort_value != 0) {
-                report_abort_seen(ctx, abort_value, site, num_items, finished, static_cast<int64_t>(elapsed));
-                failed = true;
-            } else if (elapsed > ctx.timeout_ns) {
-                report_error(ctx, kErrorTimeout, site, num_items, finished, static_cast<int64_t>(elapsed));
-                failed = true;
-            }
-        }
+        const bool failed = (spins & 63) == 0 && lane_id() == 0 && spin_expired(ctx, start, site, num_items, finished);
         if (__any_sync(0xffffffffu, failed)) return false;
         if (spins > 256) __nanosleep(128);
     }
-}
-
-// Adds 8 BF16 values (one int4) to acc in fp32.
-__device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(pairs[i]);
-        acc[2 * i] += f.x;
-        acc[2 * i + 1] += f.y;
-    }
-}
-
-__device__ __forceinline__ int4 to_bf16x8(const float* acc) {
-    int4 out;
-    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    return out;
 }
 
 // One warp: out = bf16(bias_0 + bias_1 + srcs[0] + srcs[1] + ...) over n int4, summed in fp32 in that order (absent
@@ -1040,7 +963,7 @@ static __device__ __noinline__ void reduce_row(const int4* const* srcs, int num_
         }
 #pragma unroll
         for (int u = 0; u < kU; ++u)
-            if (base + u * 32 < n) st_na_int4(out + base + u * 32, to_bf16x8(acc[u]));
+            if (base + u * 32 < n) st_na_int4(out + base + u * 32, pack_bf16x8(acc[u]));
     }
 }
 

@@ -34,18 +34,6 @@ static __device__ bool warp_wait_freed(const KernelContext& ctx, uint32_t copy_e
     return __all_sync(0xffffffffu, ok);
 }
 
-__device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
-    const uint32_t words[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
-                               static_cast<uint32_t>(v.w)};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        acc[2 * i] += __uint_as_float(words[i] << 16);
-        acc[2 * i + 1] += __uint_as_float(words[i] & 0xffff0000u);
-    }
-}
-
-__device__ __forceinline__ int4 pack_bf16x8(const float* acc);
-
 // One warp: out = bf16(a + b) (b may be null: out = bf16(a)) in float32, kU 16-byte chunks of both rows in flight per
 // lane; `*_ring` selects the coherent load for ring slots. The combine reducer's path when a token has one or two
 // contributions and no bias (every routed token at EP2; a token routed nowhere takes the general path: zeros). Not
@@ -76,17 +64,6 @@ static __device__ __noinline__ void reduce_two(const int4* a, bool a_ring, const
             st_na_int4(out + i, pack_bf16x8(acc));
         }
     }
-}
-
-__device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
-    uint32_t words[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const __nv_bfloat162 pair = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-        words[i] = *reinterpret_cast<const uint32_t*>(&pair);
-    }
-    return make_int4(static_cast<int>(words[0]), static_cast<int>(words[1]), static_cast<int>(words[2]),
-                     static_cast<int>(words[3]));
 }
 
 // Whole warp: a token's contribution sources in ascending rank order; returns their count and sets `own` to the

@@ -13,6 +13,7 @@
 // kernel's register budget.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -257,6 +258,78 @@ inline void check_channels(const char* what, int num_channels, int num_max_send_
 inline void check_send_warps(const char* what, int num_send_warps, int lowest, int highest) {
     DEEP_EP_CHECK_ARG(num_send_warps >= lowest && num_send_warps <= highest, what, ": send warps per channel must be in [",
                       lowest, ", ", highest, "] for this rank count, got ", num_send_warps);
+}
+
+// Adds 8 BF16 values (one int4) to acc in fp32 (exact: a BF16 is the upper half of an fp32).
+__device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
+    const uint32_t words[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                               static_cast<uint32_t>(v.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc[2 * i] += __uint_as_float(words[i] << 16);
+        acc[2 * i + 1] += __uint_as_float(words[i] & 0xffff0000u);
+    }
+}
+
+// 8 fp32 values rounded to nearest-even BF16, as one int4.
+__device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
+    uint32_t words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+        words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+    return make_int4(static_cast<int>(words[0]), static_cast<int>(words[1]), static_cast<int>(words[2]),
+                     static_cast<int>(words[3]));
+}
+
+constexpr int kSignatureInts = 2 * kSignatureWords;  // a call signature as the notify slots hold it (int32)
+
+// Notify, whole CTA (the intranode and the fused notify kernels; source s's signature in the gathered notify data
+// starts at signatures + s * slot_ints). Every source's signature goes to the host and, with check_signatures, is
+// compared with mine: *mismatch_source (shared, at least num_ranks before) becomes the first source that differs, the
+// workspace's mismatch word says whether one did, and in worst-token mode (no host wait: host_counters == nullptr)
+// the error record carries the disagreement to the host's next check. Ends with the CTA synchronised.
+template <typename Args>
+__device__ __forceinline__ void notify_agreement(const KernelContext& ctx, const Args& args,
+                                                 const volatile int* signatures, int slot_ints, const int* my_signature,
+                                                 int* mismatch_source) {
+    const int num_ranks = ctx.num_ranks;
+    for (int i = static_cast<int>(threadIdx.x); i < num_ranks * kSignatureInts; i += static_cast<int>(blockDim.x)) {
+        const int s = i / kSignatureInts, w = i % kSignatureInts;
+        const int value = signatures[s * slot_ints + w];
+        if (args.host_signatures != nullptr) reinterpret_cast<volatile int*>(args.host_signatures)[i] = value;
+        if (args.check_signatures && value != my_signature[w]) atomicMin(mismatch_source, s);
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int s = *mismatch_source;
+        *workspace_u32(ctx, kWsNotifyMismatchOffset) = s < num_ranks ? 1u : 0u;
+        if (s < num_ranks && args.host_counters == nullptr) {
+            int w = 0;
+            while (w + 1 < kSignatureInts && signatures[s * slot_ints + w] == my_signature[w]) ++w;
+            fill_error_record(ctx.error,
+                              reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsErrorClaimOffset),
+                              kErrorArgumentMismatch, kKernelNotify, kPhaseNotifyAgreement, ctx.rank, s, -1,
+                              ctx.call_seq, my_signature[w], signatures[s * slot_ints + w], 0);
+        }
+    }
+}
+
+// Notify, whole CTA, with a host wait (host_counters != nullptr): host_counters[1 + e] = the rows of local expert e
+// from every source (source s's count of expert e at expert_counts[s * slot_ints + e]), rounded up to
+// expert_alignment.
+template <typename Args>
+__device__ __forceinline__ void notify_expert_counts(const Args& args, const volatile int* expert_counts, int slot_ints,
+                                                     int num_ranks, int num_local_experts) {
+    for (int e = static_cast<int>(threadIdx.x); e < num_local_experts; e += static_cast<int>(blockDim.x)) {
+        int64_t sum = 0;
+        for (int s = 0; s < num_ranks; ++s) sum += expert_counts[s * slot_ints + e];
+        const int64_t align = args.expert_alignment;
+        reinterpret_cast<volatile int*>(args.host_counters)[1 + e] =
+            static_cast<int>((sum + align - 1) / align * align);
+    }
 }
 
 }  // namespace kernels

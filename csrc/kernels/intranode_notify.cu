@@ -61,7 +61,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
 
     // 3. Write my counts into every rank's notify slot [parity][me]: [R totals][L expert counts of d][C channels]
     // [my signature].
-    constexpr int kSignatureInts = 2 * kSignatureWords;
     const int* my_signature = reinterpret_cast<const int*>(args.signature);
     const int slot_ints = kNotifyInts;
     const int per_dst = num_ranks + num_local_experts + num_channels + kSignatureInts;
@@ -141,35 +140,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         }
     }
     // 6. Every source's signature: to the host, and compared with mine (once per call; the hot kernels do not).
-    for (int i = static_cast<int>(threadIdx.x); i < num_ranks * kSignatureInts; i += static_cast<int>(blockDim.x)) {
-        const int s = i / kSignatureInts, w = i % kSignatureInts;
-        const int value = data[s * slot_ints + kNotifySignaturePos + w];
-        if (args.host_signatures != nullptr) reinterpret_cast<volatile int*>(args.host_signatures)[i] = value;
-        if (args.check_signatures && value != my_signature[w]) atomicMin(&mismatch_source, s);
-    }
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int s = mismatch_source;
-        *workspace_u32(ctx, kWsNotifyMismatchOffset) = s < num_ranks ? 1u : 0u;
-        if (s < num_ranks && args.host_counters == nullptr) {
-            // Worst-token mode has no host wait: the record carries the disagreement to the host's next check.
-            int w = 0;
-            while (w + 1 < kSignatureInts && data[s * slot_ints + kNotifySignaturePos + w] == my_signature[w]) ++w;
-            fill_error_record(ctx.error,
-                              reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsErrorClaimOffset),
-                              kErrorArgumentMismatch, kKernelNotify, kPhaseNotifyAgreement, rank, s, -1, ctx.call_seq,
-                              my_signature[w], data[s * slot_ints + kNotifySignaturePos + w], 0);
-        }
-    }
+    notify_agreement(ctx, args, data + kNotifySignaturePos, slot_ints, my_signature, &mismatch_source);
     if (args.host_counters != nullptr) {
-        for (int e = static_cast<int>(threadIdx.x); e < num_local_experts; e += static_cast<int>(blockDim.x)) {
-            int64_t sum = 0;
-            for (int s = 0; s < num_ranks; ++s) sum += data[s * slot_ints + kMaxRanks + e];
-            const int64_t align = args.expert_alignment;
-            sum = (sum + align - 1) / align * align;
-            reinterpret_cast<volatile int*>(args.host_counters)[1 + e] = static_cast<int>(sum);
-        }
+        notify_expert_counts(args, data + kMaxRanks, slot_ints, num_ranks, num_local_experts);
         // Then count(s -> d) of every pair (row-major [R][R]): the host sizes copy-engine combines with them.
         for (int i = static_cast<int>(threadIdx.x); i < num_ranks * num_ranks; i += static_cast<int>(blockDim.x))
             reinterpret_cast<volatile int*>(args.host_counters)[1 + kMaxLocalExperts + i] =

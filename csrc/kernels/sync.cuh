@@ -66,6 +66,24 @@ __device__ __forceinline__ void report_abort_seen(const KernelContext& ctx, uint
     report_error(ctx, kErrorPeerAborted, s, expected, observed, elapsed_ns);
 }
 
+// The periodic check of a bounded spin begun at `start` (global_timer_ns): true, after reporting at `site` with the
+// awaited and the last seen values, once some rank raised this rank's abort word (PEER_ABORTED) or the wait has
+// outlasted the timeout (TIMEOUT).
+__device__ __forceinline__ bool spin_expired(const KernelContext& ctx, uint64_t start, const Site& site,
+                                             int64_t expected, int64_t observed) {
+    const uint32_t word = ld_relaxed_sys(abort_word(ctx.buffers[ctx.rank]));
+    const uint64_t elapsed = global_timer_ns() - start;
+    if (word != 0) {
+        report_abort_seen(ctx, word, site, expected, observed, static_cast<int64_t>(elapsed));
+        return true;
+    }
+    if (elapsed > ctx.timeout_ns) {
+        report_error(ctx, kErrorTimeout, site, expected, observed, static_cast<int64_t>(elapsed));
+        return true;
+    }
+    return false;
+}
+
 // True once some rank raised the abort word of this rank.
 __device__ __forceinline__ bool is_aborted(const KernelContext& ctx) {
     return ld_relaxed_sys(abort_word(ctx.buffers[ctx.rank])) != 0;
@@ -89,7 +107,6 @@ static __device__ __noinline__ bool wait_geq(const KernelContext& ctx, const uin
         *observed = value;
         return true;
     }
-    const uint32_t* abort = abort_word(ctx.buffers[ctx.rank]);
     const uint64_t start = global_timer_ns();
     for (uint64_t spins = 1;; ++spins) {
         value = ld_relaxed_sys(addr);
@@ -97,19 +114,9 @@ static __device__ __noinline__ bool wait_geq(const KernelContext& ctx, const uin
             *observed = ld_acquire_sys(addr);
             return true;
         }
-        if ((spins & 63) == 0) {
-            const uint32_t word = ld_relaxed_sys(abort);
-            const uint64_t elapsed = global_timer_ns() - start;
-            if (word != 0) {
-                report_abort_seen(ctx, word, site, target, value, static_cast<int64_t>(elapsed));
-                *observed = value;
-                return false;
-            }
-            if (elapsed > ctx.timeout_ns) {
-                report_error(ctx, kErrorTimeout, site, target, value, static_cast<int64_t>(elapsed));
-                *observed = value;
-                return false;
-            }
+        if ((spins & 63) == 0 && spin_expired(ctx, start, site, target, value)) {
+            *observed = value;
+            return false;
         }
         // Back off once the wait has lasted a while (~256 polls of a few hundred ns): the poller then costs the
         // copy warps of its SM almost no issue slots, at up to 128 ns of added latency.
