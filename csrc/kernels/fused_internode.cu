@@ -1287,12 +1287,10 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
 }
 
 void check_fused_context(const KernelContext& ctx, int gpus_per_node, const char* what) {
-    // Put peers: the ring kernels' group limit (put_mask has a bit per rank), and none of the own node.
-    DEEP_EP_CHECK_ARG(ctx.put_mask == 0 || ctx.num_ranks <= kMaxRanks, what, ": NVSHMEM put peers need a group of at "
-                      "most ", kMaxRanks, " ranks, got ", ctx.num_ranks);
+    // Put peers: any rank of another node (put_mask has a bit per rank of the group), none of the own node.
     check_context(ctx, what, kFusedMaxRanks);
     for (int r = 0; r < ctx.num_ranks && ctx.put_mask != 0 && gpus_per_node > 0; ++r)
-        DEEP_EP_CHECK_ARG(((ctx.put_mask >> r) & 1u) == 0 || r / gpus_per_node != ctx.rank / gpus_per_node, what,
+        DEEP_EP_CHECK_ARG(!put_bit(ctx.put_mask, r) || r / gpus_per_node != ctx.rank / gpus_per_node, what,
                           ": the fused kernels reach the ranks of their own node by pointer, got rank ", r,
                           " as a put peer of rank ", ctx.rank, " (put mask ", ctx.put_mask, ")");
     DEEP_EP_CHECK_ARG(gpus_per_node >= 2 && gpus_per_node <= kMaxGpusPerNode && ctx.num_ranks % gpus_per_node == 0 &&

@@ -4,8 +4,8 @@
 //
 // Contract beyond api.cuh's (errors, context, collectiveness):
 //   * The context covers the whole group (rank r = node r / G, local r % G). Every peer of the own node is reached
-//     by pointer; a peer of another node may be an NVSHMEM put peer (put_mask, api.cuh; the group then has at most
-//     kMaxRanks ranks and the buffer a put area, layout.cuh). The buffer is carved by fused_layout() from
+//     by pointer; a peer of another node may be an NVSHMEM put peer (put_mask, api.cuh, in groups of up to
+//     kFusedMaxRanks; the buffer then has a put area, layout.cuh). The buffer is carved by fused_layout() from
 //     fused_region_bytes(the context's num_nvl_bytes, put_mask != 0).
 //   * Every call is collective with the same geometry (channels, hidden bytes, scales, top-k, ring capacities).
 #pragma once
@@ -29,6 +29,7 @@ namespace kernels {
 constexpr int kFusedMaxRanks = 64;
 constexpr int kFusedMaxNodes = kFusedMaxRanks / 2;
 static_assert(kFusedMaxRanks <= kMaxRuntimeRanks, "a fused group is one runtime");
+static_assert(kFusedMaxRanks <= 64, "every rank of a fused group may be a put peer: a bit of KernelContext::put_mask");
 
 // ---- buffer layout (after the shared control region of layout.cuh, which the fused kernels leave alone but for
 // the abort word) ----
@@ -78,6 +79,19 @@ static_assert(kFusedNotifyFlagSignalOffset % 8 == 0, "64-bit signals");
 constexpr int64_t kFusedRingsOffset =
     (kFusedCombineRailHeadSignalOffset + kFusedSignalBytes + kBufferAlignment - 1) / kBufferAlignment *
     kBufferAlignment;
+// Per put peer d (any rank of another node, d < kFusedMaxRanks), notify stages slot [parity][d] of the notify data
+// and, for a rail peer, row [parity][d] of the node counts at the staging twins of those offsets (the put area's
+// staging halves, layout.cuh), then puts them to the same offsets at d as slot and row [parity][me]. The whole
+// fused control region below the rings (about 1.2 MiB at 64 ranks) is mirrored by the staging halves whenever the
+// rings are (fused_notify checks that the kernels' region reaches kFusedRingsOffset).
+static_assert(kFusedNodeCountOffset + 2LL * kFusedMaxRanks * kMaxChannels * 4 == kFusedCombineNodeTailOffset &&
+                  kFusedNotifyDataOffset + 2LL * kFusedMaxRanks * kFusedNotifyInts * 4 == kFusedRailTailOffset,
+              "notify staging: one slot and one node-count row per (parity, put peer)");
+static_assert(kFusedRailTailSignalOffset - kFusedNotifyFlagSignalOffset == 8LL * 2 * kFusedMaxRanks &&
+                  kFusedSignalBytes == 8LL * kMaxChannels * kFusedMaxNodes,
+              "signals: a notify flag per (parity, source rank), a rail counter per (channel, node)");
+static_assert(kFusedRingsOffset <= kControlBytes + 2 * kMaxRingHalfBytes,
+              "the fused control region lies within what the staging halves mirror at their largest");
 // The bytes [0, region) the fused layout may use of a buffer whose kernels' region is `ring_bytes`: all of it
 // without put peers; with them (`put_area`), only what the put area's staging halves mirror (layout.cuh), since a
 // rail record for a put peer is staged at its slot's offset shifted by put_stage_shift(ring_bytes).
