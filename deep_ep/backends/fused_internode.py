@@ -29,8 +29,8 @@ from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
 
 class FusedInternodeCuda(SymmetricCuda):
     """Internode normal mode for one rank of ``N`` nodes x ``G`` GPUs (``2 <= G <= 8``, ``N >= 2``,
-    ``N * G <= 64``, ``NUM_MAX_FUSED_RANKS``; with NVSHMEM put peers at most the ring kernels' 24), every rank
-    of its own node reachable by ``nvshmem_ptr``.
+    ``N * G <= 64``, ``NUM_MAX_FUSED_RANKS``, with or without NVSHMEM put peers), every rank of its own node
+    reachable by ``nvshmem_ptr``.
 
     Args:
         rank, topology: this rank and the group's ``N x G`` (the NVSHMEM world: PE = rank).
@@ -41,7 +41,7 @@ class FusedInternodeCuda(SymmetricCuda):
     Construction is collective. Ranks of one node reach each other by pointer; a rank of another node may be an
     NVSHMEM put peer (behind a NIC; ``internode_put_only`` makes every such pair one), reached by the rail hops'
     staged puts and signals, the buffer then carving a put area. It raises :class:`UnsupportedTopology` on every rank
-    when two ranks of one node have no pointer path, or when put peers meet a group the put path does not serve.
+    when two ranks of one node have no pointer path, or when ``num_rdma_bytes`` leaves no room for the put area.
     """
 
     # The agreement rides in the fused notify (non-cached dispatch); a cached dispatch exchanges no per-call words.
