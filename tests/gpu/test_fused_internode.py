@@ -12,10 +12,12 @@ One GPU, the ranks time-sliced on it (correctness only)::
 
     TEST_RANKS_PER_GPU=8 python -m pytest tests/gpu/test_fused_internode.py
     TEST_RANKS_PER_GPU=32 python -m pytest tests/gpu/test_fused_internode.py -k wide   (64 for 8 x 8, 32 x 2)
+    TEST_RANKS_PER_GPU=32 python -m pytest tests/gpu/test_fused_internode.py -k "put_rail_peers and 16x2"
 
 ``TEST_EXAMPLES_FUSED``: hypothesis examples per shape (4). A stalled rank: every survivor raises within the budget.
-Under ``internode_put_only`` (2 x 2 and 2 x 4, small cases, and the stalled rank) every rank of another node is an
-NVSHMEM put peer: the rail hops and notify go through staged puts and signals, the NVLink hops stay pointer.
+Under ``internode_put_only`` (2 x 2, 2 x 4, 16 x 2 and 8 x 8, small and wide cases, and the stalled rank) every
+rank of another node is an NVSHMEM put peer: the rail hops and notify go through staged puts and signals, the NVLink
+hops stay pointer.
 """
 from __future__ import annotations
 
@@ -41,6 +43,9 @@ WIDE_RDMA_BYTES = 384 << 20
 EXAMPLES = int(os.environ.get("TEST_EXAMPLES_FUSED", "4"))
 # Put-peer groups (small cases): the put area's staging halves take half of the buffer after the rings.
 PUT_RDMA_BYTES = 256 << 20
+# Wide put-peer groups: the wide cases' rings (about 140 MB per direction at 16 x 2, 210 MB at 8 x 8) twice over,
+# with the put area.
+PUT_WIDE_RDMA_BYTES = 480 << 20
 
 
 def _make_pool(num_nodes: int, per_node: int, rdma_bytes: int = NUM_RDMA_BYTES, put_only: bool = False,
@@ -120,6 +125,8 @@ def test_limits_mirror_the_extension():
     from deep_ep import config, layout
     from deep_ep.backends.cuda_common import _C
     assert (_C.MAX_RUNTIME_RANKS, _C.FUSED_MAX_RANKS) == (config.NUM_MAX_RUNTIME_RANKS, config.NUM_MAX_FUSED_RANKS)
+    import fake_cuda  # the CPU tests' stand-in runtime takes put peers in groups of the same size
+    assert fake_cuda.make_fake_extension(torch).MAX_RUNTIME_RANKS == _C.MAX_RUNTIME_RANKS
     assert _C.CONTROL_BYTES == layout.intranode_control_bytes()
 
 
@@ -164,13 +171,17 @@ def task_put_mask(buffer, rank: int, payload) -> int:
 @pytest.mark.parametrize(("num_nodes", "per_node"), [
     pytest.param(2, 2, marks=pytest.mark.multi_gpu(4), id="2x2"),
     pytest.param(2, 4, marks=pytest.mark.multi_gpu(8), id="2x4"),
+    pytest.param(16, 2, marks=pytest.mark.multi_gpu(32), id="16x2"),
+    pytest.param(8, 8, marks=pytest.mark.multi_gpu(64), id="8x8"),
 ])
 def test_put_rail_peers(num_nodes, per_node):
     """Every rank of another node a put peer (``internode_put_only``): the notify slots and flags, the dispatch rail
     records (staged, put as runs; the 300 tokens of one channel pass the 258-slot rail rings, so runs wrap), the
-    combine partials and both directions' credits travel as puts and signals; every output against ``reference``."""
+    combine partials and both directions' credits travel as puts and signals; every output against ``reference``.
+    16 x 2 and 8 x 8: past the ring kernels' 24 ranks (at 8 x 8 the put mask's bits past 31 too, and the warps that
+    serve several roles in turn)."""
     ranks = num_nodes * per_node
-    pool = _make_pool(num_nodes, per_node, PUT_RDMA_BYTES, put_only=True)
+    pool = _make_pool(num_nodes, per_node, PUT_RDMA_BYTES if ranks <= 8 else PUT_WIDE_RDMA_BYTES, put_only=True)
     try:
         if ti.DEVICE == "cuda":
             masks = pool.run("test_fused_internode:task_put_mask", None)
