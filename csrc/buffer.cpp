@@ -111,8 +111,8 @@ Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_
       ring_bytes_(num_nvl_bytes),
       timeout_s_(timeout_s),
       symmetric_(symmetric) {
-    if (num_ranks < 1 || num_ranks > kernels::kMaxRanks)
-        invalid("num_ranks must be in [1, %d] for the intranode runtime, got %d", kernels::kMaxRanks, num_ranks);
+    if (num_ranks < 1 || num_ranks > kernels::kMaxRuntimeRanks)
+        invalid("num_ranks must be in [1, %d] for the CUDA runtime, got %d", kernels::kMaxRuntimeRanks, num_ranks);
     if (rank < 0 || rank >= num_ranks) invalid("rank must be in [0, %d), got %d", num_ranks, rank);
     if (num_nvl_bytes <= kernels::kControlBytes || num_nvl_bytes % kernels::kBufferAlignment != 0)
         invalid("num_nvl_bytes must be a multiple of %lld larger than the %lld-byte control region, got %lld",
@@ -138,8 +138,8 @@ Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
     DEEP_EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_error_), host_error_, 0));
 
-    // [rows, per expert, pairs] int32, then the signatures [kMaxRanks][kSignatureWords] int64 (8-byte aligned).
-    // Then the verdict word of cached dispatches (int64).
+    // [rows, per expert, pairs] int32, then the signatures [kMaxRuntimeRanks][kSignatureWords] int64 (8-byte
+    // aligned), then the verdict word of cached dispatches (int64).
     const size_t counter_bytes = sizeof(int) * kVerdictIntOffset + sizeof(int64_t);
     DEEP_EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_counters_), counter_bytes, cudaHostAllocMapped));
     for (int i = 0; i <= kernels::kMaxLocalExperts; ++i) host_counters_[i] = -1;
@@ -236,16 +236,19 @@ std::vector<int> Runtime::sync_symmetric(const std::string& unique_id, int world
 void Runtime::set_put_peers(const std::vector<int>& put_ranks, bool put_area) {
     if (!symmetric_ || local_buffer_ == nullptr || available_ || destroyed_)
         throw std::runtime_error("Runtime::set_put_peers needs a symmetric runtime right after sync_symmetric");
-    uint32_t mask = 0;
+    // The mask has a bit for every rank of the runtime (kMaxRuntimeRanks <= 64, api.cuh); each kernel family's
+    // launcher checks its own group limit.
+    uint64_t mask = 0;
     for (int r : put_ranks) {
         if (r < 0 || r >= num_ranks_ || r == rank_)
             invalid("put peers must be other ranks in [0, %d), got %d (this rank is %d)", num_ranks_, r, rank_);
-        mask |= 1u << r;
+        mask |= 1ull << r;
     }
     for (int r = 0; r < num_ranks_; ++r)
-        if (peer_buffers_[r] == nullptr && ((mask >> r) & 1u) == 0)
+        if (peer_buffers_[r] == nullptr && !kernels::put_bit(mask, r))
             invalid("rank %d is not reachable by nvshmem_ptr from rank %d: it must be a put peer", r, rank_);
-    if (mask != 0 && !put_area) invalid("put peers (rank %d: mask 0x%x) need the put area", rank_, mask);
+    if (mask != 0 && !put_area)
+        invalid("put peers (rank %d: mask 0x%llx) need the put area", rank_, static_cast<unsigned long long>(mask));
     if (put_area) {
         const kernels::PutLayout layout = kernels::put_layout(num_nvl_bytes_);
         if (layout.half <= 0)
@@ -256,7 +259,7 @@ void Runtime::set_put_peers(const std::vector<int>& put_ranks, bool put_area) {
         put_area_ = true;
     }
     for (int r = 0; r < num_ranks_; ++r)
-        if ((mask >> r) & 1u) peer_buffers_[r] = nullptr;  // reached through NVSHMEM only
+        if (kernels::put_bit(mask, r)) peer_buffers_[r] = nullptr;  // reached through NVSHMEM only
     put_mask_ = mask;
     available_ = true;
 }
@@ -307,7 +310,7 @@ void Runtime::order(cudaStream_t waiter, cudaStream_t signaller) {
 
 kernels::KernelContext Runtime::next_context() {
     kernels::KernelContext ctx{};
-    for (int r = 0; r < kernels::kMaxRanks; ++r) ctx.buffers[r] = r < num_ranks_ ? peer_buffers_[r] : nullptr;
+    for (int r = 0; r < kernels::kMaxRuntimeRanks; ++r) ctx.buffers[r] = r < num_ranks_ ? peer_buffers_[r] : nullptr;
     ctx.workspace = workspace_;
     ctx.error = device_error_;
     ctx.num_nvl_bytes = ring_bytes_;  // the kernels' region (a put area follows it when put_mask is set)
@@ -317,7 +320,7 @@ kernels::KernelContext Runtime::next_context() {
     ctx.num_ranks = num_ranks_;
     ctx.skip_sends = (fault_call_seq_ > 0 && ctx.call_seq >= fault_call_seq_) ? 1 : 0;
     ctx.put_mask = put_mask_;
-    for (int r = 0; r < kernels::kMaxRanks; ++r) ctx.pe_of[r] = r < static_cast<int>(pes_.size()) ? pes_[r] : r;
+    for (int r = 0; r < kernels::kMaxRuntimeRanks; ++r) ctx.pe_of[r] = r < static_cast<int>(pes_.size()) ? pes_[r] : r;
     return ctx;
 }
 

@@ -84,11 +84,12 @@ class Runtime {
     // Symmetric runtime, after sync_symmetric: the ranks reached by NVSHMEM puts and signals instead of pointers
     // (every unreachable one among them; the caller makes the relation symmetric across ranks). `put_area`: carve
     // the put area (kernels/layout.cuh put_layout), which every rank of the world must do alike as soon as any
-    // pair of it is a put pair; required when `put_ranks` is not empty. Throws std::invalid_argument when
-    // num_nvl_bytes leaves no room for it.
+    // pair of it is a put pair; required when `put_ranks` is not empty. Any group size of the runtime takes put
+    // peers (each kernel family checks its own group limit: the ring kernels' kMaxRanks, the fused kernels'
+    // kFusedMaxRanks). Throws std::invalid_argument when num_nvl_bytes leaves no room for the put area.
     void set_put_peers(const std::vector<int>& put_ranks, bool put_area);
-    // Bit r: rank r is a put peer.
-    uint32_t get_put_mask() const { return put_mask_; }
+    // Bit r: rank r is a put peer (a bit for each of up to kMaxRuntimeRanks ranks).
+    uint64_t get_put_mask() const { return put_mask_; }
     // Bytes of the kernels' region (control, rings, output pool): num_nvl_bytes, less with a put area after it.
     int64_t get_ring_bytes() const { return ring_bytes_; }
     // Releases the IPC mappings and allocations. Call after a cross-rank barrier so no peer still writes here.
@@ -214,6 +215,9 @@ class Runtime {
                       const at::Tensor& recv_gbl_channel_prefix_matrix, const at::Tensor& recv_gbl_rank_prefix_sum,
                       uintptr_t stream, bool after_current, const std::vector<int64_t>& signature,
                       bool check_signatures);
+    // The fused notify of a call this rank refused (refuse_notify's counterpart for a fused runtime: the fused
+    // notify has slots of its own).
+    void fused_refuse_notify(const std::vector<int64_t>& signature, int gpus_per_node, uintptr_t stream);
     // After wait_recv_counts: the rows this rank forwards (send_nvl_head's rows) of the same notify.
     int forward_count() const;
     // Returns (recv_x [num_recv_rows, H], recv_x_scales [num_recv_rows, S] when x_scales is given, recv_topk_idx
@@ -249,7 +253,7 @@ class Runtime {
     int rank_, num_ranks_;
     int64_t num_nvl_bytes_;
     int64_t ring_bytes_;      // the kernels' region [0, ring_bytes_): num_nvl_bytes_, or less with a put area after it
-    uint32_t put_mask_ = 0;   // bit r: rank r is reached by NVSHMEM puts (KernelContext::put_mask)
+    uint64_t put_mask_ = 0;   // bit r: rank r is reached by NVSHMEM puts (KernelContext::put_mask)
     std::vector<int> pes_;    // NVSHMEM PE of each group rank (KernelContext::pe_of); empty: the rank itself
     bool put_area_ = false;   // the world has put pairs: the buffer ends with the put area
     double timeout_s_;
@@ -270,14 +274,16 @@ class Runtime {
     kernels::ErrorRecord* host_error_ = nullptr;    // host-mapped error record
     kernels::ErrorRecord* device_error_ = nullptr;  // its device alias
     // host-mapped [1 + kMaxLocalExperts + kMaxRanks^2] int32 (rows, per expert, pairs), then from int32 index
-    // kSignatureIntOffset the int64 [kMaxRanks][kSignatureWords] signatures of the last notify, then from
+    // kSignatureIntOffset the int64 [kMaxRuntimeRanks][kSignatureWords] signatures of the last notify, then from
     // kVerdictIntOffset one int64: the call_seq of the last cached dispatch whose hashes were compared
     static constexpr int kSignatureIntOffset =
         (1 + kernels::kMaxLocalExperts + kernels::kMaxRanks * kernels::kMaxRanks + 1) / 2 * 2;
-    static constexpr int kVerdictIntOffset = kSignatureIntOffset + 2 * kernels::kMaxRanks * kernels::kSignatureWords;
+    static constexpr int kVerdictIntOffset =
+        kSignatureIntOffset + 2 * kernels::kMaxRuntimeRanks * kernels::kSignatureWords;
     int64_t pending_verdict_ = 0;  // call_seq of a cached dispatch whose verdict the host has not awaited, or 0
     int* host_counters_ = nullptr;
     std::vector<at::Tensor> refusal_scratch_;  // refuse_notify's zero counts and unread outputs, made once
+    std::vector<at::Tensor> fused_refusal_scratch_;  // the same for fused_refuse_notify
     int* device_counters_ = nullptr;
     // A notify's agreement and host fields (NotifyArgs, FusedNotifyArgs): the call signature, where the kernel
     // leaves every rank's signature, and, outside worst-token mode, the host-mapped counters it fills (reset to -1

@@ -107,6 +107,24 @@ void Runtime::fused_notify(const at::Tensor& num_tokens_per_rank,
     kernels::fused_notify(ctx, args, as_stream_handle(stream));
 }
 
+void Runtime::fused_refuse_notify(const std::vector<int64_t>& signature, int gpus_per_node, uintptr_t stream) {
+    require_available("dispatch");
+    set_fused(gpus_per_node);
+    const int num_nodes = num_ranks_ / gpus_per_node;
+    if (fused_refusal_scratch_.empty()) {
+        // Made once and kept, as refuse_notify's: stream-ordered refusals share them.
+        const auto ints = at::TensorOptions().device(at::kCUDA, device_id_).dtype(at::kInt);
+        fused_refusal_scratch_ = {at::zeros({num_ranks_}, ints), at::empty({0, num_ranks_}, ints.dtype(at::kBool)),
+                                  at::empty({num_nodes, 1}, ints),  at::empty({num_ranks_, 1}, ints),
+                                  at::empty({num_nodes, 1}, ints),  at::empty({num_nodes}, ints),
+                                  at::empty({num_ranks_, 1}, ints), at::empty({num_ranks_}, ints)};
+    }
+    const auto& t = fused_refusal_scratch_;
+    // Zero tokens, one local expert, one channel, worst-token mode (nothing is published to the host counters).
+    fused_notify(t[0], std::nullopt, t[0], t[1], num_ranks_, 1, gpus_per_node, 1, true, t[2], t[3], t[4], t[5], t[6],
+                 t[7], stream, true, signature, false);
+}
+
 int Runtime::forward_count() const {
     return static_cast<const volatile int*>(host_counters_)[kernels::kFusedForwardCounter];
 }
@@ -176,7 +194,7 @@ Runtime::fused_dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_
     const int num_topk = topk_idx.has_value() ? static_cast<int>(topk_idx->size(1)) : 0;
     const auto geometry = kernels::fused_layout(num_nodes, gpus_per_node, num_channels, hidden_bytes, num_scales,
                                                 num_topk, num_max_rdma_recv_tokens, num_max_nvl_recv_tokens,
-                                                ring_bytes_, false);
+                                                ring_bytes_, put_area_, false);
     kernels::FusedDispatchArgs args{};
     args.x = ptr(x, workspace_);
     args.x_scales = ptr<const void>(x_scales, workspace_);
@@ -255,7 +273,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::fused_combine(
     const int num_topk = topk_weights.has_value() ? static_cast<int>(topk_weights->size(1)) : 0;
     if (topk_weights.has_value()) combined_topk_weights = at::empty({num_tokens, num_topk}, x.options().dtype(at::kFloat));
     const auto geometry = kernels::fused_layout(num_nodes, gpus_per_node, num_channels, x.size(1) * 2, 0, num_topk,
-                                                num_max_rdma_recv_tokens, num_max_nvl_recv_tokens, ring_bytes_, true);
+                                                num_max_rdma_recv_tokens, num_max_nvl_recv_tokens, ring_bytes_, put_area_, true);
     kernels::FusedCombineArgs args{};
     args.x = ptr(x, workspace_);
     args.topk_weights = ptr<const float>(topk_weights, workspace_);

@@ -6,6 +6,7 @@
 
 #include "buffer.hpp"
 #include "event.hpp"
+#include "kernels/fused_internode.cuh"
 #include "low_latency.hpp"
 
 namespace py = pybind11;
@@ -42,6 +43,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::register_exception<deep_ep::DeviceError>(m, "DeviceError", PyExc_RuntimeError);
 
     m.attr("MAX_RANKS") = deep_ep::kernels::kMaxRanks;
+    m.attr("MAX_RUNTIME_RANKS") = deep_ep::kernels::kMaxRuntimeRanks;
+    m.attr("FUSED_MAX_RANKS") = deep_ep::kernels::kFusedMaxRanks;
     m.attr("MAX_CHANNELS") = deep_ep::kernels::kMaxChannels;
     m.attr("MAX_TOPK") = deep_ep::kernels::kMaxTopk;
     m.attr("MAX_LOCAL_EXPERTS") = deep_ep::kernels::kMaxLocalExperts;
@@ -102,6 +105,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("combine", &deep_ep::Runtime::combine)
         .def("fused_notify", &deep_ep::Runtime::fused_notify)
         .def("forward_count", &deep_ep::Runtime::forward_count)
+        .def("fused_refuse_notify", &deep_ep::Runtime::fused_refuse_notify)
         .def("fused_dispatch", &deep_ep::Runtime::fused_dispatch)
         .def("fused_combine", &deep_ep::Runtime::fused_combine)
         .def("barrier", &deep_ep::Runtime::barrier);

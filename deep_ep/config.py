@@ -21,6 +21,11 @@ NUM_MAX_SCALEUP_RANKS = 8
 # domain (at most NUM_MAX_SCALEUP_RANKS), the nodes of the one-GPU-per-node CUDA internode backend and of the composed
 # path's rail stage. Larger groups fall back to the torch backend.
 NUM_MAX_RING_RANKS = 24
+# Largest group of one CUDA runtime (csrc/kernels/constants.cuh kMaxRuntimeRanks: its peer table and barrier).
+NUM_MAX_RUNTIME_RANKS = 64
+# Largest group of the fused internode kernels (csrc/kernels/fused_internode.cuh kFusedMaxRanks): N nodes x G > 1
+# GPUs with N * G <= 64 (so N <= 32). Larger groups take the composed path.
+NUM_MAX_FUSED_RANKS = 64
 # Most local experts per rank that the host layer accepts (DeepEP's host limit).
 NUM_MAX_LOCAL_EXPERTS = 1024
 # Largest top-k the normal kernels carry per token (DeepEP's device limit).

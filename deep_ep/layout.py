@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from deep_ep.config import BUFFER_ALIGNMENT, NUM_MAX_RING_RANKS, align_up, ceil_div
+from deep_ep.config import BUFFER_ALIGNMENT, NUM_MAX_RING_RANKS, NUM_MAX_RUNTIME_RANKS, align_up, ceil_div
 
 # DeepEP's normal-mode size hints, next to the layouts they size (the formulas live with Config).
 from deep_ep.config import nvl_buffer_size_hint as nvl_buffer_size_hint
@@ -142,7 +142,8 @@ def intranode_control_layout() -> Layout:
     """Fixed control region at the start of every rank's scale-up buffer (independent of the call).
 
     * ``abort``: int32, 0 or ``code << 8 | (aborting rank + 1)``; any rank's failure raises it on every rank.
-    * ``barrier``: int32 ``[16]``, slot ``s`` counts barrier arrivals of rank ``s`` (monotonic).
+    * ``barrier``: int32 ``[NUM_MAX_RUNTIME_RANKS]``, slot ``s`` counts barrier arrivals of rank ``s`` (monotonic; a
+      runtime's whole group, fused internode groups included).
     * ``notify_flags``: uint32 ``[2][16]``, per (parity, source) the epoch of the notify data that source wrote here.
     * ``notify_data``: int32 ``[2][16][INTRANODE_NOTIFY_INTS]``.
     * ``dispatch_tail`` / ``combine_tail``: uint32 ``[160][16]``, index ``channel * 16 + source``, written by the
@@ -160,7 +161,7 @@ def intranode_control_layout() -> Layout:
     """
     notify_data = 2 * INTRANODE_MAX_RANKS * INTRANODE_NOTIFY_INTS * INT32_BYTES
     return chain(("abort", INT32_BYTES),
-                 ("barrier", INTRANODE_MAX_RANKS * INT32_BYTES),
+                 ("barrier", NUM_MAX_RUNTIME_RANKS * INT32_BYTES),
                  ("notify_flags", 2 * INTRANODE_MAX_RANKS * INT32_BYTES),
                  ("notify_data", notify_data),
                  ("dispatch_tail", _COUNTER_BYTES),

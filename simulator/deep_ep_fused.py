@@ -1,23 +1,23 @@
 """deep_ep's fused internode kernels in the ``--kernels deep_ep`` family: ``N`` nodes x ``G > 1`` GPUs, at most
-``NUM_MAX_RING_RANKS`` ranks (csrc/kernels/fused_internode.cu).
+``NUM_MAX_FUSED_RANKS`` ranks (csrc/kernels/fused_internode.cu).
 
 Paths and network are DeepEP V1's internode model: one fluid flow per source (:func:`simulator.rank._normal_flows`:
 a record per (token, node) over the NIC to the forwarder ``(n, local(s))``, which copies it over NVLink to every GPU
 of node ``n`` that needs it; combine the reverse, one BF16 partial per (token, node)), its NIC rate, per-chunk
 message cost, QPs and credits (:func:`simulator.rank.rdma_ring_rate`), its pipeline fill and two-role SM share.
 Ours are the record layout, the rings (Buffer's default config), the CTA roles (``C / 2`` channels of two CTAs of
-32 warps, each ring served by a team of warps, :func:`role_warps`) and the rates, from the deep_ep profile: a role
-moves ``min(warps x warp rate, its SM share x SM rate)`` per channel (forwarders and senders
-over NVLink at ``warp_push_gbps`` / ``sm_push_gbps``, staging, receiving and reducing at ``warp_local_gbps`` /
-``sm_local_gbps`` or ``reduce_gbps``), plus ``row_ns`` per record and ``chunk_sync_us`` per chunk; a dispatch
-forwarder loads a record once and stores it to each GPU in its mask.
+32 warps, each ring served by a team of warps or, past 32 rings, by a warp in turn with others, :func:`role_warps`)
+and the rates, from the deep_ep profile: a role moves ``min(warps x warp rate, its SM share x SM rate)`` per
+channel (forwarders and senders over NVLink at ``warp_push_gbps`` / ``sm_push_gbps``, staging, receiving and
+reducing at ``warp_local_gbps`` / ``sm_local_gbps`` or ``reduce_gbps``), plus ``row_ns`` per record and
+``chunk_sync_us`` per chunk; a dispatch forwarder loads a record once and stores it to each GPU in its mask.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from deep_ep.config import (
-    NUM_MAX_RING_RANKS,
+    NUM_MAX_FUSED_RANKS,
     NUM_MAX_SCALEUP_RANKS,
     SUPPORTED_NORMAL_RANKS,
     Config,
@@ -59,14 +59,21 @@ def team_sizes(num_warps: int, num_teams: int) -> list[int]:
 
 
 def role_warps(op: str, num_nodes: int, num_ranks: int) -> dict[str, tuple[int, int]]:
-    """(warps, teams) per channel of each role of the fused ``op``: dispatch, the even CTA's warps in ``2N`` teams
-    (senders of each node, then forwarders), the odd CTA's first 31 in one receiver team per source rank (its last
-    warp fills the worst-token tail); combine, the odd CTA's warps in one sender team per source rank, the even
-    CTA's in ``N`` forwarder teams and one owner team."""
+    """(warps, rings) per channel of each role of the fused ``op``: dispatch, the even CTA's warps in ``2N`` teams
+    (senders of each node, then forwarders; past 16 nodes half the warps each), the odd CTA's in one receiver team
+    per source rank; combine, the odd CTA's warps in one sender team per source rank, the even CTA's in ``N``
+    forwarder teams and one owner team (past 31 nodes the owner one warp, the forwarders the others). Where a role
+    has more rings than warps each warp serves several in turn, so a ring gets the role's rate over its ring count
+    either way."""
     if op == "dispatch":
+        if 2 * num_nodes > CTA_WARPS:
+            half = CTA_WARPS // 2
+            return {"send": (half, num_nodes), "forward": (half, num_nodes), "receive": (CTA_WARPS, num_ranks)}
         even = team_sizes(CTA_WARPS, 2 * num_nodes)
         return {"send": (sum(even[:num_nodes]), num_nodes), "forward": (sum(even[num_nodes:]), num_nodes),
-                "receive": (CTA_WARPS - 1, num_ranks)}
+                "receive": (CTA_WARPS, num_ranks)}
+    if num_nodes + 1 > CTA_WARPS:
+        return {"send": (CTA_WARPS, num_ranks), "forward": (CTA_WARPS - 1, num_nodes), "receive": (1, 1)}
     even = team_sizes(CTA_WARPS, num_nodes + 1)
     return {"send": (CTA_WARPS, num_ranks), "forward": (sum(even[:num_nodes]), num_nodes),
             "receive": (even[num_nodes], 1)}
@@ -74,9 +81,9 @@ def role_warps(op: str, num_nodes: int, num_ranks: int) -> dict[str, tuple[int, 
 
 def is_fused(spec: OpSpec) -> bool:
     """Whether deep_ep runs this normal op on the fused kernels: several nodes of 2..``NUM_MAX_SCALEUP_RANKS`` GPUs,
-    at most ``NUM_MAX_RING_RANKS`` ranks (the kernels' rank limit)."""
+    at most ``NUM_MAX_FUSED_RANKS`` ranks (the kernels' limit)."""
     return (spec.mode != "low-latency" and spec.num_nodes > 1 and 2 <= spec.ranks_per_node <= NUM_MAX_SCALEUP_RANKS
-            and spec.num_ranks <= NUM_MAX_RING_RANKS)
+            and spec.num_ranks <= NUM_MAX_FUSED_RANKS)
 
 
 def _pad16(n: int) -> int:
@@ -115,7 +122,7 @@ def fused_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     (virtual nodes: the network ports are the NVLink ports)."""
     if not is_fused(spec):
         raise ValueError(f"{spec.num_nodes} nodes x {spec.ranks_per_node} GPUs is not a fused-kernel group (needs "
-                         f">= 2 nodes of 2..{NUM_MAX_SCALEUP_RANKS} GPUs, <= {NUM_MAX_RING_RANKS} ranks)")
+                         f">= 2 nodes of 2..{NUM_MAX_SCALEUP_RANKS} GPUs, <= {NUM_MAX_FUSED_RANKS} ranks)")
     dispatch = spec.op == "dispatch"
     cfg = fused_config(spec.op, spec.num_ranks, num_sms)
     channels = max(num_sms // 2, 1)

@@ -6,7 +6,7 @@
 * Low latency: one dispatch message per (token, destination rank), expanded by the receiver; one BF16 combine row
   per (token, expert) back to the owner, who reduces each token (:func:`ll_phase_times`).
 * Internode: one GPU per node runs the ring kernels over NVSHMEM (over NVLink P2P for virtual nodes, ``nvlink-p2p``);
-  several GPUs per node the fused kernels up to ``NUM_MAX_RING_RANKS`` ranks (:mod:`simulator.deep_ep_fused`), the
+  several GPUs per node the fused kernels up to ``NUM_MAX_FUSED_RANKS`` ranks (:mod:`simulator.deep_ep_fused`), the
   composed path beyond (:mod:`simulator.deep_ep_composed`); past ``NUM_MAX_RING_RANKS`` nodes the torch backend
   (:mod:`simulator.deep_ep_torch`), or the composed path's torch rail.
 

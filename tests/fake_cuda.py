@@ -93,6 +93,7 @@ def make_fake_extension(torch) -> types.ModuleType:
     """A ``deep_ep._C`` whose kernels do nothing; entry points that allocate their outputs do so on CPU."""
     ext = types.ModuleType("deep_ep._C")
     ext.MAX_RANKS, ext.MAX_CHANNELS, ext.MAX_TOPK, ext.MAX_LOCAL_EXPERTS = 8, 128, 32, 1024
+    ext.MAX_RUNTIME_RANKS = 64  # the extension's (tests/gpu/test_fused_internode.py checks it)
     ext.CONTROL_BYTES, ext.WORKSPACE_BYTES = 1 << 16, 1 << 20
 
     class HostTimeout(TimeoutError):
@@ -133,6 +134,9 @@ def make_fake_extension(torch) -> types.ModuleType:
         ``launches``: the kernels launched (``notify``, ``refuse``, ``dispatch``), in order."""
 
         def __init__(self, rank, num_ranks, num_nvl_bytes, timeout_s, **kwargs):
+            if not 1 <= num_ranks <= ext.MAX_RUNTIME_RANKS:
+                raise ValueError(f"num_ranks must be in [1, {ext.MAX_RUNTIME_RANKS}] for the CUDA runtime, got "
+                                 f"{num_ranks}")
             self.rank, self.num_ranks, self.num_nvl_bytes = rank, num_ranks, num_nvl_bytes
             self.num_recv = 0
             self.per_expert = []
@@ -143,6 +147,35 @@ def make_fake_extension(torch) -> types.ModuleType:
 
         def get_local_device_id(self):
             return 0
+
+        # The symmetric runtime (SymmetricCuda and its subclasses) with the checks of csrc/buffer.cpp:
+        # sync_symmetric reports the ranks in ``unreachable`` (a probe sets it); set_put_peers takes put peers in
+        # any group of the runtime (a bit of the mask per rank) and refuses what the extension refuses.
+        unreachable = ()
+        put_mask = 0
+
+        def sync_symmetric(self, unique_id, world_rank, world_size, pes):
+            if len(pes) != self.num_ranks or pes[self.rank] != world_rank:
+                raise ValueError(f"pes must name the PE of each of the {self.num_ranks} group ranks, got {pes}")
+            return [r for r in self.unreachable if r != self.rank]
+
+        def set_put_peers(self, ranks, put_area):
+            mask = 0
+            for r in ranks:
+                if not 0 <= r < self.num_ranks or r == self.rank:
+                    raise ValueError(f"put peers must be other ranks in [0, {self.num_ranks}), got {r} (this rank "
+                                     f"is {self.rank})")
+                mask |= 1 << r
+            for r in self.unreachable:
+                if r != self.rank and not (mask >> r) & 1:
+                    raise ValueError(f"rank {r} is not reachable by nvshmem_ptr from rank {self.rank}: it must be a "
+                                     "put peer")
+            if mask and not put_area:
+                raise ValueError(f"put peers (rank {self.rank}: mask {mask:#x}) need the put area")
+            self.put_mask = mask
+
+        def get_put_mask(self):
+            return self.put_mask
 
         def get_local_ipc_handle(self):
             return b"\0" * 64

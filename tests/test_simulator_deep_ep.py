@@ -192,10 +192,12 @@ def test_more_sms_is_never_slower(nodes, per_node, nic, op, combine_path):
 
 
 @pytest.mark.parametrize(("nodes", "per_node", "nic"), [(1, 2, "cx7"), (1, 8, "cx7"), (2, 1, "nvlink-p2p"),
-                                                        (4, 8, "cx7")])
+                                                        (17, 4, "cx7")])
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_normal_byte_conservation(nodes, per_node, nic, op):
-    traffic = _traffic(nodes, per_node, 256, seed=1)
+    # 17 x 4: past the fused kernels' 64 ranks, the composed path (tests/test_simulator_fused.py checks the fused
+    # kernels' bytes); 8 experts per rank.
+    traffic = _traffic(nodes, per_node, 256, seed=1, experts=8 * nodes * per_node)
     spec = _spec(nodes, per_node, op, "fp8" if op == "dispatch" else "bf16")
     nic_p = hardware.get_nic(nic)
     res = dek.simulate_normal(spec, traffic, hardware.H200, nic_p, dek.profile(), 24, 8,
@@ -642,8 +644,10 @@ def test_more_nodes_than_the_kernels_serve_is_noted():
 
     assert any("at most 24 nodes" in note and "torch backend" in note for note in notes(sc))
     assert not any("at most 24 nodes" in note for note in notes(replace(sc, nodes=24)))
-    # With several GPUs per node the node stage stays on the kernels beside a torch rail (NCCL).
-    assert any("torch rail" in note for note in notes(replace(sc, gpus_per_node=2, tokens=64)))
+    # With several GPUs per node past the fused kernels' 64 ranks the node stage stays on the kernels beside a torch
+    # rail (NCCL); 32 x 2 is fused.
+    assert any("torch rail" in note for note in notes(replace(sc, gpus_per_node=4, tokens=64)))
+    assert not any("torch rail" in note for note in notes(replace(sc, gpus_per_node=2, tokens=64)))
 
 
 def test_torch_backend_model_closed_form():
@@ -682,7 +686,8 @@ def test_beyond_the_ring_groups_the_rail_is_torch():
     own CTAs)."""
     from deep_ep.config import NUM_MAX_RING_RANKS
 
-    sc = Scenario(nodes=NUM_MAX_RING_RANKS + 1, gpus_per_node=2, gpu="h200", mode="normal", kernels="deep_ep",
+    # 4 GPUs per node: past the fused kernels' 64 ranks at both node counts.
+    sc = Scenario(nodes=NUM_MAX_RING_RANKS + 1, gpus_per_node=4, gpu="h200", mode="normal", kernels="deep_ep",
                   tokens=64)
     beyond, within = run(sc), run(replace(sc, nodes=NUM_MAX_RING_RANKS))
     assert all(op.bottleneck.startswith("rail:torch:") for op in beyond.ops), [op.bottleneck for op in beyond.ops]

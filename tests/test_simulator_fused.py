@@ -9,7 +9,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from deep_ep.config import NUM_MAX_RING_RANKS
 from simulator import Scenario, hardware, rank, run, workload
 from simulator import deep_ep_fused as fused
 from simulator import deep_ep_kernels as dek
@@ -32,21 +31,24 @@ def _dtype(op: str) -> str:
 
 
 @pytest.mark.parametrize(("nodes", "per_node", "want"), [(2, 8, True), (3, 8, True), (2, 2, True), (12, 2, True),
-                                                         (4, 8, False), (13, 2, False), (2, 1, False), (1, 8, False)])
+                                                         (16, 2, True), (8, 4, True), (8, 8, True), (16, 4, True),
+                                                         (32, 2, True), (9, 8, False), (33, 2, False),
+                                                         (2, 1, False), (1, 8, False)])
 def test_fused_serves_the_kernels_groups_and_the_composed_path_the_rest(nodes, per_node, want):
+    # The kernels' limit: at most 64 ranks.
     spec = _spec(nodes, per_node, "dispatch")
     assert fused.is_fused(spec) == want
-    assert is_composed(spec) == (nodes > 1 and per_node > 1 and nodes * per_node > NUM_MAX_RING_RANKS)
+    assert is_composed(spec) == (nodes > 1 and per_node > 1 and not want)
     assert not fused.is_fused(replace(spec, mode="low-latency"))
 
 
 def test_scenario_runs_fused_up_to_the_rank_limit_and_composed_beyond():
     sc = Scenario(nodes=2, mode="normal", kernels="deep_ep", tokens=256)
-    within, beyond = run(sc), run(replace(sc, nodes=4))
+    within, beyond = run(sc), run(replace(sc, nodes=9))
     assert not any(op.bottleneck.startswith(("rail:", "node:", "copies")) for op in within.ops)
     assert all(op.bottleneck.startswith(("rail:", "node:", "copies")) for op in beyond.ops)
     with pytest.raises(ValueError, match="not a fused-kernel group"):
-        fused.fused_model(_spec(4, 8, "dispatch"), _traffic(4, 8, 64), hardware.H800, hardware.CX7, dek.profile(),
+        fused.fused_model(_spec(9, 8, "dispatch"), _traffic(9, 8, 64), hardware.H800, hardware.CX7, dek.profile(),
                           24, "fp8")
 
 
@@ -112,22 +114,23 @@ def test_fused_time_grows_with_tokens_and_the_closed_form_bounds_the_des(op):
 
 
 def test_fused_roles_use_every_warp_of_their_ctas():
-    # 2 x 2 (the kernels' header comment): dispatch sender and forwarder teams of 8 warps, receiver teams of 8, 8, 8
-    # and 7 (the odd CTA's last warp fills the worst-token tail); combine forwarder teams of 11, an owner team of 10,
-    # sender teams of 8.
-    assert fused.team_sizes(31, 4) == [8, 8, 8, 7]
+    # 2 x 2 (the kernels' header comment): dispatch sender, forwarder and receiver teams of 8 warps; combine
+    # forwarder teams of 11, an owner team of 10, sender teams of 8.
     assert fused.team_sizes(32, 3) == [11, 11, 10]
-    assert fused.role_warps("dispatch", 2, 4) == {"send": (16, 2), "forward": (16, 2), "receive": (31, 4)}
+    assert fused.role_warps("dispatch", 2, 4) == {"send": (16, 2), "forward": (16, 2), "receive": (32, 4)}
     assert fused.role_warps("combine", 2, 4) == {"send": (32, 4), "forward": (22, 2), "receive": (10, 1)}
-    for nodes, per_node in [(2, 8), (3, 8), (6, 4), (12, 2)]:
+    for nodes, per_node in [(2, 8), (3, 8), (6, 4), (12, 2), (16, 2), (8, 8), (16, 4), (17, 2), (32, 2)]:
         ranks = nodes * per_node
         dispatch, combine = fused.role_warps("dispatch", nodes, ranks), fused.role_warps("combine", nodes, ranks)
         assert dispatch["send"][0] + dispatch["forward"][0] == fused.CTA_WARPS
-        assert dispatch["receive"] == (fused.CTA_WARPS - 1, ranks)
         assert combine["forward"][0] + combine["receive"][0] == fused.CTA_WARPS
-        assert combine["send"] == (fused.CTA_WARPS, ranks)
-        for warps, teams in (*dispatch.values(), *combine.values()):
-            assert warps >= teams >= 1
+        # One ring per source rank: every warp of the CTA, in teams, or past 32 ranks each warp serving several.
+        assert dispatch["receive"] == combine["send"] == (fused.CTA_WARPS, ranks)
+        # Past 16 nodes (dispatch) and 31 (combine) each sender or forwarder warp serves several nodes in turn.
+        assert dispatch["send"][1] == dispatch["forward"][1] == combine["forward"][1] == nodes
+        assert combine["receive"][1] == 1 and min(w for w, _ in (*dispatch.values(), *combine.values())) >= 1
+    assert fused.role_warps("dispatch", 17, 34)["send"] == (16, 17)
+    assert fused.role_warps("combine", 32, 64) == {"send": (32, 64), "forward": (31, 32), "receive": (1, 1)}
     with pytest.raises(ValueError, match="num_teams"):
         fused.team_sizes(32, 33)
 
@@ -168,11 +171,19 @@ def test_calibrate_show_lists_the_fused_parameters_with_their_measurements():
     assert "intranode_h200x1.json" in lines["warp_local_gbps"]
 
 
-def test_report_says_when_the_fused_rows_assume_puts_behind_a_nic():
+def test_report_says_when_the_fused_rows_model_puts_behind_a_nic():
+    """Behind a NIC the fused kernels (up to 64 ranks, 8 x 8 included) put their rail hops; the note says so, and
+    that the rows model them with DeepEP's chunked puts."""
     sc = Scenario(nodes=2, gpus_per_node=4, gpu="h200", mode="normal", kernels="deep_ep", tokens=64)
 
     def notes(s: Scenario) -> str:
         return " ".join(run(s).scales[0].notes)
-    assert "fused kernels reach peers by pointer only" in notes(sc)
-    assert "fused kernels reach peers by pointer only" not in notes(replace(sc, nic="nvlink-p2p"))
-    assert "fused kernels reach peers by pointer only" not in notes(replace(sc, nodes=8))
+    puts = "fused kernels make their rail hops NVSHMEM puts"
+    assert puts in notes(sc) and "composed path" not in notes(sc)
+    assert puts in notes(replace(sc, nodes=8, gpus_per_node=8))
+    assert puts not in notes(replace(sc, nic="nvlink-p2p"))
+    assert puts not in notes(replace(sc, nodes=17))
+    # 32 x 2: past the ring kernels' 24 nodes but fused, so no torch-rail note.
+    wide = notes(replace(sc, nodes=32, gpus_per_node=2, nic="nvlink-p2p"))
+    assert "torch rail" not in wide and "serve at most" not in wide, wide
+    assert "torch rail" in notes(replace(sc, nodes=32, gpus_per_node=4, nic="nvlink-p2p"))

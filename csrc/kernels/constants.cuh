@@ -15,6 +15,9 @@ namespace kernels {
 // largest count run on a GPU. Raising it: NUM_MAX_RING_RANKS in deep_ep/config.py too, then run the GPU internode
 // tests at the new cap.
 constexpr int kMaxRanks = 24;
+// Largest group of one runtime (KernelContext's peer arrays, the barrier, the gathered call signatures): the ring
+// kernels serve up to kMaxRanks of it, the fused internode kernels up to kFusedMaxRanks (fused_internode.cuh).
+constexpr int kMaxRuntimeRanks = 64;
 // Largest number of channels (one CTA each) of a dispatch or combine kernel; Config.num_sms must not exceed it.
 constexpr int kMaxChannels = 160;
 // Largest top-k the intranode kernels carry per token.

@@ -12,13 +12,15 @@
 //   * receivers (odd CTA, one team per source rank s): copy the records of node ring (c, s) into rows
 //     recv_gbl_channel_prefix[s][c] onwards (the contract's order: source rank, then token), top-k ids made local,
 //     and return the node head.
-// Warps: the even CTA's 32 warps form 2N teams (senders of nodes 0 .. N-1, then forwarders), the odd CTA's first
-// 31 warps R receiver teams and its last warp fills the worst-token tail; combine's even CTA forms N forwarder teams
-// and one owner team, its odd CTA R sender teams. Teams take consecutive warps, sizes differing by at most one (at
-// N = 2, G = 2: dispatch 8 warps per sender and forwarder, 8 or 7 per receiver; combine 11, 11 and 10 (owner), 8 per
-// sender). In dispatch every warp of a team runs the role's control flow and moves its contiguous share of each
-// row; the team's first warp writes the small fields and side outputs and alone publishes a tail or credit, once
-// every warp's progress has passed it (Team below). In combine the warps of a team take whole rows in turn (a
+// Warps: the even CTA's 32 warps form 2N teams (senders of nodes 0 .. N-1, then forwarders), the odd CTA's 32
+// warps R receiver teams (each last warp first fills its share of the worst-token tail); combine's even CTA forms N
+// forwarder teams and one owner team, its odd CTA R sender teams. Teams take consecutive warps, sizes differing by
+// at most one (at N = 2, G = 2: dispatch 8 warps per sender, forwarder and receiver; combine 11, 11 and 10 (owner),
+// 8 per sender). Where a CTA has more roles than warps (past 32 ranks, 16 nodes for dispatch, 31 for combine), each
+// warp serves several of them one after the other, in ascending order on every rank (make_roles); the owner keeps
+// a warp of its own. In dispatch every warp of a team runs the role's control flow and moves its contiguous share
+// of each row; the team's first warp writes the small fields and side outputs and alone publishes a tail or credit,
+// once every warp's progress has passed it (Team below). In combine the warps of a team take whole rows in turn (a
 // reduction per warp keeps enough loads in flight) and the first warp publishes the finished prefix.
 // Roles overlap through the rings; the only waits are on ring counters (bounded, sync.cuh), and the chain
 // receiver <- forwarder <- sender has no cycle. Ring positions are monotonic uint32 kept in the workspace between
@@ -31,17 +33,20 @@
 // rail ring (c, its node) of the owner (n, l) (one scale-out transfer per (token, node)); the owner (team N of the
 // even CTA) adds the biases, then the partials in ascending node order, in fp32, and rounds once more. send_nvl_head
 // and send_rdma_head give each row's position in its ring. A team publishes what it holds back (tails, credits)
-// before any wait that could depend on it. Dispatch and combine rings live in separate halves of the buffer.
+// before any wait that could depend on it, and a role returns only once it has published everything it finished,
+// so a warp that serves several roles holds nothing back for an earlier one while it serves a later one. Dispatch
+// and combine rings live in separate halves of the buffer.
 //
 // Notify exchanges, from every source to every rank, the per-rank totals, per-expert counts and per-channel counts
-// (the shared notify slots of layout.cuh), and, to rail peers only, the per-channel counts of tokens that need the
-// peer's node; it builds the internode handle's prefix matrices as reference/ defines them.
+// (the fused notify slots of fused_internode.cuh), and, to rail peers only, the per-channel counts of tokens that
+// need the peer's node; it builds the internode handle's prefix matrices as reference/ defines them.
 #include <cuda_bf16.h>
 
 #include <cstdint>
 
 #include "fused_internode.cuh"
 #include "intranode_common.cuh"
+#include "put.cuh"
 
 namespace deep_ep {
 namespace kernels {
@@ -49,6 +54,112 @@ namespace kernels {
 namespace {
 
 constexpr int kMaxGpusPerNode = 8;  // send_nvl_head has 8 columns; local masks are 8 bits
+static_assert(kFusedMaxNodes <= 32, "a lane per node (combine owner, notify)");
+static_assert(kFusedMaxRanks <= kNotifyThreads - kFusedMaxRanks, "notify: a thread per rank, another per node");
+
+// Lane 0 waits, the warp learns the outcome and the value seen.
+__device__ __forceinline__ bool warp_wait_geq(const KernelContext& ctx, const uint32_t* word, uint32_t target,
+                                              const Site& site, uint32_t* seen) {
+    bool ok = true;
+    uint32_t value = 0;
+    if (lane_id() == 0) ok = wait_geq(ctx, word, target, site, &value);
+    *seen = __shfl_sync(0xffffffffu, value, 0);
+    return __shfl_sync(0xffffffffu, ok ? 1 : 0, 0) != 0;
+}
+
+// The whole warp's stores so far become visible before `value` lands in `word` (lane 0 publishes).
+__device__ __forceinline__ void warp_publish(uint32_t* word, uint32_t value) {
+    __syncwarp();
+    if (lane_id() == 0) {
+        fence_acq_rel_sys();
+        st_release_sys(word, value);
+    }
+    __syncwarp();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// NVSHMEM put peers (put.cuh): the rail hops and notify's exchanges with ranks of other nodes
+// ---------------------------------------------------------------------------------------------------------------
+
+// The word that `peer` raises in this rank's buffer: `word` for a pointer peer, the low half of this rank's signal
+// at `signal_offset` for a put peer.
+__device__ __forceinline__ uint32_t* raised_word(const KernelContext& ctx, uint32_t* word, int64_t signal_offset,
+                                                 int peer) {
+    return is_put_peer(ctx, peer) ? reinterpret_cast<uint32_t*>(own_buffer(ctx) + signal_offset) : word;
+}
+
+// After a successful wait on a word that put peer `peer` raised (no-op for a pointer peer): NVSHMEM's consistency
+// operation, so that the data the signal covers is read after it.
+__device__ __forceinline__ void after_raised(const KernelContext& ctx, int64_t signal_offset, int peer) {
+    if (is_put_peer(ctx, peer)) put_wait_consistency(reinterpret_cast<uint64_t*>(own_buffer(ctx) + signal_offset));
+}
+
+// One thread: the signal at `signal_offset` of put peer `pe` becomes `value`, after everything this thread wrote or
+// observed (its puts, if any, are complete: the callers quiet first).
+static __device__ __noinline__ void fused_signal(const KernelContext& ctx, int64_t signal_offset, int pe,
+                                                 uint32_t value) {
+    fence_acq_rel_sys();
+#ifndef DEEP_EP_DISABLE_NVSHMEM
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(own_buffer(ctx) + signal_offset), value, NVSHMEM_SIGNAL_SET,
+                       ctx.pe_of[pe]);
+#else
+    (void)ctx, (void)signal_offset, (void)pe, (void)value;
+#endif
+}
+
+// Where this rank stages what it puts at byte `offset` of a put peer's buffer: the put area's staging twin of the
+// offset (layout.cuh; fused_region_bytes keeps the fused layout inside what the staging halves mirror).
+__device__ __forceinline__ char* fused_stage(const KernelContext& ctx, int64_t offset) {
+    return own_buffer(ctx) + put_stage_shift(ctx.num_nvl_bytes) + offset;
+}
+
+// Lane 0 raises `word` of a pointer peer (release store) or the signal at `signal_offset` of put peer `peer` to
+// `value`, after the whole warp's stores (the warp_publish of either kind of peer).
+__device__ __forceinline__ void warp_raise(const KernelContext& ctx, uint32_t* word, int64_t signal_offset, int peer,
+                                           uint32_t value) {
+    if (is_put_peer(ctx, peer)) {
+        __syncwarp();
+        if (lane_id() == 0) fused_signal(ctx, signal_offset, peer, value);
+        __syncwarp();
+    } else {
+        warp_publish(word, value);
+    }
+}
+
+// Whole warp: records [from, to) (sequence numbers) of rail ring (channel, `dest_node`) at put peer `pe`, from this
+// rank's staging of its own rail ring (channel, `stage_node`) (`geo`: the direction's layout), as one put (two where
+// the run wraps); once they are delivered (quiet), the signal at `signal_offset` there becomes `to`. The records'
+// stores (the team's, acquired by the caller's team wait) come first.
+static __device__ __noinline__ void fused_put_run(const KernelContext& ctx, const FusedGeometry& geo, int channel,
+                                                  int stage_node, int dest_node, uint32_t from, uint32_t to, int pe,
+                                                  int64_t signal_offset) {
+#ifndef DEEP_EP_DISABLE_NVSHMEM
+    const int capacity = geo.rail_capacity;
+    const int64_t record_bytes = geo.record_bytes;
+    const int64_t stage_ring = geo.rail_slot(channel, stage_node, 0), dest_ring = geo.rail_slot(channel, dest_node, 0);
+    const int n = static_cast<int>(to - from);
+    __syncwarp();
+    if (lane_id() == 0) fence_acq_rel_sys();
+    __syncwarp();
+    if (n > 0) {
+        const int slot = static_cast<int>(from % static_cast<uint32_t>(capacity));
+        const int first = n < capacity - slot ? n : capacity - slot;
+        char* dest = own_buffer(ctx) + dest_ring;
+        const char* stage = fused_stage(ctx, stage_ring);
+        nvshmemx_putmem_nbi_warp(dest + slot * record_bytes, stage + slot * record_bytes,
+                                 static_cast<size_t>(first * record_bytes), ctx.pe_of[pe]);
+        if (first < n)
+            nvshmemx_putmem_nbi_warp(dest, stage, static_cast<size_t>((n - first) * record_bytes), ctx.pe_of[pe]);
+        __syncwarp();
+        if (lane_id() == 0) nvshmem_quiet();
+    }
+    if (lane_id() == 0) fused_signal(ctx, signal_offset, pe, to);
+    __syncwarp();
+#else
+    (void)ctx, (void)geo, (void)channel, (void)stage_node, (void)dest_node, (void)from, (void)to, (void)pe,
+        (void)signal_offset;
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Notify
@@ -56,11 +167,9 @@ constexpr int kMaxGpusPerNode = 8;  // send_nvl_head has 8 columns; local masks 
 
 __global__ void __launch_bounds__(kNotifyThreads, 1)
     fused_notify_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ FusedNotifyArgs args) {
-    __shared__ int rank_counts[kMaxRanks][kMaxChannels];  // my tokens to rank d in channel c
-    __shared__ int node_counts[kMaxRanks][kMaxChannels];  // my tokens that need node n in channel c
-    __shared__ int rank_totals[kMaxRanks];
-    __shared__ int recv_starts[kMaxRanks];                 // first row of each source's block
-    __shared__ int mismatch_source;                        // the first source whose signature differs, or kMaxRanks
+    __shared__ int rank_totals[kFusedMaxRanks];
+    __shared__ int recv_starts[kFusedMaxRanks];  // first row of each source's block
+    __shared__ int mismatch_source;              // the first source whose signature differs, or kFusedMaxRanks
 
     const int num_ranks = ctx.num_ranks, rank = ctx.rank, num_channels = args.num_channels;
     const int per_node = args.gpus_per_node, num_nodes = num_ranks / per_node;
@@ -68,6 +177,13 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     const int num_local_experts = args.num_experts / num_ranks;
     const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = lane_id();
     const int num_warps = static_cast<int>(blockDim.x) / 32;
+    // My tokens to rank d in channel c, then my tokens that need node n in channel c: first as counts in the
+    // sender-side prefix matrices, which step 2 turns into inclusive prefixes in place.
+    int* rank_matrix = args.gbl_channel_prefix_matrix;
+    int* node_matrix = args.rdma_channel_prefix_matrix;
+    auto count_of = [](const int* prefix_row, int c) {
+        return prefix_row[c] - (c > 0 ? prefix_row[c - 1] : 0);
+    };
 
     // 1. Per-(rank, channel) and per-(node, channel) counts from is_token_in_rank.
     for (int pair = warp; pair < (num_ranks + num_nodes) * num_channels; pair += num_warps) {
@@ -88,9 +204,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         count = warp_sum(count);
         if (lane == 0) {
             if (which < num_ranks)
-                rank_counts[which][c] = count;
+                rank_matrix[which * num_channels + c] = count;
             else
-                node_counts[which - num_ranks][c] = count;
+                node_matrix[(which - num_ranks) * num_channels + c] = count;
         }
     }
     __syncthreads();
@@ -100,19 +216,19 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         const int d = tid;
         int total = 0;
         for (int c = 0; c < num_channels; ++c) {
-            total += rank_counts[d][c];
-            args.gbl_channel_prefix_matrix[d * num_channels + c] = total;
+            total += rank_matrix[d * num_channels + c];
+            rank_matrix[d * num_channels + c] = total;
         }
         rank_totals[d] = total;
         if (args.num_tokens_per_rank[d] != total)
             report_error(ctx, kErrorCountMismatch, Site{kKernelNotify, kPhaseNotifyCheckCounts, d, -1},
                          args.num_tokens_per_rank[d], total, 0);
-    } else if (tid >= 32 && tid < 32 + num_nodes) {
-        const int n = tid - 32;
+    } else if (tid >= kFusedMaxRanks && tid < kFusedMaxRanks + num_nodes) {
+        const int n = tid - kFusedMaxRanks;
         int total = 0;
         for (int c = 0; c < num_channels; ++c) {
-            total += node_counts[n][c];
-            args.rdma_channel_prefix_matrix[n * num_channels + c] = total;
+            total += node_matrix[n * num_channels + c];
+            node_matrix[n * num_channels + c] = total;
         }
         if (args.num_tokens_per_rdma_rank != nullptr && args.num_tokens_per_rdma_rank[n] != total)
             report_error(ctx, kErrorCountMismatch, Site{kKernelNotify, kPhaseNotifyCheckCounts, n * per_node, -1},
@@ -120,59 +236,96 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     }
     const uint32_t epoch = *workspace_u32(ctx, kWsNotifyEpochOffset) + 1;
     const int parity = static_cast<int>(epoch & 1u);
-    if (tid == 0) mismatch_source = kMaxRanks;
+    if (tid == 0) mismatch_source = kFusedMaxRanks;
     __syncthreads();
 
     // 3. My counts into every rank's slot [parity][me]: [R totals][L expert counts of d][C channel counts to d]
-    //    [my signature], and to my rail peers the channel counts of tokens that need their node.
+    //    [my signature], and to my rail peers the channel counts of tokens that need their node. For a put peer d
+    //    they go to my staging of slot [parity][d] (and of d's node counts) first, and a warp puts them (3b).
     const int* my_signature = reinterpret_cast<const int*>(args.signature);
     const int per_dst = num_ranks + num_local_experts + 2 * num_channels + kSignatureInts;
     for (int i = tid; i < num_ranks * per_dst; i += static_cast<int>(blockDim.x)) {
         const int d = i / per_dst, k = i % per_dst;
-        volatile int* slot = reinterpret_cast<volatile int*>(buffer_u32(ctx.buffers[d], kNotifyDataOffset)) +
-                             (static_cast<int64_t>(parity) * kMaxRanks + rank) * kNotifyInts;
+        const bool put = is_put_peer(ctx, d);
+        volatile int* slot =
+            put ? reinterpret_cast<volatile int*>(fused_stage(ctx, kFusedNotifyDataOffset)) +
+                      (static_cast<int64_t>(parity) * kFusedMaxRanks + d) * kFusedNotifyInts
+                : reinterpret_cast<volatile int*>(buffer_u32(ctx.buffers[d], kFusedNotifyDataOffset)) +
+                      (static_cast<int64_t>(parity) * kFusedMaxRanks + rank) * kFusedNotifyInts;
         if (k < num_ranks) {
             slot[k] = rank_totals[k];
         } else if (k < num_ranks + num_local_experts) {
-            slot[kMaxRanks + (k - num_ranks)] = args.num_tokens_per_expert[d * num_local_experts + (k - num_ranks)];
+            slot[kFusedMaxRanks + (k - num_ranks)] =
+                args.num_tokens_per_expert[d * num_local_experts + (k - num_ranks)];
         } else if (k < num_ranks + num_local_experts + num_channels) {
             const int c = k - num_ranks - num_local_experts;
-            slot[kMaxRanks + kMaxLocalExperts + c] = rank_counts[d][c];
+            slot[kFusedMaxRanks + kMaxLocalExperts + c] = count_of(rank_matrix + d * num_channels, c);
         } else if (k >= num_ranks + num_local_experts + 2 * num_channels) {
             const int w = k - num_ranks - num_local_experts - 2 * num_channels;
-            slot[kNotifySignaturePos + w] = my_signature[w];
+            slot[kFusedNotifySignaturePos + w] = my_signature[w];
         } else if (d % per_node == my_local) {
             const int c = k - num_ranks - num_local_experts - num_channels;
-            volatile int* counts = reinterpret_cast<volatile int*>(buffer_u32(ctx.buffers[d], kFusedNodeCountOffset));
-            counts[(static_cast<int64_t>(parity) * kMaxRanks + rank) * kMaxChannels + c] = node_counts[d / per_node][c];
+            volatile int* counts = reinterpret_cast<volatile int*>(
+                put ? fused_stage(ctx, kFusedNodeCountOffset) : reinterpret_cast<char*>(ctx.buffers[d]) +
+                                                                   kFusedNodeCountOffset);
+            counts[(static_cast<int64_t>(parity) * kFusedMaxRanks + (put ? d : rank)) * kMaxChannels + c] =
+                count_of(node_matrix + (d / per_node) * num_channels, c);
         }
     }
     __threadfence_system();
     __syncthreads();
-    if (tid < num_ranks && !ctx.skip_sends) {
+    const int64_t my_flag_signal = kFusedNotifyFlagSignalOffset + 8LL * (parity * kFusedMaxRanks + rank);
+    if (tid < num_ranks && !ctx.skip_sends && !is_put_peer(ctx, tid)) {
         fence_acq_rel_sys();
-        st_release_sys(buffer_u32(ctx.buffers[tid], kNotifyFlagOffset) + parity * kMaxRanks + rank, epoch);
+        st_release_sys(buffer_u32(ctx.buffers[tid], kFusedNotifyFlagOffset) + parity * kFusedMaxRanks + rank, epoch);
+    }
+    // 3b. A warp per put peer d: my staged slot (and node counts, to a rail peer) into d's slot [parity][me], then
+    //     the flag's signal once they are delivered.
+    for (int d = warp; d < num_ranks && ctx.put_mask != 0 && !ctx.skip_sends; d += num_warps) {
+        if (!is_put_peer(ctx, d)) continue;
+        if (lane == 0) fence_acq_rel_sys();
+        __syncwarp();
+#ifndef DEEP_EP_DISABLE_NVSHMEM
+        const int64_t slot_bytes = 4LL * kFusedNotifyInts, counts_bytes = 4LL * kMaxChannels;
+        const int64_t mine = static_cast<int64_t>(parity) * kFusedMaxRanks + rank;
+        const int64_t theirs = static_cast<int64_t>(parity) * kFusedMaxRanks + d;
+        nvshmemx_putmem_nbi_warp(own_buffer(ctx) + kFusedNotifyDataOffset + mine * slot_bytes,
+                                 fused_stage(ctx, kFusedNotifyDataOffset) + theirs * slot_bytes,
+                                 static_cast<size_t>(slot_bytes), ctx.pe_of[d]);
+        if (d % per_node == my_local)
+            nvshmemx_putmem_nbi_warp(own_buffer(ctx) + kFusedNodeCountOffset + mine * counts_bytes,
+                                     fused_stage(ctx, kFusedNodeCountOffset) + theirs * counts_bytes,
+                                     static_cast<size_t>(counts_bytes), ctx.pe_of[d]);
+        __syncwarp();
+        if (lane == 0) nvshmem_quiet();
+#endif
+        if (lane == 0) fused_signal(ctx, my_flag_signal, d, epoch);
+        __syncwarp();
     }
 
-    // 4. Wait for every source's counts of this epoch.
+    // 4. Wait for every source's counts of this epoch (a put peer's flag is its signal).
     if (tid < num_ranks) {
         uint32_t seen;
-        wait_geq(ctx, buffer_u32(ctx.buffers[rank], kNotifyFlagOffset) + parity * kMaxRanks + tid, epoch,
-                 Site{kKernelNotify, kPhaseNotifyWaitCounts, tid, -1}, &seen);
+        const int64_t signal = kFusedNotifyFlagSignalOffset + 8LL * (parity * kFusedMaxRanks + tid);
+        const uint32_t* flag = raised_word(
+            ctx, buffer_u32(ctx.buffers[rank], kFusedNotifyFlagOffset) + parity * kFusedMaxRanks + tid, signal, tid);
+        if (wait_geq(ctx, flag, epoch, Site{kKernelNotify, kPhaseNotifyWaitCounts, tid, -1}, &seen))
+            after_raised(ctx, signal, tid);
     }
     __syncthreads();
 
     // 5. Receiver-side matrices (garbage but bounded if a wait failed).
-    const volatile int* data = reinterpret_cast<const volatile int*>(buffer_u32(ctx.buffers[rank], kNotifyDataOffset)) +
-                               static_cast<int64_t>(parity) * kMaxRanks * kNotifyInts;
+    const volatile int* data =
+        reinterpret_cast<const volatile int*>(buffer_u32(ctx.buffers[rank], kFusedNotifyDataOffset)) +
+        static_cast<int64_t>(parity) * kFusedMaxRanks * kFusedNotifyInts;
     const volatile int* node_data =
         reinterpret_cast<const volatile int*>(buffer_u32(ctx.buffers[rank], kFusedNodeCountOffset)) +
-        static_cast<int64_t>(parity) * kMaxRanks * kMaxChannels;
+        static_cast<int64_t>(parity) * kFusedMaxRanks * kMaxChannels;
     if (tid == 0) {
         int prefix = 0;
         for (int s = 0; s < num_ranks; ++s) {
             recv_starts[s] = prefix;
-            prefix += data[s * kNotifyInts + rank];
+            prefix += data[s * kFusedNotifyInts + rank];
             args.recv_gbl_rank_prefix_sum[s] = prefix;
         }
     } else if (tid == 32) {
@@ -196,20 +349,20 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         int row = recv_starts[s];
         for (int c = 0; c < num_channels; ++c) {
             args.recv_gbl_channel_prefix_matrix[s * num_channels + c] = row;
-            row += data[s * kNotifyInts + kMaxRanks + kMaxLocalExperts + c];
+            row += data[s * kFusedNotifyInts + kFusedMaxRanks + kMaxLocalExperts + c];
         }
     }
     // Every source's signature: to the host, and compared with mine.
-    notify_agreement(ctx, args, data, kNotifyInts, my_signature, &mismatch_source);
+    notify_agreement(ctx, args, data + kFusedNotifySignaturePos, kFusedNotifyInts, my_signature, &mismatch_source);
     if (args.host_counters != nullptr) {
-        notify_expert_counts(args, data, kNotifyInts, num_ranks, num_local_experts);
+        notify_expert_counts(args, data + kFusedMaxRanks, kFusedNotifyInts, num_ranks, num_local_experts);
         __threadfence_system();
     }
     __syncthreads();
     if (tid == 0) {
         if (args.host_counters != nullptr) {
             int total = 0;
-            for (int s = 0; s < num_ranks; ++s) total += data[s * kNotifyInts + rank];
+            for (int s = 0; s < num_ranks; ++s) total += data[s * kFusedNotifyInts + rank];
             reinterpret_cast<volatile int*>(args.host_counters)[0] = total;
             __threadfence_system();
         }
@@ -221,25 +374,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
 // Dispatch
 // ---------------------------------------------------------------------------------------------------------------
 
-// Lane 0 waits, the warp learns the outcome and the value seen.
-__device__ __forceinline__ bool warp_wait_geq(const KernelContext& ctx, const uint32_t* word, uint32_t target,
-                                              const Site& site, uint32_t* seen) {
-    bool ok = true;
-    uint32_t value = 0;
-    if (lane_id() == 0) ok = wait_geq(ctx, word, target, site, &value);
-    *seen = __shfl_sync(0xffffffffu, value, 0);
-    return __shfl_sync(0xffffffffu, ok ? 1 : 0, 0) != 0;
-}
-
-// The whole warp's stores so far become visible before `value` lands in `word` (lane 0 publishes).
-__device__ __forceinline__ void warp_publish(uint32_t* word, uint32_t value) {
-    __syncwarp();
-    if (lane_id() == 0) {
-        fence_acq_rel_sys();
-        st_release_sys(word, value);
-    }
-    __syncwarp();
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Teams
@@ -311,6 +445,28 @@ __device__ __forceinline__ Team make_team(volatile int* progress, int warp, int 
     return Team{warp - first, size, progress + first};
 }
 
+// Role instances [0, count) over the warps [0, num_warps) of a CTA. Up to num_warps instances: teams (make_team), one
+// instance each. More: one warp per team, warp w serving instances w, w + num_warps, ... one after the other in
+// ascending order; `*first` and `*stride` give the loop. No cycle follows: give each instance the key of the flow
+// it serves (dispatch: source node + destination node of its rail connection; combine: the owner's rank). Within a
+// flow the roles are the unshared design's; a shared warp makes an instance wait only for instances earlier in the
+// warp's order, every one of a lower key (a receiver's or combine sender's lower source rank, a sender's or
+// forwarder's node 16 lower, a combine forwarder's owner of node 0). The lowest key still waited on thus has all its
+// instances running or done, and its flow drains. An instance publishes what it holds back before (combine: inside)
+// each of its waits and returns only once it has published everything it finished (dispatch: its last batch;
+// combine: team_drain), so no wait of a warp depends on its own unpublished records, of this instance or an earlier
+// one (tests/test_fused_role_order.py models the order and the combine's publications).
+__device__ __forceinline__ Team make_roles(volatile int* progress, int warp, int num_warps, int count, int* first,
+                                           int* stride) {
+    if (count <= num_warps) {
+        *stride = count;
+        return make_team(progress, warp, num_warps, count, first);
+    }
+    *first = warp;
+    *stride = num_warps;
+    return Team{0, 1, progress + warp};
+}
+
 // Every team's progress words start at 0 (before any role runs; the whole CTA calls it).
 __device__ __forceinline__ void reset_teams(volatile int* progress) {
     if (threadIdx.x < kChannelWarps) progress[threadIdx.x] = 0;
@@ -322,19 +478,34 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
                                   const Team& team, int channel, int n, int num_checked) {
     const int lane = lane_id(), per_node = geo.gpus_per_node, num_ranks = ctx.num_ranks;
     const int my_node = ctx.rank / per_node, fwd = n * per_node + ctx.rank % per_node;
-    uint32_t* heads = buffer_u32(ctx.buffers[ctx.rank], kFusedRailHeadOffset);
+    // A put forwarder: records go to my staging of my rail ring (c, n) and are put as runs into its ring (c, my
+    // node) when the tail is published; its credits arrive as signals.
+    const bool put = is_put_peer(ctx, fwd);
+    auto head_word = [&](int c) {
+        return raised_word(ctx, buffer_u32(ctx.buffers[ctx.rank], kFusedRailHeadOffset) + fused_index(c, n),
+                           kFusedRailHeadSignalOffset + 8LL * fused_node_index(c, n), fwd);
+    };
     uint32_t* shadows = workspace_u32(ctx, kWsFusedRailTailShadow);
 
     bool ok = true;
     for (int c = channel; c < num_checked && ok; c += geo.num_channels) {
         uint32_t seen;
-        ok = warp_wait_geq(ctx, heads + counter_index(c, n), shadows[counter_index(c, n)],
+        ok = warp_wait_geq(ctx, head_word(c), shadows[fused_index(c, n)],
                            Site{kKernelDispatch, kPhaseDispatchSendDrain, fwd, c}, &seen);
     }
     fence_acq_rel_sys();
-    uint32_t tail = shadows[counter_index(channel, n)];
+    uint32_t tail = shadows[fused_index(channel, n)];
     uint32_t head = tail, published = tail;
-    uint32_t* remote_tail = buffer_u32(ctx.buffers[fwd], kFusedRailTailOffset) + counter_index(channel, my_node);
+    uint32_t* remote_tail =
+        put ? nullptr : buffer_u32(ctx.buffers[fwd], kFusedRailTailOffset) + fused_index(channel, my_node);
+    const int64_t tail_signal = kFusedRailTailSignalOffset + 8LL * fused_node_index(channel, my_node);
+    // Leader, whole warp: the records [published, tail) are finished by every warp; they reach the forwarder.
+    auto raise_tail = [&]() {
+        if (put)
+            fused_put_run(ctx, geo, channel, n, my_node, published, tail, fwd, tail_signal);
+        else
+            warp_publish(remote_tail, tail);
+    };
     const bool leader = team.leader(), publish = !ctx.skip_sends && leader;
     const Site site{kKernelDispatch, kPhaseDispatchSendWaitHead, fwd, channel};
     int begin, end, count = 0;
@@ -358,13 +529,14 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
             if (published != tail && publish) {
                 ok = team.wait(ctx, t - begin, site);
                 if (!ok) break;
-                warp_publish(remote_tail, tail);
+                raise_tail();
             }
             published = tail;
-            ok = warp_wait_geq(ctx, heads + counter_index(channel, n), needed_head, site, &head);
+            ok = warp_wait_geq(ctx, head_word(channel), needed_head, site, &head);
             if (!ok) break;
         }
-        char* slot = static_cast<char*>(ctx.buffers[fwd]) + geo.rail_slot(channel, my_node, tail);
+        char* slot = put ? fused_stage(ctx, geo.rail_slot(channel, n, tail))
+                         : static_cast<char*>(ctx.buffers[fwd]) + geo.rail_slot(channel, my_node, tail);
         int4* dst = reinterpret_cast<int4*>(slot) + lo;
         warp_copy_row<false>(
             reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + t * geo.hidden_bytes) + lo, hi - lo,
@@ -392,7 +564,7 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
             if (publish) {
                 ok = team.wait(ctx, t - begin + 1, site);
                 if (!ok) break;
-                warp_publish(remote_tail, tail);
+                raise_tail();
             }
             published = tail;
         }
@@ -400,8 +572,8 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
     team.report(kTeamDone);
     if (leader) {
         const bool all_done = team.wait(ctx, kTeamDone, site);
-        if (ok && all_done && published != tail && publish) warp_publish(remote_tail, tail);
-        if (lane == 0) shadows[counter_index(channel, n)] = tail;
+        if (ok && all_done && published != tail && publish) raise_tail();
+        if (lane == 0) shadows[fused_index(channel, n)] = tail;
     }
 }
 
@@ -422,9 +594,9 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
     if (is_dst_lane) {
         for (int c = channel; c < num_checked && ok; c += num_channels) {
             uint32_t seen;
-            const uint32_t target = node_tail_shadows[counter_index(c, pair)];
-            if (!seq_geq(ld_relaxed_sys(node_heads + counter_index(c, pair)), target))
-                ok = wait_geq(ctx, node_heads + counter_index(c, pair), target,
+            const uint32_t target = node_tail_shadows[fused_index(c, pair)];
+            if (!seq_geq(ld_relaxed_sys(node_heads + fused_index(c, pair)), target))
+                ok = wait_geq(ctx, node_heads + fused_index(c, pair), target,
                               Site{kKernelDispatch, kPhaseDispatchSendDrain, my_node * per_node + lane, c}, &seen);
         }
     }
@@ -435,16 +607,22 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
     const int before = channel > 0 ? prefix[channel - 1] : 0;
     const int num_records = prefix[channel] - before;
     const int64_t first_row = (n > 0 ? args.recv_rdma_rank_prefix_sum[n - 1] : 0) + before;
-    uint32_t* rail_heads_shadow = workspace_u32(ctx, kWsFusedRailHeadShadow) + counter_index(channel, n);
-    const uint32_t* rail_tail = buffer_u32(own, kFusedRailTailOffset) + counter_index(channel, n);
-    uint32_t* credit = buffer_u32(ctx.buffers[src_rank], kFusedRailHeadOffset) + counter_index(channel, my_node);
+    uint32_t* rail_heads_shadow = workspace_u32(ctx, kWsFusedRailHeadShadow) + fused_index(channel, n);
+    // A put sender raises the rail tail as a signal (after its records are delivered) and gets its credits so.
+    const int64_t tail_signal = kFusedRailTailSignalOffset + 8LL * fused_node_index(channel, n);
+    const int64_t credit_signal = kFusedRailHeadSignalOffset + 8LL * fused_node_index(channel, my_node);
+    const uint32_t* rail_tail =
+        raised_word(ctx, buffer_u32(own, kFusedRailTailOffset) + fused_index(channel, n), tail_signal, src_rank);
+    uint32_t* credit = is_put_peer(ctx, src_rank)
+                           ? nullptr
+                           : buffer_u32(ctx.buffers[src_rank], kFusedRailHeadOffset) + fused_index(channel, my_node);
     uint32_t rail_head = *rail_heads_shadow;
     // Lane j < G: node ring (channel, src_rank) at receiver (my node, j).
-    uint32_t node_tail = is_dst_lane ? node_tail_shadows[counter_index(channel, pair)] : 0;
+    uint32_t node_tail = is_dst_lane ? node_tail_shadows[fused_index(channel, pair)] : 0;
     uint32_t node_published = node_tail, node_head = node_tail;
     uint32_t* remote_node_tail =
         is_dst_lane ? buffer_u32(ctx.buffers[my_node * per_node + lane], kFusedNodeTailOffset) +
-                          counter_index(channel, src_rank)
+                          fused_index(channel, src_rank)
                     : nullptr;
     int seq = 0;  // this call's records to receiver lane
     const bool leader = team.leader(), publish = !ctx.skip_sends && leader;
@@ -456,6 +634,8 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
         uint32_t seen;
         ok = warp_wait_geq(ctx, rail_tail, rail_head + 1, site, &seen);
         if (!ok) break;
+        if (lane == 0) after_raised(ctx, tail_signal, src_rank);
+        __syncwarp();
         const int available = min(static_cast<int>(seen - rail_head), num_records - done);
         for (int i = 0; i < available && ok; ++i, ++done, ++rail_head) {
             const char* record = own + geo.rail_slot(channel, n, rail_head);
@@ -478,7 +658,7 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
                 node_published = node_tail;
                 if (short_of_space) {
                     uint32_t head_seen;
-                    ok = wait_geq(ctx, node_heads + counter_index(channel, pair), needed_head,
+                    ok = wait_geq(ctx, node_heads + fused_index(channel, pair), needed_head,
                                   Site{kKernelDispatch, kPhaseDispatchSendWaitHead, my_node * per_node + lane, channel},
                                   &head_seen);
                     node_head = head_seen;
@@ -523,7 +703,7 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
                 fence_acq_rel_sys();
                 st_release_sys(remote_node_tail, node_tail);
             }
-            warp_publish(credit, rail_head);
+            warp_raise(ctx, credit, credit_signal, src_rank, rail_head);
         }
         node_published = node_tail;
     }
@@ -531,7 +711,7 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
     if (leader) {
         team.wait(ctx, kTeamDone, site);
         if (lane == 0) *rail_heads_shadow = rail_head;
-        if (is_dst_lane) node_tail_shadows[counter_index(channel, pair)] = node_tail;
+        if (is_dst_lane) node_tail_shadows[fused_index(channel, pair)] = node_tail;
     }
 }
 
@@ -553,10 +733,10 @@ static __device__ void fused_receive(const KernelContext& ctx, const FusedGeomet
     }
     const int num_local_experts = args.num_experts / ctx.num_ranks;
     const int expert_begin = ctx.rank * num_local_experts;
-    uint32_t* head_shadow = workspace_u32(ctx, kWsFusedNodeHeadShadow) + counter_index(channel, s);
-    const uint32_t* tail = buffer_u32(own, kFusedNodeTailOffset) + counter_index(channel, s);
+    uint32_t* head_shadow = workspace_u32(ctx, kWsFusedNodeHeadShadow) + fused_index(channel, s);
+    const uint32_t* tail = buffer_u32(own, kFusedNodeTailOffset) + fused_index(channel, s);
     uint32_t* remote_head = buffer_u32(ctx.buffers[fwd], kFusedNodeHeadOffset) +
-                            counter_index(channel, src_node * per_node + ctx.rank % per_node);
+                            fused_index(channel, src_node * per_node + ctx.rank % per_node);
     uint32_t head = *head_shadow;
     const bool leader = team.leader();
     const Site site{kKernelDispatch, kPhaseDispatchRecvWaitTail, fwd, channel};
@@ -625,25 +805,41 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     const int num_nodes = geo.num_nodes;
     int role;
     if ((blockIdx.x & 1u) == 0) {
-        // Teams 0 .. N-1 send to node n, teams N .. 2N-1 forward from node n - N.
-        const Team team = make_team(team_progress, warp, kChannelWarps, 2 * num_nodes, &role);
         int num_checked = 0;
         if (lane_id() == 0) num_checked = raise_max_channels(ctx, kWsFusedMaxChannels, geo.num_channels);
         num_checked = __shfl_sync(0xffffffffu, num_checked, 0);
-        if (role < num_nodes)
-            fused_send(ctx, geo, args, team, channel, role, num_checked);
-        else
-            fused_forward(ctx, geo, args, team, channel, role - num_nodes, num_checked);
+        // Up to 16 nodes, teams 0 .. N-1 send to node n and teams N .. 2N-1 forward from node n - N. Past 16 nodes,
+        // the first half of the warps send, the second half forward, each warp serving its nodes in ascending order
+        // (make_roles): rail connection (m, n) waits on (m, n - 16) through its sender's warp and on (m - 16, n)
+        // through its forwarder's. One call site per role keeps the kernel's registers to one copy of each.
+        bool sends;
+        int stride;
+        Team team;
+        if (2 * num_nodes <= kChannelWarps) {
+            team = make_team(team_progress, warp, kChannelWarps, 2 * num_nodes, &role);
+            sends = role < num_nodes;
+            role = sends ? role : role - num_nodes;
+            stride = num_nodes;
+        } else {
+            constexpr int kHalf = kChannelWarps / 2;
+            const int in_half = warp % kHalf;
+            team = make_roles(team_progress + (warp - in_half), in_half, kHalf, num_nodes, &role, &stride);
+            sends = warp < kHalf;
+        }
+        for (int n = role; n < num_nodes; n += stride) {
+            if (sends)
+                fused_send(ctx, geo, args, team, channel, n, num_checked);
+            else
+                fused_forward(ctx, geo, args, team, channel, n, num_checked);
+        }
         return;
     }
-    // Team s receives from source rank s; the last warp fills the worst-token tail.
-    if (warp < kChannelWarps - 1) {
-        const Team team = make_team(team_progress, warp, kChannelWarps - 1, ctx.num_ranks, &role);
-        fused_receive(ctx, geo, args, team, channel, role);
-    } else if (channel == 0 && args.worst_token_mode && args.recv_topk_idx != nullptr) {
+    // Each channel's last warp first fills its share of the worst-token tail (no waits); then team s receives from
+    // source rank s.
+    if (warp == kChannelWarps - 1 && args.worst_token_mode && args.recv_topk_idx != nullptr) {
         const int real_rows = args.recv_gbl_rank_prefix_sum[ctx.num_ranks - 1];
-        for (int64_t i = static_cast<int64_t>(real_rows) * geo.num_topk + lane_id();
-             i < static_cast<int64_t>(args.num_recv_rows) * geo.num_topk; i += 32) {
+        for (int64_t i = static_cast<int64_t>(real_rows) * geo.num_topk + channel * 32 + lane_id();
+             i < static_cast<int64_t>(args.num_recv_rows) * geo.num_topk; i += 32 * geo.num_channels) {
             if (args.topk_idx_bytes == 8)
                 static_cast<int64_t*>(args.recv_topk_idx)[i] = -1;
             else
@@ -651,6 +847,9 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             args.recv_topk_weights[i] = 0.0f;
         }
     }
+    int stride;
+    const Team team = make_roles(team_progress, warp, kChannelWarps, ctx.num_ranks, &role, &stride);
+    for (int s = role; s < ctx.num_ranks; s += stride) fused_receive(ctx, geo, args, team, channel, s);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -781,7 +980,7 @@ static __device__ void fused_combine_send(const KernelContext& ctx, const FusedG
     bool ok = true;
     for (int c = channel; c < num_checked && ok; c += num_channels) {
         uint32_t seen;
-        ok = warp_wait_geq(ctx, heads + counter_index(c, s), shadows[counter_index(c, s)],
+        ok = warp_wait_geq(ctx, heads + fused_index(c, s), shadows[fused_index(c, s)],
                            Site{kKernelCombine, kPhaseCombineSendDrain, fwd, c}, &seen);
     }
     fence_acq_rel_sys();
@@ -789,10 +988,10 @@ static __device__ void fused_combine_send(const KernelContext& ctx, const FusedG
     const int end_row = channel + 1 < num_channels ? args.recv_gbl_channel_prefix_matrix[s * num_channels + channel + 1]
                                                    : args.recv_gbl_rank_prefix_sum[s];
     const int num_rows = end_row - first_row;
-    const uint32_t tail0 = shadows[counter_index(channel, s)];
+    const uint32_t tail0 = shadows[fused_index(channel, s)];
     uint32_t head = tail0;
     int published = 0;
-    uint32_t* remote_tail = buffer_u32(ctx.buffers[fwd], kFusedCombineNodeTailOffset) + counter_index(channel, ring);
+    uint32_t* remote_tail = buffer_u32(ctx.buffers[fwd], kFusedCombineNodeTailOffset) + fused_index(channel, ring);
     const bool leader = team.leader(), publish = !ctx.skip_sends;
     const Site site{kKernelCombine, kPhaseCombineSendWaitHead, fwd, channel};
     // Leader: the finished prefix's tail to the forwarder, at least a chunk apart unless `force`.
@@ -807,7 +1006,7 @@ static __device__ void fused_combine_send(const KernelContext& ctx, const FusedG
     team_progress(team, min(team.rank, num_rows));
     for (int i = team.rank; i < num_rows && ok; i += team.size) {
         const uint32_t needed_head = tail0 + static_cast<uint32_t>(i) + 1 - static_cast<uint32_t>(geo.node_capacity);
-        ok = team_wait_geq(ctx, lane == 0 ? heads + counter_index(channel, s) : nullptr, needed_head, site, &head,
+        ok = team_wait_geq(ctx, lane == 0 ? heads + fused_index(channel, s) : nullptr, needed_head, site, &head,
                            leader, [&] { flush(true); });
         if (!ok) break;
         head = __shfl_sync(0xffffffffu, head, 0);
@@ -825,7 +1024,7 @@ static __device__ void fused_combine_send(const KernelContext& ctx, const FusedG
     }
     if (leader) {
         ok = team_drain(ctx, team, num_rows, site, flush) && ok;
-        if (lane == 0) shadows[counter_index(channel, s)] = tail0 + static_cast<uint32_t>(published);
+        if (lane == 0) shadows[fused_index(channel, s)] = tail0 + static_cast<uint32_t>(published);
     }
 }
 
@@ -838,12 +1037,18 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
     const int lane = lane_id(), per_node = geo.gpus_per_node, num_channels = geo.num_channels;
     const int my_node = ctx.rank / per_node, owner = n * per_node + ctx.rank % per_node;
     char* own = static_cast<char*>(ctx.buffers[ctx.rank]);
-    uint32_t* rail_heads = buffer_u32(own, kFusedCombineRailHeadOffset);
+    // A put owner: partials go to my staging of my rail ring (c, n) and are put as runs into its ring (c, my node)
+    // when the tail is published; its credits arrive as signals.
+    const bool put = is_put_peer(ctx, owner);
+    auto head_word = [&](int c) {
+        return raised_word(ctx, buffer_u32(own, kFusedCombineRailHeadOffset) + fused_index(c, n),
+                           kFusedCombineRailHeadSignalOffset + 8LL * fused_node_index(c, n), owner);
+    };
     uint32_t* rail_shadows = workspace_u32(ctx, kWsFusedCombineRailTailShadow);
     bool ok = true;
     for (int c = channel; c < num_checked && ok; c += num_channels) {
         uint32_t seen;
-        ok = warp_wait_geq(ctx, rail_heads + counter_index(c, n), rail_shadows[counter_index(c, n)],
+        ok = warp_wait_geq(ctx, head_word(c), rail_shadows[fused_index(c, n)],
                            Site{kKernelCombine, kPhaseCombineSendDrain, owner, c}, &seen);
     }
     fence_acq_rel_sys();
@@ -856,18 +1061,19 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
     const bool is_src_lane = lane < per_node;
     const int pair = n * per_node + lane;
     uint32_t* node_head_shadows = workspace_u32(ctx, kWsFusedCombineNodeHeadShadow);
-    const uint32_t base = is_src_lane ? node_head_shadows[counter_index(channel, pair)] : 0;
-    const uint32_t* node_tail = is_src_lane ? buffer_u32(own, kFusedCombineNodeTailOffset) + counter_index(channel, pair)
+    const uint32_t base = is_src_lane ? node_head_shadows[fused_index(channel, pair)] : 0;
+    const uint32_t* node_tail = is_src_lane ? buffer_u32(own, kFusedCombineNodeTailOffset) + fused_index(channel, pair)
                                             : nullptr;
     uint32_t* remote_node_head = is_src_lane ? buffer_u32(ctx.buffers[my_node * per_node + lane],
-                                                          kFusedCombineNodeHeadOffset) + counter_index(channel, owner)
+                                                          kFusedCombineNodeHeadOffset) + fused_index(channel, owner)
                                              : nullptr;
     uint32_t tail_cache = base, consumed = 0, released = 0;
-    const uint32_t rail_tail0 = rail_shadows[counter_index(channel, n)];
+    const uint32_t rail_tail0 = rail_shadows[fused_index(channel, n)];
     uint32_t rail_head = rail_tail0;
     int published = 0, scanned = 0;
-    uint32_t* remote_rail_tail = buffer_u32(ctx.buffers[owner], kFusedCombineRailTailOffset) +
-                                 counter_index(channel, my_node);
+    uint32_t* remote_rail_tail =
+        put ? nullptr : buffer_u32(ctx.buffers[owner], kFusedCombineRailTailOffset) + fused_index(channel, my_node);
+    const int64_t tail_signal = kFusedCombineRailTailSignalOffset + 8LL * fused_node_index(channel, my_node);
     const bool leader = team.leader(), publish = !ctx.skip_sends;
     const Site site{kKernelCombine, kPhaseCombineSendWaitHead, owner, channel};
     // Leader: the finished prefix's rail tail to the owner and its node slots back to the local senders, at least a
@@ -879,7 +1085,10 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
             const int index = is_src_lane ? args.send_nvl_head[(first_row + scanned) * kMaxGpusPerNode + lane] : -1;
             if (index >= 0) consumed = static_cast<uint32_t>(index) + 1;
         }
-        if (lane == 0 && publish) {
+        if (put && publish) {
+            fused_put_run(ctx, geo, channel, n, my_node, rail_tail0 + static_cast<uint32_t>(published),
+                          rail_tail0 + static_cast<uint32_t>(finished), owner, tail_signal);
+        } else if (lane == 0 && publish) {
             fence_acq_rel_sys();
             st_release_sys(remote_rail_tail, rail_tail0 + static_cast<uint32_t>(finished));
         }
@@ -904,8 +1113,8 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
         if (!ok) break;
         // Room in the owner's rail ring.
         const uint32_t needed_head = rail_tail0 + static_cast<uint32_t>(i) + 1 - static_cast<uint32_t>(geo.rail_capacity);
-        ok = team_wait_geq(ctx, lane == 0 ? rail_heads + counter_index(channel, n) : nullptr, needed_head, site,
-                           &rail_head, leader, [&] { flush(true); });
+        ok = team_wait_geq(ctx, lane == 0 ? head_word(channel) : nullptr, needed_head, site, &rail_head, leader,
+                           [&] { flush(true); });
         if (!ok) break;
         rail_head = __shfl_sync(0xffffffffu, rail_head, 0);
         const int4* srcs[kMaxGpusPerNode];
@@ -917,8 +1126,9 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
                 srcs[num_srcs++] = reinterpret_cast<const int4*>(
                     own + geo.node_slot(channel, n * per_node + j, ring_base + static_cast<uint32_t>(position)));
         }
-        char* slot = static_cast<char*>(ctx.buffers[owner]) +
-                     geo.rail_slot(channel, my_node, rail_tail0 + static_cast<uint32_t>(i));
+        char* slot = put ? fused_stage(ctx, geo.rail_slot(channel, n, rail_tail0 + static_cast<uint32_t>(i)))
+                         : static_cast<char*>(ctx.buffers[owner]) +
+                               geo.rail_slot(channel, my_node, rail_tail0 + static_cast<uint32_t>(i));
         reduce_row<2>(srcs, num_srcs, nullptr, nullptr, reinterpret_cast<int4*>(slot), row_int4);
         if (args.topk_weights != nullptr) {
             for (int k = lane; k < geo.num_topk; k += 32) {
@@ -934,8 +1144,8 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
     }
     if (leader) {
         ok = team_drain(ctx, team, num_records, site, flush) && ok;
-        if (lane == 0) rail_shadows[counter_index(channel, n)] = rail_tail0 + static_cast<uint32_t>(published);
-        if (is_src_lane) node_head_shadows[counter_index(channel, pair)] = base + released;
+        if (lane == 0) rail_shadows[fused_index(channel, n)] = rail_tail0 + static_cast<uint32_t>(published);
+        if (is_src_lane) node_head_shadows[fused_index(channel, pair)] = base + released;
     }
 }
 
@@ -947,14 +1157,21 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
     const int my_node = ctx.rank / per_node, my_local = ctx.rank % per_node;
     char* own = static_cast<char*>(ctx.buffers[ctx.rank]);
     // Lane n < N: rail ring (channel, n) here, written by the forwarder (n, my local).
+    // A put forwarder raises the rail tail as a signal (after its partials are delivered) and gets its credits so.
     const bool is_node_lane = lane < num_nodes;
+    const int forwarder = lane * per_node + my_local;
+    const bool put = is_node_lane && is_put_peer(ctx, forwarder);
+    const int64_t tail_signal = kFusedCombineRailTailSignalOffset + 8LL * fused_node_index(channel, lane);
+    const int64_t credit_signal = kFusedCombineRailHeadSignalOffset + 8LL * fused_node_index(channel, my_node);
     uint32_t* head_shadows = workspace_u32(ctx, kWsFusedCombineRailHeadShadow);
-    const uint32_t base = is_node_lane ? head_shadows[counter_index(channel, lane)] : 0;
-    const uint32_t* rail_tail = is_node_lane ? buffer_u32(own, kFusedCombineRailTailOffset) + counter_index(channel, lane)
-                                             : nullptr;
-    uint32_t* remote_head = is_node_lane ? buffer_u32(ctx.buffers[lane * per_node + my_local],
-                                                      kFusedCombineRailHeadOffset) + counter_index(channel, my_node)
-                                         : nullptr;
+    const uint32_t base = is_node_lane ? head_shadows[fused_index(channel, lane)] : 0;
+    const uint32_t* rail_tail =
+        is_node_lane ? raised_word(ctx, buffer_u32(own, kFusedCombineRailTailOffset) + fused_index(channel, lane),
+                                   tail_signal, forwarder)
+                     : nullptr;
+    uint32_t* remote_head = is_node_lane && !put ? buffer_u32(ctx.buffers[forwarder], kFusedCombineRailHeadOffset) +
+                                                       fused_index(channel, my_node)
+                                                 : nullptr;
     uint32_t tail_cache = base, consumed = 0, released = 0;
     const bool leader = team.leader();
     const Site site{kKernelCombine, kPhaseCombineRecvWaitTail, -1, channel};
@@ -972,8 +1189,12 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
             if (index >= 0) consumed = static_cast<uint32_t>(index) + 1;
         }
         if (is_node_lane && released != consumed) {
-            fence_acq_rel_sys();
-            st_release_sys(remote_head, base + consumed);
+            if (put) {
+                fused_signal(ctx, credit_signal, forwarder, base + consumed);
+            } else {
+                fence_acq_rel_sys();
+                st_release_sys(remote_head, base + consumed);
+            }
             released = consumed;
         }
         __syncwarp();
@@ -989,7 +1210,8 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
                            Site{kKernelCombine, kPhaseCombineRecvWaitTail, lane * per_node + my_local, channel},
                            &tail_cache, leader, [&] { flush(true); });
         if (!ok) break;
-        const int4* srcs[kMaxRanks];
+        if (put && index >= 0) after_raised(ctx, tail_signal, forwarder);
+        const int4* srcs[kFusedMaxNodes];
         int num_srcs = 0;
         for (int m = 0; m < num_nodes; ++m) {
             const int position = __shfl_sync(0xffffffffu, index, m);
@@ -1018,7 +1240,7 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
     }
     if (leader) {
         ok = team_drain(ctx, team, num_items, site, flush) && ok;
-        if (is_node_lane) head_shadows[counter_index(channel, lane)] = base + released;
+        if (is_node_lane) head_shadows[fused_index(channel, lane)] = base + released;
     }
 }
 
@@ -1034,38 +1256,68 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     num_checked = __shfl_sync(0xffffffffu, num_checked, 0);
     int role;
     if ((blockIdx.x & 1u) == 0) {
-        // Teams 0 .. N-1 forward to the owners of node n, team N owns the channel's tokens.
-        const Team team = make_team(team_progress, warp, kChannelWarps, num_nodes + 1, &role);
-        if (role < num_nodes)
-            fused_combine_forward(ctx, geo, args, team, channel, role, num_checked);
-        else
+        // Up to 31 nodes, teams 0 .. N-1 forward to the owners of node n and team N owns the channel's tokens. Past
+        // 31 nodes, the last warp owns and the others forward, each serving its nodes in ascending order
+        // (make_roles). One call site per role keeps the kernel's registers to one copy of each.
+        int stride;
+        Team team;
+        if (num_nodes + 1 <= kChannelWarps) {
+            team = make_team(team_progress, warp, kChannelWarps, num_nodes + 1, &role);
+            stride = num_nodes + 1;
+        } else if (warp == kChannelWarps - 1) {
+            team = Team{0, 1, team_progress + warp};
+            role = num_nodes;
+            stride = 1;
+        } else {
+            team = make_roles(team_progress, warp, kChannelWarps - 1, num_nodes, &role, &stride);
+        }
+        if (role == num_nodes) {
             fused_combine_own(ctx, geo, args, team, channel);
+            return;
+        }
+        for (int n = role; n < num_nodes; n += stride)
+            fused_combine_forward(ctx, geo, args, team, channel, n, num_checked);
         return;
     }
     // Team s sends my rows of source rank s.
-    const Team team = make_team(team_progress, warp, kChannelWarps, ctx.num_ranks, &role);
-    fused_combine_send(ctx, geo, args, team, channel, role, num_checked);
+    int stride;
+    const Team team = make_roles(team_progress, warp, kChannelWarps, ctx.num_ranks, &role, &stride);
+    for (int s = role; s < ctx.num_ranks; s += stride)
+        fused_combine_send(ctx, geo, args, team, channel, s, num_checked);
 }
 
 void check_fused_context(const KernelContext& ctx, int gpus_per_node, const char* what) {
-    check_context(ctx, what);
-    DEEP_EP_CHECK_ARG(ctx.put_mask == 0, what, ": the fused kernels reach every peer by pointer, got put peers (mask ",
-                      ctx.put_mask, ")");
+    // Put peers: any rank of another node (put_mask has a bit per rank of the group), none of the own node.
+    check_context(ctx, what, kFusedMaxRanks);
+    for (int r = 0; r < ctx.num_ranks && ctx.put_mask != 0 && gpus_per_node > 0; ++r)
+        DEEP_EP_CHECK_ARG(!put_bit(ctx.put_mask, r) || r / gpus_per_node != ctx.rank / gpus_per_node, what,
+                          ": the fused kernels reach the ranks of their own node by pointer, got rank ", r,
+                          " as a put peer of rank ", ctx.rank, " (put mask ", ctx.put_mask, ")");
     DEEP_EP_CHECK_ARG(gpus_per_node >= 2 && gpus_per_node <= kMaxGpusPerNode && ctx.num_ranks % gpus_per_node == 0 &&
-                          ctx.num_ranks / gpus_per_node >= 2,
+                          ctx.num_ranks / gpus_per_node >= 2 && ctx.num_ranks / gpus_per_node <= kFusedMaxNodes,
                       what, ": GPUs per node must be in [2, ", kMaxGpusPerNode,
-                      "] and divide num_ranks into at least 2 nodes, got ", gpus_per_node, " of ", ctx.num_ranks,
-                      " ranks");
+                      "] and divide num_ranks into 2 to ", kFusedMaxNodes, " nodes, got ", gpus_per_node, " of ",
+                      ctx.num_ranks, " ranks");
 }
 
 // The layout of this call fits into its half of the buffer; the message names the num_rdma_bytes that would fit.
+// With put peers the kernels' region is what put_layout leaves of num_rdma_bytes; the message names the
+// num_rdma_bytes whose put layout gives the rings enough (the staging halves mirror the ring halves).
 void check_fits(const KernelContext& ctx, const FusedGeometry& geo, const char* what) {
-    const int64_t half = fused_half_bytes(ctx.num_nvl_bytes);
+    const bool put_area = geo.put_area != 0;
+    DEEP_EP_CHECK_ARG(geo.region_bytes == fused_region_bytes(ctx.num_nvl_bytes, put_area) &&
+                          (put_area || ctx.put_mask == 0),
+                      what, ": the layout must be carved from the context's region (put area ", geo.put_area,
+                      ", put mask ", ctx.put_mask, ")");
+    const int64_t half = fused_half_bytes(geo.region_bytes);
     const int64_t used = geo.end_offset - geo.rail_rings_offset;
-    DEEP_EP_CHECK_ARG(used <= half, what, ": num_rdma_bytes must be >= ", kFusedRingsOffset + 2 * align_up64(used, kBufferAlignment),
-                      " for ", geo.num_channels, " channels, records of ", geo.record_bytes, " bytes, ",
-                      geo.rail_capacity, " rail slots and ", geo.node_capacity, " node slots per ring; got ",
-                      ctx.num_nvl_bytes);
+    const int64_t region = kFusedRingsOffset + 2 * align_up64(used, kBufferAlignment);
+    const int64_t needed = put_area ? 2 * (region - kControlBytes) + kControlBytes + kPutHeaderBytes + 4 * kBufferAlignment
+                                    : region;
+    DEEP_EP_CHECK_ARG(used <= half, what, ": num_rdma_bytes must be >= ", needed, " for ", geo.num_channels,
+                      " channels, records of ", geo.record_bytes, " bytes, ", geo.rail_capacity, " rail slots and ",
+                      geo.node_capacity, " node slots per ring", put_area ? " (with the put area of put peers)" : "",
+                      "; got ", put_area ? "a kernels' region of " : "", ctx.num_nvl_bytes);
 }
 
 }  // namespace
@@ -1097,9 +1349,6 @@ void fused_dispatch(const KernelContext& ctx, const FusedGeometry& geo, const Fu
     DEEP_EP_CHECK_ARG(geo.num_channels >= 1 && geo.num_channels <= kMaxChannels,
                       "fused dispatch: channels must be in [1, ", kMaxChannels, "], got ", geo.num_channels);
     check_resident("fused dispatch", 2 * geo.num_channels);
-    DEEP_EP_CHECK_ARG(2 * geo.num_nodes <= kChannelWarps && ctx.num_ranks < kChannelWarps,
-                      "fused dispatch: at most ", kChannelWarps / 2, " nodes and ", kChannelWarps - 1,
-                      " ranks, got ", geo.num_nodes, " nodes of ", ctx.num_ranks, " ranks");
     DEEP_EP_CHECK_ARG(geo.hidden_bytes > 0 && geo.hidden_bytes % 16 == 0,
                       "fused dispatch: hidden bytes must be a positive multiple of 16, got ", geo.hidden_bytes);
     DEEP_EP_CHECK_ARG(geo.num_topk >= 0 && geo.num_topk <= kMaxTopk, "fused dispatch: num_topk must be in [0, ",
@@ -1137,9 +1386,6 @@ void fused_combine(const KernelContext& ctx, const FusedGeometry& geo, const Fus
     DEEP_EP_CHECK_ARG(geo.num_channels >= 1 && geo.num_channels <= kMaxChannels,
                       "fused combine: channels must be in [1, ", kMaxChannels, "], got ", geo.num_channels);
     check_resident("fused combine", 2 * geo.num_channels);
-    DEEP_EP_CHECK_ARG(geo.num_nodes < kChannelWarps && ctx.num_ranks <= kChannelWarps,
-                      "fused combine: at most ", kChannelWarps - 1, " nodes and ", kChannelWarps, " ranks, got ",
-                      geo.num_nodes, " nodes of ", ctx.num_ranks, " ranks");
     DEEP_EP_CHECK_ARG(geo.hidden_bytes > 0 && geo.hidden_bytes % 16 == 0,
                       "fused combine: hidden must be a positive multiple of 8 BF16 elements, got ",
                       geo.hidden_bytes / 2);

@@ -216,17 +216,18 @@ __device__ __forceinline__ int put_block_items(int num_items, int num_copy_warps
 
 // ---- host-side checks of the launchers ----
 
-inline void check_context(const KernelContext& ctx, const char* what) {
-    DEEP_EP_CHECK_ARG(ctx.num_ranks >= 1 && ctx.num_ranks <= kMaxRanks, what, ": num_ranks must be in [1, ", kMaxRanks,
+// `max_ranks`: the calling kernels' group limit (the ring kernels' kMaxRanks unless given).
+inline void check_context(const KernelContext& ctx, const char* what, int max_ranks = kMaxRanks) {
+    DEEP_EP_CHECK_ARG(ctx.num_ranks >= 1 && ctx.num_ranks <= max_ranks, what, ": num_ranks must be in [1, ", max_ranks,
                       "], got ", ctx.num_ranks);
     DEEP_EP_CHECK_ARG(ctx.rank >= 0 && ctx.rank < ctx.num_ranks, what, ": rank must be in [0, num_ranks), got ",
                       ctx.rank);
-    DEEP_EP_CHECK_ARG(ctx.put_mask == 0 || (kHasPutPath && ((ctx.put_mask >> ctx.rank) & 1u) == 0 &&
-                                            (ctx.put_mask >> ctx.num_ranks) == 0),
+    DEEP_EP_CHECK_ARG(ctx.put_mask == 0 || (kHasPutPath && !put_bit(ctx.put_mask, ctx.rank) &&
+                                            (ctx.num_ranks >= 64 || (ctx.put_mask >> ctx.num_ranks) == 0)),
                       what, ": put peers (mask ", ctx.put_mask, ") need an NVSHMEM build, a put area and a valid mask");
     for (int r = 0; r < ctx.num_ranks; ++r)
-        DEEP_EP_CHECK_ARG(ctx.buffers[r] != nullptr || ((ctx.put_mask >> r) & 1u) != 0, what, ": the buffer of rank ",
-                          r, " is not mapped");
+        DEEP_EP_CHECK_ARG(ctx.buffers[r] != nullptr || put_bit(ctx.put_mask, r), what, ": the buffer of rank ", r,
+                          " is not mapped");
     DEEP_EP_CHECK_ARG(ctx.workspace != nullptr, what, ": workspace must not be null");
     DEEP_EP_CHECK_ARG(ctx.num_nvl_bytes >= kControlBytes, what, ": num_nvl_bytes must be >= ", kControlBytes,
                       ", got ", ctx.num_nvl_bytes);
@@ -284,19 +285,19 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
 
 constexpr int kSignatureInts = 2 * kSignatureWords;  // a call signature as the notify slots hold it (int32)
 
-// Notify, whole CTA (the intranode and the fused notify kernels; slot s of the gathered notify data starts at
-// data + s * slot_ints). Every source's signature goes to the host and, with check_signatures, is compared with
-// mine: *mismatch_source (shared, kMaxRanks before) becomes the first source that differs, the workspace's mismatch
-// word says whether one did, and in worst-token mode (no host wait: host_counters == nullptr) the error record
-// carries the disagreement to the host's next check. Ends with the CTA synchronised.
+// Notify, whole CTA (the intranode and the fused notify kernels; source s's signature in the gathered notify data
+// starts at signatures + s * slot_ints). Every source's signature goes to the host and, with check_signatures, is
+// compared with mine: *mismatch_source (shared, at least num_ranks before) becomes the first source that differs, the
+// workspace's mismatch word says whether one did, and in worst-token mode (no host wait: host_counters == nullptr)
+// the error record carries the disagreement to the host's next check. Ends with the CTA synchronised.
 template <typename Args>
 __device__ __forceinline__ void notify_agreement(const KernelContext& ctx, const Args& args,
-                                                 const volatile int* data, int slot_ints, const int* my_signature,
+                                                 const volatile int* signatures, int slot_ints, const int* my_signature,
                                                  int* mismatch_source) {
     const int num_ranks = ctx.num_ranks;
     for (int i = static_cast<int>(threadIdx.x); i < num_ranks * kSignatureInts; i += static_cast<int>(blockDim.x)) {
         const int s = i / kSignatureInts, w = i % kSignatureInts;
-        const int value = data[s * slot_ints + kNotifySignaturePos + w];
+        const int value = signatures[s * slot_ints + w];
         if (args.host_signatures != nullptr) reinterpret_cast<volatile int*>(args.host_signatures)[i] = value;
         if (args.check_signatures && value != my_signature[w]) atomicMin(mismatch_source, s);
     }
@@ -307,23 +308,24 @@ __device__ __forceinline__ void notify_agreement(const KernelContext& ctx, const
         *workspace_u32(ctx, kWsNotifyMismatchOffset) = s < num_ranks ? 1u : 0u;
         if (s < num_ranks && args.host_counters == nullptr) {
             int w = 0;
-            while (w + 1 < kSignatureInts && data[s * slot_ints + kNotifySignaturePos + w] == my_signature[w]) ++w;
+            while (w + 1 < kSignatureInts && signatures[s * slot_ints + w] == my_signature[w]) ++w;
             fill_error_record(ctx.error,
                               reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsErrorClaimOffset),
                               kErrorArgumentMismatch, kKernelNotify, kPhaseNotifyAgreement, ctx.rank, s, -1,
-                              ctx.call_seq, my_signature[w], data[s * slot_ints + kNotifySignaturePos + w], 0);
+                              ctx.call_seq, my_signature[w], signatures[s * slot_ints + w], 0);
         }
     }
 }
 
 // Notify, whole CTA, with a host wait (host_counters != nullptr): host_counters[1 + e] = the rows of local expert e
-// from every source (the per-expert counts at kMaxRanks of each slot), rounded up to expert_alignment.
+// from every source (source s's count of expert e at expert_counts[s * slot_ints + e]), rounded up to
+// expert_alignment.
 template <typename Args>
-__device__ __forceinline__ void notify_expert_counts(const Args& args, const volatile int* data, int slot_ints,
+__device__ __forceinline__ void notify_expert_counts(const Args& args, const volatile int* expert_counts, int slot_ints,
                                                      int num_ranks, int num_local_experts) {
     for (int e = static_cast<int>(threadIdx.x); e < num_local_experts; e += static_cast<int>(blockDim.x)) {
         int64_t sum = 0;
-        for (int s = 0; s < num_ranks; ++s) sum += data[s * slot_ints + kMaxRanks + e];
+        for (int s = 0; s < num_ranks; ++s) sum += expert_counts[s * slot_ints + e];
         const int64_t align = args.expert_alignment;
         reinterpret_cast<volatile int*>(args.host_counters)[1 + e] =
             static_cast<int>((sum + align - 1) / align * align);

@@ -9,25 +9,27 @@ namespace kernels {
 
 namespace {
 
-// Lane r signals rank r (an NVSHMEM signal for a put peer) and waits for r's arrival here.
+// Thread r signals rank r (an NVSHMEM signal for a put peer) and waits for r's arrival here.
 __global__ void barrier_kernel(const __grid_constant__ KernelContext ctx) {
-    const int lane = lane_id();
+    const int r = static_cast<int>(threadIdx.x);
     const uint32_t epoch = *workspace_u32(ctx, kWsBarrierEpochOffset) + 1;
-    const int64_t my_arrival = kBarrierOffset + 4 * ctx.rank, its_arrival = kBarrierOffset + 4 * lane;
-    if (lane < ctx.num_ranks) {
-        if (is_put_peer(ctx, lane))
-            put_signal(ctx, my_arrival, lane, 1u, true);
+    const int64_t my_arrival = kBarrierOffset + 4 * ctx.rank, its_arrival = kBarrierOffset + 4 * r;
+    if (r < ctx.num_ranks) {
+        if (is_put_peer(ctx, r))
+            put_signal(ctx, my_arrival, r, 1u, true);
         else
-            red_add_release_sys(buffer_u32(ctx.buffers[lane], my_arrival), 1u);
+            red_add_release_sys(buffer_u32(ctx.buffers[r], my_arrival), 1u);
     }
-    if (lane < ctx.num_ranks) {
+    if (r < ctx.num_ranks) {  // a put peer's arrival is the low half of the word's signal twin
         uint32_t seen;
-        if (wait_geq(ctx, peer_word<true>(ctx, buffer_u32(ctx.buffers[ctx.rank], its_arrival), its_arrival, lane),
-                     epoch, Site{kKernelBarrier, kPhaseBarrierWait, lane, -1}, &seen))
-            after_peer_wait<true>(ctx, its_arrival, lane);
+        const uint32_t* arrival = is_put_peer(ctx, r) ? reinterpret_cast<uint32_t*>(signal_twin(ctx, its_arrival))
+                                                      : buffer_u32(ctx.buffers[ctx.rank], its_arrival);
+        if (wait_geq(ctx, arrival, epoch, Site{kKernelBarrier, kPhaseBarrierWait, r, -1}, &seen) &&
+            is_put_peer(ctx, r))
+            put_wait_consistency(signal_twin(ctx, its_arrival));
     }
-    __syncwarp();
-    if (lane == 0) *workspace_u32(ctx, kWsBarrierEpochOffset) = epoch;
+    __syncthreads();
+    if (r == 0) *workspace_u32(ctx, kWsBarrierEpochOffset) = epoch;
 }
 
 __global__ void reset_state_kernel(const __grid_constant__ KernelContext ctx) {
@@ -49,26 +51,26 @@ __global__ void reset_state_kernel(const __grid_constant__ KernelContext ctx) {
 
 __global__ void signal_abort_kernel(const __grid_constant__ KernelContext ctx) {
     const uint32_t word = (static_cast<uint32_t>(kErrorPeerAborted) << 8) | static_cast<uint32_t>(ctx.rank + 1);
-    const int r = static_cast<int>(threadIdx.x);
-    if (r < ctx.num_ranks) raise_abort(ctx, r, word);
+    for (int r = static_cast<int>(threadIdx.x); r < ctx.num_ranks; r += static_cast<int>(blockDim.x))
+        raise_abort(ctx, r, word);
 }
 
 }  // namespace
 
 void intranode_barrier(const KernelContext& ctx, cudaStream_t stream) {
-    check_context(ctx, "barrier");
-    barrier_kernel<<<1, 32, 0, stream>>>(ctx);
+    check_context(ctx, "barrier", kMaxRuntimeRanks);
+    barrier_kernel<<<1, kMaxRuntimeRanks, 0, stream>>>(ctx);
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 
 void intranode_reset(const KernelContext& ctx, cudaStream_t stream) {
-    check_context(ctx, "reset");
+    check_context(ctx, "reset", kMaxRuntimeRanks);
     reset_state_kernel<<<16, 256, 0, stream>>>(ctx);
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 
 void intranode_signal_abort(const KernelContext& ctx, cudaStream_t stream) {
-    check_context(ctx, "signal_abort");
+    check_context(ctx, "signal_abort", kMaxRuntimeRanks);
     signal_abort_kernel<<<1, 32, 0, stream>>>(ctx);
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }

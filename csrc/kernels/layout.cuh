@@ -8,7 +8,7 @@
 //
 //   [control, kControlBytes]
 //     abort word        int32                       0, or (code << 8 | aborting rank + 1), set by any rank on failure
-//     barrier signals   int32 [kMaxRanks]           slot s counts barrier arrivals of rank s (monotonic)
+//     barrier signals   int32 [kMaxRuntimeRanks]    slot s counts barrier arrivals of rank s (monotonic)
 //     notify flags      uint32 [2][kMaxRanks]       parity p, source s: epoch of the last notify data s wrote here
 //     notify data       int32 [2][kMaxRanks][kNotifyInts]
 //                                                   per (parity, source s): [R counts s->d][L expert counts of my
@@ -63,11 +63,12 @@ DEEP_EP_HOST_DEVICE int64_t align_down64(int64_t value, int64_t alignment) { ret
 // Position of the call signature in a notify slot (int32 index), then the slot's size.
 constexpr int kNotifySignaturePos = kMaxRanks + kMaxLocalExperts + kMaxChannels;
 constexpr int kNotifyInts = kNotifySignaturePos + 2 * kSignatureWords;
-// Every region starts at a multiple of kBufferAlignment (deep_ep/layout.py chain()); the first three grow with kMaxRanks.
+// Every region starts at a multiple of kBufferAlignment (deep_ep/layout.py chain()); the barrier grows with
+// kMaxRuntimeRanks, the notify flags and data with kMaxRanks.
 constexpr int64_t kAbortOffset = 0;
 constexpr int64_t kBarrierOffset = kBufferAlignment;
 constexpr int64_t kNotifyFlagOffset =
-    kBarrierOffset + (4LL * kMaxRanks + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+    kBarrierOffset + (4LL * kMaxRuntimeRanks + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
 constexpr int64_t kNotifyDataOffset =
     kNotifyFlagOffset + (8LL * kMaxRanks + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
 constexpr int64_t kNotifyDataBytes = 2LL * kMaxRanks * kNotifyInts * 4;

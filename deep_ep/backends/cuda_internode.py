@@ -40,7 +40,8 @@ class SymmetricCuda(CudaBackend):
     cannot (put peers). Intranode interface and handles.
 
     Args:
-        rank, num_ranks: position in the group; ``2 <= num_ranks <= 24`` (``_C.MAX_RANKS``).
+        rank, num_ranks: position in the group; ``2 <= num_ranks <= max_ranks()`` (the ring kernels' 24,
+            ``_C.MAX_RANKS``; a subclass running other kernels may allow more).
         num_rdma_bytes: bytes of the symmetric buffer the kernels carve (equal on every rank of the world).
         unique_id: the NVSHMEM world's unique id (``join_nvshmem_world`` over the world's group).
         world_rank, world_size: this process's PE and the world's size.
@@ -55,6 +56,16 @@ class SymmetricCuda(CudaBackend):
     the same point, and destroys it at the same point.
     """
 
+    @classmethod
+    def max_ranks(cls) -> int:
+        """Largest group this backend's kernels serve (the ring kernels' ``_C.MAX_RANKS``)."""
+        return _C.MAX_RANKS
+
+    def forced_put_span(self) -> int:
+        """Under ``internode_put_only``: 0, every pair is a put pair; ``G`` > 0, only pairs of different nodes of
+        ``G`` ranks are."""
+        return 0
+
     # The copy-engine combine copies into peers' buffers with cudaMemcpyAsync; over the NVSHMEM heap that has not
     # run on a GPU yet, so this backend keeps its ring senders.
     copy_engine_combine = False
@@ -64,8 +75,8 @@ class SymmetricCuda(CudaBackend):
                  world_size: int, pes: Sequence[int], all_gather: Callable[[object], list],
                  barrier: Optional[Callable[[], None]] = None,
                  world_all_gather: Optional[Callable[[object], list]] = None) -> None:
-        if not 2 <= num_ranks <= _C.MAX_RANKS:
-            raise ValueError(f"num_ranks must be in [2, {_C.MAX_RANKS}] for the CUDA kernels over NVSHMEM, got "
+        if not 2 <= num_ranks <= self.max_ranks():
+            raise ValueError(f"num_ranks must be in [2, {self.max_ranks()}] for the CUDA kernels over NVSHMEM, got "
                              f"{num_ranks}")
         if num_rdma_bytes <= 0 or num_rdma_bytes % 128 != 0:
             raise ValueError(f"num_rdma_bytes must be a positive multiple of 128 for the CUDA kernels over NVSHMEM, "
@@ -85,7 +96,7 @@ class SymmetricCuda(CudaBackend):
         # (some peer unreachable, internode_put_only) of every rank of the world
         flags = world_all_gather((bool(reached), testing.current().internode_put_only))
         put_only = any(only for _, only in flags)
-        self.put_peers = put_peers(rank, unreachable, put_only)
+        self.put_peers = put_peers(rank, unreachable, put_only, self.forced_put_span())
         put_area = put_only or any(far for far, _ in flags)  # the same on every rank: the buffers' layout must agree
         try:
             self.runtime.set_put_peers(self.put_peers, put_area)
