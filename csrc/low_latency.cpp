@@ -170,6 +170,27 @@ void LowLatencyRuntime::leave(cudaStream_t launched_on, bool current_after) {
     DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(current, order_event_, 0));
 }
 
+int LowLatencyRuntime::order_launch(cudaStream_t stream, int half, int phases, bool after_current) {
+    const bool send = (phases & ll::kPhaseSend) != 0;
+    const int by_next_send = !send && half == last_send_half_ ? 1 : 0;
+    if (!send && by_next_send == 0) return 0;  // releases its half at its end; touches no record
+    const cudaStream_t previous = last_ordered_stream_;
+    last_ordered_stream_ = stream;
+    if (send) last_send_half_ = half;
+    if (previous == nullptr || previous == stream || (after_current && previous == current_stream()))
+        return by_next_send;
+    // A stream capture cannot wait for work outside it (nor the reverse): a graph's first such launch follows, when
+    // replayed, what ran before the replay on its stream.
+    cudaStreamCaptureStatus mine = cudaStreamCaptureStatusNone, theirs = cudaStreamCaptureStatusNone;
+    DEEP_EP_CUDA_CHECK(cudaStreamIsCapturing(stream, &mine));
+    DEEP_EP_CUDA_CHECK(cudaStreamIsCapturing(previous, &theirs));
+    if (mine == theirs) {
+        DEEP_EP_CUDA_CHECK(cudaEventRecord(order_event_, previous));
+        DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(stream, order_event_, 0));
+    }
+    return by_next_send;
+}
+
 std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, at::Tensor> LowLatencyRuntime::dispatch(
     const at::Tensor& x, const at::Tensor& topk_idx, int num_max_tokens, int num_experts,
     const std::optional<at::Tensor>& cumulative_stats, const std::optional<at::Tensor>& wait_stats, bool use_fp8,
@@ -224,6 +245,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, at::Te
     a.phases = phases;
     a.signature_hash = signature_hash;
     const cudaStream_t stream = enter(comm_stream);
+    a.release_by_next_send = order_launch(stream, half, phases, comm_stream != 0);
     ll::dispatch(ctx, a, stream);
     leave(stream, current_after);
     return {recv_x, scales, count, src_info, layout_range};
@@ -256,6 +278,7 @@ at::Tensor LowLatencyRuntime::combine(const at::Tensor& x, const at::Tensor& top
     a.half = half;
     a.phases = phases;
     const cudaStream_t stream = enter(comm_stream);
+    a.release_by_next_send = order_launch(stream, half, phases, comm_stream != 0);
     ll::combine(ctx, a, stream);
     leave(stream, current_after);
     return combined;
@@ -280,6 +303,8 @@ void LowLatencyRuntime::clean(int num_max_tokens, int hidden, int num_experts, u
     ll::barrier(ctx, as_stream(stream));
     ll::clean(ctx, as_stream(stream));
     ll::barrier(ctx, as_stream(stream));
+    last_ordered_stream_ = nullptr;  // the clean zeroed the release counts and the record of unreleased halves
+    last_send_half_ = -1;
 }
 
 void LowLatencyRuntime::update_mask(int rank, bool mask, uintptr_t stream) {
@@ -316,6 +341,8 @@ std::optional<kernels::ErrorRecord> LowLatencyRuntime::read_error() const {
 void LowLatencyRuntime::reset(int num_max_tokens, int hidden, int num_experts, uintptr_t stream) {
     auto ctx = context(num_max_tokens, hidden, num_experts);
     ll::clean(ctx, as_stream(stream));
+    last_ordered_stream_ = nullptr;
+    last_send_half_ = -1;
     DEEP_EP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
     std::atomic_thread_fence(std::memory_order_seq_cst);

@@ -93,6 +93,11 @@ class LowLatencyRuntime {
     kernels::ErrorRecord* device_error_ = nullptr;
     cudaEvent_t order_event_ = nullptr;  // reused by order(): a wait snapshots the event's last record
     kernels::ll::Layout layout_{};       // carving of the last (T, H, E) a call used
+    // The launches that read or rewrite the kernels' record of receives awaiting release (low_latency_device.cuh):
+    // those with a send phase, and the hooked receives that leave their half to the next send. Stream of the last
+    // one, and the half of the last launch with a send phase (nullptr / -1: none since construction, clean, reset).
+    cudaStream_t last_ordered_stream_ = nullptr;
+    int last_send_half_ = -1;
     bool has_layout_ = false;
 
     kernels::ll::Context context(int num_max_tokens, int hidden, int num_experts);
@@ -104,6 +109,14 @@ class LowLatencyRuntime {
     // Stream order before / after a launch on `comm` (no-op when comm == 0, i.e. a launch on the current stream).
     cudaStream_t enter(uintptr_t comm);
     void leave(cudaStream_t launched_on, bool current_after);
+    // Before a launch of `phases` on half `half` on `stream` (`after_current`: `stream` already waits for the
+    // current stream). Returns, for a receive launch, its release_by_next_send: 1 when the last send issued is its
+    // own call's (same half), else 0 (the rank's next call was issued before the hook). The launches that touch the
+    // record (see last_ordered_stream_) run in the order they are issued: a fused or hooked receive is released by
+    // the next send at its start, so that send must follow its end. When the previous one ran on a stream that
+    // `stream` does not follow already (a hooked call after an asynchronous one, calls on different streams),
+    // `stream` waits for it.
+    int order_launch(cudaStream_t stream, int half, int phases, bool after_current);
 };
 
 // "<phase>: rank R peer P token/channel C expected E observed O after T s (<code>)".

@@ -118,6 +118,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("LL_MAX_TOPK") = deep_ep::kernels::kMaxTopk;
     m.attr("LL_MAX_TOKENS") = deep_ep::kernels::ll::kMaxTokens;
     m.def("ll_unique_id", [] { return py::bytes(deep_ep::ll_unique_id()); });
+    // (PE, number of PEs) of the NVSHMEM world this process joined, or None before it joined one.
+    m.def("ll_world", []() -> py::object {
+        const auto world = deep_ep::kernels::ll::nvshmem_world();
+        if (world.second == 0) return py::none();
+        return py::make_tuple(world.first, world.second);
+    });
     py::class_<deep_ep::LowLatencyRuntime>(m, "LowLatencyRuntime")
         .def(py::init<int, int, int64_t, double, bool, const std::string&, bool>(), py::arg("rank"),
              py::arg("num_ranks"), py::arg("num_rdma_bytes"), py::arg("timeout_s"), py::arg("enable_shrink"),

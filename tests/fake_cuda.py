@@ -273,11 +273,18 @@ def make_fake_extension(torch) -> types.ModuleType:
             weights = None if topk_weights is None else torch.empty(send_head.size(0), topk_weights.size(1))
             return torch.empty(send_head.size(0), x.size(1), dtype=x.dtype), weights
 
+    world = {}  # "pe": (rank, num_ranks) once a runtime joined, as the real once-per-process bootstrap keeps it
+
     class LowLatencyRuntime(_ErrorRecord):
         """The low-latency runtime: ``dispatch`` / ``combine`` return the outputs they are given (the receive launch
-        of a hook) or allocate them."""
+        of a hook) or allocate them. Construction joins the process's NVSHMEM world (``ll_world``); a runtime of
+        another world raises ValueError, as the real bootstrap does."""
 
         def __init__(self, rank, num_ranks, num_rdma_bytes, timeout_s, enable_shrink, unique_id, put_only=False):
+            if world.setdefault("pe", (rank, num_ranks)) != (rank, num_ranks):
+                raise ValueError(f"NVSHMEM is already initialised in this process as PE {world['pe'][0]} of "
+                                 f"{world['pe'][1]}; a low-latency Buffer for rank {rank} of {num_ranks} cannot "
+                                 "join another world")
             self.rank, self.num_ranks = rank, num_ranks
             self.record = None
             self.launches = []  # "dispatch (N tokens)" per dispatch launch
@@ -330,6 +337,7 @@ def make_fake_extension(torch) -> types.ModuleType:
     ext.HAS_LOW_LATENCY, ext.LL_MAX_TOPK, ext.LL_MAX_TOKENS = True, 16, 1024
     ext.LowLatencyRuntime = LowLatencyRuntime
     ext.ll_unique_id = lambda: b"\0" * 128
+    ext.ll_world = lambda: world.get("pe")
     ext.record_stream = lambda tensors, stream_id, device_index, device_type: None
     ext.HostTimeout, ext.DeviceError = HostTimeout, DeviceError
     ext.num_channels_for_sms = num_channels_for_sms

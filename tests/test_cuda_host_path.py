@@ -407,3 +407,48 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
         assert out["ll refused clean"][0] == "ok" and out["ll after refused"][0] == "ok", out
     # The refusing rank counted the call as its peer did: same parity, call number and handle number.
     assert outs[0]["ll state"] == outs[1]["ll state"], (outs[0]["ll state"], outs[1]["ll state"])
+
+
+# Two NVSHMEM Buffers in one process: the second joins the process's world without asking NVSHMEM for a new unique
+# id (NVSHMEM is initialised once per process); a Buffer whose ranks differ from the world's raises RuntimeError on
+# every rank before any NVSHMEM call, and the process lives on.
+_WORLD_PROBE = _PRELUDE + r"""
+from deep_ep.backends import cuda_common
+
+ids = []
+make_id = ext.ll_unique_id
+ext.ll_unique_id = lambda: ids.append(1) or make_id()
+os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(29400 + os.getpid() % 500)
+dist.init_process_group("gloo", rank=0, world_size=1)
+group = dist.new_group([0])
+x, _, topk_idx, _ = fake.scenario(torch, deep_ep, 16, 1024, 4, 8)
+out = {}
+with fake.patched(torch, cuda_tensors=True):
+    os.environ["DEEP_EP_BACKEND"] = "cuda"
+    first = deep_ep.Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True)
+    out["ids after first"] = len(ids)
+    second = deep_ep.Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True)
+    out["ids after second"] = len(ids)
+    out["second served by"] = type(second._cuda_ll).__name__
+    second.low_latency_dispatch(x, topk_idx, 16, 8)
+    # Rank 0 of a two-rank group, its peer's process in no world yet / in a world of its own.
+    for name, peer_world in (("fresh peer", None), ("peer in another world", (0, 1))):
+        def gather(obj, peer_world=peer_world):
+            return [obj, (obj[0], peer_world)] if isinstance(obj, tuple) else [obj, obj]
+        try:
+            cuda_common.join_nvshmem_world(0, 1 << 30, 4, True, False, gather)
+            out[name] = "joined"
+        except RuntimeError as exc:
+            out[name] = str(exc)
+    out["ids at end"] = len(ids)
+print(json.dumps(out))
+"""
+
+
+def test_a_second_nvshmem_buffer_joins_the_process_world():
+    out = json.loads(_run(["-c", _WORLD_PROBE, ROOT]).strip().splitlines()[-1])
+    assert (out["ids after first"], out["ids after second"], out["ids at end"]) == (1, 1, 1), out
+    assert out["second served by"] == "LowLatencyCuda", out
+    for name in ("fresh peer", "peer in another world"):
+        assert "rank 0's process joined one as PE 0 of 1" in out[name], out
+        assert "initialised once per process" in out[name], out

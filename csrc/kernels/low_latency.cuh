@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "api.cuh"
@@ -42,6 +43,7 @@ enum LlPhase : int32_t {
     kPhaseLlBarrierWait = 103,          // peer = -1, expected / observed = barrier counter
     kPhaseLlBadRouting = 104,           // expert id >= num_experts (expected = E, observed = id)
     kPhaseLlDispatchAgreement = 105,    // peer = source whose signature hash differs (expected = mine, observed)
+    kPhaseLlHalfRelease = 106,          // peer, channel = half; expected / observed = its releases (mod 2^16)
 };
 
 const char* ll_phase_name(int32_t phase);
@@ -51,7 +53,9 @@ const char* ll_phase_name(int32_t phase);
 //   half h = 0, 1: [ctrl: count words [R][L+1] u64 | dispatch arrival [R] u64 | combine arrival [T][R] u64]
 //                  [data: csend [L][R*T] x cmsg | crecv [E][T] x 2H]                 (combine)
 //                  [data: drecv [R][T] x dmsg | dstage [T] x dmsg (R > 1 only)]    (dispatch, overlays the combine)
-// A half serves one LL call at a time (calls alternate halves), so dispatch and combine regions may overlap.
+// A half serves one LL call at a time (calls alternate halves), so dispatch and combine regions may overlap: a send
+// phase writes into a peer's half only once that peer has released it (its receive phases there are complete; the
+// release count sits in the high 16 bits of the dispatch arrival words, low_latency_device.cuh acquire_half).
 // Combine arrival word (t, o) of a half counts the rows owner o has delivered for this rank's token t (ctrl: zeroed
 // by clean, consumed by the reducer). The cmsg - 2H = H/32 >= 32 tail bytes of each csend slot hold two u32 words
 // outside the zero-copy view: at +0 the sender's RDMA staging of its row's LogFMT chunk flags, at +4 the receiver's
@@ -115,6 +119,9 @@ struct DispatchArgs {
     int* cumulative_stats;    // [L] or nullptr
     int64_t* wait_stats;      // [R] or nullptr (ns added)
     int half, phases;         // phases: 1 = send, 2 = receive, 3 = both
+    // A receive launch (phases 2): 1 = it leaves the release of half h to the rank's next send (the host issued no
+    // later send and orders the next one after it), 0 = it releases the half at its end (low_latency_device.cuh).
+    int release_by_next_send;
     // 32-bit hash of the call's signature (deep_ep/backends/agreement.py), carried in every count word this rank
     // sends; a receiver whose own hash differs takes no row from that source and records kErrorArgumentMismatch.
     uint32_t signature_hash;
@@ -131,6 +138,7 @@ struct CombineArgs {
     void* out;                // [N, H] BF16
     int64_t* wait_stats;      // [R] or nullptr
     int half, phases;
+    int release_by_next_send;  // as DispatchArgs
     int stage_slots, stage_offset;  // set by combine(): rows staged in shared memory, and where the stage starts
 };
 
@@ -150,6 +158,8 @@ void clean(const Context& ctx, cudaStream_t stream);
 std::vector<uint8_t> nvshmem_unique_id();
 // Initialises NVSHMEM as PE `rank` of `num_ranks` (once per process; a second call must agree).
 void nvshmem_bootstrap(const std::vector<uint8_t>& unique_id, int rank, int num_ranks);
+// The world this process joined: {PE, number of PEs}, or {-1, 0} before the first nvshmem_bootstrap.
+std::pair<int, int> nvshmem_world();
 void* nvshmem_alloc_zeroed(int64_t bytes);   // collective
 void nvshmem_release(void* ptr);             // collective
 // nvshmem_ptr(ptr, pes[r]) for every r.

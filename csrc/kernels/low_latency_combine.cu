@@ -1,9 +1,11 @@
 // Low-latency combine over NVSHMEM (low_latency.cuh has the data path and the carving):
-//   send     one warp per received row writes the row into the token owner's [expert][token] slot and adds 1 to the
-//            token owner's arrival word (token, sender).
+//   send     once the peers released half h (low_latency_device.cuh acquire_half), one warp per received row
+//            writes the row into the token owner's [expert][token] slot and adds 1 to the token owner's arrival
+//            word (token, sender).
 //   receive  one CTA per token; warp 0's lanes wait in parallel, one per distinct expert owner, for that owner's
 //            rows, consume them (subtract), and (shrink) mask an owner that times out; then the CTA reduces
-//            sum_k w_k * y_k over the arrived entries in fp32 in ascending k, rounding to BF16 once.
+//            sum_k w_k * y_k over the arrived entries in fp32 in ascending k, rounding to BF16 once. The rank's
+//            next send releases half h, or, for a hooked receive issued after that send, the receive at its end.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -193,6 +195,8 @@ struct CombineShared {
     const char* row[kMaxTopk];  // where each expert's row is read (receive slot, or in place for own rows);
                                 // nullptr: its owner was masked
     int staged;                 // the rows are staged in shared memory (stage_bar's current phase)
+    int failed;                 // acquire_half
+    int last;                   // release_half
     uint64_t stage_bar;
 };
 
@@ -222,8 +226,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Context ctx, Combi
     const bool in_place = own_rows_in_place(phases, lay, a);
     // The receive's stage barrier, initialised once; the first __syncthreads of either phase publishes it.
     if (tid == 0 && (phases & kPhaseRecv) && a.stage_slots > 0) mbar_init(&sh.stage_bar, 1);
+    if (!kFused && phases == kPhaseRecv && a.release_by_next_send) defer_release(ctx, h);
 
     if (phases & kPhaseSend) {
+        // The peers' half h is written below (rows, arrival and flag words): only once they released it.
+        if (!acquire_half(ctx, h, kFused, kKernelLlCombine, &sh.failed)) return;
         if (warp == 0) {
             int carry = 0;
             for (int j0 = 0; j0 < L; j0 += 32) {
@@ -363,7 +370,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Context ctx, Combi
                     res = wait_word(ctx, word, [expected](uint64_t v) { return v >= expected; }, &seen, &elapsed,
                                     ctx.mask != nullptr ? owner : -1);
                     if (res == kWaitOk) {
-                        // Consume this call's arrivals: the word returns to what later calls' senders add.
+                        // Consume this call's arrivals: the word returns to what later calls' senders add. A
+                        // device-scope atomic suffices: the owner added its last row for this token before the
+                        // wait saw it, and the next call on this half adds only after this rank released the half.
                         atomicAdd(reinterpret_cast<unsigned long long*>(word),
                                   static_cast<unsigned long long>(-int64_t(expected)));
                         if (a.wait_stats != nullptr)
@@ -487,6 +496,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Context ctx, Combi
         }
         __syncthreads();  // the next token reuses the routing slots and the stage
     }
+    // A hooked receive issued after its rank's next send releases half h itself (every read of the half, arrival
+    // words, rows and flag words, is done).
+    if (!kFused && !a.release_by_next_send) release_half(ctx, h, &sh.last);
 }
 
 namespace {

@@ -25,14 +25,26 @@ constexpr int64_t kAlign = 128;
 constexpr int64_t kGlobalBytes = 128;     // barrier word at 0, abort word at 8
 constexpr int64_t kBarrierOffset = 0;
 constexpr int64_t kAbortOffset = 8;
-// Private workspace: the error-record claim word, the barrier base, per-CTA epochs and arrival bases.
+// Private workspace: the error-record claim word, the barrier base, per-CTA epochs, send-phase counts, unreleased
+// halves and arrival bases, and the per-half count of CTAs that finished a hooked receive.
 constexpr int64_t kWsClaim = 0;
 constexpr int64_t kWsBarrierBase = 8;
 // u32: 1 once a dispatch saw a source's call-signature hash differ from its own; every LL dispatch and combine
 // kernel then returns at once (on every rank alike: each saw the same disagreement) until the host clears it.
 constexpr int64_t kWsMismatch = 16;
 constexpr int64_t kWsEpochs = 256;        // u32 [kMaxBlocks][2]
-constexpr int64_t kWsBases = 2048;        // u64 [kMaxBlocks][2][R]
+constexpr int64_t kWsSends = 1536;        // u32 [kMaxBlocks][2]: send phases this CTA ran on each half
+constexpr int64_t kWsUnreleased = 2816;   // u32 [kMaxBlocks]: bit h = a receive on half h awaits the next send
+constexpr int64_t kWsRecvDone = 3456;     // u64 [2]: CTAs that finished a hooked receive phase on each half
+constexpr int64_t kWsBases = 3584;        // u64 [kMaxBlocks][2][R]
+static_assert(kWsEpochs + kMaxBlocks * 2 * 4 <= kWsSends && kWsSends + kMaxBlocks * 2 * 4 <= kWsUnreleased &&
+                  kWsUnreleased + kMaxBlocks * 4 <= kWsRecvDone && kWsRecvDone + 2 * 8 <= kWsBases,
+              "workspace regions overlap");
+// Dispatch arrival word s of a half (this rank's buffer) holds two counters: the low 48 bits count the dispatch
+// messages source s delivered on that half, the high 16 bits the receive phases on that half that rank s has
+// released (acquire_half below).
+constexpr int kReleaseShift = 48;
+constexpr uint64_t kArrivalMask = (uint64_t(1) << kReleaseShift) - 1;
 constexpr int kHeaderInts = 1 + kMaxTopk;
 __host__ __device__ inline int64_t workspace_end(int num_ranks) {
     return kWsBases + int64_t(kMaxBlocks) * 2 * num_ranks * 8;
@@ -67,8 +79,9 @@ __attribute__((used)) static __device__ __noinline__ void report(const Context c
     const uint64_t word = (uint64_t(code) << 32) | uint64_t(ctx.rank + 1);
     for (int r = 0; r < ctx.num_ranks; ++r) {
         if (ctx.peers[r] != nullptr) {
-            atomicCAS(reinterpret_cast<unsigned long long*>(static_cast<char*>(ctx.peers[r]) + kAbortOffset), 0ull,
-                      static_cast<unsigned long long>(word));
+            // System scope: ranks on other GPUs may raise the same word at the same time.
+            atomicCAS_system(reinterpret_cast<unsigned long long*>(static_cast<char*>(ctx.peers[r]) + kAbortOffset),
+                             0ull, static_cast<unsigned long long>(word));
         } else {
             nvshmemx_signal_op(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset), word,
                                NVSHMEM_SIGNAL_SET, r);
@@ -142,6 +155,94 @@ __device__ __forceinline__ void signal_add(const Context& ctx, int pe, int64_t o
         nvshmemx_signal_op(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + offset), value,
                            NVSHMEM_SIGNAL_ADD, pe);
     }
+}
+
+// ---- Reuse of a buffer half across calls ----
+// Calls alternate halves, so call k of a rank writes into the peers' half that their call k - 2 used. Nothing else
+// orders the two: a combine waits only for the owners of its own tokens, so a rank whose combine k - 1 needs nothing
+// from a peer (no token routed there) can start call k while that peer still reads call k - 2 (count words,
+// messages, combine rows, arrival and flag words), and a receive hook may run after its rank sent its next call.
+// So every send phase on half h first waits until each unmasked peer has released as many receive phases on h as
+// this rank ran send phases there (acquire_half), and every receive phase is released once, when it is complete:
+//   fused launch (send and receive in one kernel, the calls without a hook): by the rank's next send-capable
+//     launch, at its start, before its own wait (acquire_half). The host runs the launches with a send phase in
+//     the order they are issued (LowLatencyRuntime::order_launch), so the kernel boundary has completed every read
+//     of the receive; nothing is added to the receive's critical path, and a sender that reaches call k only waits
+//     where the peer has not yet started its call k - 1 at all.
+//   hooked receive (its own launch): when the rank has issued no later send yet (the usual send, hook, next call),
+//     as a fused one, by the rank's next send (defer_release; the host orders that send after this launch); when
+//     the rank's next send was issued before it (two calls overlapped), at its end, by the last CTA of the grid to
+//     finish (release_half): only that case adds to a receive's critical path.
+// A receive hook of call k must therefore run before its rank issues call k + 2 (at most two calls in flight):
+// otherwise the peers' sends of call k + 2 (and the rank's own, which precedes the hook on its stream) wait for
+// that receive and time out (phase kPhaseLlHalfRelease).
+
+// Whole CTA, before a send phase on half h writes anything: releases the receives of this rank's earlier launches
+// that await it (kWsUnreleased: CTA b signals peers d = b mod nb, as the dispatch count words), then the acquire
+// above (one waiting thread per peer; nearly always satisfied at the first load), then this CTA counts the send
+// phase and, for a fused launch, marks half h's receive as awaiting release by the next send (set at the start:
+// the host runs the next send after this launch's end). False: a wait failed without shrink (reported); the CTA
+// must not write.
+__device__ __forceinline__ bool acquire_half(const Context& ctx, int h, bool fused, int32_t kernel, int* failed) {
+    char* ws = static_cast<char*>(ctx.workspace);
+    uint32_t* sends = reinterpret_cast<uint32_t*>(ws + kWsSends) + blockIdx.x * 2 + h;
+    uint32_t* unreleased = reinterpret_cast<uint32_t*>(ws + kWsUnreleased) + blockIdx.x;
+    const uint32_t need = *sends, bits = *unreleased;
+    if (threadIdx.x == 0) *failed = 0;
+    __syncthreads();
+    if (bits != 0) {
+        const int64_t slot = ctx.layout.darrive_off + int64_t(ctx.rank) * 8;
+        for (int d = blockIdx.x + threadIdx.x * gridDim.x; d < ctx.num_ranks; d += gridDim.x * blockDim.x) {
+            if (is_masked(ctx, d)) continue;
+            for (int half = 0; half < 2; ++half)
+                if ((bits >> half) & 1u)
+                    signal_add(ctx, d, ctx.layout.half_start(half) + slot, uint64_t(1) << kReleaseShift);
+        }
+    }
+    char* mine = half_base(ctx, ctx.sym, h);
+    for (int d = threadIdx.x; d < ctx.num_ranks; d += blockDim.x) {
+        if (is_masked(ctx, d)) continue;
+        uint64_t* word = reinterpret_cast<uint64_t*>(mine + ctx.layout.darrive_off + int64_t(d) * 8);
+        uint64_t seen = 0, elapsed = 0;
+        const WaitResult res = wait_word(
+            ctx, word, [need](uint64_t v) { return int16_t(uint16_t(v >> kReleaseShift) - uint16_t(need)) >= 0; },
+            &seen, &elapsed, ctx.mask != nullptr ? d : -1);
+        if (res != kWaitOk && res != kWaitMasked &&
+            !on_wait_failure(ctx, res, kernel, kPhaseLlHalfRelease, d, h, need & 0xffffu, seen >> kReleaseShift,
+                             elapsed))
+            *failed = 1;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        *sends = need + 1;
+        *unreleased = fused ? 1u << h : 0u;
+    }
+    return *failed == 0;
+}
+
+// At the start of a hooked receive on half h that leaves its release to the rank's next send (the host issued no
+// later send, and runs the next one after this launch): marks half h in this CTA's record, as a fused launch does.
+__device__ __forceinline__ void defer_release(const Context& ctx, int h) {
+    if (threadIdx.x == 0)
+        atomicOr(reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsUnreleased) + blockIdx.x,
+                 1u << h);
+}
+
+// Whole CTA, after the last read of a hooked receive phase on half h: the last CTA of the grid to arrive adds one
+// release to this rank's arrival word of half h at every unmasked peer (each CTA's count is a gpu-scope
+// acquire-release after its reads, so the last count follows every CTA's reads; the signal is a system-scope
+// release after it).
+__device__ __forceinline__ void release_half(const Context& ctx, int h, int* last) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        auto* done = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.workspace) + kWsRecvDone) + h;
+        *last = (atom_add_acq_rel_gpu_u64(done, 1) + 1) % gridDim.x == 0 ? 1 : 0;
+    }
+    __syncthreads();
+    if (*last == 0) return;
+    const int64_t offset = ctx.layout.half_start(h) + ctx.layout.darrive_off + int64_t(ctx.rank) * 8;
+    for (int d = threadIdx.x; d < ctx.num_ranks; d += blockDim.x)
+        if (!is_masked(ctx, d)) signal_add(ctx, d, offset, uint64_t(1) << kReleaseShift);
 }
 
 __device__ __forceinline__ float bf16_to_float(uint16_t bits) { return __uint_as_float(uint32_t(bits) << 16); }

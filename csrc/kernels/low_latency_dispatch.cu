@@ -1,6 +1,7 @@
 // Low-latency dispatch over NVSHMEM (low_latency.cuh has the data path and the carving). Per call, half h and
 // epoch n (a per-CTA copy, incremented by every call on that half, so CUDA-graph replays stay consistent):
-//   send     every CTA counts the whole top-k (shared-memory histograms; no atomics across CTAs), writes the
+//   send     every CTA waits until the peers released half h (low_latency_device.cuh acquire_half), counts the
+//            whole top-k (shared-memory histograms; no atomics across CTAs), writes the
 //            per-(destination, local expert) counts as (n mod 2^16 << 48 | signature hash << 16 | count) words
 //            first, then casts its tile of tokens
 //            once and stores each message to every destination rank that holds one of the token's experts, then
@@ -10,7 +11,8 @@
 //            share of the messages into the packed outputs. A source whose signature hash differs from this
 //            rank's gets no rows, the error record gets kErrorArgumentMismatch, the rank's other waits of the call
 //            stop, and later LL dispatch and combine kernels return at once until clean_low_latency_buffer (the
-//            arrival bases are then out of step with the peers').
+//            arrival bases are then out of step with the peers'). The rank's next send releases half h, or, for a
+//            hooked receive issued after that send, the receive at its end (low_latency_device.cuh).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -41,6 +43,7 @@ struct DispatchShared {
     int plan_ndst[kMaxTile];
     uint32_t epoch;
     int failed;
+    int last;  // release_half: this CTA is the last of the grid to finish the hooked receive
 };
 
 // The send (1) and receive (2) launches of a hooked call are one kernel with the phase as an argument, so a profile
@@ -63,6 +66,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Context ctx, Disp
     const int64_t payload_bytes = a.use_fp8 ? H + S * 4 : int64_t(H) * 2;
     const int64_t msg_bytes = lay.header_bytes + payload_bytes;
     if (signatures_disagreed(ctx)) return;  // uniform over the grid: no state advances
+    if (!kFused && phases == kPhaseRecv && a.release_by_next_send) defer_release(ctx, h);
     if (tid == 0) {
         sh.epoch = (phases & kPhaseSend) ? *epoch_ptr + 1 : *epoch_ptr;
         if (phases & kPhaseSend) *epoch_ptr = sh.epoch;
@@ -72,6 +76,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Context ctx, Disp
     const uint32_t epoch = sh.epoch;
 
     if (phases & kPhaseSend) {
+        // The peers' half h is written below (count words, messages): only once they released it.
+        if (!acquire_half(ctx, h, kFused, kKernelLlDispatch, &sh.failed)) return;
         int* tot_e = dyn;            // [E] entries per expert (all tokens)
         int* pre_e = tot_e + E;      // [E] entries per expert before the current tile token (running)
         int* tot_r = pre_e + E;      // [R] messages per destination (all tokens)
@@ -320,8 +326,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Context ctx, Disp
         const uint64_t target = bases[s] + uint64_t(nmsg[s]);
         uint64_t seen = 0, elapsed = 0;
         uint64_t* word = reinterpret_cast<uint64_t*>(my_half + lay.darrive_off + int64_t(s) * 8);
-        const WaitResult res =
-            wait_word(ctx, word, [target](uint64_t v) { return int64_t(v - target) >= 0; }, &seen, &elapsed, -1, true);
+        const WaitResult res = wait_word(
+            ctx, word, [target](uint64_t v) { return int64_t((v & kArrivalMask) - target) >= 0; }, &seen, &elapsed,
+            -1, true);
+        seen &= kArrivalMask;
         if (res == kWaitDisagreed) {
             gone[s] = 2;
         } else if (res == kWaitOk) {
@@ -412,6 +420,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Context ctx, Disp
             }
         }
     }
+    // A hooked receive issued after its rank's next send releases half h itself (every read of the half, count
+    // words, arrival words and messages, is done).
+    if (!kFused && !a.release_by_next_send) release_half(ctx, h, &sh.last);
 }
 
 namespace {

@@ -69,6 +69,7 @@ const char* ll_phase_name(int32_t phase) {
         case kPhaseLlBarrierWait: return "low_latency barrier wait";
         case kPhaseLlBadRouting: return "low_latency_dispatch bad routing";
         case kPhaseLlDispatchAgreement: return "low_latency_dispatch agreement";
+        case kPhaseLlHalfRelease: return "low_latency wait peer release of buffer half";
         default: return "unknown phase";
     }
 }
@@ -171,6 +172,11 @@ void nvshmem_bootstrap(const std::vector<uint8_t>& unique_id, int rank, int num_
                                                 ", expected ", rank, " of ", num_ranks));
     g_init_rank = rank;
     g_init_ranks = num_ranks;
+}
+
+std::pair<int, int> nvshmem_world() {
+    std::lock_guard<std::mutex> lock(g_init_mutex);
+    return {g_init_rank, g_init_ranks};
 }
 
 void* nvshmem_alloc_zeroed(int64_t bytes) {

@@ -96,6 +96,13 @@ __device__ __forceinline__ void red_add_release_sys_u64(uint64_t* ptr, uint64_t 
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
 
+// Returns the old value; acquire-release at GPU scope (one op where a fence, an atomic and a fence would do).
+__device__ __forceinline__ uint64_t atom_add_acq_rel_gpu_u64(uint64_t* ptr, uint64_t v) {
+    uint64_t old;
+    asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(ptr), "l"(v) : "memory");
+    return old;
+}
+
 // ---- warp reductions ----
 
 __device__ __forceinline__ int warp_sum(int v) {

@@ -86,17 +86,42 @@ def nvshmem_environment(heap_bytes: int, num_qps_per_rank: int, allow_nvlink: bo
     return env
 
 
+# The unique id of the world this process joined (the C++ bootstrap keeps the world itself: _C.ll_world()).
+_world_id: Optional[bytes] = None
+
+
 def join_nvshmem_world(rank: int, heap_bytes: int, num_qps_per_rank: int, allow_nvlink: bool,
                        allow_mnnvl: bool, all_gather: Callable[[object], list]) -> bytes:
     """Collective: set the NVSHMEM environment (user values win, ``NVSHMEM_DISABLE_NVLS=1`` always) and return
     rank 0's unique id of the world of all ranks (PE = rank). ``heap_bytes``: what this process allocates on the
     symmetric heap (the sum of its symmetric buffers; the first join of a process sizes the heap). The C++ runtimes
     pass the id to the shared bootstrap, which initialises NVSHMEM once per process: the low-latency and the
-    internode runtimes join the same world."""
-    hosts = all_gather(socket.gethostname())
+    internode runtimes join the same world, and later Buffers of the same ranks join it again without a new id
+    (NVSHMEM is never asked for one once initialised). Raises ``RuntimeError`` on every rank, before any NVSHMEM
+    call, when some rank's process already joined another world (NVSHMEM cannot join a second one)."""
+    global _world_id
+    gathered = all_gather((socket.gethostname(), _joined_world()))
+    hosts, worlds, num_ranks = [g[0] for g in gathered], [g[1] for g in gathered], len(gathered)
+    if any(world is not None for world in worlds):
+        wrong = [(r, world) for r, world in enumerate(worlds) if world != (r, num_ranks)]
+        if wrong:
+            r, world = wrong[0]
+            joined = "has not joined one" if world is None else f"joined one as PE {world[0]} of {world[1]}"
+            raise RuntimeError(
+                f"rank {r}'s process {joined}, but this Buffer needs every rank in an NVSHMEM world as PE = rank of "
+                f"{num_ranks}: NVSHMEM is initialised once per process, so every NVSHMEM Buffer of a process must "
+                "have the same ranks (the same process group, or one of the same ranks in the same order)")
+        return _world_id if _world_id is not None else bytes(128)
     for name, value in nvshmem_environment(heap_bytes, num_qps_per_rank, allow_nvlink, allow_mnnvl,
                                            len(set(hosts)) == 1, has_nic()).items():
         os.environ.setdefault(name, value)
     os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
     unique_id = bytes(_C.ll_unique_id()) if rank == 0 else None
-    return all_gather(unique_id)[0]
+    _world_id = all_gather(unique_id)[0]
+    return _world_id
+
+
+def _joined_world() -> Optional[tuple[int, int]]:
+    """(PE, number of PEs) of the NVSHMEM world this process joined, or None (also for a build without NVSHMEM)."""
+    world = getattr(_C, "ll_world", lambda: None)()
+    return None if world is None else (int(world[0]), int(world[1]))
