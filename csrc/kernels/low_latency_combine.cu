@@ -370,10 +370,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Context ctx, Combi
                     res = wait_word(ctx, word, [expected](uint64_t v) { return uint32_t(v) >= expected; }, &seen,
                                     &elapsed, ctx.mask != nullptr ? owner : -1, true);
                     // Every row (of this call, or of a later one already here) carried its sender's hash.
-                    const uint32_t rows = uint32_t(seen), mine = rows * a.signature_hash;
-                    if (res == kWaitOk && uint32_t(seen >> 32) != mine) {
-                        tell_disagreement(ctx, kKernelLlCombine, kPhaseLlCombineAgreement, owner, t, mine,
-                                          int64_t(seen >> 32));
+                    if (res == kWaitOk && uint32_t(seen >> 32) != uint32_t(seen) * a.signature_hash) {
+                        tell_disagreement(ctx, kKernelLlCombine, kPhaseLlCombineAgreement, owner, t,
+                                          uint32_t(seen) * a.signature_hash, int64_t(seen >> 32));
                         res = kWaitDisagreed;
                     }
                     if (res == kWaitOk) {
