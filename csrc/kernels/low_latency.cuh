@@ -58,11 +58,11 @@ const char* ll_phase_name(int32_t phase);
 // A half serves one LL call at a time (calls alternate halves), so dispatch and combine regions may overlap.
 // Combine arrival word (t, o) of a half counts the rows owner o has delivered for this rank's token t in its low 32
 // bits and sums their senders' call-signature hashes in its high 32 bits (each row adds 1 + (hash << 32)); ctrl:
-// zeroed by clean, consumed by the reducer. The cmsg - 2H = H/32 >= 32 tail bytes of each csend slot hold two u32 words
-// outside the zero-copy view: at +0 the sender's RDMA staging of its row's LogFMT chunk flags, at +4 the receiver's
-// word of (expert, token) = (slot / T, slot % T): the LogFMT chunk flags of that row, or, for a row read in place,
-// its packed index (combine_flag_off). Both are written before the arrival that the reader waits for, in the same
-// call, so they need no zeroing. This keeps the carving inside DeepEP's hint with the [T][R] arrival words (every
+// zeroed by clean, consumed by the reducer. The cmsg - 2H = H/32 >= 32 tail bytes of each csend slot hold two u32
+// words outside the zero-copy view: at +0 the sender's RDMA staging of its row's LogFMT chunk flags, at +4 the
+// receiver's word of (expert, token) = (slot / T, slot % T): the LogFMT chunk flags of that row, or, for a row read
+// in place, its packed index (combine_flag_off). Both are written before the arrival that the reader waits for, in
+// the same call, so they need no zeroing. This keeps the carving inside DeepEP's hint with the [T][R] arrival words (every
 // allowed (T, H, R, E); tests/test_layout.py sweeps a mirror of make_layout).
 struct Layout {
     int num_ranks, num_tokens_max, hidden, num_experts, num_local, num_topk_max;

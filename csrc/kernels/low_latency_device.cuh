@@ -60,7 +60,8 @@ static __device__ __noinline__ void record_disagreement(const Context ctx, int32
 // True when the ranks' call signatures differed: this rank saw it (kWsMismatch), or a peer told it (the
 // disagreement word, recorded here). Both words are loaded before either is tested.
 __device__ __forceinline__ bool signatures_disagreed(const Context& ctx) {
-    const unsigned int seen = *reinterpret_cast<volatile unsigned int*>(static_cast<char*>(ctx.workspace) + kWsMismatch);
+    const unsigned int seen =
+        *reinterpret_cast<volatile unsigned int*>(static_cast<char*>(ctx.workspace) + kWsMismatch);
     const uint64_t told = *reinterpret_cast<volatile uint64_t*>(static_cast<char*>(ctx.sym) + kDisagreementOffset);
     if (seen != 0u) return true;
     if (told == 0) return false;
@@ -104,8 +105,8 @@ static __device__ __noinline__ void tell_disagreement(const Context ctx, int32_t
     for (int r = 0; r < ctx.num_ranks; ++r) {
         if (r == ctx.rank) continue;
         if (ctx.peers[r] != nullptr) {
-            atomicCAS(reinterpret_cast<unsigned long long*>(static_cast<char*>(ctx.peers[r]) + kDisagreementOffset), 0ull,
-                      word);
+            auto* told = reinterpret_cast<unsigned long long*>(static_cast<char*>(ctx.peers[r]) + kDisagreementOffset);
+            atomicCAS(told, 0ull, word);
         } else {
             nvshmemx_signal_op(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + kDisagreementOffset), word,
                                NVSHMEM_SIGNAL_SET, r);
