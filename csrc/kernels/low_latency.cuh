@@ -62,8 +62,8 @@ const char* ll_phase_name(int32_t phase);
 // words outside the zero-copy view: at +0 the sender's RDMA staging of its row's LogFMT chunk flags, at +4 the
 // receiver's word of (expert, token) = (slot / T, slot % T): the LogFMT chunk flags of that row, or, for a row read
 // in place, its packed index (combine_flag_off). Both are written before the arrival that the reader waits for, in
-// the same call, so they need no zeroing. This keeps the carving inside DeepEP's hint with the [T][R] arrival words (every
-// allowed (T, H, R, E); tests/test_layout.py sweeps a mirror of make_layout).
+// the same call, so they need no zeroing. This keeps the carving inside DeepEP's hint with the [T][R] arrival words
+// (every allowed (T, H, R, E); tests/test_layout.py sweeps a mirror of make_layout).
 struct Layout {
     int num_ranks, num_tokens_max, hidden, num_experts, num_local, num_topk_max;
     int64_t cmsg;            // combine slot: H/128 * 4 + 2H (DeepEP's zero-copy row stride)
