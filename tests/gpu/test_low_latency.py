@@ -562,6 +562,47 @@ def task_combine_disagree(buffer, rank: int, case: Case) -> str:
     return "; ".join(seen)
 
 
+def task_combine_told(buffer, rank: int, case: Case) -> str:
+    """Rank 1 has no tokens and combines with use_logfmt flipped: only rank 0 receives rows of the other hash, so
+    rank 1 learns it from rank 0's tell. Rank 0's next low-latency call raises ArgumentMismatchError; rank 1's next
+    kernel does nothing and records it, so its next call raises or returns at once and the call after raises; after
+    clean_low_latency_buffer a correct round matches the reference."""
+    import torch.distributed as dist
+
+    import deep_ep
+    inputs, refs, ref_out = _references(case)
+    mine = inputs[rank]
+    x, idx, w = (mine[k].cuda() for k in ("x", "topk_idx", "topk_weights"))
+    res = buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts, use_fp8=False)
+    y = res.recv_x.clone()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = time.monotonic()
+    buffer.low_latency_combine(y, idx, w, res.handle, use_logfmt=rank == 1)
+    torch.cuda.synchronize()
+    finished = time.monotonic() - start
+    assert finished < 1.0, f"the combine's kernels finished after {finished:.3f} s"
+    dist.barrier()
+    raised_at = None
+    for call in (1, 2):
+        try:
+            buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts, use_fp8=False)
+            torch.cuda.synchronize()
+        except deep_ep.ArgumentMismatchError as exc:
+            assert "low_latency_combine" in str(exc), str(exc)
+            assert rank == 1 or "agreement: rank 0 peer 1" in str(exc), str(exc)
+            raised_at = call
+            break
+        assert rank == 1, "rank 0 received rows of another hash and did not raise at its next call"
+    if raised_at is None:
+        raise AssertionError("rank 1 was not told of the disagreement within two calls")
+    elapsed = time.monotonic() - start
+    assert elapsed < 1.0, f"raised after {elapsed:.3f} s"
+    buffer.clean_low_latency_buffer(case.max_tokens, case.hidden, case.num_experts)
+    _ll_round(buffer, case, rank, inputs, mine, refs, ref_out)
+    return f"raised at call {raised_at} after {elapsed * 1e3:.0f} ms"
+
+
 def task_shrink(buffer, rank: int, case: Case) -> str:
     """Rank 1 "dies" before a dispatch: rank 0's dispatch times out on it (DEEP_EP_TIMEOUT_S), masks it and completes
     with rank 0's own rows; its combine drops rank 1's experts; the mask query reports rank 1."""
@@ -632,7 +673,7 @@ def task_shrink_combine(buffer, rank: int, case: Case) -> str:
 
 TASKS = {"shrink": task_shrink, "shrink_combine": task_shrink_combine, "round": task_round, "graph": task_graph,
          "normal_then_clean": task_normal_then_clean, "bad_input": task_bad_input, "disagree": task_disagree,
-         "refusal": task_refusal, "combine_disagree": task_combine_disagree}
+         "refusal": task_refusal, "combine_disagree": task_combine_disagree, "combine_told": task_combine_told}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -719,6 +760,12 @@ def test_ll_refusal_on_one_rank_is_prompt(pools):
 @pytest.mark.multi_gpu(2)
 def test_ll_combine_disagreement_and_refusal_raise_promptly(pools):
     print(pools(2).run("combine_disagree", _ep2_case(13, 6)))
+
+
+@pytest.mark.multi_gpu(2)
+def test_ll_combine_disagreement_reaches_a_rank_without_rows(pools):
+    case = Case(**{**asdict(_ep2_case(14, 6)), "num_tokens": (6, 0)})
+    print(pools(2).run("combine_told", case))
 
 
 def _shrink_case(seed: int) -> Case:
