@@ -100,6 +100,7 @@ class _Agreement:
             # that notify with zero counts), a cached dispatch its hash in its kernel's output words (a refusal
             # launches that kernel, once the handle is valid), a low-latency
             # dispatch its hash in its count messages (a refusal launches it with no tokens, once (T, H, E) are
+            # valid), a low-latency combine in its arrival words (a refusal tells every peer, once the handle is
             # valid); other calls, and a single rank, exchange nothing.
             kernels = self.buffer._kernel_agreeing(self.method, self.device, self.backend, self.cached)
             if kernels is not None:
@@ -111,8 +112,12 @@ class _Agreement:
                 elif self.cached and self.handle is not None:
                     kernels.refuse_cached_dispatch(signature, self.handle)
                 elif kernels.hashes_signature and self.ll_shape is not None:
-                    kernels.refuse_low_latency_dispatch(signature, *self.ll_shape)
-                    self.buffer._count_refused_low_latency_dispatch()
+                    if self.method == "low_latency_combine":
+                        kernels.refuse_low_latency_combine(signature, *self.ll_shape)
+                        self.buffer._ll_generation += 1  # the peers' combine counted the call and its buffer half
+                    else:
+                        kernels.refuse_low_latency_dispatch(signature, *self.ll_shape)
+                        self.buffer._count_refused_low_latency_dispatch()
             return
         signature = Signature(self.method, fields, refused)
         if self.rides and refused is None:
@@ -295,7 +300,7 @@ class Buffer:
         the count messages of a ``low_latency_dispatch``; else ``None``."""
         if self.group_size == 1 or self._destroyed:
             return None
-        if method == "low_latency_dispatch":
+        if method in ("low_latency_dispatch", "low_latency_combine"):
             return backend if backend is not None and backend.hashes_signature else None
         if method != "dispatch":
             return None
@@ -797,6 +802,9 @@ class Buffer:
             handle = self._check_handle(handle, "low_latency")
             tokens, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
             num_local = self._check_low_latency(tokens, hidden, num_experts)
+            if isinstance(handle.packed_recv_src_info, torch.Tensor) and handle.packed_recv_src_info.is_cuda:
+                agreement.backend = self._ll_backend("low_latency_combine", "cuda", hidden)
+                agreement.ll_shape = (tokens, hidden, num_experts, handle.packed_recv_src_info.device)
             v.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local, self.group_size * tokens, hidden))
             device = x.device
             topk_idx = v.check_topk_idx("topk_idx", topk_idx, device=device)
@@ -835,7 +843,7 @@ class Buffer:
                             ("use_logfmt", use_logfmt))
         result = backend.low_latency_combine(LowLatencyCombineRequest(
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
-            combine_wait_recv_cost_stats))
+            combine_wait_recv_cost_stats, agreement.signature))
         self._track_receive(result.hook)
         return result
 

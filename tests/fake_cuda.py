@@ -287,7 +287,7 @@ def make_fake_extension(torch) -> types.ModuleType:
                                  "join another world")
             self.rank, self.num_ranks = rank, num_ranks
             self.record = None
-            self.launches = []  # "dispatch (N tokens)" per dispatch launch
+            self.launches = []  # "dispatch (N tokens)" / "combine (N tokens)" / "refuse combine" per launch
 
         def required_bytes(self, num_max_tokens, hidden, num_experts):
             return 0
@@ -308,12 +308,7 @@ def make_fake_extension(torch) -> types.ModuleType:
                 raise DeviceError("a low-latency kernel error is pending (read_error() has it)")
             self.launches.append(f"dispatch ({x.size(0)} tokens)")
             if phases & 1 and self.num_ranks > 1:  # the count words carry the hash
-                hashes = gather(signature_hash)
-                differ = [s for s, h in enumerate(hashes) if h != signature_hash]
-                if differ:
-                    self.record = dict(code="argument_mismatch", rank=self.rank, peer=differ[0],
-                                       message=f"low_latency_dispatch agreement: rank {self.rank} peer {differ[0]} "
-                                               f"expected {signature_hash} observed {hashes[differ[0]]} (fake)")
+                self._compare("low_latency_dispatch agreement", signature_hash)
             if outputs:
                 return outputs[0], outputs[4] if use_fp8 else None, outputs[1], outputs[2], outputs[3]
             num_local, rows, hidden = num_experts // self.num_ranks, self.num_ranks * tokens, x.size(1)
@@ -327,11 +322,30 @@ def make_fake_extension(torch) -> types.ModuleType:
                     torch.empty(num_local, rows, dtype=torch.int32),
                     torch.empty(num_local, self.num_ranks, dtype=torch.int64))
 
+        def _compare(self, phase, signature_hash):
+            """Every rank's hash (the kernels' count or arrival words, and a combine's disagreement word); a
+            difference fills the record."""
+            hashes = gather(signature_hash)
+            differ = [s for s, h in enumerate(hashes) if h != signature_hash]
+            if differ and self.record is None:
+                self.record = dict(code="argument_mismatch", phase=phase, rank=self.rank, peer=differ[0],
+                                   message=f"{phase}: rank {self.rank} peer {differ[0]} expected {signature_hash} "
+                                           f"observed {hashes[differ[0]]} (fake)")
+
         def combine(self, x, topk_idx, topk_weights, src_info, layout_range, tokens, num_experts, use_logfmt,
-                    zero_copy, out, *rest):
+                    zero_copy, out, wait_stats, half, phases, stream, current_after, signature_hash):
             if self.record is not None:
                 raise DeviceError("a low-latency kernel error is pending (read_error() has it)")
+            self.launches.append(f"combine ({topk_idx.size(0)} tokens)")
+            if phases & 1 and self.num_ranks > 1:  # the arrival words carry the hash; a receiver tells every rank
+                self._compare("low_latency_combine agreement", signature_hash)
             return out if out is not None else torch.empty(topk_idx.size(0), x.size(2), dtype=x.dtype)
+
+        def refuse_combine(self, tokens, hidden, num_experts, signature_hash):
+            if self.record is not None:
+                raise DeviceError("a low-latency kernel error is pending (read_error() has it)")
+            self.launches.append("refuse combine")
+            self._compare("low_latency_combine refused", signature_hash)
 
     ext.Runtime = Runtime
     ext.HAS_LOW_LATENCY, ext.LL_MAX_TOPK, ext.LL_MAX_TOKENS = True, 16, 1024

@@ -335,6 +335,28 @@ with fake.patched(torch, cuda_tensors=True):
     attempt("ll after refused", ll_runtime,
             lambda: made.update(serial=ll.low_latency_dispatch(x_ll, idx_ll, 16, 8).handle.serial))
     out["ll state"] = [ll._cuda_ll.parity, ll._ll_generation, made.get("serial")]
+    # Low-latency combine: use_logfmt on rank 0 only, then one that rank 1 refuses (float64 topk_weights).
+    weights_ll = torch.ones(16, 4)
+    y_ll = torch.zeros(4, 32, 1024, dtype=torch.bfloat16)
+
+    def ll_combine(weights=weights_ll, **kwargs):
+        handle = ll.low_latency_dispatch(x_ll, idx_ll, 16, 8).handle
+        before = len(ll_runtime.launches)
+        try:
+            ll.low_latency_combine(y_ll, idx_ll, weights, handle, **kwargs)
+        finally:
+            out.setdefault("ll combine launches", []).append(ll_runtime.launches[before:])
+
+    attempt("llc agree", ll_runtime, ll_combine)
+    attempt("llc logfmt", ll_runtime, lambda: ll_combine(use_logfmt=rank == 0))
+    attempt("llc logfmt next", ll_runtime, ll_combine)
+    attempt("llc logfmt clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
+    attempt("llc after logfmt", ll_runtime, ll_combine)
+    attempt("llc refused", ll_runtime, lambda: ll_combine(weights_ll.double() if rank == 1 else weights_ll))
+    attempt("llc refused next", ll_runtime, ll_combine)
+    attempt("llc refused clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
+    attempt("llc after refused", ll_runtime, ll_combine)
+    out["llc state"] = [ll._cuda_ll.parity, ll._ll_generation, ll._num_handles]
     ll._release()
 dist.destroy_process_group()
 print(json.dumps(out))
@@ -405,8 +427,28 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
         kind, message, _ = out["ll refused next"]
         assert kind == "ArgumentMismatchError" and f"rank {1 - rank}" in message and "refused" in message, out
         assert out["ll refused clean"][0] == "ok" and out["ll after refused"][0] == "ok", out
+        # Low-latency combine: the arrival words carry the hashes; the combine of the disagreement returns, every
+        # later call raises on both ranks (before any launch) until clean_low_latency_buffer; then the calls work.
+        assert out["llc agree"][0] == out["llc logfmt"][0] == "ok", out
+        assert out["llc after logfmt"][0] == out["llc after refused"][0] == "ok", out
+        kind, message, launches = out["llc logfmt next"]
+        assert kind == "ArgumentMismatchError" and launches == [], out["llc logfmt next"]
+        assert "low_latency_combine" in message and "clean_low_latency_buffer" in message, message
+        assert out["llc logfmt clean"][0] == "ok", out["llc logfmt clean"]
+        # Rank 1 refuses its combine (float64 weights) after its handle passed: it tells rank 0 through the
+        # refusal kernel and raises its own error; both ranks then raise until clean.
+        kind, message, launches = out["llc refused"]
+        if rank == 1:
+            assert kind == "TypeError" and message.startswith("topk_weights"), out["llc refused"]
+            assert launches[-1:] == ["refuse combine"], out["llc refused"]
+        else:
+            assert kind == "ok" and launches[-1:] == ["combine (16 tokens)"], out["llc refused"]
+        kind, message, launches = out["llc refused next"]
+        assert kind == "ArgumentMismatchError" and launches == [] and "low_latency_combine" in message, out
+        assert out["llc refused clean"][0] == "ok", out["llc refused clean"]
     # The refusing rank counted the call as its peer did: same parity, call number and handle number.
     assert outs[0]["ll state"] == outs[1]["ll state"], (outs[0]["ll state"], outs[1]["ll state"])
+    assert outs[0]["llc state"] == outs[1]["llc state"], (outs[0]["llc state"], outs[1]["llc state"])
 
 
 # Two NVSHMEM Buffers in one process: the second joins the process's world without asking NVSHMEM for a new unique
