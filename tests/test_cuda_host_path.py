@@ -488,7 +488,7 @@ print(json.dumps(out))
 
 
 def test_a_second_nvshmem_buffer_joins_the_process_world():
-    out = json.loads(_run(["-c", _WORLD_PROBE, ROOT]).strip().splitlines()[-1])
+    out = run_probe(_WORLD_PROBE)
     assert (out["ids after first"], out["ids after second"], out["ids at end"]) == (1, 1, 1), out
     assert out["second served by"] == "LowLatencyCuda", out
     for name in ("fresh peer", "peer in another world"):
