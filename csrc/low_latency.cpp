@@ -313,6 +313,7 @@ void LowLatencyRuntime::clean(int num_max_tokens, int hidden, int num_experts, u
     ll::barrier(ctx, as_stream(stream));
     last_ordered_stream_ = nullptr;  // the clean zeroed the release counts and the record of unreleased halves
     last_send_half_ = -1;
+    call_seq_ = 0;  // every rank numbers its calls from here alike, whatever calls it made before
 }
 
 void LowLatencyRuntime::update_mask(int rank, bool mask, uintptr_t stream) {
@@ -351,6 +352,7 @@ void LowLatencyRuntime::reset(int num_max_tokens, int hidden, int num_experts, u
     ll::clean(ctx, as_stream(stream));
     last_ordered_stream_ = nullptr;
     last_send_half_ = -1;
+    call_seq_ = 0;
     DEEP_EP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
     std::atomic_thread_fence(std::memory_order_seq_cst);

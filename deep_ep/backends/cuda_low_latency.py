@@ -11,10 +11,9 @@ count messages carried another rank's call-signature hash moves no row from that
 launch or hook after it raises ``ArgumentMismatchError`` until ``clean_low_latency_buffer`` (collective); a rank
 whose own validation refused a dispatch still launches it, with no tokens and the hash of its refusal; a combine's
 arrival words carry the hash too, and a rank that sees another hash there (or refuses a combine) tells every rank,
-with the same standstill; with
-``enable_shrink`` a dispatch or combine wait that times out masks the silent rank instead and the call completes for
-the others (every rank then calls ``low_latency_clean_mask_buffer`` and ``clean_low_latency_buffer`` to let it
-rejoin).
+with the same standstill (``clean_low_latency_buffer`` restarts the parity at 0 on every rank); with ``enable_shrink``
+a dispatch or combine wait that times out masks the silent rank instead and the call completes for the others
+(every rank then calls ``low_latency_clean_mask_buffer`` and ``clean_low_latency_buffer`` to let it rejoin).
 """
 from __future__ import annotations
 
@@ -242,13 +241,16 @@ class LowLatencyCuda(Backend):
         return self.runtime.combine_buffer(tokens, hidden, num_experts, self.parity)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Collective: bounded barrier, zero every signal word, bounded barrier (on the current stream). It also
-        ends the standstill after a disagreement of call signatures."""
+        """Collective: bounded barrier, zero every signal word and the kernels' private state, bounded barrier (on
+        the current stream); the next call uses buffer half 0, as after a fresh start. It also ends the standstill
+        after a disagreement of call signatures, when the ranks may have made different numbers of calls (a rank
+        told of a combine's disagreement launches calls that do nothing, while the others raise)."""
         record = self.runtime.read_error() if self.runtime is not None else None
         disagreed = record is not None and record["code"] == "argument_mismatch"
         self._prologue(num_max_dispatch_tokens_per_rank, hidden, num_experts, check_errors=not disagreed)
         stream = torch.cuda.current_stream()
         self.runtime.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts, stream.cuda_stream)
+        self.parity = 0
         stream.synchronize()
         if disagreed:
             self.runtime.clear_argument_error(stream.cuda_stream)
@@ -260,6 +262,7 @@ class LowLatencyCuda(Backend):
         torch.cuda.synchronize()
         self.runtime.reset(num_max_dispatch_tokens_per_rank, hidden, num_experts,
                            torch.cuda.current_stream().cuda_stream)
+        self.parity = 0
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool) -> None:
         self.runtime.update_mask(rank_to_mask, mask, torch.cuda.current_stream().cuda_stream)

@@ -859,6 +859,7 @@ class TorchBackend(Backend):
         self.comm.barrier("clean_low_latency_buffer (before)")
         self._region(layout, "signal_0").zero_()
         self._region(layout, "signal_1").zero_()
+        self.ll_parity = 0  # the next call uses half 0 on every rank, as the CUDA kernels' clean does
         self.comm.barrier("clean_low_latency_buffer (after)")
 
     # Shrink masks (enable_shrink=True).

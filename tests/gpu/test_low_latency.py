@@ -599,6 +599,11 @@ def task_combine_told(buffer, rank: int, case: Case) -> str:
     elapsed = time.monotonic() - start
     assert elapsed < 1.0, f"raised after {elapsed:.3f} s"
     buffer.clean_low_latency_buffer(case.max_tokens, case.hidden, case.num_experts)
+    # The ranks made different numbers of calls since the combine; after the clean they use the same buffer half
+    # and handle numbers.
+    states = [None, None]
+    dist.all_gather_object(states, [buffer._cuda_ll.parity, buffer._num_handles])
+    assert states[0] == states[1], f"ranks' (parity, next handle number) after the clean: {states}"
     _ll_round(buffer, case, rank, inputs, mine, refs, ref_out)
     return f"raised at call {raised_at} after {elapsed * 1e3:.0f} ms"
 
@@ -647,9 +652,8 @@ def task_shrink_combine(buffer, rank: int, case: Case) -> str:
     torch.cuda.synchronize()
     _check_dispatch(case, rank, res, refs[rank])
     if rank == 1:
-        # The silent rank skips the combine, so its parity is one call behind rank 0's; a real job rebuilds or
-        # realigns it before it rejoins. The test flips it so that the pool serves the next example.
-        buffer._cuda_ll.parity ^= 1
+        # The silent rank skips the combine, so its parity is one call behind rank 0's until the worker's collective
+        # clean_low_latency_buffer before the next example restarts both at half 0.
         return "ok"
     y = expert_output(res.recv_x, case.use_fp8)
     ys = [expert_output(r.recv_x, case.use_fp8) for r in refs]
