@@ -10,11 +10,13 @@ error = (predicted - measured) / measured against the rank-averaged wall time, a
 "internode_put" (the Buffer built under ``deep_ep.testing.overrides(internode_put_only=True)``: peers by NVSHMEM
 puts, the path behind a NIC; ``--put-warps`` sweeps its copy warps). ``--composed``: the fused kernels
 (``internode="fused"``, NVSHMEM buffer of ``--num-rdma-bytes``) and the composed path (``internode="composed"``) next
-to the torch backend (``internode="torch"``), ranks sharing GPUs as 2 virtual nodes, wall times only::
+to the torch backend (``internode="torch"``), ranks sharing GPUs as 2 virtual nodes, wall times only; with ``--put``
+also phase "fused_put" (the fused kernels with every pair of different nodes on puts, ``internode_put_only``)::
 
     python benchmarks/bench_internode.py --json $OUT/bench_internode.json
     python benchmarks/bench_internode.py --skip-intranode --put --json $OUT/inter_put.json
     python benchmarks/bench_internode.py --composed --num-processes 4 --num-tokens 1024 --json $OUT/composed.json
+    python benchmarks/bench_internode.py --composed --put --num-processes 4 --num-tokens 1024 --json $OUT/fput.json
 """
 from __future__ import annotations
 
@@ -110,8 +112,11 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
         per_node = args.num_processes // 2
         phases = [(phase, per_node, fields, dict(num_nvl_bytes=args.num_nvl_bytes))
                   for phase, fields in (("composed", {"internode": "composed"}), ("torch", {"internode": "torch"}))]
-        phases.insert(0, ("fused", per_node, {"internode": "fused"},
-                          dict(num_nvl_bytes=args.num_nvl_bytes, num_rdma_bytes=args.num_rdma_bytes)))
+        fused_sizes = dict(num_nvl_bytes=args.num_nvl_bytes, num_rdma_bytes=args.num_rdma_bytes)
+        phases.insert(0, ("fused", per_node, {"internode": "fused"}, fused_sizes))
+        if args.put:
+            phases.insert(1, ("fused_put", per_node, {"internode": "fused", "internode_put_only": True},
+                              fused_sizes))
     for phase, per_node, fields, sizes in phases:
         if args.skip_intranode and phase == "intranode":
             continue
@@ -167,7 +172,8 @@ def main() -> None:
     parser.add_argument("--num-rdma-bytes", type=int, default=int(1e9) // 128 * 128)
     parser.add_argument("--skip-intranode", action="store_true", help="measure the internode phase(s) only")
     parser.add_argument("--put", action="store_true",
-                        help="also the internode backend with every peer reached by puts (phase internode_put)")
+                        help="also the internode backend with every peer reached by puts (phase internode_put); with "
+                             "--composed, the fused kernels with every rail pair on puts (phase fused_put)")
     parser.add_argument("--put-warps", type=int, nargs="+", default=[0],
                         help="--put: copy warps per channel to sweep in the put phase; 0: the Buffer's choice")
     parser.add_argument("--composed", action="store_true",
@@ -200,10 +206,11 @@ def print_table(summary: dict, predicted: dict) -> None:
     for p in rep["points"]:
         ratio = sim = err = "-"
         ref = intra.get((p["op"], p["num_sms"]))
-        if p["phase"].startswith("internode_put"):  # against the pointer path
-            ref = next((q for q in rep["points"] if q["phase"] == "internode" and q["op"] == p["op"]
+        if p["phase"].startswith("internode_put") or p["phase"] == "fused_put":  # against the pointer path
+            pointer = "fused" if p["phase"] == "fused_put" else "internode"
+            ref = next((q for q in rep["points"] if q["phase"] == pointer and q["op"] == p["op"]
                         and q["num_sms"] == p["num_sms"]), None)
-        if (p["phase"] in ("internode", "composed", "fused") or p["phase"].startswith("internode_put")) \
+        if (p["phase"] in ("internode", "composed", "fused", "fused_put") or p["phase"].startswith("internode_put")) \
                 and ref is not None:
             ratio = f"{p['nvl_GBps'] / ref['nvl_GBps']:.2f}"
         key = (p["phase"], *p["op"].split("_"))

@@ -236,21 +236,19 @@ std::vector<int> Runtime::sync_symmetric(const std::string& unique_id, int world
 void Runtime::set_put_peers(const std::vector<int>& put_ranks, bool put_area) {
     if (!symmetric_ || local_buffer_ == nullptr || available_ || destroyed_)
         throw std::runtime_error("Runtime::set_put_peers needs a symmetric runtime right after sync_symmetric");
-    // Only the ring kernels have a put path, and they serve kMaxRanks; put_area is decided world-wide, so every rank
-    // of a larger group refuses alike.
-    if (num_ranks_ > kernels::kMaxRanks && (put_area || !put_ranks.empty()))
-        invalid("NVSHMEM put peers need a group of at most %d ranks (the ring kernels' put path), got %d ranks",
-                kernels::kMaxRanks, num_ranks_);
-    uint32_t mask = 0;
+    // The mask has a bit for every rank of the runtime (kMaxRuntimeRanks <= 64, api.cuh); each kernel family's
+    // launcher checks its own group limit.
+    uint64_t mask = 0;
     for (int r : put_ranks) {
         if (r < 0 || r >= num_ranks_ || r == rank_)
             invalid("put peers must be other ranks in [0, %d), got %d (this rank is %d)", num_ranks_, r, rank_);
-        mask |= 1u << r;
+        mask |= 1ull << r;
     }
     for (int r = 0; r < num_ranks_; ++r)
-        if (peer_buffers_[r] == nullptr && ((mask >> r) & 1u) == 0)
+        if (peer_buffers_[r] == nullptr && !kernels::put_bit(mask, r))
             invalid("rank %d is not reachable by nvshmem_ptr from rank %d: it must be a put peer", r, rank_);
-    if (mask != 0 && !put_area) invalid("put peers (rank %d: mask 0x%x) need the put area", rank_, mask);
+    if (mask != 0 && !put_area)
+        invalid("put peers (rank %d: mask 0x%llx) need the put area", rank_, static_cast<unsigned long long>(mask));
     if (put_area) {
         const kernels::PutLayout layout = kernels::put_layout(num_nvl_bytes_);
         if (layout.half <= 0)
@@ -261,7 +259,7 @@ void Runtime::set_put_peers(const std::vector<int>& put_ranks, bool put_area) {
         put_area_ = true;
     }
     for (int r = 0; r < num_ranks_; ++r)
-        if ((mask >> r) & 1u) peer_buffers_[r] = nullptr;  // reached through NVSHMEM only
+        if (kernels::put_bit(mask, r)) peer_buffers_[r] = nullptr;  // reached through NVSHMEM only
     put_mask_ = mask;
     available_ = true;
 }

@@ -84,11 +84,12 @@ class Runtime {
     // Symmetric runtime, after sync_symmetric: the ranks reached by NVSHMEM puts and signals instead of pointers
     // (every unreachable one among them; the caller makes the relation symmetric across ranks). `put_area`: carve
     // the put area (kernels/layout.cuh put_layout), which every rank of the world must do alike as soon as any
-    // pair of it is a put pair; required when `put_ranks` is not empty. Throws std::invalid_argument when
-    // num_nvl_bytes leaves no room for it.
+    // pair of it is a put pair; required when `put_ranks` is not empty. Any group size of the runtime takes put
+    // peers (each kernel family checks its own group limit: the ring kernels' kMaxRanks, the fused kernels'
+    // kFusedMaxRanks). Throws std::invalid_argument when num_nvl_bytes leaves no room for the put area.
     void set_put_peers(const std::vector<int>& put_ranks, bool put_area);
-    // Bit r: rank r is a put peer.
-    uint32_t get_put_mask() const { return put_mask_; }
+    // Bit r: rank r is a put peer (a bit for each of up to kMaxRuntimeRanks ranks).
+    uint64_t get_put_mask() const { return put_mask_; }
     // Bytes of the kernels' region (control, rings, output pool): num_nvl_bytes, less with a put area after it.
     int64_t get_ring_bytes() const { return ring_bytes_; }
     // Releases the IPC mappings and allocations. Call after a cross-rank barrier so no peer still writes here.
@@ -252,7 +253,7 @@ class Runtime {
     int rank_, num_ranks_;
     int64_t num_nvl_bytes_;
     int64_t ring_bytes_;      // the kernels' region [0, ring_bytes_): num_nvl_bytes_, or less with a put area after it
-    uint32_t put_mask_ = 0;   // bit r: rank r is reached by NVSHMEM puts (KernelContext::put_mask)
+    uint64_t put_mask_ = 0;   // bit r: rank r is reached by NVSHMEM puts (KernelContext::put_mask)
     std::vector<int> pes_;    // NVSHMEM PE of each group rank (KernelContext::pe_of); empty: the rank itself
     bool put_area_ = false;   // the world has put pairs: the buffer ends with the put area
     double timeout_s_;

@@ -255,7 +255,8 @@ at::Tensor LowLatencyRuntime::combine(const at::Tensor& x, const at::Tensor& top
                                       const at::Tensor& src_info, const at::Tensor& layout_range, int num_max_tokens,
                                       int num_experts, bool use_logfmt, bool zero_copy,
                                       const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& wait_stats,
-                                      int half, int phases, uintptr_t comm_stream, bool current_after) {
+                                      int half, int phases, uintptr_t comm_stream, bool current_after,
+                                      uint32_t signature_hash) {
     const int hidden = static_cast<int>(x.size(2));
     require_alive("low_latency_combine");
     require_no_error();
@@ -277,11 +278,18 @@ at::Tensor LowLatencyRuntime::combine(const at::Tensor& x, const at::Tensor& top
     a.wait_stats = ptr_or_null<int64_t>(wait_stats);
     a.half = half;
     a.phases = phases;
+    a.signature_hash = signature_hash;
     const cudaStream_t stream = enter(comm_stream);
     a.release_by_next_send = order_launch(stream, half, phases, comm_stream != 0);
     ll::combine(ctx, a, stream);
     leave(stream, current_after);
     return combined;
+}
+
+void LowLatencyRuntime::refuse_combine(int num_max_tokens, int hidden, int num_experts, uint32_t signature_hash) {
+    require_alive("low_latency_combine");
+    require_no_error();
+    ll::refuse_combine(context(num_max_tokens, hidden, num_experts), signature_hash, current_stream());
 }
 
 at::Tensor LowLatencyRuntime::combine_buffer(int num_max_tokens, int hidden, int num_experts, int half) {
@@ -305,6 +313,7 @@ void LowLatencyRuntime::clean(int num_max_tokens, int hidden, int num_experts, u
     ll::barrier(ctx, as_stream(stream));
     last_ordered_stream_ = nullptr;  // the clean zeroed the release counts and the record of unreleased halves
     last_send_half_ = -1;
+    call_seq_ = 0;  // every rank numbers its calls from here alike, whatever calls it made before
 }
 
 void LowLatencyRuntime::update_mask(int rank, bool mask, uintptr_t stream) {
@@ -343,6 +352,7 @@ void LowLatencyRuntime::reset(int num_max_tokens, int hidden, int num_experts, u
     ll::clean(ctx, as_stream(stream));
     last_ordered_stream_ = nullptr;
     last_send_half_ = -1;
+    call_seq_ = 0;
     DEEP_EP_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream)));
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
     std::atomic_thread_fence(std::memory_order_seq_cst);

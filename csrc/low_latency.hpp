@@ -50,14 +50,19 @@ class LowLatencyRuntime {
         bool round_scale, bool use_ue8m0, int half, int phases, uintptr_t comm_stream, bool current_after,
         const std::vector<at::Tensor>& outputs, uint32_t signature_hash);
     // Same streams as dispatch; `out` absent allocates the [N, H] BF16 output. Returns it.
+    // `signature_hash`: the call's signature hash (CombineArgs::signature_hash; the same for both launches).
     at::Tensor combine(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                        const at::Tensor& src_info, const at::Tensor& layout_range, int num_max_tokens, int num_experts,
                        bool use_logfmt, bool zero_copy, const std::optional<at::Tensor>& out,
                        const std::optional<at::Tensor>& wait_stats, int half, int phases, uintptr_t comm_stream,
-                       bool current_after);
+                       bool current_after, uint32_t signature_hash);
+    // This rank refused a combine of (T, H, E) that its peers make: tells every peer (on the current stream) and
+    // records the refusal, so that no rank waits for its rows and every rank's LL calls raise until clean.
+    void refuse_combine(int num_max_tokens, int hidden, int num_experts, uint32_t signature_hash);
     // BF16 [L, R*T, H] view (row stride H + H/64) of the combine send area of `half`.
     at::Tensor combine_buffer(int num_max_tokens, int hidden, int num_experts, int half);
-    // Bounded barrier, zero every control word and the workspace, bounded barrier (on `stream`).
+    // Bounded barrier, zero every control word and the workspace, bounded barrier (on `stream`); the call numbers
+    // of error records restart (the ranks may have made different numbers of calls before a clean).
     void clean(int num_max_tokens, int hidden, int num_experts, uintptr_t stream);
     void barrier(uintptr_t stream);
 
@@ -68,7 +73,7 @@ class LowLatencyRuntime {
 
     std::optional<kernels::ErrorRecord> read_error() const;
     // After an error: zero the control words, workspace and abort word, then the error record (no barrier: every
-    // rank calls it between two host barriers, with no LL kernel in flight).
+    // rank calls it between two host barriers, with no LL kernel in flight); the call numbers restart, as in clean.
     void reset(int num_max_tokens, int hidden, int num_experts, uintptr_t stream);
     // Zero an error record that holds kErrorArgumentMismatch (no rank aborted) and, on `stream`, the claim and
     // mismatch words, so that the LL kernels run again; after `clean` (which puts the arrival bases back in step).
@@ -84,7 +89,7 @@ class LowLatencyRuntime {
     int num_blocks_ = 0;
     bool all_p2p_ = true;
     bool destroyed_ = false;
-    int64_t call_seq_ = 0;
+    int64_t call_seq_ = 0;  // LL calls since construction, the last clean or reset (error records' call number)
     void* sym_ = nullptr;
     void** peers_ = nullptr;  // device [R]
     void* workspace_ = nullptr;

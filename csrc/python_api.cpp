@@ -133,6 +133,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("required_bytes", &deep_ep::LowLatencyRuntime::required_bytes)
         .def("dispatch", &deep_ep::LowLatencyRuntime::dispatch)
         .def("combine", &deep_ep::LowLatencyRuntime::combine)
+        .def("refuse_combine", &deep_ep::LowLatencyRuntime::refuse_combine)
         .def("combine_buffer", &deep_ep::LowLatencyRuntime::combine_buffer)
         .def("clean", &deep_ep::LowLatencyRuntime::clean)
         .def("barrier", &deep_ep::LowLatencyRuntime::barrier)

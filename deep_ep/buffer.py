@@ -53,6 +53,10 @@ _INT_MAX = 2 ** 31 - 1
 _NVSHMEM_QP_DEPTH = 1024
 # Largest group of the normal kernels (DeepEP), unless in low-latency mode.
 _MAX_NORMAL_RANKS = 160
+# Handle numbers after the n-th clean_low_latency_buffer start at n times this: the ranks may have made different
+# numbers of calls before a clean (after a disagreement), and agree on their handles again after it; no handle made
+# after a clean has the number of one made before.
+_HANDLES_PER_CLEAN = 10 ** 12
 # (kind, num_ranks, num_sms) -> the tuned default Config (see Buffer._resolve_config).
 _DEFAULT_CONFIGS: dict[tuple[str, int, int], Config] = {}
 
@@ -100,6 +104,7 @@ class _Agreement:
             # that notify with zero counts), a cached dispatch its hash in its kernel's output words (a refusal
             # launches that kernel, once the handle is valid), a low-latency
             # dispatch its hash in its count messages (a refusal launches it with no tokens, once (T, H, E) are
+            # valid), a low-latency combine in its arrival words (a refusal tells every peer, once the handle is
             # valid); other calls, and a single rank, exchange nothing.
             kernels = self.buffer._kernel_agreeing(self.method, self.device, self.backend, self.cached)
             if kernels is not None:
@@ -111,8 +116,12 @@ class _Agreement:
                 elif self.cached and self.handle is not None:
                     kernels.refuse_cached_dispatch(signature, self.handle)
                 elif kernels.hashes_signature and self.ll_shape is not None:
-                    kernels.refuse_low_latency_dispatch(signature, *self.ll_shape)
-                    self.buffer._count_refused_low_latency_dispatch()
+                    if self.method == "low_latency_combine":
+                        kernels.refuse_low_latency_combine(signature, *self.ll_shape)
+                        self.buffer._ll_generation += 1  # the peers' combine counted the call and its buffer half
+                    else:
+                        kernels.refuse_low_latency_dispatch(signature, *self.ll_shape)
+                        self.buffer._count_refused_low_latency_dispatch()
             return
         signature = Signature(self.method, fields, refused)
         if self.rides and refused is None:
@@ -205,8 +214,9 @@ class Buffer:
         self._destroyed = False
         # The owner of every handle this Buffer returns (see _check_handle).
         self._handle_owner = object()
-        # Handles returned so far (each handle's serial number).
+        # The next handle's serial number, and the clean_low_latency_buffer calls so far (_HANDLES_PER_CLEAN).
         self._num_handles = 0
+        self._ll_cleans = 0
         # Low-latency calls made so far (the double buffer's generation), the receive hooks not yet run (a weak
         # reference to each hook and its receive), and the generation at which the zero-copy combine buffer was
         # last handed out (-1: never).
@@ -295,7 +305,7 @@ class Buffer:
         the count messages of a ``low_latency_dispatch``; else ``None``."""
         if self.group_size == 1 or self._destroyed:
             return None
-        if method == "low_latency_dispatch":
+        if method in ("low_latency_dispatch", "low_latency_combine"):
             return backend if backend is not None and backend.hashes_signature else None
         if method != "dispatch":
             return None
@@ -797,6 +807,9 @@ class Buffer:
             handle = self._check_handle(handle, "low_latency")
             tokens, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
             num_local = self._check_low_latency(tokens, hidden, num_experts)
+            if isinstance(handle.packed_recv_src_info, torch.Tensor) and handle.packed_recv_src_info.is_cuda:
+                agreement.backend = self._ll_backend("low_latency_combine", "cuda", hidden)
+                agreement.ll_shape = (tokens, hidden, num_experts, handle.packed_recv_src_info.device)
             v.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local, self.group_size * tokens, hidden))
             device = x.device
             topk_idx = v.check_topk_idx("topk_idx", topk_idx, device=device)
@@ -816,7 +829,8 @@ class Buffer:
                 raise LowLatencyMisuseError(
                     "zero_copy=True needs the combine buffer from get_next_low_latency_combine_buffer(handle) filled "
                     "after the last low-latency call (another low-latency call reuses it); got "
-                    + ("no such buffer" if self._zero_copy_generation < 0 else
+                    + ("none since the Buffer was built or last cleaned (clean_low_latency_buffer)"
+                       if self._zero_copy_generation < 0 else
                        f"a buffer handed out before low-latency call #{self._zero_copy_generation}, and this is call "
                        f"#{self._ll_generation}"))
             if async_finish and return_recv_hook:
@@ -835,7 +849,7 @@ class Buffer:
                             ("use_logfmt", use_logfmt))
         result = backend.low_latency_combine(LowLatencyCombineRequest(
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
-            combine_wait_recv_cost_stats))
+            combine_wait_recv_cost_stats, agreement.signature))
         self._track_receive(result.hook)
         return result
 
@@ -851,7 +865,9 @@ class Buffer:
         return view
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Collective: zero both halves' signal areas (needed after normal kernels used the buffer)."""
+        """Collective: zero both halves' signal areas (needed after normal kernels used the buffer). The ranks'
+        next low-latency calls use the first buffer half and the same handle numbers, whatever calls they made
+        before (after a disagreement they may differ); a combine buffer handed out before is no longer valid."""
         self._settle_receives()
         with _Agreement(self, "clean_low_latency_buffer", "low_latency") as agreement:
             agreement.device = None
@@ -861,6 +877,10 @@ class Buffer:
             agreement.agree(("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                             ("hidden", hidden), ("num_experts", num_experts))
         backend.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        # The backend restarted the double buffer at half 0 on every rank; the handle numbers restart in step.
+        self._ll_cleans += 1
+        self._num_handles = self._ll_cleans * _HANDLES_PER_CLEAN
+        self._zero_copy_generation = -1
 
     def _check_shrink(self, method: str) -> Backend:
         if not self.enable_shrink:

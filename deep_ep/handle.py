@@ -33,8 +33,10 @@ class HandleState:
             accepts only its own handles.
         backend_state: what the backend that made the handle reuses in its cached dispatch and combine (the CUDA
             kernels' pair counts or intranode handle, the composed path's stage handles), ``None`` for nothing.
-        serial: the number of the call that made the handle among its Buffer's dispatches (the same on every rank
-            that made the same calls; the ranks check it agrees when the handle is used), ``-1`` for none.
+        serial: the number of the call that made the handle among its Buffer's dispatches since its last
+            ``clean_low_latency_buffer``, plus 10**12 times the number of those cleans (the same on every rank that
+            made the same calls since the last clean; the ranks check it agrees when the handle is used), ``-1``
+            for none.
     """
 
     __slots__ = ()

@@ -44,8 +44,8 @@ class Overrides:
             deep_ep/backends/fused_internode.py, or a warning naming why they cannot serve the group).
         composed_rail: the composed path's rail stage: ``'ipc'``, ``'nvshmem'`` or ``'torch'``.
         ll_put_only: the low-latency kernels reach every peer by NVSHMEM put (the RDMA path), even by NVLink.
-        internode_put_only: the internode ring kernels reach every peer by NVSHMEM put; set on any rank, it
-            applies to the whole group.
+        internode_put_only: the internode ring kernels reach every peer by NVSHMEM put, the fused kernels every
+            rank of another node (their NVLink hops stay pointer); set on any rank, it applies to the whole group.
     """
 
     dispatch_receive: Optional[str] = None

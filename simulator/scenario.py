@@ -299,9 +299,10 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
                      f"{sc.nodes} nodes the Buffer runs {beyond}; the normal rows model that torch part with "
                      f"assumed parameters (torch_call_us, torch_p2p_efficiency: simulator/deep_ep_torch.py)")
     if sc.mode in ("normal", "both") and not nic.shares_nvlink and fused:
-        notes.append(f"{sc.nodes} x {per_node} GPUs: the normal rows model deep_ep's fused kernels with DeepEP's "
-                     f"chunked puts over the NIC; the fused kernels reach peers by pointer only, so behind a NIC "
-                     f"the Buffer runs the composed path (--nic nvlink-p2p models the one-host case)")
+        notes.append(f"{sc.nodes} x {per_node} GPUs: behind a NIC deep_ep's fused kernels make their rail hops "
+                     f"NVSHMEM puts (staged records put as runs, a signal per published chunk); the normal rows "
+                     f"model them with DeepEP's chunked puts over the NIC (--nic nvlink-p2p models the one-host "
+                     f"case)")
     if nic.shares_nvlink and sc.nodes > 1:
         notes.append(f"nic {nic.name}: virtual-node test setup, {sc.nodes} nodes x {per_node} GPUs on one NVLink "
                      f"host; the scale-out puts share the GPUs' NVLink ports (counted under NVL_GB/s)")

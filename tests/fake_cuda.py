@@ -93,6 +93,7 @@ def make_fake_extension(torch) -> types.ModuleType:
     """A ``deep_ep._C`` whose kernels do nothing; entry points that allocate their outputs do so on CPU."""
     ext = types.ModuleType("deep_ep._C")
     ext.MAX_RANKS, ext.MAX_CHANNELS, ext.MAX_TOPK, ext.MAX_LOCAL_EXPERTS = 8, 128, 32, 1024
+    ext.MAX_RUNTIME_RANKS = 64  # the extension's (tests/gpu/test_fused_internode.py checks it)
     ext.CONTROL_BYTES, ext.WORKSPACE_BYTES = 1 << 16, 1 << 20
 
     class HostTimeout(TimeoutError):
@@ -133,6 +134,9 @@ def make_fake_extension(torch) -> types.ModuleType:
         ``launches``: the kernels launched (``notify``, ``refuse``, ``dispatch``), in order."""
 
         def __init__(self, rank, num_ranks, num_nvl_bytes, timeout_s, **kwargs):
+            if not 1 <= num_ranks <= ext.MAX_RUNTIME_RANKS:
+                raise ValueError(f"num_ranks must be in [1, {ext.MAX_RUNTIME_RANKS}] for the CUDA runtime, got "
+                                 f"{num_ranks}")
             self.rank, self.num_ranks, self.num_nvl_bytes = rank, num_ranks, num_nvl_bytes
             self.num_recv = 0
             self.per_expert = []
@@ -143,6 +147,35 @@ def make_fake_extension(torch) -> types.ModuleType:
 
         def get_local_device_id(self):
             return 0
+
+        # The symmetric runtime (SymmetricCuda and its subclasses) with the checks of csrc/buffer.cpp:
+        # sync_symmetric reports the ranks in ``unreachable`` (a probe sets it); set_put_peers takes put peers in
+        # any group of the runtime (a bit of the mask per rank) and refuses what the extension refuses.
+        unreachable = ()
+        put_mask = 0
+
+        def sync_symmetric(self, unique_id, world_rank, world_size, pes):
+            if len(pes) != self.num_ranks or pes[self.rank] != world_rank:
+                raise ValueError(f"pes must name the PE of each of the {self.num_ranks} group ranks, got {pes}")
+            return [r for r in self.unreachable if r != self.rank]
+
+        def set_put_peers(self, ranks, put_area):
+            mask = 0
+            for r in ranks:
+                if not 0 <= r < self.num_ranks or r == self.rank:
+                    raise ValueError(f"put peers must be other ranks in [0, {self.num_ranks}), got {r} (this rank "
+                                     f"is {self.rank})")
+                mask |= 1 << r
+            for r in self.unreachable:
+                if r != self.rank and not (mask >> r) & 1:
+                    raise ValueError(f"rank {r} is not reachable by nvshmem_ptr from rank {self.rank}: it must be a "
+                                     "put peer")
+            if mask and not put_area:
+                raise ValueError(f"put peers (rank {self.rank}: mask {mask:#x}) need the put area")
+            self.put_mask = mask
+
+        def get_put_mask(self):
+            return self.put_mask
 
         def get_local_ipc_handle(self):
             return b"\0" * 64
@@ -245,7 +278,10 @@ def make_fake_extension(torch) -> types.ModuleType:
     class LowLatencyRuntime(_ErrorRecord):
         """The low-latency runtime: ``dispatch`` / ``combine`` return the outputs they are given (the receive launch
         of a hook) or allocate them. Construction joins the process's NVSHMEM world (``ll_world``); a runtime of
-        another world raises ValueError, as the real bootstrap does."""
+        another world raises ValueError, as the real bootstrap does. A send launch exchanges its hash and buffer
+        half: ranks on different halves get a timeout record (each waits for count words on its own half). In a
+        combine only the ranks with tokens receive rows and see another rank's hash; a rank without tokens is
+        told (``told``): its next launch does nothing but record that, and returns its outputs."""
 
         def __init__(self, rank, num_ranks, num_rdma_bytes, timeout_s, enable_shrink, unique_id, put_only=False):
             if world.setdefault("pe", (rank, num_ranks)) != (rank, num_ranks):
@@ -254,7 +290,8 @@ def make_fake_extension(torch) -> types.ModuleType:
                                  "join another world")
             self.rank, self.num_ranks = rank, num_ranks
             self.record = None
-            self.launches = []  # "dispatch (N tokens)" per dispatch launch
+            self.told = None  # the record a rank without rows gets at its next launch (a peer told it)
+            self.launches = []  # "dispatch (N tokens)" / "combine (N tokens)" / "refuse combine" per launch
 
         def required_bytes(self, num_max_tokens, hidden, num_experts):
             return 0
@@ -267,20 +304,27 @@ def make_fake_extension(torch) -> types.ModuleType:
 
 
         def clean(self, num_max_tokens, hidden, num_experts, stream):
-            pass
+            self.told = None  # the disagreement word is zeroed
+
+        def combine_buffer(self, num_max_tokens, hidden, num_experts, half):
+            return torch.empty(num_experts // self.num_ranks, self.num_ranks * num_max_tokens, hidden,
+                               dtype=torch.bfloat16)
+
+        def _launch(self, what):
+            """A launch: raises while an error is pending; False when a peer's tell stops the kernel at its start
+            (it records the tell and does nothing else)."""
+            if self.record is not None:
+                raise DeviceError("a low-latency kernel error is pending (read_error() has it)")
+            self.launches.append(what)
+            if self.told is None:
+                return True
+            self.record, self.told = self.told, None
+            return False
 
         def dispatch(self, x, topk_idx, tokens, num_experts, recv_stats, wait_stats, use_fp8, round_scale, use_ue8m0,
                      half, phases, stream, current_after, outputs, signature_hash=0):
-            if self.record is not None:
-                raise DeviceError("a low-latency kernel error is pending (read_error() has it)")
-            self.launches.append(f"dispatch ({x.size(0)} tokens)")
-            if phases & 1 and self.num_ranks > 1:  # the count words carry the hash
-                hashes = gather(signature_hash)
-                differ = [s for s, h in enumerate(hashes) if h != signature_hash]
-                if differ:
-                    self.record = dict(code="argument_mismatch", rank=self.rank, peer=differ[0],
-                                       message=f"low_latency_dispatch agreement: rank {self.rank} peer {differ[0]} "
-                                               f"expected {signature_hash} observed {hashes[differ[0]]} (fake)")
+            if self._launch(f"dispatch ({x.size(0)} tokens)") and phases & 1 and self.num_ranks > 1:
+                self._compare("low_latency_dispatch agreement", signature_hash, half)  # the count words' hash
             if outputs:
                 return outputs[0], outputs[4] if use_fp8 else None, outputs[1], outputs[2], outputs[3]
             num_local, rows, hidden = num_experts // self.num_ranks, self.num_ranks * tokens, x.size(1)
@@ -294,11 +338,41 @@ def make_fake_extension(torch) -> types.ModuleType:
                     torch.empty(num_local, rows, dtype=torch.int32),
                     torch.empty(num_local, self.num_ranks, dtype=torch.int64))
 
+        def _compare(self, phase, signature_hash, half, receives=True):
+            """Every rank's (hash, half, whether it receives rows): the kernels' count or arrival words, and a
+            combine's disagreement word (``half`` None: a refusal, which uses no half). Ranks on different halves
+            time out; a rank that receives rows of another hash records it and tells the others, and a rank that
+            receives none is told (its next launch records it)."""
+            words = gather((signature_hash, half, receives))
+            halves = {h for _, h, _ in words if h is not None}
+            if len(halves) > 1 and self.record is None:
+                peer = next(s for s, (_, h, _) in enumerate(words) if h not in (None, half))
+                self.record = dict(code="timeout", phase="low_latency_dispatch wait counts", rank=self.rank,
+                                   peer=peer, message=f"low_latency_dispatch wait counts: rank {self.rank} peer "
+                                                      f"{peer} (buffer half {half} here, {1 - half} there; fake)")
+                return
+            seers = [s for s, (h, _, sees) in enumerate(words) if sees and any(o != h for o, _, _ in words)]
+            differ = [s for s, (h, _, _) in enumerate(words) if h != signature_hash]
+            if differ and receives and self.record is None:
+                self.record = dict(code="argument_mismatch", phase=phase, rank=self.rank, peer=differ[0],
+                                   message=f"{phase}: rank {self.rank} peer {differ[0]} expected {signature_hash} "
+                                           f"observed {words[differ[0]][0]} (fake)")
+            elif seers and not receives and self.record is None:
+                phase = "low_latency_combine agreement (told by a peer)"
+                self.told = dict(code="argument_mismatch", phase=phase, rank=self.rank, peer=seers[0],
+                                 message=f"{phase}: rank {self.rank} peer {seers[0]} (fake)")
+
         def combine(self, x, topk_idx, topk_weights, src_info, layout_range, tokens, num_experts, use_logfmt,
-                    zero_copy, out, *rest):
-            if self.record is not None:
-                raise DeviceError("a low-latency kernel error is pending (read_error() has it)")
-            return out if out is not None else torch.empty(topk_idx.size(0), x.size(2), dtype=x.dtype)
+                    zero_copy, out, wait_stats, half, phases, stream, current_after, signature_hash):
+            num_tokens = topk_idx.size(0)
+            if self._launch(f"combine ({num_tokens} tokens)") and phases & 1 and self.num_ranks > 1:
+                # The arrival words carry the hash; a receiver of another hash tells every rank.
+                self._compare("low_latency_combine agreement", signature_hash, half, num_tokens > 0)
+            return out if out is not None else torch.empty(num_tokens, x.size(2), dtype=x.dtype)
+
+        def refuse_combine(self, tokens, hidden, num_experts, signature_hash):
+            if self._launch("refuse combine"):
+                self._compare("low_latency_combine refused", signature_hash, None)
 
     ext.Runtime = Runtime
     ext.HAS_LOW_LATENCY, ext.LL_MAX_TOPK, ext.LL_MAX_TOKENS = True, 16, 1024

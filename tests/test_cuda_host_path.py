@@ -259,18 +259,23 @@ def test_ll_launches_per_mode():
 
 
 
-# Two ranks (argv: ROOT RANK PORT) whose fake kernels exchange the call signatures (tests/fake_cuda.py): the normal
-# dispatch with a disagreement, a refusal, a worst-token disagreement, a cached dispatch with a disagreement, each
-# followed by a correct call; then the low-latency dispatch with use_fp8 on rank 0 only, and one that rank 1 refuses.
-# Prints, per step, the outcome and the kernels launched.
-_AGREE_PROBE = _PRELUDE + r"""
-import reference
-from deep_ep.config import Topology
-
+# Head of the two-rank probes (argv: ROOT RANK PORT): the process group of ranks 0 and 1 (``group``).
+_TWO_RANKS = _PRELUDE + r"""
 rank, port = int(sys.argv[2]), sys.argv[3]
 os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", port
 dist.init_process_group("gloo", rank=rank, world_size=2)
 group = dist.new_group([0, 1])
+"""
+
+
+# Two ranks (argv: ROOT RANK PORT) whose fake kernels exchange the call signatures (tests/fake_cuda.py): the normal
+# dispatch with a disagreement, a refusal, a worst-token disagreement, a cached dispatch with a disagreement, each
+# followed by a correct call; then the low-latency dispatch with use_fp8 on rank 0 only, and one that rank 1 refuses.
+# Prints, per step, the outcome and the kernels launched.
+_AGREE_PROBE = _TWO_RANKS + r"""
+import reference
+from deep_ep.config import Topology
+
 x, _, topk_idx, topk_weights = fake.scenario(torch, deep_ep, 16, 256, 4, 8)
 real = reference.get_dispatch_layout(topk_idx, 8, Topology(2, 2))
 wide = torch.cat([x, x], 1)
@@ -335,21 +340,48 @@ with fake.patched(torch, cuda_tensors=True):
     attempt("ll after refused", ll_runtime,
             lambda: made.update(serial=ll.low_latency_dispatch(x_ll, idx_ll, 16, 8).handle.serial))
     out["ll state"] = [ll._cuda_ll.parity, ll._ll_generation, made.get("serial")]
+    # Low-latency combine: use_logfmt on rank 0 only, then one that rank 1 refuses (float64 topk_weights).
+    weights_ll = torch.ones(16, 4)
+    y_ll = torch.zeros(4, 32, 1024, dtype=torch.bfloat16)
+
+    def ll_combine(weights=weights_ll, **kwargs):
+        handle = ll.low_latency_dispatch(x_ll, idx_ll, 16, 8).handle
+        before = len(ll_runtime.launches)
+        try:
+            ll.low_latency_combine(y_ll, idx_ll, weights, handle, **kwargs)
+        finally:
+            out.setdefault("ll combine launches", []).append(ll_runtime.launches[before:])
+
+    attempt("llc agree", ll_runtime, ll_combine)
+    attempt("llc logfmt", ll_runtime, lambda: ll_combine(use_logfmt=rank == 0))
+    attempt("llc logfmt next", ll_runtime, ll_combine)
+    attempt("llc logfmt clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
+    attempt("llc after logfmt", ll_runtime, ll_combine)
+    attempt("llc refused", ll_runtime, lambda: ll_combine(weights_ll.double() if rank == 1 else weights_ll))
+    attempt("llc refused next", ll_runtime, ll_combine)
+    attempt("llc refused clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
+    attempt("llc after refused", ll_runtime, ll_combine)
+    out["llc state"] = [ll._cuda_ll.parity, ll._ll_generation, ll._num_handles]
     ll._release()
 dist.destroy_process_group()
 print(json.dumps(out))
 """
 
 
-def test_cuda_ranks_that_disagree_raise_on_every_rank():
-    port = str(29900 + os.getpid() % 90)
-    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_PROBE, ROOT, str(rank), port], cwd=ROOT, env=probe_env(),
+def _run_two_ranks(script: str, port: int) -> list:
+    """Run ``script`` as ranks 0 and 1 (argv: ROOT RANK PORT); returns the JSON object each printed last."""
+    procs = [subprocess.Popen([sys.executable, "-c", script, ROOT, str(rank), str(port)], cwd=ROOT, env=probe_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     outs = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    return outs
+
+
+def test_cuda_ranks_that_disagree_raise_on_every_rank():
+    outs = _run_two_ranks(_AGREE_PROBE, 29900 + os.getpid() % 90)
     for rank, out in enumerate(outs):
         ok = ["ok", "", ["notify", "dispatch"]]
         assert out["agree"] == out["after hidden"] == out["after refused"] == out["after worst"] == ok, out
@@ -405,8 +437,105 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
         kind, message, _ = out["ll refused next"]
         assert kind == "ArgumentMismatchError" and f"rank {1 - rank}" in message and "refused" in message, out
         assert out["ll refused clean"][0] == "ok" and out["ll after refused"][0] == "ok", out
+        # Low-latency combine: the arrival words carry the hashes; the combine of the disagreement returns, every
+        # later call raises on both ranks (before any launch) until clean_low_latency_buffer; then the calls work.
+        assert out["llc agree"][0] == out["llc logfmt"][0] == "ok", out
+        assert out["llc after logfmt"][0] == out["llc after refused"][0] == "ok", out
+        kind, message, launches = out["llc logfmt next"]
+        assert kind == "ArgumentMismatchError" and launches == [], out["llc logfmt next"]
+        assert "low_latency_combine" in message and "clean_low_latency_buffer" in message, message
+        assert out["llc logfmt clean"][0] == "ok", out["llc logfmt clean"]
+        # Rank 1 refuses its combine (float64 weights) after its handle passed: it tells rank 0 through the
+        # refusal kernel and raises its own error; both ranks then raise until clean.
+        kind, message, launches = out["llc refused"]
+        if rank == 1:
+            assert kind == "TypeError" and message.startswith("topk_weights"), out["llc refused"]
+            assert launches[-1:] == ["refuse combine"], out["llc refused"]
+        else:
+            assert kind == "ok" and launches[-1:] == ["combine (16 tokens)"], out["llc refused"]
+        kind, message, launches = out["llc refused next"]
+        assert kind == "ArgumentMismatchError" and launches == [] and "low_latency_combine" in message, out
+        assert out["llc refused clean"][0] == "ok", out["llc refused clean"]
     # The refusing rank counted the call as its peer did: same parity, call number and handle number.
     assert outs[0]["ll state"] == outs[1]["ll state"], (outs[0]["ll state"], outs[1]["ll state"])
+    assert outs[0]["llc state"] == outs[1]["llc state"], (outs[0]["llc state"], outs[1]["llc state"])
+
+
+# Two ranks (argv: ROOT RANK PORT): rank 1 has no tokens and combines with use_logfmt flipped, so only rank 0
+# receives rows of the other hash and rank 1 is told (its next kernel does nothing but record it). The ranks then
+# make different numbers of low-latency calls before each raises, as the GPU test does; then both clean and run
+# correct rounds. Also: a zero-copy combine buffer handed out before a clean. Prints, per step, the outcome, and the
+# host state that the ranks' kernels must agree on (buffer half, next handle number) before and after the clean.
+_TOLD_PROBE = _TWO_RANKS + r"""
+x, _, idx, _ = fake.scenario(torch, deep_ep, 16, 1024, 4, 8)
+tokens = 16 if rank == 0 else 0
+x, idx, weights = x[:tokens], idx[:tokens], torch.ones(tokens, 4)
+y = torch.zeros(4, 32, 1024, dtype=torch.bfloat16)
+out = {}
+
+def attempt(name, call):
+    try:
+        call()
+        out[name] = ["ok", ""]
+    except Exception as exc:
+        out[name] = [type(exc).__name__, str(exc)]
+
+def state():
+    return [ll._cuda_ll.parity, ll._num_handles]
+
+def round_trip(**kwargs):
+    handle = ll.low_latency_dispatch(x, idx, 16, 8).handle
+    ll.low_latency_combine(y, idx, weights, handle, **kwargs)
+
+with fake.patched(torch, cuda_tensors=True):
+    os.environ["DEEP_EP_BACKEND"] = "cuda"
+    ll = deep_ep.Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True)
+    out["fresh"] = state()
+    attempt("told combine", lambda: round_trip(use_logfmt=rank == 1))
+    for call in (1, 2):
+        attempt(f"call {call}", lambda: ll.low_latency_dispatch(x, idx, 16, 8))
+        if out[f"call {call}"][0] != "ok":
+            break
+    out["before clean"] = state()
+    attempt("clean", lambda: ll.clean_low_latency_buffer(16, 1024, 8))
+    out["after clean"] = state()
+    attempt("round", round_trip)
+    attempt("round 2", round_trip)
+    handle = ll.low_latency_dispatch(x, idx, 16, 8).handle
+    ll.get_next_low_latency_combine_buffer(handle)
+    ll.clean_low_latency_buffer(16, 1024, 8)
+    attempt("zero-copy across a clean", lambda: ll.low_latency_combine(y, idx, weights, handle, zero_copy=True))
+    attempt("round 3", round_trip)
+    out["end"] = state()
+    ll._release()
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_ranks_agree_after_a_told_combine_disagreement_and_clean():
+    """The ranks make different numbers of low-latency calls between a combine disagreement that one of them only
+    hears of and the clean; the clean restarts the buffer half and the handle numbers, so that the ranks' next calls
+    use the same half and agree on their handles, as after a fresh start."""
+    outs = _run_two_ranks(_TOLD_PROBE, 29800 + os.getpid() % 90)
+    assert outs[0]["told combine"] == outs[1]["told combine"] == ["ok", ""], outs
+    # Rank 0 received rows of the other hash: its next call raises. Rank 1 received none: its next kernel does
+    # nothing but record the tell (the call returns), the call after raises.
+    kind, message = outs[0]["call 1"]
+    assert kind == "ArgumentMismatchError" and "low_latency_combine agreement: rank 0 peer 1" in message, outs[0]
+    assert outs[1]["call 1"] == ["ok", ""], outs[1]
+    kind, message = outs[1]["call 2"]
+    assert kind == "ArgumentMismatchError" and "told by a peer" in message and "peer 0" in message, outs[1]
+    # So the ranks' counts differ before the clean, and agree with a fresh start's after it.
+    assert outs[0]["before clean"] != outs[1]["before clean"], outs
+    for out in outs:
+        assert out["clean"] == ["ok", ""], out
+        assert out["after clean"] == [out["fresh"][0], 1 * 10 ** 12], out
+        assert out["round"] == out["round 2"] == out["round 3"] == ["ok", ""], out
+        # The clean restarted the buffer half: a combine buffer handed out before it is no longer the next one.
+        kind, message = out["zero-copy across a clean"]
+        assert kind == "LowLatencyMisuseError" and "clean_low_latency_buffer" in message, out
+    assert outs[0]["end"] == outs[1]["end"], outs
 
 
 # Two NVSHMEM Buffers in one process: the second joins the process's world without asking NVSHMEM for a new unique

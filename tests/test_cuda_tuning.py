@@ -157,6 +157,10 @@ def test_put_peers_are_symmetric():
     assert all(r in peers[d] for r in range(4) for d in peers[r])
     assert tuning.put_peers(1, [[], [], []], True) == [0, 2]
     assert tuning.put_peers(0, [[], []], False) == []
+    # The fused kernels' span: put_only makes only the pairs of different nodes (2 GPUs each) put pairs.
+    assert tuning.put_peers(1, [[]] * 6, True, 2) == [2, 3, 4, 5]
+    assert tuning.put_peers(3, [[]] * 6, True, 2) == [0, 1, 4, 5]
+    assert tuning.put_peers(1, [[1], [], [], []], False, 2) == [0]  # unreachable inside a node: still a put pair
 
 
 def test_composed_rail_choice():

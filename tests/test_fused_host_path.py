@@ -37,12 +37,6 @@ handle_fields = mine.handle._asdict()
 seen = {}
 
 class Fused(ext.Runtime):
-    def sync_symmetric(self, unique_id, world_rank, world_size, pes):
-        return []
-    def set_put_peers(self, ranks, put_area):
-        pass
-    def get_put_mask(self):
-        return 0
     def get_dispatch_layout(self, topk_idx, num_experts, *streams):
         lay = reference.get_dispatch_layout(topk_idx, num_experts, topo)
         return lay.num_tokens_per_rank, lay.num_tokens_per_expert, lay.is_token_in_rank
@@ -184,6 +178,99 @@ def test_fused_backend_assembles_reference_results(use_fp8):
     assert "peer 3 channel 1" in report["timeout"] and "node 1, local 1" in report["timeout"], report["timeout"]
 
 
+_PUT_PROBE = PROBE_HEAD + r"""
+import deep_ep
+import deep_ep.testing
+from deep_ep.backends.cuda_internode import UnsupportedTopology
+from deep_ep.config import Topology
+
+calls = []
+
+class Fused(ext.Runtime):  # every rank reports the same unreachable ranks (all_gather returns copies)
+    def set_put_peers(self, ranks, put_area):
+        calls.append(["set_put_peers", list(ranks), put_area])
+        super().set_put_peers(ranks, put_area)
+    def destroy(self):
+        calls.append(["destroy"])
+ext.Runtime = Fused
+
+from deep_ep.backends.fused_internode import FusedInternodeCuda  # noqa: E402
+report = {}
+for name, unreachable, put_only in (("pointer", [], False), ("rail", [2, 3], False), ("near", [1], False),
+                                    ("forced", [], True)):
+    Fused.unreachable = unreachable
+    calls.clear()
+    with fake.patched(torch, cuda_tensors=True), deep_ep.testing.overrides(internode_put_only=put_only):
+        try:
+            backend = FusedInternodeCuda(0, Topology(4, 2), 1 << 30, 1, False, all_gather=lambda obj: [obj] * 4)
+            report[name] = {"put_peers": list(backend.put_peers), "calls": list(calls)}
+        except UnsupportedTopology as exc:
+            report[name] = {"refused": str(exc), "calls": list(calls)}
+print(json.dumps(report))
+"""
+
+
+def test_fused_backend_accepts_rail_put_peers_only():
+    """Put peers of other nodes (or internode_put_only, which forces exactly those) are served by the fused kernels
+    with a put area; a put pair inside a node is refused (and the buffer released) so that the composed path takes
+    over."""
+    report = run_probe(_PUT_PROBE, DEEP_EP_GPUS_PER_NODE="2")
+    assert report["pointer"] == {"put_peers": [], "calls": [["set_put_peers", [], False]]}, report["pointer"]
+    assert report["rail"] == {"put_peers": [2, 3], "calls": [["set_put_peers", [2, 3], True]]}, report["rail"]
+    assert report["forced"] == {"put_peers": [2, 3], "calls": [["set_put_peers", [2, 3], True]]}, report["forced"]
+    near = report["near"]
+    assert "inside a node" in near.get("refused", "") and "rank 0 reaches [1]" in near["refused"], near
+    assert near["calls"] == [["set_put_peers", [1], True], ["destroy"]], near
+
+
+_WIDE_PUT_PROBE = PROBE_HEAD + r"""
+import deep_ep
+from deep_ep.backends import selection
+from deep_ep.config import Topology
+
+class Comm:  # every rank reports what this one does
+    def __init__(self, size):
+        self.size = size
+    def allgather(self, obj):
+        return [obj] * self.size
+    def Barrier(self):
+        pass
+
+report = {}
+for num_nodes, per_node in ((16, 2), (8, 4), (8, 8), (32, 2)):
+    ranks = num_nodes * per_node
+    for rank in (0, ranks - 1):  # the ranks of other nodes are behind a NIC
+        ext.Runtime.unreachable = [r for r in range(ranks) if r // per_node != rank // per_node]
+        spec = selection.BufferSpec(rank, ranks, Topology(ranks, per_node), 1 << 20, 1 << 30, False, 1, True, False,
+                                    False)
+        with fake.patched(torch, cuda_tensors=True), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            backend = selection._fused_internode(spec, None, Comm(ranks))
+        report[f"{num_nodes}x{per_node}/{rank}"] = [type(backend).__name__, list(backend.put_peers),
+                                                    backend.runtime.get_put_mask()]
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def wide_put_report() -> dict:
+    """The wide-group probe's report (one subprocess for every shape)."""
+    return run_probe(_WIDE_PUT_PROBE)
+
+
+@pytest.mark.parametrize("shape", ["16x2", "8x4", "8x8", "32x2"])
+def test_selection_serves_wide_groups_with_rail_put_peers(wide_put_report, shape):
+    """Nodes behind a NIC in groups past the ring kernels' 24 ranks, up to the fused kernels' 64: the fused kernels
+    serve them (no fallback to the composed path), the ranks of every other node are put peers and the runtime's
+    mask has their bits, past bit 31 too."""
+    num_nodes, per_node = map(int, shape.split("x"))
+    ranks = num_nodes * per_node
+    for rank in (0, ranks - 1):
+        peers = [r for r in range(ranks) if r // per_node != rank // per_node]
+        assert wide_put_report[f"{shape}/{rank}"] == ["FusedInternodeCuda", peers, sum(1 << r for r in peers)], \
+            (shape, rank, wide_put_report[f"{shape}/{rank}"])
+
+
 class _Unsupported(RuntimeError):
     pass
 
@@ -200,7 +287,7 @@ class _FakeFused:
     @classmethod
     def from_group(cls, group, topology, **options):
         if cls.refuse:
-            raise _Unsupported("rank 0 reaches [2] only by puts")
+            raise _Unsupported("NVSHMEM put peers inside a node (rank 0 reaches [1] only by puts)")
         return cls()
 
 
@@ -208,7 +295,7 @@ class _FakeFused:
     (None, False, 1 << 20, True),          # the automatic choice for N x G, G > 1
     ("composed", False, 1 << 20, False),   # the two-stage composition on request
     ("torch", False, 1 << 20, False),
-    (None, True, 1 << 20, False),          # put peers: the composed path takes over, silently
+    (None, True, 1 << 20, False),          # put peers inside a node: the composed path takes over, silently
     (None, False, 0, False),               # no RDMA buffer
     ("fused", True, 1 << 20, False),       # asked for but refused: a warning names why
 ])
@@ -235,3 +322,56 @@ def test_selection_prefers_fused_kernels(monkeypatch, override, refuse, rdma, ch
     one_node = spec._replace(topology=Topology(4, 4))
     with deep_ep.testing.overrides(internode=override):
         assert selection._fused_internode(one_node, object(), None) is None
+
+
+_PUT_MASK_PROGRAM = r"""
+#include <cstdio>
+#include "fused_internode.cuh"
+using namespace deep_ep::kernels;
+int main() {
+    KernelContext ctx{};
+    std::printf("%d %d %d\n", kFusedMaxRanks, kMaxRuntimeRanks, static_cast<int>(8 * sizeof(ctx.put_mask)));
+    const unsigned long long mask = (1ull << 0) | (1ull << 24) | (1ull << 31) | (1ull << 32) | (1ull << 63);
+    for (int r = -1; r <= 64; ++r) std::printf("%d", put_bit(mask, r) ? 1 : 0);
+    std::printf("\n");
+    return 0;
+}
+"""
+
+
+def _cuda_include() -> str | None:
+    """A CUDA toolkit's include directory (the kernels' headers include cuda_runtime.h), or None."""
+    import os
+    import shutil
+    nvcc = shutil.which("nvcc")
+    for root in (os.environ.get("CUDA_HOME"), nvcc and os.path.dirname(os.path.dirname(os.path.realpath(nvcc))),
+                 "/usr/local/cuda"):
+        if root and os.path.isfile(os.path.join(root, "include", "cuda_runtime.h")):
+            return os.path.join(root, "include")
+    return None
+
+
+def test_put_mask_mirror_matches_cpp(tmp_path):
+    """The kernels' put mask (KernelContext::put_mask, put_bit) has a bit for every rank of a fused group and of a
+    runtime, as deep_ep/config.py and the fake extension's runtime (tests/fake_cuda.py) assume."""
+    import shutil
+    import subprocess
+
+    from fake_cuda import ROOT
+
+    from deep_ep import config
+    include = _cuda_include()
+    if shutil.which("g++") is None or include is None:
+        pytest.skip("needs a host C++ compiler and the CUDA headers")
+    source, binary = tmp_path / "put_mask.cpp", tmp_path / "put_mask"
+    source.write_text(_PUT_MASK_PROGRAM)
+    subprocess.run(["g++", "-std=c++17", "-I", f"{ROOT}/csrc/kernels", "-I", include, str(source), "-o", str(binary)],
+                   check=True)
+    lines = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.split()
+    fused, runtime, bits = map(int, lines[:3])
+    assert (fused, runtime) == (config.NUM_MAX_FUSED_RANKS, config.NUM_MAX_RUNTIME_RANKS)
+    assert bits >= max(fused, runtime)
+    import fake_cuda
+    import torch
+    assert fake_cuda.make_fake_extension(torch).MAX_RUNTIME_RANKS == runtime
+    assert lines[3] == "".join("1" if r in (0, 24, 31, 32, 63) else "0" for r in range(-1, 65))

@@ -244,14 +244,18 @@ def test_shared_gpu_splits_the_hbm_and_pushes_are_local():
         fused.shared_gpu(hardware.H200, 0)
 
 
-def test_report_says_when_the_fused_rows_assume_puts_behind_a_nic():
+def test_report_says_when_the_fused_rows_model_puts_behind_a_nic():
+    """Behind a NIC the fused kernels (up to 64 ranks, 8 x 8 included) put their rail hops; the note says so, and
+    that the rows model them with DeepEP's chunked puts."""
     sc = Scenario(nodes=2, gpus_per_node=4, gpu="h200", mode="normal", kernels="deep_ep", tokens=64)
 
     def notes(s: Scenario) -> str:
         return " ".join(run(s).scales[0].notes)
-    assert "fused kernels reach peers by pointer only" in notes(sc)
-    assert "fused kernels reach peers by pointer only" not in notes(replace(sc, nic="nvlink-p2p"))
-    assert "fused kernels reach peers by pointer only" not in notes(replace(sc, nodes=17))
+    puts = "fused kernels make their rail hops NVSHMEM puts"
+    assert puts in notes(sc) and "composed path" not in notes(sc)
+    assert puts in notes(replace(sc, nodes=8, gpus_per_node=8))
+    assert puts not in notes(replace(sc, nic="nvlink-p2p"))
+    assert puts not in notes(replace(sc, nodes=17))
     # 32 x 2: past the ring kernels' 24 nodes but fused, so no torch-rail note.
     wide = notes(replace(sc, nodes=32, gpus_per_node=2, nic="nvlink-p2p"))
     assert "torch rail" not in wide and "serve at most" not in wide, wide

@@ -134,6 +134,12 @@ struct ErrorRecord {
 // Context shared by every launcher
 // ---------------------------------------------------------------------------------------------------------------
 
+// put_mask has a bit for every rank of a runtime.
+static_assert(kMaxRuntimeRanks <= 64, "KernelContext::put_mask: one bit per rank");
+
+// Whether bit r of a put mask is set (false for r outside [0, 64)).
+DEEP_EP_HOST_DEVICE bool put_bit(uint64_t mask, int r) { return r >= 0 && r < 64 && ((mask >> r) & 1ull) != 0; }
+
 struct KernelContext {
     // Scale-up buffer base of every rank (own = local): IPC- or nvshmem_ptr-mapped; null for a put peer.
     void* buffers[kMaxRuntimeRanks];
@@ -145,11 +151,11 @@ struct KernelContext {
     int32_t rank;              // 0 <= rank < num_ranks
     int32_t num_ranks;         // 1..kMaxRuntimeRanks (each kernel family checks its own limit)
     int32_t skip_sends;        // fault injection (tests): 1 = this rank writes no ring data and publishes no tails
-    // NVSHMEM put peers (symmetric runtimes only; layout.cuh, "put area"). Bit r set: rank r has no pointer and is
-    // reached by puts from this rank's staging (buffers[rank] is the symmetric address) and signals. Ranks without
-    // the bit are reached by pointer. With a bit set the put area starts at byte num_nvl_bytes (the kernels' region
-    // ends there). Needs an NVSHMEM build.
-    uint32_t put_mask;
+    // NVSHMEM put peers (symmetric runtimes only; layout.cuh, "put area"). Bit r set (put_bit): rank r has no
+    // pointer and is reached by puts from this rank's staging (buffers[rank] is the symmetric address) and signals.
+    // Ranks without the bit are reached by pointer. With a bit set the put area starts at byte num_nvl_bytes (the
+    // kernels' region ends there). Needs an NVSHMEM build.
+    uint64_t put_mask;
     // NVSHMEM PE of group rank r, for the NVSHMEM calls of put peers (put.cuh): r itself when the group is the whole
     // NVSHMEM world, another PE when the runtime serves a subgroup (the composed path's rail stage).
     int32_t pe_of[kMaxRuntimeRanks];

@@ -46,6 +46,7 @@
 
 #include "fused_internode.cuh"
 #include "intranode_common.cuh"
+#include "put.cuh"
 
 namespace deep_ep {
 namespace kernels {
@@ -55,6 +56,110 @@ namespace {
 constexpr int kMaxGpusPerNode = 8;  // send_nvl_head has 8 columns; local masks are 8 bits
 static_assert(kFusedMaxNodes <= 32, "a lane per node (combine owner, notify)");
 static_assert(kFusedMaxRanks <= kNotifyThreads - kFusedMaxRanks, "notify: a thread per rank, another per node");
+
+// Lane 0 waits, the warp learns the outcome and the value seen.
+__device__ __forceinline__ bool warp_wait_geq(const KernelContext& ctx, const uint32_t* word, uint32_t target,
+                                              const Site& site, uint32_t* seen) {
+    bool ok = true;
+    uint32_t value = 0;
+    if (lane_id() == 0) ok = wait_geq(ctx, word, target, site, &value);
+    *seen = __shfl_sync(0xffffffffu, value, 0);
+    return __shfl_sync(0xffffffffu, ok ? 1 : 0, 0) != 0;
+}
+
+// The whole warp's stores so far become visible before `value` lands in `word` (lane 0 publishes).
+__device__ __forceinline__ void warp_publish(uint32_t* word, uint32_t value) {
+    __syncwarp();
+    if (lane_id() == 0) {
+        fence_acq_rel_sys();
+        st_release_sys(word, value);
+    }
+    __syncwarp();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// NVSHMEM put peers (put.cuh): the rail hops and notify's exchanges with ranks of other nodes
+// ---------------------------------------------------------------------------------------------------------------
+
+// The word that `peer` raises in this rank's buffer: `word` for a pointer peer, the low half of this rank's signal
+// at `signal_offset` for a put peer.
+__device__ __forceinline__ uint32_t* raised_word(const KernelContext& ctx, uint32_t* word, int64_t signal_offset,
+                                                 int peer) {
+    return is_put_peer(ctx, peer) ? reinterpret_cast<uint32_t*>(own_buffer(ctx) + signal_offset) : word;
+}
+
+// After a successful wait on a word that put peer `peer` raised (no-op for a pointer peer): NVSHMEM's consistency
+// operation, so that the data the signal covers is read after it.
+__device__ __forceinline__ void after_raised(const KernelContext& ctx, int64_t signal_offset, int peer) {
+    if (is_put_peer(ctx, peer)) put_wait_consistency(reinterpret_cast<uint64_t*>(own_buffer(ctx) + signal_offset));
+}
+
+// One thread: the signal at `signal_offset` of put peer `pe` becomes `value`, after everything this thread wrote or
+// observed (its puts, if any, are complete: the callers quiet first).
+static __device__ __noinline__ void fused_signal(const KernelContext& ctx, int64_t signal_offset, int pe,
+                                                 uint32_t value) {
+    fence_acq_rel_sys();
+#ifndef DEEP_EP_DISABLE_NVSHMEM
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(own_buffer(ctx) + signal_offset), value, NVSHMEM_SIGNAL_SET,
+                       ctx.pe_of[pe]);
+#else
+    (void)ctx, (void)signal_offset, (void)pe, (void)value;
+#endif
+}
+
+// Where this rank stages what it puts at byte `offset` of a put peer's buffer: the put area's staging twin of the
+// offset (layout.cuh; fused_region_bytes keeps the fused layout inside what the staging halves mirror).
+__device__ __forceinline__ char* fused_stage(const KernelContext& ctx, int64_t offset) {
+    return own_buffer(ctx) + put_stage_shift(ctx.num_nvl_bytes) + offset;
+}
+
+// Lane 0 raises `word` of a pointer peer (release store) or the signal at `signal_offset` of put peer `peer` to
+// `value`, after the whole warp's stores (the warp_publish of either kind of peer).
+__device__ __forceinline__ void warp_raise(const KernelContext& ctx, uint32_t* word, int64_t signal_offset, int peer,
+                                           uint32_t value) {
+    if (is_put_peer(ctx, peer)) {
+        __syncwarp();
+        if (lane_id() == 0) fused_signal(ctx, signal_offset, peer, value);
+        __syncwarp();
+    } else {
+        warp_publish(word, value);
+    }
+}
+
+// Whole warp: records [from, to) (sequence numbers) of rail ring (channel, `dest_node`) at put peer `pe`, from this
+// rank's staging of its own rail ring (channel, `stage_node`) (`geo`: the direction's layout), as one put (two where
+// the run wraps); once they are delivered (quiet), the signal at `signal_offset` there becomes `to`. The records'
+// stores (the team's, acquired by the caller's team wait) come first.
+static __device__ __noinline__ void fused_put_run(const KernelContext& ctx, const FusedGeometry& geo, int channel,
+                                                  int stage_node, int dest_node, uint32_t from, uint32_t to, int pe,
+                                                  int64_t signal_offset) {
+#ifndef DEEP_EP_DISABLE_NVSHMEM
+    const int capacity = geo.rail_capacity;
+    const int64_t record_bytes = geo.record_bytes;
+    const int64_t stage_ring = geo.rail_slot(channel, stage_node, 0), dest_ring = geo.rail_slot(channel, dest_node, 0);
+    const int n = static_cast<int>(to - from);
+    __syncwarp();
+    if (lane_id() == 0) fence_acq_rel_sys();
+    __syncwarp();
+    if (n > 0) {
+        const int slot = static_cast<int>(from % static_cast<uint32_t>(capacity));
+        const int first = n < capacity - slot ? n : capacity - slot;
+        char* dest = own_buffer(ctx) + dest_ring;
+        const char* stage = fused_stage(ctx, stage_ring);
+        nvshmemx_putmem_nbi_warp(dest + slot * record_bytes, stage + slot * record_bytes,
+                                 static_cast<size_t>(first * record_bytes), ctx.pe_of[pe]);
+        if (first < n)
+            nvshmemx_putmem_nbi_warp(dest, stage, static_cast<size_t>((n - first) * record_bytes), ctx.pe_of[pe]);
+        __syncwarp();
+        if (lane_id() == 0) nvshmem_quiet();
+    }
+    if (lane_id() == 0) fused_signal(ctx, signal_offset, pe, to);
+    __syncwarp();
+#else
+    (void)ctx, (void)geo, (void)channel, (void)stage_node, (void)dest_node, (void)from, (void)to, (void)pe,
+        (void)signal_offset;
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Notify
@@ -135,13 +240,18 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     __syncthreads();
 
     // 3. My counts into every rank's slot [parity][me]: [R totals][L expert counts of d][C channel counts to d]
-    //    [my signature], and to my rail peers the channel counts of tokens that need their node.
+    //    [my signature], and to my rail peers the channel counts of tokens that need their node. For a put peer d
+    //    they go to my staging of slot [parity][d] (and of d's node counts) first, and a warp puts them (3b).
     const int* my_signature = reinterpret_cast<const int*>(args.signature);
     const int per_dst = num_ranks + num_local_experts + 2 * num_channels + kSignatureInts;
     for (int i = tid; i < num_ranks * per_dst; i += static_cast<int>(blockDim.x)) {
         const int d = i / per_dst, k = i % per_dst;
-        volatile int* slot = reinterpret_cast<volatile int*>(buffer_u32(ctx.buffers[d], kFusedNotifyDataOffset)) +
-                             (static_cast<int64_t>(parity) * kFusedMaxRanks + rank) * kFusedNotifyInts;
+        const bool put = is_put_peer(ctx, d);
+        volatile int* slot =
+            put ? reinterpret_cast<volatile int*>(fused_stage(ctx, kFusedNotifyDataOffset)) +
+                      (static_cast<int64_t>(parity) * kFusedMaxRanks + d) * kFusedNotifyInts
+                : reinterpret_cast<volatile int*>(buffer_u32(ctx.buffers[d], kFusedNotifyDataOffset)) +
+                      (static_cast<int64_t>(parity) * kFusedMaxRanks + rank) * kFusedNotifyInts;
         if (k < num_ranks) {
             slot[k] = rank_totals[k];
         } else if (k < num_ranks + num_local_experts) {
@@ -155,23 +265,52 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
             slot[kFusedNotifySignaturePos + w] = my_signature[w];
         } else if (d % per_node == my_local) {
             const int c = k - num_ranks - num_local_experts - num_channels;
-            volatile int* counts = reinterpret_cast<volatile int*>(buffer_u32(ctx.buffers[d], kFusedNodeCountOffset));
-            counts[(static_cast<int64_t>(parity) * kFusedMaxRanks + rank) * kMaxChannels + c] =
+            volatile int* counts = reinterpret_cast<volatile int*>(
+                put ? fused_stage(ctx, kFusedNodeCountOffset) : reinterpret_cast<char*>(ctx.buffers[d]) +
+                                                                   kFusedNodeCountOffset);
+            counts[(static_cast<int64_t>(parity) * kFusedMaxRanks + (put ? d : rank)) * kMaxChannels + c] =
                 count_of(node_matrix + (d / per_node) * num_channels, c);
         }
     }
     __threadfence_system();
     __syncthreads();
-    if (tid < num_ranks && !ctx.skip_sends) {
+    const int64_t my_flag_signal = kFusedNotifyFlagSignalOffset + 8LL * (parity * kFusedMaxRanks + rank);
+    if (tid < num_ranks && !ctx.skip_sends && !is_put_peer(ctx, tid)) {
         fence_acq_rel_sys();
         st_release_sys(buffer_u32(ctx.buffers[tid], kFusedNotifyFlagOffset) + parity * kFusedMaxRanks + rank, epoch);
     }
+    // 3b. A warp per put peer d: my staged slot (and node counts, to a rail peer) into d's slot [parity][me], then
+    //     the flag's signal once they are delivered.
+    for (int d = warp; d < num_ranks && ctx.put_mask != 0 && !ctx.skip_sends; d += num_warps) {
+        if (!is_put_peer(ctx, d)) continue;
+        if (lane == 0) fence_acq_rel_sys();
+        __syncwarp();
+#ifndef DEEP_EP_DISABLE_NVSHMEM
+        const int64_t slot_bytes = 4LL * kFusedNotifyInts, counts_bytes = 4LL * kMaxChannels;
+        const int64_t mine = static_cast<int64_t>(parity) * kFusedMaxRanks + rank;
+        const int64_t theirs = static_cast<int64_t>(parity) * kFusedMaxRanks + d;
+        nvshmemx_putmem_nbi_warp(own_buffer(ctx) + kFusedNotifyDataOffset + mine * slot_bytes,
+                                 fused_stage(ctx, kFusedNotifyDataOffset) + theirs * slot_bytes,
+                                 static_cast<size_t>(slot_bytes), ctx.pe_of[d]);
+        if (d % per_node == my_local)
+            nvshmemx_putmem_nbi_warp(own_buffer(ctx) + kFusedNodeCountOffset + mine * counts_bytes,
+                                     fused_stage(ctx, kFusedNodeCountOffset) + theirs * counts_bytes,
+                                     static_cast<size_t>(counts_bytes), ctx.pe_of[d]);
+        __syncwarp();
+        if (lane == 0) nvshmem_quiet();
+#endif
+        if (lane == 0) fused_signal(ctx, my_flag_signal, d, epoch);
+        __syncwarp();
+    }
 
-    // 4. Wait for every source's counts of this epoch.
+    // 4. Wait for every source's counts of this epoch (a put peer's flag is its signal).
     if (tid < num_ranks) {
         uint32_t seen;
-        wait_geq(ctx, buffer_u32(ctx.buffers[rank], kFusedNotifyFlagOffset) + parity * kFusedMaxRanks + tid, epoch,
-                 Site{kKernelNotify, kPhaseNotifyWaitCounts, tid, -1}, &seen);
+        const int64_t signal = kFusedNotifyFlagSignalOffset + 8LL * (parity * kFusedMaxRanks + tid);
+        const uint32_t* flag = raised_word(
+            ctx, buffer_u32(ctx.buffers[rank], kFusedNotifyFlagOffset) + parity * kFusedMaxRanks + tid, signal, tid);
+        if (wait_geq(ctx, flag, epoch, Site{kKernelNotify, kPhaseNotifyWaitCounts, tid, -1}, &seen))
+            after_raised(ctx, signal, tid);
     }
     __syncthreads();
 
@@ -235,25 +374,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
 // Dispatch
 // ---------------------------------------------------------------------------------------------------------------
 
-// Lane 0 waits, the warp learns the outcome and the value seen.
-__device__ __forceinline__ bool warp_wait_geq(const KernelContext& ctx, const uint32_t* word, uint32_t target,
-                                              const Site& site, uint32_t* seen) {
-    bool ok = true;
-    uint32_t value = 0;
-    if (lane_id() == 0) ok = wait_geq(ctx, word, target, site, &value);
-    *seen = __shfl_sync(0xffffffffu, value, 0);
-    return __shfl_sync(0xffffffffu, ok ? 1 : 0, 0) != 0;
-}
-
-// The whole warp's stores so far become visible before `value` lands in `word` (lane 0 publishes).
-__device__ __forceinline__ void warp_publish(uint32_t* word, uint32_t value) {
-    __syncwarp();
-    if (lane_id() == 0) {
-        fence_acq_rel_sys();
-        st_release_sys(word, value);
-    }
-    __syncwarp();
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Teams
@@ -358,19 +478,34 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
                                   const Team& team, int channel, int n, int num_checked) {
     const int lane = lane_id(), per_node = geo.gpus_per_node, num_ranks = ctx.num_ranks;
     const int my_node = ctx.rank / per_node, fwd = n * per_node + ctx.rank % per_node;
-    uint32_t* heads = buffer_u32(ctx.buffers[ctx.rank], kFusedRailHeadOffset);
+    // A put forwarder: records go to my staging of my rail ring (c, n) and are put as runs into its ring (c, my
+    // node) when the tail is published; its credits arrive as signals.
+    const bool put = is_put_peer(ctx, fwd);
+    auto head_word = [&](int c) {
+        return raised_word(ctx, buffer_u32(ctx.buffers[ctx.rank], kFusedRailHeadOffset) + fused_index(c, n),
+                           kFusedRailHeadSignalOffset + 8LL * fused_node_index(c, n), fwd);
+    };
     uint32_t* shadows = workspace_u32(ctx, kWsFusedRailTailShadow);
 
     bool ok = true;
     for (int c = channel; c < num_checked && ok; c += geo.num_channels) {
         uint32_t seen;
-        ok = warp_wait_geq(ctx, heads + fused_index(c, n), shadows[fused_index(c, n)],
+        ok = warp_wait_geq(ctx, head_word(c), shadows[fused_index(c, n)],
                            Site{kKernelDispatch, kPhaseDispatchSendDrain, fwd, c}, &seen);
     }
     fence_acq_rel_sys();
     uint32_t tail = shadows[fused_index(channel, n)];
     uint32_t head = tail, published = tail;
-    uint32_t* remote_tail = buffer_u32(ctx.buffers[fwd], kFusedRailTailOffset) + fused_index(channel, my_node);
+    uint32_t* remote_tail =
+        put ? nullptr : buffer_u32(ctx.buffers[fwd], kFusedRailTailOffset) + fused_index(channel, my_node);
+    const int64_t tail_signal = kFusedRailTailSignalOffset + 8LL * fused_node_index(channel, my_node);
+    // Leader, whole warp: the records [published, tail) are finished by every warp; they reach the forwarder.
+    auto raise_tail = [&]() {
+        if (put)
+            fused_put_run(ctx, geo, channel, n, my_node, published, tail, fwd, tail_signal);
+        else
+            warp_publish(remote_tail, tail);
+    };
     const bool leader = team.leader(), publish = !ctx.skip_sends && leader;
     const Site site{kKernelDispatch, kPhaseDispatchSendWaitHead, fwd, channel};
     int begin, end, count = 0;
@@ -394,13 +529,14 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
             if (published != tail && publish) {
                 ok = team.wait(ctx, t - begin, site);
                 if (!ok) break;
-                warp_publish(remote_tail, tail);
+                raise_tail();
             }
             published = tail;
-            ok = warp_wait_geq(ctx, heads + fused_index(channel, n), needed_head, site, &head);
+            ok = warp_wait_geq(ctx, head_word(channel), needed_head, site, &head);
             if (!ok) break;
         }
-        char* slot = static_cast<char*>(ctx.buffers[fwd]) + geo.rail_slot(channel, my_node, tail);
+        char* slot = put ? fused_stage(ctx, geo.rail_slot(channel, n, tail))
+                         : static_cast<char*>(ctx.buffers[fwd]) + geo.rail_slot(channel, my_node, tail);
         int4* dst = reinterpret_cast<int4*>(slot) + lo;
         warp_copy_row<false>(
             reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + t * geo.hidden_bytes) + lo, hi - lo,
@@ -428,7 +564,7 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
             if (publish) {
                 ok = team.wait(ctx, t - begin + 1, site);
                 if (!ok) break;
-                warp_publish(remote_tail, tail);
+                raise_tail();
             }
             published = tail;
         }
@@ -436,7 +572,7 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
     team.report(kTeamDone);
     if (leader) {
         const bool all_done = team.wait(ctx, kTeamDone, site);
-        if (ok && all_done && published != tail && publish) warp_publish(remote_tail, tail);
+        if (ok && all_done && published != tail && publish) raise_tail();
         if (lane == 0) shadows[fused_index(channel, n)] = tail;
     }
 }
@@ -472,8 +608,14 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
     const int num_records = prefix[channel] - before;
     const int64_t first_row = (n > 0 ? args.recv_rdma_rank_prefix_sum[n - 1] : 0) + before;
     uint32_t* rail_heads_shadow = workspace_u32(ctx, kWsFusedRailHeadShadow) + fused_index(channel, n);
-    const uint32_t* rail_tail = buffer_u32(own, kFusedRailTailOffset) + fused_index(channel, n);
-    uint32_t* credit = buffer_u32(ctx.buffers[src_rank], kFusedRailHeadOffset) + fused_index(channel, my_node);
+    // A put sender raises the rail tail as a signal (after its records are delivered) and gets its credits so.
+    const int64_t tail_signal = kFusedRailTailSignalOffset + 8LL * fused_node_index(channel, n);
+    const int64_t credit_signal = kFusedRailHeadSignalOffset + 8LL * fused_node_index(channel, my_node);
+    const uint32_t* rail_tail =
+        raised_word(ctx, buffer_u32(own, kFusedRailTailOffset) + fused_index(channel, n), tail_signal, src_rank);
+    uint32_t* credit = is_put_peer(ctx, src_rank)
+                           ? nullptr
+                           : buffer_u32(ctx.buffers[src_rank], kFusedRailHeadOffset) + fused_index(channel, my_node);
     uint32_t rail_head = *rail_heads_shadow;
     // Lane j < G: node ring (channel, src_rank) at receiver (my node, j).
     uint32_t node_tail = is_dst_lane ? node_tail_shadows[fused_index(channel, pair)] : 0;
@@ -492,6 +634,8 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
         uint32_t seen;
         ok = warp_wait_geq(ctx, rail_tail, rail_head + 1, site, &seen);
         if (!ok) break;
+        if (lane == 0) after_raised(ctx, tail_signal, src_rank);
+        __syncwarp();
         const int available = min(static_cast<int>(seen - rail_head), num_records - done);
         for (int i = 0; i < available && ok; ++i, ++done, ++rail_head) {
             const char* record = own + geo.rail_slot(channel, n, rail_head);
@@ -559,7 +703,7 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
                 fence_acq_rel_sys();
                 st_release_sys(remote_node_tail, node_tail);
             }
-            warp_publish(credit, rail_head);
+            warp_raise(ctx, credit, credit_signal, src_rank, rail_head);
         }
         node_published = node_tail;
     }
@@ -893,12 +1037,18 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
     const int lane = lane_id(), per_node = geo.gpus_per_node, num_channels = geo.num_channels;
     const int my_node = ctx.rank / per_node, owner = n * per_node + ctx.rank % per_node;
     char* own = static_cast<char*>(ctx.buffers[ctx.rank]);
-    uint32_t* rail_heads = buffer_u32(own, kFusedCombineRailHeadOffset);
+    // A put owner: partials go to my staging of my rail ring (c, n) and are put as runs into its ring (c, my node)
+    // when the tail is published; its credits arrive as signals.
+    const bool put = is_put_peer(ctx, owner);
+    auto head_word = [&](int c) {
+        return raised_word(ctx, buffer_u32(own, kFusedCombineRailHeadOffset) + fused_index(c, n),
+                           kFusedCombineRailHeadSignalOffset + 8LL * fused_node_index(c, n), owner);
+    };
     uint32_t* rail_shadows = workspace_u32(ctx, kWsFusedCombineRailTailShadow);
     bool ok = true;
     for (int c = channel; c < num_checked && ok; c += num_channels) {
         uint32_t seen;
-        ok = warp_wait_geq(ctx, rail_heads + fused_index(c, n), rail_shadows[fused_index(c, n)],
+        ok = warp_wait_geq(ctx, head_word(c), rail_shadows[fused_index(c, n)],
                            Site{kKernelCombine, kPhaseCombineSendDrain, owner, c}, &seen);
     }
     fence_acq_rel_sys();
@@ -921,8 +1071,9 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
     const uint32_t rail_tail0 = rail_shadows[fused_index(channel, n)];
     uint32_t rail_head = rail_tail0;
     int published = 0, scanned = 0;
-    uint32_t* remote_rail_tail = buffer_u32(ctx.buffers[owner], kFusedCombineRailTailOffset) +
-                                 fused_index(channel, my_node);
+    uint32_t* remote_rail_tail =
+        put ? nullptr : buffer_u32(ctx.buffers[owner], kFusedCombineRailTailOffset) + fused_index(channel, my_node);
+    const int64_t tail_signal = kFusedCombineRailTailSignalOffset + 8LL * fused_node_index(channel, my_node);
     const bool leader = team.leader(), publish = !ctx.skip_sends;
     const Site site{kKernelCombine, kPhaseCombineSendWaitHead, owner, channel};
     // Leader: the finished prefix's rail tail to the owner and its node slots back to the local senders, at least a
@@ -934,7 +1085,10 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
             const int index = is_src_lane ? args.send_nvl_head[(first_row + scanned) * kMaxGpusPerNode + lane] : -1;
             if (index >= 0) consumed = static_cast<uint32_t>(index) + 1;
         }
-        if (lane == 0 && publish) {
+        if (put && publish) {
+            fused_put_run(ctx, geo, channel, n, my_node, rail_tail0 + static_cast<uint32_t>(published),
+                          rail_tail0 + static_cast<uint32_t>(finished), owner, tail_signal);
+        } else if (lane == 0 && publish) {
             fence_acq_rel_sys();
             st_release_sys(remote_rail_tail, rail_tail0 + static_cast<uint32_t>(finished));
         }
@@ -959,8 +1113,8 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
         if (!ok) break;
         // Room in the owner's rail ring.
         const uint32_t needed_head = rail_tail0 + static_cast<uint32_t>(i) + 1 - static_cast<uint32_t>(geo.rail_capacity);
-        ok = team_wait_geq(ctx, lane == 0 ? rail_heads + fused_index(channel, n) : nullptr, needed_head, site,
-                           &rail_head, leader, [&] { flush(true); });
+        ok = team_wait_geq(ctx, lane == 0 ? head_word(channel) : nullptr, needed_head, site, &rail_head, leader,
+                           [&] { flush(true); });
         if (!ok) break;
         rail_head = __shfl_sync(0xffffffffu, rail_head, 0);
         const int4* srcs[kMaxGpusPerNode];
@@ -972,8 +1126,9 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
                 srcs[num_srcs++] = reinterpret_cast<const int4*>(
                     own + geo.node_slot(channel, n * per_node + j, ring_base + static_cast<uint32_t>(position)));
         }
-        char* slot = static_cast<char*>(ctx.buffers[owner]) +
-                     geo.rail_slot(channel, my_node, rail_tail0 + static_cast<uint32_t>(i));
+        char* slot = put ? fused_stage(ctx, geo.rail_slot(channel, n, rail_tail0 + static_cast<uint32_t>(i)))
+                         : static_cast<char*>(ctx.buffers[owner]) +
+                               geo.rail_slot(channel, my_node, rail_tail0 + static_cast<uint32_t>(i));
         reduce_row<2>(srcs, num_srcs, nullptr, nullptr, reinterpret_cast<int4*>(slot), row_int4);
         if (args.topk_weights != nullptr) {
             for (int k = lane; k < geo.num_topk; k += 32) {
@@ -1002,14 +1157,21 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
     const int my_node = ctx.rank / per_node, my_local = ctx.rank % per_node;
     char* own = static_cast<char*>(ctx.buffers[ctx.rank]);
     // Lane n < N: rail ring (channel, n) here, written by the forwarder (n, my local).
+    // A put forwarder raises the rail tail as a signal (after its partials are delivered) and gets its credits so.
     const bool is_node_lane = lane < num_nodes;
+    const int forwarder = lane * per_node + my_local;
+    const bool put = is_node_lane && is_put_peer(ctx, forwarder);
+    const int64_t tail_signal = kFusedCombineRailTailSignalOffset + 8LL * fused_node_index(channel, lane);
+    const int64_t credit_signal = kFusedCombineRailHeadSignalOffset + 8LL * fused_node_index(channel, my_node);
     uint32_t* head_shadows = workspace_u32(ctx, kWsFusedCombineRailHeadShadow);
     const uint32_t base = is_node_lane ? head_shadows[fused_index(channel, lane)] : 0;
-    const uint32_t* rail_tail = is_node_lane ? buffer_u32(own, kFusedCombineRailTailOffset) + fused_index(channel, lane)
-                                             : nullptr;
-    uint32_t* remote_head = is_node_lane ? buffer_u32(ctx.buffers[lane * per_node + my_local],
-                                                      kFusedCombineRailHeadOffset) + fused_index(channel, my_node)
-                                         : nullptr;
+    const uint32_t* rail_tail =
+        is_node_lane ? raised_word(ctx, buffer_u32(own, kFusedCombineRailTailOffset) + fused_index(channel, lane),
+                                   tail_signal, forwarder)
+                     : nullptr;
+    uint32_t* remote_head = is_node_lane && !put ? buffer_u32(ctx.buffers[forwarder], kFusedCombineRailHeadOffset) +
+                                                       fused_index(channel, my_node)
+                                                 : nullptr;
     uint32_t tail_cache = base, consumed = 0, released = 0;
     const bool leader = team.leader();
     const Site site{kKernelCombine, kPhaseCombineRecvWaitTail, -1, channel};
@@ -1027,8 +1189,12 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
             if (index >= 0) consumed = static_cast<uint32_t>(index) + 1;
         }
         if (is_node_lane && released != consumed) {
-            fence_acq_rel_sys();
-            st_release_sys(remote_head, base + consumed);
+            if (put) {
+                fused_signal(ctx, credit_signal, forwarder, base + consumed);
+            } else {
+                fence_acq_rel_sys();
+                st_release_sys(remote_head, base + consumed);
+            }
             released = consumed;
         }
         __syncwarp();
@@ -1044,6 +1210,7 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
                            Site{kKernelCombine, kPhaseCombineRecvWaitTail, lane * per_node + my_local, channel},
                            &tail_cache, leader, [&] { flush(true); });
         if (!ok) break;
+        if (put && index >= 0) after_raised(ctx, tail_signal, forwarder);
         const int4* srcs[kFusedMaxNodes];
         int num_srcs = 0;
         for (int m = 0; m < num_nodes; ++m) {
@@ -1120,9 +1287,12 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
 }
 
 void check_fused_context(const KernelContext& ctx, int gpus_per_node, const char* what) {
-    DEEP_EP_CHECK_ARG(ctx.put_mask == 0, what, ": the fused kernels reach every peer by pointer, got put peers (mask ",
-                      ctx.put_mask, ")");
+    // Put peers: any rank of another node (put_mask has a bit per rank of the group), none of the own node.
     check_context(ctx, what, kFusedMaxRanks);
+    for (int r = 0; r < ctx.num_ranks && ctx.put_mask != 0 && gpus_per_node > 0; ++r)
+        DEEP_EP_CHECK_ARG(!put_bit(ctx.put_mask, r) || r / gpus_per_node != ctx.rank / gpus_per_node, what,
+                          ": the fused kernels reach the ranks of their own node by pointer, got rank ", r,
+                          " as a put peer of rank ", ctx.rank, " (put mask ", ctx.put_mask, ")");
     DEEP_EP_CHECK_ARG(gpus_per_node >= 2 && gpus_per_node <= kMaxGpusPerNode && ctx.num_ranks % gpus_per_node == 0 &&
                           ctx.num_ranks / gpus_per_node >= 2 && ctx.num_ranks / gpus_per_node <= kFusedMaxNodes,
                       what, ": GPUs per node must be in [2, ", kMaxGpusPerNode,
@@ -1131,13 +1301,23 @@ void check_fused_context(const KernelContext& ctx, int gpus_per_node, const char
 }
 
 // The layout of this call fits into its half of the buffer; the message names the num_rdma_bytes that would fit.
+// With put peers the kernels' region is what put_layout leaves of num_rdma_bytes; the message names the
+// num_rdma_bytes whose put layout gives the rings enough (the staging halves mirror the ring halves).
 void check_fits(const KernelContext& ctx, const FusedGeometry& geo, const char* what) {
-    const int64_t half = fused_half_bytes(ctx.num_nvl_bytes);
+    const bool put_area = geo.put_area != 0;
+    DEEP_EP_CHECK_ARG(geo.region_bytes == fused_region_bytes(ctx.num_nvl_bytes, put_area) &&
+                          (put_area || ctx.put_mask == 0),
+                      what, ": the layout must be carved from the context's region (put area ", geo.put_area,
+                      ", put mask ", ctx.put_mask, ")");
+    const int64_t half = fused_half_bytes(geo.region_bytes);
     const int64_t used = geo.end_offset - geo.rail_rings_offset;
-    DEEP_EP_CHECK_ARG(used <= half, what, ": num_rdma_bytes must be >= ", kFusedRingsOffset + 2 * align_up64(used, kBufferAlignment),
-                      " for ", geo.num_channels, " channels, records of ", geo.record_bytes, " bytes, ",
-                      geo.rail_capacity, " rail slots and ", geo.node_capacity, " node slots per ring; got ",
-                      ctx.num_nvl_bytes);
+    const int64_t region = kFusedRingsOffset + 2 * align_up64(used, kBufferAlignment);
+    const int64_t needed = put_area ? 2 * (region - kControlBytes) + kControlBytes + kPutHeaderBytes + 4 * kBufferAlignment
+                                    : region;
+    DEEP_EP_CHECK_ARG(used <= half, what, ": num_rdma_bytes must be >= ", needed, " for ", geo.num_channels,
+                      " channels, records of ", geo.record_bytes, " bytes, ", geo.rail_capacity, " rail slots and ",
+                      geo.node_capacity, " node slots per ring", put_area ? " (with the put area of put peers)" : "",
+                      "; got ", put_area ? "a kernels' region of " : "", ctx.num_nvl_bytes);
 }
 
 }  // namespace

@@ -3,8 +3,10 @@
 // fused_internode.cu.
 //
 // Contract beyond api.cuh's (errors, context, collectiveness):
-//   * The context covers the whole group (rank r = node r / G, local r % G), every peer reached by pointer
-//     (put_mask == 0); the buffer is carved by fused_layout() from the context's num_nvl_bytes.
+//   * The context covers the whole group (rank r = node r / G, local r % G). Every peer of the own node is reached
+//     by pointer; a peer of another node may be an NVSHMEM put peer (put_mask, api.cuh, in groups of up to
+//     kFusedMaxRanks; the buffer then has a put area, layout.cuh). The buffer is carved by fused_layout() from
+//     fused_region_bytes(the context's num_nvl_bytes, put_mask != 0).
 //   * Every call is collective with the same geometry (channels, hidden bytes, scales, top-k, ring capacities).
 #pragma once
 
@@ -27,6 +29,7 @@ namespace kernels {
 constexpr int kFusedMaxRanks = 64;
 constexpr int kFusedMaxNodes = kFusedMaxRanks / 2;
 static_assert(kFusedMaxRanks <= kMaxRuntimeRanks, "a fused group is one runtime");
+static_assert(kFusedMaxRanks <= 64, "every rank of a fused group may be a put peer: a bit of KernelContext::put_mask");
 
 // ---- buffer layout (after the shared control region of layout.cuh, which the fused kernels leave alone but for
 // the abort word) ----
@@ -61,8 +64,42 @@ constexpr int64_t kFusedCombineNodeTailOffset = kFusedNodeCountOffset + 2LL * kF
 constexpr int64_t kFusedCombineNodeHeadOffset = kFusedCombineNodeTailOffset + kFusedCounterBytes;
 constexpr int64_t kFusedCombineRailTailOffset = kFusedCombineNodeHeadOffset + kFusedCounterBytes;
 constexpr int64_t kFusedCombineRailHeadOffset = kFusedCombineRailTailOffset + kFusedCounterBytes;
+// Signals (uint64, the value in the low half) that NVSHMEM put peers raise instead of the uint32 words above, at
+// the same symmetric offsets on every rank: notify flags [2 parities][kFusedMaxRanks sources], then the rail counters
+// [kMaxChannels][kFusedMaxNodes], index fused_node_index(channel, node), in the order rail tails, rail heads, combine
+// rail tails, combine rail heads. Only the rail hops and notify cross a NIC; the node counters stay pointer words.
+constexpr int64_t kFusedSignalBytes = 8LL * kMaxChannels * kFusedMaxNodes;
+DEEP_EP_HOST_DEVICE int fused_node_index(int channel, int node) { return channel * kFusedMaxNodes + node; }
+constexpr int64_t kFusedNotifyFlagSignalOffset = kFusedCombineRailHeadOffset + kFusedCounterBytes;
+constexpr int64_t kFusedRailTailSignalOffset = kFusedNotifyFlagSignalOffset + 8LL * 2 * kFusedMaxRanks;
+constexpr int64_t kFusedRailHeadSignalOffset = kFusedRailTailSignalOffset + kFusedSignalBytes;
+constexpr int64_t kFusedCombineRailTailSignalOffset = kFusedRailHeadSignalOffset + kFusedSignalBytes;
+constexpr int64_t kFusedCombineRailHeadSignalOffset = kFusedCombineRailTailSignalOffset + kFusedSignalBytes;
+static_assert(kFusedNotifyFlagSignalOffset % 8 == 0, "64-bit signals");
 constexpr int64_t kFusedRingsOffset =
-    (kFusedCombineRailHeadOffset + kFusedCounterBytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+    (kFusedCombineRailHeadSignalOffset + kFusedSignalBytes + kBufferAlignment - 1) / kBufferAlignment *
+    kBufferAlignment;
+// Per put peer d (any rank of another node, d < kFusedMaxRanks), notify stages slot [parity][d] of the notify data
+// and, for a rail peer, row [parity][d] of the node counts at the staging twins of those offsets (the put area's
+// staging halves, layout.cuh), then puts them to the same offsets at d as slot and row [parity][me]. The whole
+// fused control region below the rings (about 1.2 MiB at 64 ranks) is mirrored by the staging halves whenever the
+// rings are (fused_notify checks that the kernels' region reaches kFusedRingsOffset).
+static_assert(kFusedNodeCountOffset + 2LL * kFusedMaxRanks * kMaxChannels * 4 == kFusedCombineNodeTailOffset &&
+                  kFusedNotifyDataOffset + 2LL * kFusedMaxRanks * kFusedNotifyInts * 4 == kFusedRailTailOffset,
+              "notify staging: one slot and one node-count row per (parity, put peer)");
+static_assert(kFusedRailTailSignalOffset - kFusedNotifyFlagSignalOffset == 8LL * 2 * kFusedMaxRanks &&
+                  kFusedSignalBytes == 8LL * kMaxChannels * kFusedMaxNodes,
+              "signals: a notify flag per (parity, source rank), a rail counter per (channel, node)");
+static_assert(kFusedRingsOffset <= kControlBytes + 2 * kMaxRingHalfBytes,
+              "the fused control region lies within what the staging halves mirror at their largest");
+// The bytes [0, region) the fused layout may use of a buffer whose kernels' region is `ring_bytes`: all of it
+// without put peers; with them (`put_area`), only what the put area's staging halves mirror (layout.cuh), since a
+// rail record for a put peer is staged at its slot's offset shifted by put_stage_shift(ring_bytes).
+DEEP_EP_HOST_DEVICE int64_t fused_region_bytes(int64_t ring_bytes, bool put_area) {
+    if (!put_area) return ring_bytes;
+    const int64_t mirrored = kControlBytes + 2 * kMaxRingHalfBytes;
+    return ring_bytes < mirrored ? ring_bytes : mirrored;
+}
 // The rest of the buffer is two equal halves: dispatch rings, then combine rings (a rank may start its combine while
 // a peer still reads its dispatch rings).
 DEEP_EP_HOST_DEVICE int64_t fused_half_bytes(int64_t num_bytes) {
@@ -108,6 +145,8 @@ struct FusedGeometry {
     int64_t rail_rings_offset;  // byte offset of the rail rings (the start of this direction's half)
     int64_t node_rings_offset;  // byte offset of the node rings
     int64_t end_offset;         // end of the layout (must not pass the end of the half)
+    int64_t region_bytes;       // the bytes the layout was carved from (fused_region_bytes)
+    int put_area;               // 1: the buffer ends with a put area (put peers in the world)
 
     DEEP_EP_HOST_DEVICE int64_t rail_slot(int channel, int src_node, uint32_t seq) const {
         return rail_rings_offset +
@@ -121,12 +160,16 @@ struct FusedGeometry {
     }
 };
 
+// `ring_bytes`: the runtime's kernels' region (the context's num_nvl_bytes); `put_area`: the world has put pairs.
 // `combine`: the combine half and its records ([BF16 row, padded to 16][K float32 weights, padded to 16]); the rail
 // rings are then indexed by forwarder node and the node rings by (source node, sending local rank).
 DEEP_EP_HOST_DEVICE FusedGeometry fused_layout(int num_nodes, int gpus_per_node, int num_channels, int64_t hidden_bytes,
                                                int num_scales, int num_topk, int rail_capacity, int node_capacity,
-                                               int64_t num_bytes, bool combine) {
+                                               int64_t ring_bytes, bool put_area, bool combine) {
+    const int64_t num_bytes = fused_region_bytes(ring_bytes, put_area);
     FusedGeometry g{};
+    g.region_bytes = num_bytes;
+    g.put_area = put_area ? 1 : 0;
     g.num_nodes = num_nodes;
     g.gpus_per_node = gpus_per_node;
     g.num_channels = num_channels;

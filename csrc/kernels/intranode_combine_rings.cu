@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
             }
             const int64_t row = first + j;
             const uint32_t slot = (tail_base[dst] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
-            char* rec = kPut && is_put_peer(ctx, dst)  // the staging twin; this warp puts it
+            char* rec = kPut && is_ring_put_peer(ctx, dst)  // the staging twin; this warp puts it
                 ? staging_slot(ctx, geo.ring, channel, dst, static_cast<int>(slot))
                 : static_cast<char*>(ctx.buffers[dst]) + geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
             int4* rec_row = reinterpret_cast<int4*>(rec);
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 if ((j + 1) % put_block == 0 || j + 1 == count) {
                     const int run_start = j - j % put_block;
                     put_staged_runs(ctx, geo.ring, channel, tail_base[dst] + static_cast<uint32_t>(run_start),
-                                    lane == dst && is_put_peer(ctx, dst) ? j + 1 - run_start : 0);
+                                    lane == dst && is_ring_put_peer(ctx, dst) ? j + 1 - run_start : 0);
                     release_progress(progress, warp, run_start + stride * put_block);
                 }
             } else {

@@ -222,12 +222,12 @@ inline void check_context(const KernelContext& ctx, const char* what, int max_ra
                       "], got ", ctx.num_ranks);
     DEEP_EP_CHECK_ARG(ctx.rank >= 0 && ctx.rank < ctx.num_ranks, what, ": rank must be in [0, num_ranks), got ",
                       ctx.rank);
-    DEEP_EP_CHECK_ARG(ctx.put_mask == 0 || (kHasPutPath && ((ctx.put_mask >> ctx.rank) & 1u) == 0 &&
-                                            (ctx.put_mask >> ctx.num_ranks) == 0),
+    DEEP_EP_CHECK_ARG(ctx.put_mask == 0 || (kHasPutPath && !put_bit(ctx.put_mask, ctx.rank) &&
+                                            (ctx.num_ranks >= 64 || (ctx.put_mask >> ctx.num_ranks) == 0)),
                       what, ": put peers (mask ", ctx.put_mask, ") need an NVSHMEM build, a put area and a valid mask");
     for (int r = 0; r < ctx.num_ranks; ++r)
-        DEEP_EP_CHECK_ARG(ctx.buffers[r] != nullptr || ((ctx.put_mask >> r) & 1u) != 0, what, ": the buffer of rank ",
-                          r, " is not mapped");
+        DEEP_EP_CHECK_ARG(ctx.buffers[r] != nullptr || put_bit(ctx.put_mask, r), what, ": the buffer of rank ", r,
+                          " is not mapped");
     DEEP_EP_CHECK_ARG(ctx.workspace != nullptr, what, ": workspace must not be null");
     DEEP_EP_CHECK_ARG(ctx.num_nvl_bytes >= kControlBytes, what, ": num_nvl_bytes must be >= ", kControlBytes,
                       ", got ", ctx.num_nvl_bytes);

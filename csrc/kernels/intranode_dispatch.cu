@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     // Tell every sender where my outputs of this call lie (or that I use the rings), before anything waits. A put
     // peer sends through the rings and reads no word.
     if (static_cast<int>(threadIdx.x) < num_ranks && static_cast<int>(threadIdx.x) != rank &&
-        !(kPut && is_put_peer(ctx, static_cast<int>(threadIdx.x)))) {
+        !(kPut && is_ring_put_peer(ctx, static_cast<int>(threadIdx.x)))) {
         auto* word = reinterpret_cast<DispatchOutputWord*>(static_cast<char*>(ctx.buffers[threadIdx.x]) +
                                                            kDispatchOutputOffset) + counter_index(channel, rank);
         volatile uint32_t* fields = reinterpret_cast<volatile uint32_t*>(word);
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 const int* cpm_row = args.channel_prefix_matrix + d * num_channels;
                 const int expected = cpm_row[channel] - (channel > 0 ? cpm_row[channel - 1] : 0);
                 expected_total[d] = expected;
-                if ((expected > 0 || check) && !(kPut && is_put_peer(ctx, d))) {
+                if ((expected > 0 || check) && !(kPut && is_ring_put_peer(ctx, d))) {
                     auto* word = reinterpret_cast<DispatchOutputWord*>(static_cast<char*>(ctx.buffers[rank]) +
                                                                        kDispatchOutputOffset) + counter_index(channel, d);
                     uint32_t seen;
@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                         } else {
                             const uint32_t slot = (tail_base[d] + static_cast<uint32_t>(j)) % static_cast<uint32_t>(capacity);
                             byte_offset = geo.ring.slot_offset(channel, rank, static_cast<int>(slot));
-                            if (kPut && is_put_peer(ctx, d)) {  // the staging twin; this warp puts it
+                            if (kPut && is_ring_put_peer(ctx, d)) {  // the staging twin; this warp puts it
                                 base = own_buffer(ctx) + put_stage_shift(ctx.num_nvl_bytes);
                                 byte_offset = geo.ring.slot_offset(channel, d, static_cast<int>(slot));
                             }
@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                     }
                 }
                 if constexpr (kPut) {
-                    if (lane < num_ranks && is_put_peer(ctx, lane) && !ctx.skip_sends && head_row[lane] >= 0 &&
+                    if (lane < num_ranks && is_ring_put_peer(ctx, lane) && !ctx.skip_sends && head_row[lane] >= 0 &&
                         run_count++ == 0)
                         run_first = tail_base[lane] + static_cast<uint32_t>(head_row[lane]);
                     if ((i + 1) % put_block == 0 || i + 1 == num_channel_tokens) {
@@ -471,10 +471,11 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         const uint32_t* tail_word = peer_word<kPut>(
             ctx, buffer_u32(ctx.buffers[rank], kDispatchTailOffset) + counter_index(channel, src), tail_offset, src);
         const int64_t head_offset = kDispatchHeadOffset + 4 * counter_index(channel, rank);  // in src's buffer
-        uint32_t* remote_head = kPut && is_put_peer(ctx, src) ? nullptr : buffer_u32(ctx.buffers[src], head_offset);
+        uint32_t* remote_head =
+            kPut && is_ring_put_peer(ctx, src) ? nullptr : buffer_u32(ctx.buffers[src], head_offset);
 
         int done = 0;
-        if (receive_direct && !skip && !(kPut && is_put_peer(ctx, src))) {
+        if (receive_direct && !skip && !(kPut && is_ring_put_peer(ctx, src))) {
             // Senders wrote my rows in place: wait until their tails cover all of them, then free the sequence
             // numbers (the sender's next call checks the head before reusing the ring).
             if (warp_in_group == 0 && lane == 0 && num_slots > 0) {

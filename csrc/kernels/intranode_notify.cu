@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     const int per_dst = num_ranks + num_local_experts + num_channels + kSignatureInts;
     for (int i = static_cast<int>(threadIdx.x); i < num_ranks * per_dst; i += static_cast<int>(blockDim.x)) {
         const int d = i / per_dst, k = i % per_dst;
-        int* slot = kPut && is_put_peer(ctx, d)
+        int* slot = kPut && is_ring_put_peer(ctx, d)
             ? reinterpret_cast<int*>(own_buffer(ctx) + ctx.num_nvl_bytes + kPutNotifyStageOffset) + d * slot_ints
             : reinterpret_cast<int*>(buffer_u32(ctx.buffers[d], kNotifyDataOffset)) +
                   (static_cast<int64_t>(parity) * kMaxRanks + rank) * slot_ints;
@@ -90,13 +90,13 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
     __threadfence_system();
     __syncthreads();
     const int64_t my_slot = (static_cast<int64_t>(parity) * kMaxRanks + rank);
-    if (threadIdx.x < num_ranks && !(kPut && is_put_peer(ctx, static_cast<int>(threadIdx.x)))) {
+    if (threadIdx.x < num_ranks && !(kPut && is_ring_put_peer(ctx, static_cast<int>(threadIdx.x)))) {
         const int d = static_cast<int>(threadIdx.x);
         fence_acq_rel_sys();
         st_release_sys(buffer_u32(ctx.buffers[d], kNotifyFlagOffset) + parity * kMaxRanks + rank, epoch);
     }
     // Put peer d: warp d puts my staged counts for d into my slot at d, with the flag as signal.
-    if (kPut && warp < num_ranks && is_put_peer(ctx, warp)) {
+    if (kPut && warp < num_ranks && is_ring_put_peer(ctx, warp)) {
         __syncwarp();  // the lanes of warp 0 that stored pointer peers' flags join first
         put_block_with_flag(ctx, own_buffer(ctx) + ctx.num_nvl_bytes + kPutNotifyStageOffset +
                                      static_cast<int64_t>(warp) * slot_ints * 4,

@@ -20,11 +20,13 @@ __global__ void barrier_kernel(const __grid_constant__ KernelContext ctx) {
         else
             red_add_release_sys(buffer_u32(ctx.buffers[r], my_arrival), 1u);
     }
-    if (r < ctx.num_ranks) {
+    if (r < ctx.num_ranks) {  // a put peer's arrival is the low half of the word's signal twin
         uint32_t seen;
-        if (wait_geq(ctx, peer_word<true>(ctx, buffer_u32(ctx.buffers[ctx.rank], its_arrival), its_arrival, r),
-                     epoch, Site{kKernelBarrier, kPhaseBarrierWait, r, -1}, &seen))
-            after_peer_wait<true>(ctx, its_arrival, r);
+        const uint32_t* arrival = is_put_peer(ctx, r) ? reinterpret_cast<uint32_t*>(signal_twin(ctx, its_arrival))
+                                                      : buffer_u32(ctx.buffers[ctx.rank], its_arrival);
+        if (wait_geq(ctx, arrival, epoch, Site{kKernelBarrier, kPhaseBarrierWait, r, -1}, &seen) &&
+            is_put_peer(ctx, r))
+            put_wait_consistency(signal_twin(ctx, its_arrival));
     }
     __syncthreads();
     if (r == 0) *workspace_u32(ctx, kWsBarrierEpochOffset) = epoch;

@@ -44,25 +44,30 @@ enum LlPhase : int32_t {
     kPhaseLlBadRouting = 104,           // expert id >= num_experts (expected = E, observed = id)
     kPhaseLlDispatchAgreement = 105,    // peer = source whose signature hash differs (expected = mine, observed)
     kPhaseLlHalfRelease = 106,          // peer, channel = half; expected / observed = its releases (mod 2^16)
+    kPhaseLlCombineAgreement = 107,     // peer = owner whose rows of token `channel` carried another hash; expected /
+                                        // observed = the hash sums of its arrivals (rows x hash: mine, theirs)
+    kPhaseLlCombineToldDisagreement = 108,  // peer = the rank that saw a combine's hashes differ and told this rank
+    kPhaseLlCombineRefused = 109,       // this rank's validation refused the combine (expected = its refusal hash)
 };
 
 const char* ll_phase_name(int32_t phase);
 
 // Byte carving of the symmetric buffer (identical on every rank):
-//   [global: barrier word (u64) | pad to 128]
+//   [global: barrier word (u64) | abort word (u64) | disagreement word (u64) | pad to 128]
 //   half h = 0, 1: [ctrl: count words [R][L+1] u64 | dispatch arrival [R] u64 | combine arrival [T][R] u64]
 //                  [data: csend [L][R*T] x cmsg | crecv [E][T] x 2H]                 (combine)
 //                  [data: drecv [R][T] x dmsg | dstage [T] x dmsg (R > 1 only)]    (dispatch, overlays the combine)
 // A half serves one LL call at a time (calls alternate halves), so dispatch and combine regions may overlap: a send
 // phase writes into a peer's half only once that peer has released it (its receive phases there are complete; the
 // release count sits in the high 16 bits of the dispatch arrival words, low_latency_device.cuh acquire_half).
-// Combine arrival word (t, o) of a half counts the rows owner o has delivered for this rank's token t (ctrl: zeroed
-// by clean, consumed by the reducer). The cmsg - 2H = H/32 >= 32 tail bytes of each csend slot hold two u32 words
-// outside the zero-copy view: at +0 the sender's RDMA staging of its row's LogFMT chunk flags, at +4 the receiver's
-// word of (expert, token) = (slot / T, slot % T): the LogFMT chunk flags of that row, or, for a row read in place,
-// its packed index (combine_flag_off). Both are written before the arrival that the reader waits for, in the same
-// call, so they need no zeroing. This keeps the carving inside DeepEP's hint with the [T][R] arrival words (every
-// allowed (T, H, R, E); tests/test_layout.py sweeps a mirror of make_layout).
+// Combine arrival word (t, o) of a half counts the rows owner o has delivered for this rank's token t in its low 32
+// bits and sums their senders' call-signature hashes in its high 32 bits (each row adds 1 + (hash << 32)); ctrl:
+// zeroed by clean, consumed by the reducer. The cmsg - 2H = H/32 >= 32 tail bytes of each csend slot hold two u32
+// words outside the zero-copy view: at +0 the sender's RDMA staging of its row's LogFMT chunk flags, at +4 the
+// receiver's word of (expert, token) = (slot / T, slot % T): the LogFMT chunk flags of that row, or, for a row read
+// in place, its packed index (combine_flag_off). Both are written before the arrival that the reader waits for, in
+// the same call, so they need no zeroing. This keeps the carving inside DeepEP's hint with the [T][R] arrival words
+// (every allowed (T, H, R, E); tests/test_layout.py sweeps a mirror of make_layout).
 struct Layout {
     int num_ranks, num_tokens_max, hidden, num_experts, num_local, num_topk_max;
     int64_t cmsg;            // combine slot: H/128 * 4 + 2H (DeepEP's zero-copy row stride)
@@ -140,6 +145,10 @@ struct CombineArgs {
     int half, phases;
     int release_by_next_send;  // as DispatchArgs
     int stage_slots, stage_offset;  // set by combine(): rows staged in shared memory, and where the stage starts
+    // 32-bit hash of the call's signature, summed into every arrival word this rank adds to; a receiver whose
+    // arrivals from an owner sum another hash reduces no row from it, records kErrorArgumentMismatch and tells
+    // every peer (tell_disagreement).
+    uint32_t signature_hash;
 };
 
 constexpr int kPhaseSend = 1;
@@ -151,6 +160,9 @@ void dispatch(const Context& ctx, const DispatchArgs& args, cudaStream_t stream)
 void combine(const Context& ctx, const CombineArgs& args, cudaStream_t stream);
 // Bounded barrier over all PEs, on `stream`.
 void barrier(const Context& ctx, cudaStream_t stream);
+// This rank's validation refused a combine that its peers make: one thread tells every peer and records the refusal
+// (phase kPhaseLlCombineRefused, `signature_hash` = the refusal's hash), so that no rank waits for its rows.
+void refuse_combine(const Context& ctx, uint32_t signature_hash, cudaStream_t stream);
 // Zeroes both halves' control words and the workspace (call between two barriers).
 void clean(const Context& ctx, cudaStream_t stream);
 

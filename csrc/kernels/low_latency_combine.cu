@@ -1,11 +1,13 @@
 // Low-latency combine over NVSHMEM (low_latency.cuh has the data path and the carving):
 //   send     once the peers released half h (low_latency_device.cuh acquire_half), one warp per received row
-//            writes the row into the token owner's [expert][token] slot and adds 1 to the token owner's arrival
-//            word (token, sender).
+//            writes the row into the token owner's [expert][token] slot and adds 1 + (call-signature hash << 32) to
+//            the token owner's arrival word (token, sender).
 //   receive  one CTA per token; warp 0's lanes wait in parallel, one per distinct expert owner, for that owner's
-//            rows, consume them (subtract), and (shrink) mask an owner that times out; then the CTA reduces
-//            sum_k w_k * y_k over the arrived entries in fp32 in ascending k, rounding to BF16 once. The rank's
-//            next send releases half h, or, for a hooked receive issued after that send, the receive at its end.
+//            rows, check that the rows' hash sum is their count times this rank's hash (else no row of that owner
+//            is reduced and every rank is told: tell_disagreement), consume them (subtract), and (shrink) mask an
+//            owner that times out; then the CTA reduces sum_k w_k * y_k over the arrived entries in fp32 in
+//            ascending k, rounding to BF16 once. The rank's next send releases half h, or, for a hooked receive
+//            issued after that send, the receive at its end.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -207,11 +209,16 @@ __device__ __forceinline__ bool own_rows_in_place(int phases, const Layout& lay,
     return phases == (kPhaseSend | kPhaseRecv) && !a.use_logfmt && (!a.zero_copy || lay.cmsg % 16 == 0);
 }
 
+// What each row adds to its arrival word: one arrival, and the sender's call-signature hash in the high half.
+__device__ __forceinline__ uint64_t arrival_word(const CombineArgs& a) {
+    return 1ull + (uint64_t(a.signature_hash) << 32);
+}
+
 // As the dispatch kernel: the send and receive launches of a hooked call are one kernel with the phase as an
 // argument; the fused launch is its own instantiation.
 template <bool kFused>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Context ctx, CombineArgs a) {
-    if (signatures_disagreed(ctx)) return;  // the dispatch moved no rows of some source: no rank combines
+    if (signatures_disagreed(ctx)) return;  // the ranks' call signatures differed: no rank combines
     const int phases = kFused ? (kPhaseSend | kPhaseRecv) : a.phases;
     extern __shared__ int4 dyn_smem4[];
     int* rowpre = reinterpret_cast<int*>(dyn_smem4);  // [L + 1] exclusive prefix of rows per local expert
@@ -320,11 +327,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Context ctx, Combi
             const int64_t arrive_off = lay.half_start(h) + combine_arrive_off(lay, t, me);  // (t, sender) at s
             if (p2p) {
                 auto* arrive = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[s]) + arrive_off);
-                if (lane == 0) red_add_release_sys_u64(arrive, 1);
+                if (lane == 0) red_add_release_sys_u64(arrive, arrival_word(a));
             } else {
                 nvshmemx_putmem_signal_nbi_warp(my_half + dst_off, send_slot, row_bytes,
                                                 reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + arrive_off),
-                                                1, NVSHMEM_SIGNAL_ADD, s);
+                                                arrival_word(a), NVSHMEM_SIGNAL_ADD, s);
             }
         }
     }
@@ -367,16 +374,24 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Context ctx, Combi
                     const uint64_t expected = __popc(same);
                     uint64_t* word = reinterpret_cast<uint64_t*>(my_half + combine_arrive_off(lay, t, owner));
                     uint64_t seen = 0, elapsed = 0;
-                    res = wait_word(ctx, word, [expected](uint64_t v) { return v >= expected; }, &seen, &elapsed,
-                                    ctx.mask != nullptr ? owner : -1);
+                    res = wait_word(ctx, word, [expected](uint64_t v) { return uint32_t(v) >= expected; }, &seen,
+                                    &elapsed, ctx.mask != nullptr ? owner : -1, true);
+                    // Every row (of this call, or of a later one already here) carried its sender's hash.
+                    if (res == kWaitOk && uint32_t(seen >> 32) != uint32_t(seen) * a.signature_hash) {
+                        tell_disagreement(ctx, kKernelLlCombine, kPhaseLlCombineAgreement, owner, t,
+                                          uint32_t(seen) * a.signature_hash, int64_t(seen >> 32));
+                        res = kWaitDisagreed;
+                    }
                     if (res == kWaitOk) {
                         // Consume this call's arrivals: the word returns to what later calls' senders add. A
                         // device-scope atomic suffices: the owner added its last row for this token before the
                         // wait saw it, and the next call on this half adds only after this rank released the half.
                         atomicAdd(reinterpret_cast<unsigned long long*>(word),
-                                  static_cast<unsigned long long>(-int64_t(expected)));
+                                  static_cast<unsigned long long>(-int64_t(expected * arrival_word(a))));
                         if (a.wait_stats != nullptr)
                             atomicAdd(reinterpret_cast<unsigned long long*>(a.wait_stats + owner), elapsed);
+                    } else if (res == kWaitDisagreed) {
+                        ok = 0;  // recorded; no row of this call is reduced
                     } else if (res != kWaitMasked) {
                         // Shrink: a timeout masks the owner and the token goes on without its experts (true).
                         ok = on_wait_failure(ctx, res, kKernelLlCombine, kPhaseLlCombineWaitToken, owner, t,

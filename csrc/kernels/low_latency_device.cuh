@@ -22,15 +22,17 @@ namespace ll {
 
 // Symmetric buffer: the global words before the two halves (low_latency.cuh has the carving).
 constexpr int64_t kAlign = 128;
-constexpr int64_t kGlobalBytes = 128;     // barrier word at 0, abort word at 8
+constexpr int64_t kGlobalBytes = 128;     // barrier word at 0, abort word at 8, disagreement word at 16
 constexpr int64_t kBarrierOffset = 0;
 constexpr int64_t kAbortOffset = 8;
+// u64: 0, or 1 + the rank that saw a combine's call-signature hashes differ and told this rank (tell_disagreement).
+constexpr int64_t kDisagreementOffset = 16;
 // Private workspace: the error-record claim word, the barrier base, per-CTA epochs, send-phase counts, unreleased
 // halves and arrival bases, and the per-half count of CTAs that finished a hooked receive.
 constexpr int64_t kWsClaim = 0;
 constexpr int64_t kWsBarrierBase = 8;
-// u32: 1 once a dispatch saw a source's call-signature hash differ from its own; every LL dispatch and combine
-// kernel then returns at once (on every rank alike: each saw the same disagreement) until the host clears it.
+// u32: 1 once a dispatch or combine saw a peer's call-signature hash differ from its own, or a peer told this rank
+// so (kDisagreementOffset); every LL dispatch and combine kernel then returns at once until the host clears it.
 constexpr int64_t kWsMismatch = 16;
 constexpr int64_t kWsEpochs = 256;        // u32 [kMaxBlocks][2]
 constexpr int64_t kWsSends = 1536;        // u32 [kMaxBlocks][2]: send phases this CTA ran on each half
@@ -58,9 +60,26 @@ __device__ __forceinline__ int64_t load_topk(const void* topk, int bytes, int64_
     return bytes == 8 ? static_cast<const int64_t*>(topk)[i] : static_cast<const int32_t*>(topk)[i];
 }
 
-// True when an earlier dispatch saw the ranks' call signatures differ (kWsMismatch).
+// Stops this rank's LL kernels (kWsMismatch) and records the disagreement (the first record of the rank wins).
+static __device__ __noinline__ void record_disagreement(const Context ctx, int32_t kernel, int32_t phase, int32_t peer,
+                                                        int32_t channel, int64_t expected, int64_t observed) {
+    *reinterpret_cast<volatile unsigned int*>(static_cast<char*>(ctx.workspace) + kWsMismatch) = 1u;
+    fill_error_record(ctx.error, reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsClaim),
+                      kErrorArgumentMismatch, kernel, phase, ctx.rank, peer, channel, ctx.call_seq, expected, observed,
+                      0);
+}
+
+// True when the ranks' call signatures differed: this rank saw it (kWsMismatch), or a peer told it (the
+// disagreement word, recorded here). Both words are loaded before either is tested.
 __device__ __forceinline__ bool signatures_disagreed(const Context& ctx) {
-    return *reinterpret_cast<volatile unsigned int*>(static_cast<char*>(ctx.workspace) + kWsMismatch) != 0u;
+    const unsigned int seen =
+        *reinterpret_cast<volatile unsigned int*>(static_cast<char*>(ctx.workspace) + kWsMismatch);
+    const uint64_t told = *reinterpret_cast<volatile uint64_t*>(static_cast<char*>(ctx.sym) + kDisagreementOffset);
+    if (seen != 0u) return true;
+    if (told == 0) return false;
+    record_disagreement(ctx, kKernelLlCombine, kPhaseLlCombineToldDisagreement, static_cast<int32_t>(told) - 1, -1, 0,
+                        0);
+    return true;
 }
 
 __device__ __forceinline__ bool is_masked(const Context& ctx, int r) {
@@ -90,8 +109,29 @@ __attribute__((used)) static __device__ __noinline__ void report(const Context c
     __threadfence_system();
 }
 
+// A combine's receiver saw `peer`'s call-signature hash differ. A rank hears from the owners of its tokens' experts
+// only, so it tells every peer (their disagreement word: their waits stop and their next kernel records it) before
+// it records the difference itself: once its host raises, every peer has been told.
+static __device__ __noinline__ void tell_disagreement(const Context ctx, int32_t kernel, int32_t phase, int32_t peer,
+                                                      int32_t channel, int64_t expected, int64_t observed) {
+    const unsigned long long word = static_cast<unsigned long long>(ctx.rank + 1);
+    for (int r = 0; r < ctx.num_ranks; ++r) {
+        if (r == ctx.rank) continue;
+        if (ctx.peers[r] != nullptr) {
+            auto* told = reinterpret_cast<unsigned long long*>(static_cast<char*>(ctx.peers[r]) + kDisagreementOffset);
+            atomicCAS(told, 0ull, word);
+        } else {
+            nvshmemx_signal_op(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + kDisagreementOffset), word,
+                               NVSHMEM_SIGNAL_SET, r);
+        }
+    }
+    if (!ctx.all_p2p) nvshmem_quiet();
+    __threadfence_system();
+    record_disagreement(ctx, kernel, phase, peer, channel, expected, observed);
+}
+
 // kWaitMasked: the awaited peer was masked meanwhile (by another thread's timeout in shrink mode).
-// kWaitDisagreed: `stop_on_disagreement` and a thread of this rank saw the call signatures differ (kWsMismatch).
+// kWaitDisagreed: `stop_on_disagreement` and the call signatures differed (signatures_disagreed: recorded).
 enum WaitResult { kWaitOk = 0, kWaitTimeout = 1, kWaitAborted = 2, kWaitMasked = 3, kWaitDisagreed = 4 };
 
 // Bounded spin until pred(value) holds on a local symmetric word. Every 64 spins: abort word, deadline and, when

@@ -70,6 +70,9 @@ const char* ll_phase_name(int32_t phase) {
         case kPhaseLlBadRouting: return "low_latency_dispatch bad routing";
         case kPhaseLlDispatchAgreement: return "low_latency_dispatch agreement";
         case kPhaseLlHalfRelease: return "low_latency wait peer release of buffer half";
+        case kPhaseLlCombineAgreement: return "low_latency_combine agreement";
+        case kPhaseLlCombineToldDisagreement: return "low_latency_combine agreement (told by a peer)";
+        case kPhaseLlCombineRefused: return "low_latency_combine refused";
         default: return "unknown phase";
     }
 }
@@ -101,6 +104,10 @@ __global__ void ll_barrier_kernel(Context ctx) {
     }
 }
 
+__global__ void ll_refuse_combine_kernel(Context ctx, uint32_t signature_hash) {
+    tell_disagreement(ctx, kKernelLlCombine, kPhaseLlCombineRefused, -1, -1, signature_hash, signature_hash);
+}
+
 __global__ void ll_clean_kernel(Context ctx) {
     const Layout& lay = ctx.layout;
     const int64_t ctrl_words = lay.data_off / 8;
@@ -114,6 +121,7 @@ __global__ void ll_clean_kernel(Context ctx) {
     const int64_t ws_words = (workspace_end(ctx.num_ranks) - kWsEpochs) / 8;
     for (int64_t i = first; i < ws_words; i += stride) ws[i] = 0;
     if (first == 0) *reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + kAbortOffset) = 0;
+    if (first == 0) *reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + kDisagreementOffset) = 0;
     if (first == 0) *reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsClaim) = 0;
     if (first == 0) *reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsMismatch) = 0;
 }
@@ -125,6 +133,11 @@ void configure_kernels() {
 
 void barrier(const Context& ctx, cudaStream_t stream) {
     ll_barrier_kernel<<<1, 256, 0, stream>>>(ctx);
+    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+}
+
+void refuse_combine(const Context& ctx, uint32_t signature_hash, cudaStream_t stream) {
+    ll_refuse_combine_kernel<<<1, 1, 0, stream>>>(ctx, signature_hash);
     DEEP_EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -17,8 +17,8 @@
 //   receiver returned the head past it (credits: a slow receiver holds the senders back).
 //
 // Each helper takes `kPut`: false gives exactly the pointer code (the intranode kernels are instantiated so), true
-// tests the peer's bit of KernelContext::put_mask. Without NVSHMEM (DEEP_EP_DISABLE_NVSHMEM) the NVSHMEM calls are
-// left out: the launchers refuse a context with put peers there.
+// tests the peer's bit of KernelContext::put_mask (is_ring_put_peer). Without NVSHMEM (DEEP_EP_DISABLE_NVSHMEM) the
+// NVSHMEM calls are left out: the launchers refuse a context with put peers there.
 #pragma once
 
 #include <cstdint>
@@ -41,8 +41,17 @@ constexpr bool kHasPutPath = false;
 constexpr bool kHasPutPath = true;
 #endif
 
+// Whether rank r (in [0, num_ranks)) is a put peer, for any rank of the runtime (the fused kernels, the barrier,
+// the abort).
 __device__ __forceinline__ bool is_put_peer(const KernelContext& ctx, int r) {
-    return r < 32 && ((ctx.put_mask >> r) & 1u) != 0;
+    return ((ctx.put_mask >> r) & 1ull) != 0;
+}
+
+// The same for the ring kernels: their groups (at most kMaxRanks ranks) have their bits in the mask's low word, so
+// the test stays on 32 bits (their register budget).
+static_assert(kMaxRanks <= 32, "the ring kernels' put bits lie in the low word of KernelContext::put_mask");
+__device__ __forceinline__ bool is_ring_put_peer(const KernelContext& ctx, int r) {
+    return r < 32 && ((static_cast<uint32_t>(ctx.put_mask) >> r) & 1u) != 0;
 }
 
 // The helpers below take group ranks (`pe` names the peer as the ring kernels number it); the NVSHMEM calls get the
@@ -62,7 +71,7 @@ __device__ __forceinline__ uint64_t* signal_twin(const KernelContext& ctx, int64
 // the pointer-only code, so that kPut = false compiles to exactly that code.
 template <bool kPut>
 __device__ __forceinline__ uint32_t* peer_word(const KernelContext& ctx, uint32_t* word, int64_t offset, int peer) {
-    if (kPut && is_put_peer(ctx, peer)) return reinterpret_cast<uint32_t*>(signal_twin(ctx, offset));
+    if (kPut && is_ring_put_peer(ctx, peer)) return reinterpret_cast<uint32_t*>(signal_twin(ctx, offset));
     return word;
 }
 
@@ -79,7 +88,7 @@ static __device__ __noinline__ void put_wait_consistency(uint64_t* twin) {
 // After a successful wait on the word at `offset` published by `peer`.
 template <bool kPut>
 __device__ __forceinline__ void after_peer_wait(const KernelContext& ctx, int64_t offset, int peer) {
-    if (kPut && is_put_peer(ctx, peer)) put_wait_consistency(signal_twin(ctx, offset));
+    if (kPut && is_ring_put_peer(ctx, peer)) put_wait_consistency(signal_twin(ctx, offset));
 }
 
 // One thread: `value` into the twin of the word at `offset` of put peer `pe` (`add`: added to it, else set), after
@@ -106,7 +115,7 @@ static __device__ __noinline__ void put_signal(const KernelContext& ctx, int64_t
 template <bool kPut>
 __device__ __forceinline__ void publish_word(const KernelContext& ctx, uint32_t* word, int64_t offset, int peer,
                                              uint32_t value) {
-    if (kPut && is_put_peer(ctx, peer))
+    if (kPut && is_ring_put_peer(ctx, peer))
         put_signal(ctx, offset, peer, value);
     else
         st_release_sys(word, value);

@@ -93,7 +93,7 @@ class LowLatencyDispatchRequest(NamedTuple):
 
 
 class LowLatencyCombineRequest(NamedTuple):
-    """``Buffer.low_latency_combine``'s arguments (see there)."""
+    """``Buffer.low_latency_combine``'s arguments (see there); ``signature`` as in :class:`DispatchRequest`."""
 
     x: torch.Tensor
     topk_idx: torch.Tensor
@@ -105,6 +105,7 @@ class LowLatencyCombineRequest(NamedTuple):
     return_recv_hook: bool = False
     out: Optional[torch.Tensor] = None
     combine_wait_recv_cost_stats: Optional[torch.Tensor] = None
+    signature: Any = None
 
 
 def _unserved(backend: object, method: str) -> NotImplementedError:

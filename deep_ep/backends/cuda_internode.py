@@ -61,6 +61,11 @@ class SymmetricCuda(CudaBackend):
         """Largest group this backend's kernels serve (the ring kernels' ``_C.MAX_RANKS``)."""
         return _C.MAX_RANKS
 
+    def forced_put_span(self) -> int:
+        """Under ``internode_put_only``: 0, every pair is a put pair; ``G`` > 0, only pairs of different nodes of
+        ``G`` ranks are."""
+        return 0
+
     # The copy-engine combine copies into peers' buffers with cudaMemcpyAsync; over the NVSHMEM heap that has not
     # run on a GPU yet, so this backend keeps its ring senders.
     copy_engine_combine = False
@@ -91,7 +96,7 @@ class SymmetricCuda(CudaBackend):
         # (some peer unreachable, internode_put_only) of every rank of the world
         flags = world_all_gather((bool(reached), testing.current().internode_put_only))
         put_only = any(only for _, only in flags)
-        self.put_peers = put_peers(rank, unreachable, put_only)
+        self.put_peers = put_peers(rank, unreachable, put_only, self.forced_put_span())
         put_area = put_only or any(far for far, _ in flags)  # the same on every rank: the buffers' layout must agree
         try:
             self.runtime.set_put_peers(self.put_peers, put_area)

@@ -9,10 +9,11 @@ synchronous call makes no Python stream or event object. A kernel wait that runs
 raises at the next call (``CommTimeoutError`` / ``PeerAbortedError`` naming rank, peer and phase); a dispatch whose
 count messages carried another rank's call-signature hash moves no row from that rank, and every low-latency
 launch or hook after it raises ``ArgumentMismatchError`` until ``clean_low_latency_buffer`` (collective); a rank
-whose own validation refused a dispatch still launches it, with no tokens and the hash of its refusal; with
-``enable_shrink`` a dispatch or combine wait that times out masks the silent rank instead and the call completes for
-the others (every rank then calls ``low_latency_clean_mask_buffer`` and ``clean_low_latency_buffer`` to let it
-rejoin).
+whose own validation refused a dispatch still launches it, with no tokens and the hash of its refusal; a combine's
+arrival words carry the hash too, and a rank that sees another hash there (or refuses a combine) tells every rank,
+with the same standstill (``clean_low_latency_buffer`` restarts the parity at 0 on every rank); with ``enable_shrink``
+a dispatch or combine wait that times out masks the silent rank instead and the call completes for the others
+(every rank then calls ``low_latency_clean_mask_buffer`` and ``clean_low_latency_buffer`` to let it rejoin).
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ _SEND, _RECV = 1, 2
 
 
 class LowLatencyCuda(Backend):
-    """One rank's LL kernels. A dispatch's count messages carry the hash of its call signature
-    (``hashes_signature``): ranks that disagree take no row from each other, and until
+    """One rank's LL kernels. A dispatch's count messages and a combine's arrival words carry the hash of its call
+    signature (``hashes_signature``): ranks that disagree take no row from each other, and until
     :meth:`clean_low_latency_buffer` every LL kernel returns at once and every call raises
     :class:`ArgumentMismatchError`.
 
@@ -82,6 +83,15 @@ class LowLatencyCuda(Backend):
         """Raise the pending kernel error, if any (reads host-mapped memory; never synchronises). A disagreement
         of call signatures raises :class:`ArgumentMismatchError` until :meth:`clean_low_latency_buffer`."""
         record = self.runtime.read_error()
+        if record is not None and record["code"] == "argument_mismatch" and "combine" in record["phase"]:
+            raise ArgumentMismatchError(
+                f"rank {self.rank}: the ranks disagree on the arguments of a low_latency_combine (the handle, hidden, "
+                f"num_experts, num_max_dispatch_tokens_per_rank, top-k or use_logfmt), or a rank refused it: "
+                f"{record['message']} ('agreement': the rows of the named peer carried another call-signature hash, "
+                "expected and observed being the hash sums of its rows; 'told by a peer': the named rank saw such a "
+                "difference or refused the call; 'refused': this rank's validation refused it); no rank reduced a "
+                "row from a rank that disagrees and the low-latency calls since did nothing; call "
+                "clean_low_latency_buffer on every rank before the next low-latency call")
         if record is not None and record["code"] == "argument_mismatch":
             raise ArgumentMismatchError(
                 f"rank {self.rank}: the ranks disagree on the arguments of a low_latency_dispatch (hidden, "
@@ -190,8 +200,10 @@ class LowLatencyCuda(Backend):
 
     def low_latency_combine(self, request: LowLatencyCombineRequest) -> LowLatencyCombineResult:
         """``out[t] = bf16(sum_k w[t, k] * y(e_k, t))``, summed in fp32 in ascending k."""
-        x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, _, return_recv_hook, out, wait_stats = request
+        (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, _, return_recv_hook, out, wait_stats,
+         signature) = request
         src_info, layout_range, tokens, hidden, num_experts = handle
+        sig_hash = signature_hash(signature)
         self._prologue(tokens, hidden, num_experts, check_errors=False)
         half = self._flip()
         runtime = self.runtime
@@ -199,13 +211,29 @@ class LowLatencyCuda(Backend):
             phases, stream, current_after = self._launch_args(request, scope)
             combined = self._launch(runtime.combine, x, topk_idx, topk_weights, src_info, layout_range, tokens,
                                     num_experts, use_logfmt, zero_copy, out, wait_stats, half, phases, stream,
-                                    current_after, half=half)
+                                    current_after, sig_hash, half=half)
             hook = None
             if return_recv_hook:
                 hook = self._hook(runtime.combine, x, topk_idx, topk_weights, src_info, layout_range, tokens,
-                                  num_experts, use_logfmt, zero_copy, combined, wait_stats, half, _RECV, 0, False)
+                                  num_experts, use_logfmt, zero_copy, combined, wait_stats, half, _RECV, 0, False,
+                                  sig_hash)
             event = scope.finish((x, topk_idx, topk_weights, src_info, layout_range, combined, wait_stats))
         return LowLatencyCombineResult(combined, event, hook)
+
+    def refuse_low_latency_combine(self, signature: Any, num_max_tokens: int, hidden: int, num_experts: int,
+                                   device: torch.device) -> None:
+        """This rank's validation refused a ``low_latency_combine`` of a valid handle of (T, H, E) that its peers
+        make: launch, on the current stream, the one-thread kernel that tells every peer (no rank waits for this
+        rank's rows) and records the refusal (hash of ``signature``). The buffer half is counted as by the peers'
+        combine. Every rank then raises ``ArgumentMismatchError`` until ``clean_low_latency_buffer``; the caller
+        raises its own error now. With a kernel error already pending nothing is launched."""
+        if self.runtime is None:
+            return
+        half = self._flip()
+        try:
+            self.runtime.refuse_combine(num_max_tokens, hidden, num_experts, signature_hash(signature))
+        except (RuntimeError, ValueError):  # a pending kernel error (DeviceError): the caller's own error prevails
+            self.parity = half
 
     def get_next_low_latency_combine_buffer(self, handle: hd.LowLatencyHandle) -> torch.Tensor:
         tokens, hidden, num_experts = handle[2], handle[3], handle[4]
@@ -213,13 +241,16 @@ class LowLatencyCuda(Backend):
         return self.runtime.combine_buffer(tokens, hidden, num_experts, self.parity)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Collective: bounded barrier, zero every signal word, bounded barrier (on the current stream). It also
-        ends the standstill after a disagreement of call signatures."""
+        """Collective: bounded barrier, zero every signal word and the kernels' private state, bounded barrier (on
+        the current stream); the next call uses buffer half 0, as after a fresh start. It also ends the standstill
+        after a disagreement of call signatures, when the ranks may have made different numbers of calls (a rank
+        told of a combine's disagreement launches calls that do nothing, while the others raise)."""
         record = self.runtime.read_error() if self.runtime is not None else None
         disagreed = record is not None and record["code"] == "argument_mismatch"
         self._prologue(num_max_dispatch_tokens_per_rank, hidden, num_experts, check_errors=not disagreed)
         stream = torch.cuda.current_stream()
         self.runtime.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts, stream.cuda_stream)
+        self.parity = 0
         stream.synchronize()
         if disagreed:
             self.runtime.clear_argument_error(stream.cuda_stream)
@@ -231,6 +262,7 @@ class LowLatencyCuda(Backend):
         torch.cuda.synchronize()
         self.runtime.reset(num_max_dispatch_tokens_per_rank, hidden, num_experts,
                            torch.cuda.current_stream().cuda_stream)
+        self.parity = 0
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool) -> None:
         self.runtime.update_mask(rank_to_mask, mask, torch.cuda.current_stream().cuda_stream)

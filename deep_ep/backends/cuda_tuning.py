@@ -130,13 +130,15 @@ def dispatch_receive_mode() -> str:
     return testing.current().dispatch_receive or "auto"
 
 
-def put_peers(rank: int, unreachable: Sequence[Sequence[int]], put_only: bool) -> list[int]:
+def put_peers(rank: int, unreachable: Sequence[Sequence[int]], put_only: bool, gpus_per_node: int = 0) -> list[int]:
     """The ranks that ``rank`` reaches by NVSHMEM puts: those it cannot reach by ``nvshmem_ptr`` and those that
-    cannot reach it (both sides of a pair must agree), or every other rank with ``put_only``.
+    cannot reach it (both sides of a pair must agree), or with ``put_only`` every other rank (every rank of another
+    node when ``gpus_per_node`` > 0: the fused kernels' NVLink hops stay pointer).
     ``unreachable[r]``: the ranks that rank ``r`` cannot reach."""
     num_ranks = len(unreachable)
     if put_only:
-        return [r for r in range(num_ranks) if r != rank]
+        return [r for r in range(num_ranks)
+                if r != rank and (gpus_per_node <= 0 or r // gpus_per_node != rank // gpus_per_node)]
     return [r for r in range(num_ranks) if r != rank and (r in unreachable[rank] or rank in unreachable[r])]
 
 

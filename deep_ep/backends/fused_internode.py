@@ -5,18 +5,18 @@ A token crosses to each node it needs once, to the GPU with the sender's local i
 NVLink to the node's GPUs that need it, inside the same kernel; combine reduces a token's rows inside the node at
 that GPU (one BF16 rounding) and sends one partial per (token, node) back to the owner, which adds the biases and
 the partials in ascending node order. The ranks' buffers are one NVSHMEM symmetric allocation of ``num_rdma_bytes``
-(every peer reached by pointer). Notify builds the internode handle's prefix matrices on the device; the dispatch
-kernel writes ``send_rdma_head``, ``send_nvl_head`` and ``recv_src_meta``. ``Buffer`` selects it for these groups
-where it serves them (deep_ep/backends/selection.py); ``deep_ep.testing.overrides(internode='composed')`` selects
-the two-stage composition instead.
+(a node's peers reached by pointer, another node's by pointer or, behind a NIC, by NVSHMEM puts). Notify builds
+the internode handle's prefix matrices on the device; the dispatch kernel writes ``send_rdma_head``,
+``send_nvl_head`` and ``recv_src_meta``. ``Buffer`` selects it for these groups where it serves them
+(deep_ep/backends/selection.py); ``deep_ep.testing.overrides(internode='composed')`` selects the two-stage
+composition instead.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from deep_ep import testing
 from deep_ep.backends.base import CombineRequest, DispatchRequest, LayoutRequest
 from deep_ep.backends.common import object_all_gather
 from deep_ep.backends.cuda_common import _C, join_nvshmem_world, raise_from_record
@@ -29,7 +29,8 @@ from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
 
 class FusedInternodeCuda(SymmetricCuda):
     """Internode normal mode for one rank of ``N`` nodes x ``G`` GPUs (``2 <= G <= 8``, ``N >= 2``,
-    ``N * G <= 64``, ``NUM_MAX_FUSED_RANKS``), every peer reachable by ``nvshmem_ptr``.
+    ``N * G <= 64``, ``NUM_MAX_FUSED_RANKS``, with or without NVSHMEM put peers), every rank of its own node
+    reachable by ``nvshmem_ptr``.
 
     Args:
         rank, topology: this rank and the group's ``N x G`` (the NVSHMEM world: PE = rank).
@@ -37,8 +38,10 @@ class FusedInternodeCuda(SymmetricCuda):
         num_qps_per_rank, allow_mnnvl: NVSHMEM environment.
         all_gather, barrier: over the group (bootstrap, destroy, reset).
 
-    Construction is collective; it raises :class:`UnsupportedTopology` on every rank when some pair of ranks has no
-    pointer path (or ``internode_put_only`` is set): the fused kernels reach peers by pointer only.
+    Construction is collective. Ranks of one node reach each other by pointer; a rank of another node may be an
+    NVSHMEM put peer (behind a NIC; ``internode_put_only`` makes every such pair one), reached by the rail hops'
+    staged puts and signals, the buffer then carving a put area. It raises :class:`UnsupportedTopology` on every rank
+    when two ranks of one node have no pointer path, or when ``num_rdma_bytes`` leaves no room for the put area.
     """
 
     # The agreement rides in the fused notify (non-cached dispatch); a cached dispatch exchanges no per-call words.
@@ -51,17 +54,26 @@ class FusedInternodeCuda(SymmetricCuda):
             raise ValueError(f"the fused internode kernels cannot serve this group: {reason}")
         unique_id = join_nvshmem_world(rank, num_rdma_bytes, num_qps_per_rank, True, allow_mnnvl, all_gather)
         num_ranks = topology.num_ranks
+        self.topology = topology
+        self.num_nodes, self.per_node = topology.num_scaleout_ranks, topology.num_scaleup_ranks
         super().__init__(rank, num_ranks, num_rdma_bytes, unique_id, rank, num_ranks, range(num_ranks), all_gather,
                          barrier)
         # Decided on every rank alike: the symmetric buffer is released collectively.
-        far = [list(peers) for peers in all_gather(sorted(self.put_peers))]
-        if any(far) or any(all_gather(testing.current().internode_put_only)):
+        near = [list(peers) for peers in all_gather(self.same_node_put_peers(rank, self.put_peers, self.per_node))]
+        if any(near):
             self.runtime.destroy()
-            pairs = "; ".join(f"rank {r} reaches {peers} only by puts" for r, peers in enumerate(far) if peers)
-            raise UnsupportedTopology(f"NVSHMEM put peers ({pairs or 'internode_put_only'}): the fused internode "
-                                      "kernels reach every peer by pointer")
-        self.topology = topology
-        self.num_nodes, self.per_node = topology.num_scaleout_ranks, topology.num_scaleup_ranks
+            pairs = "; ".join(f"rank {r} reaches {peers} only by puts" for r, peers in enumerate(near) if peers)
+            raise UnsupportedTopology(f"NVSHMEM put peers inside a node ({pairs}): the fused internode kernels reach "
+                                      "the ranks of their own node by pointer")
+
+    def forced_put_span(self) -> int:
+        """``internode_put_only`` makes the rail pairs (ranks of different nodes) put pairs; NVLink stays pointer."""
+        return self.per_node
+
+    @staticmethod
+    def same_node_put_peers(rank: int, put_peers: Sequence[int], per_node: int) -> list[int]:
+        """The put peers of ``rank`` on its own node (the fused kernels serve none)."""
+        return sorted(r for r in put_peers if r // per_node == rank // per_node)
 
     @classmethod
     def from_group(cls, group: Any, topology: Topology, **kwargs: Any) -> "FusedInternodeCuda":

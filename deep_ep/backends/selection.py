@@ -3,7 +3,8 @@
 * the torch backend, whenever a ``torch.distributed`` group is given (any device, any topology);
 * the CUDA low-latency backend for ``low_latency_mode`` with ``num_rdma_bytes > 0`` when the extension has NVSHMEM;
 * the fused internode kernels for ``N`` nodes x ``G > 1`` GPUs when CUDA, the NVSHMEM build and ``num_rdma_bytes``
-  are there, ``N <= 32``, ``N * G <= 64`` and every rank reaches every other by pointer;
+  are there, ``N <= 32``, ``N * G <= 64`` and the ranks of each node reach each other by pointer (other nodes by
+  pointer or, behind a NIC, by NVSHMEM puts);
 * else the composed path for ``G > 1``: CUDA stages when CUDA, the extension and ``num_nvl_bytes`` are there and each
   node's ranks share a host, or torch stages under ``deep_ep.testing`` ``internode='composed'`` (which also skips
   the fused kernels);

@@ -762,7 +762,7 @@ class TorchBackend(Backend):
     def low_latency_combine(self, request: LowLatencyCombineRequest) -> LowLatencyCombineResult:
         """Return expert outputs to the token owners and reduce ``sum_k w[t, k] * y(e_k, t)`` in float32."""
         (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
-         combine_wait_recv_cost_stats) = request
+         combine_wait_recv_cost_stats, _) = request
         src_info, layout_range, tokens, hidden, num_experts = handle
         num_ranks, rank = self.num_ranks, self.rank
         num_local = num_experts // num_ranks
@@ -859,6 +859,7 @@ class TorchBackend(Backend):
         self.comm.barrier("clean_low_latency_buffer (before)")
         self._region(layout, "signal_0").zero_()
         self._region(layout, "signal_1").zero_()
+        self.ll_parity = 0  # the next call uses half 0 on every rank, as the CUDA kernels' clean does
         self.comm.barrier("clean_low_latency_buffer (after)")
 
     # Shrink masks (enable_shrink=True).

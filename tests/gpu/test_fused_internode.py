@@ -12,8 +12,12 @@ One GPU, the ranks time-sliced on it (correctness only)::
 
     TEST_RANKS_PER_GPU=8 python -m pytest tests/gpu/test_fused_internode.py
     TEST_RANKS_PER_GPU=32 python -m pytest tests/gpu/test_fused_internode.py -k wide   (64 for 8 x 8, 32 x 2)
+    TEST_RANKS_PER_GPU=32 python -m pytest tests/gpu/test_fused_internode.py -k "put_rail_peers and 16x2"
 
 ``TEST_EXAMPLES_FUSED``: hypothesis examples per shape (4). A stalled rank: every survivor raises within the budget.
+Under ``internode_put_only`` (2 x 2, 2 x 4, 16 x 2 and 8 x 8, small and wide cases, and the stalled rank) every
+rank of another node is an NVSHMEM put peer: the rail hops and notify go through staged puts and signals, the NVLink
+hops stay pointer.
 """
 from __future__ import annotations
 
@@ -37,15 +41,22 @@ NUM_RDMA_BYTES = 1280 << 20
 # up to 64 ranks share one GPU's memory.
 WIDE_RDMA_BYTES = 384 << 20
 EXAMPLES = int(os.environ.get("TEST_EXAMPLES_FUSED", "4"))
+# Put-peer groups (small cases): the put area's staging halves take half of the buffer after the rings.
+PUT_RDMA_BYTES = 256 << 20
+# Wide put-peer groups: the wide cases' rings (about 140 MB per direction at 16 x 2, 210 MB at 8 x 8) twice over,
+# with the put area.
+PUT_WIDE_RDMA_BYTES = 480 << 20
 
 
-def _make_pool(num_nodes: int, per_node: int, rdma_bytes: int = NUM_RDMA_BYTES, **env: str) -> ti.Pool:
-    """``num_nodes`` x ``per_node`` ranks on the GPUs in turn, checked to run ``FusedInternodeCuda``."""
+def _make_pool(num_nodes: int, per_node: int, rdma_bytes: int = NUM_RDMA_BYTES, put_only: bool = False,
+               **env: str) -> ti.Pool:
+    """``num_nodes`` x ``per_node`` ranks on the GPUs in turn, checked to run ``FusedInternodeCuda``; ``put_only``:
+    built under ``internode_put_only`` (every pair of different nodes a put pair)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 2
     num_ranks = num_nodes * per_node
     pool = ti.Pool([rank % max(gpus, 1) for rank in range(num_ranks)],
                    env={"DEEP_EP_GPUS_PER_NODE": str(per_node), "TEST_NUM_RDMA_BYTES": str(rdma_bytes), **env},
-                   overrides=FUSED)
+                   overrides={**FUSED, "internode_put_only": True} if put_only else FUSED)
     if ti.DEVICE == "cuda" and pool.backends != {"FusedInternodeCuda"}:
         pool.close()
         raise AssertionError(f"Buffer did not pick the fused kernels: {pool.backends}")
@@ -114,6 +125,8 @@ def test_limits_mirror_the_extension():
     from deep_ep import config, layout
     from deep_ep.backends.cuda_common import _C
     assert (_C.MAX_RUNTIME_RANKS, _C.FUSED_MAX_RANKS) == (config.NUM_MAX_RUNTIME_RANKS, config.NUM_MAX_FUSED_RANKS)
+    import fake_cuda  # the CPU tests' stand-in runtime takes put peers in groups of the same size
+    assert fake_cuda.make_fake_extension(torch).MAX_RUNTIME_RANKS == _C.MAX_RUNTIME_RANKS
     assert _C.CONTROL_BYTES == layout.intranode_control_bytes()
 
 
@@ -144,6 +157,42 @@ def test_wide_groups(num_nodes, per_node):
     ``reference``."""
     pool = _make_pool(num_nodes, per_node, WIDE_RDMA_BYTES)
     try:
+        for case in _wide_cases(num_nodes, per_node):
+            pool.run(tn.TASK, case)
+    finally:
+        pool.close()
+
+
+def task_put_mask(buffer, rank: int, payload) -> int:
+    """This rank's put mask (bit r: rank r is reached by NVSHMEM puts)."""
+    return int(ti._kernel_runtime(buffer).get_put_mask())
+
+
+@pytest.mark.parametrize(("num_nodes", "per_node"), [
+    pytest.param(2, 2, marks=pytest.mark.multi_gpu(4), id="2x2"),
+    pytest.param(2, 4, marks=pytest.mark.multi_gpu(8), id="2x4"),
+    pytest.param(16, 2, marks=pytest.mark.multi_gpu(32), id="16x2"),
+    pytest.param(8, 8, marks=pytest.mark.multi_gpu(64), id="8x8"),
+])
+def test_put_rail_peers(num_nodes, per_node):
+    """Every rank of another node a put peer (``internode_put_only``): the notify slots and flags, the dispatch rail
+    records (staged, put as runs; the 300 tokens of one channel pass the 258-slot rail rings, so runs wrap), the
+    combine partials and both directions' credits travel as puts and signals; every output against ``reference``.
+    16 x 2 and 8 x 8: past the ring kernels' 24 ranks (at 8 x 8 the put mask's bits past 31 too, and the warps that
+    serve several roles in turn)."""
+    ranks = num_nodes * per_node
+    pool = _make_pool(num_nodes, per_node, PUT_RDMA_BYTES if ranks <= 8 else PUT_WIDE_RDMA_BYTES, put_only=True)
+    try:
+        if ti.DEVICE == "cuda":
+            masks = pool.run("test_fused_internode:task_put_mask", None)
+            assert masks == [sum(1 << d for d in range(ranks) if d // per_node != r // per_node)
+                             for r in range(ranks)], masks
+        for hidden, use_fp8 in ((136, False), (128, True)):
+            pool.run(tn.TASK, ti.Case(
+                num_ranks=ranks, seed=17, num_tokens=tuple((300, 0, 257, 64)[r % 4] for r in range(ranks)),
+                hidden=hidden, num_topk=4, num_experts=4 * ranks, use_fp8=use_fp8, with_topk=True, num_sms=2,
+                expert_alignment=1, mask_prob=0.1, empty_rank=-1, async_mode=use_fp8, previous_mode=False,
+                num_bias=2, scales_col_major=False))
         for case in _wide_cases(num_nodes, per_node):
             pool.run(tn.TASK, case)
     finally:
@@ -190,11 +239,13 @@ def task_stall(buffer, rank: int, payload: dict) -> str:
 
 
 @pytest.mark.multi_gpu(4)
-def test_stalled_rank_times_out():
+@pytest.mark.parametrize("put_only", [False, True], ids=["pointer", "put"])
+def test_stalled_rank_times_out(put_only):
     """Rank 3 (node 1, local 1) never joins the dispatch: every other rank raises within the budget, at least one
-    with a timeout naming rank 3 and its node."""
+    with a timeout naming rank 3 and its node (under puts, its notify flag and rail tails are signals)."""
     timeout_s = 5
-    pool = _make_pool(2, 2, DEEP_EP_TIMEOUT_S=str(timeout_s))
+    pool = _make_pool(2, 2, PUT_RDMA_BYTES if put_only else NUM_RDMA_BYTES, put_only=put_only,
+                      DEEP_EP_TIMEOUT_S=str(timeout_s))
     try:
         replies = pool.run("test_fused_internode:task_stall", {"stalled": 3, "timeout_s": timeout_s},
                            timeout=timeout_s * 8 + 60)

@@ -511,6 +511,103 @@ def task_refusal(buffer, rank: int, case: Case) -> str:
     return f"kernels done after {finished * 1e3:.0f} ms, raised after {elapsed * 1e3:.0f} ms"
 
 
+def task_combine_disagree(buffer, rank: int, case: Case) -> str:
+    """After an agreeing dispatch, rank 1 combines with use_logfmt flipped (then, after clean, refuses its combine:
+    float64 topk_weights). The arrival words' signature hashes differ (the refusing rank tells every peer), so no
+    rank reduces the other's rows and every combine kernel finishes well under a second; the next low-latency call
+    raises ArgumentMismatchError on every rank until clean_low_latency_buffer; then a correct round matches the
+    reference."""
+    import torch.distributed as dist
+
+    import deep_ep
+    inputs, refs, ref_out = _references(case)
+    mine = inputs[rank]
+    x, idx, w = (mine[k].cuda() for k in ("x", "topk_idx", "topk_weights"))
+    seen = []
+    for label in ("use_logfmt", "refusal"):
+        res = buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts, use_fp8=False)
+        y = res.recv_x.clone()
+        torch.cuda.synchronize()
+        dist.barrier()
+        start = time.monotonic()
+        if label == "use_logfmt":
+            buffer.low_latency_combine(y, idx, w, res.handle, use_logfmt=rank == 1)
+        elif rank == 1:
+            try:
+                buffer.low_latency_combine(y, idx, w.double(), res.handle)
+            except deep_ep.ArgumentMismatchError as exc:
+                raise AssertionError(f"the refusing rank raised ArgumentMismatchError, not its own error: {exc}") \
+                    from None
+            except TypeError as exc:
+                assert str(exc).startswith("topk_weights"), str(exc)
+            else:
+                raise AssertionError("float64 topk_weights were accepted")
+        else:
+            buffer.low_latency_combine(y, idx, w, res.handle)
+        torch.cuda.synchronize()
+        finished = time.monotonic() - start
+        assert finished < 1.0, f"{label}: the combine's kernels finished after {finished:.3f} s"
+        dist.barrier()
+        try:
+            buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts, use_fp8=False)
+        except deep_ep.ArgumentMismatchError as exc:
+            elapsed = time.monotonic() - start
+            assert "low_latency_combine" in str(exc) and "clean_low_latency_buffer" in str(exc), str(exc)
+            assert elapsed < 1.0, f"{label}: raised after {elapsed:.3f} s"
+            seen.append(f"{label}: kernels done after {finished * 1e3:.0f} ms, raised after {elapsed * 1e3:.0f} ms")
+        else:
+            raise AssertionError(f"{label}: the call after a disagreeing low_latency_combine did not raise")
+        buffer.clean_low_latency_buffer(case.max_tokens, case.hidden, case.num_experts)
+    _ll_round(buffer, case, rank, inputs, mine, refs, ref_out)
+    return "; ".join(seen)
+
+
+def task_combine_told(buffer, rank: int, case: Case) -> str:
+    """Rank 1 has no tokens and combines with use_logfmt flipped: only rank 0 receives rows of the other hash, so
+    rank 1 learns it from rank 0's tell. Rank 0's next low-latency call raises ArgumentMismatchError; rank 1's next
+    kernel does nothing and records it, so its next call raises or returns at once and the call after raises; after
+    clean_low_latency_buffer a correct round matches the reference."""
+    import torch.distributed as dist
+
+    import deep_ep
+    inputs, refs, ref_out = _references(case)
+    mine = inputs[rank]
+    x, idx, w = (mine[k].cuda() for k in ("x", "topk_idx", "topk_weights"))
+    res = buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts, use_fp8=False)
+    y = res.recv_x.clone()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = time.monotonic()
+    buffer.low_latency_combine(y, idx, w, res.handle, use_logfmt=rank == 1)
+    torch.cuda.synchronize()
+    finished = time.monotonic() - start
+    assert finished < 1.0, f"the combine's kernels finished after {finished:.3f} s"
+    dist.barrier()
+    raised_at = None
+    for call in (1, 2):
+        try:
+            buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts, use_fp8=False)
+            torch.cuda.synchronize()
+        except deep_ep.ArgumentMismatchError as exc:
+            assert "low_latency_combine" in str(exc), str(exc)
+            assert rank == 1 or "agreement: rank 0 peer 1" in str(exc), str(exc)
+            raised_at = call
+            break
+        assert rank == 1, "rank 0 received rows of another hash and did not raise at its next call"
+    if raised_at is None:
+        raise AssertionError("rank 1 was not told of the disagreement within two calls")
+    elapsed = time.monotonic() - start
+    assert elapsed < 1.0, f"raised after {elapsed:.3f} s"
+    buffer.clean_low_latency_buffer(case.max_tokens, case.hidden, case.num_experts)
+    # The ranks made different numbers of calls since the combine; after the clean they use the same buffer half
+    # and handle numbers.
+    states = [None, None]
+    dist.all_gather_object(states, [buffer._cuda_ll.parity, buffer._num_handles])
+    assert states[0] == states[1], f"ranks' (parity, next handle number) after the clean: {states}"
+    _ll_round(buffer, case, rank, inputs, mine, refs, ref_out)
+    return f"raised at call {raised_at} after {elapsed * 1e3:.0f} ms"
+
+
 def task_shrink(buffer, rank: int, case: Case) -> str:
     """Rank 1 "dies" before a dispatch: rank 0's dispatch times out on it (DEEP_EP_TIMEOUT_S), masks it and completes
     with rank 0's own rows; its combine drops rank 1's experts; the mask query reports rank 1."""
@@ -555,9 +652,8 @@ def task_shrink_combine(buffer, rank: int, case: Case) -> str:
     torch.cuda.synchronize()
     _check_dispatch(case, rank, res, refs[rank])
     if rank == 1:
-        # The silent rank skips the combine, so its parity is one call behind rank 0's; a real job rebuilds or
-        # realigns it before it rejoins. The test flips it so that the pool serves the next example.
-        buffer._cuda_ll.parity ^= 1
+        # The silent rank skips the combine, so its parity is one call behind rank 0's until the worker's collective
+        # clean_low_latency_buffer before the next example restarts both at half 0.
         return "ok"
     y = expert_output(res.recv_x, case.use_fp8)
     ys = [expert_output(r.recv_x, case.use_fp8) for r in refs]
@@ -581,7 +677,7 @@ def task_shrink_combine(buffer, rank: int, case: Case) -> str:
 
 TASKS = {"shrink": task_shrink, "shrink_combine": task_shrink_combine, "round": task_round, "graph": task_graph,
          "normal_then_clean": task_normal_then_clean, "bad_input": task_bad_input, "disagree": task_disagree,
-         "refusal": task_refusal}
+         "refusal": task_refusal, "combine_disagree": task_combine_disagree, "combine_told": task_combine_told}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -663,6 +759,17 @@ def test_ll_ranks_that_disagree_raise_and_recover(pools):
 @pytest.mark.multi_gpu(2)
 def test_ll_refusal_on_one_rank_is_prompt(pools):
     print(pools(2).run("refusal", _ep2_case(12, 6)))
+
+
+@pytest.mark.multi_gpu(2)
+def test_ll_combine_disagreement_and_refusal_raise_promptly(pools):
+    print(pools(2).run("combine_disagree", _ep2_case(13, 6)))
+
+
+@pytest.mark.multi_gpu(2)
+def test_ll_combine_disagreement_reaches_a_rank_without_rows(pools):
+    case = Case(**{**asdict(_ep2_case(14, 6)), "num_tokens": (6, 0)})
+    print(pools(2).run("combine_told", case))
 
 
 def _shrink_case(seed: int) -> Case:
