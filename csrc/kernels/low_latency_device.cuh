@@ -187,11 +187,18 @@ static __device__ bool on_wait_failure(const Context& ctx, WaitResult res, int k
 
 // Adds `value` to the word at `offset` of PE `pe` (NVLink store or NVSHMEM signal), release-ordered after the
 // caller's prior writes (and after whatever the caller observed through a barrier).
-__device__ __forceinline__ void signal_add(const Context& ctx, int pe, int64_t offset, uint64_t value) {
+// `ordered`: the add is a release of this thread's earlier writes (false: the caller's accesses are ordered by
+// other means, a kernel boundary, and the add need not wait for them).
+__device__ __forceinline__ void signal_add(const Context& ctx, int pe, int64_t offset, uint64_t value,
+                                           bool ordered = true) {
     if (ctx.peers[pe] != nullptr) {
-        red_add_release_sys_u64(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[pe]) + offset), value);
+        uint64_t* word = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.peers[pe]) + offset);
+        if (ordered)
+            red_add_release_sys_u64(word, value);
+        else
+            red_add_relaxed_sys_u64(word, value);
     } else {
-        nvshmem_fence();
+        if (ordered) nvshmem_fence();
         nvshmemx_signal_op(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.sym) + offset), value,
                            NVSHMEM_SIGNAL_ADD, pe);
     }
@@ -218,7 +225,8 @@ __device__ __forceinline__ void signal_add(const Context& ctx, int pe, int64_t o
 // that receive and time out (phase kPhaseLlHalfRelease).
 
 // Whole CTA, before a send phase on half h writes anything: releases the receives of this rank's earlier launches
-// that await it (kWsUnreleased: CTA b signals peers d = b mod nb, as the dispatch count words), then the acquire
+// that await it (kWsUnreleased: CTA b signals peers d = b mod nb, as the dispatch count words; relaxed adds, since
+// the kernel boundary already ordered those receives' reads before this launch), then the acquire
 // above (one waiting thread per peer; nearly always satisfied at the first load), then this CTA counts the send
 // phase and, for a fused launch, marks half h's receive as awaiting release by the next send (set at the start:
 // the host runs the next send after this launch's end). False: a wait failed without shrink (reported); the CTA
@@ -236,7 +244,7 @@ __device__ __forceinline__ bool acquire_half(const Context& ctx, int h, bool fus
             if (is_masked(ctx, d)) continue;
             for (int half = 0; half < 2; ++half)
                 if ((bits >> half) & 1u)
-                    signal_add(ctx, d, ctx.layout.half_start(half) + slot, uint64_t(1) << kReleaseShift);
+                    signal_add(ctx, d, ctx.layout.half_start(half) + slot, uint64_t(1) << kReleaseShift, false);
         }
     }
     char* mine = half_base(ctx, ctx.sym, h);

@@ -92,6 +92,11 @@ __device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* ptr, uint64_t v) {
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
 
+// No ordering of this thread's earlier accesses: for counts ordered by other means (a kernel boundary).
+__device__ __forceinline__ void red_add_relaxed_sys_u64(uint64_t* ptr, uint64_t v) {
+    asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ void red_add_release_sys_u64(uint64_t* ptr, uint64_t v) {
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
