@@ -375,3 +375,84 @@ def test_put_mask_mirror_matches_cpp(tmp_path):
     import torch
     assert fake_cuda.make_fake_extension(torch).MAX_RUNTIME_RANKS == runtime
     assert lines[3] == "".join("1" if r in (0, 24, 31, 32, 63) else "0" for r in range(-1, 65))
+
+
+_RINGS_PROGRAM = r"""
+#include <cstdio>
+#include "fused_internode.cuh"
+using namespace deep_ep::kernels;
+int main() {
+    std::printf("%lld %lld %lld\n", (long long)kControlBytes, (long long)kPutHeaderBytes, (long long)kFusedRingsOffset);
+    long long n; int put, nodes, gpus, channels, scales, topk, rail, node, combine; long long hidden;
+    while (std::scanf("%lld %d %d %d %d %lld %d %d %d %d %d", &n, &put, &nodes, &gpus, &channels, &hidden, &scales,
+                      &topk, &rail, &node, &combine) == 11) {
+        const long long ring = put ? put_layout(n).ring_bytes : n;
+        const FusedGeometry g = fused_layout(nodes, gpus, channels, hidden, scales, topk, rail, node, ring, put != 0,
+                                             combine != 0);
+        std::printf("%lld %lld %lld %lld\n", ring, (long long)fused_half_bytes(g.region_bytes),
+                    (long long)(g.end_offset - g.rail_rings_offset), (long long)g.record_bytes);
+    }
+    return 0;
+}
+"""
+
+
+def _rings_cases() -> list[tuple]:
+    """(num_rdma_bytes, put area, N, G, channels, hidden bytes, scales, top-k, rail slots, node slots, combine):
+    the benchmark's 2 x 2 geometry (12 channels of 7168-BF16 records, top-8) around the smallest buffers that hold
+    it, with and without a put area, FP8 with scales, a combine, and wide groups."""
+    from deep_ep import layout
+    bf16 = (2, 2, 12, 14336, 0, 8, 258, 256, 0)
+    record = layout.intranode_dispatch_record_bytes(14336, 0, 8)
+    used = layout.fused_ring_bytes(2, 2, 12, record, 258, 256)
+    cases = []
+    for put in (0, 1):
+        least = layout.fused_min_rdma_bytes(used, bool(put))
+        cases += [(n, put, *bf16) for n in (least - 128, least, 10**9 // 128 * 128, 256 << 20, 1 << 30, 3 << 30)]
+    cases += [(1 << 30, 1, 2, 2, 12, 7168, 56, 8, 258, 256, 0), (1 << 30, 1, 2, 2, 12, 14336, 0, 8, 258, 256, 1),
+              (480 << 20, 1, 8, 8, 6, 512, 4, 8, 256, 256, 0), (384 << 20, 0, 32, 2, 4, 256, 0, 4, 256, 256, 1)]
+    return cases
+
+
+def test_fused_rings_mirror_matches_cpp(tmp_path):
+    """deep_ep.layout's put area and fused ring sizes (Buffer's check before a fused call) are the kernels'
+    (put_layout, fused_layout, fused_half_bytes): the same region, half and ring bytes for each case, and the
+    smallest buffer fused_min_rdma_bytes names holds the rings where 128 bytes less does not."""
+    import shutil
+    import subprocess
+
+    from fake_cuda import ROOT
+
+    from deep_ep import layout
+    include = _cuda_include()
+    if shutil.which("g++") is None or include is None:
+        pytest.skip("needs a host C++ compiler and the CUDA headers")
+    source, binary = tmp_path / "rings.cpp", tmp_path / "rings"
+    source.write_text(_RINGS_PROGRAM)
+    subprocess.run(["g++", "-std=c++17", "-I", f"{ROOT}/csrc/kernels", "-I", include, str(source), "-o", str(binary)],
+                   check=True)
+    cases = _rings_cases()
+    stdin = "\n".join(" ".join(str(v) for v in case) for case in cases)
+    lines = subprocess.run([str(binary)], input=stdin, check=True, capture_output=True, text=True).stdout.splitlines()
+    control, header, rings_offset = map(int, lines[0].split())
+    assert (control, header, rings_offset) == (layout.intranode_control_bytes(), layout.put_header_bytes(),
+                                               layout.fused_rings_offset())
+    assert len(lines) == len(cases) + 1
+    for case, line in zip(cases, lines[1:]):
+        n, put, nodes, gpus, channels, hidden, scales, topk, rail, node, combine = case
+        ring, half, used, record = map(int, line.split())
+        want_record = (layout.intranode_combine_record_bytes(hidden // 2, topk) if combine else
+                       layout.intranode_dispatch_record_bytes(hidden, scales, topk))
+        assert ring == (layout.put_ring_bytes(n) if put else n), case
+        assert half == layout.fused_half_bytes(ring, bool(put)), case
+        assert (used, record) == (layout.fused_ring_bytes(nodes, gpus, channels, want_record, rail, node),
+                                  want_record), case
+    bench = {(case[0], case[1]): int(line.split()[1]) >= int(line.split()[2]) for case, line in zip(cases, lines[1:])
+             if case[2:] == (2, 2, 12, 14336, 0, 8, 258, 256, 0)}
+    record = layout.intranode_dispatch_record_bytes(14336, 0, 8)
+    for put in (0, 1):
+        least = layout.fused_min_rdma_bytes(layout.fused_ring_bytes(2, 2, 12, record, 258, 256), bool(put))
+        assert bench[(least, put)] and not bench[(least - 128, put)], (put, least)
+    # The benchmark's 1e9-byte buffer holds the rings of its 12 channels only without the put area.
+    assert bench[(10**9 // 128 * 128, 0)] and not bench[(10**9 // 128 * 128, 1)]
+    assert not bench[(256 << 20, 1)] and bench[(1 << 30, 1)]
