@@ -13,8 +13,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from deep_ep.config import (BUFFER_ALIGNMENT, NUM_MAX_FUSED_RANKS, NUM_MAX_RING_RANKS, NUM_MAX_RUNTIME_RANKS, align_up,
-                            ceil_div)
+from deep_ep.config import (
+    BUFFER_ALIGNMENT,
+    NUM_MAX_FUSED_RANKS,
+    NUM_MAX_RING_RANKS,
+    NUM_MAX_RUNTIME_RANKS,
+    align_up,
+    ceil_div,
+)
 
 # DeepEP's normal-mode size hints, next to the layouts they size (the formulas live with Config).
 from deep_ep.config import nvl_buffer_size_hint as nvl_buffer_size_hint

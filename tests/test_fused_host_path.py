@@ -514,7 +514,7 @@ def test_fused_rings_that_do_not_fit_raise_before_any_launch():
     put, bf16, fp8, combine, small, wide, chunks = report["put 1e9"]
     assert put and f"num_rdma_bytes >= {least}" in bf16 and "num_rdma_bytes=1000000000" in bf16, bf16
     assert "12 channels" in bf16 and "put area" in bf16 and "dispatch" in bf16, bf16
-    assert fp8 == "ok" and "combine" in combine and f">= " in combine, (fp8, combine)
+    assert fp8 == "ok" and "combine" in combine and ">= " in combine, (fp8, combine)
     assert small == "ok", small
     assert "no num_rdma_bytes holds them" in wide and "24 channels" in wide, wide
     assert "num_max_nvl_chunked_recv_tokens >= 2 * num_max_nvl_chunked_send_tokens" in chunks, chunks
