@@ -11,7 +11,8 @@ error = (predicted - measured) / measured against the rank-averaged wall time, a
 puts, the path behind a NIC; ``--put-warps`` sweeps its copy warps). ``--composed``: the fused kernels
 (``internode="fused"``, NVSHMEM buffer of ``--num-rdma-bytes``) and the composed path (``internode="composed"``) next
 to the torch backend (``internode="torch"``), ranks sharing GPUs as 2 virtual nodes, wall times only; with ``--put``
-also phase "fused_put" (the fused kernels with every pair of different nodes on puts, ``internode_put_only``)::
+also phase "fused_put" (the fused kernels with every pair of different nodes on puts, ``internode_put_only``; its
+buffer at least what the rings of the largest ``--sms`` need beside the put area, about 1.07 GB at 24 SMs)::
 
     python benchmarks/bench_internode.py --json $OUT/bench_internode.json
     python benchmarks/bench_internode.py --skip-intranode --put --json $OUT/inter_put.json
@@ -94,6 +95,20 @@ def measure(buffer, rank: int, args, x, x_fp8, topk_idx, topk_weights, rdma_pair
                 "nvl_GBps_kernel": nvl_bytes * factor / 1e9 / kt if kt else None})
 
 
+def fused_put_rdma_bytes(args, per_node: int) -> int:
+    """``--num-rdma-bytes`` for phase fused_put, raised to the smallest buffer (whole MiB) whose put area leaves the
+    rings of the largest ``--sms`` their room: the fused rings keep the Config's 256 slots per (channel, source)
+    whatever the buffer, and the put area takes about half of it."""
+    from deep_ep import config, layout
+    record = layout.intranode_dispatch_record_bytes(args.hidden * 2, 0, args.num_topk)
+    need = 0
+    for num_sms in args.sms:
+        rail = config.Config(num_sms, 8, 256).num_max_rdma_chunked_recv_tokens
+        used = layout.fused_ring_bytes(2, per_node, max(1, num_sms // 2), record, rail, 256)
+        need = max(need, -(-layout.fused_min_rdma_bytes(used, True) // (1 << 20)) * (1 << 20))
+    return max(args.num_rdma_bytes, need)
+
+
 def run_rank(rank: int, args, port: int, result_path: str) -> None:
     group, x, x_fp8, topk_idx, topk_weights = init_rank(rank, args, port, "gloo" if args.composed else "nccl")
     import deep_ep
@@ -115,8 +130,8 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
         fused_sizes = dict(num_nvl_bytes=args.num_nvl_bytes, num_rdma_bytes=args.num_rdma_bytes)
         phases.insert(0, ("fused", per_node, {"internode": "fused"}, fused_sizes))
         if args.put:
-            phases.insert(1, ("fused_put", per_node, {"internode": "fused", "internode_put_only": True},
-                              fused_sizes))
+            put_sizes = dict(fused_sizes, num_rdma_bytes=fused_put_rdma_bytes(args, per_node))
+            phases.insert(1, ("fused_put", per_node, {"internode": "fused", "internode_put_only": True}, put_sizes))
     for phase, per_node, fields, sizes in phases:
         if args.skip_intranode and phase == "intranode":
             continue

@@ -556,6 +556,9 @@ class Buffer:
                                              expert_alignment, num_worst_tokens, config, previous_event,
                                              async_finish, allocate_on_comm_stream, agreement)
             req_handle, req_idx = request.handle, request.topk_idx
+            agreement.backend.check_rings("dispatch", data.size(1) * data.element_size(),
+                                          scales.size(1) if scales is not None else 0,
+                                          req_idx.size(1) if req_idx is not None else 0, request.config)
             agreement.agree(("cached (handle given)", req_handle is not None),
                             ("handle (its dispatch number)", req_handle.serial if req_handle is not None else -1),
                             ("x.size(1) (hidden)", data.size(1)), ("x.dtype", data.dtype),
@@ -671,6 +674,8 @@ class Buffer:
             v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
             config = self._resolve_config(config, "combine", self.group_size)
             backend = self._backend("combine", "normal", _device_type(x))
+            backend.check_rings("combine", x.size(1) * x.element_size(), 0,
+                                topk_weights.size(1) if topk_weights is not None else 0, config)
             agreement.agree(("handle (its dispatch number)", handle.serial), ("x.size(1) (hidden)", x.size(1)),
                             ("topk_weights given", topk_weights is not None),
                             ("topk_weights.size(1)", topk_weights.size(1) if topk_weights is not None else 0),

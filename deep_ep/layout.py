@@ -13,7 +13,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from deep_ep.config import BUFFER_ALIGNMENT, NUM_MAX_RING_RANKS, NUM_MAX_RUNTIME_RANKS, align_up, ceil_div
+from deep_ep.config import (
+    BUFFER_ALIGNMENT,
+    NUM_MAX_FUSED_RANKS,
+    NUM_MAX_RING_RANKS,
+    NUM_MAX_RUNTIME_RANKS,
+    align_up,
+    ceil_div,
+)
 
 # DeepEP's normal-mode size hints, next to the layouts they size (the formulas live with Config).
 from deep_ep.config import nvl_buffer_size_hint as nvl_buffer_size_hint
@@ -304,6 +311,106 @@ def _with_rings(geometry: RingGeometry, num_ranks: int, num_channels: int, name:
     rings = tuple(Region(f"{name}_rings_src{s}", geometry.half_offset + s * geometry.source_bytes,
                          num_channels * geometry.capacity * geometry.record_bytes) for s in range(num_ranks))
     return Layout(intranode_control_layout().regions + rings)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Put area (csrc/kernels/layout.cuh put_layout): worlds with NVSHMEM put peers end every buffer with the signal
+# twins of the control region, one notify staging slot per destination rank and two staging halves that mirror the
+# two ring halves, so the kernels' region (``ring_bytes``) is what is left before it.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def put_header_bytes() -> int:
+    """Bytes of the put area before its staging halves: uint64 signal twins of the control region's uint32 words,
+    then an int32 ``[NUM_MAX_RING_RANKS][INTRANODE_NOTIFY_INTS]`` notify staging block."""
+    staging = align_up(INTRANODE_MAX_RANKS * INTRANODE_NOTIFY_INTS * INT32_BYTES, BUFFER_ALIGNMENT)
+    return 2 * intranode_control_bytes() + staging
+
+
+def put_ring_bytes(num_bytes: int) -> int:
+    """The kernels' region of a buffer of ``num_bytes`` that ends with a put area: each staging half equals a ring
+    half, so the rings get a quarter of what the fixed regions leave (at most ``INTRANODE_MAX_RING_HALF_BYTES``
+    each) and what a larger buffer has beyond that stays in the kernels' region (the output pool)."""
+    control = intranode_control_bytes()
+    left = num_bytes - control - put_header_bytes()
+    half = min((left // 4) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT if left > 0 else 0, INTRANODE_MAX_RING_HALF_BYTES)
+    if half < INTRANODE_MAX_RING_HALF_BYTES:
+        return control + 2 * half
+    return num_bytes - put_header_bytes() - 2 * half
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fused internode kernels (csrc/kernels/fused_internode.cuh): after the shared control region, their own notify
+# slots, counters and signals for up to NUM_MAX_FUSED_RANKS ranks, then a dispatch half and a combine half of rings.
+# In each half, rail rings [channel][source node] of ``rail_capacity`` records (at a forwarder), then node rings
+# [channel][source rank] of ``node_capacity`` records (at a receiver); the capacities are the Config's, not
+# fitted to the buffer, so a buffer too small for a call's rings refuses the call.
+# ---------------------------------------------------------------------------------------------------------------
+
+FUSED_MAX_NODES = NUM_MAX_FUSED_RANKS // 2
+# int32 per (parity, source) fused notify slot: [R counts][L expert counts][C channel counts][signature as int32].
+FUSED_NOTIFY_INTS = (NUM_MAX_FUSED_RANKS + INTRANODE_MAX_LOCAL_EXPERTS + INTRANODE_MAX_CHANNELS
+                     + 2 * INTRANODE_SIGNATURE_WORDS)
+
+
+def fused_control_layout() -> Layout:
+    """The fused kernels' words, offsets from the end of the shared control region: notify flags uint32 [2][64] and
+    data int32 [2][64][FUSED_NOTIFY_INTS]; uint32 counters [160][64] (dispatch rail tails and heads, node tails and
+    heads), node counts int32 [2][64][160], the combine counters; then the uint64 signals NVSHMEM put peers raise
+    (notify flags [2][64], the four rail counters [160][32])."""
+    counters = INTRANODE_MAX_CHANNELS * NUM_MAX_FUSED_RANKS * INT32_BYTES
+    signals = INTRANODE_MAX_CHANNELS * FUSED_MAX_NODES * 8
+    return chain(("notify_flags", 2 * NUM_MAX_FUSED_RANKS * INT32_BYTES),
+                 ("notify_data", 2 * NUM_MAX_FUSED_RANKS * FUSED_NOTIFY_INTS * INT32_BYTES),
+                 *((name, counters) for name in ("rail_tail", "rail_head", "node_tail", "node_head")),
+                 ("node_count", 2 * NUM_MAX_FUSED_RANKS * INTRANODE_MAX_CHANNELS * INT32_BYTES),
+                 *((name, counters) for name in ("combine_node_tail", "combine_node_head", "combine_rail_tail",
+                                                 "combine_rail_head")),
+                 ("notify_flag_signals", 2 * NUM_MAX_FUSED_RANKS * 8),
+                 *((name, signals) for name in ("rail_tail_signals", "rail_head_signals",
+                                                "combine_rail_tail_signals", "combine_rail_head_signals")))
+
+
+def fused_rings_offset() -> int:
+    """Byte offset of the fused kernels' dispatch half (the end of their control words)."""
+    return intranode_control_bytes() + align_up(fused_control_layout().total_bytes, BUFFER_ALIGNMENT)
+
+
+def fused_half_bytes(ring_bytes: int, put_area: bool) -> int:
+    """Bytes of each fused half in a kernels' region of ``ring_bytes``; with a put area only the part its staging
+    halves mirror (the control region and two halves of at most ``INTRANODE_MAX_RING_HALF_BYTES``) is used."""
+    region = ring_bytes
+    if put_area:
+        region = min(ring_bytes, intranode_control_bytes() + 2 * INTRANODE_MAX_RING_HALF_BYTES)
+    left = region - fused_rings_offset()
+    return (left // 2) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT if left > 0 else 0
+
+
+def fused_ring_bytes(num_nodes: int, gpus_per_node: int, num_channels: int, record_bytes: int, rail_capacity: int,
+                     node_capacity: int) -> int:
+    """Bytes of one direction's fused rings: ``[C][N][rail_capacity]`` records, aligned, then
+    ``[C][N * G][node_capacity]`` records."""
+    rail = align_up(num_channels * num_nodes * rail_capacity * record_bytes, BUFFER_ALIGNMENT)
+    return rail + num_channels * num_nodes * gpus_per_node * node_capacity * record_bytes
+
+
+def fused_min_rdma_bytes(ring_bytes: int, put_area: bool) -> int:
+    """The smallest ``num_rdma_bytes`` (a multiple of ``BUFFER_ALIGNMENT``) whose fused halves hold ``ring_bytes``
+    of rings each (:func:`fused_ring_bytes`), or 0 when none does (a put area caps the halves)."""
+    def holds(units: int) -> bool:
+        num_bytes = units * BUFFER_ALIGNMENT
+        return fused_half_bytes(put_ring_bytes(num_bytes) if put_area else num_bytes, put_area) >= ring_bytes
+
+    low, high = 0, ceil_div(fused_rings_offset() + 4 * (ring_bytes + put_header_bytes()), BUFFER_ALIGNMENT) + 8
+    if not holds(high):
+        return 0
+    while low < high:  # the halves grow with the buffer
+        mid = (low + high) // 2
+        if holds(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return low * BUFFER_ALIGNMENT
 
 
 def intranode_dispatch_layout(num_ranks: int, num_channels: int, num_recv_tokens: int, hidden_bytes: int,

@@ -173,6 +173,14 @@ def make_fake_extension(torch) -> types.ModuleType:
             if mask and not put_area:
                 raise ValueError(f"put peers (rank {self.rank}: mask {mask:#x}) need the put area")
             self.put_mask = mask
+            if put_area:
+                from deep_ep.layout import put_ring_bytes
+                self.ring_bytes = put_ring_bytes(self.num_nvl_bytes)
+
+        ring_bytes = None  # the kernels' region when a put area follows it
+
+        def get_ring_bytes(self):
+            return self.num_nvl_bytes if self.ring_bytes is None else self.ring_bytes
 
         def get_put_mask(self):
             return self.put_mask

@@ -10,10 +10,12 @@ refusal through the fused notify, serve up to 32 nodes and 64 ranks, and name th
 """
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 
 import pytest
-from fake_cuda import PROBE_HEAD, run_probe
+from fake_cuda import PROBE_HEAD, ROOT, probe_env, run_probe
 
 pytest.importorskip("torch")
 
@@ -375,3 +377,217 @@ def test_put_mask_mirror_matches_cpp(tmp_path):
     import torch
     assert fake_cuda.make_fake_extension(torch).MAX_RUNTIME_RANKS == runtime
     assert lines[3] == "".join("1" if r in (0, 24, 31, 32, 63) else "0" for r in range(-1, 65))
+
+
+_RINGS_PROGRAM = r"""
+#include <cstdio>
+#include "fused_internode.cuh"
+using namespace deep_ep::kernels;
+int main() {
+    std::printf("%lld %lld %lld\n", (long long)kControlBytes, (long long)kPutHeaderBytes, (long long)kFusedRingsOffset);
+    long long n; int put, nodes, gpus, channels, scales, topk, rail, node, combine; long long hidden;
+    while (std::scanf("%lld %d %d %d %d %lld %d %d %d %d %d", &n, &put, &nodes, &gpus, &channels, &hidden, &scales,
+                      &topk, &rail, &node, &combine) == 11) {
+        const long long ring = put ? put_layout(n).ring_bytes : n;
+        const FusedGeometry g = fused_layout(nodes, gpus, channels, hidden, scales, topk, rail, node, ring, put != 0,
+                                             combine != 0);
+        std::printf("%lld %lld %lld %lld\n", ring, (long long)fused_half_bytes(g.region_bytes),
+                    (long long)(g.end_offset - g.rail_rings_offset), (long long)g.record_bytes);
+    }
+    return 0;
+}
+"""
+
+
+def _rings_cases() -> list[tuple]:
+    """(num_rdma_bytes, put area, N, G, channels, hidden bytes, scales, top-k, rail slots, node slots, combine):
+    the benchmark's 2 x 2 geometry (12 channels of 7168-BF16 records, top-8) around the smallest buffers that hold
+    it, with and without a put area, FP8 with scales, a combine, and wide groups."""
+    from deep_ep import layout
+    bf16 = (2, 2, 12, 14336, 0, 8, 258, 256, 0)
+    record = layout.intranode_dispatch_record_bytes(14336, 0, 8)
+    used = layout.fused_ring_bytes(2, 2, 12, record, 258, 256)
+    cases = []
+    for put in (0, 1):
+        least = layout.fused_min_rdma_bytes(used, bool(put))
+        cases += [(n, put, *bf16) for n in (least - 128, least, 10**9 // 128 * 128, 256 << 20, 1 << 30, 3 << 30)]
+    cases += [(1 << 30, 1, 2, 2, 12, 7168, 56, 8, 258, 256, 0), (1 << 30, 1, 2, 2, 12, 14336, 0, 8, 258, 256, 1),
+              (480 << 20, 1, 8, 8, 6, 512, 4, 8, 256, 256, 0), (384 << 20, 0, 32, 2, 4, 256, 0, 4, 256, 256, 1)]
+    return cases
+
+
+def test_fused_rings_mirror_matches_cpp(tmp_path):
+    """deep_ep.layout's put area and fused ring sizes (Buffer's check before a fused call) are the kernels'
+    (put_layout, fused_layout, fused_half_bytes): the same region, half and ring bytes for each case, and the
+    smallest buffer fused_min_rdma_bytes names holds the rings where 128 bytes less does not."""
+    import shutil
+    import subprocess
+
+    from fake_cuda import ROOT
+
+    from deep_ep import layout
+    include = _cuda_include()
+    if shutil.which("g++") is None or include is None:
+        pytest.skip("needs a host C++ compiler and the CUDA headers")
+    source, binary = tmp_path / "rings.cpp", tmp_path / "rings"
+    source.write_text(_RINGS_PROGRAM)
+    subprocess.run(["g++", "-std=c++17", "-I", f"{ROOT}/csrc/kernels", "-I", include, str(source), "-o", str(binary)],
+                   check=True)
+    cases = _rings_cases()
+    stdin = "\n".join(" ".join(str(v) for v in case) for case in cases)
+    lines = subprocess.run([str(binary)], input=stdin, check=True, capture_output=True, text=True).stdout.splitlines()
+    control, header, rings_offset = map(int, lines[0].split())
+    assert (control, header, rings_offset) == (layout.intranode_control_bytes(), layout.put_header_bytes(),
+                                               layout.fused_rings_offset())
+    assert len(lines) == len(cases) + 1
+    for case, line in zip(cases, lines[1:]):
+        n, put, nodes, gpus, channels, hidden, scales, topk, rail, node, combine = case
+        ring, half, used, record = map(int, line.split())
+        want_record = (layout.intranode_combine_record_bytes(hidden // 2, topk) if combine else
+                       layout.intranode_dispatch_record_bytes(hidden, scales, topk))
+        assert ring == (layout.put_ring_bytes(n) if put else n), case
+        assert half == layout.fused_half_bytes(ring, bool(put)), case
+        assert (used, record) == (layout.fused_ring_bytes(nodes, gpus, channels, want_record, rail, node),
+                                  want_record), case
+    bench = {(case[0], case[1]): int(line.split()[1]) >= int(line.split()[2]) for case, line in zip(cases, lines[1:])
+             if case[2:] == (2, 2, 12, 14336, 0, 8, 258, 256, 0)}
+    record = layout.intranode_dispatch_record_bytes(14336, 0, 8)
+    for put in (0, 1):
+        least = layout.fused_min_rdma_bytes(layout.fused_ring_bytes(2, 2, 12, record, 258, 256), bool(put))
+        assert bench[(least, put)] and not bench[(least - 128, put)], (put, least)
+    # The benchmark's 1e9-byte buffer holds the rings of its 12 channels only without the put area.
+    assert bench[(10**9 // 128 * 128, 0)] and not bench[(10**9 // 128 * 128, 1)]
+    assert not bench[(256 << 20, 1)] and bench[(1 << 30, 1)]
+
+
+_CHECK_RINGS_PROBE = PROBE_HEAD + r"""
+import deep_ep
+import deep_ep.testing
+from deep_ep.config import Topology
+from deep_ep.backends.fused_internode import FusedInternodeCuda
+
+launched = []
+class Fused(ext.Runtime):
+    def fused_notify(self, *args):
+        launched.append("notify")
+    def fused_dispatch(self, *args):
+        launched.append("dispatch")
+ext.Runtime = Fused
+
+def attempt(backend, kind, hidden_bytes, num_scales, num_topk, config):
+    try:
+        backend.check_rings(kind, hidden_bytes, num_scales, num_topk, config)
+        return "ok"
+    except ValueError as exc:
+        return str(exc)
+
+bench = deep_ep.Config(24, 8, 256)  # benchmarks/bench_internode.py --composed: 12 channels
+report = {}
+for name, num_bytes, put_only in (("put 1e9", 10**9 // 128 * 128, True), ("put 256M", 256 << 20, True),
+                                  ("put least", int(sys.argv[2]), True), ("pointer 1e9", 10**9 // 128 * 128, False)):
+    with fake.patched(torch, cuda_tensors=True), deep_ep.testing.overrides(internode_put_only=put_only):
+        backend = FusedInternodeCuda(0, Topology(4, 2), num_bytes, 1, False, all_gather=lambda obj: [obj] * 4)
+        report[name] = [backend.put_area, attempt(backend, "dispatch", 14336, 0, 8, bench),
+                        attempt(backend, "dispatch", 7168, 56, 0, bench),
+                        attempt(backend, "combine", 14336, 0, 8, bench),
+                        attempt(backend, "dispatch", 256, 0, 4, deep_ep.Config(2, 8, 256)),
+                        attempt(backend, "dispatch", 14336, 0, 8, deep_ep.Config(48, 8, 256)),
+                        attempt(backend, "dispatch", 256, 0, 4, deep_ep.Config(2, 200, 256))]
+report["launched"] = launched
+print(json.dumps(report))
+"""
+
+
+def test_fused_rings_that_do_not_fit_raise_before_any_launch():
+    """The fused kernels' rings have the Config's capacities whatever the buffer, and the put area of NVSHMEM put
+    peers takes about half of num_rdma_bytes: the benchmark's 12 channels of 7168-BF16 records at 258 / 256 slots fit
+    a 1e9-byte buffer without put peers but not with them. check_rings (Buffer's validation) raises ValueError naming
+    the smallest num_rdma_bytes that holds the call, or that none does, and launches nothing."""
+    from deep_ep import layout
+    record = layout.intranode_dispatch_record_bytes(14336, 0, 8)
+    least = layout.fused_min_rdma_bytes(layout.fused_ring_bytes(2, 2, 12, record, 258, 256), True)
+    done = subprocess.run([sys.executable, "-c", _CHECK_RINGS_PROBE, ROOT, str(least)], cwd=ROOT,
+                          env=probe_env(DEEP_EP_GPUS_PER_NODE="2"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["launched"] == []
+    put, bf16, fp8, combine, small, wide, chunks = report["put 1e9"]
+    assert put and f"num_rdma_bytes >= {least}" in bf16 and "num_rdma_bytes=1000000000" in bf16, bf16
+    assert "12 channels" in bf16 and "put area" in bf16 and "dispatch" in bf16, bf16
+    assert fp8 == "ok" and "combine" in combine and ">= " in combine, (fp8, combine)
+    assert small == "ok", small
+    assert "no num_rdma_bytes holds them" in wide and "24 channels" in wide, wide
+    assert "num_max_nvl_chunked_recv_tokens >= 2 * num_max_nvl_chunked_send_tokens" in chunks, chunks
+    assert report["put 256M"][1].startswith("num_rdma_bytes=268435456 is too small"), report["put 256M"]
+    assert report["put 256M"][2] != "ok" and report["put 256M"][4] == "ok", report["put 256M"]
+    assert report["put least"][:5] == [True, "ok", "ok", "ok", "ok"], report["put least"]
+    pointer = report["pointer 1e9"]
+    assert pointer[:5] == [False, "ok", "ok", "ok", "ok"], pointer
+    wide_least = layout.fused_min_rdma_bytes(layout.fused_ring_bytes(2, 2, 24, record, 258, 256), False)
+    assert f"num_rdma_bytes >= {wide_least}" in pointer[5] and "put area" not in pointer[5], pointer[5]
+
+
+_BUFFER_CHECK_PROBE = PROBE_HEAD + r"""
+import deep_ep
+from deep_ep.backends.cuda_intranode import CudaBackend
+
+seen, refuse = [], []
+def check_rings(self, kind, hidden_bytes, num_scales, num_topk, config):
+    seen.append([kind, hidden_bytes, num_scales, num_topk, config.num_sms])
+    if refuse:
+        raise ValueError("num_rdma_bytes is too small (test)")
+CudaBackend.check_rings = check_rings
+
+os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(29400 + os.getpid() % 500)
+dist.init_process_group("gloo", rank=0, world_size=1)
+group = dist.new_group([0])
+import reference
+from deep_ep.config import Topology
+x, x_fp8, topk_idx, topk_weights = fake.scenario(torch, deep_ep, 16, 256, 4, 8)
+real = reference.get_dispatch_layout(topk_idx, 8, Topology(1, 1))
+report = {}
+with fake.patched(torch, cuda_tensors=True):
+    os.environ["DEEP_EP_BACKEND"] = "cuda"
+    buffer = deep_ep.Buffer(group, num_nvl_bytes=1 << 30)
+    runtime = buffer.runtime.runtime
+    runtime.num_recv = int(real.is_token_in_rank.sum())
+    runtime.per_expert = real.num_tokens_per_expert.tolist()
+    counts = dict(num_tokens_per_rank=real.num_tokens_per_rank, is_token_in_rank=real.is_token_in_rank,
+                  num_tokens_per_expert=real.num_tokens_per_expert)
+    config = deep_ep.Config(6, 8, 256)
+    first = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, config=config, **counts)
+    buffer.dispatch(x_fp8, handle=first.handle, config=config)
+    buffer.combine(first.recv_x, first.handle, topk_weights=first.recv_topk_weights, config=config)
+    report["seen"] = list(seen)
+    refuse.append(True)
+    before = list(runtime.launches)
+    for name, call in (("dispatch", lambda: buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights,
+                                                            config=config, **counts)),
+                       ("cached", lambda: buffer.dispatch(x, handle=first.handle, config=config)),
+                       ("combine", lambda: buffer.combine(first.recv_x, first.handle, config=config))):
+        try:
+            call()
+            report[name] = "accepted"
+        except ValueError as exc:
+            report[name] = str(exc)
+    report["launched"] = runtime.launches[len(before):]
+    refuse.clear()
+    report["after"] = list(buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, config=config,
+                                           **counts).recv_x.shape)
+    buffer._release()
+dist.destroy_process_group()
+print(json.dumps(report))
+"""
+
+
+def test_buffer_checks_rings_before_the_kernels():
+    """Buffer asks the backend's check_rings inside each dispatch's and combine's validation, with the row bytes,
+    scales and top-k the kernels will carve records for (FP8: one byte per element and its scales; a cached
+    dispatch carries no top-k); a failing check raises before any kernel and the Buffer stays usable."""
+    report = run_probe(_BUFFER_CHECK_PROBE)
+    assert report["seen"] == [["dispatch", 512, 0, 4, 6], ["dispatch", 256, 2, 0, 6], ["combine", 512, 0, 4, 6]], \
+        report["seen"]
+    for name in ("dispatch", "cached", "combine"):
+        assert report[name] == "num_rdma_bytes is too small (test)", (name, report[name])
+    assert report["launched"] == [], report["launched"]
+    assert report["after"][1] == 256, report["after"]

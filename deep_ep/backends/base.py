@@ -154,6 +154,13 @@ class Backend(Protocol):
         """Channels of this backend's handles for ``config`` (the rule of the CUDA kernels, on every backend)."""
         return intranode_channels(config.num_sms, self.num_ranks)
 
+    def check_rings(self, kind: str, hidden_bytes: int, num_scales: int, num_topk: int, config: Config) -> None:
+        """Raise ValueError when the rings of a ``kind`` ('dispatch' / 'combine') call with rows of ``hidden_bytes``,
+        ``num_scales`` scales and ``num_topk`` top-k entries under ``config`` do not fit this backend's buffer.
+        ``Buffer`` calls it inside the call's validation, so that a failure reaches the peers as a refusal; the
+        default accepts every call (rings whose capacity adapts to the buffer are checked by the kernels' launchers
+        instead)."""
+
     # Low-latency mode.
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         raise _unserved(self, "low_latency_dispatch")

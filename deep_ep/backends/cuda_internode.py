@@ -97,7 +97,8 @@ class SymmetricCuda(CudaBackend):
         flags = world_all_gather((bool(reached), testing.current().internode_put_only))
         put_only = any(only for _, only in flags)
         self.put_peers = put_peers(rank, unreachable, put_only, self.forced_put_span())
-        put_area = put_only or any(far for far, _ in flags)  # the same on every rank: the buffers' layout must agree
+        # the same on every rank: the buffers' layout must agree
+        self.put_area = put_area = put_only or any(far for far, _ in flags)
         try:
             self.runtime.set_put_peers(self.put_peers, put_area)
         except ValueError as exc:  # num_rdma_bytes and put_area agree world-wide, so every rank gets here together

@@ -59,6 +59,8 @@ class CudaBackend(Backend):
     handle_agreement = True
     # The ranks this rank reaches by NVSHMEM puts (cuda_internode.SymmetricCuda sets them; none over IPC).
     put_peers: Sequence[int] = ()
+    # Whether the buffers of the world end with a put area (some pair of the world is a put pair; SymmetricCuda).
+    put_area = False
 
     def __init__(self, rank: int, num_ranks: int, num_nvl_bytes: int,
                  all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from deep_ep import layout as lay
 from deep_ep.backends.base import CombineRequest, DispatchRequest, LayoutRequest
 from deep_ep.backends.common import object_all_gather
 from deep_ep.backends.cuda_common import _C, join_nvshmem_world, raise_from_record
@@ -56,6 +57,7 @@ class FusedInternodeCuda(SymmetricCuda):
         num_ranks = topology.num_ranks
         self.topology = topology
         self.num_nodes, self.per_node = topology.num_scaleout_ranks, topology.num_scaleup_ranks
+        self._rings_checked: set[tuple] = set()  # check_rings: the call geometries that fit
         super().__init__(rank, num_ranks, num_rdma_bytes, unique_id, rank, num_ranks, range(num_ranks), all_gather,
                          barrier)
         # Decided on every rank alike: the symmetric buffer is released collectively.
@@ -119,6 +121,38 @@ class FusedInternodeCuda(SymmetricCuda):
     def num_channels(self, config: Config) -> int:
         """One channel per two SMs (a sending-and-forwarding CTA and a receiving CTA), as DeepEP's internode."""
         return max(1, config.num_sms // 2)
+
+    def check_rings(self, kind: str, hidden_bytes: int, num_scales: int, num_topk: int, config: Config) -> None:
+        """Raise ValueError unless the call's rings fit a half of the buffer: the rail rings hold
+        ``num_max_rdma_chunked_recv_tokens`` and the node rings ``num_max_nvl_chunked_recv_tokens`` records per
+        (channel, source) whatever the buffer's size, and with NVSHMEM put peers the put area takes about half of
+        ``num_rdma_bytes`` (deep_ep/layout.py). Equal on every rank that makes the same call; a passing geometry is
+        remembered."""
+        key = (kind, hidden_bytes, num_scales, num_topk, config)
+        if key in self._rings_checked:
+            return
+        send_n, node = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
+        if node < 2 * send_n:
+            raise ValueError(f"the fused internode kernels need num_max_nvl_chunked_recv_tokens >= 2 * "
+                             f"num_max_nvl_chunked_send_tokens, got {node} < 2 * {send_n}")
+        channels, rail = self.num_channels(config), _rdma_capacity(config)
+        if kind == "dispatch":
+            record = lay.intranode_dispatch_record_bytes(hidden_bytes, num_scales, num_topk)
+        else:
+            record = lay.intranode_combine_record_bytes(hidden_bytes // 2, num_topk)
+        used = lay.fused_ring_bytes(self.num_nodes, self.per_node, channels, record, rail, node)
+        half = lay.fused_half_bytes(self.ring_bytes(), self.put_area)
+        if used <= half:
+            self._rings_checked.add(key)
+            return
+        need = lay.fused_min_rdma_bytes(used, self.put_area)
+        put = " with the put area of NVSHMEM put peers" if self.put_area else ""
+        fix = (f"build the Buffer with num_rdma_bytes >= {need}" if need else
+               f"lower config.num_sms or the chunked recv tokens (no num_rdma_bytes holds them{put})")
+        raise ValueError(f"num_rdma_bytes={self.num_nvl_bytes} is too small for this fused internode {kind}: its "
+                         f"rings take {used} bytes ({channels} channels of {self.num_nodes} rail rings of {rail} "
+                         f"and {self.num_ranks} node rings of {node} records of {record} bytes), a half of the "
+                         f"buffer{put} holds {half}; {fix}")
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int,
                                 use_rdma_buffer: bool) -> torch.Tensor:

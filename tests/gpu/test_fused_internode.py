@@ -199,6 +199,106 @@ def test_put_rail_peers(num_nodes, per_node):
         pool.close()
 
 
+# benchmarks/bench_internode.py --composed: 128 tokens per rank, hidden 7168, top-8 of 256 experts, 24 SMs (12
+# channels) at Config(24, 8, 256): 258 rail and 256 node slots of 14416-byte records, 266 MB of rings per direction.
+BENCH_SMS, BENCH_HIDDEN = 24, 7168
+
+
+def _bench_rdma_bytes() -> int:
+    """The smallest num_rdma_bytes, in whole MiB, whose put area leaves the benchmark's rings their room."""
+    from deep_ep import config, layout
+    record = layout.intranode_dispatch_record_bytes(BENCH_HIDDEN * 2, 0, 8)
+    rail = config.Config(BENCH_SMS, 8, 256).num_max_rdma_chunked_recv_tokens
+    used = layout.fused_ring_bytes(2, 2, BENCH_SMS // 2, record, rail, 256)
+    return -(-layout.fused_min_rdma_bytes(used, True) // (1 << 20)) * (1 << 20)
+
+
+def _bench_inputs(buffer, rank: int) -> tuple:
+    """The benchmark's first dispatch on this rank: ``(x, kwargs)`` (layout tensors, top-k, config)."""
+    import deep_ep
+    n, k, e = 128, 8, 256
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(n, BENCH_HIDDEN, generator=gen).to(torch.bfloat16).to(ti.DEVICE)
+    scores = torch.randn(n, e, generator=gen).abs() + 1
+    topk_idx = torch.topk(scores, k, dim=-1, sorted=False).indices.to(deep_ep.topk_idx_t).to(ti.DEVICE)
+    layout = buffer.get_dispatch_layout(topk_idx, e)
+    return x, dict(num_tokens_per_rank=layout.num_tokens_per_rank, is_token_in_rank=layout.is_token_in_rank,
+                   num_tokens_per_rdma_rank=layout.num_tokens_per_rdma_rank,
+                   num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=topk_idx,
+                   topk_weights=torch.ones(n, k, dtype=torch.float32, device=ti.DEVICE),
+                   config=deep_ep.Config(BENCH_SMS, 8, 256))
+
+
+def task_rings_too_small(buffer, rank: int, payload) -> str:
+    """The benchmark's first dispatch on a put buffer too small for its rings raises ValueError naming
+    num_rdma_bytes before any kernel. Then the extension's own launcher checks, called directly on the same
+    geometry: the fused dispatch launcher's ring check (kernels/fused_internode.cu) and the host entry's argument
+    check (fused_internode.cpp) each raise ValueError in this process (no host crash), launching nothing."""
+    import sys
+    x, kwargs = _bench_inputs(buffer, rank)
+    try:
+        buffer.dispatch(x, **kwargs)
+    except ValueError as exc:
+        text = str(exc)
+        assert "is too small for this fused internode dispatch" in text and "num_rdma_bytes >= " in text, text
+    else:
+        raise AssertionError("a dispatch whose rings do not fit the buffer was accepted")
+    torch.cuda.synchronize()
+    runtime = ti._kernel_runtime(buffer)
+    if runtime is None:
+        return text
+    channels, nodes, ranks = BENCH_SMS // 2, 2, buffer.group_size
+    ints = dict(dtype=torch.int32, device=ti.DEVICE)
+    prefixes = (torch.zeros(nodes, channels, **ints), torch.zeros(nodes, **ints),
+                torch.zeros(ranks, channels, **ints), torch.zeros(ranks, **ints))
+    seen = []
+    for name, rows, want in (("launcher ring check", 0, "num_rdma_bytes must be >="),
+                             ("host argument check", -1, "num_recv_rows must be >= 0")):
+        print(f"rank {rank}: {name} (C++)", file=sys.stderr, flush=True)
+        try:
+            runtime.fused_dispatch(x, None, None, None, 0, kwargs["is_token_in_rank"], ranks // nodes, *prefixes,
+                                   None, None, None, rows, False, channels, 6, 258, 8, 256,
+                                   torch.cuda.current_stream().cuda_stream, False, False)
+        except ValueError as exc:
+            assert want in str(exc), (name, str(exc))
+            seen.append(name)
+        else:
+            raise AssertionError(f"{name}: the extension accepted the call")
+    torch.cuda.synchronize()
+    return f"{text}; {', '.join(seen)} raised ValueError"
+
+
+@pytest.mark.multi_gpu(4)
+def test_put_rings_too_small_raise_and_the_buffer_stays_usable():
+    """2 x 2 under internode_put_only with the put tests' 256 MiB: the benchmark's first dispatch (12 channels of
+    7168-BF16 records) raises ValueError on every rank before any kernel, the extension's own checks raise rather
+    than crash, and a round trip afterwards matches ``reference``."""
+    pool = _make_pool(2, 2, PUT_RDMA_BYTES, put_only=True)
+    try:
+        replies = pool.run("test_fused_internode:task_rings_too_small", None)
+        assert all("num_rdma_bytes" in r for r in replies), replies
+        for case in _wide_cases(2, 2):
+            pool.run(tn.TASK, case)
+    finally:
+        pool.close()
+
+
+@pytest.mark.multi_gpu(4)
+def test_put_rail_peers_at_the_benchmark_geometry():
+    """2 x 2 under internode_put_only with the smallest buffer (whole MiB) that holds the benchmark's rings with the
+    put area: 128 tokens per rank, hidden 7168, top-8 of 256 experts, 24 SMs (12 channels), BF16 and FP8, every
+    output against ``reference``."""
+    pool = _make_pool(2, 2, _bench_rdma_bytes(), put_only=True)
+    try:
+        for use_fp8 in (False, True):
+            pool.run(tn.TASK, ti.Case(
+                num_ranks=4, seed=31, num_tokens=(128,) * 4, hidden=BENCH_HIDDEN, num_topk=8, num_experts=256,
+                use_fp8=use_fp8, with_topk=True, num_sms=BENCH_SMS, expert_alignment=1, mask_prob=0.0,
+                empty_rank=-1, async_mode=use_fp8, previous_mode=False, num_bias=1, scales_col_major=use_fp8))
+    finally:
+        pool.close()
+
+
 def task_stall(buffer, rank: int, payload: dict) -> str:
     """Rank ``payload['stalled']`` skips a dispatch. Every other rank must raise a ``CommError`` within the budget
     that names it: a timeout naming the stalled rank (its node and local index too), or, when another survivor
