@@ -133,7 +133,7 @@ def run_rank(rank: int, args, port: int, result_path: str) -> None:
             put_sizes = dict(fused_sizes, num_rdma_bytes=fused_put_rdma_bytes(args, per_node))
             phases.insert(1, ("fused_put", per_node, {"internode": "fused", "internode_put_only": True}, put_sizes))
     for phase, per_node, fields, sizes in phases:
-        if args.skip_intranode and phase == "intranode":
+        if (args.skip_intranode and phase == "intranode") or (args.phases and phase not in args.phases):
             continue
         os.environ["DEEP_EP_GPUS_PER_NODE"] = str(per_node)
         try:
@@ -186,6 +186,8 @@ def main() -> None:
     add_workload_args(parser, [24])
     parser.add_argument("--num-rdma-bytes", type=int, default=int(1e9) // 128 * 128)
     parser.add_argument("--skip-intranode", action="store_true", help="measure the internode phase(s) only")
+    parser.add_argument("--phases", nargs="+", default=None,
+                        help="measure only these phases (e.g. fused fused_put; default: every phase the flags add)")
     parser.add_argument("--put", action="store_true",
                         help="also the internode backend with every peer reached by puts (phase internode_put); with "
                              "--composed, the fused kernels with every rail pair on puts (phase fused_put)")
