@@ -803,14 +803,13 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     if (after_current) order(as_stream(stream), current_stream());
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     DEEP_EP_CUDA_CHECK(cudaStreamIsCapturing(as_stream(stream), &capture));
-    const bool captured = capture != cudaStreamCaptureStatusNone;
-    args.call_number = combine_calls_ + 1u;
-    args.signature_hash = static_cast<uint32_t>(signature_hash);
-    // A mismatched ring kernel frees this rank's landing zones of the epoch every rank takes on after it (a replay
-    // of a captured one would write a stale epoch: none there).
-    args.mismatch_freed = signature_hash != 0 && !captured ? copy_epoch_ + 1u : 0u;
-    const bool verdict = signature_hash != 0 && !captured;
-    args.host_verdict = verdict ? reinterpret_cast<int64_t*>(device_counters_ + kVerdictIntOffset) : nullptr;
+    // A captured combine compares nothing: its replays would carry the call number and epoch of the capture.
+    const bool checked = signature_hash != 0 && capture == cudaStreamCaptureStatusNone;
+    args.call_number = checked ? combine_calls_ + 1u : 0u;
+    args.signature_hash = checked ? static_cast<uint32_t>(signature_hash) : 0u;
+    // A mismatched ring kernel frees this rank's landing zones of the epoch every rank takes on after it.
+    args.mismatch_freed = checked ? copy_epoch_ + 1u : 0u;
+    args.host_verdict = checked ? reinterpret_cast<int64_t*>(device_counters_ + kVerdictIntOffset) : nullptr;
     const uint32_t epoch_before = copy_epoch_;
     auto ctx = next_context();
     if (copy_ctas > 0 && channel_prefix_matrix.has_value() && capture == cudaStreamCaptureStatusNone &&
@@ -827,8 +826,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     } else {
         kernels::intranode_combine(ctx, args, as_stream(stream));
     }
-    combine_calls_ = args.call_number;
-    if (verdict) {
+    if (checked) {
+        combine_calls_ = args.call_number;
         pending_verdict_ = ctx.call_seq;
         checked_combine_seq_ = ctx.call_seq;
         checked_combine_epoch_ = epoch_before;

@@ -479,13 +479,14 @@ class CudaBackend(Backend):
             # The ranks' agreement rides in the words the kernel exchanges at its start (never 0: 0 is
             # "unchecked"); the next call raises a disagreement.
             signature = request.signature
-            hashed = (signature_hash(signature) or 1) if signature is not None and not self.put_peers else 0
+            hashed = (signature_hash(signature) or 1) if signature is not None and not self.put_peers and \
+                not torch.cuda.is_current_stream_capturing() else 0
             combined_x, combined_topk_weights = self.runtime.combine(
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,
                 config.num_max_nvl_chunked_recv_tokens, send_warps, self._comm_ptr, scope.after_current,
                 scope.current_after, handle.channel_prefix_matrix, pair_counts or [], copy_ctas,
                 tuning.combine_copy_chunk_rows(), path == "zone", hashed)
-            self._verdict_pending = hashed != 0 and not torch.cuda.is_current_stream_capturing()
+            self._verdict_pending = hashed != 0
             event = scope.finish((x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights, *handle))
         return CombineResult(combined_x, combined_topk_weights, event)
