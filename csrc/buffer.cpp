@@ -589,8 +589,9 @@ void Runtime::await_agreement() {
             if (waited > budget_s) {
                 char text[256];
                 std::snprintf(text, sizeof(text),
-                              "CPU wait for the agreement verdict of a cached dispatch or combine: rank %d peer -1 channel -1 expected "
-                              "call %lld observed %lld after %.1f s (timeout; DEEP_EP_TIMEOUT_S=%g)",
+                              "CPU wait for the agreement verdict of a cached dispatch or combine: rank %d peer -1 "
+                              "channel -1 expected call %lld observed %lld after %.1f s (timeout; "
+                              "DEEP_EP_TIMEOUT_S=%g)",
                               rank_, static_cast<long long>(target), static_cast<long long>(*verdict), waited,
                               timeout_s_);
                 throw HostTimeout(text);
