@@ -5,8 +5,9 @@ events are free; with ``patched(torch, cuda_tensors=True)`` every tensor claims 
 the kernels exchange (notify slots, cached-dispatch output words, combine agreement words, low-latency count
 words) travel through ``torch.distributed.all_gather_object`` over the default group, and a disagreement the
 kernels would record fills the fake error record. Install it before ``deep_ep`` is imported
-(``sys.modules["deep_ep._C"] = make_fake_extension(torch)``), in a process of its own: the patches are global. ``tests/test_cuda_host_path.py`` records, through subclasses of these fakes, which stream
-waits and output blocks each call asks the extension for.
+(``sys.modules["deep_ep._C"] = make_fake_extension(torch)``), in a process of its own: the patches are global.
+``tests/test_cuda_host_path.py`` records, through subclasses of these fakes, which stream waits and output blocks
+each call asks the extension for.
 """
 from __future__ import annotations
 
