@@ -978,20 +978,23 @@ def task_combine_disagree(buffer, rank: int, payload: dict) -> str:
                                num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=topk_idx,
                                topk_weights=weights, config=config)
 
-    def correct(label: str):
+    def correct(label: str, path: str):
         d = dispatch()
         assert torch.equal(d.recv_x, want), f"after {label}: recv_x differs from every rank's rows in rank order"
+        epoch = _copy_epoch(buffer)
         c = buffer.combine(d.recv_x, d.handle, topk_weights=d.recv_topk_weights, config=config)
         torch.cuda.synchronize()
         assert torch.equal(c.combined_x.float(), x.float() * world), f"after {label}: combine differs"
-        assert torch.equal(c.combined_topk_weights, weights * world), f"after {label}: combined weights differ"
+        # Rank d's received weights are 1 in column d (its expert) and 0 elsewhere: their sum is every weight.
+        assert torch.equal(c.combined_topk_weights, weights), f"after {label}: combined weights differ"
+        assert (_copy_epoch(buffer) > epoch) == (path != "rings"), f"after {label}: not the {path} send path"
         return d
 
     other = rank == 1
     seen = []
     for path in ("copy", "rings", "zone"):
         with deep_ep.testing.overrides(combine_send=path):
-            d = correct(f"{path} start")
+            d = correct(f"{path} start", path)
             y, handle, w = d.recv_x, d.handle, d.recv_topk_weights
             bias = torch.ones(n, h, dtype=torch.bfloat16, device=DEVICE)
             steps = [("hidden", dict(x=torch.cat([y, y], 1) if other else y), path),
@@ -1023,7 +1026,7 @@ def task_combine_disagree(buffer, rank: int, payload: dict) -> str:
                     seen.append(f"{path} {name}: {elapsed * 1e3:.0f} ms")
                 else:
                     raise AssertionError(f"{path}: a combine whose {name} differs between the ranks did not raise")
-                correct(f"{path} {name}")
+                correct(f"{path} {name}", path)
     return "; ".join(seen)
 
 
