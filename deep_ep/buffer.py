@@ -295,7 +295,7 @@ class Buffer:
                          cached: bool) -> Optional[Backend]:
         """The CUDA backend whose kernels carry the agreement of the call: the notify kernel of a non-cached
         ``dispatch`` (``backend``, or the CUDA route when the device is unknown), the output words of a cached one,
-        the count messages of a ``low_latency_dispatch``; else ``None``."""
+        the agreement words of a ``combine``, the count messages of a ``low_latency_dispatch``; else ``None``."""
         if self.group_size == 1 or self._destroyed:
             return None
         if method == "low_latency_dispatch":
