@@ -361,6 +361,8 @@ void Runtime::reset(uintptr_t stream) {
     for (int i = 0; i <= kernels::kMaxLocalExperts; ++i) host_counters_[i] = -1;
     pending_verdict_ = 0;
     copy_epoch_ = 0;
+    combine_calls_ = 0;
+    checked_combine_seq_ = 0;
     std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 
@@ -585,8 +587,9 @@ void Runtime::await_agreement() {
             if (waited > budget_s) {
                 char text[256];
                 std::snprintf(text, sizeof(text),
-                              "cached dispatch CPU wait for the agreement verdict: rank %d peer -1 channel -1 expected "
-                              "call %lld observed %lld after %.1f s (timeout; DEEP_EP_TIMEOUT_S=%g)",
+                              "CPU wait for the agreement verdict of a cached dispatch or combine: rank %d peer -1 "
+                              "channel -1 expected call %lld observed %lld after %.1f s (timeout; "
+                              "DEEP_EP_TIMEOUT_S=%g)",
                               rank_, static_cast<long long>(target), static_cast<long long>(*verdict), waited,
                               timeout_s_);
                 throw HostTimeout(text);
@@ -609,6 +612,10 @@ void Runtime::clear_argument_error(uintptr_t stream) {
     auto record = read_error();
     if (!record.has_value() || record->code != kernels::kErrorArgumentMismatch)
         invalid("clear_argument_error: the error record holds no argument mismatch");
+    // A combine the ranks disagreed on: every rank continues from the copy epoch after it, whichever send path it
+    // took (every rank's kernel freed its landing zones of that epoch).
+    if (record->kernel == kernels::kKernelCombine && record->call_seq == checked_combine_seq_)
+        copy_epoch_ = checked_combine_epoch_ + 1u;
     // The claim word frees the record for the kernels once the stream reaches it; until then no kernel of this rank
     // can claim the record, so it is zeroed here at once.
     DEEP_EP_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(workspace_) + kernels::kWsErrorClaimOffset, 0, 4,
@@ -751,8 +758,11 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_channels,
     int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream, bool after_current,
     bool current_after, const std::optional<at::Tensor>& channel_prefix_matrix,
-    const std::vector<int64_t>& pair_counts, int copy_ctas, int copy_chunk_rows, bool zone) {
+    const std::vector<int64_t>& pair_counts, int copy_ctas, int copy_chunk_rows, bool zone,
+    int64_t signature_hash) {
     require_available("combine");
+    if (signature_hash != 0 && put_mask_ != 0)
+        invalid("combine: signature_hash needs pointer peers only (put peers exchange no agreement words)");
     check_device("x", x, device_id_);
     check_device("topk_weights", topk_weights, device_id_);
     check_device("bias[0]", bias_0, device_id_);
@@ -792,6 +802,14 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     if (after_current) order(as_stream(stream), current_stream());
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     DEEP_EP_CUDA_CHECK(cudaStreamIsCapturing(as_stream(stream), &capture));
+    // A captured combine compares nothing: its replays would carry the call number and epoch of the capture.
+    const bool checked = signature_hash != 0 && capture == cudaStreamCaptureStatusNone;
+    args.call_number = checked ? combine_calls_ + 1u : 0u;
+    args.signature_hash = checked ? static_cast<uint32_t>(signature_hash) : 0u;
+    // A mismatched ring kernel frees this rank's landing zones of the epoch every rank takes on after it.
+    args.mismatch_freed = checked ? copy_epoch_ + 1u : 0u;
+    args.host_verdict = checked ? reinterpret_cast<int64_t*>(device_counters_ + kVerdictIntOffset) : nullptr;
+    const uint32_t epoch_before = copy_epoch_;
     auto ctx = next_context();
     if (copy_ctas > 0 && channel_prefix_matrix.has_value() && capture == cudaStreamCaptureStatusNone &&
         would_copy(pair_counts, args.hidden, args.num_topk)) {
@@ -806,6 +824,12 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
         }
     } else {
         kernels::intranode_combine(ctx, args, as_stream(stream));
+    }
+    if (checked) {
+        combine_calls_ = args.call_number;
+        pending_verdict_ = ctx.call_seq;
+        checked_combine_seq_ = ctx.call_seq;
+        checked_combine_epoch_ = epoch_before;
     }
     if (current_after) order(current_stream(), as_stream(stream));
     return {combined_x, combined_topk_weights};

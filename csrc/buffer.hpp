@@ -177,20 +177,23 @@ class Runtime {
              bool worst_token_mode, int num_channels, int num_max_send_tokens, int num_max_recv_tokens,
              int num_send_warps, uintptr_t stream, bool after_current, bool current_after,
              int64_t signature_hash = 0);
-    // After a cached dispatch given a signature_hash outside CUDA-graph capture: bounded CPU wait until its kernel
-    // has compared the ranks' hashes (not for its rows), so that a disagreement is in the error record when this
-    // returns. A no-op when no such dispatch is pending.
+    // After a cached dispatch or a combine given a signature_hash outside CUDA-graph capture: bounded CPU wait until
+    // its kernel has compared the ranks' hashes (not for its rows), so that a disagreement is in the error record
+    // when this returns. A no-op when no such call is pending.
     void await_agreement();
 
     // Returns (combined_x [N, H] BF16, combined_topk_weights [N, K] float32 when topk_weights is given), N being
-    // send_head's rows.
+    // send_head's rows. signature_hash != 0 (no put peers) outside CUDA-graph capture: a checked combine, whose
+    // kernel compares the hash with every peer's before any row moves (CombineArgs::signature_hash); the next call
+    // awaits the verdict (await_agreement).
     std::pair<at::Tensor, std::optional<at::Tensor>> combine(
         const at::Tensor& x, const std::optional<at::Tensor>& topk_weights, const std::optional<at::Tensor>& bias_0,
         const std::optional<at::Tensor>& bias_1, const at::Tensor& rank_prefix_matrix,
         const at::Tensor& recv_channel_prefix_matrix, const at::Tensor& send_head, int num_channels,
         int num_max_send_tokens, int num_max_recv_tokens, int num_send_warps, uintptr_t stream, bool after_current,
         bool current_after, const std::optional<at::Tensor>& channel_prefix_matrix = std::nullopt,
-        const std::vector<int64_t>& pair_counts = {}, int copy_ctas = 0, int copy_chunk_rows = 0, bool zone = false);
+        const std::vector<int64_t>& pair_counts = {}, int copy_ctas = 0, int copy_chunk_rows = 0, bool zone = false,
+        int64_t signature_hash = 0);
     // Copy-engine combine (csrc/kernels/intranode_combine_landed.cu): with the handle's channel_prefix_matrix, the
     // dispatch's pair counts ([R * R], pair_counts()) and copy_ctas > 0, the rows travel by the copy engine instead
     // of ring-sender warps whenever every landing zone fits (would_copy) and the stream is not capturing;
@@ -280,7 +283,13 @@ class Runtime {
         (1 + kernels::kMaxLocalExperts + kernels::kMaxRanks * kernels::kMaxRanks + 1) / 2 * 2;
     static constexpr int kVerdictIntOffset =
         kSignatureIntOffset + 2 * kernels::kMaxRuntimeRanks * kernels::kSignatureWords;
-    int64_t pending_verdict_ = 0;  // call_seq of a cached dispatch whose verdict the host has not awaited, or 0
+    int64_t pending_verdict_ = 0;  // call_seq of a checked call whose verdict the host has not awaited, or 0
+    uint32_t combine_calls_ = 0;   // checked combines so far (0 after reset): CombineArgs::call_number
+    // The last checked combine: its call_seq and copy_epoch_ before it. When the ranks disagreed on
+    // it, clearing the record moves copy_epoch_ to that + 1 on every rank (the ranks may have taken different send
+    // paths; every rank's kernel wrote `freed` = that + 1).
+    int64_t checked_combine_seq_ = 0;
+    uint32_t checked_combine_epoch_ = 0;
     int* host_counters_ = nullptr;
     std::vector<at::Tensor> refusal_scratch_;  // refuse_notify's zero counts and unread outputs, made once
     std::vector<at::Tensor> fused_refusal_scratch_;  // the same for fused_refuse_notify

@@ -101,8 +101,8 @@ class _Agreement:
         torch_backend = self.buffer._agreeing(self.mode, self.device, self.backend)
         if torch_backend is None:
             # The CUDA kernels: a non-cached dispatch carries the signature in its notify kernel (a refusal launches
-            # that notify with zero counts), a cached dispatch its hash in its kernel's output words (a refusal
-            # launches that kernel, once the handle is valid), a low-latency
+            # that notify with zero counts), a cached dispatch its hash in its kernel's output words and a combine
+            # in its kernel's agreement words (a refusal launches that kernel, once the handle is valid), a low-latency
             # dispatch its hash in its count messages (a refusal launches it with no tokens, once (T, H, E) are
             # valid), a low-latency combine in its arrival words (a refusal tells every peer, once the handle is
             # valid); other calls, and a single rank, exchange nothing.
@@ -111,6 +111,9 @@ class _Agreement:
                 signature = Signature(self.method, fields, refused)
                 if refused is None:
                     self.signature = signature
+                elif self.method == "combine":
+                    if self.handle is not None:
+                        kernels.refuse_combine(signature, self.handle)
                 elif kernels.notify_agreement and not self.cached:
                     kernels.refuse_dispatch(signature)
                 elif self.cached and self.handle is not None:
@@ -302,15 +305,17 @@ class Buffer:
                          cached: bool) -> Optional[Backend]:
         """The CUDA backend whose kernels carry the agreement of the call: the notify kernel of a non-cached
         ``dispatch`` (``backend``, or the CUDA route when the device is unknown), the output words of a cached one,
-        the count messages of a ``low_latency_dispatch``; else ``None``."""
+        the agreement words of a ``combine``, the count messages of a ``low_latency_dispatch``; else ``None``."""
         if self.group_size == 1 or self._destroyed:
             return None
         if method in ("low_latency_dispatch", "low_latency_combine"):
             return backend if backend is not None and backend.hashes_signature else None
-        if method != "dispatch":
+        if method not in ("dispatch", "combine"):
             return None
         if backend is None and device == _UNKNOWN_DEVICE:
             backend = self._routes.get(("normal", "cuda"))
+        if method == "combine":
+            return backend if backend is not None and backend.combine_agreement else None
         if cached:
             return backend if backend is not None and backend.handle_agreement else None
         return backend if backend is not None and backend.notify_agreement else None
@@ -662,8 +667,10 @@ class Buffer:
         with _Agreement(self, "combine", "normal") as agreement:
             if isinstance(x, torch.Tensor):
                 agreement.device = _device_type(x)
+                agreement.backend = self._routes.get(("normal", agreement.device), self._torch)
+            # The handle first: a refusal once it is valid still launches the combine kernel (the ranks' agreement).
+            handle = agreement.handle = self._check_handle(handle, "normal")
             v.check_tensor("x", x, dtype=torch.bfloat16, ndim=2)
-            handle = self._check_handle(handle, "normal")
             num_rows = handle.recv_src_meta.size(0) if self.topology.is_internode else handle.recv_src_idx.size(0)
             if x.size(0) != num_rows:
                 raise ValueError(f"x must have the {num_rows} rows of the dispatch's recv_x, got {x.size(0)}")
@@ -673,7 +680,10 @@ class Buffer:
             biases = v.split_bias(bias, handle.is_token_in_rank.size(0), x.size(1), x.dtype, x.device)
             v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
             config = self._resolve_config(config, "combine", self.group_size)
-            backend = self._backend("combine", "normal", _device_type(x))
+            backend = agreement.backend = self._backend("combine", "normal", _device_type(x))
+            if handle[1].size(1) != backend.num_channels(config):
+                raise ValueError(f"config.num_sms must match the dispatch that made the handle (a handle with "
+                                 f"{handle[1].size(1)} channels), got num_sms={config.num_sms}")
             backend.check_rings("combine", x.size(1) * x.element_size(), 0,
                                 topk_weights.size(1) if topk_weights is not None else 0, config)
             agreement.agree(("handle (its dispatch number)", handle.serial), ("x.size(1) (hidden)", x.size(1)),
@@ -681,7 +691,7 @@ class Buffer:
                             ("topk_weights.size(1)", topk_weights.size(1) if topk_weights is not None else 0),
                             ("bias (number of tensors)", len(biases)), ("config", config))
         return backend.combine(CombineRequest(x, handle, topk_weights, biases, config, previous_event, async_finish,
-                                              allocate_on_comm_stream))
+                                              allocate_on_comm_stream, agreement.signature))
 
     # ------------------------------------------------------------------------------------------------------------
     # Low-latency mode

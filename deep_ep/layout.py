@@ -165,6 +165,9 @@ def intranode_control_layout() -> Layout:
       landed here. ``combine_freed``: uint32 ``[16]``, index owner: the last copy-engine combine epoch whose
       landing zone of this rank's rows the owner has finished reading. ``combine_zone_landed``: uint32 ``[160][16]``,
       index ``cta * 16 + source``: ``epoch << 20 | stripes`` that source's CTA has stored into the landing zone here.
+    * ``combine_agreement``: uint64 ``[INTRANODE_MAX_RANKS][2]``, index ``source * 2 + parity``: ``call << 32 |
+      hash`` written by the source at the start of each checked combine (its combine call number and the hash of
+      its call signature; parity = call number % 2).
     """
     notify_data = 2 * INTRANODE_MAX_RANKS * INTRANODE_NOTIFY_INTS * INT32_BYTES
     return chain(("abort", INT32_BYTES),
@@ -178,7 +181,8 @@ def intranode_control_layout() -> Layout:
                  ("dispatch_output", INTRANODE_MAX_CHANNELS * INTRANODE_MAX_RANKS * 24),
                  ("combine_landed", INTRANODE_MAX_RANKS * INT32_BYTES),
                  ("combine_freed", INTRANODE_MAX_RANKS * INT32_BYTES),
-                 ("combine_zone_landed", _COUNTER_BYTES))
+                 ("combine_zone_landed", _COUNTER_BYTES),
+                 ("combine_agreement", INTRANODE_MAX_RANKS * 2 * 8))
 
 
 def intranode_control_bytes() -> int:
@@ -197,7 +201,8 @@ def intranode_workspace_layout() -> Layout:
     ``dispatch_epoch`` uint32 ``[160]`` counts the dispatch calls each channel took part in (the epoch of the
     ``dispatch_output`` words); ``combine_done`` counts the CTAs of a copy-engine combine that finished;
     ``notify_mismatch`` is 1 when the call signatures of the last notify disagreed (its dispatch moves no row);
-    ``agreement_arrivals`` counts the CTAs of a cached dispatch that compared the peers' signature hashes.
+    ``agreement_arrivals`` counts the CTAs of a cached dispatch or checked combine that compared the peers'
+    signature hashes.
     """
     return chain(("notify_epoch", INT32_BYTES),
                  ("barrier_epoch", INT32_BYTES),

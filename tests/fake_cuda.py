@@ -2,12 +2,12 @@
 
 The fake kernels do nothing but allocate the outputs the real ones allocate (``torch.empty`` on CPU); streams and
 events are free; with ``patched(torch, cuda_tensors=True)`` every tensor claims ``is_cuda``. The call signatures
-the kernels exchange (notify slots, cached-dispatch output words, low-latency count words) travel through
-``torch.distributed.all_gather_object``
-over the default group, and a disagreement the kernels would record fills the fake error record. Install it before
-``deep_ep`` is imported (``sys.modules["deep_ep._C"] = make_fake_extension(torch)``), in a process of its own:
-the patches are global. ``tests/test_cuda_host_path.py`` records, through subclasses of these fakes, which stream
-waits and output blocks each call asks the extension for.
+the kernels exchange (notify slots, cached-dispatch output words, combine agreement words, low-latency count
+words) travel through ``torch.distributed.all_gather_object`` over the default group, and a disagreement the
+kernels would record fills the fake error record. Install it before ``deep_ep`` is imported
+(``sys.modules["deep_ep._C"] = make_fake_extension(torch)``), in a process of its own: the patches are global.
+``tests/test_cuda_host_path.py`` records, through subclasses of these fakes, which stream waits and output blocks
+each call asks the extension for.
 """
 from __future__ import annotations
 
@@ -278,6 +278,17 @@ def make_fake_extension(torch) -> types.ModuleType:
             return recv_x, scales, recv_src_idx, recv_topk_idx, recv_topk_weights
 
         def combine(self, x, topk_weights, bias_0, bias_1, rank_prefix, recv_channel_prefix, send_head, *rest):
+            self.launches.append("combine")
+            signature_hash = rest[12]
+            if signature_hash:  # every rank's kernel compares the hashes in the agreement words
+                hashes = gather(signature_hash)
+                differ = [s for s, h in enumerate(hashes) if h != signature_hash]
+                if differ and self.record is None:
+                    self.record = dict(code="argument_mismatch", phase="combine agreement", rank=self.rank,
+                                       peer=differ[0],
+                                       message=f"combine agreement: rank {self.rank} peer {differ[0]} expected "
+                                               f"{signature_hash} observed {hashes[differ[0]]} (fake)")
+                self.pending_verdict = True
             weights = None if topk_weights is None else torch.empty(send_head.size(0), topk_weights.size(1))
             return torch.empty(send_head.size(0), x.size(1), dtype=x.dtype), weights
 

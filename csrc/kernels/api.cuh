@@ -77,6 +77,9 @@ enum Phase : int32_t {
                                  // differing int32 word of this rank's / the peer's signature
     kPhaseDispatchAgreement = 15,  // cached dispatch: peer = first rank whose signature hash differs (expected =
                                    // this rank's hash, observed = the peer's)
+    kPhaseCombineAgreement = 16,   // checked combine: as kPhaseDispatchAgreement
+    kPhaseCombineWaitAgreement = 17,  // checked combine: the peer's agreement word of this call has not arrived
+                                      // (expected = this combine's call number, observed = the word's)
 };
 
 inline const char* phase_name(int32_t phase) {
@@ -96,6 +99,8 @@ inline const char* phase_name(int32_t phase) {
         case kPhaseCombineRecvWaitLanded: return "combine recv wait landed";
         case kPhaseNotifyAgreement: return "notify agreement";
         case kPhaseDispatchAgreement: return "dispatch agreement";
+        case kPhaseCombineAgreement: return "combine agreement";
+        case kPhaseCombineWaitAgreement: return "combine wait agreement";
         default: return "unknown phase";
     }
 }
@@ -292,6 +297,19 @@ struct CombineArgs {
     // Copy-engine combine (intranode_combine_landed): the rows come through the copy engine into landing zones.
     const int* channel_prefix_matrix;  // [R, C] handle[1]: my tokens to d in channels <= c (landing row of a token)
     uint32_t copy_epoch;               // copy-engine combine calls so far, this one included if it is one
+    // Checked combines: this runtime's checked combines so far, this one included (refusals count too); every
+    // rank's count is the same while the ranks' calls stay paired.
+    uint32_t call_number;
+    // != 0 (a checked combine): the hash of this rank's call signature. Every CTA compares every peer's hash of this
+    // call (the combine-agreement words) with it before any row moves; on a difference every rank's kernel moves no
+    // row and advances no ring (each sees the same hashes), and the error record gets kErrorArgumentMismatch (no
+    // abort). 0: unchecked (one rank, a composed stage, put peers, CUDA-graph capture).
+    uint32_t signature_hash;
+    // Ring kernel, != 0: the `freed` value a mismatched call writes to every peer (the ranks may have taken
+    // different send paths: a peer's landing-zone combine of this call then waits no longer for this rank).
+    uint32_t mismatch_freed;
+    // Host-mapped, or nullptr: the last CTA to compare the hashes writes the call's KernelContext::call_seq here.
+    int64_t* host_verdict;
 };
 
 void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaStream_t stream);

@@ -34,6 +34,72 @@ static __device__ bool warp_wait_freed(const KernelContext& ctx, uint32_t copy_e
     return __all_sync(0xffffffffu, ok);
 }
 
+// ---- agreement of a checked combine (args.signature_hash != 0) ----
+// The verdict of the call in each CTA (shared): the hashes agree (or the call is unchecked), differ, or a wait for
+// a peer's word failed (reported).
+constexpr int kCombineAgreementHolds = 1, kCombineAgreementDiffers = 2, kCombineAgreementFailed = 3;
+
+// Source `source`'s agreement word of combine call `call_number` in `buffer` (layout.cuh: by call parity).
+__device__ __forceinline__ uint64_t* combine_agreement_word(void* buffer, int source, uint32_t call_number) {
+    return reinterpret_cast<uint64_t*>(static_cast<char*>(buffer) + kCombineAgreementOffset) + source * 2 +
+           (call_number & 1u);
+}
+
+// CTA 0, thread d: this rank's word of the call (call number, signature hash) into peer d's buffer, at kernel start
+// and before anything waits.
+__device__ __forceinline__ void publish_combine_agreement(const KernelContext& ctx, const CombineArgs& args) {
+    const int d = static_cast<int>(threadIdx.x);
+    if (args.signature_hash != 0u && blockIdx.x == 0 && d < ctx.num_ranks && d != ctx.rank)
+        st_release_sys_u64(combine_agreement_word(ctx.buffers[d], ctx.rank, args.call_number),
+                           (static_cast<uint64_t>(args.call_number) << 32) | args.signature_hash);
+}
+
+// One warp per CTA (checked combines): lane d waits for peer d's word of this call and the warp compares every
+// peer's hash with this rank's. Every rank compares the same hashes, so every rank reaches the same verdict: if
+// they are not all equal, every rank has a peer whose hash differs from its own. A difference fills the error record
+// (kErrorArgumentMismatch, no abort). With host_verdict, the last CTA to compare publishes the call's call_seq.
+static __device__ __noinline__ int warp_combine_agreement(const KernelContext& ctx, const CombineArgs& args) {
+    const int lane = lane_id();
+    bool ok = true;
+    uint32_t their_hash = args.signature_hash;
+    if (lane < ctx.num_ranks && lane != ctx.rank) {
+        const uint64_t* word = combine_agreement_word(ctx.buffers[ctx.rank], lane, args.call_number);
+        uint32_t seen;
+        ok = wait_geq(ctx, reinterpret_cast<const uint32_t*>(word) + 1, args.call_number,  // the call number half
+                      Site{kKernelCombine, kPhaseCombineWaitAgreement, lane, static_cast<int>(blockIdx.x)}, &seen);
+        if (ok) their_hash = static_cast<uint32_t>(ld_acquire_sys_u64(word));
+    }
+    const bool all_ok = __all_sync(0xffffffffu, ok);
+    const uint32_t differ = __ballot_sync(0xffffffffu, their_hash != args.signature_hash);
+    const int first = differ != 0u ? __ffs(static_cast<int>(differ)) - 1 : 0;
+    const uint32_t first_hash = __shfl_sync(0xffffffffu, their_hash, first);
+    if (lane == 0) {
+        if (all_ok && differ != 0u)
+            fill_error_record(ctx.error, workspace_u32(ctx, kWsErrorClaimOffset), kErrorArgumentMismatch,
+                              kKernelCombine, kPhaseCombineAgreement, ctx.rank, first, static_cast<int>(blockIdx.x),
+                              ctx.call_seq, args.signature_hash, first_hash, 0);
+        if (args.host_verdict != nullptr) {
+            __threadfence();
+            const uint32_t arrived = atomicAdd(workspace_u32(ctx, kWsAgreementArrivalsOffset), 1u) + 1u;
+            if (arrived == gridDim.x) {
+                *workspace_u32(ctx, kWsAgreementArrivalsOffset) = 0u;
+                fence_acq_rel_sys();
+                *reinterpret_cast<volatile int64_t*>(args.host_verdict) = ctx.call_seq;
+                __threadfence_system();
+            }
+        }
+    }
+    return !all_ok ? kCombineAgreementFailed : (differ != 0u ? kCombineAgreementDiffers : kCombineAgreementHolds);
+}
+
+// The last warp of every CTA: the verdict of the call into `agreement` (shared), before the CTA's first barrier.
+__device__ __forceinline__ void combine_agreement(const KernelContext& ctx, const CombineArgs& args,
+                                                  volatile int* agreement) {
+    if (threadIdx.x / 32 != blockDim.x / 32 - 1) return;
+    const int verdict = args.signature_hash != 0u ? warp_combine_agreement(ctx, args) : kCombineAgreementHolds;
+    if (lane_id() == 0) *agreement = verdict;
+}
+
 // One warp: out = bf16(a + b) (b may be null: out = bf16(a)) in float32, kU 16-byte chunks of both rows in flight per
 // lane; `*_ring` selects the coherent load for ring slots. The combine reducer's path when a token has one or two
 // contributions and no bias (every routed token at EP2; a token routed nowhere takes the general path: zeros). Not

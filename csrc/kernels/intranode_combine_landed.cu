@@ -78,6 +78,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     __shared__ int64_t dest_weights[kMaxRanks];            // and of its weights
     __shared__ volatile int progress[kWarps];              // zone senders: items done per sender warp
     __shared__ volatile int cta_failed;
+    __shared__ volatile int agreement;                     // the call's verdict on the ranks' signature hashes
 
     const int rank = ctx.rank, num_ranks = ctx.num_ranks, num_channels = args.num_channels;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = lane_id();
@@ -88,6 +89,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const int num_send_warps = kZone ? args.num_send_warps : 0;  // zone senders per CTA (rows per stripe)
     const int first_reducer = kZone ? num_send_warps + 1 : 0;
     if (threadIdx.x == 0) cta_failed = 0;
+    publish_combine_agreement(ctx, args);
     if (threadIdx.x < kMaxRanks) {
         const int d = static_cast<int>(threadIdx.x);
         landed_cache[d] = epoch_bits;
@@ -110,17 +112,24 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         }
     }
     if (threadIdx.x < kWarps) progress[threadIdx.x] = 0;
+    combine_agreement(ctx, args, &agreement);
     __syncthreads();
+    // The ranks disagree on this call: nothing is sent or reduced, and the last CTA still frees this rank's landing
+    // zones (every peer's next landing-zone combine waits for that). Rows a peer's copies store into them meanwhile
+    // are never read.
+    const bool skip = agreement != kCombineAgreementHolds;
+    if (agreement == kCombineAgreementFailed && threadIdx.x == 0) cta_failed = 1;
 
     if (kZone && warp < first_reducer) {
         // Warp 0: the previous calls' rows of this rank in every peer's combine half must be consumed first.
-        if (warp == 0 && !ctx.skip_sends && !warp_wait_landing_zones_free(ctx, args.copy_epoch) && lane == 0)
+        if (warp == 0 && !ctx.skip_sends && !skip && !warp_wait_landing_zones_free(ctx, args.copy_epoch) &&
+            lane == 0)
             cta_failed = 1;
         named_barrier(kBarrierAllSenders, first_reducer * 32);
     }
     // Zone senders: stripes of W rows of the largest block, stripe s on CTA s % CTAs; this CTA's count.
     int local_stripes = 0;
-    if (kZone) {
+    if (kZone && !skip) {
         int most = 0;
         for (int d = 0; d < num_ranks; ++d) most = max(most, block_rows[d]);
         const int stripes = (most + max(num_send_warps, 1) - 1) / max(num_send_warps, 1);
@@ -166,7 +175,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         const int num_warps = num_ctas * reducers_per_cta;
         int cached_cta = -1;          // lane d, zone senders: the CTA of the last landed word it read, and that word
         uint32_t cached_word = 0u;
-        for (int t = static_cast<int>(blockIdx.x) * reducers_per_cta + reducer; t < args.num_tokens; t += num_warps) {
+        for (int t = static_cast<int>(blockIdx.x) * reducers_per_cta + reducer; t < args.num_tokens && !skip;
+             t += num_warps) {
             if (cta_failed != 0) break;
             const int c = t / per_channel;  // the dispatch channel of t (channel_range)
             // Lane d: j = index of t among channel c's tokens to d; k = landing row of t at d (rows in my token order).

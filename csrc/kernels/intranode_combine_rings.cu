@@ -34,6 +34,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     __shared__ int block_count[kMaxRanks];               // and its number of rows
     __shared__ volatile int progress[kChannelWarps];     // per warp: index of its next item (row or token)
     __shared__ volatile int cta_failed;
+    __shared__ volatile int agreement;                   // the call's verdict on the ranks' signature hashes
 
     const int rank = ctx.rank, num_ranks = ctx.num_ranks, channel = static_cast<int>(blockIdx.x);
     const int num_channels = args.num_channels, capacity = geo.ring.capacity;
@@ -50,6 +51,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     const int num_channel_tokens = end - begin;
 
     if (threadIdx.x == 0) cta_failed = 0;
+    publish_combine_agreement(ctx, args);
     if (threadIdx.x < kMaxRanks) {
         const int d = static_cast<int>(threadIdx.x);
         tail_base[d] = *workspace_u32(ctx, kWsCombineTailShadowOffset + 4 * counter_index(channel, d));
@@ -71,7 +73,18 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         const int w = static_cast<int>(threadIdx.x);
         progress[w] = w < num_copy_warps ? w / num_dests : (w >= first_reducer ? w - first_reducer : 0);
     }
+    combine_agreement(ctx, args, &agreement);
     __syncthreads();
+    if (agreement != kCombineAgreementHolds) {
+        // No row moves and no ring advances on any rank. A peer may have taken a landing-zone path in this call:
+        // its next one waits for `freed` of this call from every rank.
+        if (agreement == kCombineAgreementDiffers && args.mismatch_freed != 0u && channel == 0 &&
+            static_cast<int>(threadIdx.x) < num_ranks && static_cast<int>(threadIdx.x) != rank) {
+            fence_acq_rel_sys();
+            st_release_sys(buffer_u32(ctx.buffers[threadIdx.x], kCombineFreedOffset) + rank, args.mismatch_freed);
+        }
+        return;
+    }
 
     if (warp < first_reducer) {
         if constexpr (kPut) {  // a copy warp's progress starts at its first block (the ring-sender loop below)

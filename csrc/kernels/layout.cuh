@@ -28,6 +28,9 @@
 //                                                   of my rows the owner has finished reading
 //     zone landed       uint32 [kMaxChannels][kMaxRanks]  index cta*kMaxRanks+src: (epoch << 20) | stripes of src's CTA cta
 //                                                   that its zone senders have stored into my landing zone
+//     combine agreement uint64 [kMaxRanks][2]       index src*2+parity: (combine call number << 32) | hash of src's
+//                                                   call signature, written by src at the start of each checked
+//                                                   combine (parity = call number & 1)
 //   [dispatch half: per source s a sub-region of src_bytes; ring (c, s) = capacity records at c*capacity*record]
 //   [combine half:  same shape with combine records; a copy-engine combine uses source s's sub-region as one
 //                   landing zone instead: [rows x hidden BF16][rows x K float32 weights] (CombineLandingZone)]
@@ -84,8 +87,11 @@ constexpr int64_t kCombineLandedOffset = kDispatchOutputOffset + (int64_t)kMaxCh
 constexpr int64_t kCombineFreedOffset = kCombineLandedOffset + kBufferAlignment;
 constexpr int64_t kCombineZoneLandedOffset = kCombineFreedOffset + kBufferAlignment;
 static_assert(4 * kMaxRanks <= kBufferAlignment, "combine landed / freed: one uint32 per rank in one aligned region");
+// A source is at most one checked combine ahead of a reader of its word (its next checked combine waits for the
+// reader's word of that call), so two words per source, by call parity, keep the hash of the reader's call.
+constexpr int64_t kCombineAgreementOffset = kCombineZoneLandedOffset + kCounterBytes;
 constexpr int64_t kControlBytes =
-    (kCombineZoneLandedOffset + kCounterBytes + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
+    (kCombineAgreementOffset + 16LL * kMaxRanks + kBufferAlignment - 1) / kBufferAlignment * kBufferAlignment;
 // Copy-engine combine flags: the landed word packs the call's epoch above the row count, so it grows across calls.
 constexpr int kLandedRowBits = 20;
 constexpr int64_t kMaxLandedRows = (1 << kLandedRowBits) - 1;
@@ -124,8 +130,8 @@ constexpr int64_t kWsDispatchEpochOffset = kWsCombineHeadShadowOffset + kCounter
 constexpr int64_t kWsCombineDoneOffset = kWsDispatchEpochOffset + (int64_t)kMaxChannels * 4;
 // Notify: 1 when the signatures of its last call disagreed (the dispatch that follows it then moves no row), else 0.
 constexpr int64_t kWsNotifyMismatchOffset = kWsCombineDoneOffset + kBufferAlignment;
-// Cached dispatch: CTAs of the current call that have compared the peers' signature hashes (the last one resets it
-// and publishes the call's verdict to the host).
+// Cached dispatch and checked combine: CTAs of the current call that have compared the peers' signature hashes
+// (the last one resets it and publishes the call's verdict to the host).
 constexpr int64_t kWsAgreementArrivalsOffset = kWsNotifyMismatchOffset + kBufferAlignment;
 constexpr int64_t kWsUsedBytes = kWsAgreementArrivalsOffset + 4;
 static_assert(kWsUsedBytes <= kWorkspaceBytes, "workspace too small");

@@ -88,6 +88,10 @@ __device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* ptr) {
     return v;
 }
 
+__device__ __forceinline__ void st_release_sys_u64(uint64_t* ptr, uint64_t v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* ptr, uint64_t v) {
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }

@@ -63,7 +63,8 @@ class DispatchRequest(NamedTuple):
 
 
 class CombineRequest(NamedTuple):
-    """``Buffer.combine``'s arguments (see there): ``bias`` is a tuple of 0 to 2 tensors; ``config`` resolved."""
+    """``Buffer.combine``'s arguments (see there): ``bias`` is a tuple of 0 to 2 tensors; ``config`` resolved;
+    ``signature`` as in :class:`DispatchRequest` (where the kernels carry the call's agreement)."""
 
     x: torch.Tensor
     handle: Any
@@ -73,6 +74,7 @@ class CombineRequest(NamedTuple):
     previous_event: Any = None
     async_finish: bool = False
     allocate_on_comm_stream: bool = False
+    signature: Any = None
 
 
 class LowLatencyDispatchRequest(NamedTuple):
@@ -126,6 +128,9 @@ class Backend(Protocol):
         handle_agreement: a cached ``dispatch`` carries a hash of the call's signature in the words its kernel
             exchanges at its start; a disagreement raises at the backend's next call.
             :meth:`refuse_cached_dispatch` takes part in that exchange for a rank whose validation failed.
+        combine_agreement: ``combine`` carries a hash of the call's signature in the words its kernel exchanges at
+            its start; a disagreement raises at the backend's next call. :meth:`refuse_combine` takes part in that
+            exchange for a rank whose validation failed.
     """
 
     num_ranks: int
@@ -133,6 +138,7 @@ class Backend(Protocol):
     notify_agreement: bool = False
     hashes_signature: bool = False
     handle_agreement: bool = False
+    combine_agreement: bool = False
 
     # Normal mode.
     def get_dispatch_layout(self, request: LayoutRequest) -> DispatchLayout:
@@ -149,6 +155,9 @@ class Backend(Protocol):
 
     def combine(self, request: CombineRequest) -> CombineResult:
         raise _unserved(self, "combine")
+
+    def refuse_combine(self, signature: Any, handle: Any) -> None:
+        raise _unserved(self, "refuse_combine")
 
     def num_channels(self, config: Config) -> int:
         """Channels of this backend's handles for ``config`` (the rule of the CUDA kernels, on every backend)."""

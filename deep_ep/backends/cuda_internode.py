@@ -69,6 +69,8 @@ class SymmetricCuda(CudaBackend):
     # The copy-engine combine copies into peers' buffers with cudaMemcpyAsync; over the NVSHMEM heap that has not
     # run on a GPU yet, so this backend keeps its ring senders.
     copy_engine_combine = False
+    # This backend's combines carry no signature hash (Backend.combine_agreement).
+    combine_agreement = False
     buffer_arg = "num_rdma_bytes"
 
     def __init__(self, rank: int, num_ranks: int, num_rdma_bytes: int, unique_id: bytes, world_rank: int,

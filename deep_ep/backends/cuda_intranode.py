@@ -10,9 +10,9 @@ of the call (``StreamScope.after_current`` / ``current_after``).
 A kernel error raises at the next call (:meth:`CudaBackend.check_errors`), naming rank, peer, channel, phase and the
 awaited value; the CPU's wait for notify's counts raises :class:`CommTimeoutError` directly. After an error every
 rank calls :meth:`CudaBackend.reset` (collective) before the next call. A non-cached dispatch's call signature
-(``deep_ep.backends.agreement``) rides in notify's count exchange, a cached dispatch's hash in the output words its
-kernel exchanges at its start (raised at the next call); ranks that disagree raise :class:`ArgumentMismatchError`
-and stay usable (no row moved, no reset needed).
+(``deep_ep.backends.agreement``) rides in notify's count exchange, a cached dispatch's or a combine's hash in the
+words its kernel exchanges at its start (raised at the next call); ranks that disagree raise
+:class:`ArgumentMismatchError` and stay usable (no row moved, no reset needed).
 """
 from __future__ import annotations
 
@@ -57,6 +57,8 @@ class CudaBackend(Backend):
     notify_agreement = True
     # A cached dispatch's kernel compares the hashes of the ranks' call signatures (Backend.handle_agreement).
     handle_agreement = True
+    # So does a combine's kernel (Backend.combine_agreement).
+    combine_agreement = True
     # The ranks this rank reaches by NVSHMEM puts (cuda_internode.SymmetricCuda sets them; none over IPC).
     put_peers: Sequence[int] = ()
     # Whether the buffers of the world end with a put area (some pair of the world is a put pair; SymmetricCuda).
@@ -151,6 +153,12 @@ class CudaBackend(Backend):
                     "expected is this rank's signature hash, observed the peer's); every rank must pass the same "
                     "handle, x (hidden, dtype), x_scales and config; no rank moved data", self.rank_names,
                     self.rank_scope))
+            if record["phase"] == "combine agreement":
+                raise ArgumentMismatchError(name_ranks(
+                    f"rank {self.rank}: the ranks' combine call signatures differ ({record['message']}: expected is "
+                    "this rank's signature hash, observed the peer's); every rank must pass the same handle, x "
+                    "hidden size, topk_weights (given or not, and its width), number of bias tensors and config; no "
+                    "rank moved data", self.rank_names, self.rank_scope))
             signature, self._worst_signature = self._worst_signature, None
             if signature is not None:
                 self._check_signatures(signature)  # names the argument and the ranks, when the words are still those
@@ -163,7 +171,8 @@ class CudaBackend(Backend):
     # and an event after that notify, which the next call waits for (None once waited for, or under graph capture).
     _worst_signature: Optional[Signature] = None
     _worst_notify: Optional["torch.cuda.Event"] = None
-    # A cached dispatch whose kernel compares signature hashes was launched: the next call awaits its verdict.
+    # A cached dispatch or combine whose kernel compares signature hashes was launched: the next call awaits its
+    # verdict.
     _verdict_pending = False
 
     def _check_signatures(self, signature: Signature, words: Optional[list] = None) -> None:
@@ -202,6 +211,24 @@ class CudaBackend(Backend):
                               tuning.intranode_send_warps("dispatch", self.num_ranks, num_channels,
                                                           puts=bool(self.put_peers)),
                               self._comm_ptr, True, True, signature_hash(signature) or 1)
+        self._verdict_pending = not torch.cuda.is_current_stream_capturing()
+
+    def refuse_combine(self, signature: Signature, handle: object) -> None:
+        """This rank's validation refused a combine with ``handle`` (valid) that its peers make: launch the ring
+        combine kernel of the handle's channels with the hash of the refusal ``signature`` and a stand-in ``x``, so
+        that every peer's kernel sees a hash that differs at once (no rank moves a row). The caller raises its own
+        error now; the next call raises :class:`ArgumentMismatchError` on every rank, this one too."""
+        if self.runtime is None or self.put_peers:
+            return
+        self._call_prologue()
+        handle = self._kernel_handle(handle)
+        num_channels = handle.channel_prefix_matrix.size(1)
+        rows = handle.recv_src_idx.size(0)
+        stand_in = torch.empty(rows, 8, dtype=torch.bfloat16, device=handle.send_head.device)
+        self.runtime.combine(stand_in, None, None, None, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
+                             handle.send_head, num_channels, 8, 256,
+                             tuning.intranode_send_warps("combine", self.num_ranks, num_channels), self._comm_ptr,
+                             True, True, None, [], 0, 0, False, signature_hash(signature) or 1)
         self._verdict_pending = not torch.cuda.is_current_stream_capturing()
 
     def reset(self) -> None:
@@ -451,11 +478,17 @@ class CudaBackend(Backend):
             send_warps = tuning.zone_send_warps() if landed and path == "zone" else \
                 tuning.intranode_send_warps("combine", self.num_ranks, copy_ctas if landed else num_channels,
                                             puts=bool(self.put_peers))
+            # The ranks' agreement rides in the words the kernel exchanges at its start (never 0: 0 is
+            # "unchecked"); the next call raises a disagreement.
+            signature = request.signature
+            hashed = (signature_hash(signature) or 1) if signature is not None and not self.put_peers and \
+                not torch.cuda.is_current_stream_capturing() else 0
             combined_x, combined_topk_weights = self.runtime.combine(
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,
                 config.num_max_nvl_chunked_recv_tokens, send_warps, self._comm_ptr, scope.after_current,
                 scope.current_after, handle.channel_prefix_matrix, pair_counts or [], copy_ctas,
-                tuning.combine_copy_chunk_rows(), path == "zone")
+                tuning.combine_copy_chunk_rows(), path == "zone", hashed)
+            self._verdict_pending = hashed != 0
             event = scope.finish((x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights, *handle))
         return CombineResult(combined_x, combined_topk_weights, event)

@@ -951,6 +951,85 @@ def task_cached_disagree(buffer, rank: int, payload: dict) -> str:
     return "; ".join(seen)
 
 
+def task_combine_disagree(buffer, rank: int, payload: dict) -> str:
+    """On each combine send path (copy engine, rings, zone senders), rank 1 passes a combine a different hidden
+    size, topk_weights where rank 0 passes none, a bias where rank 0 passes none, a different config chunking, and
+    hidden sizes that differ while the two ranks take different send paths: the kernels move no row on any rank,
+    and every rank's next call raises ArgumentMismatchError naming the combine, well under a second, before it
+    launches anything. Then rank 1 refuses a combine (a row too few): it raises its own ValueError at once, and
+    every rank's next call raises as above. After each, a correct dispatch and combine give every rank's rows in
+    (source rank, token) order and their sum (rings, landing-zone epochs and combine call numbers stayed in step)."""
+    import time
+
+    import deep_ep
+    import deep_ep.testing
+    n, h, world = 32, 256, buffer.group_size
+    num_experts, config = 2 * world, deep_ep.Config(4, 8, 256)
+    x = _pattern_x(rank, n, h, 0).to(DEVICE)
+    # Every token selects expert 2r on every rank r: all rows reach every rank.
+    topk_idx = (torch.arange(world, device=DEVICE) * 2).repeat(n, 1).to(deep_ep.topk_idx_t)
+    weights = torch.ones(n, world, dtype=torch.float32, device=DEVICE)
+    layout = buffer.get_dispatch_layout(topk_idx, num_experts)
+    want = torch.cat([_pattern_x(r, n, h, 0) for r in range(world)]).to(DEVICE)
+
+    def dispatch():
+        return buffer.dispatch(x, num_tokens_per_rank=layout.num_tokens_per_rank,
+                               is_token_in_rank=layout.is_token_in_rank,
+                               num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=topk_idx,
+                               topk_weights=weights, config=config)
+
+    def correct(label: str, path: str):
+        d = dispatch()
+        assert torch.equal(d.recv_x, want), f"after {label}: recv_x differs from every rank's rows in rank order"
+        epoch = _copy_epoch(buffer)
+        c = buffer.combine(d.recv_x, d.handle, topk_weights=d.recv_topk_weights, config=config)
+        torch.cuda.synchronize()
+        assert torch.equal(c.combined_x.float(), x.float() * world), f"after {label}: combine differs"
+        # Rank d's received weights are 1 in column d (its expert) and 0 elsewhere: their sum is every weight.
+        assert torch.equal(c.combined_topk_weights, weights), f"after {label}: combined weights differ"
+        assert (_copy_epoch(buffer) > epoch) == (path != "rings"), f"after {label}: not the {path} send path"
+        return d
+
+    other = rank == 1
+    seen = []
+    for path in ("copy", "rings", "zone"):
+        with deep_ep.testing.overrides(combine_send=path):
+            d = correct(f"{path} start", path)
+            y, handle, w = d.recv_x, d.handle, d.recv_topk_weights
+            bias = torch.ones(n, h, dtype=torch.bfloat16, device=DEVICE)
+            steps = [("hidden", dict(x=torch.cat([y, y], 1) if other else y), path),
+                     ("topk_weights", dict(topk_weights=w if other else None), path),
+                     ("bias", dict(bias=bias if other else None), path),
+                     ("config", dict(config=deep_ep.Config(4, 6, 256) if other else config), path),
+                     ("paths", dict(x=torch.cat([y, y], 1) if other else y), "rings" if other else path),
+                     ("refusal", dict(x=y[:-1] if other else y), path)]
+            for name, kwargs, own_path in steps:
+                call = {"x": y, "handle": handle, "config": config, **kwargs}
+                refused = False
+                start = time.monotonic()
+                try:
+                    with deep_ep.testing.overrides(combine_send=own_path):
+                        buffer.combine(**call)
+                except ValueError as exc:
+                    assert not isinstance(exc, deep_ep.ArgumentMismatchError) and str(exc).startswith("x must"), exc
+                    assert time.monotonic() - start < 1.0, f"{path} {name}: the refusal took too long"
+                    refused = True
+                assert refused == (name == "refusal" and other), f"{path} {name}: the call itself raised: {refused}"
+                start = time.monotonic()
+                try:
+                    buffer.combine(y, handle, config=config)
+                except deep_ep.ArgumentMismatchError as exc:
+                    elapsed = time.monotonic() - start
+                    assert "combine call signatures differ" in str(exc), f"{path} {name}: {exc}"
+                    assert world != 2 or f"peer {1 - rank}" in str(exc), f"{path} {name}: {exc}"
+                    assert elapsed < 1.0, f"{path} {name}: raised after {elapsed:.3f} s"
+                    seen.append(f"{path} {name}: {elapsed * 1e3:.0f} ms")
+                else:
+                    raise AssertionError(f"{path}: a combine whose {name} differs between the ranks did not raise")
+                correct(f"{path} {name}", path)
+    return "; ".join(seen)
+
+
 def _pattern_x(rank: int, n: int, h: int, salt: int) -> torch.Tensor:
     """Rows that identify (rank, token, salt); small integers, exact in BF16."""
     t = torch.arange(n, dtype=torch.int64).view(n, 1)
@@ -1047,7 +1126,7 @@ def task_reset(buffer, rank: int, payload) -> str:
 TASKS: dict[str, Callable] = {"roundtrip": task_roundtrip, "graph": task_graph, "stall": task_stall,
                               "sequence": task_sequence, "bad_routing": task_bad_routing, "reset": task_reset,
                               "pool_lifetime": task_pool_lifetime, "disagree": task_disagree,
-                              "cached_disagree": task_cached_disagree}
+                              "cached_disagree": task_cached_disagree, "combine_disagree": task_combine_disagree}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1160,6 +1239,13 @@ def test_cached_disagreement_raises_at_next_call(pools):
     if DEVICE != "cuda":
         pytest.skip("the CUDA kernels' agreement (the torch backend raises in the call itself)")
     print(pools(2).run("cached_disagree", None))
+
+
+def test_combine_disagreement_raises_at_next_call(pools):
+    """Two ranks on one GPU: see task_combine_disagree."""
+    if DEVICE != "cuda":
+        pytest.skip("the CUDA kernels' agreement (the torch backend raises in the call itself)")
+    print(pools(2).run("combine_disagree", None))
 
 
 def test_killed_peer_times_out():
