@@ -231,10 +231,7 @@ def _bench_inputs(buffer, rank: int) -> tuple:
 
 def task_rings_too_small(buffer, rank: int, payload) -> str:
     """The benchmark's first dispatch on a put buffer too small for its rings raises ValueError naming
-    num_rdma_bytes before any kernel. Then the extension's own launcher checks, called directly on the same
-    geometry: the fused dispatch launcher's ring check (kernels/fused_internode.cu) and the host entry's argument
-    check (fused_internode.cpp) each raise ValueError in this process (no host crash), launching nothing."""
-    import sys
+    num_rdma_bytes before any kernel (the extension's own ring check is never reached)."""
     x, kwargs = _bench_inputs(buffer, rank)
     try:
         buffer.dispatch(x, **kwargs)
@@ -244,35 +241,14 @@ def task_rings_too_small(buffer, rank: int, payload) -> str:
     else:
         raise AssertionError("a dispatch whose rings do not fit the buffer was accepted")
     torch.cuda.synchronize()
-    runtime = ti._kernel_runtime(buffer)
-    if runtime is None:
-        return text
-    channels, nodes, ranks = BENCH_SMS // 2, 2, buffer.group_size
-    ints = dict(dtype=torch.int32, device=ti.DEVICE)
-    prefixes = (torch.zeros(nodes, channels, **ints), torch.zeros(nodes, **ints),
-                torch.zeros(ranks, channels, **ints), torch.zeros(ranks, **ints))
-    seen = []
-    for name, rows, want in (("launcher ring check", 0, "num_rdma_bytes must be >="),
-                             ("host argument check", -1, "num_recv_rows must be >= 0")):
-        print(f"rank {rank}: {name} (C++)", file=sys.stderr, flush=True)
-        try:
-            runtime.fused_dispatch(x, None, None, None, 0, kwargs["is_token_in_rank"], ranks // nodes, *prefixes,
-                                   None, None, None, rows, False, channels, 6, 258, 8, 256,
-                                   torch.cuda.current_stream().cuda_stream, False, False)
-        except ValueError as exc:
-            assert want in str(exc), (name, str(exc))
-            seen.append(name)
-        else:
-            raise AssertionError(f"{name}: the extension accepted the call")
-    torch.cuda.synchronize()
-    return f"{text}; {', '.join(seen)} raised ValueError"
+    return text
 
 
 @pytest.mark.multi_gpu(4)
 def test_put_rings_too_small_raise_and_the_buffer_stays_usable():
     """2 x 2 under internode_put_only with the put tests' 256 MiB: the benchmark's first dispatch (12 channels of
-    7168-BF16 records) raises ValueError on every rank before any kernel, the extension's own checks raise rather
-    than crash, and a round trip afterwards matches ``reference``."""
+    7168-BF16 records) raises ValueError on every rank before any kernel, and a round trip afterwards matches
+    ``reference``."""
     pool = _make_pool(2, 2, PUT_RDMA_BYTES, put_only=True)
     try:
         replies = pool.run("test_fused_internode:task_rings_too_small", None)
