@@ -247,6 +247,17 @@ def make_fake_extension(torch) -> types.ModuleType:
         def pair_counts(self):
             return [self.num_recv] * (self.num_ranks * self.num_ranks)
 
+        def _compare_hashes(self, signature_hash, op):
+            """Every rank's kernel compares every peer's hash with its own; the first difference is recorded and the
+            verdict awaits the host's next call."""
+            hashes = gather(signature_hash)
+            differ = [s for s, h in enumerate(hashes) if h != signature_hash]
+            if differ and self.record is None:
+                self.record = dict(code="argument_mismatch", phase=f"{op} agreement", rank=self.rank, peer=differ[0],
+                                   message=f"{op} agreement: rank {self.rank} peer {differ[0]} expected "
+                                           f"{signature_hash} observed {hashes[differ[0]]} (fake)")
+            self.pending_verdict = True
+
         def dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, is_token_in_rank, rank_prefix_matrix,
                      channel_prefix_matrix, recv_channel_prefix_matrix, send_head, rows, recv_src_idx, data_offset,
                      meta_offset, *rest):
@@ -254,14 +265,7 @@ def make_fake_extension(torch) -> types.ModuleType:
             signature_hash = rest[-1]
             if signature_hash:  # a cached call: every rank's kernel compares the hashes in the output words
                 assert recv_src_idx is not None, "signature_hash is for cached calls"
-                hashes = gather(signature_hash)
-                differ = [s for s, h in enumerate(hashes) if h != signature_hash]
-                if differ and self.record is None:
-                    self.record = dict(code="argument_mismatch", phase="dispatch agreement", rank=self.rank,
-                                       peer=differ[0],
-                                       message=f"dispatch agreement: rank {self.rank} peer {differ[0]} expected "
-                                               f"{signature_hash} observed {hashes[differ[0]]} (fake)")
-                self.pending_verdict = True
+                self._compare_hashes(signature_hash, "dispatch")
             scales = None if x_scales is None else torch.empty(rows, x_scales.size(1), dtype=x_scales.dtype)
             if recv_src_idx is None:
                 recv_src_idx = torch.empty(rows, dtype=torch.int32)
@@ -281,14 +285,7 @@ def make_fake_extension(torch) -> types.ModuleType:
             self.launches.append("combine")
             signature_hash = rest[12]
             if signature_hash:  # every rank's kernel compares the hashes in the agreement words
-                hashes = gather(signature_hash)
-                differ = [s for s, h in enumerate(hashes) if h != signature_hash]
-                if differ and self.record is None:
-                    self.record = dict(code="argument_mismatch", phase="combine agreement", rank=self.rank,
-                                       peer=differ[0],
-                                       message=f"combine agreement: rank {self.rank} peer {differ[0]} expected "
-                                               f"{signature_hash} observed {hashes[differ[0]]} (fake)")
-                self.pending_verdict = True
+                self._compare_hashes(signature_hash, "combine")
             weights = None if topk_weights is None else torch.empty(send_head.size(0), topk_weights.size(1))
             return torch.empty(send_head.size(0), x.size(1), dtype=x.dtype), weights
 

@@ -353,23 +353,27 @@ def _cuda_include() -> str | None:
     return None
 
 
-def test_put_mask_mirror_matches_cpp(tmp_path):
-    """The kernels' put mask (KernelContext::put_mask, put_bit) has a bit for every rank of a fused group and of a
-    runtime, as deep_ep/config.py and the fake extension's runtime (tests/fake_cuda.py) assume."""
+def _run_host_program(tmp_path, name: str, program: str, stdin: str | None = None) -> str:
+    """Builds ``program`` with g++ against the kernels' headers and returns what it prints (given ``stdin``);
+    skips without a host C++ compiler or the CUDA headers."""
     import shutil
-    import subprocess
 
     from fake_cuda import ROOT
-
-    from deep_ep import config
     include = _cuda_include()
     if shutil.which("g++") is None or include is None:
         pytest.skip("needs a host C++ compiler and the CUDA headers")
-    source, binary = tmp_path / "put_mask.cpp", tmp_path / "put_mask"
-    source.write_text(_PUT_MASK_PROGRAM)
+    source, binary = tmp_path / f"{name}.cpp", tmp_path / name
+    source.write_text(program)
     subprocess.run(["g++", "-std=c++17", "-I", f"{ROOT}/csrc/kernels", "-I", include, str(source), "-o", str(binary)],
                    check=True)
-    lines = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.split()
+    return subprocess.run([str(binary)], input=stdin, check=True, capture_output=True, text=True).stdout
+
+
+def test_put_mask_mirror_matches_cpp(tmp_path):
+    """The kernels' put mask (KernelContext::put_mask, put_bit) has a bit for every rank of a fused group and of a
+    runtime, as deep_ep/config.py and the fake extension's runtime (tests/fake_cuda.py) assume."""
+    from deep_ep import config
+    lines = _run_host_program(tmp_path, "put_mask", _PUT_MASK_PROGRAM).split()
     fused, runtime, bits = map(int, lines[:3])
     assert (fused, runtime) == (config.NUM_MAX_FUSED_RANKS, config.NUM_MAX_RUNTIME_RANKS)
     assert bits >= max(fused, runtime)
@@ -420,22 +424,10 @@ def test_fused_rings_mirror_matches_cpp(tmp_path):
     """deep_ep.layout's put area and fused ring sizes (Buffer's check before a fused call) are the kernels'
     (put_layout, fused_layout, fused_half_bytes): the same region, half and ring bytes for each case, and the
     smallest buffer fused_min_rdma_bytes names holds the rings where 128 bytes less does not."""
-    import shutil
-    import subprocess
-
-    from fake_cuda import ROOT
-
     from deep_ep import layout
-    include = _cuda_include()
-    if shutil.which("g++") is None or include is None:
-        pytest.skip("needs a host C++ compiler and the CUDA headers")
-    source, binary = tmp_path / "rings.cpp", tmp_path / "rings"
-    source.write_text(_RINGS_PROGRAM)
-    subprocess.run(["g++", "-std=c++17", "-I", f"{ROOT}/csrc/kernels", "-I", include, str(source), "-o", str(binary)],
-                   check=True)
     cases = _rings_cases()
     stdin = "\n".join(" ".join(str(v) for v in case) for case in cases)
-    lines = subprocess.run([str(binary)], input=stdin, check=True, capture_output=True, text=True).stdout.splitlines()
+    lines = _run_host_program(tmp_path, "rings", _RINGS_PROGRAM, stdin).splitlines()
     control, header, rings_offset = map(int, lines[0].split())
     assert (control, header, rings_offset) == (layout.intranode_control_bytes(), layout.put_header_bytes(),
                                                layout.fused_rings_offset())

@@ -890,6 +890,24 @@ def task_disagree(buffer, rank: int, payload: dict) -> str:
     return "; ".join(seen)
 
 
+def _raises_mismatch_promptly(call, needle: str, label: str, world: int, rank: int, not_raised: str) -> str:
+    """``call()`` (the call after one the ranks disagreed on) raises ArgumentMismatchError mentioning ``needle`` (and,
+    with two ranks, the peer) within a second; returns "``label``: N ms"."""
+    import time
+
+    import deep_ep
+    start = time.monotonic()
+    try:
+        call()
+    except deep_ep.ArgumentMismatchError as exc:
+        elapsed = time.monotonic() - start
+        assert needle in str(exc), f"{label}: {exc}"
+        assert world != 2 or f"peer {1 - rank}" in str(exc), f"{label}: {exc}"
+        assert elapsed < 1.0, f"{label}: raised after {elapsed:.3f} s"
+        return f"{label}: {elapsed * 1e3:.0f} ms"
+    raise AssertionError(not_raised)
+
+
 def task_cached_disagree(buffer, rank: int, payload: dict) -> str:
     """Rank 1 passes a cached dispatch a different hidden size, dtype, FP8 payload or config chunking: its kernel
     moves no row on any rank, and every rank's next call raises ArgumentMismatchError naming the cached dispatch,
@@ -897,8 +915,6 @@ def task_cached_disagree(buffer, rank: int, payload: dict) -> str:
     raises its own ValueError at once, and every rank's next call raises as above. After each, a correct cached
     dispatch and combine give every rank's rows in (source rank, token) order and their sum (the rings and epochs
     stayed in step)."""
-    import time
-
     import deep_ep
     n, h, world = 32, 256, buffer.group_size
     num_experts, config = 2 * world, deep_ep.Config(4, 8, 256)
@@ -936,17 +952,9 @@ def task_cached_disagree(buffer, rank: int, payload: dict) -> str:
             assert not isinstance(exc, deep_ep.ArgumentMismatchError) and str(exc).startswith("x must"), str(exc)
             refused = True
         assert refused == (name == "refusal" and other), f"{name}: the call itself raised: {refused}"
-        start = time.monotonic()
-        try:
-            buffer.dispatch(x, handle=handle, config=config)
-        except deep_ep.ArgumentMismatchError as exc:
-            elapsed = time.monotonic() - start
-            assert "cached dispatch" in str(exc), f"{name}: {exc}"
-            assert world != 2 or f"peer {1 - rank}" in str(exc), f"{name}: {exc}"
-            assert elapsed < 1.0, f"{name}: raised after {elapsed:.3f} s"
-            seen.append(f"{name}: {elapsed * 1e3:.0f} ms")
-        else:
-            raise AssertionError(f"a cached dispatch whose {name} differs between the ranks did not raise")
+        seen.append(_raises_mismatch_promptly(
+            functools.partial(buffer.dispatch, x, handle=handle, config=config), "cached dispatch", name, world, rank,
+            f"a cached dispatch whose {name} differs between the ranks did not raise"))
         correct(name)
     return "; ".join(seen)
 
@@ -1015,17 +1023,10 @@ def task_combine_disagree(buffer, rank: int, payload: dict) -> str:
                     assert time.monotonic() - start < 1.0, f"{path} {name}: the refusal took too long"
                     refused = True
                 assert refused == (name == "refusal" and other), f"{path} {name}: the call itself raised: {refused}"
-                start = time.monotonic()
-                try:
-                    buffer.combine(y, handle, config=config)
-                except deep_ep.ArgumentMismatchError as exc:
-                    elapsed = time.monotonic() - start
-                    assert "combine call signatures differ" in str(exc), f"{path} {name}: {exc}"
-                    assert world != 2 or f"peer {1 - rank}" in str(exc), f"{path} {name}: {exc}"
-                    assert elapsed < 1.0, f"{path} {name}: raised after {elapsed:.3f} s"
-                    seen.append(f"{path} {name}: {elapsed * 1e3:.0f} ms")
-                else:
-                    raise AssertionError(f"{path}: a combine whose {name} differs between the ranks did not raise")
+                seen.append(_raises_mismatch_promptly(
+                    functools.partial(buffer.combine, y, handle, config=config), "combine call signatures differ",
+                    f"{path} {name}", world, rank,
+                    f"{path}: a combine whose {name} differs between the ranks did not raise"))
                 correct(f"{path} {name}", path)
     return "; ".join(seen)
 
