@@ -2,6 +2,7 @@
 #include "buffer.hpp"
 
 #include "kernels/fused_internode.cuh"
+#include "status.hpp"
 
 #include <c10/cuda/CUDAStream.h>
 
@@ -221,8 +222,9 @@ std::vector<int> Runtime::sync_symmetric(const std::string& unique_id, int world
     }
     if (pes[rank_] != world_rank)
         invalid("pes[%d] (this rank) must be this process's PE %d, got %d", rank_, world_rank, pes[rank_]);
-    kernels::ll::nvshmem_bootstrap(std::vector<uint8_t>(unique_id.begin(), unique_id.end()), world_rank, world_size);
-    local_buffer_ = kernels::ll::nvshmem_alloc_zeroed(num_nvl_bytes_);  // collective over the world
+    throw_if_failed(kernels::ll::nvshmem_bootstrap(std::vector<uint8_t>(unique_id.begin(), unique_id.end()),
+                                                   world_rank, world_size));
+    throw_if_failed(kernels::ll::nvshmem_alloc_zeroed(num_nvl_bytes_, &local_buffer_));  // collective over the world
     peer_buffers_ = kernels::ll::nvshmem_peer_pointers(local_buffer_, pes);
     pes_ = pes;
     std::vector<int> unreachable;
@@ -348,7 +350,7 @@ void Runtime::check_error() const {
 void Runtime::reset(uintptr_t stream) {
     require_available("reset");
     auto ctx = next_context();
-    kernels::intranode_reset(ctx, as_stream(stream));
+    throw_if_failed(kernels::intranode_reset(ctx, as_stream(stream)));
     if (fused_gpus_per_node_ > 0)
         DEEP_EP_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(local_buffer_) + kernels::kControlBytes, 0,
                                            kernels::kFusedRingsOffset - kernels::kControlBytes, as_stream(stream)));
@@ -369,7 +371,7 @@ void Runtime::reset(uintptr_t stream) {
 void Runtime::signal_abort(uintptr_t stream) {
     require_available("signal_abort");
     auto ctx = next_context();
-    kernels::intranode_signal_abort(ctx, as_stream(stream));
+    throw_if_failed(kernels::intranode_signal_abort(ctx, as_stream(stream)));
 }
 
 at::Tensor Runtime::get_local_buffer_tensor(at::ScalarType dtype, int64_t offset) const {
@@ -483,11 +485,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> Runtime::get_dispatch_layout(cons
     at::Tensor is_token_in_rank = at::empty({num_tokens, num_ranks_}, topk_idx.options().dtype(at::kBool));
     if (after_current) order(as_stream(stream), current_stream());
     const int topk_idx_bytes = static_cast<int>(topk_idx.element_size());
-    kernels::get_dispatch_layout(data_of(topk_idx, workspace_), topk_idx_bytes, num_tokens,
-                                 static_cast<int>(topk_idx.size(1)), num_ranks_, num_experts, num_ranks_,
-                                 data_of<int>(num_tokens_per_rank, workspace_), nullptr,
-                                 data_of<int>(num_tokens_per_expert, workspace_),
-                                 data_of<bool>(is_token_in_rank, workspace_), as_stream(stream));
+    throw_if_failed(kernels::get_dispatch_layout(
+        data_of(topk_idx, workspace_), topk_idx_bytes, num_tokens, static_cast<int>(topk_idx.size(1)), num_ranks_,
+        num_experts, num_ranks_, data_of<int>(num_tokens_per_rank, workspace_), nullptr,
+        data_of<int>(num_tokens_per_expert, workspace_), data_of<bool>(is_token_in_rank, workspace_),
+        as_stream(stream)));
     if (current_after) order(current_stream(), as_stream(stream));
     return {num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank};
 }
@@ -519,7 +521,7 @@ void Runtime::notify_dispatch(const at::Tensor& num_tokens_per_rank, const at::T
     arm_notify(args, signature, check_signatures, worst_token_mode);
     if (after_current) order(as_stream(stream), current_stream());
     auto ctx = next_context();
-    kernels::intranode_notify(ctx, args, as_stream(stream));
+    throw_if_failed(kernels::intranode_notify(ctx, args, as_stream(stream)));
 }
 
 void Runtime::refuse_notify(const std::vector<int64_t>& signature, uintptr_t stream) {
@@ -746,7 +748,7 @@ Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales
     if (verdict) args.host_verdict = reinterpret_cast<int64_t*>(device_counters_ + kVerdictIntOffset);
     if (after_current) order(as_stream(stream), current_stream());
     auto ctx = next_context();
-    kernels::intranode_dispatch(ctx, args, as_stream(stream));
+    throw_if_failed(kernels::intranode_dispatch(ctx, args, as_stream(stream)));
     if (verdict) pending_verdict_ = ctx.call_seq;
     if (current_after) order(current_stream(), as_stream(stream));
     return {recv_x, recv_x_scales, recv_src_idx, recv_topk_idx, recv_topk_weights};
@@ -818,12 +820,12 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
         if (zone) {
             // Zone senders: the same landing zones and epochs, the rows stored by this kernel's own sender warps.
             args.copy_epoch = ++copy_epoch_;
-            kernels::intranode_combine_landed(ctx, args, copy_ctas, true, as_stream(stream));
+            throw_if_failed(kernels::intranode_combine_landed(ctx, args, copy_ctas, true, as_stream(stream)));
         } else {
             combine_by_copy(ctx, args, pair_counts, copy_ctas, copy_chunk_rows, as_stream(stream));
         }
     } else {
-        kernels::intranode_combine(ctx, args, as_stream(stream));
+        throw_if_failed(kernels::intranode_combine(ctx, args, as_stream(stream)));
     }
     if (checked) {
         combine_calls_ = args.call_number;
@@ -869,12 +871,12 @@ void Runtime::publish_landed(const kernels::KernelContext& ctx, const kernels::L
                 write = nullptr;
                 kernels::LandedFlags rest{};
                 for (int r = d; r < num_ranks_; ++r) rest.values[r] = flags.values[r];
-                kernels::intranode_combine_copy_flag(ctx, rest, copy_stream_);
+                throw_if_failed(kernels::intranode_combine_copy_flag(ctx, rest, copy_stream_));
             }
         }
         return;
     }
-    kernels::intranode_combine_copy_flag(ctx, flags, copy_stream_);
+    throw_if_failed(kernels::intranode_combine_copy_flag(ctx, flags, copy_stream_));
 }
 
 bool Runtime::would_copy(const std::vector<int64_t>& pair_counts, int hidden, int num_topk) const {
@@ -899,7 +901,7 @@ void Runtime::combine_by_copy(const kernels::KernelContext& ctx, kernels::Combin
     // hardware queue (CUDA_DEVICE_MAX_CONNECTIONS), and work queued behind a spinning kernel would never start.
     DEEP_EP_CUDA_CHECK(cudaEventRecord(copy_event_, stream));
     DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, copy_event_, 0));
-    kernels::intranode_combine_copy_prepare(ctx, args.copy_epoch, copy_stream_);
+    throw_if_failed(kernels::intranode_combine_copy_prepare(ctx, args.copy_epoch, copy_stream_));
     // My receive block from d: x rows [first[d], first[d] + rows[d]), in d's token order; it lands in my zone at d.
     std::vector<int64_t> first(R), rows(R);
     std::vector<kernels::CombineLandingZone> zones(R);
@@ -939,7 +941,7 @@ void Runtime::combine_by_copy(const kernels::KernelContext& ctx, kernels::Combin
             chunk = std::min(full, chunk * 2);
         }
     }
-    kernels::intranode_combine_landed(ctx, args, copy_ctas, false, stream);
+    throw_if_failed(kernels::intranode_combine_landed(ctx, args, copy_ctas, false, stream));
     DEEP_EP_CUDA_CHECK(cudaEventRecord(copy_event_, copy_stream_));
     DEEP_EP_CUDA_CHECK(cudaStreamWaitEvent(stream, copy_event_, 0));
 }
@@ -947,7 +949,7 @@ void Runtime::combine_by_copy(const kernels::KernelContext& ctx, kernels::Combin
 void Runtime::barrier(uintptr_t stream) {
     require_available("barrier");
     auto ctx = next_context();
-    kernels::intranode_barrier(ctx, as_stream(stream));
+    throw_if_failed(kernels::intranode_barrier(ctx, as_stream(stream)));
 }
 
 }  // namespace deep_ep

@@ -5,6 +5,7 @@
 
 #include "buffer.hpp"
 #include "kernels/fused_internode.cuh"
+#include "status.hpp"
 
 namespace deep_ep {
 
@@ -104,7 +105,7 @@ void Runtime::fused_notify(const at::Tensor& num_tokens_per_rank,
     arm_notify(args, signature, check_signatures, worst_token_mode);
     if (after_current) order(as_stream_handle(stream), current_stream());
     auto ctx = next_context();
-    kernels::fused_notify(ctx, args, as_stream_handle(stream));
+    throw_if_failed(kernels::fused_notify(ctx, args, as_stream_handle(stream)));
 }
 
 void Runtime::fused_refuse_notify(const std::vector<int64_t>& signature, int gpus_per_node, uintptr_t stream) {
@@ -224,7 +225,7 @@ Runtime::fused_dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_
     args.agreement_gate = send_rdma_head.has_value() ? 1 : 0;
     if (after_current) order(as_stream_handle(stream), current_stream());
     auto ctx = next_context();
-    kernels::fused_dispatch(ctx, geometry, args, as_stream_handle(stream));
+    throw_if_failed(kernels::fused_dispatch(ctx, geometry, args, as_stream_handle(stream)));
     if (current_after) order(current_stream(), as_stream_handle(stream));
     return {recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights};
 }
@@ -292,7 +293,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::fused_combine(
     args.num_max_nvl_send_tokens = num_max_nvl_send_tokens;
     if (after_current) order(as_stream_handle(stream), current_stream());
     auto ctx = next_context();
-    kernels::fused_combine(ctx, geometry, args, as_stream_handle(stream));
+    throw_if_failed(kernels::fused_combine(ctx, geometry, args, as_stream_handle(stream)));
     if (current_after) order(current_stream(), as_stream_handle(stream));
     return {combined_x, combined_topk_weights};
 }

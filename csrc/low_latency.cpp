@@ -9,9 +9,17 @@
 #include <stdexcept>
 
 #include "buffer.hpp"  // DeviceError
-#include "kernels/exception.cuh"
+#include "status.hpp"
 
 #ifndef DEEP_EP_DISABLE_NVSHMEM
+
+// Checks of this file: std::invalid_argument built from the streamed parts, and std::runtime_error
+// "CUDA error <name>: <text> at <file>:<line> '<expr>'".
+#define DEEP_EP_CHECK_ARG(cond, ...)                                                 \
+    do {                                                                             \
+        if (!(cond)) throw_if_failed(kernels::invalid_argument_status(__VA_ARGS__)); \
+    } while (0)
+#define DEEP_EP_CUDA_CHECK(expr) throw_if_failed(kernels::cuda_status((expr), #expr, __FILE__, __LINE__))
 
 namespace deep_ep {
 
@@ -36,7 +44,8 @@ const char* code_name(int32_t code) { return kernels::error_code_name(code); }
 }  // namespace
 
 std::string ll_unique_id() {
-    const auto id = ll::nvshmem_unique_id();
+    std::vector<uint8_t> id;
+    throw_if_failed(ll::nvshmem_unique_id(&id));
     return std::string(id.begin(), id.end());
 }
 
@@ -67,8 +76,8 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_b
     num_blocks_ = std::min(sms, ll::kMaxBlocks);
     DEEP_EP_CHECK_ARG(num_blocks_ >= 16, "the low-latency kernels need a GPU with >= 16 SMs, got ", sms);
 
-    ll::nvshmem_bootstrap(std::vector<uint8_t>(unique_id.begin(), unique_id.end()), rank, num_ranks);
-    sym_ = ll::nvshmem_alloc_zeroed(num_rdma_bytes);
+    throw_if_failed(ll::nvshmem_bootstrap(std::vector<uint8_t>(unique_id.begin(), unique_id.end()), rank, num_ranks));
+    throw_if_failed(ll::nvshmem_alloc_zeroed(num_rdma_bytes, &sym_));
     std::vector<int> pes(num_ranks);
     for (int r = 0; r < num_ranks; ++r) pes[r] = r;  // the low-latency group is the whole NVSHMEM world
     auto peers = ll::nvshmem_peer_pointers(sym_, pes);
@@ -93,7 +102,7 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_b
     std::memset(host_error_, 0, sizeof(kernels::ErrorRecord));
     DEEP_EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_error_), host_error_, 0));
     DEEP_EP_CUDA_CHECK(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming));
-    ll::configure_kernels();
+    throw_if_failed(ll::configure_kernels());
     DEEP_EP_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -113,13 +122,15 @@ void LowLatencyRuntime::require_alive(const char* what) const {
 }
 
 int64_t LowLatencyRuntime::required_bytes(int num_max_tokens, int hidden, int num_experts) const {
-    return ll::make_layout(num_ranks_, num_max_tokens, hidden, num_experts, INT64_MAX).total_bytes;
+    ll::Layout layout{};
+    throw_if_failed(ll::make_layout(num_ranks_, num_max_tokens, hidden, num_experts, INT64_MAX, &layout));
+    return layout.total_bytes;
 }
 
 const ll::Layout& LowLatencyRuntime::layout(int num_max_tokens, int hidden, int num_experts) {
     if (!has_layout_ || layout_.num_tokens_max != num_max_tokens || layout_.hidden != hidden ||
         layout_.num_experts != num_experts) {
-        layout_ = ll::make_layout(num_ranks_, num_max_tokens, hidden, num_experts, num_rdma_bytes_);
+        throw_if_failed(ll::make_layout(num_ranks_, num_max_tokens, hidden, num_experts, num_rdma_bytes_, &layout_));
         has_layout_ = true;
     }
     return layout_;
@@ -246,7 +257,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor, at::Tensor, at::Te
     a.signature_hash = signature_hash;
     const cudaStream_t stream = enter(comm_stream);
     a.release_by_next_send = order_launch(stream, half, phases, comm_stream != 0);
-    ll::dispatch(ctx, a, stream);
+    throw_if_failed(ll::dispatch(ctx, a, stream));
     leave(stream, current_after);
     return {recv_x, scales, count, src_info, layout_range};
 }
@@ -281,7 +292,7 @@ at::Tensor LowLatencyRuntime::combine(const at::Tensor& x, const at::Tensor& top
     a.signature_hash = signature_hash;
     const cudaStream_t stream = enter(comm_stream);
     a.release_by_next_send = order_launch(stream, half, phases, comm_stream != 0);
-    ll::combine(ctx, a, stream);
+    throw_if_failed(ll::combine(ctx, a, stream));
     leave(stream, current_after);
     return combined;
 }
@@ -289,7 +300,8 @@ at::Tensor LowLatencyRuntime::combine(const at::Tensor& x, const at::Tensor& top
 void LowLatencyRuntime::refuse_combine(int num_max_tokens, int hidden, int num_experts, uint32_t signature_hash) {
     require_alive("low_latency_combine");
     require_no_error();
-    ll::refuse_combine(context(num_max_tokens, hidden, num_experts), signature_hash, current_stream());
+    throw_if_failed(
+        ll::refuse_combine(context(num_max_tokens, hidden, num_experts), signature_hash, current_stream()));
 }
 
 at::Tensor LowLatencyRuntime::combine_buffer(int num_max_tokens, int hidden, int num_experts, int half) {
@@ -303,14 +315,14 @@ at::Tensor LowLatencyRuntime::combine_buffer(int num_max_tokens, int hidden, int
 
 void LowLatencyRuntime::barrier(uintptr_t stream) {
     auto ctx = context(1, ll::kMinHidden, num_ranks_);
-    ll::barrier(ctx, as_stream(stream));
+    throw_if_failed(ll::barrier(ctx, as_stream(stream)));
 }
 
 void LowLatencyRuntime::clean(int num_max_tokens, int hidden, int num_experts, uintptr_t stream) {
     auto ctx = context(num_max_tokens, hidden, num_experts);
-    ll::barrier(ctx, as_stream(stream));
-    ll::clean(ctx, as_stream(stream));
-    ll::barrier(ctx, as_stream(stream));
+    throw_if_failed(ll::barrier(ctx, as_stream(stream)));
+    throw_if_failed(ll::clean(ctx, as_stream(stream)));
+    throw_if_failed(ll::barrier(ctx, as_stream(stream)));
     last_ordered_stream_ = nullptr;  // the clean zeroed the release counts and the record of unreleased halves
     last_send_half_ = -1;
     call_seq_ = 0;  // every rank numbers its calls from here alike, whatever calls it made before
@@ -349,7 +361,7 @@ std::optional<kernels::ErrorRecord> LowLatencyRuntime::read_error() const {
 
 void LowLatencyRuntime::reset(int num_max_tokens, int hidden, int num_experts, uintptr_t stream) {
     auto ctx = context(num_max_tokens, hidden, num_experts);
-    ll::clean(ctx, as_stream(stream));
+    throw_if_failed(ll::clean(ctx, as_stream(stream)));
     last_ordered_stream_ = nullptr;
     last_send_half_ = -1;
     call_seq_ = 0;

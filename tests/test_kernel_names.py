@@ -41,7 +41,7 @@ def test_split_launches_share_one_instantiation():
     for op in ("dispatch", "combine"):
         source = (ROOT / "csrc" / "kernels" / f"low_latency_{op}.cu").read_text()
         launches = re.findall(rf"case (kPhase\w+(?: \| kPhase\w+)?):\s*(?:case (kPhase\w+):\s*)?"
-                              rf"launch_cooperative\({op}_kernel<(\w+)>", source)
+                              rf"return launch_cooperative\({op}_kernel<(\w+)>", source)
         assert launches == [("kPhaseSend", "kPhaseRecv", "false"), ("kPhaseSend | kPhaseRecv", "", "true")], launches
 
 

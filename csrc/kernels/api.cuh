@@ -12,8 +12,9 @@
 // Conventions
 //   * Every pointer is device memory of the current device unless it says "host-mapped" (the device alias of a
 //     cudaHostAlloc(cudaHostAllocMapped) allocation).
-//   * Launchers validate kernel limits and throw std::invalid_argument with a message naming the argument, the rule
-//     and the value (python_api maps it to ValueError); CUDA launch failures throw std::runtime_error.
+//   * Launchers never throw (status.cuh says why): they return a Status. Kernel limits they validate give an
+//     invalid-argument Status whose message names the argument, the rule and the value; CUDA launch failures give a
+//     runtime-error Status. The host layer raises them (throw_if_failed: ValueError / RuntimeError in Python).
 //   * Kernels never trap. Every spin is bounded by KernelContext::timeout_ns; on timeout, on a peer's abort, or on
 //     inconsistent counts the kernel fills the host-mapped ErrorRecord (first writer wins), sets the abort word of
 //     every rank, and every CTA runs to its end (outputs of that call are garbage). The host reads the record and
@@ -33,6 +34,7 @@
 
 #include "constants.cuh"
 #include "layout.cuh"
+#include "status.cuh"
 
 namespace deep_ep {
 namespace kernels {
@@ -176,10 +178,10 @@ struct KernelContext {
 // num_tokens_per_expert     [num_experts] int32 out: (token, k) pairs selecting e
 // is_token_in_rank          [num_tokens, num_ranks] bool out
 // Limits: 1 <= num_ranks, num_experts % num_ranks == 0, num_experts <= kMaxExperts, num_topk <= 32.
-void get_dispatch_layout(const void* topk_idx, int topk_idx_bytes, int num_tokens, int num_topk, int num_ranks,
-                         int num_experts, int ranks_per_node, int* num_tokens_per_rank,
-                         int* num_tokens_per_rdma_rank, int* num_tokens_per_expert, bool* is_token_in_rank,
-                         cudaStream_t stream);
+Status get_dispatch_layout(const void* topk_idx, int topk_idx_bytes, int num_tokens, int num_topk, int num_ranks,
+                           int num_experts, int ranks_per_node, int* num_tokens_per_rank,
+                           int* num_tokens_per_rdma_rank, int* num_tokens_per_expert, bool* is_token_in_rank,
+                           cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Notify (non-cached dispatch only): exchange counts, build the handle's prefix matrices
@@ -212,7 +214,7 @@ struct NotifyArgs {
 };
 
 // One CTA (kNotifyThreads). No barrier and no zeroing: the counts carry a per-call epoch (two parities).
-void intranode_notify(const KernelContext& ctx, const NotifyArgs& args, cudaStream_t stream);
+Status intranode_notify(const KernelContext& ctx, const NotifyArgs& args, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Dispatch (cached or not: the same kernel; the non-cached call runs intranode_notify first on the same stream)
@@ -270,7 +272,7 @@ struct DispatchArgs {
     int64_t* host_verdict;
 };
 
-void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cudaStream_t stream);
+Status intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Combine (reverse of the dispatch that produced the handle; one kernel, no preparatory kernel)
@@ -312,7 +314,7 @@ struct CombineArgs {
     int64_t* host_verdict;
 };
 
-void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaStream_t stream);
+Status intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaStream_t stream);
 
 // Copy-engine combine, three launches (the host layer enqueues the copies between them, see Runtime::combine):
 // * intranode_combine_landed on the caller's stream: `num_ctas` CTAs reduce every token of this rank from x and
@@ -326,24 +328,24 @@ struct LandedFlags {
     uint32_t values[kMaxRanks];
 };
 // zone: the same kernel with zone senders (args.num_send_warps per CTA) instead of copies: no copy-stream work.
-void intranode_combine_landed(const KernelContext& ctx, const CombineArgs& args, int num_ctas, bool zone,
-                              cudaStream_t stream);
-void intranode_combine_copy_prepare(const KernelContext& ctx, uint32_t copy_epoch, cudaStream_t stream);
-void intranode_combine_copy_flag(const KernelContext& ctx, const LandedFlags& flags, cudaStream_t stream);
+Status intranode_combine_landed(const KernelContext& ctx, const CombineArgs& args, int num_ctas, bool zone,
+                                cudaStream_t stream);
+Status intranode_combine_copy_prepare(const KernelContext& ctx, uint32_t copy_epoch, cudaStream_t stream);
+Status intranode_combine_copy_flag(const KernelContext& ctx, const LandedFlags& flags, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Collective utilities
 // ---------------------------------------------------------------------------------------------------------------
 
 // Bounded barrier over all ranks of the node (monotonic counters; no reset needed).
-void intranode_barrier(const KernelContext& ctx, cudaStream_t stream);
+Status intranode_barrier(const KernelContext& ctx, cudaStream_t stream);
 
 // Zeroes this rank's control region (abort word, barrier signals, notify flags, ring counters) and its workspace.
 // Collective: every rank calls it between two host-side barriers, with no kernel of the Buffer in flight.
-void intranode_reset(const KernelContext& ctx, cudaStream_t stream);
+Status intranode_reset(const KernelContext& ctx, cudaStream_t stream);
 
 // Sets the abort word of every rank (a host-side failure before launching, so peers stop waiting).
-void intranode_signal_abort(const KernelContext& ctx, cudaStream_t stream);
+Status intranode_signal_abort(const KernelContext& ctx, cudaStream_t stream);
 
 }  // namespace kernels
 }  // namespace deep_ep

@@ -1286,89 +1286,93 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         fused_combine_send(ctx, geo, args, team, channel, s, num_checked);
 }
 
-void check_fused_context(const KernelContext& ctx, int gpus_per_node, const char* what) {
+Status check_fused_context(const KernelContext& ctx, int gpus_per_node, const char* what) {
     // Put peers: any rank of another node (put_mask has a bit per rank of the group), none of the own node.
-    check_context(ctx, what, kFusedMaxRanks);
+    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, what, kFusedMaxRanks));
     for (int r = 0; r < ctx.num_ranks && ctx.put_mask != 0 && gpus_per_node > 0; ++r)
-        DEEP_EP_CHECK_ARG(!put_bit(ctx.put_mask, r) || r / gpus_per_node != ctx.rank / gpus_per_node, what,
-                          ": the fused kernels reach the ranks of their own node by pointer, got rank ", r,
-                          " as a put peer of rank ", ctx.rank, " (put mask ", ctx.put_mask, ")");
-    DEEP_EP_CHECK_ARG(gpus_per_node >= 2 && gpus_per_node <= kMaxGpusPerNode && ctx.num_ranks % gpus_per_node == 0 &&
-                          ctx.num_ranks / gpus_per_node >= 2 && ctx.num_ranks / gpus_per_node <= kFusedMaxNodes,
-                      what, ": GPUs per node must be in [2, ", kMaxGpusPerNode,
-                      "] and divide num_ranks into 2 to ", kFusedMaxNodes, " nodes, got ", gpus_per_node, " of ",
-                      ctx.num_ranks, " ranks");
+        DEEP_EP_REQUIRE_ARG(!put_bit(ctx.put_mask, r) || r / gpus_per_node != ctx.rank / gpus_per_node, what,
+                            ": the fused kernels reach the ranks of their own node by pointer, got rank ", r,
+                            " as a put peer of rank ", ctx.rank, " (put mask ", ctx.put_mask, ")");
+    DEEP_EP_REQUIRE_ARG(gpus_per_node >= 2 && gpus_per_node <= kMaxGpusPerNode && ctx.num_ranks % gpus_per_node == 0 &&
+                            ctx.num_ranks / gpus_per_node >= 2 && ctx.num_ranks / gpus_per_node <= kFusedMaxNodes,
+                        what, ": GPUs per node must be in [2, ", kMaxGpusPerNode,
+                        "] and divide num_ranks into 2 to ", kFusedMaxNodes, " nodes, got ", gpus_per_node, " of ",
+                        ctx.num_ranks, " ranks");
+    return {};
 }
 
 // The layout of this call fits into its half of the buffer; the message names the num_rdma_bytes that would fit.
 // With put peers the kernels' region is what put_layout leaves of num_rdma_bytes; the message names the
 // num_rdma_bytes whose put layout gives the rings enough (the staging halves mirror the ring halves).
-void check_fits(const KernelContext& ctx, const FusedGeometry& geo, const char* what) {
+Status check_fits(const KernelContext& ctx, const FusedGeometry& geo, const char* what) {
     const bool put_area = geo.put_area != 0;
-    DEEP_EP_CHECK_ARG(geo.region_bytes == fused_region_bytes(ctx.num_nvl_bytes, put_area) &&
-                          (put_area || ctx.put_mask == 0),
-                      what, ": the layout must be carved from the context's region (put area ", geo.put_area,
-                      ", put mask ", ctx.put_mask, ")");
+    DEEP_EP_REQUIRE_ARG(geo.region_bytes == fused_region_bytes(ctx.num_nvl_bytes, put_area) &&
+                            (put_area || ctx.put_mask == 0),
+                        what, ": the layout must be carved from the context's region (put area ", geo.put_area,
+                        ", put mask ", ctx.put_mask, ")");
     const int64_t half = fused_half_bytes(geo.region_bytes);
     const int64_t used = geo.end_offset - geo.rail_rings_offset;
     const int64_t region = kFusedRingsOffset + 2 * align_up64(used, kBufferAlignment);
     const int64_t needed = put_area ? 2 * (region - kControlBytes) + kControlBytes + kPutHeaderBytes + 4 * kBufferAlignment
                                     : region;
-    DEEP_EP_CHECK_ARG(used <= half, what, ": num_rdma_bytes must be >= ", needed, " for ", geo.num_channels,
-                      " channels, records of ", geo.record_bytes, " bytes, ", geo.rail_capacity, " rail slots and ",
-                      geo.node_capacity, " node slots per ring", put_area ? " (with the put area of put peers)" : "",
-                      "; got ", put_area ? "a kernels' region of " : "", ctx.num_nvl_bytes);
+    DEEP_EP_REQUIRE_ARG(used <= half, what, ": num_rdma_bytes must be >= ", needed, " for ", geo.num_channels,
+                        " channels, records of ", geo.record_bytes, " bytes, ", geo.rail_capacity, " rail slots and ",
+                        geo.node_capacity, " node slots per ring", put_area ? " (with the put area of put peers)" : "",
+                        "; got ", put_area ? "a kernels' region of " : "", ctx.num_nvl_bytes);
+    return {};
 }
 
 }  // namespace
 
-void fused_notify(const KernelContext& ctx, const FusedNotifyArgs& args, cudaStream_t stream) {
-    check_fused_context(ctx, args.gpus_per_node, "fused notify");
-    DEEP_EP_CHECK_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
-                      "fused notify: channels must be in [1, ", kMaxChannels, "], got ", args.num_channels);
-    DEEP_EP_CHECK_ARG(args.num_experts >= ctx.num_ranks && args.num_experts % ctx.num_ranks == 0,
-                      "fused notify: num_experts must be a positive multiple of num_ranks, got ", args.num_experts);
-    DEEP_EP_CHECK_ARG(args.num_experts / ctx.num_ranks <= kMaxLocalExperts,
-                      "fused notify: num_experts / num_ranks must be <= ", kMaxLocalExperts, ", got ",
-                      args.num_experts / ctx.num_ranks);
-    DEEP_EP_CHECK_ARG(args.expert_alignment >= 1, "fused notify: expert_alignment must be >= 1, got ",
-                      args.expert_alignment);
-    DEEP_EP_CHECK_ARG(args.num_tokens >= 0, "fused notify: num_tokens must be >= 0, got ", args.num_tokens);
-    DEEP_EP_CHECK_ARG(ctx.num_nvl_bytes >= kFusedRingsOffset, "fused notify: num_rdma_bytes must be >= ",
-                      kFusedRingsOffset, ", got ", ctx.num_nvl_bytes);
+Status fused_notify(const KernelContext& ctx, const FusedNotifyArgs& args, cudaStream_t stream) {
+    DEEP_EP_RETURN_IF_FAILED(check_fused_context(ctx, args.gpus_per_node, "fused notify"));
+    DEEP_EP_REQUIRE_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
+                        "fused notify: channels must be in [1, ", kMaxChannels, "], got ", args.num_channels);
+    DEEP_EP_REQUIRE_ARG(args.num_experts >= ctx.num_ranks && args.num_experts % ctx.num_ranks == 0,
+                        "fused notify: num_experts must be a positive multiple of num_ranks, got ", args.num_experts);
+    DEEP_EP_REQUIRE_ARG(args.num_experts / ctx.num_ranks <= kMaxLocalExperts,
+                        "fused notify: num_experts / num_ranks must be <= ", kMaxLocalExperts, ", got ",
+                        args.num_experts / ctx.num_ranks);
+    DEEP_EP_REQUIRE_ARG(args.expert_alignment >= 1, "fused notify: expert_alignment must be >= 1, got ",
+                        args.expert_alignment);
+    DEEP_EP_REQUIRE_ARG(args.num_tokens >= 0, "fused notify: num_tokens must be >= 0, got ", args.num_tokens);
+    DEEP_EP_REQUIRE_ARG(ctx.num_nvl_bytes >= kFusedRingsOffset, "fused notify: num_rdma_bytes must be >= ",
+                        kFusedRingsOffset, ", got ", ctx.num_nvl_bytes);
     fused_notify_kernel<<<1, kNotifyThreads, 0, stream>>>(ctx, args);
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
-void fused_dispatch(const KernelContext& ctx, const FusedGeometry& geo, const FusedDispatchArgs& args,
-                    cudaStream_t stream) {
-    check_fused_context(ctx, geo.gpus_per_node, "fused dispatch");
-    DEEP_EP_CHECK_ARG(geo.num_nodes * geo.gpus_per_node == ctx.num_ranks,
-                      "fused dispatch: nodes x GPUs per node must equal num_ranks, got ", geo.num_nodes, " x ",
-                      geo.gpus_per_node, " for ", ctx.num_ranks);
-    DEEP_EP_CHECK_ARG(geo.num_channels >= 1 && geo.num_channels <= kMaxChannels,
-                      "fused dispatch: channels must be in [1, ", kMaxChannels, "], got ", geo.num_channels);
-    check_resident("fused dispatch", 2 * geo.num_channels);
-    DEEP_EP_CHECK_ARG(geo.hidden_bytes > 0 && geo.hidden_bytes % 16 == 0,
-                      "fused dispatch: hidden bytes must be a positive multiple of 16, got ", geo.hidden_bytes);
-    DEEP_EP_CHECK_ARG(geo.num_topk >= 0 && geo.num_topk <= kMaxTopk, "fused dispatch: num_topk must be in [0, ",
-                      kMaxTopk, "], got ", geo.num_topk);
-    DEEP_EP_CHECK_ARG(args.num_max_rdma_send_tokens >= 1 && geo.rail_capacity >= 2 * args.num_max_rdma_send_tokens,
-                      "fused dispatch: num_max_rdma_chunked_recv_tokens (", geo.rail_capacity,
-                      ") must be >= 2 * num_max_rdma_chunked_send_tokens (", args.num_max_rdma_send_tokens, ") >= 2");
-    DEEP_EP_CHECK_ARG(args.num_max_nvl_send_tokens >= 1 && geo.node_capacity >= 2 * args.num_max_nvl_send_tokens,
-                      "fused dispatch: num_max_nvl_chunked_recv_tokens (", geo.node_capacity,
-                      ") must be >= 2 * num_max_nvl_chunked_send_tokens (", args.num_max_nvl_send_tokens, ") >= 2");
-    check_fits(ctx, geo, "fused dispatch");
-    DEEP_EP_CHECK_ARG((args.topk_idx == nullptr) == (args.topk_weights == nullptr) &&
-                          (args.topk_idx == nullptr || args.topk_idx_bytes == 4 || args.topk_idx_bytes == 8),
-                      "fused dispatch: topk_idx and topk_weights come together, ids of 4 or 8 bytes");
+Status fused_dispatch(const KernelContext& ctx, const FusedGeometry& geo, const FusedDispatchArgs& args,
+                      cudaStream_t stream) {
+    DEEP_EP_RETURN_IF_FAILED(check_fused_context(ctx, geo.gpus_per_node, "fused dispatch"));
+    DEEP_EP_REQUIRE_ARG(geo.num_nodes * geo.gpus_per_node == ctx.num_ranks,
+                        "fused dispatch: nodes x GPUs per node must equal num_ranks, got ", geo.num_nodes, " x ",
+                        geo.gpus_per_node, " for ", ctx.num_ranks);
+    DEEP_EP_REQUIRE_ARG(geo.num_channels >= 1 && geo.num_channels <= kMaxChannels,
+                        "fused dispatch: channels must be in [1, ", kMaxChannels, "], got ", geo.num_channels);
+    DEEP_EP_RETURN_IF_FAILED(check_resident("fused dispatch", 2 * geo.num_channels));
+    DEEP_EP_REQUIRE_ARG(geo.hidden_bytes > 0 && geo.hidden_bytes % 16 == 0,
+                        "fused dispatch: hidden bytes must be a positive multiple of 16, got ", geo.hidden_bytes);
+    DEEP_EP_REQUIRE_ARG(geo.num_topk >= 0 && geo.num_topk <= kMaxTopk, "fused dispatch: num_topk must be in [0, ",
+                        kMaxTopk, "], got ", geo.num_topk);
+    DEEP_EP_REQUIRE_ARG(args.num_max_rdma_send_tokens >= 1 && geo.rail_capacity >= 2 * args.num_max_rdma_send_tokens,
+                        "fused dispatch: num_max_rdma_chunked_recv_tokens (", geo.rail_capacity,
+                        ") must be >= 2 * num_max_rdma_chunked_send_tokens (", args.num_max_rdma_send_tokens, ") >= 2");
+    DEEP_EP_REQUIRE_ARG(args.num_max_nvl_send_tokens >= 1 && geo.node_capacity >= 2 * args.num_max_nvl_send_tokens,
+                        "fused dispatch: num_max_nvl_chunked_recv_tokens (", geo.node_capacity,
+                        ") must be >= 2 * num_max_nvl_chunked_send_tokens (", args.num_max_nvl_send_tokens, ") >= 2");
+    DEEP_EP_RETURN_IF_FAILED(check_fits(ctx, geo, "fused dispatch"));
+    DEEP_EP_REQUIRE_ARG((args.topk_idx == nullptr) == (args.topk_weights == nullptr) &&
+                            (args.topk_idx == nullptr || args.topk_idx_bytes == 4 || args.topk_idx_bytes == 8),
+                        "fused dispatch: topk_idx and topk_weights come together, ids of 4 or 8 bytes");
     if (args.topk_idx != nullptr)
-        DEEP_EP_CHECK_ARG(args.num_experts >= ctx.num_ranks && args.num_experts % ctx.num_ranks == 0,
-                          "fused dispatch: num_experts must be a positive multiple of num_ranks, got ",
-                          args.num_experts);
+        DEEP_EP_REQUIRE_ARG(args.num_experts >= ctx.num_ranks && args.num_experts % ctx.num_ranks == 0,
+                            "fused dispatch: num_experts must be a positive multiple of num_ranks, got ",
+                            args.num_experts);
     fused_dispatch_kernel<<<2 * geo.num_channels, kChannelThreads, 0, stream>>>(ctx, geo, args);
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
 }  // namespace kernels
@@ -1377,29 +1381,30 @@ void fused_dispatch(const KernelContext& ctx, const FusedGeometry& geo, const Fu
 namespace deep_ep {
 namespace kernels {
 
-void fused_combine(const KernelContext& ctx, const FusedGeometry& geo, const FusedCombineArgs& args,
-                   cudaStream_t stream) {
-    check_fused_context(ctx, geo.gpus_per_node, "fused combine");
-    DEEP_EP_CHECK_ARG(geo.num_nodes * geo.gpus_per_node == ctx.num_ranks,
-                      "fused combine: nodes x GPUs per node must equal num_ranks, got ", geo.num_nodes, " x ",
-                      geo.gpus_per_node, " for ", ctx.num_ranks);
-    DEEP_EP_CHECK_ARG(geo.num_channels >= 1 && geo.num_channels <= kMaxChannels,
-                      "fused combine: channels must be in [1, ", kMaxChannels, "], got ", geo.num_channels);
-    check_resident("fused combine", 2 * geo.num_channels);
-    DEEP_EP_CHECK_ARG(geo.hidden_bytes > 0 && geo.hidden_bytes % 16 == 0,
-                      "fused combine: hidden must be a positive multiple of 8 BF16 elements, got ",
-                      geo.hidden_bytes / 2);
-    DEEP_EP_CHECK_ARG(geo.num_topk >= 0 && geo.num_topk <= kMaxTopk, "fused combine: num_topk must be in [0, ",
-                      kMaxTopk, "], got ", geo.num_topk);
-    DEEP_EP_CHECK_ARG(args.num_max_rdma_send_tokens >= 1 && geo.rail_capacity >= 2 * args.num_max_rdma_send_tokens,
-                      "fused combine: num_max_rdma_chunked_recv_tokens (", geo.rail_capacity,
-                      ") must be >= 2 * num_max_rdma_chunked_send_tokens (", args.num_max_rdma_send_tokens, ") >= 2");
-    DEEP_EP_CHECK_ARG(args.num_max_nvl_send_tokens >= 1 && geo.node_capacity >= 2 * args.num_max_nvl_send_tokens,
-                      "fused combine: num_max_nvl_chunked_recv_tokens (", geo.node_capacity,
-                      ") must be >= 2 * num_max_nvl_chunked_send_tokens (", args.num_max_nvl_send_tokens, ") >= 2");
-    check_fits(ctx, geo, "fused combine");
+Status fused_combine(const KernelContext& ctx, const FusedGeometry& geo, const FusedCombineArgs& args,
+                     cudaStream_t stream) {
+    DEEP_EP_RETURN_IF_FAILED(check_fused_context(ctx, geo.gpus_per_node, "fused combine"));
+    DEEP_EP_REQUIRE_ARG(geo.num_nodes * geo.gpus_per_node == ctx.num_ranks,
+                        "fused combine: nodes x GPUs per node must equal num_ranks, got ", geo.num_nodes, " x ",
+                        geo.gpus_per_node, " for ", ctx.num_ranks);
+    DEEP_EP_REQUIRE_ARG(geo.num_channels >= 1 && geo.num_channels <= kMaxChannels,
+                        "fused combine: channels must be in [1, ", kMaxChannels, "], got ", geo.num_channels);
+    DEEP_EP_RETURN_IF_FAILED(check_resident("fused combine", 2 * geo.num_channels));
+    DEEP_EP_REQUIRE_ARG(geo.hidden_bytes > 0 && geo.hidden_bytes % 16 == 0,
+                        "fused combine: hidden must be a positive multiple of 8 BF16 elements, got ",
+                        geo.hidden_bytes / 2);
+    DEEP_EP_REQUIRE_ARG(geo.num_topk >= 0 && geo.num_topk <= kMaxTopk, "fused combine: num_topk must be in [0, ",
+                        kMaxTopk, "], got ", geo.num_topk);
+    DEEP_EP_REQUIRE_ARG(args.num_max_rdma_send_tokens >= 1 && geo.rail_capacity >= 2 * args.num_max_rdma_send_tokens,
+                        "fused combine: num_max_rdma_chunked_recv_tokens (", geo.rail_capacity,
+                        ") must be >= 2 * num_max_rdma_chunked_send_tokens (", args.num_max_rdma_send_tokens, ") >= 2");
+    DEEP_EP_REQUIRE_ARG(args.num_max_nvl_send_tokens >= 1 && geo.node_capacity >= 2 * args.num_max_nvl_send_tokens,
+                        "fused combine: num_max_nvl_chunked_recv_tokens (", geo.node_capacity,
+                        ") must be >= 2 * num_max_nvl_chunked_send_tokens (", args.num_max_nvl_send_tokens, ") >= 2");
+    DEEP_EP_RETURN_IF_FAILED(check_fits(ctx, geo, "fused combine"));
     fused_combine_kernel<<<2 * geo.num_channels, kChannelThreads, 0, stream>>>(ctx, geo, args);
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
 }  // namespace kernels

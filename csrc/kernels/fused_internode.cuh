@@ -224,7 +224,7 @@ struct FusedNotifyArgs {
 
 // One CTA (kNotifyThreads); uses the fused notify flags and data slots (parity, epoch) above. A rank that refuses
 // a call launches it with zero counts, no tokens and its refusal signature.
-void fused_notify(const KernelContext& ctx, const FusedNotifyArgs& args, cudaStream_t stream);
+Status fused_notify(const KernelContext& ctx, const FusedNotifyArgs& args, cudaStream_t stream);
 
 // ---- dispatch (cached or not) ----
 struct FusedDispatchArgs {
@@ -258,8 +258,8 @@ struct FusedDispatchArgs {
 };
 
 // 2 * C CTAs of kChannelThreads: even CTAs send and forward channel c, odd CTAs receive it.
-void fused_dispatch(const KernelContext& ctx, const FusedGeometry& geometry, const FusedDispatchArgs& args,
-                    cudaStream_t stream);
+Status fused_dispatch(const KernelContext& ctx, const FusedGeometry& geometry, const FusedDispatchArgs& args,
+                      cudaStream_t stream);
 
 // ---- combine ----
 // combined_x[t] = bf16(b0 + b1 + sum over nodes n ascending of bf16(sum over the local ranks j of node n
@@ -284,8 +284,8 @@ struct FusedCombineArgs {
 
 // 2 * C CTAs: even CTAs forward (reduce inside the node) and own (final reduction) channel c, odd CTAs send the
 // rows back to the forwarders.
-void fused_combine(const KernelContext& ctx, const FusedGeometry& geometry, const FusedCombineArgs& args,
-                   cudaStream_t stream);
+Status fused_combine(const KernelContext& ctx, const FusedGeometry& geometry, const FusedCombineArgs& args,
+                     cudaStream_t stream);
 
 }  // namespace kernels
 }  // namespace deep_ep

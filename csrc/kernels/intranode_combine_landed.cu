@@ -270,43 +270,47 @@ __global__ void combine_copy_flag_kernel(const __grid_constant__ KernelContext c
 
 }  // namespace
 
-void intranode_combine_landed(const KernelContext& ctx, const CombineArgs& args, int num_ctas, bool zone,
-                              cudaStream_t stream) {
-    check_context(ctx, "combine");
-    DEEP_EP_CHECK_ARG(ctx.put_mask == 0, "combine: the landing-zone combines store into peers' buffers; a world with ",
-                      "NVSHMEM put peers (mask ", ctx.put_mask, ") combines through the rings");
-    DEEP_EP_CHECK_ARG(args.hidden > 0 && (args.hidden * 2) % 16 == 0,
-                      "combine: hidden * 2 bytes must be a positive multiple of 16, got hidden ", args.hidden);
-    DEEP_EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "combine: num_topk must be in [0, ", kMaxTopk,
-                      "], got ", args.num_topk);
-    DEEP_EP_CHECK_ARG(args.num_topk == 0 || args.topk_weights != nullptr,
-                      "combine: topk_weights must be given when num_topk > 0");
-    DEEP_EP_CHECK_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
-                      "combine: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
-    DEEP_EP_CHECK_ARG(args.channel_prefix_matrix != nullptr && args.copy_epoch != 0,
-                      "combine: the copy-engine path needs the handle's channel_prefix_matrix and an epoch");
-    DEEP_EP_CHECK_ARG(num_ctas >= 1 && num_ctas <= kMaxChannels, "combine: CTAs must be in [1, ", kMaxChannels,
-                      "], got ", num_ctas);
-    check_resident("combine", num_ctas);
+Status intranode_combine_landed(const KernelContext& ctx, const CombineArgs& args, int num_ctas, bool zone,
+                                cudaStream_t stream) {
+    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "combine"));
+    DEEP_EP_REQUIRE_ARG(ctx.put_mask == 0,
+                        "combine: the landing-zone combines store into peers' buffers; a world with ",
+                        "NVSHMEM put peers (mask ", ctx.put_mask, ") combines through the rings");
+    DEEP_EP_REQUIRE_ARG(args.hidden > 0 && (args.hidden * 2) % 16 == 0,
+                        "combine: hidden * 2 bytes must be a positive multiple of 16, got hidden ", args.hidden);
+    DEEP_EP_REQUIRE_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "combine: num_topk must be in [0, ", kMaxTopk,
+                        "], got ", args.num_topk);
+    DEEP_EP_REQUIRE_ARG(args.num_topk == 0 || args.topk_weights != nullptr,
+                        "combine: topk_weights must be given when num_topk > 0");
+    DEEP_EP_REQUIRE_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
+                        "combine: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
+    DEEP_EP_REQUIRE_ARG(args.channel_prefix_matrix != nullptr && args.copy_epoch != 0,
+                        "combine: the copy-engine path needs the handle's channel_prefix_matrix and an epoch");
+    DEEP_EP_REQUIRE_ARG(num_ctas >= 1 && num_ctas <= kMaxChannels, "combine: CTAs must be in [1, ", kMaxChannels,
+                        "], got ", num_ctas);
+    DEEP_EP_RETURN_IF_FAILED(check_resident("combine", num_ctas));
     if (zone) {
         // Senders, the publisher and at least one reducer warp; the senders' count is the stripe's rows.
-        check_send_warps("combine", args.num_send_warps, 1, kZoneWarps - 2);
+        DEEP_EP_RETURN_IF_FAILED(check_send_warps("combine", args.num_send_warps, 1, kZoneWarps - 2));
         combine_landed_kernel<true, kZoneWarps><<<num_ctas, kZoneWarps * 32, 0, stream>>>(ctx, args);
     } else {
         combine_landed_kernel<false, kChannelWarps><<<num_ctas, kChannelThreads, 0, stream>>>(ctx, args);
     }
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
-void intranode_combine_copy_prepare(const KernelContext& ctx, uint32_t copy_epoch, cudaStream_t stream) {
-    check_context(ctx, "combine");
+Status intranode_combine_copy_prepare(const KernelContext& ctx, uint32_t copy_epoch, cudaStream_t stream) {
+    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "combine"));
     combine_copy_prepare_kernel<<<1, 32, 0, stream>>>(ctx, copy_epoch);
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
-void intranode_combine_copy_flag(const KernelContext& ctx, const LandedFlags& flags, cudaStream_t stream) {
+Status intranode_combine_copy_flag(const KernelContext& ctx, const LandedFlags& flags, cudaStream_t stream) {
     combine_copy_flag_kernel<<<1, 32, 0, stream>>>(ctx, flags);
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
 }  // namespace kernels

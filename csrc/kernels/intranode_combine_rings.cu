@@ -260,15 +260,15 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
 
 }  // namespace
 
-void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaStream_t stream) {
-    check_context(ctx, "combine");
-    DEEP_EP_CHECK_ARG(args.hidden > 0 && (args.hidden * 2) % 16 == 0,
-                      "combine: hidden * 2 bytes must be a positive multiple of 16, got hidden ", args.hidden);
-    DEEP_EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "combine: num_topk must be in [0, ", kMaxTopk,
-                      "], got ", args.num_topk);
-    DEEP_EP_CHECK_ARG(args.num_topk == 0 || args.topk_weights != nullptr,
-                      "combine: topk_weights must be given when num_topk > 0");
-    DEEP_EP_CHECK_ARG(args.num_tokens >= 0, "combine: num_tokens must be >= 0, got ", args.num_tokens);
+Status intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaStream_t stream) {
+    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "combine"));
+    DEEP_EP_REQUIRE_ARG(args.hidden > 0 && (args.hidden * 2) % 16 == 0,
+                        "combine: hidden * 2 bytes must be a positive multiple of 16, got hidden ", args.hidden);
+    DEEP_EP_REQUIRE_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "combine: num_topk must be in [0, ", kMaxTopk,
+                        "], got ", args.num_topk);
+    DEEP_EP_REQUIRE_ARG(args.num_topk == 0 || args.topk_weights != nullptr,
+                        "combine: topk_weights must be given when num_topk > 0");
+    DEEP_EP_REQUIRE_ARG(args.num_tokens >= 0, "combine: num_tokens must be >= 0, got ", args.num_tokens);
 
     CombineGeometry geo;
     const int64_t record = combine_record_bytes(args.hidden, args.num_topk);
@@ -276,21 +276,23 @@ void intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaSt
                              true);
     geo.weights_offset = combine_weights_offset(args.hidden);
     if (ctx.num_ranks > 1) {
-        check_channels("combine", args.num_channels, args.num_max_send_tokens, geo.ring.capacity, record,
-                       ctx.num_nvl_bytes);
+        DEEP_EP_RETURN_IF_FAILED(check_channels("combine", args.num_channels, args.num_max_send_tokens,
+                                                geo.ring.capacity, record, ctx.num_nvl_bytes));
         // Copy warps: at least one per destination; the publisher and at least one reducer warp remain.
-        check_send_warps("combine", args.num_send_warps, ctx.num_ranks - 1, kChannelWarps - 2);
+        DEEP_EP_RETURN_IF_FAILED(
+            check_send_warps("combine", args.num_send_warps, ctx.num_ranks - 1, kChannelWarps - 2));
     } else {
-        DEEP_EP_CHECK_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
-                          "combine: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
+        DEEP_EP_REQUIRE_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
+                            "combine: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
         if (geo.ring.capacity < 1) geo.ring.capacity = 1;
     }
-    check_resident("combine", args.num_channels);
+    DEEP_EP_RETURN_IF_FAILED(check_resident("combine", args.num_channels));
     if (ctx.put_mask != 0)
         combine_kernel<true><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
     else
         combine_kernel<false><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
 }  // namespace kernels

@@ -19,8 +19,8 @@
 #include <cstdint>
 
 #include "api.cuh"
-#include "exception.cuh"
 #include "layout.cuh"
+#include "status.cuh"
 #include "sync.cuh"
 
 namespace deep_ep {
@@ -217,47 +217,53 @@ __device__ __forceinline__ int put_block_items(int num_items, int num_copy_warps
 // ---- host-side checks of the launchers ----
 
 // `max_ranks`: the calling kernels' group limit (the ring kernels' kMaxRanks unless given).
-inline void check_context(const KernelContext& ctx, const char* what, int max_ranks = kMaxRanks) {
-    DEEP_EP_CHECK_ARG(ctx.num_ranks >= 1 && ctx.num_ranks <= max_ranks, what, ": num_ranks must be in [1, ", max_ranks,
-                      "], got ", ctx.num_ranks);
-    DEEP_EP_CHECK_ARG(ctx.rank >= 0 && ctx.rank < ctx.num_ranks, what, ": rank must be in [0, num_ranks), got ",
-                      ctx.rank);
-    DEEP_EP_CHECK_ARG(ctx.put_mask == 0 || (kHasPutPath && !put_bit(ctx.put_mask, ctx.rank) &&
-                                            (ctx.num_ranks >= 64 || (ctx.put_mask >> ctx.num_ranks) == 0)),
-                      what, ": put peers (mask ", ctx.put_mask, ") need an NVSHMEM build, a put area and a valid mask");
+inline Status check_context(const KernelContext& ctx, const char* what, int max_ranks = kMaxRanks) {
+    DEEP_EP_REQUIRE_ARG(ctx.num_ranks >= 1 && ctx.num_ranks <= max_ranks, what, ": num_ranks must be in [1, ",
+                        max_ranks, "], got ", ctx.num_ranks);
+    DEEP_EP_REQUIRE_ARG(ctx.rank >= 0 && ctx.rank < ctx.num_ranks, what, ": rank must be in [0, num_ranks), got ",
+                        ctx.rank);
+    DEEP_EP_REQUIRE_ARG(ctx.put_mask == 0 || (kHasPutPath && !put_bit(ctx.put_mask, ctx.rank) &&
+                                              (ctx.num_ranks >= 64 || (ctx.put_mask >> ctx.num_ranks) == 0)),
+                        what, ": put peers (mask ", ctx.put_mask,
+                        ") need an NVSHMEM build, a put area and a valid mask");
     for (int r = 0; r < ctx.num_ranks; ++r)
-        DEEP_EP_CHECK_ARG(ctx.buffers[r] != nullptr || put_bit(ctx.put_mask, r), what, ": the buffer of rank ", r,
-                          " is not mapped");
-    DEEP_EP_CHECK_ARG(ctx.workspace != nullptr, what, ": workspace must not be null");
-    DEEP_EP_CHECK_ARG(ctx.num_nvl_bytes >= kControlBytes, what, ": num_nvl_bytes must be >= ", kControlBytes,
-                      ", got ", ctx.num_nvl_bytes);
+        DEEP_EP_REQUIRE_ARG(ctx.buffers[r] != nullptr || put_bit(ctx.put_mask, r), what, ": the buffer of rank ", r,
+                            " is not mapped");
+    DEEP_EP_REQUIRE_ARG(ctx.workspace != nullptr, what, ": workspace must not be null");
+    DEEP_EP_REQUIRE_ARG(ctx.num_nvl_bytes >= kControlBytes, what, ": num_nvl_bytes must be >= ", kControlBytes,
+                        ", got ", ctx.num_nvl_bytes);
+    return {};
 }
 
 // Every CTA of a dispatch / combine grid must be resident at once (CTAs wait for peers' CTAs): one per SM.
-inline void check_resident(const char* what, int num_channels) {
+inline Status check_resident(const char* what, int num_channels) {
     int device = 0, num_sms = 0;
-    DEEP_EP_CUDA_CHECK(cudaGetDevice(&device));
-    DEEP_EP_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-    DEEP_EP_CHECK_ARG(num_channels <= num_sms, what, ": config.num_sms must be <= the device's ", num_sms,
-                      " SMs (one resident CTA per channel), got ", num_channels);
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+    DEEP_EP_REQUIRE_ARG(num_channels <= num_sms, what, ": config.num_sms must be <= the device's ", num_sms,
+                        " SMs (one resident CTA per channel), got ", num_channels);
+    return {};
 }
 
-inline void check_channels(const char* what, int num_channels, int num_max_send_tokens, int capacity,
-                           int64_t record_bytes, int64_t num_nvl_bytes) {
-    DEEP_EP_CHECK_ARG(num_channels >= 1 && num_channels <= kMaxChannels, what, ": config.num_sms must be in [1, ",
-                      kMaxChannels, "], got ", num_channels);
-    DEEP_EP_CHECK_ARG(num_max_send_tokens >= 1, what, ": num_max_nvl_chunked_send_tokens must be >= 1, got ",
-                      num_max_send_tokens);
-    DEEP_EP_CHECK_ARG(capacity >= 2 * num_max_send_tokens, what, ": ring capacity ", capacity,
-                      " slots per (channel, rank) must be >= 2 * num_max_nvl_chunked_send_tokens = ",
-                      2 * num_max_send_tokens, " (records of ", record_bytes, " bytes, ", num_channels,
-                      " channels, num_nvl_bytes ", num_nvl_bytes,
-                      "); raise num_nvl_bytes or num_max_nvl_chunked_recv_tokens, or lower num_sms");
+inline Status check_channels(const char* what, int num_channels, int num_max_send_tokens, int capacity,
+                             int64_t record_bytes, int64_t num_nvl_bytes) {
+    DEEP_EP_REQUIRE_ARG(num_channels >= 1 && num_channels <= kMaxChannels, what, ": config.num_sms must be in [1, ",
+                        kMaxChannels, "], got ", num_channels);
+    DEEP_EP_REQUIRE_ARG(num_max_send_tokens >= 1, what, ": num_max_nvl_chunked_send_tokens must be >= 1, got ",
+                        num_max_send_tokens);
+    DEEP_EP_REQUIRE_ARG(capacity >= 2 * num_max_send_tokens, what, ": ring capacity ", capacity,
+                        " slots per (channel, rank) must be >= 2 * num_max_nvl_chunked_send_tokens = ",
+                        2 * num_max_send_tokens, " (records of ", record_bytes, " bytes, ", num_channels,
+                        " channels, num_nvl_bytes ", num_nvl_bytes,
+                        "); raise num_nvl_bytes or num_max_nvl_chunked_recv_tokens, or lower num_sms");
+    return {};
 }
 
-inline void check_send_warps(const char* what, int num_send_warps, int lowest, int highest) {
-    DEEP_EP_CHECK_ARG(num_send_warps >= lowest && num_send_warps <= highest, what, ": send warps per channel must be in [",
-                      lowest, ", ", highest, "] for this rank count, got ", num_send_warps);
+inline Status check_send_warps(const char* what, int num_send_warps, int lowest, int highest) {
+    DEEP_EP_REQUIRE_ARG(num_send_warps >= lowest && num_send_warps <= highest, what,
+                        ": send warps per channel must be in [", lowest, ", ", highest, "] for this rank count, got ",
+                        num_send_warps);
+    return {};
 }
 
 // Adds 8 BF16 values (one int4) to acc in fp32 (exact: a BF16 is the upper half of an fp32).

@@ -549,23 +549,24 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
 
 }  // namespace
 
-void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cudaStream_t stream) {
-    check_context(ctx, "dispatch");
-    DEEP_EP_CHECK_ARG(args.hidden_bytes > 0 && args.hidden_bytes % 16 == 0,
-                      "dispatch: hidden bytes per token must be a positive multiple of 16, got ", args.hidden_bytes);
-    DEEP_EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "dispatch: num_topk must be in [0, ", kMaxTopk,
-                      "], got ", args.num_topk);
-    DEEP_EP_CHECK_ARG(args.num_topk == 0 || (args.topk_idx != nullptr && args.topk_weights != nullptr),
-                      "dispatch: topk_idx and topk_weights must both be given when num_topk > 0");
-    DEEP_EP_CHECK_ARG(args.topk_idx_bytes == 4 || args.topk_idx_bytes == 8,
-                      "dispatch: topk_idx element size must be 4 or 8 bytes, got ", args.topk_idx_bytes);
-    DEEP_EP_CHECK_ARG(args.num_topk == 0 || (args.num_experts >= ctx.num_ranks && args.num_experts % ctx.num_ranks == 0),
-                      "dispatch: num_experts must be a positive multiple of num_ranks, got ", args.num_experts);
-    DEEP_EP_CHECK_ARG(args.num_scales >= 0, "dispatch: num_scales must be >= 0, got ", args.num_scales);
-    DEEP_EP_CHECK_ARG(args.num_scales == 0 || (args.x_scales != nullptr && args.recv_x_scales != nullptr),
-                      "dispatch: x_scales and recv_x_scales must be given when num_scales > 0");
-    DEEP_EP_CHECK_ARG(args.num_tokens >= 0, "dispatch: num_tokens must be >= 0, got ", args.num_tokens);
-    DEEP_EP_CHECK_ARG(args.num_recv_rows >= 0, "dispatch: num_recv_rows must be >= 0, got ", args.num_recv_rows);
+Status intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cudaStream_t stream) {
+    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "dispatch"));
+    DEEP_EP_REQUIRE_ARG(args.hidden_bytes > 0 && args.hidden_bytes % 16 == 0,
+                        "dispatch: hidden bytes per token must be a positive multiple of 16, got ", args.hidden_bytes);
+    DEEP_EP_REQUIRE_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "dispatch: num_topk must be in [0, ", kMaxTopk,
+                        "], got ", args.num_topk);
+    DEEP_EP_REQUIRE_ARG(args.num_topk == 0 || (args.topk_idx != nullptr && args.topk_weights != nullptr),
+                        "dispatch: topk_idx and topk_weights must both be given when num_topk > 0");
+    DEEP_EP_REQUIRE_ARG(args.topk_idx_bytes == 4 || args.topk_idx_bytes == 8,
+                        "dispatch: topk_idx element size must be 4 or 8 bytes, got ", args.topk_idx_bytes);
+    DEEP_EP_REQUIRE_ARG(args.num_topk == 0 ||
+                            (args.num_experts >= ctx.num_ranks && args.num_experts % ctx.num_ranks == 0),
+                        "dispatch: num_experts must be a positive multiple of num_ranks, got ", args.num_experts);
+    DEEP_EP_REQUIRE_ARG(args.num_scales >= 0, "dispatch: num_scales must be >= 0, got ", args.num_scales);
+    DEEP_EP_REQUIRE_ARG(args.num_scales == 0 || (args.x_scales != nullptr && args.recv_x_scales != nullptr),
+                        "dispatch: x_scales and recv_x_scales must be given when num_scales > 0");
+    DEEP_EP_REQUIRE_ARG(args.num_tokens >= 0, "dispatch: num_tokens must be >= 0, got ", args.num_tokens);
+    DEEP_EP_REQUIRE_ARG(args.num_recv_rows >= 0, "dispatch: num_recv_rows must be >= 0, got ", args.num_recv_rows);
 
     DispatchGeometry geo;
     const int64_t record = dispatch_record_bytes(args.hidden_bytes, args.num_scales, args.num_topk);
@@ -574,17 +575,17 @@ void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cuda
     geo.scales_offset = dispatch_scales_offset(args.hidden_bytes);
     geo.meta_offset = dispatch_meta_offset(args.hidden_bytes, args.num_scales);
     if (ctx.num_ranks > 1) {
-        check_channels("dispatch", args.num_channels, args.num_max_send_tokens, geo.ring.capacity, record,
-                       ctx.num_nvl_bytes);
+        DEEP_EP_RETURN_IF_FAILED(check_channels("dispatch", args.num_channels, args.num_max_send_tokens,
+                                                geo.ring.capacity, record, ctx.num_nvl_bytes));
         // Copy warps: at least two (with the publisher they share Phase A's destinations, the drain check and the
         // output-word wait); the publisher and one receiver warp per source remain.
-        check_send_warps("dispatch", args.num_send_warps, 2, kChannelWarps - ctx.num_ranks);
+        DEEP_EP_RETURN_IF_FAILED(check_send_warps("dispatch", args.num_send_warps, 2, kChannelWarps - ctx.num_ranks));
     } else
-        DEEP_EP_CHECK_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
-                          "dispatch: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
+        DEEP_EP_REQUIRE_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
+                            "dispatch: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
     if (ctx.num_ranks == 1 && geo.ring.capacity < 1) geo.ring.capacity = 1;  // no ring is used with one rank
 
-    check_resident("dispatch", args.num_channels);
+    DEEP_EP_RETURN_IF_FAILED(check_resident("dispatch", args.num_channels));
     const bool put = ctx.put_mask != 0;
     if (args.topk_idx_bytes == 8 && put)
         dispatch_kernel<int64_t, true><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
@@ -594,7 +595,8 @@ void intranode_dispatch(const KernelContext& ctx, const DispatchArgs& args, cuda
         dispatch_kernel<int32_t, true><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
     else
         dispatch_kernel<int32_t, false><<<args.num_channels, kChannelThreads, 0, stream>>>(ctx, args, geo);
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
 }  // namespace kernels

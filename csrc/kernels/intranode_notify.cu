@@ -163,21 +163,24 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
 
 }  // namespace
 
-void intranode_notify(const KernelContext& ctx, const NotifyArgs& args, cudaStream_t stream) {
-    check_context(ctx, "notify");
-    DEEP_EP_CHECK_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
-                      "notify: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
-    DEEP_EP_CHECK_ARG(args.num_experts >= ctx.num_ranks && args.num_experts % ctx.num_ranks == 0,
-                      "notify: num_experts must be a positive multiple of num_ranks, got ", args.num_experts);
-    DEEP_EP_CHECK_ARG(args.num_experts / ctx.num_ranks <= kMaxLocalExperts, "notify: num_experts / num_ranks must be <= ",
-                      kMaxLocalExperts, ", got ", args.num_experts / ctx.num_ranks);
-    DEEP_EP_CHECK_ARG(args.expert_alignment >= 1, "notify: expert_alignment must be >= 1, got ", args.expert_alignment);
-    DEEP_EP_CHECK_ARG(args.num_tokens >= 0, "notify: num_tokens must be >= 0, got ", args.num_tokens);
+Status intranode_notify(const KernelContext& ctx, const NotifyArgs& args, cudaStream_t stream) {
+    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "notify"));
+    DEEP_EP_REQUIRE_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
+                        "notify: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
+    DEEP_EP_REQUIRE_ARG(args.num_experts >= ctx.num_ranks && args.num_experts % ctx.num_ranks == 0,
+                        "notify: num_experts must be a positive multiple of num_ranks, got ", args.num_experts);
+    DEEP_EP_REQUIRE_ARG(args.num_experts / ctx.num_ranks <= kMaxLocalExperts,
+                        "notify: num_experts / num_ranks must be <= ", kMaxLocalExperts, ", got ",
+                        args.num_experts / ctx.num_ranks);
+    DEEP_EP_REQUIRE_ARG(args.expert_alignment >= 1, "notify: expert_alignment must be >= 1, got ",
+                        args.expert_alignment);
+    DEEP_EP_REQUIRE_ARG(args.num_tokens >= 0, "notify: num_tokens must be >= 0, got ", args.num_tokens);
     if (ctx.put_mask != 0)
         notify_counts_kernel<true><<<1, kNotifyThreads, 0, stream>>>(ctx, args);
     else
         notify_counts_kernel<false><<<1, kNotifyThreads, 0, stream>>>(ctx, args);
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
 }  // namespace kernels

@@ -57,22 +57,25 @@ __global__ void signal_abort_kernel(const __grid_constant__ KernelContext ctx) {
 
 }  // namespace
 
-void intranode_barrier(const KernelContext& ctx, cudaStream_t stream) {
-    check_context(ctx, "barrier", kMaxRuntimeRanks);
+Status intranode_barrier(const KernelContext& ctx, cudaStream_t stream) {
+    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "barrier", kMaxRuntimeRanks));
     barrier_kernel<<<1, kMaxRuntimeRanks, 0, stream>>>(ctx);
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
-void intranode_reset(const KernelContext& ctx, cudaStream_t stream) {
-    check_context(ctx, "reset", kMaxRuntimeRanks);
+Status intranode_reset(const KernelContext& ctx, cudaStream_t stream) {
+    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "reset", kMaxRuntimeRanks));
     reset_state_kernel<<<16, 256, 0, stream>>>(ctx);
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
-void intranode_signal_abort(const KernelContext& ctx, cudaStream_t stream) {
-    check_context(ctx, "signal_abort", kMaxRuntimeRanks);
+Status intranode_signal_abort(const KernelContext& ctx, cudaStream_t stream) {
+    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "signal_abort", kMaxRuntimeRanks));
     signal_abort_kernel<<<1, 32, 0, stream>>>(ctx);
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
 }  // namespace kernels

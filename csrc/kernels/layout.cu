@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "api.cuh"
-#include "exception.cuh"
+#include "status.cuh"
 
 namespace deep_ep {
 namespace kernels {
@@ -67,52 +67,53 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_count_kernel(const IdxT
 
 }  // namespace
 
-void get_dispatch_layout(const void* topk_idx, int topk_idx_bytes, int num_tokens, int num_topk, int num_ranks,
-                         int num_experts, int ranks_per_node, int* num_tokens_per_rank,
-                         int* num_tokens_per_rdma_rank, int* num_tokens_per_expert, bool* is_token_in_rank,
-                         cudaStream_t stream) {
-    DEEP_EP_CHECK_ARG(topk_idx_bytes == 4 || topk_idx_bytes == 8, "topk_idx element size must be 4 or 8 bytes, got ",
-                      topk_idx_bytes);
-    DEEP_EP_CHECK_ARG(num_tokens >= 0, "num_tokens must be >= 0, got ", num_tokens);
-    DEEP_EP_CHECK_ARG(num_topk >= 0 && num_topk <= 32, "num_topk must be in [0, 32], got ", num_topk);
-    DEEP_EP_CHECK_ARG(num_ranks >= 1, "num_ranks must be >= 1, got ", num_ranks);
-    DEEP_EP_CHECK_ARG(num_experts >= 1 && num_experts <= kMaxExperts, "num_experts must be in [1, ", kMaxExperts,
-                      "], got ", num_experts);
-    DEEP_EP_CHECK_ARG(num_experts % num_ranks == 0, "num_experts must be divisible by num_ranks, got ", num_experts,
-                      " and ", num_ranks);
+Status get_dispatch_layout(const void* topk_idx, int topk_idx_bytes, int num_tokens, int num_topk, int num_ranks,
+                           int num_experts, int ranks_per_node, int* num_tokens_per_rank,
+                           int* num_tokens_per_rdma_rank, int* num_tokens_per_expert, bool* is_token_in_rank,
+                           cudaStream_t stream) {
+    DEEP_EP_REQUIRE_ARG(topk_idx_bytes == 4 || topk_idx_bytes == 8, "topk_idx element size must be 4 or 8 bytes, got ",
+                        topk_idx_bytes);
+    DEEP_EP_REQUIRE_ARG(num_tokens >= 0, "num_tokens must be >= 0, got ", num_tokens);
+    DEEP_EP_REQUIRE_ARG(num_topk >= 0 && num_topk <= 32, "num_topk must be in [0, 32], got ", num_topk);
+    DEEP_EP_REQUIRE_ARG(num_ranks >= 1, "num_ranks must be >= 1, got ", num_ranks);
+    DEEP_EP_REQUIRE_ARG(num_experts >= 1 && num_experts <= kMaxExperts, "num_experts must be in [1, ", kMaxExperts,
+                        "], got ", num_experts);
+    DEEP_EP_REQUIRE_ARG(num_experts % num_ranks == 0, "num_experts must be divisible by num_ranks, got ", num_experts,
+                        " and ", num_ranks);
     int num_nodes = 0;
     if (num_tokens_per_rdma_rank != nullptr) {
-        DEEP_EP_CHECK_ARG(ranks_per_node >= 1 && num_ranks % ranks_per_node == 0,
-                          "ranks_per_node must divide num_ranks, got ", ranks_per_node, " and ", num_ranks);
+        DEEP_EP_REQUIRE_ARG(ranks_per_node >= 1 && num_ranks % ranks_per_node == 0,
+                            "ranks_per_node must divide num_ranks, got ", ranks_per_node, " and ", num_ranks);
         num_nodes = num_ranks / ranks_per_node;
-        DEEP_EP_CUDA_CHECK(cudaMemsetAsync(num_tokens_per_rdma_rank, 0, sizeof(int) * num_nodes, stream));
+        DEEP_EP_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(num_tokens_per_rdma_rank, 0, sizeof(int) * num_nodes, stream));
     }
-    DEEP_EP_CUDA_CHECK(cudaMemsetAsync(num_tokens_per_rank, 0, sizeof(int) * num_ranks, stream));
-    DEEP_EP_CUDA_CHECK(cudaMemsetAsync(num_tokens_per_expert, 0, sizeof(int) * num_experts, stream));
-    if (num_tokens == 0) return;
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(num_tokens_per_rank, 0, sizeof(int) * num_ranks, stream));
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(num_tokens_per_expert, 0, sizeof(int) * num_experts, stream));
+    if (num_tokens == 0) return {};
 
     int device = 0, num_sms = 0;
-    DEEP_EP_CUDA_CHECK(cudaGetDevice(&device));
-    DEEP_EP_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
     const int needed = (num_tokens + kLayoutThreads - 1) / kLayoutThreads;
     const int grid = needed < num_sms * 2 ? needed : num_sms * 2;
     const size_t smem = sizeof(int) * static_cast<size_t>(num_experts + num_ranks + num_nodes);
     if (topk_idx_bytes == 8) {
         if (smem > 48 * 1024)
-            DEEP_EP_CUDA_CHECK(cudaFuncSetAttribute(layout_count_kernel<int64_t>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+            DEEP_EP_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(layout_count_kernel<int64_t>,
+                                                              cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         layout_count_kernel<int64_t><<<grid, kLayoutThreads, smem, stream>>>(
             static_cast<const int64_t*>(topk_idx), num_tokens, num_topk, num_ranks, num_experts, ranks_per_node,
             num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank);
     } else {
         if (smem > 48 * 1024)
-            DEEP_EP_CUDA_CHECK(cudaFuncSetAttribute(layout_count_kernel<int32_t>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+            DEEP_EP_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(layout_count_kernel<int32_t>,
+                                                              cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         layout_count_kernel<int32_t><<<grid, kLayoutThreads, smem, stream>>>(
             static_cast<const int32_t*>(topk_idx), num_tokens, num_topk, num_ranks, num_experts, ranks_per_node,
             num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank);
     }
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
 }  // namespace kernels

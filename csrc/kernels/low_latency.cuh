@@ -93,8 +93,10 @@ inline __host__ __device__ int64_t combine_arrive_off(const Layout& lay, int64_t
     return lay.carrive_off + (t * lay.num_ranks + o) * 8;
 }
 
-// Computes the carving; throws std::invalid_argument (naming the sizes) if it needs more than `num_rdma_bytes`.
-Layout make_layout(int num_ranks, int num_tokens_max, int hidden, int num_experts, int64_t num_rdma_bytes);
+// Computes the carving into `layout`; an invalid-argument Status (naming the sizes) if it needs more than
+// `num_rdma_bytes`.
+Status make_layout(int num_ranks, int num_tokens_max, int hidden, int num_experts, int64_t num_rdma_bytes,
+                   Layout* layout);
 
 struct Context {
     void* sym;                 // this rank's symmetric buffer (nvshmem_align)
@@ -155,25 +157,25 @@ constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
 
 // Sets the kernels' dynamic shared-memory ceiling on the current device; once, before the first launch there.
-void configure_kernels();
-void dispatch(const Context& ctx, const DispatchArgs& args, cudaStream_t stream);
-void combine(const Context& ctx, const CombineArgs& args, cudaStream_t stream);
+Status configure_kernels();
+Status dispatch(const Context& ctx, const DispatchArgs& args, cudaStream_t stream);
+Status combine(const Context& ctx, const CombineArgs& args, cudaStream_t stream);
 // Bounded barrier over all PEs, on `stream`.
-void barrier(const Context& ctx, cudaStream_t stream);
+Status barrier(const Context& ctx, cudaStream_t stream);
 // This rank's validation refused a combine that its peers make: one thread tells every peer and records the refusal
 // (phase kPhaseLlCombineRefused, `signature_hash` = the refusal's hash), so that no rank waits for its rows.
-void refuse_combine(const Context& ctx, uint32_t signature_hash, cudaStream_t stream);
+Status refuse_combine(const Context& ctx, uint32_t signature_hash, cudaStream_t stream);
 // Zeroes both halves' control words and the workspace (call between two barriers).
-void clean(const Context& ctx, cudaStream_t stream);
+Status clean(const Context& ctx, cudaStream_t stream);
 
 // ---- NVSHMEM host side (bootstrap from a unique id, symmetric allocation) ----
-std::vector<uint8_t> nvshmem_unique_id();
+Status nvshmem_unique_id(std::vector<uint8_t>* unique_id);
 // Initialises NVSHMEM as PE `rank` of `num_ranks` (once per process; a second call must agree).
-void nvshmem_bootstrap(const std::vector<uint8_t>& unique_id, int rank, int num_ranks);
+Status nvshmem_bootstrap(const std::vector<uint8_t>& unique_id, int rank, int num_ranks);
 // The world this process joined: {PE, number of PEs}, or {-1, 0} before the first nvshmem_bootstrap.
 std::pair<int, int> nvshmem_world();
-void* nvshmem_alloc_zeroed(int64_t bytes);   // collective
-void nvshmem_release(void* ptr);             // collective
+Status nvshmem_alloc_zeroed(int64_t bytes, void** allocation);  // collective
+void nvshmem_release(void* ptr);  // collective
 // nvshmem_ptr(ptr, pes[r]) for every r.
 std::vector<void*> nvshmem_peer_pointers(void* ptr, const std::vector<int>& pes);
 

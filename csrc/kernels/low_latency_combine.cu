@@ -523,33 +523,34 @@ constexpr int kMaxCombineSmem = 224 * 1024;
 
 }  // namespace
 
-void configure_combine_kernels() {
+Status configure_combine_kernels() {
     for (const void* kernel : {reinterpret_cast<const void*>(&combine_kernel<false>),
                                reinterpret_cast<const void*>(&combine_kernel<true>)})
-        DEEP_EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxCombineSmem));
+        DEEP_EP_RETURN_IF_CUDA_ERROR(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxCombineSmem));
+    return {};
 }
 
-void combine(const Context& ctx, const CombineArgs& args, cudaStream_t stream) {
-    DEEP_EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "num_topk must be <= ", kMaxTopk, ", got ",
-                      args.num_topk);
+Status combine(const Context& ctx, const CombineArgs& args, cudaStream_t stream) {
+    DEEP_EP_REQUIRE_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "num_topk must be <= ", kMaxTopk, ", got ",
+                        args.num_topk);
     // Shared memory: the send phase's row prefix [L + 1], then (receive, BF16 rows) as many staged rows of 2H bytes
     // as fit, at most top-k; a token with more valid entries than slots is reduced from global memory.
     CombineArgs a = args;
     const int64_t row_bytes = int64_t(ctx.layout.hidden) * 2;
     a.stage_offset = static_cast<int>((int64_t(ctx.layout.num_local + 1) * 4 + 127) / 128 * 128);
-    DEEP_EP_CHECK_ARG(a.stage_offset <= kMaxCombineSmem, "the low-latency combine needs ", a.stage_offset,
-                      " bytes of shared memory (num_experts / num_ranks too large)");
+    DEEP_EP_REQUIRE_ARG(a.stage_offset <= kMaxCombineSmem, "the low-latency combine needs ", a.stage_offset,
+                        " bytes of shared memory (num_experts / num_ranks too large)");
     const bool stage = (a.phases & kPhaseRecv) && !a.use_logfmt;
     const int64_t fit = (kMaxCombineSmem - a.stage_offset) / row_bytes;
     a.stage_slots = stage ? static_cast<int>(std::min<int64_t>(a.num_topk, fit)) : 0;
     const int smem = static_cast<int>(a.stage_offset + a.stage_slots * row_bytes);
     switch (a.phases) {
         case kPhaseSend:
-        case kPhaseRecv: launch_cooperative(combine_kernel<false>, ctx.num_blocks, smem, stream, ctx, a); break;
+        case kPhaseRecv: return launch_cooperative(combine_kernel<false>, ctx.num_blocks, smem, stream, ctx, a);
         case kPhaseSend | kPhaseRecv:
-            launch_cooperative(combine_kernel<true>, ctx.num_blocks, smem, stream, ctx, a);
-            break;
-        default: DEEP_EP_CHECK_ARG(false, "phases must be 1, 2 or 3, got ", args.phases);
+            return launch_cooperative(combine_kernel<true>, ctx.num_blocks, smem, stream, ctx, a);
+        default: return invalid_argument_status("phases must be 1, 2 or 3, got ", args.phases);
     }
 }
 

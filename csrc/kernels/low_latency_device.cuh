@@ -12,7 +12,7 @@
 #include <cstdint>
 
 #include "error_record.cuh"
-#include "exception.cuh"
+#include "status.cuh"
 #include "low_latency.cuh"
 #include "ptx.cuh"
 
@@ -299,7 +299,7 @@ __device__ __forceinline__ float bf16_to_float(uint16_t bits) { return __uint_as
 // count words that CTA (d mod nb) of each rank writes, its own grid's included, so a CTA left unscheduled would
 // stall the others (bounded, but a spurious timeout). The shared-memory ceiling is set once (configure_kernels).
 template <typename Kernel, typename... Args>
-void launch_cooperative(Kernel kernel, int blocks, int smem, cudaStream_t stream, Args... args) {
+Status launch_cooperative(Kernel kernel, int blocks, int smem, cudaStream_t stream, Args... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(blocks);
     cfg.blockDim = dim3(kThreads);
@@ -310,13 +310,14 @@ void launch_cooperative(Kernel kernel, int blocks, int smem, cudaStream_t stream
     attr[0].val.cooperative = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    DEEP_EP_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(&cfg, kernel, args...));
+    return {};
 }
 
 
 // cudaFuncAttributeMaxDynamicSharedMemorySize of each file's kernels (configure_kernels calls both).
-void configure_dispatch_kernels();
-void configure_combine_kernels();
+Status configure_dispatch_kernels();
+Status configure_combine_kernels();
 
 }  // namespace ll
 }  // namespace kernels

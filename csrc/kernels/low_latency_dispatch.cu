@@ -436,32 +436,33 @@ constexpr int kMaxDynamicSmem = 160 * 1024;
 
 }  // namespace
 
-void configure_dispatch_kernels() {
+Status configure_dispatch_kernels() {
     for (const void* kernel : {reinterpret_cast<const void*>(&dispatch_kernel<false>),
                                reinterpret_cast<const void*>(&dispatch_kernel<true>)})
-        DEEP_EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDynamicSmem));
+        DEEP_EP_RETURN_IF_CUDA_ERROR(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDynamicSmem));
+    return {};
 }
 
-void dispatch(const Context& ctx, const DispatchArgs& args, cudaStream_t stream) {
-    DEEP_EP_CHECK_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "num_topk must be <= ", kMaxTopk, ", got ",
-                      args.num_topk);
-    DEEP_EP_CHECK_ARG(args.num_tokens >= 0 && args.num_tokens <= ctx.layout.num_tokens_max,
-                      "num_tokens must be <= num_max_dispatch_tokens_per_rank (", ctx.layout.num_tokens_max,
-                      "), got ", args.num_tokens);
-    DEEP_EP_CHECK_ARG((args.num_tokens + ctx.num_blocks - 1) / ctx.num_blocks <= kMaxTile,
-                      "too many tokens per CTA: ", args.num_tokens, " tokens over ", ctx.num_blocks, " CTAs");
-    DEEP_EP_CHECK_ARG(!args.use_ue8m0 || ctx.layout.hidden % 512 == 0,
-                      "use_ue8m0 needs hidden to be a multiple of 512, got ", ctx.layout.hidden);
+Status dispatch(const Context& ctx, const DispatchArgs& args, cudaStream_t stream) {
+    DEEP_EP_REQUIRE_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "num_topk must be <= ", kMaxTopk, ", got ",
+                        args.num_topk);
+    DEEP_EP_REQUIRE_ARG(args.num_tokens >= 0 && args.num_tokens <= ctx.layout.num_tokens_max,
+                        "num_tokens must be <= num_max_dispatch_tokens_per_rank (", ctx.layout.num_tokens_max,
+                        "), got ", args.num_tokens);
+    DEEP_EP_REQUIRE_ARG((args.num_tokens + ctx.num_blocks - 1) / ctx.num_blocks <= kMaxTile,
+                        "too many tokens per CTA: ", args.num_tokens, " tokens over ", ctx.num_blocks, " CTAs");
+    DEEP_EP_REQUIRE_ARG(!args.use_ue8m0 || ctx.layout.hidden % 512 == 0,
+                        "use_ue8m0 needs hidden to be a multiple of 512, got ", ctx.layout.hidden);
     const int smem = dispatch_smem(ctx);
-    DEEP_EP_CHECK_ARG(smem <= kMaxDynamicSmem, "the low-latency dispatch needs ", smem,
-                      " bytes of shared memory (num_experts too large)");
+    DEEP_EP_REQUIRE_ARG(smem <= kMaxDynamicSmem, "the low-latency dispatch needs ", smem,
+                        " bytes of shared memory (num_experts too large)");
     switch (args.phases) {
         case kPhaseSend:
-        case kPhaseRecv: launch_cooperative(dispatch_kernel<false>, ctx.num_blocks, smem, stream, ctx, args); break;
+        case kPhaseRecv: return launch_cooperative(dispatch_kernel<false>, ctx.num_blocks, smem, stream, ctx, args);
         case kPhaseSend | kPhaseRecv:
-            launch_cooperative(dispatch_kernel<true>, ctx.num_blocks, smem, stream, ctx, args);
-            break;
-        default: DEEP_EP_CHECK_ARG(false, "phases must be 1, 2 or 3, got ", args.phases);
+            return launch_cooperative(dispatch_kernel<true>, ctx.num_blocks, smem, stream, ctx, args);
+        default: return invalid_argument_status("phases must be 1, 2 or 3, got ", args.phases);
     }
 }
 

@@ -17,16 +17,17 @@ int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
 int64_t workspace_bytes(int num_ranks) { return workspace_end(num_ranks); }
 
-Layout make_layout(int num_ranks, int num_tokens_max, int hidden, int num_experts, int64_t num_rdma_bytes) {
-    DEEP_EP_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks must be in [1, ", kMaxRanks, "], got ",
-                      num_ranks);
-    DEEP_EP_CHECK_ARG(hidden % kFp8Block == 0 && hidden >= kMinHidden && hidden <= kMaxHidden,
-                      "hidden must be a multiple of 128 in [", kMinHidden, ", ", kMaxHidden, "], got ", hidden);
-    DEEP_EP_CHECK_ARG(num_tokens_max >= 1 && num_tokens_max <= kMaxTokens,
-                      "num_max_dispatch_tokens_per_rank must be in [1, ", kMaxTokens, "], got ", num_tokens_max);
-    DEEP_EP_CHECK_ARG(num_experts >= 1 && num_experts <= kMaxExperts && num_experts % num_ranks == 0,
-                      "num_experts must be a multiple of num_ranks (", num_ranks, ") and <= ", kMaxExperts, ", got ",
-                      num_experts);
+Status make_layout(int num_ranks, int num_tokens_max, int hidden, int num_experts, int64_t num_rdma_bytes,
+                   Layout* layout) {
+    DEEP_EP_REQUIRE_ARG(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks must be in [1, ", kMaxRanks, "], got ",
+                        num_ranks);
+    DEEP_EP_REQUIRE_ARG(hidden % kFp8Block == 0 && hidden >= kMinHidden && hidden <= kMaxHidden,
+                        "hidden must be a multiple of 128 in [", kMinHidden, ", ", kMaxHidden, "], got ", hidden);
+    DEEP_EP_REQUIRE_ARG(num_tokens_max >= 1 && num_tokens_max <= kMaxTokens,
+                        "num_max_dispatch_tokens_per_rank must be in [1, ", kMaxTokens, "], got ", num_tokens_max);
+    DEEP_EP_REQUIRE_ARG(num_experts >= 1 && num_experts <= kMaxExperts && num_experts % num_ranks == 0,
+                        "num_experts must be a multiple of num_ranks (", num_ranks, ") and <= ", kMaxExperts, ", got ",
+                        num_experts);
     Layout l{};
     l.num_ranks = num_ranks;
     l.num_tokens_max = num_tokens_max;
@@ -54,11 +55,12 @@ Layout make_layout(int num_ranks, int num_tokens_max, int hidden, int num_expert
     l.half_offset[0] = kGlobalBytes;
     l.half_offset[1] = kGlobalBytes + half;
     l.total_bytes = kGlobalBytes + 2 * half;
-    DEEP_EP_CHECK_ARG(l.total_bytes <= num_rdma_bytes, "num_rdma_bytes (", num_rdma_bytes,
-                      ") is too small for the CUDA low-latency kernels: num_max_dispatch_tokens_per_rank=",
-                      num_tokens_max, ", hidden=", hidden, ", num_experts=", num_experts, ", num_ranks=", num_ranks,
-                      " need ", l.total_bytes, " bytes");
-    return l;
+    DEEP_EP_REQUIRE_ARG(l.total_bytes <= num_rdma_bytes, "num_rdma_bytes (", num_rdma_bytes,
+                        ") is too small for the CUDA low-latency kernels: num_max_dispatch_tokens_per_rank=",
+                        num_tokens_max, ", hidden=", hidden, ", num_experts=", num_experts, ", num_ranks=", num_ranks,
+                        " need ", l.total_bytes, " bytes");
+    *layout = l;
+    return {};
 }
 
 const char* ll_phase_name(int32_t phase) {
@@ -126,24 +128,28 @@ __global__ void ll_clean_kernel(Context ctx) {
     if (first == 0) *reinterpret_cast<unsigned int*>(static_cast<char*>(ctx.workspace) + kWsMismatch) = 0;
 }
 
-void configure_kernels() {
-    configure_dispatch_kernels();
-    configure_combine_kernels();
+Status configure_kernels() {
+    DEEP_EP_RETURN_IF_FAILED(configure_dispatch_kernels());
+    DEEP_EP_RETURN_IF_FAILED(configure_combine_kernels());
+    return {};
 }
 
-void barrier(const Context& ctx, cudaStream_t stream) {
+Status barrier(const Context& ctx, cudaStream_t stream) {
     ll_barrier_kernel<<<1, 256, 0, stream>>>(ctx);
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
-void refuse_combine(const Context& ctx, uint32_t signature_hash, cudaStream_t stream) {
+Status refuse_combine(const Context& ctx, uint32_t signature_hash, cudaStream_t stream) {
     ll_refuse_combine_kernel<<<1, 1, 0, stream>>>(ctx, signature_hash);
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
-void clean(const Context& ctx, cudaStream_t stream) {
+Status clean(const Context& ctx, cudaStream_t stream) {
     ll_clean_kernel<<<64, 256, 0, stream>>>(ctx);
-    DEEP_EP_CUDA_CHECK(cudaGetLastError());
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return {};
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -155,36 +161,36 @@ std::mutex g_init_mutex;
 int g_init_rank = -1, g_init_ranks = 0;
 }  // namespace
 
-std::vector<uint8_t> nvshmem_unique_id() {
+Status nvshmem_unique_id(std::vector<uint8_t>* unique_id) {
     nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
-    if (nvshmemx_get_uniqueid(&id) != 0) throw std::runtime_error("nvshmemx_get_uniqueid failed");
-    std::vector<uint8_t> out(sizeof(id));
-    std::memcpy(out.data(), &id, sizeof(id));
-    return out;
+    if (nvshmemx_get_uniqueid(&id) != 0) return runtime_error_status("nvshmemx_get_uniqueid failed");
+    unique_id->assign(reinterpret_cast<const uint8_t*>(&id), reinterpret_cast<const uint8_t*>(&id) + sizeof(id));
+    return {};
 }
 
-void nvshmem_bootstrap(const std::vector<uint8_t>& unique_id, int rank, int num_ranks) {
+Status nvshmem_bootstrap(const std::vector<uint8_t>& unique_id, int rank, int num_ranks) {
     std::lock_guard<std::mutex> lock(g_init_mutex);
     if (g_init_ranks != 0) {
-        DEEP_EP_CHECK_ARG(g_init_rank == rank && g_init_ranks == num_ranks,
-                          "NVSHMEM is already initialised in this process as PE ", g_init_rank, " of ", g_init_ranks,
-                          "; a low-latency Buffer for rank ", rank, " of ", num_ranks, " cannot join another world");
-        return;
+        DEEP_EP_REQUIRE_ARG(g_init_rank == rank && g_init_ranks == num_ranks,
+                            "NVSHMEM is already initialised in this process as PE ", g_init_rank, " of ", g_init_ranks,
+                            "; a low-latency Buffer for rank ", rank, " of ", num_ranks, " cannot join another world");
+        return {};
     }
     nvshmemx_uniqueid_t id;
-    DEEP_EP_CHECK_ARG(unique_id.size() == sizeof(id), "the NVSHMEM unique id must have ", sizeof(id),
-                      " bytes, got ", unique_id.size());
+    DEEP_EP_REQUIRE_ARG(unique_id.size() == sizeof(id), "the NVSHMEM unique id must have ", sizeof(id),
+                        " bytes, got ", unique_id.size());
     std::memcpy(&id, unique_id.data(), sizeof(id));
     nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
     if (nvshmemx_set_attr_uniqueid_args(rank, num_ranks, &id, &attr) != 0)
-        throw std::runtime_error("nvshmemx_set_attr_uniqueid_args failed");
+        return runtime_error_status("nvshmemx_set_attr_uniqueid_args failed");
     if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0)
-        throw std::runtime_error("nvshmemx_init_attr failed");
+        return runtime_error_status("nvshmemx_init_attr failed");
     if (nvshmem_my_pe() != rank || nvshmem_n_pes() != num_ranks)
-        throw std::runtime_error(concat_message("NVSHMEM initialised as PE ", nvshmem_my_pe(), " of ", nvshmem_n_pes(),
-                                                ", expected ", rank, " of ", num_ranks));
+        return runtime_error_status("NVSHMEM initialised as PE ", nvshmem_my_pe(), " of ", nvshmem_n_pes(),
+                                    ", expected ", rank, " of ", num_ranks);
     g_init_rank = rank;
     g_init_ranks = num_ranks;
+    return {};
 }
 
 std::pair<int, int> nvshmem_world() {
@@ -192,13 +198,14 @@ std::pair<int, int> nvshmem_world() {
     return {g_init_rank, g_init_ranks};
 }
 
-void* nvshmem_alloc_zeroed(int64_t bytes) {
+Status nvshmem_alloc_zeroed(int64_t bytes, void** allocation) {
     void* ptr = nvshmem_align(128, static_cast<size_t>(bytes));
-    if (ptr == nullptr) throw std::runtime_error(concat_message("nvshmem_align of ", bytes, " bytes failed"));
-    DEEP_EP_CUDA_CHECK(cudaMemset(ptr, 0, static_cast<size_t>(bytes)));
-    DEEP_EP_CUDA_CHECK(cudaDeviceSynchronize());
+    if (ptr == nullptr) return runtime_error_status("nvshmem_align of ", bytes, " bytes failed");
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaMemset(ptr, 0, static_cast<size_t>(bytes)));
+    DEEP_EP_RETURN_IF_CUDA_ERROR(cudaDeviceSynchronize());
     nvshmem_barrier_all();
-    return ptr;
+    *allocation = ptr;
+    return {};
 }
 
 void nvshmem_release(void* ptr) {
