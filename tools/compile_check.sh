@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Compile-only check of csrc/ for sm_90a on a machine without a GPU (CI): every kernel file through nvcc, every
-# host file through the host compiler in syntax-only mode against torch's headers. No linking, no GPU needed.
+# Compile-only check of csrc/ for sm_90a on a machine without a GPU (CI): every kernel file through nvcc (its object
+# must not throw, see check_no_throw), every host file through the host compiler in syntax-only mode against torch's
+# headers. No linking, no GPU needed.
 #
 # Usage: tools/compile_check.sh            (from anywhere; exits non-zero on the first failing file)
-# Needs: nvcc (CUDA 12.8+ for sm_90a; 13.x here), python3 with torch (a CPU wheel is enough: its headers are used).
+# Needs: nvcc (CUDA 12.8+ for sm_90a; 13.x here), python3 with torch (a CPU wheel is enough: its headers are used),
+# nm (binutils).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -41,6 +43,19 @@ DEFINES=(-DDEEP_EP_TOPK_IDX_BITS="$TOPK_BITS" -DDEEP_EP_DISABLE_NVSHMEM)
 INCLUDES=(-I"$ROOT/csrc" -I"$ROOT/csrc/kernels" -I"$CUDA_HOME/include")
 [[ -d "$CUDA_HOME/include/cccl" ]] && INCLUDES+=(-I"$CUDA_HOME/include/cccl")
 
+# Host code compiled by nvcc must not throw: a C++ exception thrown there does not reach Python (the extension's
+# process ends with SIGSEGV instead), so the kernels' host code reports failures as a returned Status
+# (csrc/kernels/status.cuh) that csrc/*.cpp raises. An object referencing __cxa_throw has a throw in it. A discarded
+# Status is an error too (nvcc diagnostic 3004 and -Werror=unused-result: the type is [[nodiscard]]).
+check_no_throw() {
+    local symbols
+    symbols="$(nm "$1")"
+    if grep -w '__cxa_throw' <<<"$symbols" >/dev/null; then
+        echo "compile_check: ${2#$ROOT/} throws a C++ exception from nvcc-compiled host code (return a Status)" >&2
+        return 1
+    fi
+}
+
 status=0
 shopt -s nullglob
 for src in "$ROOT"/csrc/kernels/*.cu "$ROOT"/csrc/*.cu; do
@@ -49,7 +64,8 @@ for src in "$ROOT"/csrc/kernels/*.cu "$ROOT"/csrc/*.cu; do
     esac
     echo "nvcc sm_90a: ${src#$ROOT/}"
     if ! "$NVCC" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -rdc=true \
-            "${DEFINES[@]}" "${INCLUDES[@]}" -c "$src" -o "$WORK/$(basename "$src").o"; then
+            --diag-error=3004 "${DEFINES[@]}" "${INCLUDES[@]}" -c "$src" -o "$WORK/$(basename "$src").o" ||
+       ! check_no_throw "$WORK/$(basename "$src").o" "$src"; then
         status=1
     fi
 done
@@ -62,8 +78,10 @@ if [[ -n "$NVSHMEM_ROOT" && -f "$NVSHMEM_ROOT/include/nvshmem.h" ]]; then
                "$ROOT"/csrc/kernels/intranode*.cu "$ROOT"/csrc/kernels/fused*.cu; do
         echo "nvcc sm_90a (NVSHMEM at $NVSHMEM_ROOT): ${src#$ROOT/}"
         if ! "$NVCC" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -rdc=true \
-                -D__CUDA_NO_HALF_OPERATORS__ -U__CUDA_NO_HALF_OPERATORS__ -DDEEP_EP_TOPK_IDX_BITS="$TOPK_BITS" \
-                "${INCLUDES[@]}" -I"$NVSHMEM_ROOT/include" -c "$src" -o "$WORK/$(basename "$src").o"; then
+                --diag-error=3004 -D__CUDA_NO_HALF_OPERATORS__ -U__CUDA_NO_HALF_OPERATORS__ \
+                -DDEEP_EP_TOPK_IDX_BITS="$TOPK_BITS" \
+                "${INCLUDES[@]}" -I"$NVSHMEM_ROOT/include" -c "$src" -o "$WORK/$(basename "$src").o" ||
+           ! check_no_throw "$WORK/$(basename "$src").o" "$src"; then
             status=1
         fi
     done
@@ -71,14 +89,21 @@ else
     echo "skip NVSHMEM kernels: no NVSHMEM headers (set NVSHMEM_DIR or pip install nvidia-nvshmem-cu13)"
 fi
 CXX="${CXX:-g++}"
+# Host files: in the build without NVSHMEM, and, when NVSHMEM is here, in the build with it (the body of
+# csrc/low_latency.cpp, the symmetric paths of csrc/buffer.cpp; no host file includes an NVSHMEM header).
+HOST_BUILDS=("-DDEEP_EP_DISABLE_NVSHMEM")
+[[ -n "$NVSHMEM_ROOT" && -f "$NVSHMEM_ROOT/include/nvshmem.h" ]] && HOST_BUILDS+=("-UDEEP_EP_DISABLE_NVSHMEM")
+inc=()
+for d in "${TORCH_INCLUDES[@]}"; do inc+=(-isystem "$d"); done
 for src in "$ROOT"/csrc/*.cpp; do
-    echo "$CXX syntax: ${src#$ROOT/}"
-    inc=()
-    for d in "${TORCH_INCLUDES[@]}"; do inc+=(-isystem "$d"); done
-    if ! "$CXX" -std=c++17 -fsyntax-only -Wall -Wno-unused-function "${DEFINES[@]}" -DTORCH_EXTENSION_NAME=_C \
-            -isystem "$STUBS" "${inc[@]}" -isystem "$PY_INCLUDE" "${INCLUDES[@]}" "$src"; then
-        status=1
-    fi
+    for build in "${HOST_BUILDS[@]}"; do
+        echo "$CXX syntax ($build): ${src#$ROOT/}"
+        if ! "$CXX" -std=c++17 -fsyntax-only -Wall -Werror=unused-result -Wno-unused-function \
+                -DDEEP_EP_TOPK_IDX_BITS="$TOPK_BITS" "$build" -DTORCH_EXTENSION_NAME=_C \
+                -isystem "$STUBS" "${inc[@]}" -isystem "$PY_INCLUDE" "${INCLUDES[@]}" "$src"; then
+            status=1
+        fi
+    done
 done
 if [[ $status -ne 0 ]]; then
     echo "compile_check: FAILED" >&2
