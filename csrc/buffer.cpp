@@ -203,30 +203,17 @@ void Runtime::sync(const std::vector<int>& device_ids, const std::vector<std::st
     available_ = true;
 }
 
-std::vector<int> Runtime::sync_symmetric(const std::string& unique_id, int world_rank, int world_size,
-                                         const std::vector<int>& pes) {
+std::vector<int> Runtime::sync_symmetric(const std::string& unique_id) {
     if (available_ || local_buffer_ != nullptr) throw std::runtime_error("Runtime::sync_symmetric called twice");
     if (!symmetric_) throw std::runtime_error("Runtime::sync_symmetric needs a runtime built with symmetric=True");
 #ifdef DEEP_EP_DISABLE_NVSHMEM
-    (void)unique_id, (void)world_rank, (void)world_size, (void)pes;
+    (void)unique_id;
     throw std::runtime_error("this build has no NVSHMEM (DEEP_EP_DISABLE_NVSHMEM): no symmetric runtime");
 #else
-    if (static_cast<int>(pes.size()) != num_ranks_)
-        invalid("pes must name the NVSHMEM PE of each of the %d group ranks, got %d", num_ranks_,
-                static_cast<int>(pes.size()));
-    for (int r = 0; r < num_ranks_; ++r) {
-        if (pes[r] < 0 || pes[r] >= world_size)
-            invalid("pes[%d] must be a PE in [0, %d), got %d", r, world_size, pes[r]);
-        for (int q = 0; q < r; ++q)
-            if (pes[q] == pes[r]) invalid("pes must be distinct, got PE %d for group ranks %d and %d", pes[r], q, r);
-    }
-    if (pes[rank_] != world_rank)
-        invalid("pes[%d] (this rank) must be this process's PE %d, got %d", rank_, world_rank, pes[rank_]);
-    throw_if_failed(kernels::ll::nvshmem_bootstrap(std::vector<uint8_t>(unique_id.begin(), unique_id.end()),
-                                                   world_rank, world_size));
+    throw_if_failed(kernels::ll::nvshmem_bootstrap(std::vector<uint8_t>(unique_id.begin(), unique_id.end()), rank_,
+                                                   num_ranks_));
     throw_if_failed(kernels::ll::nvshmem_alloc_zeroed(num_nvl_bytes_, &local_buffer_));  // collective over the world
-    peer_buffers_ = kernels::ll::nvshmem_peer_pointers(local_buffer_, pes);
-    pes_ = pes;
+    peer_buffers_ = kernels::ll::nvshmem_peer_pointers(local_buffer_, num_ranks_);
     std::vector<int> unreachable;
     for (int r = 0; r < num_ranks_; ++r)
         if (peer_buffers_[r] == nullptr && r != rank_) unreachable.push_back(r);
@@ -322,7 +309,6 @@ kernels::KernelContext Runtime::next_context() {
     ctx.num_ranks = num_ranks_;
     ctx.skip_sends = (fault_call_seq_ > 0 && ctx.call_seq >= fault_call_seq_) ? 1 : 0;
     ctx.put_mask = put_mask_;
-    for (int r = 0; r < kernels::kMaxRuntimeRanks; ++r) ctx.pe_of[r] = r < static_cast<int>(pes_.size()) ? pes_[r] : r;
     return ctx;
 }
 

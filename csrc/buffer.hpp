@@ -74,13 +74,11 @@ class Runtime {
     // Opens every peer's buffer and uploads the pointer table. `ipc_handles[rank]` must equal our own handle.
     void sync(const std::vector<int>& device_ids, const std::vector<std::string>& ipc_handles);
     // Symmetric runtime only (collective over the whole NVSHMEM world, every PE allocating the same bytes): joins
-    // the world of `unique_id` as PE `world_rank` of `world_size` (shared with the low-latency runtime: one world per
-    // process), allocates the zeroed buffer on the symmetric heap and maps every group rank's copy with nvshmem_ptr;
-    // `pes[r]` is group rank r's PE (the identity when the group is the world; a subgroup such as the composed
-    // path's rail stage names its members). Returns the group ranks whose buffer is not load/store reachable (a
-    // remote transport). The runtime becomes usable with set_put_peers.
-    std::vector<int> sync_symmetric(const std::string& unique_id, int world_rank, int world_size,
-                                    const std::vector<int>& pes);
+    // the world of `unique_id` as PE `rank` of `num_ranks` (the group is the world; shared with the low-latency
+    // runtime: one world per process), allocates the zeroed buffer on the symmetric heap and maps every rank's copy
+    // with nvshmem_ptr. Returns the ranks whose buffer is not load/store reachable (a remote transport). The runtime
+    // becomes usable with set_put_peers.
+    std::vector<int> sync_symmetric(const std::string& unique_id);
     // Symmetric runtime, after sync_symmetric: the ranks reached by NVSHMEM puts and signals instead of pointers
     // (every unreachable one among them; the caller makes the relation symmetric across ranks). `put_area`: carve
     // the put area (kernels/layout.cuh put_layout), which every rank of the world must do alike as soon as any
@@ -257,7 +255,6 @@ class Runtime {
     int64_t num_nvl_bytes_;
     int64_t ring_bytes_;      // the kernels' region [0, ring_bytes_): num_nvl_bytes_, or less with a put area after it
     uint64_t put_mask_ = 0;   // bit r: rank r is reached by NVSHMEM puts (KernelContext::put_mask)
-    std::vector<int> pes_;    // NVSHMEM PE of each group rank (KernelContext::pe_of); empty: the rank itself
     bool put_area_ = false;   // the world has put pairs: the buffer ends with the put area
     double timeout_s_;
     int device_id_ = -1;

@@ -78,9 +78,7 @@ LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_b
 
     throw_if_failed(ll::nvshmem_bootstrap(std::vector<uint8_t>(unique_id.begin(), unique_id.end()), rank, num_ranks));
     throw_if_failed(ll::nvshmem_alloc_zeroed(num_rdma_bytes, &sym_));
-    std::vector<int> pes(num_ranks);
-    for (int r = 0; r < num_ranks; ++r) pes[r] = r;  // the low-latency group is the whole NVSHMEM world
-    auto peers = ll::nvshmem_peer_pointers(sym_, pes);
+    auto peers = ll::nvshmem_peer_pointers(sym_, num_ranks);  // the low-latency group is the whole NVSHMEM world
     if (put_only)
         for (int r = 0; r < num_ranks; ++r)
             if (r != rank) peers[r] = nullptr;

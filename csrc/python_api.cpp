@@ -77,8 +77,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("get_local_device_id", &deep_ep::Runtime::get_local_device_id)
         .def("get_local_ipc_handle", [](const deep_ep::Runtime& r) { return py::bytes(r.get_local_ipc_handle()); })
         .def("sync", &deep_ep::Runtime::sync)
-        .def("sync_symmetric", &deep_ep::Runtime::sync_symmetric, py::arg("unique_id"), py::arg("world_rank"),
-             py::arg("world_size"), py::arg("pes"))
+        .def("sync_symmetric", &deep_ep::Runtime::sync_symmetric, py::arg("unique_id"))
         .def("set_put_peers", &deep_ep::Runtime::set_put_peers)
         .def("get_put_mask", &deep_ep::Runtime::get_put_mask)
         .def("get_ring_bytes", &deep_ep::Runtime::get_ring_bytes)

@@ -4,9 +4,9 @@ This module is the validating front. It checks every argument (``deep_ep.validat
 naming the argument, the rule and the value), resolves defaults and configs, and hands each call, as one request
 (``deep_ep.backends.base``), to the backend that a table built at construction names for the call's mode and
 device (``deep_ep.backends.selection``): the CUDA kernels for CUDA tensors where they serve the group, the composed
-path for ``N`` nodes x ``G > 1`` GPUs, else the torch backend (``torch.distributed``: gloo on CPU, NCCL on GPU).
-Backends return the NamedTuples of ``deep_ep.results``. Where the torch backend serves a collective call, the ranks
-first check that they agree on its arguments (``deep_ep.backends.agreement``); a non-cached dispatch of the CUDA
+path for ``N`` nodes x ``G > 1`` GPUs beyond them, else the torch backend (``torch.distributed``: gloo on CPU, NCCL on
+GPU). Backends return the NamedTuples of ``deep_ep.results``. Where the torch backend serves a collective call, the
+ranks first check that they agree on its arguments (``deep_ep.backends.agreement``); a non-cached dispatch of the CUDA
 kernels checks it in their notify kernel. The Buffer also owns the receives of
 low-latency hooks (a dropped hook's receive runs at the next call) and counts low-latency calls to refuse reuse of a
 buffer half still in use.

@@ -18,8 +18,8 @@ from deep_ep import envs
 # Largest scale-up (NVLink) domain a node may have; DeepEP's NUM_MAX_NVL_PEERS.
 NUM_MAX_SCALEUP_RANKS = 8
 # Largest group of this library's ring kernels (csrc/kernels/constants.cuh kMaxRanks): the intranode Buffer's NVLink
-# domain (at most NUM_MAX_SCALEUP_RANKS), the nodes of the one-GPU-per-node CUDA internode backend and of the composed
-# path's rail stage. Larger groups fall back to the torch backend.
+# domain (at most NUM_MAX_SCALEUP_RANKS) and the nodes of the one-GPU-per-node CUDA internode backend. Larger groups
+# fall back to the torch backend.
 NUM_MAX_RING_RANKS = 24
 # Largest group of one CUDA runtime (csrc/kernels/constants.cuh kMaxRuntimeRanks: its peer table and barrier).
 NUM_MAX_RUNTIME_RANKS = 64

@@ -2,9 +2,9 @@
 
 ``with deep_ep.testing.overrides(combine_send="rings"): ...`` makes the calls and ``Buffer`` constructions inside
 the block see the given fields, merged over any enclosing block; every field left ``None`` / ``False`` is the
-library's own choice. Construction-time fields (``internode``, ``composed_rail``, ``ll_put_only``,
-``internode_put_only``) are read when a ``Buffer`` is built, the others when a call is made. The state is a
-``contextvars.ContextVar``: it follows the thread (or task) that entered the block.
+library's own choice. Construction-time fields (``internode``, ``ll_put_only``, ``internode_put_only``) are read
+when a ``Buffer`` is built, the others when a call is made. The state is a ``contextvars.ContextVar``: it follows the
+thread (or task) that entered the block.
 
 Standard library only, so ``deep_ep.backends.cuda_tuning`` (and through it the simulator) can read it.
 """
@@ -20,7 +20,6 @@ _CHOICES = {
     "dispatch_receive": ("rings", "direct"),
     "combine_send": ("copy", "rings", "zone"),
     "internode": ("composed", "torch", "fused"),
-    "composed_rail": ("ipc", "nvshmem", "torch"),
 }
 # Fields that hold a count (None: the tuned value) and their smallest accepted value.
 _COUNTS = {"combine_copy_chunk_rows": 1, "dispatch_warps": 0, "combine_warps": 0}
@@ -42,7 +41,6 @@ class Overrides:
         internode: normal mode of ``N`` nodes x ``G > 1`` GPUs: ``'composed'`` (rail and node stages for every
             tensor; torch stages on CPU), ``'torch'`` (the torch backend) or ``'fused'`` (the fused CUDA kernels,
             deep_ep/backends/fused_internode.py, or a warning naming why they cannot serve the group).
-        composed_rail: the composed path's rail stage: ``'ipc'``, ``'nvshmem'`` or ``'torch'``.
         ll_put_only: the low-latency kernels reach every peer by NVSHMEM put (the RDMA path), even by NVLink.
         internode_put_only: the internode ring kernels reach every peer by NVSHMEM put, the fused kernels every
             rank of another node (their NVLink hops stay pointer); set on any rank, it applies to the whole group.
@@ -55,7 +53,6 @@ class Overrides:
     combine_warps: Optional[int] = None
     uncapped_channels: bool = False
     internode: Optional[str] = None
-    composed_rail: Optional[str] = None
     ll_put_only: bool = False
     internode_put_only: bool = False
 

@@ -1,18 +1,17 @@
 """deep_ep's composed internode path in the ``--kernels deep_ep`` family: ``N`` nodes x ``G > 1`` GPUs beyond the
 fused kernels' ranks (:mod:`simulator.deep_ep_fused`).
 
-deep_ep runs that topology as two stage calls: a **rail stage** (the ``N`` ranks of
-one local index: each token goes once to each node it needs, to the rail peer there) and a **node stage** (the ``G``
-ranks of one node: the forwarder sends each row to the local ranks that need it), each a ring op over its subgroup
-(costed by the stage model the caller passes). A stage starts when the last rank of its group is ready; around the
-stages the composed layer's torch copies move the rows (``composed_copy_gbps``, bytes read plus written) and it adds
+deep_ep runs that topology as two stage calls: a **rail stage** (the ``N`` ranks of one local index: each token goes
+once to each node it needs, to the rail peer there), a torch-backend op, and a **node stage** (the ``G`` ranks of one
+node: the forwarder sends each row to the local ranks that need it), a ring op over its subgroup; the caller passes
+the model of each. A stage starts when the last rank of its group is ready; around the stages the composed layer's
+torch copies move the rows (``composed_copy_gbps``, bytes read plus written) and it adds
 ``composed_host_us`` per call. The model is a **cached** call (stage records carry the payload only): dispatch packs
 ``x`` into records (not BF16), rail stage, node stage, gather into the contract's order; combine gathers the expert
 rows into node-stage order, node-stage combine (a BF16 partial per node), rail-stage combine at the owner.
 
-Rail-stage links: virtual nodes on one host (``nvlink-p2p``) take the CUDA-IPC rail (the intranode model over ``N``
-ranks); a real NIC the NVSHMEM rail (network puts, ring receive); beyond ``NUM_MAX_RING_RANKS`` nodes the torch rail
-(:mod:`simulator.deep_ep_torch`). The node stage is intranode over NVLink.
+The rail stage is the torch backend (:mod:`simulator.deep_ep_torch`) over NVLink for virtual nodes on one host
+(``nvlink-p2p``), else over the NIC. The node stage is intranode over NVLink.
 """
 from __future__ import annotations
 
@@ -69,21 +68,22 @@ def _stage_spec(spec: OpSpec, row_bytes: int, topk: int, num_nodes: int, per_nod
 
 
 def composed_rank_times(spec: OpSpec, traffic: list[SourceTraffic], nic: NicProfile, dtype: str,
-                        copy_gbps: float, host_us: float, stage: StageModel) -> tuple[np.ndarray, dict]:
+                        copy_gbps: float, host_us: float, rail_stage: StageModel,
+                        node_stage: StageModel) -> tuple[np.ndarray, dict]:
     """Per-rank time of one composed op and its parts (``rail``, ``node``: the stages' OpResults per group;
-    ``copy_us``: per-rank copy time), with ``stage`` costing each stage op."""
+    ``copy_us``: per-rank copy time), with ``rail_stage`` / ``node_stage`` costing each stage op."""
     num_nodes, per_node = spec.num_nodes, spec.ranks_per_node
     rail_traffic, node_traffic = stage_traffic(traffic, num_nodes, per_node)
     dispatch = spec.op == "dispatch"
     payload = token_bytes(spec.hidden, dtype)
     row = -(-payload // 16) * 16 if dispatch else 2 * spec.hidden  # cached dispatch records: the payload, padded
     topk = 0 if dispatch else spec.topk                              # combine carries the top-k weights
-    one_host = nic.shares_nvlink  # virtual nodes: deep_ep's rail stage is CUDA IPC, i.e. intranode over N ranks
+    one_host = nic.shares_nvlink  # virtual nodes: the rail group is one host's N ranks
     rail_spec = (_stage_spec(spec, row, topk, 1, num_nodes) if one_host
                  else _stage_spec(spec, row, topk, num_nodes, 1))
     node_spec = _stage_spec(spec, row, topk, 1, per_node)
-    rail = [stage(rail_spec, rail_traffic[local], "bf16") for local in range(per_node)]
-    node = [stage(node_spec, node_traffic[n], "bf16") for n in range(num_nodes)]
+    rail = [rail_stage(rail_spec, rail_traffic[local], "bf16") for local in range(per_node)]
+    node = [node_stage(node_spec, node_traffic[n], "bf16") for n in range(num_nodes)]
     rail_t = np.array([[rail[local].rank_time_us[n] for local in range(per_node)] for n in range(num_nodes)])
     node_t = np.array([node[n].rank_time_us for n in range(num_nodes)])       # both [N, G]
 
@@ -105,12 +105,12 @@ def composed_rank_times(spec: OpSpec, traffic: list[SourceTraffic], nic: NicProf
 
 
 def composed_result(spec: OpSpec, traffic: list[SourceTraffic], nic: NicProfile, dtype: str, copy_gbps: float,
-                    host_us: float, stage: StageModel) -> OpResult:
+                    host_us: float, rail_stage: StageModel, node_stage: StageModel) -> OpResult:
     """The composed op as one OpResult: rank times from :func:`composed_rank_times`, DeepEP's byte counts of the
     whole op, port bytes summed over the stages, each port's utilization as its busiest stage's share of the op,
     and the bottleneck of the part that takes longest on the slowest rank (``rail:<stage bottleneck>``,
     ``node:<...>`` or ``copies``)."""
-    times, parts = composed_rank_times(spec, traffic, nic, dtype, copy_gbps, host_us, stage)
+    times, parts = composed_rank_times(spec, traffic, nic, dtype, copy_gbps, host_us, rail_stage, node_stage)
     logical, nvl_logical = normal_logical_bytes(spec, traffic)
     stages = parts["rail"] + parts["node"]
     port_bytes: dict[str, float] = {}

@@ -7,8 +7,8 @@
   per (token, expert) back to the owner, who reduces each token (:func:`ll_phase_times`).
 * Internode: one GPU per node runs the ring kernels over NVSHMEM (over NVLink P2P for virtual nodes, ``nvlink-p2p``);
   several GPUs per node the fused kernels up to ``NUM_MAX_FUSED_RANKS`` ranks (:mod:`simulator.deep_ep_fused`), the
-  composed path beyond (:mod:`simulator.deep_ep_composed`); past ``NUM_MAX_RING_RANKS`` nodes the torch backend
-  (:mod:`simulator.deep_ep_torch`), or the composed path's torch rail.
+  composed path beyond (:mod:`simulator.deep_ep_composed`, its rail stage the torch backend); one GPU per node past
+  ``NUM_MAX_RING_RANKS`` nodes the torch backend (:mod:`simulator.deep_ep_torch`).
 
 Cost of one rank, ``C`` SMs sharing the SM-µs: ``fixed + serial_sm_us / C + max(push_bytes / (C * sm_push_gbps),
 busiest port bytes / port rate)``; the DES (:func:`simulate_normal`) runs the same costs through fluid ports.
@@ -571,8 +571,8 @@ def bottleneck(work: NormalWork, num_sms: int, num_ranks: int) -> str:
 
 def torch_served(spec: OpSpec) -> bool:
     """Whether deep_ep runs this normal ring op on its torch backend: more ranks than a ring op has
-    (``NUM_MAX_RING_RANKS``), i.e. one GPU per node past that many nodes, or the composed path's rail stage past
-    that many nodes, which runs on the torch rail (the composed op's stages come back here as ops of their own)."""
+    (``NUM_MAX_RING_RANKS``), i.e. one GPU per node past that many nodes (the composed path's rail stage is the
+    torch backend whatever its node count, :func:`simulate_normal`)."""
     return spec.mode != "low-latency" and not is_composed(spec) and spec.num_ranks > NUM_MAX_RING_RANKS
 
 
@@ -591,6 +591,7 @@ def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
         return simulate_fused(spec, traffic, gpu, nic, prof, num_sms, dtype)
     if is_composed(spec):
         return composed_result(spec, traffic, nic, dtype, prof.composed_copy_gbps, prof.composed_host_us,
+                               lambda s, t, d: torch_result(s, t, gpu, nic, *_torch_params(prof)),
                                lambda s, t, d: simulate_normal(s, t, gpu, nic, prof, num_sms, chunk, d))
     if torch_served(spec):
         return torch_result(spec, traffic, gpu, nic, *_torch_params(prof))
@@ -613,11 +614,15 @@ def closed_form_rank_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuP
     if is_fused(spec):
         return np.asarray(fused_rank_times(spec, traffic, gpu, nic, prof, num_sms, dtype))
     if is_composed(spec):
-        def stage(s: OpSpec, t: list[SourceTraffic], d: str) -> SimpleNamespace:
+        def rail(s: OpSpec, t: list[SourceTraffic], d: str) -> SimpleNamespace:
+            rank_times = torch_rank_times(s, t, gpu, nic, *_torch_params(prof))[0]
+            return SimpleNamespace(rank_time_us=[float(x) for x in rank_times])
+
+        def node(s: OpSpec, t: list[SourceTraffic], d: str) -> SimpleNamespace:
             rank_times = closed_form_rank_times(s, t, gpu, nic, prof, num_sms, chunk, d)
             return SimpleNamespace(rank_time_us=[float(x) for x in rank_times])
         return composed_rank_times(spec, traffic, nic, dtype, prof.composed_copy_gbps, prof.composed_host_us,
-                                   stage)[0]
+                                   rail, node)[0]
     if torch_served(spec):
         return torch_rank_times(spec, traffic, gpu, nic, *_torch_params(prof))[0]
     work = normal_work(spec, traffic, gpu, nic, prof, num_sms, chunk, dtype)

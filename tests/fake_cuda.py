@@ -154,9 +154,7 @@ def make_fake_extension(torch) -> types.ModuleType:
         unreachable = ()
         put_mask = 0
 
-        def sync_symmetric(self, unique_id, world_rank, world_size, pes):
-            if len(pes) != self.num_ranks or pes[self.rank] != world_rank:
-                raise ValueError(f"pes must name the PE of each of the {self.num_ranks} group ranks, got {pes}")
+        def sync_symmetric(self, unique_id):
             return [r for r in self.unreachable if r != self.rank]
 
         def set_put_peers(self, ranks, put_area):

@@ -130,19 +130,19 @@ class _TorchStage(Backend):
 
 
 class _Stage(_TorchStage):
-    """What the ring check reads of a CUDA stage backend."""
+    """What the ring check reads of a CUDA node stage backend."""
 
-    def __init__(self, num_bytes: int, ring: int | None = None, arg: str = "num_nvl_bytes") -> None:
-        self.num_nvl_bytes, self._ring, self.buffer_arg = num_bytes, num_bytes if ring is None else ring, arg
+    def __init__(self, num_bytes: int) -> None:
+        self.num_nvl_bytes = num_bytes
 
     def ring_bytes(self) -> int:
-        return self._ring
+        return self.num_nvl_bytes
 
 
 def test_cuda_stage_ring_check():
-    """CUDA stages: a call whose stage records do not fit the rings raises ValueError naming the buffer argument and
-    size needed (``stage_nvl_bytes``), which fits exactly (128 bytes less does not); an NVSHMEM rail stage names
-    num_rdma_bytes and, with a put area, says it needs about twice that."""
+    """A CUDA node stage: a call whose stage records do not fit the rings raises ValueError naming num_nvl_bytes and
+    the size needed (``stage_nvl_bytes``), which fits exactly (128 bytes less does not); torch stages are not
+    checked."""
     from deep_ep import layout as lay
     from deep_ep.backends.composed import ComposedInternode, stage_nvl_bytes
     from deep_ep.backends.cuda_tuning import intranode_channels
@@ -151,20 +151,14 @@ def test_cuda_stage_ring_check():
     topo, config = Topology(4, 2), Config(24, 8, 256)
     record = lay.intranode_dispatch_record_bytes(14336 + 48, 0, 8)
     need = stage_nvl_bytes(record, 2, intranode_channels(config.num_sms, 2), config.num_max_nvl_chunked_send_tokens)
-    ComposedInternode(_TorchStage(), _Stage(need), 0, topo, cuda_stages=True)._check_stage(
-        "node", "dispatch", record, config)
+    ComposedInternode(_TorchStage(), _Stage(need), 0, topo, cuda_node=True)._check_stage("dispatch", record, config)
     ComposedInternode(_TorchStage(), _TorchStage(), 0, topo)._check_stage(
-        "node", "dispatch", record, config)  # torch stages: no check
+        "dispatch", record, config)  # torch stages: no check
     for num_bytes in (1 << 20, need - 128):
-        with pytest.raises(ValueError, match=f"num_nvl_bytes >= {need}"):
-            ComposedInternode(_TorchStage(), _Stage(num_bytes), 0, topo, cuda_stages=True)._check_stage(
-                "node", "dispatch", record, config)
-    rail_need = stage_nvl_bytes(record, 2, intranode_channels(config.num_sms, 2),
-                                config.num_max_nvl_chunked_send_tokens)
-    composed = ComposedInternode(_Stage(1 << 22, 1 << 20, "num_rdma_bytes"), _TorchStage(), 0, topo,
-                                 cuda_stages=True)
-    with pytest.raises(ValueError, match=f"num_rdma_bytes=4194304 .*rail.*num_rdma_bytes >= {rail_need} .*twice"):
-        composed._check_stage("rail", "dispatch", record, config)
+        with pytest.raises(ValueError, match=f"num_nvl_bytes={num_bytes} .*node stage dispatch.*num_nvl_bytes >= "
+                                             f"{need}"):
+            ComposedInternode(_TorchStage(), _Stage(num_bytes), 0, topo, cuda_node=True)._check_stage(
+                "dispatch", record, config)
 
 
 def test_stage_errors_name_buffer_ranks():
@@ -214,54 +208,41 @@ def test_torch_stage_errors_name_the_buffer_ranks():
         plain.comm.wait_work(Stalled(), "dispatch", "receive of rows", 3)
 
 
-def test_node_count_follows_the_ring_kernels():
-    """A CUDA rail stage is one ring-kernel group: up to ``NUM_MAX_RING_RANKS`` (24) nodes, more refused by name; a
-    torch rail beside the CUDA node stage (or torch stages) serves any node count, and ``auto`` picks it there."""
-    from deep_ep.backends.composed import ComposedInternode
-    from deep_ep.backends.cuda_tuning import composed_rail
-    from deep_ep.config import NUM_MAX_RING_RANKS, Topology
+def test_node_stage_needs_one_host_per_node():
+    """The CUDA node stage is CUDA IPC: each node's ranks must share a host (the rail stage, torch, may span
+    hosts); the refusal names the node, its hosts and DEEP_EP_GPUS_PER_NODE."""
+    from deep_ep.backends.selection import _node_spans_hosts
+    from deep_ep.config import Topology
 
-    assert NUM_MAX_RING_RANKS == 24
-    many = Topology(2 * (NUM_MAX_RING_RANKS + 1), 2)
-    stages = _TorchStage(), _TorchStage()
-    ComposedInternode(*stages, 0, Topology(2 * NUM_MAX_RING_RANKS, 2), cuda_stages=True)
-    with pytest.raises(ValueError, match=f"CUDA rail stage serves at most {NUM_MAX_RING_RANKS} nodes .*got "
-                                         f"{NUM_MAX_RING_RANKS + 1}; a torch rail"):
-        ComposedInternode(*stages, 0, many, cuda_stages=True)
-    for cuda_stages in (("node",), False):
-        ComposedInternode(*stages, 0, many, cuda_stages=cuda_stages)
-    with pytest.raises(ValueError, match="cuda_stages must be"):
-        ComposedInternode(*stages, 0, many, cuda_stages=("rail", "nodes"))
-    hosts = ["h"] * many.num_ranks
-    assert composed_rail("auto", hosts, many, 0, False) == ("torch", None)
-    assert composed_rail("torch", hosts, Topology(4, 2), 0, False) == ("torch", None)
-    assert composed_rail("auto", hosts, Topology(2 * NUM_MAX_RING_RANKS, 2), 0, False) == ("ipc", None)
-    kind, why = composed_rail("ipc", hosts, many, 0, False)
-    assert kind is None and f"{NUM_MAX_RING_RANKS + 1} nodes exceed" in why and "torch rail" in why
-    with pytest.raises(ValueError, match="'auto', 'ipc', 'nvshmem' or 'torch'"):
-        composed_rail("nccl", hosts, many, 0, False)
+    topo = Topology(4, 2)  # 2 nodes x 2
+    assert _node_spans_hosts(["a"] * 4, topo) is None
+    assert _node_spans_hosts(["a", "a", "b", "b"], topo) is None
+    why = _node_spans_hosts(["a", "a", "b", "c"], topo)
+    assert why is not None and "node 1 span hosts ['b', 'c']" in why and "DEEP_EP_GPUS_PER_NODE" in why, why
 
 
-def test_torch_rail_checks_only_the_node_stage():
-    """With a torch rail, the ring check and the kernels' limits apply to the CUDA node stage only: a rail backend
-    without rings is never asked for them, and E / N beyond the rail kernels' local experts passes."""
+def test_node_stage_checks_and_any_node_count():
+    """The ring check and the kernels' top-k limit apply to a CUDA node stage only, before any communication; the
+    torch rail serves any node count and E / N beyond the ring kernels' local experts."""
     from deep_ep import layout as lay
     from deep_ep.backends.composed import ComposedInternode
-    from deep_ep.config import Config, Topology
+    from deep_ep.config import NUM_MAX_RING_RANKS, Config, Topology
 
     topo, config = Topology(4, 2), Config(24, 8, 256)
     record = lay.intranode_dispatch_record_bytes(14336 + 48, 0, 8)
-    composed = ComposedInternode(_TorchStage(), _Stage(1 << 20), 0, topo, cuda_stages=("node",))
-    composed._check_stage("rail", "dispatch", record, config)  # a torch rail has no rings: not consulted
     with pytest.raises(ValueError, match="node stage dispatch"):
-        composed._check_stage("node", "dispatch", record, config)
+        ComposedInternode(_TorchStage(), _Stage(1 << 20), 0, topo, cuda_node=True)._check_stage(
+            "dispatch", record, config)
     x = torch.zeros(1, 128, dtype=torch.bfloat16)
     idx = torch.zeros(1, 4, dtype=torch.int64)
-    composed_big = ComposedInternode(_TorchStage(), _Stage(1 << 30), 0, topo, cuda_stages=("node",))
-    composed_big._check_dispatch([x], idx, 2 * 2048, Config(8, 8, 256))  # 2048 experts per node: rail is torch
-    with pytest.raises(ValueError, match="E / N|num_experts / nodes"):
-        ComposedInternode(_Stage(1 << 30), _Stage(1 << 30), 0, topo, cuda_stages=True)._check_dispatch(
-            [x], idx, 2 * 2048, Config(8, 8, 256))
+    many = Topology(2 * (NUM_MAX_RING_RANKS + 1), 2)
+    composed_big = ComposedInternode(_TorchStage(), _Stage(1 << 30), 0, many, cuda_node=True)
+    composed_big._check_dispatch([x], idx, Config(8, 8, 256))
+    wide = torch.zeros(1, lay.INTRANODE_MAX_TOPK + 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=f"at most {lay.INTRANODE_MAX_TOPK} top-k .*got "
+                                         f"{lay.INTRANODE_MAX_TOPK + 1}"):
+        composed_big._check_dispatch([x], wide, Config(8, 8, 256))
+    ComposedInternode(_TorchStage(), _TorchStage(), 0, many)._check_dispatch([x], wide, Config(8, 8, 256))
 
 
 def test_automatic_fallback_says_why(monkeypatch):

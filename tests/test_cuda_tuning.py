@@ -7,7 +7,6 @@ import pytest
 
 from deep_ep import testing
 from deep_ep.backends import cuda_tuning as tuning
-from deep_ep.config import Topology
 
 # ---------------------------------------------------------------------------------------------------------------
 # deep_ep.testing
@@ -32,7 +31,6 @@ def test_overrides_nest_merge_and_restore():
     (dict(combine_copy="rings"), TypeError, ("unknown field", "combine_copy")),
     (dict(dispatch_receive="auto"), ValueError, ("dispatch_receive", "'rings', 'direct'", "'auto'")),
     (dict(combine_send="sideways"), ValueError, ("combine_send", "'sideways'")),
-    (dict(composed_rail="rdma"), ValueError, ("composed_rail", "'rdma'")),
     (dict(internode="auto"), ValueError, ("internode", "'auto'")),
     (dict(combine_copy_chunk_rows=0), ValueError, ("combine_copy_chunk_rows", ">= 1", "0")),
     (dict(dispatch_warps=-1), ValueError, ("dispatch_warps", ">= 0", "-1")),
@@ -161,22 +159,3 @@ def test_put_peers_are_symmetric():
     assert tuning.put_peers(1, [[]] * 6, True, 2) == [2, 3, 4, 5]
     assert tuning.put_peers(3, [[]] * 6, True, 2) == [0, 1, 4, 5]
     assert tuning.put_peers(1, [[1], [], [], []], False, 2) == [0]  # unreachable inside a node: still a put pair
-
-
-def test_composed_rail_choice():
-    """auto takes CUDA IPC on one host and NVSHMEM across hosts; each node's ranks must share a host (the node stage
-    is CUDA IPC); NVSHMEM needs the extension's NVSHMEM and num_rdma_bytes; bad values name the choice."""
-    topo = Topology(4, 2)  # 2 nodes x 2
-    one, two, split = ["a"] * 4, ["a", "a", "b", "b"], ["a", "b", "a", "b"]
-    assert tuning.composed_rail("auto", one, topo, 0, False) == ("ipc", None)
-    assert tuning.composed_rail("auto", two, topo, 1 << 30, True) == ("nvshmem", None)
-    assert tuning.composed_rail("nvshmem", one, topo, 1 << 30, True) == ("nvshmem", None)
-    assert tuning.composed_rail("ipc", one, topo, 0, True) == ("ipc", None)
-    for mode, hosts, rdma, built, why in (("auto", split, 1 << 30, True, "node 0 span hosts"),
-                                          ("ipc", two, 1 << 30, True, "composed_rail=ipc .* 2 hosts"),
-                                          ("auto", two, 0, True, "num_rdma_bytes is 0"),
-                                          ("auto", two, 1 << 30, False, "without it")):
-        kind, reason = tuning.composed_rail(mode, hosts, topo, rdma, built)
-        assert kind is None and re.search(why, reason), (mode, hosts, reason)
-    with pytest.raises(ValueError, match="composed_rail must be"):
-        tuning.composed_rail("rdma", one, topo, 0, True)

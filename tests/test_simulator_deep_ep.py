@@ -204,8 +204,12 @@ def test_normal_byte_conservation(nodes, per_node, nic, op):
                               "fp8" if op == "dispatch" else "bf16")
     record = (dek.dispatch_record_bytes(7168, "fp8", 8) if op == "dispatch"
               else dek.intranode_combine_record_bytes(7168, 8))
-    if nodes > 1 and per_node > 1 and op == "dispatch":  # the composed path's cached stage records: the payload
-        record = dek.intranode_dispatch_record_bytes(-(-rank.token_bytes(7168, "fp8") // 16) * 16, 0, 0)
+    network_row = record
+    if nodes > 1 and per_node > 1:  # the composed path's cached stage records: the payload; its rail is torch rows
+        payload = -(-rank.token_bytes(7168, "fp8") // 16) * 16
+        if op == "dispatch":
+            record = dek.intranode_dispatch_record_bytes(payload, 0, 0)
+        network_row = payload if op == "dispatch" else 2 * 7168
     num_ranks = nodes * per_node
     same_node = [(s, d) for s in range(num_ranks) for d in range(num_ranks)
                  if s // per_node == d // per_node and s != d]
@@ -224,8 +228,8 @@ def test_normal_byte_conservation(nodes, per_node, nic, op):
         assert res.port_bytes["nvl_out"] == pytest.approx(hops * record)
         assert res.port_bytes[pusher] == pytest.approx(hops * record)
         if nodes > 1:
-            assert res.port_bytes["nic_out"] == pytest.approx(network * record)
-            assert res.port_bytes["nic_in"] == pytest.approx(network * record)
+            assert res.port_bytes["nic_out"] == pytest.approx(network * network_row)
+            assert res.port_bytes["nic_in"] == pytest.approx(network * network_row)
     if nodes == 1:
         assert hops == sum(traffic[s].rows_to_rank[d] for s, d in same_node)
     assert sum(res.nvl_logical_bytes) == sum(t.num_rows for t in traffic) * spec.logical_bytes
@@ -337,13 +341,15 @@ def test_composed_runs_its_stages_in_turn(op):
     spec = _spec(nodes, per_node, op, "bf16")
     rail_t, node_t = {}, {}
 
-    def stage(s, t, dtype):
-        rail = s.ranks_per_node == nodes or s.num_nodes == nodes  # the rail stage has one rank per node
-        times = [100.0 + 10 * i if rail else 50.0 + i for i in range(len(t))]
-        (rail_t if rail else node_t)[len(rail_t if rail else node_t)] = times
-        return rank.OpResult(float(np.mean(times)), max(times), times, [], [], {}, {}, "NVLink", 0.0)
+    def stage(rail):
+        def model(s, t, dtype):
+            times = [100.0 + 10 * i if rail else 50.0 + i for i in range(len(t))]
+            (rail_t if rail else node_t)[len(rail_t if rail else node_t)] = times
+            return rank.OpResult(float(np.mean(times)), max(times), times, [], [], {}, {}, "NVLink", 0.0)
+        return model
 
-    times, parts = comp.composed_rank_times(spec, traffic, hardware.CX7, "bf16", float("inf"), 0.0, stage)
+    times, parts = comp.composed_rank_times(spec, traffic, hardware.CX7, "bf16", float("inf"), 0.0, stage(True),
+                                            stage(False))
     assert len(parts["rail"]) == per_node and len(parts["node"]) == nodes
     if op == "dispatch":  # node n's stage starts when its ranks' rail stage ends (rail rank n: 100 + 10 n)
         want = [100.0 + 10 * n + 50.0 + local for n in range(nodes) for local in range(per_node)]
@@ -680,19 +686,19 @@ def test_torch_backend_model_closed_form():
     assert not dek.torch_served(replace(spec, num_nodes=NUM_MAX_RING_RANKS))
 
 
-def test_beyond_the_ring_groups_the_rail_is_torch():
-    """With several GPUs per node the torch part is the rail stage only (bottleneck 'rail:torch:...' past the ring
-    groups' node count, the ring rail up to it); one GPU per node past it gets no SM recommendation (NCCL brings its
-    own CTAs)."""
+def test_the_composed_rail_is_torch():
+    """With several GPUs per node beyond the fused kernels the torch part is the rail stage only (bottleneck
+    'rail:torch:...' at any node count; the node stage keeps an SM recommendation); one GPU per node past the ring
+    groups' node count gets none (NCCL brings its own CTAs)."""
     from deep_ep.config import NUM_MAX_RING_RANKS
 
     # 4 GPUs per node: past the fused kernels' 64 ranks at both node counts.
     sc = Scenario(nodes=NUM_MAX_RING_RANKS + 1, gpus_per_node=4, gpu="h200", mode="normal", kernels="deep_ep",
                   tokens=64)
-    beyond, within = run(sc), run(replace(sc, nodes=NUM_MAX_RING_RANKS))
-    assert all(op.bottleneck.startswith("rail:torch:") for op in beyond.ops), [op.bottleneck for op in beyond.ops]
-    assert not any("torch" in op.bottleneck for op in within.ops)
-    assert beyond.scales[0].recommended_num_sms is not None
+    for nodes in (NUM_MAX_RING_RANKS + 1, 17):
+        result = run(replace(sc, nodes=nodes))
+        assert all(op.bottleneck.startswith("rail:torch:") for op in result.ops), [op.bottleneck for op in result.ops]
+        assert result.scales[0].recommended_num_sms is not None
     one_gpu = run(replace(sc, gpus_per_node=1))
     assert all(op.bottleneck.startswith("torch:") for op in one_gpu.ops)
     assert one_gpu.scales[0].recommended_num_sms is None

@@ -163,9 +163,6 @@ struct KernelContext {
     // Ranks without the bit are reached by pointer. With a bit set the put area starts at byte num_nvl_bytes (the
     // kernels' region ends there). Needs an NVSHMEM build.
     uint64_t put_mask;
-    // NVSHMEM PE of group rank r, for the NVSHMEM calls of put peers (put.cuh): r itself when the group is the whole
-    // NVSHMEM world, another PE when the runtime serves a subgroup (the composed path's rail stage).
-    int32_t pe_of[kMaxRuntimeRanks];
 };
 
 // ---------------------------------------------------------------------------------------------------------------

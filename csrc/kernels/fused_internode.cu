@@ -100,8 +100,7 @@ static __device__ __noinline__ void fused_signal(const KernelContext& ctx, int64
                                                  uint32_t value) {
     fence_acq_rel_sys();
 #ifndef DEEP_EP_DISABLE_NVSHMEM
-    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(own_buffer(ctx) + signal_offset), value, NVSHMEM_SIGNAL_SET,
-                       ctx.pe_of[pe]);
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(own_buffer(ctx) + signal_offset), value, NVSHMEM_SIGNAL_SET, pe);
 #else
     (void)ctx, (void)signal_offset, (void)pe, (void)value;
 #endif
@@ -147,9 +146,9 @@ static __device__ __noinline__ void fused_put_run(const KernelContext& ctx, cons
         char* dest = own_buffer(ctx) + dest_ring;
         const char* stage = fused_stage(ctx, stage_ring);
         nvshmemx_putmem_nbi_warp(dest + slot * record_bytes, stage + slot * record_bytes,
-                                 static_cast<size_t>(first * record_bytes), ctx.pe_of[pe]);
+                                 static_cast<size_t>(first * record_bytes), pe);
         if (first < n)
-            nvshmemx_putmem_nbi_warp(dest, stage, static_cast<size_t>((n - first) * record_bytes), ctx.pe_of[pe]);
+            nvshmemx_putmem_nbi_warp(dest, stage, static_cast<size_t>((n - first) * record_bytes), pe);
         __syncwarp();
         if (lane_id() == 0) nvshmem_quiet();
     }
@@ -291,11 +290,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         const int64_t theirs = static_cast<int64_t>(parity) * kFusedMaxRanks + d;
         nvshmemx_putmem_nbi_warp(own_buffer(ctx) + kFusedNotifyDataOffset + mine * slot_bytes,
                                  fused_stage(ctx, kFusedNotifyDataOffset) + theirs * slot_bytes,
-                                 static_cast<size_t>(slot_bytes), ctx.pe_of[d]);
+                                 static_cast<size_t>(slot_bytes), d);
         if (d % per_node == my_local)
             nvshmemx_putmem_nbi_warp(own_buffer(ctx) + kFusedNodeCountOffset + mine * counts_bytes,
                                      fused_stage(ctx, kFusedNodeCountOffset) + theirs * counts_bytes,
-                                     static_cast<size_t>(counts_bytes), ctx.pe_of[d]);
+                                     static_cast<size_t>(counts_bytes), d);
         __syncwarp();
         if (lane == 0) nvshmem_quiet();
 #endif

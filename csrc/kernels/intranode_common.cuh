@@ -32,7 +32,7 @@ constexpr int kBarrierAllSenders = 1;  // copy warps and the publisher, after th
 constexpr int kBarrierRecvGroup0 = 2;  // + source index, for dispatch receiver groups of more than one warp
 static_assert(kMaxRanks < 32, "lane-per-rank masks (1u << num_ranks) and warp-wide rank loops");
 // Every kernel takes its parameters (KernelContext, the Args and Geometry structs) as `const __grid_constant__`:
-// reads, also with a run-time index (ctx.buffers[d], ctx.pe_of[d]), go to the parameter bank. A plain by-value
+// reads, also with a run-time index (ctx.buffers[d]), go to the parameter bank. A plain by-value
 // parameter whose address is taken or that is indexed at run time is copied to local memory by every thread at entry
 // (the context alone is 43 eight-byte words at kMaxRanks = 24); on one H200 those copies and their loads cost the
 // 1-rank dispatch 16-17 % of its kernel time.

@@ -176,8 +176,8 @@ Status nvshmem_bootstrap(const std::vector<uint8_t>& unique_id, int rank, int nu
 std::pair<int, int> nvshmem_world();
 Status nvshmem_alloc_zeroed(int64_t bytes, void** allocation);  // collective
 void nvshmem_release(void* ptr);  // collective
-// nvshmem_ptr(ptr, pes[r]) for every r.
-std::vector<void*> nvshmem_peer_pointers(void* ptr, const std::vector<int>& pes);
+// nvshmem_ptr(ptr, pe) for every pe < num_pes.
+std::vector<void*> nvshmem_peer_pointers(void* ptr, int num_pes);
 
 }  // namespace ll
 }  // namespace kernels

@@ -212,9 +212,9 @@ void nvshmem_release(void* ptr) {
     if (ptr != nullptr) nvshmem_free(ptr);
 }
 
-std::vector<void*> nvshmem_peer_pointers(void* ptr, const std::vector<int>& pes) {
-    std::vector<void*> out(pes.size());
-    for (size_t r = 0; r < pes.size(); ++r) out[r] = nvshmem_ptr(ptr, pes[r]);
+std::vector<void*> nvshmem_peer_pointers(void* ptr, int num_pes) {
+    std::vector<void*> out(num_pes);
+    for (int pe = 0; pe < num_pes; ++pe) out[pe] = nvshmem_ptr(ptr, pe);
     return out;
 }
 

@@ -54,8 +54,7 @@ __device__ __forceinline__ bool is_ring_put_peer(const KernelContext& ctx, int r
     return r < 32 && ((static_cast<uint32_t>(ctx.put_mask) >> r) & 1u) != 0;
 }
 
-// The helpers below take group ranks (`pe` names the peer as the ring kernels number it); the NVSHMEM calls get the
-// peer's PE in the NVSHMEM world, KernelContext::pe_of.
+// The helpers below take group ranks (`pe`): a runtime's group is the NVSHMEM world, so a rank is its PE.
 
 __device__ __forceinline__ char* own_buffer(const KernelContext& ctx) {
     return static_cast<char*>(ctx.buffers[ctx.rank]);
@@ -103,7 +102,7 @@ static __device__ __noinline__ void put_signal(const KernelContext& ctx, int64_t
                                                bool add = false) {
     fence_acq_rel_sys();
 #ifndef DEEP_EP_DISABLE_NVSHMEM
-    nvshmemx_signal_op(signal_twin(ctx, offset), value, add ? NVSHMEM_SIGNAL_ADD : NVSHMEM_SIGNAL_SET, ctx.pe_of[pe]);
+    nvshmemx_signal_op(signal_twin(ctx, offset), value, add ? NVSHMEM_SIGNAL_ADD : NVSHMEM_SIGNAL_SET, pe);
 #else
     (void)ctx, (void)offset, (void)pe, (void)value, (void)add;
 #endif
@@ -127,8 +126,7 @@ __device__ __forceinline__ void publish_word(const KernelContext& ctx, uint32_t*
 static __device__ __noinline__ void put_abort(const KernelContext& ctx, int pe, uint32_t word) {
     static_assert(kAbortOffset % 8 == 0 && kAbortOffset + 8 <= kBarrierOffset, "the abort signal spans 8 bytes");
 #ifndef DEEP_EP_DISABLE_NVSHMEM
-    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(own_buffer(ctx) + kAbortOffset), word, NVSHMEM_SIGNAL_SET,
-                       ctx.pe_of[pe]);
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(own_buffer(ctx) + kAbortOffset), word, NVSHMEM_SIGNAL_SET, pe);
 #else
     (void)ctx, (void)pe, (void)word;
 #endif
@@ -163,8 +161,7 @@ static __device__ __noinline__ void put_staged_runs(const KernelContext& ctx, co
         auto put_range = [&](int from, int records) {
             nvshmemx_putmem_nbi_warp(base + ring.slot_offset(channel, ctx.rank, from),
                                      staging_slot(ctx, ring, channel, d, from),
-                                     static_cast<size_t>(records) * static_cast<size_t>(ring.record_bytes),
-                                     ctx.pe_of[d]);
+                                     static_cast<size_t>(records) * static_cast<size_t>(ring.record_bytes), d);
         };
         const int slot = static_cast<int>(seq % static_cast<uint32_t>(capacity));
         const int head_part = n < capacity - slot ? n : capacity - slot;
@@ -185,7 +182,7 @@ static __device__ __noinline__ void put_block_with_flag(const KernelContext& ctx
                                                         int64_t bytes, int pe, int64_t flag_offset, uint32_t flag) {
 #ifndef DEEP_EP_DISABLE_NVSHMEM
     nvshmemx_putmem_signal_nbi_warp(own_buffer(ctx) + offset, src, static_cast<size_t>(bytes),
-                                    signal_twin(ctx, flag_offset), flag, NVSHMEM_SIGNAL_SET, ctx.pe_of[pe]);
+                                    signal_twin(ctx, flag_offset), flag, NVSHMEM_SIGNAL_SET, pe);
     nvshmem_quiet();
 #else
     (void)ctx, (void)src, (void)offset, (void)bytes, (void)pe, (void)flag_offset, (void)flag;

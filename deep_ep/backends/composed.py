@@ -2,20 +2,21 @@
 
 Rank ``r = (m, l)`` sits on node ``m = r // G`` at local index ``l = r % G``. The rail group of local index ``l``
 holds ranks ``(0, l) .. (N-1, l)`` (rail rank = node), the node group of node ``m`` ranks ``(m, 0) .. (m, G-1)``.
-Each group is served by a stage backend: the torch backend, or the CUDA ring kernels (node stage over CUDA IPC; rail
-stage over IPC on one host, else over the NVSHMEM symmetric heap). This module only moves bytes between the stages.
+The rail stage is the torch backend over the rail group; the node stage the CUDA ring kernels over CUDA IPC, or the
+torch backend. This module only moves bytes between the stages.
 
 Dispatch: the rail stage carries each token once to every node it needs (the forwarder ``(n, l)``), with its
 payload, global top-k, source channel and local-rank bit mask per node; the node stage forwards each row to the
 local ranks of its mask, top-k ids made node-local. A stable sort on the carried source rank gives the contract's
 row order (source rank, token). Combine runs the reverse: the node stage sums a node's rows into a BF16 partial at
 the forwarder, the rail stage adds the biases and the partials in ascending node order (float32, one more BF16
-rounding). Every stage call is synchronous with the caller's stream. CUDA stages check first, on every rank alike,
-that their rings hold ``2 * num_max_nvl_chunked_send_tokens`` records (``stage_nvl_bytes`` names the size needed).
+rounding). Every stage call is synchronous with the caller's stream. A CUDA node stage checks first, on every rank
+alike, that its rings hold ``2 * num_max_nvl_chunked_send_tokens`` records (``stage_nvl_bytes`` names the size
+needed).
 """
 from __future__ import annotations
 
-from typing import Any, Collection, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -24,7 +25,7 @@ from deep_ep import layout as lay
 from deep_ep.backends.base import Backend, CombineRequest, DispatchRequest, LayoutRequest
 from deep_ep.backends.common import StreamScope, as_bytes, check_worst_tokens, from_bytes, pad_rows
 from deep_ep.backends.cuda_tuning import intranode_channels
-from deep_ep.config import BUFFER_ALIGNMENT, NUM_MAX_LOCAL_EXPERTS, NUM_MAX_RING_RANKS, Config, Topology, align_up
+from deep_ep.config import BUFFER_ALIGNMENT, Config, Topology, align_up
 from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
 
 # Stage records are padded to a multiple of this many bytes (the CUDA kernels move rows in 16-byte units).
@@ -115,7 +116,7 @@ def _record(parts: Sequence[torch.Tensor], num_rows: int, device: torch.device) 
 
 
 def stage_nvl_bytes(record_bytes: int, num_ranks: int, num_channels: int, num_send_tokens: int) -> int:
-    """Smallest ``num_nvl_bytes`` of a CUDA stage of ``num_ranks`` ranks whose rings hold ``2 * num_send_tokens``
+    """Smallest ``num_nvl_bytes`` of a CUDA node stage of ``num_ranks`` ranks whose rings hold ``2 * num_send_tokens``
     records of ``record_bytes`` (the kernels' ring slot: ``deep_ep.layout.intranode_dispatch_record_bytes`` /
     ``intranode_combine_record_bytes``) per (channel, source); may exceed what a ring half can be (256 MiB)."""
     source = align_up(2 * num_send_tokens * num_channels * record_bytes, BUFFER_ALIGNMENT)
@@ -183,35 +184,25 @@ class ComposedInternode(Backend):
     """Internode normal dispatch/combine of one rank ``(n, l)`` as a rail stage then a node stage.
 
     Args:
-        rail: stage backend over the rail group of local index ``l`` (``N`` ranks; its rank = ``n``).
+        rail: torch stage backend over the rail group of local index ``l`` (``N`` ranks; its rank = ``n``).
         node: stage backend over node ``n``'s group (``G`` ranks; its rank = ``l``).
         rank: this rank in the Buffer's group.
-        topology: ``N x G`` with ``N > 1``, ``1 < G``; ``N <= NUM_MAX_RING_RANKS`` (24) when the rail stage runs
-            the ring kernels (any ``N`` with a torch rail).
-        cuda_stages: which stages are CUDA ring kernels (``ring_bytes()``, ``buffer_arg``, ``reset()``): every call
-            checks their rings and the kernel limits first. True: both; False: neither (torch stages); or a
-            collection of ``'rail'`` / ``'node'`` (a torch rail beside a CUDA node stage: ``{'node'}``).
+        topology: ``N x G`` with ``N > 1``, ``1 < G``.
+        cuda_node: the node stage is the CUDA ring kernels (``ring_bytes()``, ``buffer_arg``, ``reset()``): every
+            call checks its rings and the kernels' top-k limit first.
 
     The stages are intranode backends (their ``dispatch`` / ``combine`` and intranode handles).
     """
 
     needs_host_checks = True
 
-    def __init__(self, rail: Backend, node: Backend, rank: int, topology: Topology,
-                 cuda_stages: Union[bool, Collection[str]] = False) -> None:
+    def __init__(self, rail: Backend, node: Backend, rank: int, topology: Topology, cuda_node: bool = False) -> None:
         if not topology.is_internode or topology.num_scaleup_ranks < 2:
             raise ValueError(f"the composed internode path needs N > 1 nodes of G > 1 ranks, got "
                              f"{topology.num_scaleout_ranks} x {topology.num_scaleup_ranks}")
-        stages = ("rail", "node") if cuda_stages is True else () if cuda_stages is False else tuple(cuda_stages)
-        if not set(stages) <= {"rail", "node"}:
-            raise ValueError(f"cuda_stages must be a bool or a collection of 'rail' / 'node', got {cuda_stages!r}")
-        if "rail" in stages and topology.num_scaleout_ranks > NUM_MAX_RING_RANKS:
-            raise ValueError(f"the composed internode path's CUDA rail stage serves at most {NUM_MAX_RING_RANKS} "
-                             f"nodes (one ring-kernel group), got {topology.num_scaleout_ranks}; a torch rail "
-                             f"serves more")
         self.rail, self.node, self.rank, self.topology = rail, node, rank, topology
         self.num_ranks = topology.num_ranks
-        self.cuda_stages = frozenset(stages)
+        self.cuda_node = cuda_node
         self.my_node, self.my_local = topology.node_of(rank), topology.local_of(rank)
         # Stage errors name the Buffer's ranks (the stages number their own): rail rank n is rank n * G + l, node
         # rank l' is rank m * G + l'.
@@ -249,61 +240,47 @@ class ComposedInternode(Backend):
         self.node.destroy()
 
     def reset(self) -> None:
-        """Collective: the CUDA stages' recovery after a failed call (rail stage, then node stage)."""
-        for name, stage in (("rail", self.rail), ("node", self.node)):
-            if name in self.cuda_stages:
-                stage.reset()
+        """Collective: the CUDA node stage's recovery after a failed call."""
+        if self.cuda_node:
+            self.node.reset()
 
     def check_errors(self) -> None:
         """Raise a stage's pending device error, if any."""
         self.rail.check_errors()
         self.node.check_errors()
 
-    def _check_stage(self, stage: str, kind: str, record_bytes: int, config: Config) -> None:
-        """Raise ValueError unless the CUDA ``stage`` ('rail' / 'node') rings hold ``2 * num_max_nvl_chunked_send_
-        tokens`` ring slots of ``record_bytes`` for ``kind`` ('dispatch' / 'combine') per (channel, source)."""
-        if stage not in self.cuda_stages:
+    def _check_stage(self, kind: str, record_bytes: int, config: Config) -> None:
+        """Raise ValueError unless a CUDA node stage's rings hold ``2 * num_max_nvl_chunked_send_tokens`` ring slots
+        of ``record_bytes`` for ``kind`` ('dispatch' / 'combine') per (channel, source)."""
+        if not self.cuda_node:
             return
-        num_ranks = self.topology.num_scaleout_ranks if stage == "rail" else self.topology.num_scaleup_ranks
-        backend = self.rail if stage == "rail" else self.node
+        num_ranks = self.topology.num_scaleup_ranks
         channels = intranode_channels(config.num_sms, num_ranks)
-        ring_bytes, arg = backend.ring_bytes(), backend.buffer_arg
-        geometry = lay.intranode_ring_geometry(ring_bytes, num_ranks, channels, record_bytes,
+        geometry = lay.intranode_ring_geometry(self.node.ring_bytes(), num_ranks, channels, record_bytes,
                                                config.num_max_nvl_chunked_recv_tokens, kind == "combine")
         need = 2 * config.num_max_nvl_chunked_send_tokens
         if geometry.capacity >= need:
             return
         want = stage_nvl_bytes(record_bytes, num_ranks, channels, config.num_max_nvl_chunked_send_tokens)
-        fix = f"build the Buffer with {arg} >= {want}" \
+        fix = f"build the Buffer with num_nvl_bytes >= {want}" \
             if want <= lay.intranode_control_bytes() + 2 * lay.INTRANODE_MAX_RING_HALF_BYTES else \
             "lower config.num_sms or num_max_nvl_chunked_send_tokens (no buffer size fits)"
-        if ring_bytes < backend.num_nvl_bytes:
-            fix += " for the rings, about twice that with the put area of NVSHMEM put peers"
-        raise ValueError(f"{arg}={backend.num_nvl_bytes} is too small for the composed internode path's {stage} "
-                         f"stage {kind}: its rings hold {geometry.capacity} slots of {record_bytes} bytes (payload, "
-                         f"top-k and metadata) per (channel, rank) with {channels} channels and {num_ranks} ranks, "
-                         f"need >= 2 * num_max_nvl_chunked_send_tokens = {need}; {fix}")
+        raise ValueError(f"num_nvl_bytes={self.node.num_nvl_bytes} is too small for the composed internode path's "
+                         f"node stage {kind}: its rings hold {geometry.capacity} slots of {record_bytes} bytes "
+                         f"(payload, top-k and metadata) per (channel, rank) with {channels} channels and "
+                         f"{num_ranks} ranks, need >= 2 * num_max_nvl_chunked_send_tokens = {need}; {fix}")
 
-    def _check_dispatch(self, payload: list[torch.Tensor], topk_idx: Optional[torch.Tensor], num_experts: int,
-                        config: Config) -> None:
-        """Checks of a non-cached dispatch on CUDA stages, before any communication (equal on every rank)."""
-        if not self.cuda_stages:
+    def _check_dispatch(self, payload: list[torch.Tensor], topk_idx: Optional[torch.Tensor], config: Config) -> None:
+        """Checks of a non-cached dispatch on a CUDA node stage, before any communication (equal on every rank)."""
+        if not self.cuda_node:
             return
-        num_nodes = self.topology.num_scaleout_ranks
         num_topk = topk_idx.size(1) if topk_idx is not None else 0
-        if num_topk > lay.INTRANODE_MAX_TOPK and "node" in self.cuda_stages:
-            raise ValueError(f"the composed internode path on CUDA stages carries at most {lay.INTRANODE_MAX_TOPK} "
-                             f"top-k entries per token (the intranode kernels' limit), got {num_topk}")
-        if num_experts // num_nodes > NUM_MAX_LOCAL_EXPERTS and "rail" in self.cuda_stages:
-            raise ValueError(f"the composed internode path on CUDA stages needs num_experts / nodes <= "
-                             f"{NUM_MAX_LOCAL_EXPERTS} (the rail stage's local experts), got {num_experts} / "
-                             f"{num_nodes}")
-        payload_bytes = sum(_widths(payload))
-        topk_bytes = num_topk * (topk_idx.element_size() + 4) if topk_idx is not None else 0  # ids and weights
-        rail = _padded(payload_bytes + topk_bytes + 4 + 4 * num_nodes)
-        node = _padded(payload_bytes + 12)
-        self._check_stage("rail", "dispatch", lay.intranode_dispatch_record_bytes(rail, 0, 0), config)
-        self._check_stage("node", "dispatch", lay.intranode_dispatch_record_bytes(node, 0, num_topk), config)
+        if num_topk > lay.INTRANODE_MAX_TOPK:
+            raise ValueError(f"the composed internode path on a CUDA node stage carries at most "
+                             f"{lay.INTRANODE_MAX_TOPK} top-k entries per token (the intranode kernels' limit), got "
+                             f"{num_topk}")
+        node = _padded(sum(_widths(payload)) + 12)
+        self._check_stage("dispatch", lay.intranode_dispatch_record_bytes(node, 0, num_topk), config)
 
     def get_comm_stream(self) -> Any:
         return self.node.get_comm_stream()
@@ -329,8 +306,7 @@ class ComposedInternode(Backend):
             with self._scope(request, data.device) as scope:
                 recv_x = self._cached_dispatch(data, scales, plan, stage)
                 return DispatchResult(recv_x, None, None, None, None, scope.finish(()))
-        self._check_dispatch(self._payload(data, scales), request.topk_idx, request.num_tokens_per_expert.numel(),
-                             request.config)
+        self._check_dispatch(self._payload(data, scales), request.topk_idx, request.config)
         with self._scope(request, data.device) as scope:
             out = self._dispatch(data, scales, request.is_token_in_rank, request.num_tokens_per_expert,
                                  request.topk_idx, request.topk_weights, request.expert_alignment, stage)
@@ -442,8 +418,7 @@ class ComposedInternode(Backend):
         call, from the call's own row width)."""
         payload = self._payload(data, scales)
         width = lay.intranode_dispatch_record_bytes(_padded(sum(_widths(payload))), 0, 0)
-        for name in ("rail", "node"):
-            self._check_stage(name, "dispatch", width, stage["config"])
+        self._check_stage("dispatch", width, stage["config"])
         record, widths = _record(payload, data.size(0), data.device)
         rail = self.rail.dispatch(DispatchRequest(record, plan.rail_handle, **stage))
         node = self.node.dispatch(DispatchRequest(rail.recv_x, plan.node_handle, **stage))
@@ -459,8 +434,7 @@ class ComposedInternode(Backend):
         plan = self._plan(request.handle)
         stage = self._stage_request(config)
         width = lay.intranode_combine_record_bytes(x.size(1), topk_weights.size(1) if topk_weights is not None else 0)
-        for name in ("rail", "node"):
-            self._check_stage(name, "combine", width, config)
+        self._check_stage("combine", width, config)
         with self._scope(request, x.device) as scope:
             node_x = x.index_select(0, plan.inverse)
             node_w = topk_weights.index_select(0, plan.inverse) if topk_weights is not None else None

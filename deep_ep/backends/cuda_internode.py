@@ -5,8 +5,8 @@ final row (each expert row straight back to its owner's combine slot): the data 
 :class:`InternodeCuda` runs them over a buffer on the NVSHMEM symmetric heap of the world of all ranks (PE = rank),
 reaching a peer through ``nvshmem_ptr`` where it can. A peer it cannot reach (behind a NIC) is a put peer: the
 copy warps stage its ring records and put them per block, the tail follows as a signal; once any pair is a put pair,
-every buffer carves a put area and combines through the rings. :class:`SymmetricCuda` is the same kernels for any
-subgroup of the NVSHMEM world (the composed path's rail stage across hosts).
+every buffer carves a put area and combines through the rings. :class:`SymmetricCuda` is that buffer and its put
+peers, the base of this backend and of the fused internode kernels (deep_ep/backends/fused_internode.py).
 
 The internode handle is built on the comm stream from the kernels' intranode fields
 (:func:`deep_ep.handle.single_gpu_nodes_handle`); with one GPU per node a node's partial sum is one BF16 row, so the
@@ -14,7 +14,7 @@ kernels' single fp32 accumulation over ranks equals the reference's two-level co
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -36,24 +36,18 @@ class UnsupportedTopology(RuntimeError):
 
 class SymmetricCuda(CudaBackend):
     """The ring kernels of :class:`CudaBackend` over a buffer on the NVSHMEM symmetric heap, for one rank of a group
-    of 2..24 ranks that reach each other by ``nvshmem_ptr`` where they can and by NVSHMEM puts and signals where they
-    cannot (put peers). Intranode interface and handles.
+    that is the NVSHMEM world (PE = rank) of 2..``max_ranks()`` ranks that reach each other by ``nvshmem_ptr`` where
+    they can and by NVSHMEM puts and signals where they cannot (put peers). Intranode interface and handles.
 
     Args:
-        rank, num_ranks: position in the group; ``2 <= num_ranks <= max_ranks()`` (the ring kernels' 24,
-            ``_C.MAX_RANKS``; a subclass running other kernels may allow more).
-        num_rdma_bytes: bytes of the symmetric buffer the kernels carve (equal on every rank of the world).
-        unique_id: the NVSHMEM world's unique id (``join_nvshmem_world`` over the world's group).
-        world_rank, world_size: this process's PE and the world's size.
-        pes: the PE of every group rank (``pes[rank] == world_rank``); ``range(num_ranks)`` when the group is the
-            world.
+        rank, num_ranks: position in the group (the NVSHMEM world); ``2 <= num_ranks <= max_ranks()`` (the ring
+            kernels' 24, ``_C.MAX_RANKS``; a subclass running other kernels may allow more).
+        num_rdma_bytes: bytes of the symmetric buffer the kernels carve (equal on every rank).
+        num_qps_per_rank, allow_mnnvl: NVSHMEM environment, as for the low-latency runtime.
         all_gather: ``all_gather(obj) -> list`` over the group (bootstrap only); barrier: ``barrier()`` or None.
-        world_all_gather: the same over the whole world (``None``: the group is the world). Whether buffers carve a
-            put area is decided world-wide, so that a buffer too small for it fails on every rank of the world alike.
 
-    Construction is collective over the whole NVSHMEM world: the symmetric allocation (and its release) needs every
-    PE, with the same ``num_rdma_bytes``, so every rank of the world builds one such backend (of its own group) at
-    the same point, and destroys it at the same point.
+    Construction is collective: the symmetric allocation (and its release) needs every PE, with the same
+    ``num_rdma_bytes``.
     """
 
     @classmethod
@@ -73,37 +67,34 @@ class SymmetricCuda(CudaBackend):
     combine_agreement = False
     buffer_arg = "num_rdma_bytes"
 
-    def __init__(self, rank: int, num_ranks: int, num_rdma_bytes: int, unique_id: bytes, world_rank: int,
-                 world_size: int, pes: Sequence[int], all_gather: Callable[[object], list],
-                 barrier: Optional[Callable[[], None]] = None,
-                 world_all_gather: Optional[Callable[[object], list]] = None) -> None:
+    def __init__(self, rank: int, num_ranks: int, num_rdma_bytes: int, num_qps_per_rank: int, allow_mnnvl: bool,
+                 all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:
+        unique_id = join_nvshmem_world(rank, num_rdma_bytes, num_qps_per_rank, True, allow_mnnvl, all_gather)
         if not 2 <= num_ranks <= self.max_ranks():
             raise ValueError(f"num_ranks must be in [2, {self.max_ranks()}] for the CUDA kernels over NVSHMEM, got "
                              f"{num_ranks}")
         if num_rdma_bytes <= 0 or num_rdma_bytes % 128 != 0:
             raise ValueError(f"num_rdma_bytes must be a positive multiple of 128 for the CUDA kernels over NVSHMEM, "
                              f"got {num_rdma_bytes}")
-        world_all_gather = world_all_gather or all_gather
-        sizes = world_all_gather(num_rdma_bytes)
+        sizes = all_gather(num_rdma_bytes)
         if any(int(size) != num_rdma_bytes for size in sizes):
             raise ValueError(f"num_rdma_bytes must be equal on every rank (the kernels carve every peer's buffer "
                              f"with the same layout, and the symmetric allocation is world-wide), got {sizes}")
         self.rank, self.num_ranks, self.num_nvl_bytes = rank, num_ranks, num_rdma_bytes
-        self.pes = [int(pe) for pe in pes]
         self.timeout_s = envs.TIMEOUT_S.get()
         self._barrier = barrier
         self.runtime = _C.Runtime(rank, num_ranks, num_rdma_bytes, self.timeout_s, symmetric=True)
-        reached = self.runtime.sync_symmetric(unique_id, world_rank, world_size, self.pes)
+        reached = self.runtime.sync_symmetric(unique_id)
         unreachable = [list(peers) for peers in all_gather(list(reached))]
-        # (some peer unreachable, internode_put_only) of every rank of the world
-        flags = world_all_gather((bool(reached), testing.current().internode_put_only))
+        # (some peer unreachable, internode_put_only) of every rank
+        flags = all_gather((bool(reached), testing.current().internode_put_only))
         put_only = any(only for _, only in flags)
         self.put_peers = put_peers(rank, unreachable, put_only, self.forced_put_span())
         # the same on every rank: the buffers' layout must agree
         self.put_area = put_area = put_only or any(far for far, _ in flags)
         try:
             self.runtime.set_put_peers(self.put_peers, put_area)
-        except ValueError as exc:  # num_rdma_bytes and put_area agree world-wide, so every rank gets here together
+        except ValueError as exc:  # num_rdma_bytes and put_area agree on every rank, so every rank gets here together
             self.runtime.destroy()
             pairs = "; ".join(f"rank {r} cannot reach {peers}" for r, peers in enumerate(unreachable) if peers)
             raise UnsupportedTopology(f"NVSHMEM put peers ({pairs or 'internode_put_only'}): {exc}") from None
@@ -123,12 +114,6 @@ class InternodeCuda(SymmetricCuda):
 
     Construction is collective.
     """
-
-    def __init__(self, rank: int, num_ranks: int, num_rdma_bytes: int, num_qps_per_rank: int, allow_mnnvl: bool,
-                 all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:
-        unique_id = join_nvshmem_world(rank, num_rdma_bytes, num_qps_per_rank, True, allow_mnnvl, all_gather)
-        super().__init__(rank, num_ranks, num_rdma_bytes, unique_id, rank, num_ranks, range(num_ranks), all_gather,
-                         barrier)
 
     @classmethod
     def from_group(cls, group, **kwargs: Any) -> "InternodeCuda":

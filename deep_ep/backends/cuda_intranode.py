@@ -35,8 +35,8 @@ from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
 
 
 class CudaBackend(Backend):
-    """Intranode normal-mode dispatch/combine on CUDA tensors for one rank of a group of 1..8 ranks (1..24 as the
-    composed path's rail stage).
+    """Intranode normal-mode dispatch/combine on CUDA tensors for one rank of a group of 1..8 ranks (a Buffer's
+    NVLink domain, or the composed path's node stage).
 
     Args:
         rank: this process's rank in the group.
@@ -66,7 +66,7 @@ class CudaBackend(Backend):
 
     def __init__(self, rank: int, num_ranks: int, num_nvl_bytes: int,
                  all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:
-        if not 1 <= num_ranks <= NUM_MAX_RING_RANKS:  # a Buffer's NVLink domain has <= 8; a rail stage up to 24
+        if not 1 <= num_ranks <= NUM_MAX_RING_RANKS:  # the ring kernels' limit; a group here has <= 8
             raise ValueError(f"num_ranks must be in [1, {NUM_MAX_RING_RANKS}] for the CUDA ring kernels, "
                              f"got {num_ranks}")
         if num_nvl_bytes <= 0 or num_nvl_bytes % 128 != 0:

@@ -6,16 +6,15 @@ copy warps per channel (:func:`intranode_send_warps`, :func:`zone_send_warps`) a
 (:func:`combine_send_path`: copy engine up to ``COMBINE_COPY_MAX_SMS`` SMs, ring senders below
 ``COMBINE_ZONE_MIN_SMS``, zone senders from there, each the fastest measured in its regime, docs/performance.md).
 Dispatch receives straight into its outputs when the buffer's output pool has room, else through the rings
-(:func:`dispatch_receive_mode`). Also here: the composed path's rail stage (:func:`composed_rail`) and the NVSHMEM
-put peers (:func:`put_peers`). ``deep_ep.testing.overrides`` overrides each choice for tests and benchmarks.
+(:func:`dispatch_receive_mode`). Also here: the NVSHMEM put peers (:func:`put_peers`). ``deep_ep.testing.overrides``
+overrides each choice for tests and benchmarks.
 """
 from __future__ import annotations
 
 import types
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 from deep_ep import testing
-from deep_ep.config import NUM_MAX_RING_RANKS, Topology
 from deep_ep.layout import INTRANODE_MAX_CHANNELS
 
 # Channels of the ring kernels by rank count. Above the cap more channels measured slower (EP2, 4096 tokens, hidden
@@ -141,35 +140,3 @@ def put_peers(rank: int, unreachable: Sequence[Sequence[int]], put_only: bool, g
                 if r != rank and (gpus_per_node <= 0 or r // gpus_per_node != rank // gpus_per_node)]
     return [r for r in range(num_ranks) if r != rank and (r in unreachable[rank] or rank in unreachable[r])]
 
-
-def composed_rail(mode: str, hosts: Sequence[str], topology: Topology, num_rdma_bytes: int,
-                  has_nvshmem: bool) -> tuple[Optional[str], Optional[str]]:
-    """How the composed internode path's rail stage reaches its peers next to the CUDA node stage, for ``mode``
-    'auto' or a ``composed_rail`` override: ``('ipc', None)`` (the ring kernels in CUDA IPC buffers), ``('nvshmem',
-    None)`` (the ring kernels on the NVSHMEM symmetric heap), ``('torch', None)`` (the torch backend over the rail
-    subgroup: any node count), or ``(None, why the CUDA node stage cannot serve the group)``. ``hosts[r]``: the host
-    name of rank ``r``. The node stage always runs on CUDA IPC, so each node's ranks must share a host; 'auto'
-    takes torch beyond ``NUM_MAX_RING_RANKS`` nodes, else IPC when every rank shares one host, else NVSHMEM."""
-    if mode not in ("auto", "ipc", "nvshmem", "torch"):
-        raise ValueError(f"composed_rail must be 'auto', 'ipc', 'nvshmem' or 'torch', got {mode!r}")
-    per_node = topology.num_scaleup_ranks
-    for node in range(topology.num_scaleout_ranks):
-        names = sorted(set(hosts[node * per_node:(node + 1) * per_node]))
-        if len(names) > 1:
-            return None, (f"the ranks of node {node} span hosts {names} (the node stage needs CUDA IPC; set "
-                          f"DEEP_EP_GPUS_PER_NODE to the GPUs per host)")
-    if mode == "torch" or (mode == "auto" and topology.num_scaleout_ranks > NUM_MAX_RING_RANKS):
-        return "torch", None
-    if topology.num_scaleout_ranks > NUM_MAX_RING_RANKS:
-        return None, (f"composed_rail={mode}: {topology.num_scaleout_ranks} nodes exceed the rail stage's "
-                      f"{NUM_MAX_RING_RANKS} ranks (a torch rail serves them)")
-    one_host = len(set(hosts)) == 1
-    if mode == "ipc" and not one_host:
-        return None, f"composed_rail=ipc but the ranks span {len(set(hosts))} hosts"
-    if mode == "ipc" or (mode == "auto" and one_host):
-        return "ipc", None
-    if not has_nvshmem:
-        return None, "the rail stage across hosts needs NVSHMEM, and the extension was built without it"
-    if num_rdma_bytes <= 0:
-        return None, "num_rdma_bytes is 0 (the rail stage across hosts runs on the NVSHMEM symmetric heap)"
-    return "nvshmem", None

@@ -8,8 +8,8 @@ the partials in ascending node order. The ranks' buffers are one NVSHMEM symmetr
 (a node's peers reached by pointer, another node's by pointer or, behind a NIC, by NVSHMEM puts). Notify builds
 the internode handle's prefix matrices on the device; the dispatch kernel writes ``send_rdma_head``,
 ``send_nvl_head`` and ``recv_src_meta``. ``Buffer`` selects it for these groups where it serves them
-(deep_ep/backends/selection.py); ``deep_ep.testing.overrides(internode='composed')`` selects the two-stage
-composition instead.
+(deep_ep/backends/selection.py), the two-stage composition (deep_ep/backends/composed.py) beyond;
+``deep_ep.testing.overrides(internode='composed')`` selects the composition instead.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from deep_ep import layout as lay
 from deep_ep.backends.base import CombineRequest, DispatchRequest, LayoutRequest
 from deep_ep.backends.common import object_all_gather
-from deep_ep.backends.cuda_common import _C, join_nvshmem_world, raise_from_record
+from deep_ep.backends.cuda_common import _C, raise_from_record
 from deep_ep.backends.cuda_internode import SymmetricCuda, UnsupportedTopology
 from deep_ep.config import NUM_MAX_FUSED_RANKS, NUM_MAX_SCALEUP_RANKS, Config, Topology
 from deep_ep.errors import CommTimeoutError, name_ranks
@@ -53,13 +53,11 @@ class FusedInternodeCuda(SymmetricCuda):
         reason = self.unsupported_reason(topology, num_rdma_bytes)
         if reason is not None:
             raise ValueError(f"the fused internode kernels cannot serve this group: {reason}")
-        unique_id = join_nvshmem_world(rank, num_rdma_bytes, num_qps_per_rank, True, allow_mnnvl, all_gather)
         num_ranks = topology.num_ranks
         self.topology = topology
         self.num_nodes, self.per_node = topology.num_scaleout_ranks, topology.num_scaleup_ranks
         self._rings_checked: set[tuple] = set()  # check_rings: the call geometries that fit
-        super().__init__(rank, num_ranks, num_rdma_bytes, unique_id, rank, num_ranks, range(num_ranks), all_gather,
-                         barrier)
+        super().__init__(rank, num_ranks, num_rdma_bytes, num_qps_per_rank, allow_mnnvl, all_gather, barrier)
         # Decided on every rank alike: the symmetric buffer is released collectively.
         near = [list(peers) for peers in all_gather(self.same_node_put_peers(rank, self.put_peers, self.per_node))]
         if any(near):

@@ -5,9 +5,9 @@
 * the fused internode kernels for ``N`` nodes x ``G > 1`` GPUs when CUDA, the NVSHMEM build and ``num_rdma_bytes``
   are there, ``N <= 32``, ``N * G <= 64`` and the ranks of each node reach each other by pointer (other nodes by
   pointer or, behind a NIC, by NVSHMEM puts);
-* else the composed path for ``G > 1``: CUDA stages when CUDA, the extension and ``num_nvl_bytes`` are there and each
-  node's ranks share a host, or torch stages under ``deep_ep.testing`` ``internode='composed'`` (which also skips
-  the fused kernels);
+* else the composed path for ``G > 1``: a torch rail stage beside a CUDA node stage when CUDA, the extension and
+  ``num_nvl_bytes`` are there and each node's ranks share a host, or torch stages under ``deep_ep.testing``
+  ``internode='composed'`` (which also skips the fused kernels);
 * the CUDA intranode backend (one NVLink domain of at most 8 ranks) or the CUDA internode backend (one GPU per node).
 
 ``DEEP_EP_BACKEND=torch`` keeps the torch backend only; ``cuda`` turns a reason the CUDA backend cannot serve the
@@ -19,12 +19,11 @@ from __future__ import annotations
 import importlib
 import socket
 import warnings
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
 from deep_ep import envs, testing
-from deep_ep.backends import cuda_tuning
 from deep_ep.backends.base import Backend
 from deep_ep.backends.common import object_all_gather
 from deep_ep.config import Topology
@@ -142,7 +141,7 @@ def _cuda_low_latency(spec: BufferSpec, group: Any, comm: Any) -> Optional[Backe
             raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the CUDA low-latency kernels cannot be used: {reason}")
         return None
     # An internode group may allocate a second buffer of num_rdma_bytes on the symmetric heap after this one (the
-    # CUDA internode backend, or the composed path's rail stage across hosts): the heap holds both.
+    # CUDA internode backend or the fused internode kernels): the heap holds both.
     options = dict(num_rdma_bytes=spec.num_rdma_bytes, num_qps_per_rank=spec.num_qps_per_rank,
                    allow_nvlink=spec.allow_nvlink_for_low_latency_mode, allow_mnnvl=spec.allow_mnnvl,
                    enable_shrink=spec.enable_shrink, symmetric_buffers=2 if spec.topology.is_internode else 1)
@@ -234,14 +233,14 @@ def _fused_internode(spec: BufferSpec, group: Any, comm: Any) -> Optional[Backen
 
 
 def _composed(spec: BufferSpec, group: Any) -> tuple[Optional[Backend], Optional[str], Optional[str]]:
-    """``(composed path, the device type it serves, None)`` for ``N x G`` groups with ``G > 1`` when it serves
-    them; ``(None, None, why its CUDA stages cannot serve the group)`` when the automatic choice refuses it.
+    """``(composed path, the device type it serves, None)`` for ``N x G`` groups with ``G > 1`` that the fused kernels
+    do not serve; ``(None, None, why its CUDA node stage cannot serve the group)`` when the automatic choice refuses
+    it.
 
-    CUDA stages serve CUDA tensors (the group only exchanges objects, gloo or NCCL): the node stage a
-    ``CudaBackend`` (CUDA IPC), the rail stage a ``TorchBackend`` (``cuda_tuning.composed_rail``: beyond
-    ``NUM_MAX_RING_RANKS`` nodes, or asked for), a ``CudaBackend`` (one host) or a ``SymmetricCuda`` (NVSHMEM heap of
-    ``num_rdma_bytes``). Torch stages over the group's backend serve under ``internode='composed'`` only.
-    Collective: every rank creates every subgroup (``make_stage_groups``)."""
+    The rail stage is a ``TorchBackend`` over the rail subgroup. A CUDA node stage (a ``CudaBackend``, CUDA IPC: each
+    node's ranks on one host) serves CUDA tensors (the group only exchanges objects, gloo or NCCL); a torch node
+    stage over the group's backend serves under ``internode='composed'`` only. Collective: every rank creates every
+    subgroup (``make_stage_groups``)."""
     topo = spec.topology
     choice = testing.current().internode or "auto"
     if group is None or choice in ("torch", "fused") or not topo.is_internode or topo.num_scaleup_ranks < 2:
@@ -251,60 +250,36 @@ def _composed(spec: BufferSpec, group: Any) -> tuple[Optional[Backend], Optional
         reason = "DEEP_EP_BACKEND=torch"
     elif spec.num_nvl_bytes <= 0:
         reason = "num_nvl_bytes is 0"
-    backend_cls = rail_kind = None
+    backend_cls = None
     if reason is None:
         backend_cls, reason = _import_cuda("cuda_intranode", "CudaBackend")
     if reason is None:
-        hosts = object_all_gather(group)(socket.gethostname())
-        has_nvshmem = bool(getattr(importlib.import_module("deep_ep._C"), "HAS_LOW_LATENCY", False))
-        rail_kind, reason = cuda_tuning.composed_rail(testing.current().composed_rail or "auto", hosts, topo,
-                                                      spec.num_rdma_bytes, has_nvshmem)
+        reason = _node_spans_hosts(object_all_gather(group)(socket.gethostname()), topo)
     if reason is not None and choice == "auto":
         return None, None, reason
     from deep_ep.backends.composed import ComposedInternode, make_stage_groups
     from deep_ep.backends.torch_dist import TorchBackend
     groups = make_stage_groups(group, topo)
     num_nodes, per_node = topo.num_scaleout_ranks, topo.num_scaleup_ranks
-    rail = None
-    if reason is None and rail_kind == "nvshmem":
-        from deep_ep.backends.cuda_internode import UnsupportedTopology
-        try:
-            rail = _symmetric_rail(spec, group, groups.rail)
-        except UnsupportedTopology as exc:  # decided world-wide: every rank gets here together
-            reason = f"the NVSHMEM rail stage: {exc}"
-            if choice == "auto":
-                return None, None, reason
 
     def torch_stage(stage_group: Any, stage_rank: int, size: int) -> Backend:
         return TorchBackend(stage_group, stage_rank, size, Topology.one_domain(size), spec.num_nvl_bytes, 0, False)
 
-    if reason is None:  # a CUDA node stage; the rail on the ring kernels unless it is a torch rail
-        if rail_kind == "torch":
-            rail = torch_stage(groups.rail, topo.node_of(spec.rank), num_nodes)
-        elif rail is None:
-            rail = backend_cls.from_group(groups.rail, spec.num_nvl_bytes)
+    rail = torch_stage(groups.rail, topo.node_of(spec.rank), num_nodes)
+    if reason is None:
         node = backend_cls.from_group(groups.node, spec.num_nvl_bytes)
-        cuda_stages, device = ("node",) if rail_kind == "torch" else ("rail", "node"), "cuda"
-    else:
-        rail = torch_stage(groups.rail, topo.node_of(spec.rank), num_nodes)
-        node = torch_stage(groups.node, topo.local_of(spec.rank), per_node)
-        cuda_stages, device = (), rail.device.type
-    return ComposedInternode(rail, node, spec.rank, topo, cuda_stages), device, None
+        return ComposedInternode(rail, node, spec.rank, topo, cuda_node=True), "cuda", None
+    node = torch_stage(groups.node, topo.local_of(spec.rank), per_node)
+    return ComposedInternode(rail, node, spec.rank, topo), rail.device.type, None
 
 
-def _symmetric_rail(spec: BufferSpec, group: Any, rail_group: Any) -> Backend:
-    """The composed path's rail stage on the NVSHMEM symmetric heap of the Buffer's group (the NVSHMEM world:
-    PE = group rank; rail rank ``n`` of local index ``l`` is PE ``n * G + l``). Collective over the group."""
-    import torch.distributed as dist
-
-    from deep_ep.backends.cuda_common import join_nvshmem_world
-    from deep_ep.backends.cuda_internode import SymmetricCuda
-
-    topo, world_gather = spec.topology, object_all_gather(group)
-    unique_id = join_nvshmem_world(spec.rank, spec.num_rdma_bytes, spec.num_qps_per_rank, True, spec.allow_mnnvl,
-                                   world_gather)
-    local = topo.local_of(spec.rank)
-    pes = [node * topo.num_scaleup_ranks + local for node in range(topo.num_scaleout_ranks)]
-    return SymmetricCuda(topo.node_of(spec.rank), topo.num_scaleout_ranks, spec.num_rdma_bytes, unique_id,
-                         spec.rank, spec.group_size, pes, object_all_gather(rail_group),
-                         lambda: dist.barrier(group=rail_group), world_all_gather=world_gather)
+def _node_spans_hosts(hosts: Sequence[str], topology: Topology) -> Optional[str]:
+    """Why the composed path's CUDA node stage (CUDA IPC) cannot serve the group: the ranks of a node span hosts
+    (``hosts[r]``: the host name of rank ``r``); ``None`` when every node's ranks share one."""
+    per_node = topology.num_scaleup_ranks
+    for node in range(topology.num_scaleout_ranks):
+        names = sorted(set(hosts[node * per_node:(node + 1) * per_node]))
+        if len(names) > 1:
+            return (f"the ranks of node {node} span hosts {names} (the node stage needs CUDA IPC; set "
+                    f"DEEP_EP_GPUS_PER_NODE to the GPUs per host)")
+    return None

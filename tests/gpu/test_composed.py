@@ -1,14 +1,13 @@
-"""GPU tests of the composed internode path (``ComposedInternode``) with CUDA stages.
+"""GPU tests of the composed internode path (``ComposedInternode``): a torch rail stage beside a CUDA node stage.
 
 4 ranks on GPUs ``[0, 1, 0, 1]`` (one per GPU with 4 or more) with ``DEEP_EP_GPUS_PER_NODE=2`` are 2 virtual nodes
 x 2: the node stage spans both GPUs, each rail stage shares one (gloo group: NCCL refuses two ranks on one GPU). The
 Buffers are built under ``deep_ep.testing.overrides(internode='composed')`` (the automatic choice is the fused
-kernels, tests/gpu/test_fused_internode.py); the composed path must then run ``CudaBackend`` stages (one host, CUDA
-IPC); the NVSHMEM rail
-(``SymmetricCuda``, rail rank ``n`` = PE ``2n + l``, also as put pairs) and the torch rail run under
-``deep_ep.testing.overrides(composed_rail=...)``. Every example runs ``test_internode.task_internode_roundtrip``
-bit for bit against ``reference``. ``test_many_nodes_by_two``: ``TEST_COMPOSED_MANY_NODES`` (9) nodes x 2;
-``test_eight_ranks``: 2 x 4 and 4 x 2 on 8 GPUs. One GPU, all ranks time-sliced on it (correctness only)::
+kernels, tests/gpu/test_fused_internode.py; the composition serves groups beyond them); the composed path must then
+run a ``TorchBackend`` rail stage and a ``CudaBackend`` node stage (one host, CUDA IPC). Every example runs
+``test_internode.task_internode_roundtrip`` bit for bit against ``reference``. ``test_many_nodes_by_two``:
+``TEST_COMPOSED_MANY_NODES`` (9) nodes x 2; ``test_eight_ranks``: 2 x 4 and 4 x 2 on 8 GPUs. One GPU, all ranks
+time-sliced on it (correctness only)::
 
     TEST_RANKS_PER_GPU=2 python -m pytest tests/gpu/test_composed.py
     TEST_RANKS_PER_GPU=8 TEST_COMPOSED_MANY_NODES=4 python -m pytest tests/gpu/test_composed.py -k many_nodes
@@ -18,7 +17,6 @@ bit for bit against ``reference``. ``test_many_nodes_by_two``: ``TEST_COMPOSED_M
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import pytest
 from hypothesis import given
@@ -32,14 +30,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu, pytest.mark.timeout(600)]
 
 ENV = {"DEEP_EP_GPUS_PER_NODE": "2"}
 COMPOSED = {"internode": "composed"}
-STAGES = "ComposedInternode cuda CudaBackend CudaBackend"
-NVSHMEM_STAGES = "ComposedInternode cuda SymmetricCuda CudaBackend"
-# The rail stage forced onto the NVSHMEM heap (deep_ep.testing's composed_rail) with 768 MB of RDMA buffer (two
-# 256 MB ring halves and an output pool).
-NVSHMEM_RAIL = {"composed_rail": "nvshmem"}
-NVSHMEM_RAIL_ENV = {"TEST_NUM_RDMA_BYTES": str(768 << 20)}
-TORCH_RAIL = {"composed_rail": "torch"}
-TORCH_RAIL_STAGES = "ComposedInternode cuda TorchBackend CudaBackend"
+STAGES = "ComposedInternode cuda TorchBackend CudaBackend"
 
 
 def task_stages(buffer, rank: int, payload) -> str:
@@ -49,52 +40,26 @@ def task_stages(buffer, rank: int, payload) -> str:
         f"{type(composed.node).__name__}"
 
 
-def task_rail_reach(buffer, rank: int, payload) -> tuple:
-    """The NVSHMEM rail stage's PE of each rail rank and its put peers (rail ranks)."""
-    rail = buffer._composed.rail
-    return list(rail.pes), list(rail.put_peers)
-
-
-def _composed_pool(devices: list, gpus_per_node: int, stages: str = STAGES, env: Optional[dict] = None,
-                   overrides: Optional[dict] = None):
-    """A worker pool on ``devices`` as nodes of ``gpus_per_node`` ranks (Buffers built under ``overrides``), checked
-    to run the composed path with CUDA stages ``stages``; yields it and closes it (the body of the module-scoped
-    fixtures)."""
-    pool = ti.Pool(devices, env={**ENV, "DEEP_EP_GPUS_PER_NODE": str(gpus_per_node), **(env or {})},
-                   overrides={**COMPOSED, **(overrides or {})})
+def _composed_pool(devices: list, gpus_per_node: int):
+    """A worker pool on ``devices`` as nodes of ``gpus_per_node`` ranks (Buffers built under
+    ``internode='composed'``), checked to run the composed path with a torch rail and a CUDA node stage; yields it
+    and closes it (the body of the module-scoped fixtures)."""
+    pool = ti.Pool(devices, env={**ENV, "DEEP_EP_GPUS_PER_NODE": str(gpus_per_node)}, overrides=COMPOSED)
     try:
         if ti.DEVICE == "cuda":
             assert pool.backends == {"ComposedInternode"}, f"Buffer did not pick the composed path: {pool.backends}"
             found = set(pool.run("test_composed:task_stages", None))
-            assert found == {stages}, f"the composed path does not run the expected CUDA stages: {found}"
+            assert found == {STAGES}, f"the composed path does not run the expected stages: {found}"
         yield pool
     finally:
         pool.close()
 
 
-@pytest.fixture(scope="module", params=["ipc", "nvshmem", "nvshmem_puts", "torch"])
-def two_by_two(request):
-    """2 x 2 with the rail stage over CUDA IPC (the choice on one host), on the NVSHMEM heap (``nvshmem``;
-    ``nvshmem_puts``: every rail pair a put pair, whose put area needs about twice the rings' bytes) or the torch
-    rail. One rank per GPU where there are 4, else GPUs 0, 1, 0, 1."""
+@pytest.fixture(scope="module")
+def two_by_two():
+    """2 x 2, one rank per GPU where there are 4, else GPUs 0, 1, 0, 1."""
     gpus = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 2
-    devices = [rank % gpus for rank in range(4)]
-    if request.param == "ipc":
-        yield from _composed_pool(devices, 2)
-        return
-    if request.param == "torch":  # the torch rail (TorchBackend over the gloo rail subgroup) beside CUDA node stages
-        yield from _composed_pool(devices, 2, TORCH_RAIL_STAGES, overrides=TORCH_RAIL)
-        return
-    puts = request.param == "nvshmem_puts"
-    env = dict(NVSHMEM_RAIL_ENV)
-    if puts:  # the put area beside the same rings
-        env["TEST_NUM_RDMA_BYTES"] = str(1536 << 20)
-    for pool in _composed_pool(devices, 2, NVSHMEM_STAGES, env, {**NVSHMEM_RAIL, "internode_put_only": puts}):
-        if ti.DEVICE == "cuda":  # rail rank n of local index l is PE 2n + l; its put peer the other rail rank
-            reach = pool.run("test_composed:task_rail_reach", None)
-            want = [([rank % 2, 2 + rank % 2], [1 - rank // 2] if puts else []) for rank in range(4)]
-            assert [(list(p), list(q)) for p, q in reach] == want, reach
-        yield pool
+    yield from _composed_pool([rank % gpus for rank in range(4)], 2)
 
 
 @ti.gpu_settings(int(os.environ.get("TEST_EXAMPLES_COMPOSED", "6")))
@@ -113,27 +78,16 @@ def test_two_by_two_large(two_by_two):
         two_by_two.run(tn.TASK, case)
 
 
-# Nodes of the many-node test (x 2 GPUs per node): rail stages of more than 8 ranks, up to NUM_MAX_RING_RANKS (24) on
-# the ring kernels. Its ranks share the GPUs; on one GPU run it with TEST_RANKS_PER_GPU >= 2 x TEST_COMPOSED_MANY_NODES.
+# Nodes of the many-node test (x 2 GPUs per node): rail stages of more ranks than a node has GPUs. Its ranks share
+# the GPUs; on one GPU run it with TEST_RANKS_PER_GPU >= 2 x TEST_COMPOSED_MANY_NODES.
 MANY_NODES = int(os.environ.get("TEST_COMPOSED_MANY_NODES", "9"))
 
 
-@pytest.fixture(scope="module", params=["ipc", "nvshmem", "torch"])
-def many_by_two(request):
-    """MANY_NODES x 2: the rail stage (MANY_NODES ranks) over CUDA IPC, on the NVSHMEM heap, or the torch rail
-    (forced; ``auto`` takes it beyond 24 nodes, where the ring-kernel rails do not apply)."""
-    from deep_ep.config import NUM_MAX_RING_RANKS
+@pytest.fixture(scope="module")
+def many_by_two():
+    """MANY_NODES x 2."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 2
-    devices = [rank % gpus for rank in range(2 * MANY_NODES)]
-    if MANY_NODES > NUM_MAX_RING_RANKS and request.param != "torch":
-        pytest.skip(f"a ring-kernel rail serves at most {NUM_MAX_RING_RANKS} nodes")
-    if request.param == "ipc":
-        yield from _composed_pool(devices, 2)
-    elif request.param == "torch":
-        yield from _composed_pool(devices, 2, TORCH_RAIL_STAGES,
-                                  overrides=None if MANY_NODES > NUM_MAX_RING_RANKS else TORCH_RAIL)
-    else:
-        yield from _composed_pool(devices, 2, NVSHMEM_STAGES, NVSHMEM_RAIL_ENV, NVSHMEM_RAIL)
+    yield from _composed_pool([rank % gpus for rank in range(2 * MANY_NODES)], 2)
 
 
 @pytest.mark.multi_gpu(2 * MANY_NODES)
@@ -143,26 +97,17 @@ def test_many_nodes_by_two(many_by_two, case):
     many_by_two.run(tn.TASK, case)
 
 
-@pytest.mark.parametrize("rail", ["ipc", "nvshmem", "torch"])
-def test_stalled_rank_times_out(rail):
-    """Rank 3 never joins the dispatch: rank 1 (its rail peer) and rank 2 (its node peer) time out naming it, rank 0
-    naming rank 1 (which left its node stage after its own timeout); each message names the Buffer's ranks (the
-    stages' own numbers in brackets, ``deep_ep.errors.name_ranks``) within the time budget
-    (``test_intranode.task_stall``)."""
+def test_stalled_rank_times_out():
+    """Rank 3 never joins the dispatch: rank 2 (its node peer) times out naming it, rank 1 (its rail peer) in its
+    count all-gather naming all ranks, rank 0 naming rank 1 (which left its node stage after its own timeout); each
+    message names the Buffer's ranks (the stages' own numbers in brackets, ``deep_ep.errors.name_ranks``;
+    ``TorchBackend.set_rank_names`` for the rail) within the time budget (``test_intranode.task_stall``)."""
     timeout_s = 5
     gpus = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 2
     env = {**ENV, "DEEP_EP_TIMEOUT_S": str(timeout_s)}
-    overrides = None
-    if rail == "nvshmem":
-        env.update(NVSHMEM_RAIL_ENV)
-        overrides = NVSHMEM_RAIL
-    expect_peer = {0: 1}
-    if rail == "torch":  # the torch rail names the Buffer's ranks too (TorchBackend.set_rank_names); rank 1 waits
-        overrides = TORCH_RAIL  # first in its count all-gather, which names all ranks, not peer 3
-        expect_peer[1] = "all ranks"
-    pool = ti.Pool([rank % gpus for rank in range(4)], env=env, overrides={**COMPOSED, **(overrides or {})})
+    pool = ti.Pool([rank % gpus for rank in range(4)], env=env, overrides=COMPOSED)
     try:
-        replies = pool.run("stall", {"stalled": 3, "timeout_s": timeout_s, "expect_peer": expect_peer},
+        replies = pool.run("stall", {"stalled": 3, "timeout_s": timeout_s, "expect_peer": {0: 1, 1: "all ranks"}},
                            timeout=timeout_s * 8 + 60)
         assert replies[3] == "stalled" and all("timeout" in replies[r] for r in range(3)), replies
         assert "composed rail stage" in replies[1] and "composed node stage" in replies[2], replies
