@@ -602,7 +602,7 @@ void Runtime::clear_argument_error(uintptr_t stream) {
         invalid("clear_argument_error: the error record holds no argument mismatch");
     // A combine the ranks disagreed on: every rank continues from the copy epoch after it, whichever send path it
     // took (every rank's kernel freed its landing zones of that epoch).
-    if (record->kernel == kernels::kKernelCombine && record->call_seq == checked_combine_seq_)
+    if (record->kernel == kernels::kKernelCombine && record->call_seq == checked_combine_seq_ && !put_area_)
         copy_epoch_ = checked_combine_epoch_ + 1u;
     // The claim word frees the record for the kernels once the stream reaches it; until then no kernel of this rank
     // can claim the record, so it is zeroed here at once.
@@ -749,8 +749,6 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     const std::vector<int64_t>& pair_counts, int copy_ctas, int copy_chunk_rows, bool zone,
     int64_t signature_hash) {
     require_available("combine");
-    if (signature_hash != 0 && put_mask_ != 0)
-        invalid("combine: signature_hash needs pointer peers only (put peers exchange no agreement words)");
     check_device("x", x, device_id_);
     check_device("topk_weights", topk_weights, device_id_);
     check_device("bias[0]", bias_0, device_id_);
@@ -794,8 +792,9 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     const bool checked = signature_hash != 0 && capture == cudaStreamCaptureStatusNone;
     args.call_number = checked ? combine_calls_ + 1u : 0u;
     args.signature_hash = checked ? static_cast<uint32_t>(signature_hash) : 0u;
-    // A mismatched ring kernel frees this rank's landing zones of the epoch every rank takes on after it.
-    args.mismatch_freed = checked ? copy_epoch_ + 1u : 0u;
+    // A mismatched ring kernel frees this rank's landing zones of the epoch every rank takes on after it. With a put
+    // area no combine goes through landing zones (would_copy), so the copy epoch stays.
+    args.mismatch_freed = checked && !put_area_ ? copy_epoch_ + 1u : 0u;
     args.host_verdict = checked ? reinterpret_cast<int64_t*>(device_counters_ + kVerdictIntOffset) : nullptr;
     const uint32_t epoch_before = copy_epoch_;
     auto ctx = next_context();

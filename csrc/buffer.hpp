@@ -181,7 +181,7 @@ class Runtime {
     void await_agreement();
 
     // Returns (combined_x [N, H] BF16, combined_topk_weights [N, K] float32 when topk_weights is given), N being
-    // send_head's rows. signature_hash != 0 (no put peers) outside CUDA-graph capture: a checked combine, whose
+    // send_head's rows. signature_hash != 0 outside CUDA-graph capture: a checked combine, whose
     // kernel compares the hash with every peer's before any row moves (CombineArgs::signature_hash); the next call
     // awaits the verdict (await_agreement).
     std::pair<at::Tensor, std::optional<at::Tensor>> combine(
@@ -283,8 +283,8 @@ class Runtime {
     int64_t pending_verdict_ = 0;  // call_seq of a checked call whose verdict the host has not awaited, or 0
     uint32_t combine_calls_ = 0;   // checked combines so far (0 after reset): CombineArgs::call_number
     // The last checked combine: its call_seq and copy_epoch_ before it. When the ranks disagreed on
-    // it, clearing the record moves copy_epoch_ to that + 1 on every rank (the ranks may have taken different send
-    // paths; every rank's kernel wrote `freed` = that + 1).
+    // it, clearing the record moves copy_epoch_ to that + 1 on every rank without a put area (the ranks may have
+    // taken different send paths; every rank's kernel wrote `freed` = that + 1).
     int64_t checked_combine_seq_ = 0;
     uint32_t checked_combine_epoch_ = 0;
     int* host_counters_ = nullptr;

@@ -302,10 +302,12 @@ struct CombineArgs {
     // != 0 (a checked combine): the hash of this rank's call signature. Every CTA compares every peer's hash of this
     // call (the combine-agreement words) with it before any row moves; on a difference every rank's kernel moves no
     // row and advances no ring (each sees the same hashes), and the error record gets kErrorArgumentMismatch (no
-    // abort). 0: unchecked (one rank, a composed stage, put peers, CUDA-graph capture).
+    // abort). Put peers exchange the words as signals (put.cuh). 0: unchecked (one rank, a composed stage, CUDA-graph
+    // capture).
     uint32_t signature_hash;
-    // Ring kernel, != 0: the `freed` value a mismatched call writes to every peer (the ranks may have taken
-    // different send paths: a peer's landing-zone combine of this call then waits no longer for this rank).
+    // Ring kernel, != 0 (never with a put area): the `freed` value a mismatched call writes to every peer (the ranks
+    // may have taken different send paths: a peer's landing-zone combine of this call then waits no longer for this
+    // rank).
     uint32_t mismatch_freed;
     // Host-mapped, or nullptr: the last CTA to compare the hashes writes the call's KernelContext::call_seq here.
     int64_t* host_verdict;

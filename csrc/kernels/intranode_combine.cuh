@@ -39,35 +39,49 @@ static __device__ bool warp_wait_freed(const KernelContext& ctx, uint32_t copy_e
 // a peer's word failed (reported).
 constexpr int kCombineAgreementHolds = 1, kCombineAgreementDiffers = 2, kCombineAgreementFailed = 3;
 
-// Source `source`'s agreement word of combine call `call_number` in `buffer` (layout.cuh: by call parity).
-__device__ __forceinline__ uint64_t* combine_agreement_word(void* buffer, int source, uint32_t call_number) {
-    return reinterpret_cast<uint64_t*>(static_cast<char*>(buffer) + kCombineAgreementOffset) + source * 2 +
-           (call_number & 1u);
+// Control-region offset of source `source`'s agreement word of combine call `call_number` (layout.cuh: by call
+// parity).
+__device__ __forceinline__ int64_t combine_agreement_offset(int source, uint32_t call_number) {
+    return kCombineAgreementOffset + 8 * (2 * source + static_cast<int64_t>(call_number & 1u));
 }
 
 // CTA 0, thread d: this rank's word of the call (call number, signature hash) into peer d's buffer, at kernel start
-// and before anything waits.
+// and before anything waits: a release store for a pointer peer, a 64-bit signal into the word's twin for a put
+// peer (put.cuh; the word arrives whole).
+template <bool kPut>
 __device__ __forceinline__ void publish_combine_agreement(const KernelContext& ctx, const CombineArgs& args) {
     const int d = static_cast<int>(threadIdx.x);
-    if (args.signature_hash != 0u && blockIdx.x == 0 && d < ctx.num_ranks && d != ctx.rank)
-        st_release_sys_u64(combine_agreement_word(ctx.buffers[d], ctx.rank, args.call_number),
-                           (static_cast<uint64_t>(args.call_number) << 32) | args.signature_hash);
+    if (args.signature_hash == 0u || blockIdx.x != 0 || d >= ctx.num_ranks || d == ctx.rank) return;
+    const int64_t offset = combine_agreement_offset(ctx.rank, args.call_number);
+    const uint64_t word = (static_cast<uint64_t>(args.call_number) << 32) | args.signature_hash;
+    if (kPut && is_ring_put_peer(ctx, d))
+        put_signal(ctx, offset, d, word);
+    else
+        st_release_sys_u64(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.buffers[d]) + offset), word);
 }
 
-// One warp per CTA (checked combines): lane d waits for peer d's word of this call and the warp compares every
-// peer's hash with this rank's. Every rank compares the same hashes, so every rank reaches the same verdict: if
-// they are not all equal, every rank has a peer whose hash differs from its own. A difference fills the error record
-// (kErrorArgumentMismatch, no abort). With host_verdict, the last CTA to compare publishes the call's call_seq.
+// One warp per CTA (checked combines): lane d waits for peer d's word of this call (in this rank's control region,
+// or in its twin for a put peer) and the warp compares every peer's hash with this rank's. Every rank compares the
+// same hashes, so every rank reaches the same verdict: if they are not all equal, every rank has a peer whose hash
+// differs from its own. A difference fills the error record (kErrorArgumentMismatch, no abort). With host_verdict,
+// the last CTA to compare publishes the call's call_seq.
+template <bool kPut>
 static __device__ __noinline__ int warp_combine_agreement(const KernelContext& ctx, const CombineArgs& args) {
     const int lane = lane_id();
     bool ok = true;
     uint32_t their_hash = args.signature_hash;
     if (lane < ctx.num_ranks && lane != ctx.rank) {
-        const uint64_t* word = combine_agreement_word(ctx.buffers[ctx.rank], lane, args.call_number);
+        const int64_t offset = combine_agreement_offset(lane, args.call_number);
+        const uint64_t* word = kPut && is_ring_put_peer(ctx, lane)
+            ? signal_twin(ctx, offset)
+            : reinterpret_cast<const uint64_t*>(static_cast<const char*>(ctx.buffers[ctx.rank]) + offset);
         uint32_t seen;
         ok = wait_geq(ctx, reinterpret_cast<const uint32_t*>(word) + 1, args.call_number,  // the call number half
                       Site{kKernelCombine, kPhaseCombineWaitAgreement, lane, static_cast<int>(blockIdx.x)}, &seen);
-        if (ok) their_hash = static_cast<uint32_t>(ld_acquire_sys_u64(word));
+        if (ok) {
+            after_peer_wait<kPut>(ctx, offset, lane);
+            their_hash = static_cast<uint32_t>(ld_acquire_sys_u64(word));
+        }
     }
     const bool all_ok = __all_sync(0xffffffffu, ok);
     const uint32_t differ = __ballot_sync(0xffffffffu, their_hash != args.signature_hash);
@@ -93,10 +107,11 @@ static __device__ __noinline__ int warp_combine_agreement(const KernelContext& c
 }
 
 // The last warp of every CTA: the verdict of the call into `agreement` (shared), before the CTA's first barrier.
+template <bool kPut>
 __device__ __forceinline__ void combine_agreement(const KernelContext& ctx, const CombineArgs& args,
                                                   volatile int* agreement) {
     if (threadIdx.x / 32 != blockDim.x / 32 - 1) return;
-    const int verdict = args.signature_hash != 0u ? warp_combine_agreement(ctx, args) : kCombineAgreementHolds;
+    const int verdict = args.signature_hash != 0u ? warp_combine_agreement<kPut>(ctx, args) : kCombineAgreementHolds;
     if (lane_id() == 0) *agreement = verdict;
 }
 

@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const int num_send_warps = kZone ? args.num_send_warps : 0;  // zone senders per CTA (rows per stripe)
     const int first_reducer = kZone ? num_send_warps + 1 : 0;
     if (threadIdx.x == 0) cta_failed = 0;
-    publish_combine_agreement(ctx, args);
+    publish_combine_agreement<false>(ctx, args);
     if (threadIdx.x < kMaxRanks) {
         const int d = static_cast<int>(threadIdx.x);
         landed_cache[d] = epoch_bits;
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         }
     }
     if (threadIdx.x < kWarps) progress[threadIdx.x] = 0;
-    combine_agreement(ctx, args, &agreement);
+    combine_agreement<false>(ctx, args, &agreement);
     __syncthreads();
     // The ranks disagree on this call: nothing is sent or reduced, and the last CTA still frees this rank's landing
     // zones (every peer's next landing-zone combine waits for that). Rows a peer's copies store into them meanwhile

@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     const int num_channel_tokens = end - begin;
 
     if (threadIdx.x == 0) cta_failed = 0;
-    publish_combine_agreement(ctx, args);
+    publish_combine_agreement<kPut>(ctx, args);
     if (threadIdx.x < kMaxRanks) {
         const int d = static_cast<int>(threadIdx.x);
         tail_base[d] = *workspace_u32(ctx, kWsCombineTailShadowOffset + 4 * counter_index(channel, d));
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         const int w = static_cast<int>(threadIdx.x);
         progress[w] = w < num_copy_warps ? w / num_dests : (w >= first_reducer ? w - first_reducer : 0);
     }
-    combine_agreement(ctx, args, &agreement);
+    combine_agreement<kPut>(ctx, args, &agreement);
     __syncthreads();
     if (agreement != kCombineAgreementHolds) {
         // No row moves and no ring advances on any rank. A peer may have taken a landing-zone path in this call:

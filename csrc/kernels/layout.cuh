@@ -209,7 +209,8 @@ DEEP_EP_HOST_DEVICE DispatchOutputLayout dispatch_output_layout(int64_t rows, in
 //   [put area at put_offset = ring_bytes:
 //     signal twins   uint64 [kControlBytes / 4]  the twin of the control region's uint32 word at byte o lives at
 //                                                put_offset + 2 * o; a put peer publishes a flag or counter there
-//                                                (NVSHMEM signals are 64-bit), the low half holds the uint32 value
+//                                                (NVSHMEM signals are 64-bit), the low half holds the uint32 value;
+//                                                the twin of a uint64 word (combine agreement) holds it whole
 //     notify staging int32 [kMaxRanks][kNotifyInts]  this rank's notify counts for each put destination
 //     dispatch staging, combine staging: the shape of the two ring halves; record slot k of ring (c, s) here
 //                                        stages what this rank puts into slot k of its own ring (c, me) at rank s]

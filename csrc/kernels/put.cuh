@@ -90,7 +90,8 @@ __device__ __forceinline__ void after_peer_wait(const KernelContext& ctx, int64_
     if (kPut && is_ring_put_peer(ctx, peer)) put_wait_consistency(signal_twin(ctx, offset));
 }
 
-// One thread: `value` into the twin of the word at `offset` of put peer `pe` (`add`: added to it, else set), after
+// One thread: `value` into the twin of the word at `offset` of put peer `pe` (`add`: added to it, else set; a
+// uint64 word such as a combine-agreement word fills its twin whole), after
 // everything this thread wrote or observed before (a system fence, then an NVSHMEM signal; nothing of this
 // thread's is in flight as a put). `used` keeps its signature whole in every kernel file: the compiler does not
 // specialise it to the constant `add` of one file's callers, so the callers' code does not depend on which other
@@ -98,7 +99,7 @@ __device__ __forceinline__ void after_peer_wait(const KernelContext& ctx, int64_
 #ifndef DEEP_EP_DISABLE_NVSHMEM
 __attribute__((used))
 #endif
-static __device__ __noinline__ void put_signal(const KernelContext& ctx, int64_t offset, int pe, uint32_t value,
+static __device__ __noinline__ void put_signal(const KernelContext& ctx, int64_t offset, int pe, uint64_t value,
                                                bool add = false) {
     fence_acq_rel_sys();
 #ifndef DEEP_EP_DISABLE_NVSHMEM

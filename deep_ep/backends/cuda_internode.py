@@ -5,8 +5,10 @@ final row (each expert row straight back to its owner's combine slot): the data 
 :class:`InternodeCuda` runs them over a buffer on the NVSHMEM symmetric heap of the world of all ranks (PE = rank),
 reaching a peer through ``nvshmem_ptr`` where it can. A peer it cannot reach (behind a NIC) is a put peer: the
 copy warps stage its ring records and put them per block, the tail follows as a signal; once any pair is a put pair,
-every buffer carves a put area and combines through the rings. :class:`SymmetricCuda` is that buffer and its put
-peers, the base of this backend and of the fused internode kernels (deep_ep/backends/fused_internode.py).
+every buffer carves a put area and combines through the rings. The word a combine's kernel sends every peer at its
+start (the ranks' agreement on the call, ``cuda_intranode``) reaches a put peer as a signal. :class:`SymmetricCuda`
+is that buffer and its put peers, the base of this backend and of the fused internode kernels
+(deep_ep/backends/fused_internode.py).
 
 The internode handle is built on the comm stream from the kernels' intranode fields
 (:func:`deep_ep.handle.single_gpu_nodes_handle`); with one GPU per node a node's partial sum is one BF16 row, so the
@@ -63,8 +65,6 @@ class SymmetricCuda(CudaBackend):
     # The copy-engine combine copies into peers' buffers with cudaMemcpyAsync; over the NVSHMEM heap that has not
     # run on a GPU yet, so this backend keeps its ring senders.
     copy_engine_combine = False
-    # This backend's combines carry no signature hash (Backend.combine_agreement).
-    combine_agreement = False
     buffer_arg = "num_rdma_bytes"
 
     def __init__(self, rank: int, num_ranks: int, num_rdma_bytes: int, num_qps_per_rank: int, allow_mnnvl: bool,

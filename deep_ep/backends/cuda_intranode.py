@@ -218,7 +218,7 @@ class CudaBackend(Backend):
         combine kernel of the handle's channels with the hash of the refusal ``signature`` and a stand-in ``x``, so
         that every peer's kernel sees a hash that differs at once (no rank moves a row). The caller raises its own
         error now; the next call raises :class:`ArgumentMismatchError` on every rank, this one too."""
-        if self.runtime is None or self.put_peers:
+        if self.runtime is None:
             return
         self._call_prologue()
         handle = self._kernel_handle(handle)
@@ -227,8 +227,9 @@ class CudaBackend(Backend):
         stand_in = torch.empty(rows, 8, dtype=torch.bfloat16, device=handle.send_head.device)
         self.runtime.combine(stand_in, None, None, None, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
                              handle.send_head, num_channels, 8, 256,
-                             tuning.intranode_send_warps("combine", self.num_ranks, num_channels), self._comm_ptr,
-                             True, True, None, [], 0, 0, False, signature_hash(signature) or 1)
+                             tuning.intranode_send_warps("combine", self.num_ranks, num_channels,
+                                                         puts=bool(self.put_peers)),
+                             self._comm_ptr, True, True, None, [], 0, 0, False, signature_hash(signature) or 1)
         self._verdict_pending = not torch.cuda.is_current_stream_capturing()
 
     def reset(self) -> None:
@@ -481,7 +482,7 @@ class CudaBackend(Backend):
             # The ranks' agreement rides in the words the kernel exchanges at its start (never 0: 0 is
             # "unchecked"); the next call raises a disagreement.
             signature = request.signature
-            hashed = (signature_hash(signature) or 1) if signature is not None and not self.put_peers and \
+            hashed = (signature_hash(signature) or 1) if signature is not None and \
                 not torch.cuda.is_current_stream_capturing() else 0
             combined_x, combined_topk_weights = self.runtime.combine(
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,

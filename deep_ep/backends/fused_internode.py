@@ -45,8 +45,10 @@ class FusedInternodeCuda(SymmetricCuda):
     when two ranks of one node have no pointer path, or when ``num_rdma_bytes`` leaves no room for the put area.
     """
 
-    # The agreement rides in the fused notify (non-cached dispatch); a cached dispatch exchanges no per-call words.
+    # The agreement rides in the fused notify (non-cached dispatch); a cached dispatch and a combine exchange no
+    # per-call words.
     handle_agreement = False
+    combine_agreement = False
 
     def __init__(self, rank: int, topology: Topology, num_rdma_bytes: int, num_qps_per_rank: int, allow_mnnvl: bool,
                  all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:

@@ -269,6 +269,16 @@ def test_cached_disagreement_raises_at_next_call(virtual_nodes):
 
 
 @pytest.mark.multi_gpu
+def test_combine_disagreement_raises_at_next_call(virtual_nodes):
+    """Two virtual nodes: see ``test_intranode.task_combine_disagree``, on the ring senders (this backend's one send
+    path). The words that carry the signature hashes go by ``nvshmem_ptr`` stores, and under
+    ``TEST_INTERNODE_PUT_ONLY=1`` as NVSHMEM signals into their twins (put peers)."""
+    if ti.DEVICE != "cuda":
+        pytest.skip("the CUDA kernels' agreement (the torch backend raises in the call itself)")
+    print(virtual_nodes.run("test_intranode:task_combine_disagree", {"paths": ["rings"]}))
+
+
+@pytest.mark.multi_gpu
 def test_stalled_node_times_out():
     """Node 1 never joins the dispatch: node 0 gets a timeout exception naming the peer within the budget, and a
     usable CUDA context (``test_intranode.task_stall``)."""

@@ -959,18 +959,20 @@ def task_cached_disagree(buffer, rank: int, payload: dict) -> str:
     return "; ".join(seen)
 
 
-def task_combine_disagree(buffer, rank: int, payload: dict) -> str:
-    """On each combine send path (copy engine, rings, zone senders), rank 1 passes a combine a different hidden
-    size, topk_weights where rank 0 passes none, a bias where rank 0 passes none, a different config chunking, and
-    hidden sizes that differ while the two ranks take different send paths: the kernels move no row on any rank,
-    and every rank's next call raises ArgumentMismatchError naming the combine, well under a second, before it
-    launches anything. Then rank 1 refuses a combine (a row too few): it raises its own ValueError at once, and
-    every rank's next call raises as above. After each, a correct dispatch and combine give every rank's rows in
-    (source rank, token) order and their sum (rings, landing-zone epochs and combine call numbers stayed in step)."""
+def task_combine_disagree(buffer, rank: int, payload: Optional[dict]) -> str:
+    """On each combine send path (copy engine, rings, zone senders; ``payload["paths"]``, when given, names the
+    backend's), rank 1 passes a combine a different hidden size, topk_weights where rank 0 passes none, a bias where
+    rank 0 passes none, a different config chunking, and (with several paths) hidden sizes that differ while the two
+    ranks take different send paths: the kernels move no row on any rank, and every rank's next call raises
+    ArgumentMismatchError naming the combine, well under a second, before it launches anything. Then rank 1 refuses
+    a combine (a row too few, then an FP16 x): it raises its own ValueError / TypeError at once, and every rank's
+    next call raises as above. After each, a correct dispatch and combine give every rank's rows in (source rank,
+    token) order and their sum (rings, landing-zone epochs and combine call numbers stayed in step)."""
     import time
 
     import deep_ep
     import deep_ep.testing
+    paths = tuple((payload or {}).get("paths", ("copy", "rings", "zone")))
     n, h, world = 32, 256, buffer.group_size
     num_experts, config = 2 * world, deep_ep.Config(4, 8, 256)
     x = _pattern_x(rank, n, h, 0).to(DEVICE)
@@ -982,6 +984,7 @@ def task_combine_disagree(buffer, rank: int, payload: dict) -> str:
 
     def dispatch():
         return buffer.dispatch(x, num_tokens_per_rank=layout.num_tokens_per_rank,
+                               num_tokens_per_rdma_rank=layout.num_tokens_per_rdma_rank,
                                is_token_in_rank=layout.is_token_in_rank,
                                num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=topk_idx,
                                topk_weights=weights, config=config)
@@ -1000,7 +1003,9 @@ def task_combine_disagree(buffer, rank: int, payload: dict) -> str:
 
     other = rank == 1
     seen = []
-    for path in ("copy", "rings", "zone"):
+    # Rank 1's own refusals: the exception type and the start of its message.
+    refusals = {"refusal": (ValueError, "x must have the"), "dtype": (TypeError, "x must have dtype")}
+    for path in paths:
         with deep_ep.testing.overrides(combine_send=path):
             d = correct(f"{path} start", path)
             y, handle, w = d.recv_x, d.handle, d.recv_topk_weights
@@ -1010,19 +1015,23 @@ def task_combine_disagree(buffer, rank: int, payload: dict) -> str:
                      ("bias", dict(bias=bias if other else None), path),
                      ("config", dict(config=deep_ep.Config(4, 6, 256) if other else config), path),
                      ("paths", dict(x=torch.cat([y, y], 1) if other else y), "rings" if other else path),
-                     ("refusal", dict(x=y[:-1] if other else y), path)]
+                     ("refusal", dict(x=y[:-1] if other else y), path),
+                     ("dtype", dict(x=y.to(torch.float16) if other else y), path)]
             for name, kwargs, own_path in steps:
+                if name == "paths" and len(paths) == 1:
+                    continue
                 call = {"x": y, "handle": handle, "config": config, **kwargs}
                 refused = False
                 start = time.monotonic()
                 try:
                     with deep_ep.testing.overrides(combine_send=own_path):
                         buffer.combine(**call)
-                except ValueError as exc:
-                    assert not isinstance(exc, deep_ep.ArgumentMismatchError) and str(exc).startswith("x must"), exc
+                except (TypeError, ValueError) as exc:
+                    kind, prefix = refusals.get(name, (None, None))
+                    assert type(exc) is kind and str(exc).startswith(prefix), f"{path} {name}: {exc!r}"
                     assert time.monotonic() - start < 1.0, f"{path} {name}: the refusal took too long"
                     refused = True
-                assert refused == (name == "refusal" and other), f"{path} {name}: the call itself raised: {refused}"
+                assert refused == (name in refusals and other), f"{path} {name}: the call itself raised: {refused}"
                 seen.append(_raises_mismatch_promptly(
                     functools.partial(buffer.combine, y, handle, config=config), "combine call signatures differ",
                     f"{path} {name}", world, rank,
