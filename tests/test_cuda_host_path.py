@@ -538,20 +538,22 @@ def test_ranks_agree_after_a_told_combine_disagreement_and_clean():
     assert outs[0]["end"] == outs[1]["end"], outs
 
 
-# Two ranks (argv: ROOT RANK PORT) whose fake combine kernels compare the hashes of the call signatures: a combine
-# whose hidden size, topk_weights (given or not) or bias count differs between the ranks, a combine that rank 1
-# refuses (a row too few) and one whose config rank 1 changes, each followed by the next call and a correct combine.
-# Prints, per step, the outcome and the kernels launched.
+# Ranks (argv: ROOT RANK PORT WORLD; DEEP_EP_GPUS_PER_NODE below WORLD: Buffers of the fused N x G backend) whose
+# fake combine kernels compare the hashes of the call signatures: a combine whose hidden size, topk_weights (given or
+# not) or bias count differs between the ranks, a combine that rank 1 refuses (a row too few, an x of another dtype)
+# and one whose config rank 1 changes, each followed by the next call and a correct combine. Prints, per step, the
+# outcome and the kernels launched.
 _COMBINE_AGREE_PROBE = _PRELUDE + r"""
 import reference
 from deep_ep.config import Topology
 
-rank, port = int(sys.argv[2]), sys.argv[3]
+rank, port, world = int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", port
-dist.init_process_group("gloo", rank=rank, world_size=2)
-group = dist.new_group([0, 1])
+dist.init_process_group("gloo", rank=rank, world_size=world)
+group = dist.new_group(list(range(world)))
+topo = Topology.from_env(world)
 x, _, topk_idx, topk_weights = fake.scenario(torch, deep_ep, 16, 256, 4, 8)
-real = reference.get_dispatch_layout(topk_idx, 8, Topology(2, 2))
+real = reference.get_dispatch_layout(topk_idx, 8, topo)
 out = {}
 
 def attempt(name, runtime, call):
@@ -564,16 +566,21 @@ def attempt(name, runtime, call):
 
 with fake.patched(torch, cuda_tensors=True):
     os.environ["DEEP_EP_BACKEND"] = "cuda"
-    buffer = deep_ep.Buffer(group, num_nvl_bytes=1 << 30)
+    sizes = dict(num_nvl_bytes=1 << 30) if not topo.is_internode else dict(num_nvl_bytes=1 << 20,
+                                                                            num_rdma_bytes=1 << 30)
+    buffer = deep_ep.Buffer(group, **sizes)
+    out["backend"] = type(buffer.runtime).__name__
     runtime = buffer.runtime.runtime
-    runtime.num_recv, runtime.per_expert = 16, [4] * 4
+    runtime.num_recv, runtime.per_expert, runtime.num_forward = 16, [4] * (8 // world), 8
     d = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=real.num_tokens_per_rank,
-                        is_token_in_rank=real.is_token_in_rank, num_tokens_per_expert=real.num_tokens_per_expert)
+                        num_tokens_per_rdma_rank=real.num_tokens_per_rdma_rank, is_token_in_rank=real.is_token_in_rank,
+                        num_tokens_per_expert=real.num_tokens_per_expert)
     y, handle = d.recv_x, d.handle
     wide, weights, bias = torch.cat([y, y], 1), torch.ones(16, 4), torch.zeros(16, 256, dtype=torch.bfloat16)
     other = rank == 1
     steps = {"hidden": dict(x=wide if other else y), "weights": dict(topk_weights=weights if other else None),
              "bias": dict(bias=bias if other else None), "refused": dict(x=y[:-1] if other else y),
+             "dtype": dict(x=y.to(torch.float16) if other else y),
              "config": dict(config=deep_ep.Config(4, 8, 256) if other else None)}
     attempt("agree", runtime, lambda: buffer.combine(y, handle))
     for name, kwargs in steps.items():
@@ -586,30 +593,41 @@ print(json.dumps(out))
 """
 
 
-def test_cuda_combine_disagreement_raises_at_next_call_on_every_rank():
-    port = str(29810 + os.getpid() % 80)
-    procs = [subprocess.Popen([sys.executable, "-c", _COMBINE_AGREE_PROBE, ROOT, str(rank), port], cwd=ROOT,
-                              env=probe_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
+@pytest.mark.parametrize("world, per_node, backend", [(2, 8, "CudaBackend"), (4, 2, "FusedInternodeCuda")],
+                         ids=["intranode", "fused"])
+def test_cuda_combine_disagreement_raises_at_next_call_on_every_rank(world, per_node, backend):
+    """Every rank launches the combine kernel, a rank that refuses the call with its refusal's hash; the next call
+    awaits the verdict and raises ArgumentMismatchError naming the combine and the first rank whose hash differs on
+    every rank before it launches anything (the fused backend names that rank's node too), and the call after it
+    runs. Intranode: two ranks; fused: 2 x 2."""
+    port = str((29810 if backend == "CudaBackend" else 29700) + os.getpid() % 80)
+    procs = [subprocess.Popen([sys.executable, "-c", _COMBINE_AGREE_PROBE, ROOT, str(rank), port, str(world)],
+                              cwd=ROOT, env=probe_env(DEEP_EP_GPUS_PER_NODE=str(per_node)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for rank in range(world)]
     outs = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
     for rank, out in enumerate(outs):
+        assert out["backend"] == backend, out["backend"]
         assert out["agree"] == ["ok", "", ["combine"]], out["agree"]
-        for name in ("hidden", "weights", "bias", "refused", "config"):
+        for name in ("hidden", "weights", "bias", "refused", "dtype", "config"):
             # The kernel compares the hashes (every rank launches it, a refusing rank with its refusal's hash);
-            # the next call awaits the verdict and raises on both ranks before it launches anything.
+            # the next call awaits the verdict and raises on every rank before it launches anything.
             kind, message, launches = out[name]
             assert launches == ["await", "combine"], (name, out[name])
-            refused = name in ("refused", "config") and rank == 1
-            assert kind == ("ValueError" if refused else "ok"), (name, out[name])
+            refused = name in ("refused", "dtype", "config") and rank == 1
+            assert (kind != "ok") == refused and kind != "ArgumentMismatchError", (name, out[name])
             if refused:
-                assert message.startswith("x must" if name == "refused" else "config.num_sms"), message
+                assert message.startswith("config.num_sms" if name == "config" else "x must"), message
             kind, message, launches = out[name + " next"]
             assert kind == "ArgumentMismatchError" and launches == ["await"], (name, out[name + " next"])
-            assert "combine call signatures differ" in message and f"peer {1 - rank}" in message, message
+            peer = 0 if rank == 1 else 1  # the first rank whose hash differs from this rank's
+            assert "combine call signatures differ" in message and f"peer {peer}" in message, message
+            if backend == "FusedInternodeCuda":
+                assert f"peer {peer} is node {peer // per_node}, local {peer % per_node}" in message, message
             assert out["after " + name] == ["ok", "", ["combine"]], (name, out["after " + name])
 
 
