@@ -740,6 +740,12 @@ Runtime::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales
     return {recv_x, recv_x_scales, recv_src_idx, recv_topk_idx, recv_topk_weights};
 }
 
+bool Runtime::is_capturing(cudaStream_t stream) const {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    DEEP_EP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    return capture != cudaStreamCaptureStatusNone;
+}
+
 std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     const at::Tensor& x, const std::optional<at::Tensor>& topk_weights, const std::optional<at::Tensor>& bias_0,
     const std::optional<at::Tensor>& bias_1, const at::Tensor& rank_prefix_matrix,
@@ -789,13 +795,10 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     DEEP_EP_CUDA_CHECK(cudaStreamIsCapturing(as_stream(stream), &capture));
     // A captured combine compares nothing: its replays would carry the call number and epoch of the capture.
-    const bool checked = signature_hash != 0 && capture == cudaStreamCaptureStatusNone;
-    args.call_number = checked ? combine_calls_ + 1u : 0u;
-    args.signature_hash = checked ? static_cast<uint32_t>(signature_hash) : 0u;
+    const bool checked = arm_combine_agreement(args, signature_hash, capture != cudaStreamCaptureStatusNone);
     // A mismatched ring kernel frees this rank's landing zones of the epoch every rank takes on after it. With a put
     // area no combine goes through landing zones (would_copy), so the copy epoch stays.
     args.mismatch_freed = checked && !put_area_ ? copy_epoch_ + 1u : 0u;
-    args.host_verdict = checked ? reinterpret_cast<int64_t*>(device_counters_ + kVerdictIntOffset) : nullptr;
     const uint32_t epoch_before = copy_epoch_;
     auto ctx = next_context();
     if (copy_ctas > 0 && channel_prefix_matrix.has_value() && capture == cudaStreamCaptureStatusNone &&

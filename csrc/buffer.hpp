@@ -238,14 +238,17 @@ class Runtime {
                    bool current_after);
 
     // Returns (combined_x [T, H] BF16, combined_topk_weights [T, K] float32 when topk_weights is given), T being
-    // send_rdma_head's rows; the handle tensors are the dispatch's.
+    // send_rdma_head's rows; the handle tensors are the dispatch's. signature_hash != 0 outside CUDA-graph capture:
+    // a checked combine, as combine()'s (FusedCombineArgs::signature_hash; put peers too); the next call awaits the
+    // verdict (await_agreement).
     std::pair<at::Tensor, std::optional<at::Tensor>> fused_combine(
         const at::Tensor& x, const std::optional<at::Tensor>& topk_weights, const std::optional<at::Tensor>& bias_0,
         const std::optional<at::Tensor>& bias_1, int gpus_per_node, const at::Tensor& recv_rdma_channel_prefix_matrix,
         const at::Tensor& recv_rdma_rank_prefix_sum, const at::Tensor& recv_gbl_channel_prefix_matrix,
         const at::Tensor& recv_gbl_rank_prefix_sum, const at::Tensor& send_rdma_head, const at::Tensor& send_nvl_head,
         int num_channels, int num_max_rdma_send_tokens, int num_max_rdma_recv_tokens, int num_max_nvl_send_tokens,
-        int num_max_nvl_recv_tokens, uintptr_t stream, bool after_current, bool current_after);
+        int num_max_nvl_recv_tokens, uintptr_t stream, bool after_current, bool current_after,
+        int64_t signature_hash = 0);
 
     // Bounded cross-rank barrier kernel on `stream`.
     void barrier(uintptr_t stream);
@@ -305,6 +308,19 @@ class Runtime {
             std::atomic_thread_fence(std::memory_order_seq_cst);
             args.host_counters = device_counters_;
         }
+    }
+    bool is_capturing(cudaStream_t stream) const;  // whether `stream` is capturing a CUDA graph
+    // The agreement fields (call_number, signature_hash, host_verdict) of a combine's CombineArgs or
+    // FusedCombineArgs. Checked (returns true) when signature_hash != 0 and the stream is not capturing: a captured
+    // combine compares nothing, its replays would carry the capture's call number. Once the checked kernel is
+    // launched, the caller counts it (combine_calls_ = call_number) and leaves its verdict pending.
+    template <typename Args>
+    bool arm_combine_agreement(Args& args, int64_t signature_hash, bool capturing) {
+        const bool checked = signature_hash != 0 && !capturing;
+        args.call_number = checked ? combine_calls_ + 1u : 0u;
+        args.signature_hash = checked ? static_cast<uint32_t>(signature_hash) : 0u;
+        args.host_verdict = checked ? reinterpret_cast<int64_t*>(device_counters_ + kVerdictIntOffset) : nullptr;
+        return checked;
     }
     cudaEvent_t order_event_ = nullptr;             // reused by order(): a wait snapshots the event's last record
     cudaStream_t copy_stream_ = nullptr;            // copy-engine combine: copies and their flags

@@ -236,7 +236,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::fused_combine(
     const at::Tensor& recv_rdma_rank_prefix_sum, const at::Tensor& recv_gbl_channel_prefix_matrix,
     const at::Tensor& recv_gbl_rank_prefix_sum, const at::Tensor& send_rdma_head, const at::Tensor& send_nvl_head,
     int num_channels, int num_max_rdma_send_tokens, int num_max_rdma_recv_tokens, int num_max_nvl_send_tokens,
-    int num_max_nvl_recv_tokens, uintptr_t stream, bool after_current, bool current_after) {
+    int num_max_nvl_recv_tokens, uintptr_t stream, bool after_current, bool current_after, int64_t signature_hash) {
     require_available("combine");
     set_fused(gpus_per_node);
     const int num_nodes = num_ranks_ / gpus_per_node;
@@ -292,8 +292,13 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::fused_combine(
     args.num_max_rdma_send_tokens = num_max_rdma_send_tokens;
     args.num_max_nvl_send_tokens = num_max_nvl_send_tokens;
     if (after_current) order(as_stream_handle(stream), current_stream());
+    const bool checked = arm_combine_agreement(args, signature_hash, is_capturing(as_stream_handle(stream)));
     auto ctx = next_context();
     throw_if_failed(kernels::fused_combine(ctx, geometry, args, as_stream_handle(stream)));
+    if (checked) {
+        combine_calls_ = args.call_number;
+        pending_verdict_ = ctx.call_seq;
+    }
     if (current_after) order(current_stream(), as_stream_handle(stream));
     return {combined_x, combined_topk_weights};
 }

@@ -287,6 +287,44 @@ def make_fake_extension(torch) -> types.ModuleType:
             weights = None if topk_weights is None else torch.empty(send_head.size(0), topk_weights.size(1))
             return torch.empty(send_head.size(0), x.size(1), dtype=x.dtype), weights
 
+        # The fused internode kernels (csrc/fused_internode.cpp): the notify exchanges the signatures as the ring
+        # notify does (it never runs in worst-token mode), the dispatch allocates its outputs, the combine compares
+        # the hashes in its agreement words. ``num_forward``: the rows the fake notify reports as forwarded.
+        num_forward = 0
+
+        def fused_notify(self, *args):
+            words, check = args[-2], args[-1]
+            self.launches.append("notify")
+            self._exchange(words, check, args[8])
+
+        def fused_refuse_notify(self, words, gpus_per_node, stream):
+            self.launches.append("refuse")
+            self._exchange(words, False, True)
+
+        def forward_count(self):
+            return self.num_forward
+
+        def fused_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, is_token_in_rank, gpus_per_node,
+                           *rest):
+            self.launches.append("dispatch")
+            rows = rest[7]
+            scales = None if x_scales is None else torch.empty(rows, x_scales.size(1), dtype=x_scales.dtype)
+            recv_topk_idx = recv_topk_weights = None
+            if topk_idx is not None:
+                recv_topk_idx = torch.empty(rows, topk_idx.size(1), dtype=topk_idx.dtype)
+                recv_topk_weights = torch.empty(rows, topk_idx.size(1))
+            return torch.empty(rows, x.size(1), dtype=x.dtype), scales, recv_topk_idx, recv_topk_weights
+
+        def fused_combine(self, x, topk_weights, bias_0, bias_1, gpus_per_node, recv_rdma_cpm, recv_rdma_rps,
+                          recv_gbl_cpm, recv_gbl_rps, send_rdma_head, *rest):
+            self.launches.append("combine")
+            signature_hash = rest[-1]
+            if signature_hash:  # every rank's kernel compares the hashes in the agreement words
+                self._compare_hashes(signature_hash, "combine")
+            rows = send_rdma_head.size(0)
+            weights = None if topk_weights is None else torch.empty(rows, topk_weights.size(1))
+            return torch.empty(rows, x.size(1), dtype=x.dtype), weights
+
     world = {}  # "pe": (rank, num_ranks) once a runtime joined, as the real once-per-process bootstrap keeps it
 
     class LowLatencyRuntime(_ErrorRecord):

@@ -538,22 +538,23 @@ def test_ranks_agree_after_a_told_combine_disagreement_and_clean():
     assert outs[0]["end"] == outs[1]["end"], outs
 
 
-# Two ranks (argv: ROOT RANK PORT MODE) whose fake combine kernels compare the hashes of the call signatures: a
+# Ranks (argv: ROOT RANK PORT MODE WORLD) whose fake combine kernels compare the hashes of the call signatures: a
 # combine whose hidden size, topk_weights (given or not) or bias count differs between the ranks, combines that rank
 # 1 refuses (a row too few, an FP16 x) and one whose config rank 1 changes, each followed by the next call and a
-# correct combine. MODE: "intranode" (CudaBackend), "internode" (InternodeCuda, one GPU per node, pointer peers) or
-# "put" (InternodeCuda with internode_put_only: the peer is a put peer). Prints the backend and its put peers, and
-# per step the outcome and the kernels launched.
+# correct combine. MODE: "intranode" (CudaBackend), "internode" (InternodeCuda, one GPU per node, pointer peers),
+# "put" (InternodeCuda with internode_put_only: the peer is a put peer) or "fused" (FusedInternodeCuda, 2 x 2).
+# Prints the backend and its put peers, and per step the outcome and the kernels launched.
 _COMBINE_AGREE_PROBE = _PRELUDE + r"""
 import reference
 from deep_ep.config import Topology
 
-rank, port, mode = int(sys.argv[2]), sys.argv[3], sys.argv[4]
+rank, port, mode, world = int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", port
-dist.init_process_group("gloo", rank=rank, world_size=2)
-group = dist.new_group([0, 1])
+dist.init_process_group("gloo", rank=rank, world_size=world)
+group = dist.new_group(list(range(world)))
+topo = Topology.from_env(world)
 x, _, topk_idx, topk_weights = fake.scenario(torch, deep_ep, 16, 256, 4, 8)
-real = reference.get_dispatch_layout(topk_idx, 8, Topology(2, 2 if mode == "intranode" else 1))
+real = reference.get_dispatch_layout(topk_idx, 8, topo)
 out = {}
 
 def attempt(name, runtime, call):
@@ -566,14 +567,13 @@ def attempt(name, runtime, call):
 
 with fake.patched(torch, cuda_tensors=True):
     os.environ["DEEP_EP_BACKEND"] = "cuda"
-    if mode == "intranode":
-        buffer = deep_ep.Buffer(group, num_nvl_bytes=1 << 30)
-    else:
-        with deep_ep.testing.overrides(internode_put_only=mode == "put"):
-            buffer = deep_ep.Buffer(group, num_rdma_bytes=1 << 30)
+    sizes = dict(num_nvl_bytes=1 << 30) if not topo.is_internode else dict(num_nvl_bytes=1 << 20,
+                                                                            num_rdma_bytes=1 << 30)
+    with deep_ep.testing.overrides(internode_put_only=mode == "put"):
+        buffer = deep_ep.Buffer(group, **sizes)
     out["backend"] = [type(buffer.runtime).__name__, list(buffer.runtime.put_peers)]
     runtime = buffer.runtime.runtime
-    runtime.num_recv, runtime.per_expert = 16, [4] * 4
+    runtime.num_recv, runtime.per_expert, runtime.num_forward = 16, [4] * (8 // world), 8
     d = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=real.num_tokens_per_rank,
                         num_tokens_per_rdma_rank=real.num_tokens_per_rdma_rank, is_token_in_rank=real.is_token_in_rank,
                         num_tokens_per_expert=real.num_tokens_per_expert)
@@ -595,13 +595,19 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("mode", ["intranode", "internode", "put"])
-def test_cuda_combine_disagreement_raises_at_next_call_on_every_rank(mode):
-    port = str(29810 + os.getpid() % 80 + 100 * ["intranode", "internode", "put"].index(mode))
-    env = probe_env() if mode == "intranode" else probe_env(DEEP_EP_GPUS_PER_NODE="1")
-    procs = [subprocess.Popen([sys.executable, "-c", _COMBINE_AGREE_PROBE, ROOT, str(rank), port, mode], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
+@pytest.mark.parametrize(("mode", "world", "per_node", "backend"), [
+    ("intranode", 2, 8, "CudaBackend"), ("internode", 2, 1, "InternodeCuda"), ("put", 2, 1, "InternodeCuda"),
+    ("fused", 4, 2, "FusedInternodeCuda")])
+def test_cuda_combine_disagreement_raises_at_next_call_on_every_rank(mode, world, per_node, backend):
+    """Every rank launches the combine kernel, a rank that refuses the call with its refusal's hash; the next call
+    awaits the verdict and raises ArgumentMismatchError naming the combine and the first rank whose hash differs on
+    every rank before it launches anything (the fused backend names that rank's node too), and the call after it
+    runs. Intranode and one GPU per node (pointer or put peer): two ranks; fused: 2 x 2."""
+    port = str(29810 + os.getpid() % 80 + 100 * ["intranode", "internode", "put", "fused"].index(mode))
+    procs = [subprocess.Popen([sys.executable, "-c", _COMBINE_AGREE_PROBE, ROOT, str(rank), port, mode, str(world)],
+                              cwd=ROOT, env=probe_env(DEEP_EP_GPUS_PER_NODE=str(per_node)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for rank in range(world)]
     outs = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=300)
@@ -611,12 +617,11 @@ def test_cuda_combine_disagreement_raises_at_next_call_on_every_rank(mode):
     refusals = {"refused": ("ValueError", "x must have the"), "dtype": ("TypeError", "x must have dtype"),
                 "config": ("ValueError", "config.num_sms")}
     for rank, out in enumerate(outs):
-        backend = "CudaBackend" if mode == "intranode" else "InternodeCuda"
         assert out["backend"] == [backend, [1 - rank] if mode == "put" else []], out["backend"]
         assert out["agree"] == ["ok", "", ["combine"]], out["agree"]
         for name in ("hidden", "weights", "bias", "refused", "dtype", "config"):
             # The kernel compares the hashes (every rank launches it, a refusing rank with its refusal's hash);
-            # the next call awaits the verdict and raises on both ranks before it launches anything.
+            # the next call awaits the verdict and raises on every rank before it launches anything.
             kind, message, launches = out[name]
             assert launches == ["await", "combine"], (name, out[name])
             refused = name in refusals and rank == 1
@@ -625,7 +630,10 @@ def test_cuda_combine_disagreement_raises_at_next_call_on_every_rank(mode):
                 assert message.startswith(refusals[name][1]), message
             kind, message, launches = out[name + " next"]
             assert kind == "ArgumentMismatchError" and launches == ["await"], (name, out[name + " next"])
-            assert "combine call signatures differ" in message and f"peer {1 - rank}" in message, message
+            peer = 0 if rank == 1 else 1  # the first rank whose hash differs from this rank's
+            assert "combine call signatures differ" in message and f"peer {peer}" in message, message
+            if backend == "FusedInternodeCuda":
+                assert f"peer {peer} is node {peer // per_node}, local {peer % per_node}" in message, message
             assert out["after " + name] == ["ok", "", ["combine"]], (name, out["after " + name])
 
 

@@ -76,8 +76,13 @@ constexpr int64_t kFusedRailHeadSignalOffset = kFusedRailTailSignalOffset + kFus
 constexpr int64_t kFusedCombineRailTailSignalOffset = kFusedRailHeadSignalOffset + kFusedSignalBytes;
 constexpr int64_t kFusedCombineRailHeadSignalOffset = kFusedCombineRailTailSignalOffset + kFusedSignalBytes;
 static_assert(kFusedNotifyFlagSignalOffset % 8 == 0, "64-bit signals");
+// Combine agreement words uint64 [2 parities][kFusedMaxRanks sources], index parity * kFusedMaxRanks + source:
+// `call << 32 | hash` that the source writes at the start of each checked combine (its combine call number, parity =
+// call number % 2, and the hash of its call signature), by a release store for a pointer peer and an NVSHMEM signal
+// for a put peer (the same symmetric offset on every rank).
+constexpr int64_t kFusedCombineAgreementOffset = kFusedCombineRailHeadSignalOffset + kFusedSignalBytes;
 constexpr int64_t kFusedRingsOffset =
-    (kFusedCombineRailHeadSignalOffset + kFusedSignalBytes + kBufferAlignment - 1) / kBufferAlignment *
+    (kFusedCombineAgreementOffset + 8LL * 2 * kFusedMaxRanks + kBufferAlignment - 1) / kBufferAlignment *
     kBufferAlignment;
 // Per put peer d (any rank of another node, d < kFusedMaxRanks), notify stages slot [parity][d] of the notify data
 // and, for a rail peer, row [parity][d] of the node counts at the staging twins of those offsets (the put area's
@@ -280,6 +285,14 @@ struct FusedCombineArgs {
     float* combined_topk_weights;         // [T, K] or nullptr
     int num_max_rdma_send_tokens;
     int num_max_nvl_send_tokens;
+    // Checked combines (as CombineArgs, api.cuh): the runtime's checked combines so far, this one included
+    // (refusals count too); != 0: the hash of this rank's call signature, which every CTA compares with every
+    // rank's of this call (kFusedCombineAgreementOffset) before any row moves: on a difference no rank moves a row
+    // or advances a ring, and the error record gets kErrorArgumentMismatch (no abort). 0: unchecked (CUDA-graph
+    // capture). host_verdict: host-mapped, or nullptr: the last CTA to compare writes the call's call_seq there.
+    uint32_t call_number;
+    uint32_t signature_hash;
+    int64_t* host_verdict;
 };
 
 // 2 * C CTAs: even CTAs forward (reduce inside the node) and own (final reduction) channel c, odd CTAs send the

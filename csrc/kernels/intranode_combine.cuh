@@ -92,16 +92,7 @@ static __device__ __noinline__ int warp_combine_agreement(const KernelContext& c
             fill_error_record(ctx.error, workspace_u32(ctx, kWsErrorClaimOffset), kErrorArgumentMismatch,
                               kKernelCombine, kPhaseCombineAgreement, ctx.rank, first, static_cast<int>(blockIdx.x),
                               ctx.call_seq, args.signature_hash, first_hash, 0);
-        if (args.host_verdict != nullptr) {
-            __threadfence();
-            const uint32_t arrived = atomicAdd(workspace_u32(ctx, kWsAgreementArrivalsOffset), 1u) + 1u;
-            if (arrived == gridDim.x) {
-                *workspace_u32(ctx, kWsAgreementArrivalsOffset) = 0u;
-                fence_acq_rel_sys();
-                *reinterpret_cast<volatile int64_t*>(args.host_verdict) = ctx.call_seq;
-                __threadfence_system();
-            }
-        }
+        publish_agreement_verdict(ctx, args.host_verdict, gridDim.x);
     }
     return !all_ok ? kCombineAgreementFailed : (differ != 0u ? kCombineAgreementDiffers : kCombineAgreementHolds);
 }

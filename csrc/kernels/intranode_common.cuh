@@ -47,6 +47,22 @@ __device__ __forceinline__ uint32_t* workspace_u32(const KernelContext& ctx, int
 
 __device__ __forceinline__ int counter_index(int channel, int peer) { return channel * kMaxRanks + peer; }
 
+// One thread per CTA of a kernel whose CTAs each compare the ranks' signature hashes (cached dispatch, checked
+// combine), once its CTA has compared them: the last of the `num_ctas` CTAs writes the call's call_seq to the
+// host-mapped `host_verdict` (nullptr: nothing), which the host's bounded wait reads (Runtime::await_agreement).
+__device__ __forceinline__ void publish_agreement_verdict(const KernelContext& ctx, int64_t* host_verdict,
+                                                          uint32_t num_ctas) {
+    if (host_verdict == nullptr) return;
+    __threadfence();
+    const uint32_t arrived = atomicAdd(workspace_u32(ctx, kWsAgreementArrivalsOffset), 1u) + 1u;
+    if (arrived == num_ctas) {
+        *workspace_u32(ctx, kWsAgreementArrivalsOffset) = 0u;
+        fence_acq_rel_sys();
+        *reinterpret_cast<volatile int64_t*>(host_verdict) = ctx.call_seq;
+        __threadfence_system();
+    }
+}
+
 __device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int channel, int* begin, int* end) {
     const int per_channel = (num_tokens + num_channels - 1) / num_channels;
     const int64_t b = static_cast<int64_t>(per_channel) * channel;

@@ -242,18 +242,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                                  call_epoch, call_epoch + 1u, 0);
                     cta_failed = 1;
                 }
-                if (lane == 0) {
-                    if (args.host_verdict != nullptr) {
-                        __threadfence();
-                        const uint32_t arrived = atomicAdd(workspace_u32(ctx, kWsAgreementArrivalsOffset), 1u) + 1u;
-                        if (arrived == static_cast<uint32_t>(num_channels)) {
-                            *workspace_u32(ctx, kWsAgreementArrivalsOffset) = 0u;
-                            fence_acq_rel_sys();
-                            *reinterpret_cast<volatile int64_t*>(args.host_verdict) = ctx.call_seq;
-                            __threadfence_system();
-                        }
-                    }
-                }
+                if (lane == 0) publish_agreement_verdict(ctx, args.host_verdict, static_cast<uint32_t>(num_channels));
             }
         }
         named_barrier(kBarrierAllSenders, num_send_warps * 32);

@@ -144,7 +144,7 @@ class CudaBackend(Backend):
         """Raise the pending device error, if any (reads host-mapped memory; never synchronises). A worst-token
         notify that saw the ranks' signatures differ raises :class:`ArgumentMismatchError` once and leaves the
         backend usable."""
-        record = self.runtime.read_error()
+        record = self._error_record()
         if record is not None and record["code"] == "argument_mismatch":
             self.runtime.clear_argument_error(self._comm_ptr)
             if record["phase"] == "dispatch agreement":
@@ -166,6 +166,17 @@ class CudaBackend(Backend):
                                                    f"({record['message']}); no rank moved data", self.rank_names,
                                                    self.rank_scope))
         raise_from_record(record, self.rank_names, self.rank_scope)
+
+    def _error_record(self) -> Optional[dict]:
+        """The runtime's pending error record, or ``None`` (a subclass may name more in its message)."""
+        return self.runtime.read_error()
+
+    def _combine_hash(self, signature: Optional[Signature]) -> int:
+        """The hash a combine's kernel compares with every peer's (never 0, which is "unchecked"), or 0: no
+        signature, or the stream is capturing a CUDA graph (its replays would carry the capture's call number)."""
+        if signature is None or torch.cuda.is_current_stream_capturing():
+            return 0
+        return signature_hash(signature) or 1
 
     # The signature of the last worst-token dispatch (its notify reports a disagreement through the error record),
     # and an event after that notify, which the next call waits for (None once waited for, or under graph capture).
@@ -479,11 +490,9 @@ class CudaBackend(Backend):
             send_warps = tuning.zone_send_warps() if landed and path == "zone" else \
                 tuning.intranode_send_warps("combine", self.num_ranks, copy_ctas if landed else num_channels,
                                             puts=bool(self.put_peers))
-            # The ranks' agreement rides in the words the kernel exchanges at its start (never 0: 0 is
-            # "unchecked"); the next call raises a disagreement.
-            signature = request.signature
-            hashed = (signature_hash(signature) or 1) if signature is not None and \
-                not torch.cuda.is_current_stream_capturing() else 0
+            # The ranks' agreement rides in the words the kernel exchanges at its start (put peers included); the
+            # next call raises a disagreement.
+            hashed = self._combine_hash(request.signature)
             combined_x, combined_topk_weights = self.runtime.combine(
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,

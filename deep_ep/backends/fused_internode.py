@@ -7,9 +7,11 @@ that GPU (one BF16 rounding) and sends one partial per (token, node) back to the
 the partials in ascending node order. The ranks' buffers are one NVSHMEM symmetric allocation of ``num_rdma_bytes``
 (a node's peers reached by pointer, another node's by pointer or, behind a NIC, by NVSHMEM puts). Notify builds
 the internode handle's prefix matrices on the device; the dispatch kernel writes ``send_rdma_head``,
-``send_nvl_head`` and ``recv_src_meta``. ``Buffer`` selects it for these groups where it serves them
-(deep_ep/backends/selection.py), the two-stage composition (deep_ep/backends/composed.py) beyond;
-``deep_ep.testing.overrides(internode='composed')`` selects the composition instead.
+``send_nvl_head`` and ``recv_src_meta``. A combine's kernel first exchanges the hash of its call signature with
+every rank and moves no row when they differ (raised at the next call, as on the intranode kernels). ``Buffer``
+selects it for these groups where it serves them (deep_ep/backends/selection.py), the two-stage composition
+(deep_ep/backends/composed.py) beyond; ``deep_ep.testing.overrides(internode='composed')`` selects the composition
+instead.
 """
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from deep_ep import layout as lay
+from deep_ep.backends.agreement import Signature
 from deep_ep.backends.base import CombineRequest, DispatchRequest, LayoutRequest
 from deep_ep.backends.common import object_all_gather
-from deep_ep.backends.cuda_common import _C, raise_from_record
+from deep_ep.backends.cuda_common import _C
 from deep_ep.backends.cuda_internode import SymmetricCuda, UnsupportedTopology
 from deep_ep.config import NUM_MAX_FUSED_RANKS, NUM_MAX_SCALEUP_RANKS, Config, Topology
 from deep_ep.errors import CommTimeoutError, name_ranks
@@ -48,7 +51,9 @@ class FusedInternodeCuda(SymmetricCuda):
     # The agreement rides in the fused notify (non-cached dispatch); a cached dispatch and a combine exchange no
     # per-call words.
     handle_agreement = False
-    combine_agreement = False
+    # A combine's kernel compares the hashes of the ranks' call signatures, put peers included
+    # (Backend.combine_agreement).
+    combine_agreement = True
 
     def __init__(self, rank: int, topology: Topology, num_rdma_bytes: int, num_qps_per_rank: int, allow_mnnvl: bool,
                  all_gather: Callable[[object], list], barrier: Optional[Callable[[], None]] = None) -> None:
@@ -109,14 +114,39 @@ class FusedInternodeCuda(SymmetricCuda):
         if self.runtime is not None:
             self.runtime.fused_refuse_notify(signature.values(), self.per_node, self._comm_ptr)
 
-    def check_errors(self) -> None:
-        """Raise the pending device error, if any; the message names the peer's node and local index too."""
+    def refuse_combine(self, signature: Signature, handle: object) -> None:
+        """As :meth:`CudaBackend.refuse_combine`, with the fused combine kernel of the handle's channels (a stand-in
+        ``x`` of 8 columns, the smallest rings)."""
+        hashed = self._combine_hash(signature)
+        if self.runtime is None or not isinstance(handle, InternodeHandle) or hashed == 0:
+            return  # under CUDA-graph capture no combine compares hashes
+        self._call_prologue()
+        rows, device = handle.recv_src_meta.size(0), handle.send_rdma_head.device
+        self._launch_combine(torch.empty(rows, 8, dtype=torch.bfloat16, device=device), None, None, None, handle,
+                             handle.rdma_channel_prefix_matrix.size(1), (1, 2, 1, 2), True, True, hashed)
+
+    def _launch_combine(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], bias_0: Optional[torch.Tensor],
+                        bias_1: Optional[torch.Tensor], handle: InternodeHandle, num_channels: int,
+                        chunks: tuple[int, int, int, int], after_current: bool, current_after: bool,
+                        hashed: int) -> tuple:
+        """The fused combine kernel over ``handle`` with ring chunks ``(rdma send, rail slots, nvl send, node
+        slots)`` and the hash its kernel compares (0: unchecked); a checked call's verdict awaits the next call."""
+        out = self.runtime.fused_combine(
+            x, topk_weights, bias_0, bias_1, self.per_node, handle.recv_rdma_channel_prefix_matrix,
+            handle.recv_rdma_rank_prefix_sum, handle.recv_gbl_channel_prefix_matrix, handle.recv_gbl_rank_prefix_sum,
+            handle.send_rdma_head, handle.send_nvl_head, num_channels, *chunks, self._comm_ptr, after_current,
+            current_after, hashed)
+        self._verdict_pending = hashed != 0
+        return out
+
+    def _error_record(self) -> Optional[dict]:
+        """The pending device error, if any; the message names the peer's node and local index too."""
         record = self.runtime.read_error()
         if record is not None and record.get("peer", -1) >= 0:
             peer = record["peer"]
             record = {**record, "message": f"{record['message']} [peer {peer} is node {peer // self.per_node}, "
                                            f"local {peer % self.per_node}]"}
-        raise_from_record(record, self.rank_names, self.rank_scope)
+        return record
 
     def num_channels(self, config: Config) -> int:
         """One channel per two SMs (a sending-and-forwarding CTA and a receiving CTA), as DeepEP's internode."""
@@ -268,13 +298,13 @@ class FusedInternodeCuda(SymmetricCuda):
         topk_weights = request.topk_weights.contiguous() if request.topk_weights is not None else None
         bias_0, bias_1 = (*(b.contiguous() for b in request.bias), None, None)[:2]
         with self._scope(request) as scope:
-            combined_x, combined_topk_weights = self.runtime.fused_combine(
-                x, topk_weights, bias_0, bias_1, self.per_node, handle.recv_rdma_channel_prefix_matrix,
-                handle.recv_rdma_rank_prefix_sum, handle.recv_gbl_channel_prefix_matrix,
-                handle.recv_gbl_rank_prefix_sum, handle.send_rdma_head, handle.send_nvl_head, num_channels,
-                config.num_max_rdma_chunked_send_tokens, _rdma_capacity(config),
-                config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens, self._comm_ptr,
-                scope.after_current, scope.current_after)
+            # The ranks' agreement rides in the words the kernel exchanges at its start; the next call raises a
+            # disagreement.
+            combined_x, combined_topk_weights = self._launch_combine(
+                x, topk_weights, bias_0, bias_1, handle, num_channels,
+                (config.num_max_rdma_chunked_send_tokens, _rdma_capacity(config),
+                 config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens),
+                scope.after_current, scope.current_after, self._combine_hash(request.signature))
             event = scope.finish((request.x, x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights,
                                   *handle))
         return CombineResult(combined_x, combined_topk_weights, event)

@@ -15,6 +15,8 @@ One GPU, the ranks time-sliced on it (correctness only)::
     TEST_RANKS_PER_GPU=32 python -m pytest tests/gpu/test_fused_internode.py -k "put_rail_peers and 16x2"
 
 ``TEST_EXAMPLES_FUSED``: hypothesis examples per shape (4). A stalled rank: every survivor raises within the budget.
+Ranks that disagree on a combine (pointer and put rail peers): every rank raises at its next call, well under a
+second, and the calls after it work.
 Under ``internode_put_only`` (2 x 2, 2 x 4, 16 x 2 and 8 x 8, small and wide cases, and the stalled rank) every
 rank of another node is an NVSHMEM put peer: the rail hops and notify go through staged puts and signals, the NVLink
 hops stay pointer.
@@ -271,6 +273,87 @@ def test_put_rail_peers_at_the_benchmark_geometry():
                 num_ranks=4, seed=31, num_tokens=(128,) * 4, hidden=BENCH_HIDDEN, num_topk=8, num_experts=256,
                 use_fp8=use_fp8, with_topk=True, num_sms=BENCH_SMS, expert_alignment=1, mask_prob=0.0,
                 empty_rank=-1, async_mode=use_fp8, previous_mode=False, num_bias=1, scales_col_major=use_fp8))
+    finally:
+        pool.close()
+
+
+def task_combine_disagree(buffer, rank: int, payload) -> str:
+    """Rank 1 passes a fused combine a different hidden size, topk_weights where the others pass none, a bias where
+    they pass none, or a different config chunking: the kernels move no row on any rank, and every rank's next call
+    raises ArgumentMismatchError naming the combine and the first rank whose hash differs from its own (rank 1, or
+    rank 0 on rank 1) with its node and local index, well under a second, before it launches anything. Then rank 1
+    refuses a combine (an x of another dtype, a row too few): it raises its own error at once, and every rank's next
+    call raises as above. After each, a correct dispatch and combine give every rank's rows in (source rank, token)
+    order and their sum (ring positions and combine call numbers stayed in step on every rank)."""
+    import functools
+    import time
+
+    import deep_ep
+    n, h, world = 32, 256, buffer.group_size
+    per_node = buffer.topology.num_scaleup_ranks
+    num_experts, config = 2 * world, deep_ep.Config(4, 8, 256)
+    x = ti._pattern_x(rank, n, h, 0).to(ti.DEVICE)
+    # Every token selects expert 2r on every rank r: all rows reach every rank.
+    topk_idx = (torch.arange(world, device=ti.DEVICE) * 2).repeat(n, 1).to(deep_ep.topk_idx_t)
+    weights = torch.ones(n, world, dtype=torch.float32, device=ti.DEVICE)
+    layout = buffer.get_dispatch_layout(topk_idx, num_experts)
+    want = torch.cat([ti._pattern_x(r, n, h, 0) for r in range(world)]).to(ti.DEVICE)
+
+    def correct(label: str):
+        d = buffer.dispatch(x, num_tokens_per_rank=layout.num_tokens_per_rank,
+                            num_tokens_per_rdma_rank=layout.num_tokens_per_rdma_rank,
+                            is_token_in_rank=layout.is_token_in_rank,
+                            num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=topk_idx,
+                            topk_weights=weights, config=config)
+        assert torch.equal(d.recv_x, want), f"after {label}: recv_x differs from every rank's rows in rank order"
+        c = buffer.combine(d.recv_x, d.handle, topk_weights=d.recv_topk_weights, config=config)
+        torch.cuda.synchronize()
+        assert torch.equal(c.combined_x.float(), x.float() * world), f"after {label}: combine differs"
+        # Rank d's received weights are 1 in column d (its expert) and 0 elsewhere: their sum is every weight.
+        assert torch.equal(c.combined_topk_weights, weights), f"after {label}: combined weights differ"
+        return d
+
+    other = rank == 1
+    peer = 0 if other else 1  # the first rank whose hash differs from this rank's
+    d = correct("start")
+    y, handle, w = d.recv_x, d.handle, d.recv_topk_weights
+    bias = torch.ones(n, h, dtype=torch.bfloat16, device=ti.DEVICE)
+    steps = [("hidden", dict(x=torch.cat([y, y], 1) if other else y)),
+             ("topk_weights", dict(topk_weights=w if other else None)),
+             ("bias", dict(bias=bias if other else None)),
+             ("config", dict(config=deep_ep.Config(4, 6, 256) if other else config)),
+             ("dtype", dict(x=y.to(torch.float16) if other else y)),
+             ("refusal", dict(x=y[:-1] if other else y))]
+    seen = []
+    for name, kwargs in steps:
+        refused = False
+        start = time.monotonic()
+        try:
+            buffer.combine(**{"x": y, "handle": handle, "config": config, **kwargs})
+        except (TypeError, ValueError) as exc:
+            assert not isinstance(exc, deep_ep.ArgumentMismatchError) and str(exc).startswith("x must"), exc
+            assert time.monotonic() - start < 1.0, f"{name}: the refusal took too long"
+            refused = True
+        assert refused == (name in ("dtype", "refusal") and other), f"{name}: the call itself raised: {refused}"
+        where = f"peer {peer} is node {peer // per_node}, local {peer % per_node}"
+        seen.append(ti._raises_mismatch_promptly(
+            functools.partial(buffer.combine, y, handle, config=config), ("combine call signatures differ", where),
+            name, world, rank,
+            f"a fused combine whose {name} differs between the ranks did not raise"))
+        correct(name)
+    return "; ".join(seen)
+
+
+@pytest.mark.multi_gpu(4)
+@pytest.mark.parametrize("put_only", [False, True], ids=["pointer", "put"])
+def test_combine_disagreement_raises_at_next_call(put_only):
+    """2 x 2, the rail peers reached by pointer or (``internode_put_only``) by NVSHMEM signals: see
+    task_combine_disagree."""
+    if ti.DEVICE != "cuda":
+        pytest.skip("the CUDA kernels' agreement (the torch backend raises in the call itself)")
+    pool = _make_pool(2, 2, PUT_RDMA_BYTES if put_only else NUM_RDMA_BYTES, put_only=put_only)
+    try:
+        print(pool.run("test_fused_internode:task_combine_disagree", None))
     finally:
         pool.close()
 

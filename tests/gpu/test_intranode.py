@@ -890,9 +890,9 @@ def task_disagree(buffer, rank: int, payload: dict) -> str:
     return "; ".join(seen)
 
 
-def _raises_mismatch_promptly(call, needle: str, label: str, world: int, rank: int, not_raised: str) -> str:
-    """``call()`` (the call after one the ranks disagreed on) raises ArgumentMismatchError mentioning ``needle`` (and,
-    with two ranks, the peer) within a second; returns "``label``: N ms"."""
+def _raises_mismatch_promptly(call, needle, label: str, world: int, rank: int, not_raised: str) -> str:
+    """``call()`` (the call after one the ranks disagreed on) raises ArgumentMismatchError mentioning ``needle`` (a
+    string, or each string of a tuple) and, with two ranks, the peer, within a second; returns "``label``: N ms"."""
     import time
 
     import deep_ep
@@ -901,7 +901,7 @@ def _raises_mismatch_promptly(call, needle: str, label: str, world: int, rank: i
         call()
     except deep_ep.ArgumentMismatchError as exc:
         elapsed = time.monotonic() - start
-        assert needle in str(exc), f"{label}: {exc}"
+        assert all(n in str(exc) for n in ((needle,) if isinstance(needle, str) else needle)), f"{label}: {exc}"
         assert world != 2 or f"peer {1 - rank}" in str(exc), f"{label}: {exc}"
         assert elapsed < 1.0, f"{label}: raised after {elapsed:.3f} s"
         return f"{label}: {elapsed * 1e3:.0f} ms"
