@@ -2,9 +2,9 @@
 
 A low-latency dispatch ends by moving each received message's payload into its packed row, a combine by storing
 the reduced rows into the output. On CUDA tensors both run as one kernel each, compiled at first use with NVRTC
-(``torch.cuda._compile_kernel``): ``deep_ep::low_latency_dispatch_unpack`` and ``deep_ep::low_latency_combine_store``.
-The names carry DeepEP's kernel names (``dispatch``, ``combine``), so a profile of CUDA activity alone, the way
-DeepEP's own test scripts time the calls, finds one kernel of each operation on this backend too. CPU tensors, and a
+(``torch.cuda._compile_kernel``): ``deep_ep::torch_low_latency::dispatch`` and ``deep_ep::torch_low_latency::combine``.
+The names end as DeepEP's kernel names do (``::dispatch``, ``::combine``), so a profile of CUDA activity alone, the
+way DeepEP's own test scripts time the calls, finds one kernel of each operation on this backend too. CPU tensors, and a
 torch without NVRTC kernels, take the same copies through tensor indexing.
 """
 from __future__ import annotations
@@ -33,12 +33,12 @@ __global__ void NAME(const unsigned char* src, int src_stride, int src_offset, c
         }                                                                                                        \
     }                                                                                                            \
 }
-namespace deep_ep {
-DEEP_EP_COPY_ROWS(low_latency_dispatch_unpack)
-DEEP_EP_COPY_ROWS(low_latency_combine_store)
-}
+namespace deep_ep { namespace torch_low_latency {
+DEEP_EP_COPY_ROWS(dispatch)
+DEEP_EP_COPY_ROWS(combine)
+} }
 """
-KERNELS = {"dispatch": "deep_ep::low_latency_dispatch_unpack", "combine": "deep_ep::low_latency_combine_store"}
+KERNELS = {"dispatch": "deep_ep::torch_low_latency::dispatch", "combine": "deep_ep::torch_low_latency::combine"}
 _compiled: dict = {}
 _lock = threading.Lock()
 

@@ -6,6 +6,7 @@ operation, named as DeepEP's are (``dispatch``, ``combine``)::
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -32,7 +33,7 @@ def test_copy_rows_matches_indexing(num_rows, src_bytes, offset, row_bytes):
         assert torch.equal(got, want), kind
 
 
-def test_low_latency_calls_show_one_named_kernel_each_in_a_cuda_profile(monkeypatch):
+def test_low_latency_calls_show_one_named_kernel_each_in_a_cuda_profile(monkeypatch, tmp_path):
     """One rank, DEEP_EP_BACKEND=torch: a profile with CUDA activity only has exactly one table row whose name holds
     ``dispatch`` and one with ``combine`` (with and without receive hooks), as DeepEP's test scripts require."""
     import torch.distributed as dist
@@ -65,7 +66,13 @@ def test_low_latency_calls_show_one_named_kernel_each_in_a_cuda_profile(monkeypa
                     round_trip(hook)
                 torch.cuda.synchronize()
             lines = prof.key_averages().table(sort_by="cuda_time_total", max_name_column_width=100).split("\n")
+            trace = os.path.join(str(tmp_path), f"trace{int(hook)}.json")
+            prof.export_chrome_trace(trace)
+            with open(trace) as f:
+                names = [event.get("name", "") for event in json.load(f)["traceEvents"]]
             for name in ("dispatch", "combine"):
                 assert sum(name in line for line in lines) == 1, (hook, name, "\n".join(lines))
+                # DeepEP's scripts time a hooked call's kernels from the trace's events named "...::<name>"
+                assert sum(f"::{name}" in n for n in names) == 3, (hook, name, [n for n in names if name in n])
     finally:
         dist.destroy_process_group()
