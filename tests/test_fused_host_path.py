@@ -473,7 +473,7 @@ def attempt(backend, kind, hidden_bytes, num_scales, num_topk, config):
     except ValueError as exc:
         return str(exc)
 
-bench = deep_ep.Config(24, 8, 256)  # benchmarks/bench_internode.py --composed: 12 channels
+bench = deep_ep.Config(24, 8, 512)  # 12 channels; 256 node ring slots per source at 2 nodes
 report = {}
 for name, num_bytes, put_only in (("put 1e9", 10**9 // 128 * 128, True), ("put 256M", 256 << 20, True),
                                   ("put least", int(sys.argv[2]), True), ("pointer 1e9", 10**9 // 128 * 128, False)):
@@ -483,18 +483,19 @@ for name, num_bytes, put_only in (("put 1e9", 10**9 // 128 * 128, True), ("put 2
                         attempt(backend, "dispatch", 7168, 56, 0, bench),
                         attempt(backend, "combine", 14336, 0, 8, bench),
                         attempt(backend, "dispatch", 256, 0, 4, deep_ep.Config(2, 8, 256)),
-                        attempt(backend, "dispatch", 14336, 0, 8, deep_ep.Config(48, 8, 256)),
-                        attempt(backend, "dispatch", 256, 0, 4, deep_ep.Config(2, 200, 256))]
+                        attempt(backend, "dispatch", 14336, 0, 8, deep_ep.Config(48, 8, 512)),
+                        attempt(backend, "dispatch", 256, 0, 4, deep_ep.Config(2, 1, 3))]
 report["launched"] = launched
 print(json.dumps(report))
 """
 
 
 def test_fused_rings_that_do_not_fit_raise_before_any_launch():
-    """The fused kernels' rings have the Config's capacities whatever the buffer, and the put area of NVSHMEM put
-    peers takes about half of num_rdma_bytes: the benchmark's 12 channels of 7168-BF16 records at 258 / 256 slots fit
-    a 1e9-byte buffer without put peers but not with them. check_rings (Buffer's validation) raises ValueError naming
-    the smallest num_rdma_bytes that holds the call, or that none does, and launches nothing."""
+    """The fused kernels' rings have the Config's capacities whatever the buffer (node rings: the nvl recv tokens
+    shared by the source nodes), and the put area of NVSHMEM put peers takes about half of the buffer: 12 channels of
+    7168-BF16 records at 258 rail / 256 node slots fit a 1e9-byte buffer without put peers but not with them.
+    check_rings (Buffer's validation) raises ValueError naming the smallest num_nvl_bytes + num_rdma_bytes that holds
+    the call, or that none does, and launches nothing."""
     from deep_ep import layout
     record = layout.intranode_dispatch_record_bytes(14336, 0, 8)
     least = layout.fused_min_rdma_bytes(layout.fused_ring_bytes(2, 2, 12, record, 258, 256), True)
@@ -504,13 +505,13 @@ def test_fused_rings_that_do_not_fit_raise_before_any_launch():
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["launched"] == []
     put, bf16, fp8, combine, small, wide, chunks = report["put 1e9"]
-    assert put and f"num_rdma_bytes >= {least}" in bf16 and "num_rdma_bytes=1000000000" in bf16, bf16
+    assert put and f"num_nvl_bytes + num_rdma_bytes >= {least}" in bf16 and "num_rdma_bytes=1000000000" in bf16, bf16
     assert "12 channels" in bf16 and "put area" in bf16 and "dispatch" in bf16, bf16
     assert fp8 == "ok" and "combine" in combine and ">= " in combine, (fp8, combine)
     assert small == "ok", small
-    assert "no num_rdma_bytes holds them" in wide and "24 channels" in wide, wide
-    assert "num_max_nvl_chunked_recv_tokens >= 2 * num_max_nvl_chunked_send_tokens" in chunks, chunks
-    assert report["put 256M"][1].startswith("num_rdma_bytes=268435456 is too small"), report["put 256M"]
+    assert "no buffer size holds them" in wide and "24 channels" in wide, wide
+    assert "num_max_nvl_chunked_recv_tokens >= 2 * num_nodes" in chunks and "got 3 for 2 nodes" in chunks, chunks
+    assert report["put 256M"][1].startswith("num_nvl_bytes + num_rdma_bytes=268435456 is too small"), report["put 256M"]
     assert report["put 256M"][2] != "ok" and report["put 256M"][4] == "ok", report["put 256M"]
     assert report["put least"][:5] == [True, "ok", "ok", "ok", "ok"], report["put least"]
     pointer = report["pointer 1e9"]

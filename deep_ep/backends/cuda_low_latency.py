@@ -45,17 +45,17 @@ class LowLatencyCuda(Backend):
         rank, num_ranks: position in the group (NVSHMEM PE = rank).
         num_rdma_bytes: symmetric buffer bytes (>= ``Buffer.get_low_latency_rdma_size_hint``).
         all_gather: ``all_gather(obj) -> list`` over the group (bootstrap only).
-        symmetric_buffers: buffers of ``num_rdma_bytes`` this process allocates on the symmetric heap (2 when an
-            internode backend of the same Buffer allocates one after this one).
+        other_heap_bytes: bytes the same Buffer's internode backend allocates on the symmetric heap after this
+            one (the first join of a process sizes the heap for both).
     """
 
     hashes_signature = True
 
     def __init__(self, rank: int, num_ranks: int, num_rdma_bytes: int, num_qps_per_rank: int,
                  allow_nvlink: bool, allow_mnnvl: bool, enable_shrink: bool,
-                 all_gather: Callable[[object], list], symmetric_buffers: int = 1) -> None:
+                 all_gather: Callable[[object], list], other_heap_bytes: int = 0) -> None:
         self.rank, self.num_ranks, self.num_rdma_bytes = rank, num_ranks, num_rdma_bytes
-        unique_id = join_nvshmem_world(rank, symmetric_buffers * num_rdma_bytes, num_qps_per_rank, allow_nvlink,
+        unique_id = join_nvshmem_world(rank, num_rdma_bytes + other_heap_bytes, num_qps_per_rank, allow_nvlink,
                                        allow_mnnvl, all_gather)
         self.runtime = _C.LowLatencyRuntime(rank, num_ranks, num_rdma_bytes, envs.TIMEOUT_S.get(), enable_shrink,
                                             unique_id, testing.current().ll_put_only)

@@ -4,8 +4,9 @@
 A token crosses to each node it needs once, to the GPU with the sender's local index, which forwards it over
 NVLink to the node's GPUs that need it, inside the same kernel; combine reduces a token's rows inside the node at
 that GPU (one BF16 rounding) and sends one partial per (token, node) back to the owner, which adds the biases and
-the partials in ascending node order. The ranks' buffers are one NVSHMEM symmetric allocation of ``num_rdma_bytes``
-(a node's peers reached by pointer, another node's by pointer or, behind a NIC, by NVSHMEM puts). Notify builds
+the partials in ascending node order. The ranks' buffers are one NVSHMEM symmetric allocation of
+``num_nvl_bytes + num_rdma_bytes`` of the Buffer (the kernels keep no separate NVLink buffer; a node's peers are
+reached by pointer, another node's by pointer or, behind a NIC, by NVSHMEM puts). Notify builds
 the internode handle's prefix matrices on the device; the dispatch kernel writes ``send_rdma_head``,
 ``send_nvl_head`` and ``recv_src_meta``. A combine's kernel first exchanges the hash of its call signature with
 every rank and moves no row when they differ (raised at the next call, as on the intranode kernels). ``Buffer``
@@ -38,7 +39,8 @@ class FusedInternodeCuda(SymmetricCuda):
 
     Args:
         rank, topology: this rank and the group's ``N x G`` (the NVSHMEM world: PE = rank).
-        num_rdma_bytes: bytes of the symmetric buffer (equal on every rank).
+        num_rdma_bytes: bytes of the symmetric buffer (equal on every rank): the Buffer's ``num_nvl_bytes +
+            num_rdma_bytes``.
         num_qps_per_rank, allow_mnnvl: NVSHMEM environment.
         all_gather, barrier: over the group (bootstrap, destroy, reset).
 
@@ -154,17 +156,18 @@ class FusedInternodeCuda(SymmetricCuda):
 
     def check_rings(self, kind: str, hidden_bytes: int, num_scales: int, num_topk: int, config: Config) -> None:
         """Raise ValueError unless the call's rings fit a half of the buffer: the rail rings hold
-        ``num_max_rdma_chunked_recv_tokens`` and the node rings ``num_max_nvl_chunked_recv_tokens`` records per
-        (channel, source) whatever the buffer's size, and with NVSHMEM put peers the put area takes about half of
-        ``num_rdma_bytes`` (deep_ep/layout.py). Equal on every rank that makes the same call; a passing geometry is
-        remembered."""
+        ``num_max_rdma_chunked_recv_tokens`` records per (channel, source node) and the node rings
+        ``num_max_nvl_chunked_recv_tokens / N`` per (channel, source rank) (:func:`node_ring`) whatever the buffer's
+        size, and with NVSHMEM put peers the put area takes about half of the buffer (deep_ep/layout.py). Equal on
+        every rank that makes the same call; a passing geometry is remembered."""
         key = (kind, hidden_bytes, num_scales, num_topk, config)
         if key in self._rings_checked:
             return
-        send_n, node = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
-        if node < 2 * send_n:
-            raise ValueError(f"the fused internode kernels need num_max_nvl_chunked_recv_tokens >= 2 * "
-                             f"num_max_nvl_chunked_send_tokens, got {node} < 2 * {send_n}")
+        node, _ = node_ring(config, self.num_nodes)
+        if node < 2:
+            raise ValueError(f"the fused internode kernels need num_max_nvl_chunked_recv_tokens >= 2 * num_nodes "
+                             f"(two slots per source node), got {config.num_max_nvl_chunked_recv_tokens} for "
+                             f"{self.num_nodes} nodes")
         channels, rail = self.num_channels(config), _rdma_capacity(config)
         if kind == "dispatch":
             record = lay.intranode_dispatch_record_bytes(hidden_bytes, num_scales, num_topk)
@@ -177,12 +180,12 @@ class FusedInternodeCuda(SymmetricCuda):
             return
         need = lay.fused_min_rdma_bytes(used, self.put_area)
         put = " with the put area of NVSHMEM put peers" if self.put_area else ""
-        fix = (f"build the Buffer with num_rdma_bytes >= {need}" if need else
-               f"lower config.num_sms or the chunked recv tokens (no num_rdma_bytes holds them{put})")
-        raise ValueError(f"num_rdma_bytes={self.num_nvl_bytes} is too small for this fused internode {kind}: its "
-                         f"rings take {used} bytes ({channels} channels of {self.num_nodes} rail rings of {rail} "
-                         f"and {self.num_ranks} node rings of {node} records of {record} bytes), a half of the "
-                         f"buffer{put} holds {half}; {fix}")
+        fix = (f"build the Buffer with num_nvl_bytes + num_rdma_bytes >= {need}" if need else
+               f"lower config.num_sms or the chunked recv tokens (no buffer size holds them{put})")
+        raise ValueError(f"num_nvl_bytes + num_rdma_bytes={self.num_nvl_bytes} is too small for this fused internode "
+                         f"{kind}: its rings take {used} bytes ({channels} channels of {self.num_nodes} rail rings "
+                         f"of {rail} and {self.num_ranks} node rings of {node} records of {record} bytes), a half of "
+                         f"the buffer{put} holds {half}; {fix}")
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int,
                                 use_rdma_buffer: bool) -> torch.Tensor:
@@ -270,8 +273,8 @@ class FusedInternodeCuda(SymmetricCuda):
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights = self.runtime.fused_dispatch(
                 data, scales, topk_idx, topk_weights, num_experts, is_token_in_rank, self.per_node, *prefixes,
                 *heads, num_rows, worst, num_channels, config.num_max_rdma_chunked_send_tokens,
-                _rdma_capacity(config), config.num_max_nvl_chunked_send_tokens,
-                config.num_max_nvl_chunked_recv_tokens, self._comm_ptr, after_current, scope.current_after)
+                _rdma_capacity(config), *node_ring(config, num_nodes)[::-1], self._comm_ptr, after_current,
+                scope.current_after)
             new_handle = None
             if not cached:
                 send_rdma_head, send_nvl_head, recv_src_meta = heads
@@ -303,7 +306,7 @@ class FusedInternodeCuda(SymmetricCuda):
             combined_x, combined_topk_weights = self._launch_combine(
                 x, topk_weights, bias_0, bias_1, handle, num_channels,
                 (config.num_max_rdma_chunked_send_tokens, _rdma_capacity(config),
-                 config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens),
+                 *node_ring(config, self.num_nodes)[::-1]),
                 scope.after_current, scope.current_after, self._combine_hash(request.signature))
             event = scope.finish((request.x, x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights,
                                   *handle))
@@ -314,4 +317,13 @@ def _rdma_capacity(config: Config) -> int:
     config's checks do)."""
     send = config.num_max_rdma_chunked_send_tokens
     return -(-config.num_max_rdma_chunked_recv_tokens // send) * send
+
+
+def node_ring(config: Config, num_nodes: int) -> tuple[int, int]:
+    """``(slots, publish chunk)`` of a fused node ring. A receiver keeps one node ring per (channel, source rank)
+    where DeepEP keeps one per (channel, NVLink peer): the ``N`` source nodes a forwarder serves share its
+    ``num_max_nvl_chunked_recv_tokens`` slots, so the node rings take what DeepEP's NVLink buffer takes. A forwarder
+    publishes at most ``num_max_nvl_chunked_send_tokens`` records at a time, and at most half a ring."""
+    slots = config.num_max_nvl_chunked_recv_tokens // num_nodes
+    return slots, max(1, min(config.num_max_nvl_chunked_send_tokens, slots // 2))
 

@@ -140,11 +140,10 @@ def _cuda_low_latency(spec: BufferSpec, group: Any, comm: Any) -> Optional[Backe
         if choice == "cuda":
             raise RuntimeError(f"DEEP_EP_BACKEND=cuda but the CUDA low-latency kernels cannot be used: {reason}")
         return None
-    # An internode group may allocate a second buffer of num_rdma_bytes on the symmetric heap after this one (the
-    # CUDA internode backend or the fused internode kernels): the heap holds both.
+    # An internode group allocates its normal-mode buffer on the symmetric heap after this one: the heap holds both.
     options = dict(num_rdma_bytes=spec.num_rdma_bytes, num_qps_per_rank=spec.num_qps_per_rank,
                    allow_nvlink=spec.allow_nvlink_for_low_latency_mode, allow_mnnvl=spec.allow_mnnvl,
-                   enable_shrink=spec.enable_shrink, symmetric_buffers=2 if spec.topology.is_internode else 1)
+                   enable_shrink=spec.enable_shrink, other_heap_bytes=_internode_heap_bytes(spec))
     if group is not None:
         return backend_cls.from_group(group, **options)
     return backend_cls(spec.rank, spec.group_size, all_gather=comm.allgather, **options)
@@ -219,7 +218,7 @@ def _fused_internode(spec: BufferSpec, group: Any, comm: Any) -> Optional[Backen
         reason = backend_cls.unsupported_reason(topo, spec.num_rdma_bytes)
     if reason is None:
         from deep_ep.backends.cuda_internode import UnsupportedTopology
-        options = dict(num_rdma_bytes=spec.num_rdma_bytes, num_qps_per_rank=spec.num_qps_per_rank,
+        options = dict(num_rdma_bytes=_internode_heap_bytes(spec), num_qps_per_rank=spec.num_qps_per_rank,
                        allow_mnnvl=spec.allow_mnnvl)
         try:
             if group is not None:
@@ -283,3 +282,13 @@ def _node_spans_hosts(hosts: Sequence[str], topology: Topology) -> Optional[str]
             return (f"the ranks of node {node} span hosts {names} (the node stage needs CUDA IPC; set "
                     f"DEEP_EP_GPUS_PER_NODE to the GPUs per host)")
     return None
+
+
+def _internode_heap_bytes(spec: BufferSpec) -> int:
+    """Bytes the normal-mode internode kernels take on the NVSHMEM symmetric heap (0 for one node): the fused
+    kernels (``G > 1``) keep no separate NVLink buffer, so theirs is ``num_nvl_bytes + num_rdma_bytes``; with one
+    GPU per node, ``num_rdma_bytes``."""
+    topo = spec.topology
+    if not topo.is_internode:
+        return 0
+    return spec.num_nvl_bytes + spec.num_rdma_bytes if topo.num_scaleup_ranks > 1 else spec.num_rdma_bytes

@@ -33,6 +33,7 @@ from deep_ep.backends.base import (
     LowLatencyDispatchRequest,
 )
 from deep_ep.backends.common import ReceiveHook, StreamScope, as_bytes, check_worst_tokens, from_bytes, pad_rows
+from deep_ep.backends.torch_kernels import copy_rows
 from deep_ep.config import FP8_BLOCK, NUM_MAX_LOCAL_EXPERTS, Topology, align_up
 from deep_ep.errors import CommError, CommTimeoutError, rank_name
 from deep_ep.event import EventOverlap
@@ -729,11 +730,9 @@ class TorchBackend(Backend):
                 jj, rr = torch.cat(dst_j).to(device), torch.cat(dst_row).to(device)
                 src_info[jj, rr] = from_bytes(msgs[:, :4], torch.int32, 1).view(-1)
                 if use_fp8:
-                    recv_data[jj, rr] = from_bytes(msgs[:, 16:16 + hidden], torch.float8_e4m3fn, hidden)
                     recv_scales[jj, rr] = from_bytes(msgs[:, 16 + hidden:16 + hidden + scale_cols * 4], scale_dtype,
                                                      scale_cols)
-                else:
-                    recv_data[jj, rr] = from_bytes(msgs[:, 16:16 + 2 * hidden], torch.bfloat16, hidden)
+                copy_rows("dispatch", msgs, 16, recv_data.view(-1, hidden).view(torch.uint8), jj * rows_per_expert + rr)
             ranges = (begins << 32) | counts
             inactive = [s for s in range(num_ranks) if s not in active]
             ranges[inactive] = 0
@@ -839,8 +838,9 @@ class TorchBackend(Backend):
                 signal[torch.unique(key[first] // tokens)] = 1
             slots = self._combine_recv_view(layout, half, num_experts, tokens, hidden)
             masked_owner = ~owner_ok
-            combined.copy_(reduce_low_latency_combine(slots, topk_idx.to(self.device), topk_weights.to(self.device),
-                                                      num_local, masked_owner.to(self.device)).to(device))
+            reduced = reduce_low_latency_combine(slots, topk_idx.to(self.device), topk_weights.to(self.device),
+                                                 num_local, masked_owner.to(self.device))
+            copy_rows("combine", as_bytes(reduced.to(device)), 0, combined.view(torch.uint8))
             if combine_wait_recv_cost_stats is not None:
                 combine_wait_recv_cost_stats.add_(torch.tensor(pending.wait_ns, dtype=torch.int64, device="cpu").to(
                     combine_wait_recv_cost_stats.device))

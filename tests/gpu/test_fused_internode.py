@@ -36,6 +36,9 @@ import test_intranode as ti  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 FUSED = {"internode": "fused"}
+# The fused kernels' buffer is num_nvl_bytes + num_rdma_bytes: the pools give num_nvl_bytes 1 MiB, so that the
+# sizes below are (within 1 MiB) the buffer's.
+FUSED_NVL_BYTES = 1 << 20
 # Two halves (dispatch, combine), each holding the rail and node rings of 12 channels of 7168-BF16 records at 256
 # slots for 4 x 2 (about 540 MB).
 NUM_RDMA_BYTES = 1280 << 20
@@ -57,7 +60,8 @@ def _make_pool(num_nodes: int, per_node: int, rdma_bytes: int = NUM_RDMA_BYTES, 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 2
     num_ranks = num_nodes * per_node
     pool = ti.Pool([rank % max(gpus, 1) for rank in range(num_ranks)],
-                   env={"DEEP_EP_GPUS_PER_NODE": str(per_node), "TEST_NUM_RDMA_BYTES": str(rdma_bytes), **env},
+                   env={"DEEP_EP_GPUS_PER_NODE": str(per_node), "TEST_NUM_RDMA_BYTES": str(rdma_bytes),
+                        "TEST_NUM_NVL_BYTES": str(FUSED_NVL_BYTES), **env},
                    overrides={**FUSED, "internode_put_only": True} if put_only else FUSED)
     if ti.DEVICE == "cuda" and pool.backends != {"FusedInternodeCuda"}:
         pool.close()
@@ -202,17 +206,17 @@ def test_put_rail_peers(num_nodes, per_node):
 
 
 # benchmarks/bench_internode.py --composed: 128 tokens per rank, hidden 7168, top-8 of 256 experts, 24 SMs (12
-# channels) at Config(24, 8, 256): 258 rail and 256 node slots of 14416-byte records, 266 MB of rings per direction.
+# channels) at Config(24, 8, 256): 258 rail and 256 / 2 node slots (2 nodes) of 14416-byte records.
 BENCH_SMS, BENCH_HIDDEN = 24, 7168
 
 
 def _bench_rdma_bytes() -> int:
-    """The smallest num_rdma_bytes, in whole MiB, whose put area leaves the benchmark's rings their room."""
+    """The smallest num_rdma_bytes, in whole MiB, whose buffer's put area leaves the benchmark's rings their room."""
     from deep_ep import config, layout
     record = layout.intranode_dispatch_record_bytes(BENCH_HIDDEN * 2, 0, 8)
     rail = config.Config(BENCH_SMS, 8, 256).num_max_rdma_chunked_recv_tokens
-    used = layout.fused_ring_bytes(2, 2, BENCH_SMS // 2, record, rail, 256)
-    return -(-layout.fused_min_rdma_bytes(used, True) // (1 << 20)) * (1 << 20)
+    used = layout.fused_ring_bytes(2, 2, BENCH_SMS // 2, record, rail, 256 // 2)
+    return -(-(layout.fused_min_rdma_bytes(used, True) - FUSED_NVL_BYTES) // (1 << 20)) * (1 << 20)
 
 
 def _bench_inputs(buffer, rank: int) -> tuple:

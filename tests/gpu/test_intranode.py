@@ -178,8 +178,9 @@ def _worker(rank: int, world: int, device: int, rendezvous: str, env: dict, over
         import deep_ep.testing
         # tests/gpu/test_internode.py reuses this pool with an RDMA (NVSHMEM) buffer and virtual nodes.
         num_rdma_bytes = int(os.environ.get("TEST_NUM_RDMA_BYTES", "0"))
+        num_nvl_bytes = int(os.environ.get("TEST_NUM_NVL_BYTES", str(NUM_NVL_BYTES)))
         with deep_ep.testing.overrides(**overrides):  # the pool's construction-time choices
-            buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=NUM_NVL_BYTES, num_rdma_bytes=num_rdma_bytes,
+            buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
                                     explicitly_destroy=True)
         results.put((rank, "ready", _backend_name(buffer)))
     except Exception:  # noqa: BLE001 - reported to the driver
