@@ -16,8 +16,9 @@
 
 #include <cuda_runtime.h>
 
-#include <sstream>
+#include <cstdio>
 #include <string>
+#include <type_traits>
 
 namespace deep_ep {
 namespace kernels {
@@ -32,11 +33,32 @@ struct [[nodiscard]] Status {
     bool ok() const { return kind == StatusKind::kOk; }
 };
 
+// Message parts are appended without iostreams: a std::ostream insertion compiled by nvcc into the extension ends
+// the process with SIGSEGV (the stream's locale code), so numbers go through snprintf.
+inline void append_part(std::string& out, const char* part) { out += part; }
+inline void append_part(std::string& out, const std::string& part) { out += part; }
+inline void append_part(std::string& out, char part) { out += part; }
+template <typename T>
+void append_part(std::string& out, const T& part) {
+    static_assert(std::is_arithmetic<T>::value || std::is_enum<T>::value, "message parts: strings and numbers");
+    char text[32];
+    if constexpr (std::is_floating_point<T>::value) {
+        std::snprintf(text, sizeof(text), "%g", static_cast<double>(part));
+    } else if constexpr (std::is_same<T, bool>::value) {
+        std::snprintf(text, sizeof(text), "%s", part ? "true" : "false");
+    } else if constexpr (std::is_signed<T>::value || std::is_enum<T>::value) {
+        std::snprintf(text, sizeof(text), "%lld", static_cast<long long>(part));
+    } else {
+        std::snprintf(text, sizeof(text), "%llu", static_cast<unsigned long long>(part));
+    }
+    out += text;
+}
+
 template <typename... Parts>
 std::string concat_message(const Parts&... parts) {
-    std::ostringstream stream;
-    (stream << ... << parts);
-    return stream.str();
+    std::string out;
+    (append_part(out, parts), ...);
+    return out;
 }
 
 template <typename... Parts>

@@ -43,15 +43,17 @@ _compiled: dict = {}
 _lock = threading.Lock()
 
 
-def _kernel(kind: str) -> Optional[Any]:
-    """The compiled kernel of ``kind`` for the current device, or ``None`` where torch has no NVRTC kernels."""
+def _kernel(kind: str, device: torch.device) -> Optional[Any]:
+    """The compiled kernel of ``kind`` for ``device``, or ``None`` where torch has no NVRTC kernels (a CPU build,
+    or a torch without ``torch.cuda._compile_kernel``)."""
     compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
-    if compile_kernel is None:
+    if compile_kernel is None or torch.version.cuda is None:
         return None
-    key = (kind, torch.cuda.current_device())
+    key = (kind, device.index)
     with _lock:
         if key not in _compiled:
-            _compiled[key] = compile_kernel(_SOURCE, KERNELS[kind])
+            with torch.cuda.device(device):
+                _compiled[key] = compile_kernel(_SOURCE, KERNELS[kind])
         return _compiled[key]
 
 
@@ -71,7 +73,7 @@ def copy_rows(kind: str, src: torch.Tensor, src_offset: int, dst: torch.Tensor,
         return
     if rows is None:
         rows = torch.arange(num_rows, dtype=torch.int64, device=src.device)
-    kernel = _kernel(kind) if src.is_cuda else None
+    kernel = _kernel(kind, src.device) if src.is_cuda else None
     if kernel is None:
         dst[rows] = src[:, src_offset:src_offset + row_bytes]
         return

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
     (1, 16, 0, 16), (37, 14352, 16, 14336), (5, 1040, 16, 1024), (9, 331, 3, 250), (64, 4, 0, 4)])
 def test_copy_rows_matches_indexing(num_rows, src_bytes, offset, row_bytes):
     from deep_ep.backends.torch_kernels import _kernel, copy_rows
-    if _kernel("dispatch") is None:
+    if _kernel("dispatch", torch.device("cuda", torch.cuda.current_device())) is None:
         pytest.skip("this torch has no NVRTC kernels (torch.cuda._compile_kernel)")
     gen = torch.Generator(device="cuda").manual_seed(num_rows)
     src = torch.randint(0, 256, (num_rows, src_bytes), dtype=torch.uint8, device="cuda", generator=gen)
