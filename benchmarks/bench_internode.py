@@ -9,10 +9,10 @@ internode test counts them: "RDMA" = (token, node) pairs sent x 2H, "NVL" = rows
 error = (predicted - measured) / measured against the rank-averaged wall time, at 24 SMs. ``--put`` adds phase
 "internode_put" (the Buffer built under ``deep_ep.testing.overrides(internode_put_only=True)``: peers by NVSHMEM
 puts, the path behind a NIC; ``--put-warps`` sweeps its copy warps). ``--composed``: the fused kernels
-(``internode="fused"``, NVSHMEM buffer of ``--num-rdma-bytes``) and the composed path (``internode="composed"``) next
-to the torch backend (``internode="torch"``), ranks sharing GPUs as 2 virtual nodes, wall times only; with ``--put``
-also phase "fused_put" (the fused kernels with every pair of different nodes on puts, ``internode_put_only``; its
-buffer at least what the rings of the largest ``--sms`` need beside the put area, about 1.07 GB at 24 SMs)::
+(``internode="fused"``, NVSHMEM buffer of ``--num-nvl-bytes`` + ``--num-rdma-bytes``) and the composed path
+(``internode="composed"``) next to the torch backend (``internode="torch"``), ranks sharing GPUs as 2 virtual nodes,
+wall times only; with ``--put`` also phase "fused_put" (the fused kernels with every pair of different nodes on puts,
+``internode_put_only``; its buffer at least what the rings of the largest ``--sms`` need beside the put area)::
 
     python benchmarks/bench_internode.py --json $OUT/bench_internode.json
     python benchmarks/bench_internode.py --skip-intranode --put --json $OUT/inter_put.json
