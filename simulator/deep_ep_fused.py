@@ -211,7 +211,8 @@ def fused_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     # chunk staged, the NIC, a node chunk forwarded; combine: a node chunk sent, a rail chunk reduced, the NIC.
     first, second = (rdma_chunk, nvl_chunk) if dispatch else (nvl_chunk, rdma_chunk)
     fill_us = (2 * gpu.nvl_latency_us + nic.latency_us + first * record / one_send + second * record / one_fwd)
-    # NVLink credits: each (channel, source) node ring of Nn records refills after one round trip.
+    # NVLink credits: the N x G node rings of a channel, of Nn / N records each (the source nodes behind a forwarder
+    # share its Nn), refill after one round trip.
     window = channels * spec.ranks_per_node * cfg.num_max_nvl_chunked_recv_tokens * record / (
         2 * gpu.nvl_latency_us + nvl_chunk * record / (one_fwd if dispatch else one_send))
     tail_us = 0.0 if dispatch else prof.combine_extra_us
