@@ -281,6 +281,7 @@ class _FakeFused:
     """Stands in for ``FusedInternodeCuda`` in the selection: serves unless ``refuse`` is set."""
 
     refuse = False
+    options: dict = {}
 
     @staticmethod
     def unsupported_reason(topology, num_rdma_bytes):
@@ -290,6 +291,7 @@ class _FakeFused:
     def from_group(cls, group, topology, **options):
         if cls.refuse:
             raise _Unsupported("NVSHMEM put peers inside a node (rank 0 reaches [1] only by puts)")
+        cls.options = options
         return cls()
 
 
@@ -320,10 +322,24 @@ def test_selection_prefers_fused_kernels(monkeypatch, override, refuse, rdma, ch
         warnings.simplefilter("always")
         got = selection._fused_internode(spec, object(), None)
     assert isinstance(got, _FakeFused) == chosen
+    if chosen:  # the fused kernels' one symmetric buffer holds both of the Buffer's sizes
+        assert _FakeFused.options["num_rdma_bytes"] == (1 << 20) + rdma, _FakeFused.options
     assert any("puts" in str(w.message) for w in caught) == (override == "fused"), [str(w.message) for w in caught]
     one_node = spec._replace(topology=Topology(4, 4))
     with deep_ep.testing.overrides(internode=override):
         assert selection._fused_internode(one_node, object(), None) is None
+
+
+def test_internode_heap_bytes():
+    """What the normal-mode internode kernels take on the NVSHMEM heap (the low-latency backend of the same Buffer
+    sizes the heap for it): nothing within one node, num_rdma_bytes with one GPU per node, num_nvl_bytes +
+    num_rdma_bytes for the fused kernels."""
+    from deep_ep.backends import selection
+    from deep_ep.config import Topology
+    spec = selection.BufferSpec(0, 8, Topology(8, 8), 3 << 20, 5 << 20, True, 1, True, False, False)
+    assert selection._internode_heap_bytes(spec) == 0
+    assert selection._internode_heap_bytes(spec._replace(topology=Topology(8, 1))) == 5 << 20
+    assert selection._internode_heap_bytes(spec._replace(topology=Topology(8, 2))) == 8 << 20
 
 
 _PUT_MASK_PROGRAM = r"""
