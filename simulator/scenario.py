@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass, replace
 
 from deep_ep import layout
 from deep_ep.config import (
+    NUM_MAX_FUSED_RANKS,
     NUM_MAX_LL_TOPK,
     NUM_MAX_RING_RANKS,
     NUM_MAX_SCALEUP_RANKS,
@@ -291,13 +292,16 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
              "assumed (python -m simulator.calibrate --show lists them)"]
     fused = deep_ep_fused.is_fused(rank.OpSpec("internode", "dispatch", sc.hidden, sc.topk, 0, 0, sc.nodes, per_node,
                                                None))
-    if sc.mode in ("normal", "both") and sc.nodes > NUM_MAX_RING_RANKS and not fused:
-        beyond = ("the composed path with a torch rail (NCCL over the rail subgroup; the node stage stays on the "
-                  "kernels)" if per_node > 1 else "its torch backend (NCCL point-to-point)")
-        notes.append(f"deep_ep's normal-mode kernels serve at most {NUM_MAX_RING_RANKS} nodes (each ring op, the "
-                     f"composed path's rail stage included, has at most {NUM_MAX_RING_RANKS} ranks): at "
-                     f"{sc.nodes} nodes the Buffer runs {beyond}; the normal rows model that torch part with "
-                     f"assumed parameters (torch_call_us, torch_p2p_efficiency: simulator/deep_ep_torch.py)")
+    if sc.mode in ("normal", "both") and sc.nodes > 1 and not fused and (per_node > 1 or sc.nodes > NUM_MAX_RING_RANKS):
+        if per_node > 1:
+            limit = (f"{sc.nodes} x {per_node} GPUs is beyond deep_ep's fused kernels (at most "
+                     f"{NUM_MAX_FUSED_RANKS} ranks): the Buffer runs the composed path with a torch rail (NCCL over "
+                     f"the rail subgroup; the node stage stays on the kernels)")
+        else:
+            limit = (f"deep_ep's one-GPU-per-node kernels serve at most {NUM_MAX_RING_RANKS} nodes: at {sc.nodes} "
+                     f"nodes the Buffer runs its torch backend (NCCL point-to-point)")
+        notes.append(f"{limit}; the normal rows model that torch part with assumed parameters (torch_call_us, "
+                     f"torch_p2p_efficiency: simulator/deep_ep_torch.py)")
     if sc.mode in ("normal", "both") and not nic.shares_nvlink and fused:
         notes.append(f"{sc.nodes} x {per_node} GPUs: behind a NIC deep_ep's fused kernels make their rail hops "
                      f"NVSHMEM puts (staged records put as runs, a signal per published chunk); the normal rows "

@@ -260,6 +260,8 @@ def test_report_says_when_the_fused_rows_model_puts_behind_a_nic():
     wide = notes(replace(sc, nodes=32, gpus_per_node=2, nic="nvlink-p2p"))
     assert "torch rail" not in wide and "serve at most" not in wide, wide
     assert "torch rail" in notes(replace(sc, nodes=32, gpus_per_node=4, nic="nvlink-p2p"))
+    # 12 x 8: within the ring kernels' 24 nodes but past the fused kernels' 64 ranks: the composition's torch rail.
+    assert "torch rail" in notes(replace(sc, nodes=12, gpus_per_node=8, nic="nvlink-p2p"))
 
 
 def test_fused_fit_writes_its_section_and_parameters_and_keeps_the_rest(tmp_path):
