@@ -234,5 +234,17 @@ __device__ __forceinline__ void reduce_token(const CombineArgs& args, int t, con
     }
 }
 
+// The checks every combine launcher makes of its rows: BF16 rows of a whole number of 16-byte units, top-k within
+// the kernels' limit, weights whenever there is a top-k.
+inline Status check_combine_rows(const CombineArgs& args) {
+    DEEP_EP_REQUIRE_ARG(args.hidden > 0 && (args.hidden * 2) % 16 == 0,
+                        "combine: hidden * 2 bytes must be a positive multiple of 16, got hidden ", args.hidden);
+    DEEP_EP_REQUIRE_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "combine: num_topk must be in [0, ", kMaxTopk,
+                        "], got ", args.num_topk);
+    DEEP_EP_REQUIRE_ARG(args.num_topk == 0 || args.topk_weights != nullptr,
+                        "combine: topk_weights must be given when num_topk > 0");
+    return {};
+}
+
 }  // namespace kernels
 }  // namespace deep_ep

@@ -276,12 +276,7 @@ Status intranode_combine_landed(const KernelContext& ctx, const CombineArgs& arg
     DEEP_EP_REQUIRE_ARG(ctx.put_mask == 0,
                         "combine: the landing-zone combines store into peers' buffers; a world with ",
                         "NVSHMEM put peers (mask ", ctx.put_mask, ") combines through the rings");
-    DEEP_EP_REQUIRE_ARG(args.hidden > 0 && (args.hidden * 2) % 16 == 0,
-                        "combine: hidden * 2 bytes must be a positive multiple of 16, got hidden ", args.hidden);
-    DEEP_EP_REQUIRE_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "combine: num_topk must be in [0, ", kMaxTopk,
-                        "], got ", args.num_topk);
-    DEEP_EP_REQUIRE_ARG(args.num_topk == 0 || args.topk_weights != nullptr,
-                        "combine: topk_weights must be given when num_topk > 0");
+    DEEP_EP_RETURN_IF_FAILED(check_combine_rows(args));
     DEEP_EP_REQUIRE_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
                         "combine: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
     DEEP_EP_REQUIRE_ARG(args.channel_prefix_matrix != nullptr && args.copy_epoch != 0,

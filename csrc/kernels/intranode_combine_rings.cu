@@ -262,12 +262,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
 
 Status intranode_combine(const KernelContext& ctx, const CombineArgs& args, cudaStream_t stream) {
     DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "combine"));
-    DEEP_EP_REQUIRE_ARG(args.hidden > 0 && (args.hidden * 2) % 16 == 0,
-                        "combine: hidden * 2 bytes must be a positive multiple of 16, got hidden ", args.hidden);
-    DEEP_EP_REQUIRE_ARG(args.num_topk >= 0 && args.num_topk <= kMaxTopk, "combine: num_topk must be in [0, ", kMaxTopk,
-                        "], got ", args.num_topk);
-    DEEP_EP_REQUIRE_ARG(args.num_topk == 0 || args.topk_weights != nullptr,
-                        "combine: topk_weights must be given when num_topk > 0");
+    DEEP_EP_RETURN_IF_FAILED(check_combine_rows(args));
     DEEP_EP_REQUIRE_ARG(args.num_tokens >= 0, "combine: num_tokens must be >= 0, got ", args.num_tokens);
 
     CombineGeometry geo;
