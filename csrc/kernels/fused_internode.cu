@@ -1391,6 +1391,31 @@ Status check_fits(const KernelContext& ctx, const FusedGeometry& geo, const char
     return {};
 }
 
+// The checks a fused dispatch or combine launch makes of its group and grid, before its rows' own checks.
+Status check_fused_launch(const KernelContext& ctx, const FusedGeometry& geo, const char* what) {
+    DEEP_EP_RETURN_IF_FAILED(check_fused_context(ctx, geo.gpus_per_node, what));
+    DEEP_EP_REQUIRE_ARG(geo.num_nodes * geo.gpus_per_node == ctx.num_ranks, what,
+                        ": nodes x GPUs per node must equal num_ranks, got ", geo.num_nodes, " x ", geo.gpus_per_node,
+                        " for ", ctx.num_ranks);
+    DEEP_EP_REQUIRE_ARG(geo.num_channels >= 1 && geo.num_channels <= kMaxChannels, what, ": channels must be in [1, ",
+                        kMaxChannels, "], got ", geo.num_channels);
+    return check_resident(what, 2 * geo.num_channels);
+}
+
+// The checks of a fused launch's top-k and rings: each ring holds two publications, and the rings fit the buffer.
+Status check_fused_rings(const KernelContext& ctx, const FusedGeometry& geo, int num_max_rdma_send_tokens,
+                         int num_max_nvl_send_tokens, const char* what) {
+    DEEP_EP_REQUIRE_ARG(geo.num_topk >= 0 && geo.num_topk <= kMaxTopk, what, ": num_topk must be in [0, ", kMaxTopk,
+                        "], got ", geo.num_topk);
+    DEEP_EP_REQUIRE_ARG(num_max_rdma_send_tokens >= 1 && geo.rail_capacity >= 2 * num_max_rdma_send_tokens, what,
+                        ": num_max_rdma_chunked_recv_tokens (", geo.rail_capacity,
+                        ") must be >= 2 * num_max_rdma_chunked_send_tokens (", num_max_rdma_send_tokens, ") >= 2");
+    DEEP_EP_REQUIRE_ARG(num_max_nvl_send_tokens >= 1 && geo.node_capacity >= 2 * num_max_nvl_send_tokens, what,
+                        ": num_max_nvl_chunked_recv_tokens (", geo.node_capacity,
+                        ") must be >= 2 * num_max_nvl_chunked_send_tokens (", num_max_nvl_send_tokens, ") >= 2");
+    return check_fits(ctx, geo, what);
+}
+
 }  // namespace
 
 Status fused_notify(const KernelContext& ctx, const FusedNotifyArgs& args, cudaStream_t stream) {
@@ -1414,24 +1439,11 @@ Status fused_notify(const KernelContext& ctx, const FusedNotifyArgs& args, cudaS
 
 Status fused_dispatch(const KernelContext& ctx, const FusedGeometry& geo, const FusedDispatchArgs& args,
                       cudaStream_t stream) {
-    DEEP_EP_RETURN_IF_FAILED(check_fused_context(ctx, geo.gpus_per_node, "fused dispatch"));
-    DEEP_EP_REQUIRE_ARG(geo.num_nodes * geo.gpus_per_node == ctx.num_ranks,
-                        "fused dispatch: nodes x GPUs per node must equal num_ranks, got ", geo.num_nodes, " x ",
-                        geo.gpus_per_node, " for ", ctx.num_ranks);
-    DEEP_EP_REQUIRE_ARG(geo.num_channels >= 1 && geo.num_channels <= kMaxChannels,
-                        "fused dispatch: channels must be in [1, ", kMaxChannels, "], got ", geo.num_channels);
-    DEEP_EP_RETURN_IF_FAILED(check_resident("fused dispatch", 2 * geo.num_channels));
+    DEEP_EP_RETURN_IF_FAILED(check_fused_launch(ctx, geo, "fused dispatch"));
     DEEP_EP_REQUIRE_ARG(geo.hidden_bytes > 0 && geo.hidden_bytes % 16 == 0,
                         "fused dispatch: hidden bytes must be a positive multiple of 16, got ", geo.hidden_bytes);
-    DEEP_EP_REQUIRE_ARG(geo.num_topk >= 0 && geo.num_topk <= kMaxTopk, "fused dispatch: num_topk must be in [0, ",
-                        kMaxTopk, "], got ", geo.num_topk);
-    DEEP_EP_REQUIRE_ARG(args.num_max_rdma_send_tokens >= 1 && geo.rail_capacity >= 2 * args.num_max_rdma_send_tokens,
-                        "fused dispatch: num_max_rdma_chunked_recv_tokens (", geo.rail_capacity,
-                        ") must be >= 2 * num_max_rdma_chunked_send_tokens (", args.num_max_rdma_send_tokens, ") >= 2");
-    DEEP_EP_REQUIRE_ARG(args.num_max_nvl_send_tokens >= 1 && geo.node_capacity >= 2 * args.num_max_nvl_send_tokens,
-                        "fused dispatch: num_max_nvl_chunked_recv_tokens (", geo.node_capacity,
-                        ") must be >= 2 * num_max_nvl_chunked_send_tokens (", args.num_max_nvl_send_tokens, ") >= 2");
-    DEEP_EP_RETURN_IF_FAILED(check_fits(ctx, geo, "fused dispatch"));
+    DEEP_EP_RETURN_IF_FAILED(
+        check_fused_rings(ctx, geo, args.num_max_rdma_send_tokens, args.num_max_nvl_send_tokens, "fused dispatch"));
     DEEP_EP_REQUIRE_ARG((args.topk_idx == nullptr) == (args.topk_weights == nullptr) &&
                             (args.topk_idx == nullptr || args.topk_idx_bytes == 4 || args.topk_idx_bytes == 8),
                         "fused dispatch: topk_idx and topk_weights come together, ids of 4 or 8 bytes");
@@ -1452,25 +1464,12 @@ namespace kernels {
 
 Status fused_combine(const KernelContext& ctx, const FusedGeometry& geo, const FusedCombineArgs& args,
                      cudaStream_t stream) {
-    DEEP_EP_RETURN_IF_FAILED(check_fused_context(ctx, geo.gpus_per_node, "fused combine"));
-    DEEP_EP_REQUIRE_ARG(geo.num_nodes * geo.gpus_per_node == ctx.num_ranks,
-                        "fused combine: nodes x GPUs per node must equal num_ranks, got ", geo.num_nodes, " x ",
-                        geo.gpus_per_node, " for ", ctx.num_ranks);
-    DEEP_EP_REQUIRE_ARG(geo.num_channels >= 1 && geo.num_channels <= kMaxChannels,
-                        "fused combine: channels must be in [1, ", kMaxChannels, "], got ", geo.num_channels);
-    DEEP_EP_RETURN_IF_FAILED(check_resident("fused combine", 2 * geo.num_channels));
+    DEEP_EP_RETURN_IF_FAILED(check_fused_launch(ctx, geo, "fused combine"));
     DEEP_EP_REQUIRE_ARG(geo.hidden_bytes > 0 && geo.hidden_bytes % 16 == 0,
                         "fused combine: hidden must be a positive multiple of 8 BF16 elements, got ",
                         geo.hidden_bytes / 2);
-    DEEP_EP_REQUIRE_ARG(geo.num_topk >= 0 && geo.num_topk <= kMaxTopk, "fused combine: num_topk must be in [0, ",
-                        kMaxTopk, "], got ", geo.num_topk);
-    DEEP_EP_REQUIRE_ARG(args.num_max_rdma_send_tokens >= 1 && geo.rail_capacity >= 2 * args.num_max_rdma_send_tokens,
-                        "fused combine: num_max_rdma_chunked_recv_tokens (", geo.rail_capacity,
-                        ") must be >= 2 * num_max_rdma_chunked_send_tokens (", args.num_max_rdma_send_tokens, ") >= 2");
-    DEEP_EP_REQUIRE_ARG(args.num_max_nvl_send_tokens >= 1 && geo.node_capacity >= 2 * args.num_max_nvl_send_tokens,
-                        "fused combine: num_max_nvl_chunked_recv_tokens (", geo.node_capacity,
-                        ") must be >= 2 * num_max_nvl_chunked_send_tokens (", args.num_max_nvl_send_tokens, ") >= 2");
-    DEEP_EP_RETURN_IF_FAILED(check_fits(ctx, geo, "fused combine"));
+    DEEP_EP_RETURN_IF_FAILED(
+        check_fused_rings(ctx, geo, args.num_max_rdma_send_tokens, args.num_max_nvl_send_tokens, "fused combine"));
     fused_combine_kernel<<<2 * geo.num_channels, kChannelThreads, 0, stream>>>(ctx, geo, args);
     DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     return {};
