@@ -97,15 +97,14 @@ def measure(buffer, rank: int, args, x, x_fp8, topk_idx, topk_weights, rdma_pair
 
 def fused_put_rdma_bytes(args, per_node: int) -> int:
     """``--num-rdma-bytes`` for phase fused_put, raised so that the buffer (``num_nvl_bytes + num_rdma_bytes``,
-    whole MiB) has a put area that leaves the rings of the largest ``--sms`` their room: the fused rings keep the
-    Config's slots (256 rail, 256 / 2 node per source at 2 nodes) whatever the buffer, and the put area takes about
-    half of it."""
+    whole MiB) holds the rings of the largest ``--sms`` with put peers: the fused rings keep the Config's slots (256
+    rail, 256 / 2 node per source at 2 nodes) whatever the buffer, and put peers add the rail rings' staging."""
     from deep_ep import config, layout
     record = layout.intranode_dispatch_record_bytes(args.hidden * 2, 0, args.num_topk)
     need = 0
     for num_sms in args.sms:
         rail = config.Config(num_sms, 8, 256).num_max_rdma_chunked_recv_tokens
-        used = layout.fused_ring_bytes(2, per_node, max(1, num_sms // 2), record, rail, 256 // 2)
+        used = layout.fused_ring_bytes(2, per_node, max(1, num_sms // 2), record, rail, 256 // 2, True)
         need = max(need, layout.fused_min_rdma_bytes(used, True) - args.num_nvl_bytes)
     return max(args.num_rdma_bytes, -(-need // (1 << 20)) * (1 << 20))
 

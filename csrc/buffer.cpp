@@ -222,7 +222,7 @@ std::vector<int> Runtime::sync_symmetric(const std::string& unique_id) {
 #endif
 }
 
-void Runtime::set_put_peers(const std::vector<int>& put_ranks, bool put_area) {
+void Runtime::set_put_peers(const std::vector<int>& put_ranks, int put_area) {
     if (!symmetric_ || local_buffer_ == nullptr || available_ || destroyed_)
         throw std::runtime_error("Runtime::set_put_peers needs a symmetric runtime right after sync_symmetric");
     // The mask has a bit for every rank of the runtime (kMaxRuntimeRanks <= 64, api.cuh); each kernel family's
@@ -236,17 +236,25 @@ void Runtime::set_put_peers(const std::vector<int>& put_ranks, bool put_area) {
     for (int r = 0; r < num_ranks_; ++r)
         if (peer_buffers_[r] == nullptr && !kernels::put_bit(mask, r))
             invalid("rank %d is not reachable by nvshmem_ptr from rank %d: it must be a put peer", r, rank_);
-    if (mask != 0 && !put_area)
+    if (put_area < kernels::kPutAreaNone || put_area > kernels::kPutAreaInRegion)
+        invalid("put_area must be a kernels::PutArea in [0, 2], got %d", put_area);
+    if (mask != 0 && put_area == kernels::kPutAreaNone)
         invalid("put peers (rank %d: mask 0x%llx) need the put area", rank_, static_cast<unsigned long long>(mask));
-    if (put_area) {
+    if (put_area == kernels::kPutAreaMirror) {
         const kernels::PutLayout layout = kernels::put_layout(num_nvl_bytes_);
         if (layout.half <= 0)
             invalid("num_rdma_bytes %lld leaves no room for the rings and the put area of NVSHMEM put peers (need "
                     "more than %lld)", static_cast<long long>(num_nvl_bytes_),
                     static_cast<long long>(kernels::kControlBytes + kernels::kPutHeaderBytes));
         ring_bytes_ = layout.ring_bytes;
-        put_area_ = true;
+    } else if (put_area == kernels::kPutAreaInRegion) {
+        if (num_nvl_bytes_ - kernels::kPutHeaderBytes <= kernels::kControlBytes)
+            invalid("num_rdma_bytes %lld leaves no room for the kernels' region and the put area of NVSHMEM put peers "
+                    "(need more than %lld)", static_cast<long long>(num_nvl_bytes_),
+                    static_cast<long long>(kernels::kControlBytes + kernels::kPutHeaderBytes));
+        ring_bytes_ = num_nvl_bytes_ - kernels::kPutHeaderBytes;
     }
+    put_area_ = put_area;
     for (int r = 0; r < num_ranks_; ++r)
         if (kernels::put_bit(mask, r)) peer_buffers_[r] = nullptr;  // reached through NVSHMEM only
     put_mask_ = mask;
@@ -309,6 +317,7 @@ kernels::KernelContext Runtime::next_context() {
     ctx.num_ranks = num_ranks_;
     ctx.skip_sends = (fault_call_seq_ > 0 && ctx.call_seq >= fault_call_seq_) ? 1 : 0;
     ctx.put_mask = put_mask_;
+    ctx.put_area = put_area_;
     return ctx;
 }
 
@@ -339,7 +348,7 @@ void Runtime::reset(uintptr_t stream) {
     throw_if_failed(kernels::intranode_reset(ctx, as_stream(stream)));
     if (fused_gpus_per_node_ > 0)
         DEEP_EP_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(local_buffer_) + kernels::kControlBytes, 0,
-                                           kernels::kFusedRingsOffset - kernels::kControlBytes, as_stream(stream)));
+                                           kernels::kFusedControlEnd - kernels::kControlBytes, as_stream(stream)));
     if (fused_gpus_per_node_ > 0)
         DEEP_EP_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(workspace_) + kernels::kWsFusedBase, 0,
                                            kernels::kWsFusedEnd - kernels::kWsFusedBase,
@@ -602,7 +611,8 @@ void Runtime::clear_argument_error(uintptr_t stream) {
         invalid("clear_argument_error: the error record holds no argument mismatch");
     // A combine the ranks disagreed on: every rank continues from the copy epoch after it, whichever send path it
     // took (every rank's kernel freed its landing zones of that epoch).
-    if (record->kernel == kernels::kKernelCombine && record->call_seq == checked_combine_seq_ && !put_area_)
+    if (record->kernel == kernels::kKernelCombine && record->call_seq == checked_combine_seq_ &&
+        put_area_ == kernels::kPutAreaNone)
         copy_epoch_ = checked_combine_epoch_ + 1u;
     // The claim word frees the record for the kernels once the stream reaches it; until then no kernel of this rank
     // can claim the record, so it is zeroed here at once.
@@ -798,7 +808,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     const bool checked = arm_combine_agreement(args, signature_hash, capture != cudaStreamCaptureStatusNone);
     // A mismatched ring kernel frees this rank's landing zones of the epoch every rank takes on after it. With a put
     // area no combine goes through landing zones (would_copy), so the copy epoch stays.
-    args.mismatch_freed = checked && !put_area_ ? copy_epoch_ + 1u : 0u;
+    args.mismatch_freed = checked && put_area_ == kernels::kPutAreaNone ? copy_epoch_ + 1u : 0u;
     const uint32_t epoch_before = copy_epoch_;
     auto ctx = next_context();
     if (copy_ctas > 0 && channel_prefix_matrix.has_value() && capture == cudaStreamCaptureStatusNone &&
@@ -870,7 +880,7 @@ void Runtime::publish_landed(const kernels::KernelContext& ctx, const kernels::L
 bool Runtime::would_copy(const std::vector<int64_t>& pair_counts, int hidden, int num_topk) const {
     const int R = num_ranks_;
     // Put peers have no pointer to copy into: a world with any combines through the rings on every rank.
-    if (R < 2 || put_area_ || static_cast<int>(pair_counts.size()) != R * R) return false;
+    if (R < 2 || put_area_ != kernels::kPutAreaNone || static_cast<int>(pair_counts.size()) != R * R) return false;
     // The landing zone at owner o for source s holds the rows o sent to s.
     for (int o = 0; o < R; ++o)
         for (int s = 0; s < R; ++s)

@@ -80,12 +80,13 @@ class Runtime {
     // becomes usable with set_put_peers.
     std::vector<int> sync_symmetric(const std::string& unique_id);
     // Symmetric runtime, after sync_symmetric: the ranks reached by NVSHMEM puts and signals instead of pointers
-    // (every unreachable one among them; the caller makes the relation symmetric across ranks). `put_area`: carve
-    // the put area (kernels/layout.cuh put_layout), which every rank of the world must do alike as soon as any
-    // pair of it is a put pair; required when `put_ranks` is not empty. Any group size of the runtime takes put
+    // (every unreachable one among them; the caller makes the relation symmetric across ranks). `put_area`
+    // (kernels/layout.cuh PutArea): the put area to carve, which every rank of the world must do alike as soon as any
+    // pair of it is a put pair (kPutAreaMirror for the ring kernels, kPutAreaInRegion for the fused kernels);
+    // required when `put_ranks` is not empty. Any group size of the runtime takes put
     // peers (each kernel family checks its own group limit: the ring kernels' kMaxRanks, the fused kernels'
     // kFusedMaxRanks). Throws std::invalid_argument when num_nvl_bytes leaves no room for the put area.
-    void set_put_peers(const std::vector<int>& put_ranks, bool put_area);
+    void set_put_peers(const std::vector<int>& put_ranks, int put_area);
     // Bit r: rank r is a put peer (a bit for each of up to kMaxRuntimeRanks ranks).
     uint64_t get_put_mask() const { return put_mask_; }
     // Bytes of the kernels' region (control, rings, output pool): num_nvl_bytes, less with a put area after it.
@@ -258,7 +259,7 @@ class Runtime {
     int64_t num_nvl_bytes_;
     int64_t ring_bytes_;      // the kernels' region [0, ring_bytes_): num_nvl_bytes_, or less with a put area after it
     uint64_t put_mask_ = 0;   // bit r: rank r is reached by NVSHMEM puts (KernelContext::put_mask)
-    bool put_area_ = false;   // the world has put pairs: the buffer ends with the put area
+    int put_area_ = 0;        // kernels::PutArea: with put pairs in the world the buffer ends with a put area
     double timeout_s_;
     int device_id_ = -1;
     bool symmetric_ = false;

@@ -195,7 +195,7 @@ Runtime::fused_dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_
     const int num_topk = topk_idx.has_value() ? static_cast<int>(topk_idx->size(1)) : 0;
     const auto geometry = kernels::fused_layout(num_nodes, gpus_per_node, num_channels, hidden_bytes, num_scales,
                                                 num_topk, num_max_rdma_recv_tokens, num_max_nvl_recv_tokens,
-                                                ring_bytes_, put_area_, false);
+                                                ring_bytes_, put_area_ == kernels::kPutAreaInRegion, false);
     kernels::FusedDispatchArgs args{};
     args.x = ptr(x, workspace_);
     args.x_scales = ptr<const void>(x_scales, workspace_);
@@ -274,7 +274,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::fused_combine(
     const int num_topk = topk_weights.has_value() ? static_cast<int>(topk_weights->size(1)) : 0;
     if (topk_weights.has_value()) combined_topk_weights = at::empty({num_tokens, num_topk}, x.options().dtype(at::kFloat));
     const auto geometry = kernels::fused_layout(num_nodes, gpus_per_node, num_channels, x.size(1) * 2, 0, num_topk,
-                                                num_max_rdma_recv_tokens, num_max_nvl_recv_tokens, ring_bytes_, put_area_, true);
+                                                num_max_rdma_recv_tokens, num_max_nvl_recv_tokens, ring_bytes_,
+                                                put_area_ == kernels::kPutAreaInRegion, true);
     kernels::FusedCombineArgs args{};
     args.x = ptr(x, workspace_);
     args.topk_weights = ptr<const float>(topk_weights, workspace_);

@@ -332,6 +332,21 @@ def put_header_bytes() -> int:
     return 2 * intranode_control_bytes() + staging
 
 
+# Which put area a world with put pairs carves (csrc/kernels/layout.cuh PutArea): the ring kernels' (header and
+# staging halves that mirror the ring halves), or the fused kernels' (the header alone: they stage inside their
+# region).
+PUT_AREA_NONE, PUT_AREA_MIRROR, PUT_AREA_IN_REGION = 0, 1, 2
+
+
+def put_region_bytes(num_bytes: int, put_area: int) -> int:
+    """The kernels' region of a buffer of ``num_bytes`` with put area ``put_area`` (``PUT_AREA_*``)."""
+    if put_area == PUT_AREA_MIRROR:
+        return put_ring_bytes(num_bytes)
+    if put_area == PUT_AREA_IN_REGION:
+        return num_bytes - put_header_bytes()
+    return num_bytes
+
+
 def put_ring_bytes(num_bytes: int) -> int:
     """The kernels' region of a buffer of ``num_bytes`` that ends with a put area: each staging half equals a ring
     half, so the rings get a quarter of what the fixed regions leave (at most ``INTRANODE_MAX_RING_HALF_BYTES``
@@ -346,10 +361,11 @@ def put_ring_bytes(num_bytes: int) -> int:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Fused internode kernels (csrc/kernels/fused_internode.cuh): after the shared control region, their own notify
-# slots, counters and signals for up to NUM_MAX_FUSED_RANKS ranks, then a dispatch half and a combine half of rings.
-# In each half, rail rings [channel][source node] of ``rail_capacity`` records (at a forwarder), then node rings
-# [channel][source rank] of ``node_capacity`` records (at a receiver); the capacities are the Config's, not
-# fitted to the buffer, so a buffer too small for a call's rings refuses the call.
+# slots, counters and signals for up to NUM_MAX_FUSED_RANKS ranks and the staging twins of those words, then a
+# dispatch half and a combine half of rings. In each half, rail rings [channel][source node] of ``rail_capacity``
+# records (at a forwarder), then node rings [channel][source rank] of ``node_capacity`` records (at a receiver), and
+# with put peers in the world a rail staging of the rail rings' shape; the capacities are the Config's, not fitted
+# to the buffer, so a buffer too small for a call's rings refuses the call.
 # ---------------------------------------------------------------------------------------------------------------
 
 FUSED_MAX_NODES = NUM_MAX_FUSED_RANKS // 2
@@ -379,46 +395,38 @@ def fused_control_layout() -> Layout:
                  ("combine_agreement", 2 * NUM_MAX_FUSED_RANKS * 8))
 
 
-def fused_rings_offset() -> int:
-    """Byte offset of the fused kernels' dispatch half (the end of their control words)."""
+def fused_control_end() -> int:
+    """Byte offset of the end of the fused kernels' control words (where their staging twins start)."""
     return intranode_control_bytes() + align_up(fused_control_layout().total_bytes, BUFFER_ALIGNMENT)
 
 
-def fused_half_bytes(ring_bytes: int, put_area: bool) -> int:
-    """Bytes of each fused half in a kernels' region of ``ring_bytes``; with a put area only the part its staging
-    halves mirror (the control region and two halves of at most ``INTRANODE_MAX_RING_HALF_BYTES``) is used."""
-    region = ring_bytes
-    if put_area:
-        region = min(ring_bytes, intranode_control_bytes() + 2 * INTRANODE_MAX_RING_HALF_BYTES)
-    left = region - fused_rings_offset()
+def fused_rings_offset() -> int:
+    """Byte offset of the fused kernels' dispatch half: after their control words and the words' staging twins."""
+    return 2 * fused_control_end() - intranode_control_bytes()
+
+
+def fused_half_bytes(ring_bytes: int) -> int:
+    """Bytes of each fused half in a kernels' region of ``ring_bytes``."""
+    left = ring_bytes - fused_rings_offset()
     return (left // 2) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT if left > 0 else 0
 
 
 def fused_ring_bytes(num_nodes: int, gpus_per_node: int, num_channels: int, record_bytes: int, rail_capacity: int,
-                     node_capacity: int) -> int:
+                     node_capacity: int, staged: bool) -> int:
     """Bytes of one direction's fused rings: ``[C][N][rail_capacity]`` records, aligned, then
-    ``[C][N * G][node_capacity]`` records."""
-    rail = align_up(num_channels * num_nodes * rail_capacity * record_bytes, BUFFER_ALIGNMENT)
-    return rail + num_channels * num_nodes * gpus_per_node * node_capacity * record_bytes
+    ``[C][N * G][node_capacity]`` records, and with put peers in the world (``staged``), aligned, the rail staging
+    (``[C][N][rail_capacity]`` records again: only the rail hops cross to put peers)."""
+    rail = num_channels * num_nodes * rail_capacity * record_bytes
+    used = align_up(rail, BUFFER_ALIGNMENT) + num_channels * num_nodes * gpus_per_node * node_capacity * record_bytes
+    return align_up(used, BUFFER_ALIGNMENT) + rail if staged else used
 
 
 def fused_min_rdma_bytes(ring_bytes: int, put_area: bool) -> int:
-    """The smallest ``num_rdma_bytes`` (a multiple of ``BUFFER_ALIGNMENT``) whose fused halves hold ``ring_bytes``
-    of rings each (:func:`fused_ring_bytes`), or 0 when none does (a put area caps the halves)."""
-    def holds(units: int) -> bool:
-        num_bytes = units * BUFFER_ALIGNMENT
-        return fused_half_bytes(put_ring_bytes(num_bytes) if put_area else num_bytes, put_area) >= ring_bytes
-
-    low, high = 0, ceil_div(fused_rings_offset() + 4 * (ring_bytes + put_header_bytes()), BUFFER_ALIGNMENT) + 8
-    if not holds(high):
-        return 0
-    while low < high:  # the halves grow with the buffer
-        mid = (low + high) // 2
-        if holds(mid):
-            high = mid
-        else:
-            low = mid + 1
-    return low * BUFFER_ALIGNMENT
+    """The smallest buffer (a multiple of ``BUFFER_ALIGNMENT``) whose fused halves hold ``ring_bytes`` of rings
+    each (:func:`fused_ring_bytes`); with put peers in the world (``put_area``) the put area's header follows the
+    kernels' region."""
+    region = fused_rings_offset() + 2 * align_up(ring_bytes, BUFFER_ALIGNMENT)
+    return region + (put_header_bytes() if put_area else 0)
 
 
 def intranode_dispatch_layout(num_ranks: int, num_channels: int, num_recv_tokens: int, hidden_bytes: int,

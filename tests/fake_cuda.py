@@ -172,8 +172,8 @@ def make_fake_extension(torch) -> types.ModuleType:
                 raise ValueError(f"put peers (rank {self.rank}: mask {mask:#x}) need the put area")
             self.put_mask = mask
             if put_area:
-                from deep_ep.layout import put_ring_bytes
-                self.ring_bytes = put_ring_bytes(self.num_nvl_bytes)
+                from deep_ep.layout import put_region_bytes
+                self.ring_bytes = put_region_bytes(self.num_nvl_bytes, put_area)
 
         ring_bytes = None  # the kernels' region when a put area follows it
 

@@ -217,12 +217,13 @@ def test_fused_backend_accepts_rail_put_peers_only():
     with a put area; a put pair inside a node is refused (and the buffer released) so that the composed path takes
     over."""
     report = run_probe(_PUT_PROBE, DEEP_EP_GPUS_PER_NODE="2")
-    assert report["pointer"] == {"put_peers": [], "calls": [["set_put_peers", [], False]]}, report["pointer"]
-    assert report["rail"] == {"put_peers": [2, 3], "calls": [["set_put_peers", [2, 3], True]]}, report["rail"]
-    assert report["forced"] == {"put_peers": [2, 3], "calls": [["set_put_peers", [2, 3], True]]}, report["forced"]
+    # The fused kernels' put area is the header alone (PUT_AREA_IN_REGION = 2): they stage inside their region.
+    assert report["pointer"] == {"put_peers": [], "calls": [["set_put_peers", [], 0]]}, report["pointer"]
+    assert report["rail"] == {"put_peers": [2, 3], "calls": [["set_put_peers", [2, 3], 2]]}, report["rail"]
+    assert report["forced"] == {"put_peers": [2, 3], "calls": [["set_put_peers", [2, 3], 2]]}, report["forced"]
     near = report["near"]
     assert "inside a node" in near.get("refused", "") and "rank 0 reaches [1]" in near["refused"], near
-    assert near["calls"] == [["set_put_peers", [1], True], ["destroy"]], near
+    assert near["calls"] == [["set_put_peers", [1], 2], ["destroy"]], near
 
 
 _WIDE_PUT_PROBE = PROBE_HEAD + r"""
@@ -408,7 +409,7 @@ int main() {
     long long n; int put, nodes, gpus, channels, scales, topk, rail, node, combine; long long hidden;
     while (std::scanf("%lld %d %d %d %d %lld %d %d %d %d %d", &n, &put, &nodes, &gpus, &channels, &hidden, &scales,
                       &topk, &rail, &node, &combine) == 11) {
-        const long long ring = put ? put_layout(n).ring_bytes : n;
+        const long long ring = put ? n - kPutHeaderBytes : n;
         const FusedGeometry g = fused_layout(nodes, gpus, channels, hidden, scales, topk, rail, node, ring, put != 0,
                                              combine != 0);
         std::printf("%lld %lld %lld %lld\n", ring, (long long)fused_half_bytes(g.region_bytes),
@@ -422,14 +423,13 @@ int main() {
 def _rings_cases() -> list[tuple]:
     """(num_rdma_bytes, put area, N, G, channels, hidden bytes, scales, top-k, rail slots, node slots, combine):
     the benchmark's 2 x 2 geometry (12 channels of 7168-BF16 records, top-8) around the smallest buffers that hold
-    it, with and without a put area, FP8 with scales, a combine, and wide groups."""
+    it, with and without put peers (their staging), FP8 with scales, a combine, and wide groups."""
     from deep_ep import layout
     bf16 = (2, 2, 12, 14336, 0, 8, 258, 256, 0)
     record = layout.intranode_dispatch_record_bytes(14336, 0, 8)
-    used = layout.fused_ring_bytes(2, 2, 12, record, 258, 256)
     cases = []
     for put in (0, 1):
-        least = layout.fused_min_rdma_bytes(used, bool(put))
+        least = layout.fused_min_rdma_bytes(layout.fused_ring_bytes(2, 2, 12, record, 258, 256, bool(put)), bool(put))
         cases += [(n, put, *bf16) for n in (least - 128, least, 10**9 // 128 * 128, 256 << 20, 1 << 30, 3 << 30)]
     cases += [(1 << 30, 1, 2, 2, 12, 7168, 56, 8, 258, 256, 0), (1 << 30, 1, 2, 2, 12, 14336, 0, 8, 258, 256, 1),
               (480 << 20, 1, 8, 8, 6, 512, 4, 8, 256, 256, 0), (384 << 20, 0, 32, 2, 4, 256, 0, 4, 256, 256, 1)]
@@ -438,7 +438,7 @@ def _rings_cases() -> list[tuple]:
 
 def test_fused_rings_mirror_matches_cpp(tmp_path):
     """deep_ep.layout's put area and fused ring sizes (Buffer's check before a fused call) are the kernels'
-    (put_layout, fused_layout, fused_half_bytes): the same region, half and ring bytes for each case, and the
+    (kPutHeaderBytes, fused_layout, fused_half_bytes): the same region, half and ring bytes for each case, and the
     smallest buffer fused_min_rdma_bytes names holds the rings where 128 bytes less does not."""
     from deep_ep import layout
     cases = _rings_cases()
@@ -453,19 +453,20 @@ def test_fused_rings_mirror_matches_cpp(tmp_path):
         ring, half, used, record = map(int, line.split())
         want_record = (layout.intranode_combine_record_bytes(hidden // 2, topk) if combine else
                        layout.intranode_dispatch_record_bytes(hidden, scales, topk))
-        assert ring == (layout.put_ring_bytes(n) if put else n), case
-        assert half == layout.fused_half_bytes(ring, bool(put)), case
-        assert (used, record) == (layout.fused_ring_bytes(nodes, gpus, channels, want_record, rail, node),
+        assert ring == layout.put_region_bytes(n, layout.PUT_AREA_IN_REGION if put else layout.PUT_AREA_NONE), case
+        assert half == layout.fused_half_bytes(ring), case
+        assert (used, record) == (layout.fused_ring_bytes(nodes, gpus, channels, want_record, rail, node, bool(put)),
                                   want_record), case
     bench = {(case[0], case[1]): int(line.split()[1]) >= int(line.split()[2]) for case, line in zip(cases, lines[1:])
              if case[2:] == (2, 2, 12, 14336, 0, 8, 258, 256, 0)}
     record = layout.intranode_dispatch_record_bytes(14336, 0, 8)
     for put in (0, 1):
-        least = layout.fused_min_rdma_bytes(layout.fused_ring_bytes(2, 2, 12, record, 258, 256), bool(put))
+        least = layout.fused_min_rdma_bytes(layout.fused_ring_bytes(2, 2, 12, record, 258, 256, bool(put)), bool(put))
         assert bench[(least, put)] and not bench[(least - 128, put)], (put, least)
-    # The benchmark's 1e9-byte buffer holds the rings of its 12 channels only without the put area.
-    assert bench[(10**9 // 128 * 128, 0)] and not bench[(10**9 // 128 * 128, 1)]
-    assert not bench[(256 << 20, 1)] and bench[(1 << 30, 1)]
+    # Put peers' staging adds the rail rings' bytes only: the benchmark's 1e9-byte buffer holds its 12 channels
+    # either way, 256 MiB holds them in neither.
+    assert bench[(10**9 // 128 * 128, 0)] and bench[(10**9 // 128 * 128, 1)]
+    assert not bench[(256 << 20, 1)] and not bench[(256 << 20, 0)] and bench[(1 << 30, 1)]
 
 
 _CHECK_RINGS_PROBE = PROBE_HEAD + r"""
@@ -508,32 +509,32 @@ print(json.dumps(report))
 
 def test_fused_rings_that_do_not_fit_raise_before_any_launch():
     """The fused kernels' rings have the Config's capacities whatever the buffer (node rings: the nvl recv tokens
-    shared by the source nodes), and the put area of NVSHMEM put peers takes about half of the buffer: 12 channels of
-    7168-BF16 records at 258 rail / 256 node slots fit a 1e9-byte buffer without put peers but not with them.
-    check_rings (Buffer's validation) raises ValueError naming the smallest num_nvl_bytes + num_rdma_bytes that holds
-    the call, or that none does, and launches nothing."""
+    shared by the source nodes), and NVSHMEM put peers add the rail rings' staging: 12 channels of 7168-BF16 records
+    at 258 rail / 256 node slots fit a 1e9-byte buffer with or without put peers, 24 channels fit neither way, 256 MiB
+    holds none. check_rings (Buffer's validation) raises ValueError naming the smallest num_nvl_bytes +
+    num_rdma_bytes that holds the call, and launches nothing."""
     from deep_ep import layout
     record = layout.intranode_dispatch_record_bytes(14336, 0, 8)
-    least = layout.fused_min_rdma_bytes(layout.fused_ring_bytes(2, 2, 12, record, 258, 256), True)
+    least = layout.fused_min_rdma_bytes(layout.fused_ring_bytes(2, 2, 12, record, 258, 256, True), True)
     done = subprocess.run([sys.executable, "-c", _CHECK_RINGS_PROBE, ROOT, str(least)], cwd=ROOT,
                           env=probe_env(DEEP_EP_GPUS_PER_NODE="2"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["launched"] == []
     put, bf16, fp8, combine, small, wide, chunks = report["put 1e9"]
-    assert put and f"num_nvl_bytes + num_rdma_bytes >= {least}" in bf16 and "num_rdma_bytes=1000000000" in bf16, bf16
-    assert "12 channels" in bf16 and "put area" in bf16 and "dispatch" in bf16, bf16
-    assert fp8 == "ok" and "combine" in combine and ">= " in combine, (fp8, combine)
-    assert small == "ok", small
-    assert "no buffer size holds them" in wide and "24 channels" in wide, wide
+    assert put and [bf16, fp8, combine, small] == ["ok"] * 4, report["put 1e9"]
+    wide_put = layout.fused_min_rdma_bytes(layout.fused_ring_bytes(2, 2, 24, record, 258, 256, True), True)
+    assert f"num_nvl_bytes + num_rdma_bytes >= {wide_put}" in wide and "num_rdma_bytes=1000000000" in wide, wide
+    assert "24 channels" in wide and "staging of NVSHMEM put peers" in wide and "dispatch" in wide, wide
     assert "num_max_nvl_chunked_recv_tokens >= 2 * num_nodes" in chunks and "got 3 for 2 nodes" in chunks, chunks
-    assert report["put 256M"][1].startswith("num_nvl_bytes + num_rdma_bytes=268435456 is too small"), report["put 256M"]
-    assert report["put 256M"][2] != "ok" and report["put 256M"][4] == "ok", report["put 256M"]
+    tight = report["put 256M"]
+    assert tight[1].startswith("num_nvl_bytes + num_rdma_bytes=268435456 is too small") and ">= " in tight[1], tight
+    assert "combine" in tight[3] and ">= " in tight[3] and tight[4] == "ok", tight
     assert report["put least"][:5] == [True, "ok", "ok", "ok", "ok"], report["put least"]
     pointer = report["pointer 1e9"]
     assert pointer[:5] == [False, "ok", "ok", "ok", "ok"], pointer
-    wide_least = layout.fused_min_rdma_bytes(layout.fused_ring_bytes(2, 2, 24, record, 258, 256), False)
-    assert f"num_rdma_bytes >= {wide_least}" in pointer[5] and "put area" not in pointer[5], pointer[5]
+    wide_least = layout.fused_min_rdma_bytes(layout.fused_ring_bytes(2, 2, 24, record, 258, 256, False), False)
+    assert f"num_rdma_bytes >= {wide_least}" in pointer[5] and "staging" not in pointer[5], pointer[5]
 
 
 _BUFFER_CHECK_PROBE = PROBE_HEAD + r"""

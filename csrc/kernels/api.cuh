@@ -160,9 +160,12 @@ struct KernelContext {
     int32_t skip_sends;        // fault injection (tests): 1 = this rank writes no ring data and publishes no tails
     // NVSHMEM put peers (symmetric runtimes only; layout.cuh, "put area"). Bit r set (put_bit): rank r has no
     // pointer and is reached by puts from this rank's staging (buffers[rank] is the symmetric address) and signals.
-    // Ranks without the bit are reached by pointer. With a bit set the put area starts at byte num_nvl_bytes (the
-    // kernels' region ends there). Needs an NVSHMEM build.
+    // Ranks without the bit are reached by pointer. Needs an NVSHMEM build.
     uint64_t put_mask;
+    // The put area (layout.cuh PutArea), the same on every rank of the world: with put pairs it starts at byte
+    // num_nvl_bytes (the kernels' region ends there); kPutAreaMirror, the kernels stage in its staging halves,
+    // kPutAreaInRegion, inside their region.
+    int32_t put_area;
 };
 
 // ---------------------------------------------------------------------------------------------------------------

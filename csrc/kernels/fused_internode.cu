@@ -108,10 +108,10 @@ static __device__ __noinline__ void fused_signal(const KernelContext& ctx, int64
 #endif
 }
 
-// Where this rank stages what it puts at byte `offset` of a put peer's buffer: the put area's staging twin of the
-// offset (layout.cuh; fused_region_bytes keeps the fused layout inside what the staging halves mirror).
-__device__ __forceinline__ char* fused_stage(const KernelContext& ctx, int64_t offset) {
-    return own_buffer(ctx) + put_stage_shift(ctx.num_nvl_bytes) + offset;
+// Where this rank stages what it puts at control-region byte `offset` of a put peer's buffer (its twin in the
+// control staging, fused_internode.cuh).
+__device__ __forceinline__ char* fused_control_stage(const KernelContext& ctx, int64_t offset) {
+    return own_buffer(ctx) + kFusedControlStageShift + offset;
 }
 
 // Lane 0 raises `word` of a pointer peer (release store) or the signal at `signal_offset` of put peer `peer` to
@@ -146,7 +146,7 @@ static __device__ __noinline__ void fused_put_run(const KernelContext& ctx, cons
         const int slot = static_cast<int>(from % static_cast<uint32_t>(capacity));
         const int first = n < capacity - slot ? n : capacity - slot;
         char* dest = own_buffer(ctx) + dest_ring;
-        const char* stage = fused_stage(ctx, stage_ring);
+        const char* stage = own_buffer(ctx) + geo.rail_stage(stage_ring);
         nvshmemx_putmem_nbi_warp(dest + slot * record_bytes, stage + slot * record_bytes,
                                  static_cast<size_t>(first * record_bytes), pe);
         if (first < n)
@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         const int d = i / per_dst, k = i % per_dst;
         const bool put = is_put_peer(ctx, d);
         volatile int* slot =
-            put ? reinterpret_cast<volatile int*>(fused_stage(ctx, kFusedNotifyDataOffset)) +
+            put ? reinterpret_cast<volatile int*>(fused_control_stage(ctx, kFusedNotifyDataOffset)) +
                       (static_cast<int64_t>(parity) * kFusedMaxRanks + d) * kFusedNotifyInts
                 : reinterpret_cast<volatile int*>(buffer_u32(ctx.buffers[d], kFusedNotifyDataOffset)) +
                       (static_cast<int64_t>(parity) * kFusedMaxRanks + rank) * kFusedNotifyInts;
@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         } else if (d % per_node == my_local) {
             const int c = k - num_ranks - num_local_experts - num_channels;
             volatile int* counts = reinterpret_cast<volatile int*>(
-                put ? fused_stage(ctx, kFusedNodeCountOffset) : reinterpret_cast<char*>(ctx.buffers[d]) +
+                put ? fused_control_stage(ctx, kFusedNodeCountOffset) : reinterpret_cast<char*>(ctx.buffers[d]) +
                                                                    kFusedNodeCountOffset);
             counts[(static_cast<int64_t>(parity) * kFusedMaxRanks + (put ? d : rank)) * kMaxChannels + c] =
                 count_of(node_matrix + (d / per_node) * num_channels, c);
@@ -291,11 +291,11 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
         const int64_t mine = static_cast<int64_t>(parity) * kFusedMaxRanks + rank;
         const int64_t theirs = static_cast<int64_t>(parity) * kFusedMaxRanks + d;
         nvshmemx_putmem_nbi_warp(own_buffer(ctx) + kFusedNotifyDataOffset + mine * slot_bytes,
-                                 fused_stage(ctx, kFusedNotifyDataOffset) + theirs * slot_bytes,
+                                 fused_control_stage(ctx, kFusedNotifyDataOffset) + theirs * slot_bytes,
                                  static_cast<size_t>(slot_bytes), d);
         if (d % per_node == my_local)
             nvshmemx_putmem_nbi_warp(own_buffer(ctx) + kFusedNodeCountOffset + mine * counts_bytes,
-                                     fused_stage(ctx, kFusedNodeCountOffset) + theirs * counts_bytes,
+                                     fused_control_stage(ctx, kFusedNodeCountOffset) + theirs * counts_bytes,
                                      static_cast<size_t>(counts_bytes), d);
         __syncwarp();
         if (lane == 0) nvshmem_quiet();
@@ -536,7 +536,7 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
             ok = warp_wait_geq(ctx, head_word(channel), needed_head, site, &head);
             if (!ok) break;
         }
-        char* slot = put ? fused_stage(ctx, geo.rail_slot(channel, n, tail))
+        char* slot = put ? own_buffer(ctx) + geo.rail_stage(geo.rail_slot(channel, n, tail))
                          : static_cast<char*>(ctx.buffers[fwd]) + geo.rail_slot(channel, my_node, tail);
         int4* dst = reinterpret_cast<int4*>(slot) + lo;
         warp_copy_row<false>(
@@ -1127,9 +1127,9 @@ static __device__ void fused_combine_forward(const KernelContext& ctx, const Fus
                 srcs[num_srcs++] = reinterpret_cast<const int4*>(
                     own + geo.node_slot(channel, n * per_node + j, ring_base + static_cast<uint32_t>(position)));
         }
-        char* slot = put ? fused_stage(ctx, geo.rail_slot(channel, n, rail_tail0 + static_cast<uint32_t>(i)))
-                         : static_cast<char*>(ctx.buffers[owner]) +
-                               geo.rail_slot(channel, my_node, rail_tail0 + static_cast<uint32_t>(i));
+        const uint32_t seq = rail_tail0 + static_cast<uint32_t>(i);
+        char* slot = put ? own_buffer(ctx) + geo.rail_stage(geo.rail_slot(channel, n, seq))
+                         : static_cast<char*>(ctx.buffers[owner]) + geo.rail_slot(channel, my_node, seq);
         reduce_row<2>(srcs, num_srcs, nullptr, nullptr, reinterpret_cast<int4*>(slot), row_int4);
         if (args.topk_weights != nullptr) {
             for (int k = lane; k < geo.num_topk; k += 32) {
@@ -1357,7 +1357,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
 
 Status check_fused_context(const KernelContext& ctx, int gpus_per_node, const char* what) {
     // Put peers: any rank of another node (put_mask has a bit per rank of the group), none of the own node.
-    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, what, kFusedMaxRanks));
+    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, what, kFusedMaxRanks, kPutAreaInRegion));
     for (int r = 0; r < ctx.num_ranks && ctx.put_mask != 0 && gpus_per_node > 0; ++r)
         DEEP_EP_REQUIRE_ARG(!put_bit(ctx.put_mask, r) || r / gpus_per_node != ctx.rank / gpus_per_node, what,
                             ": the fused kernels reach the ranks of their own node by pointer, got rank ", r,
@@ -1370,24 +1370,20 @@ Status check_fused_context(const KernelContext& ctx, int gpus_per_node, const ch
     return {};
 }
 
-// The layout of this call fits into its half of the buffer; the message names the num_rdma_bytes that would fit.
-// With put peers the kernels' region is what put_layout leaves of num_rdma_bytes; the message names the
-// num_rdma_bytes whose put layout gives the rings enough (the staging halves mirror the ring halves).
+// The layout of this call fits into its half of the buffer; the message names the buffer size that would fit (with
+// put peers the kernels' region is the buffer less the put area's header).
 Status check_fits(const KernelContext& ctx, const FusedGeometry& geo, const char* what) {
-    const bool put_area = geo.put_area != 0;
-    DEEP_EP_REQUIRE_ARG(geo.region_bytes == fused_region_bytes(ctx.num_nvl_bytes, put_area) &&
-                            (put_area || ctx.put_mask == 0),
-                        what, ": the layout must be carved from the context's region (put area ", geo.put_area,
-                        ", put mask ", ctx.put_mask, ")");
+    const bool staged = ctx.put_area == kPutAreaInRegion;
+    DEEP_EP_REQUIRE_ARG(geo.region_bytes == ctx.num_nvl_bytes && geo.staged == (staged ? 1 : 0), what,
+                        ": the layout must be carved from the context's region (staged ", geo.staged, ", put area ",
+                        ctx.put_area, ")");
     const int64_t half = fused_half_bytes(geo.region_bytes);
     const int64_t used = geo.end_offset - geo.rail_rings_offset;
-    const int64_t region = kFusedRingsOffset + 2 * align_up64(used, kBufferAlignment);
-    const int64_t needed = put_area ? 2 * (region - kControlBytes) + kControlBytes + kPutHeaderBytes + 4 * kBufferAlignment
-                                    : region;
+    const int64_t needed = kFusedRingsOffset + 2 * align_up64(used, kBufferAlignment) + (staged ? kPutHeaderBytes : 0);
     DEEP_EP_REQUIRE_ARG(used <= half, what, ": num_rdma_bytes must be >= ", needed, " for ", geo.num_channels,
                         " channels, records of ", geo.record_bytes, " bytes, ", geo.rail_capacity, " rail slots and ",
-                        geo.node_capacity, " node slots per ring", put_area ? " (with the put area of put peers)" : "",
-                        "; got ", put_area ? "a kernels' region of " : "", ctx.num_nvl_bytes);
+                        geo.node_capacity, " node slots per ring", staged ? " (with the staging of put peers)" : "",
+                        "; got ", staged ? "a kernels' region of " : "", ctx.num_nvl_bytes);
     return {};
 }
 

@@ -5,8 +5,9 @@
 // Contract beyond api.cuh's (errors, context, collectiveness):
 //   * The context covers the whole group (rank r = node r / G, local r % G). Every peer of the own node is reached
 //     by pointer; a peer of another node may be an NVSHMEM put peer (put_mask, api.cuh, in groups of up to
-//     kFusedMaxRanks; the buffer then has a put area, layout.cuh). The buffer is carved by fused_layout() from
-//     fused_region_bytes(the context's num_nvl_bytes, put_mask != 0).
+//     kFusedMaxRanks; every rank's buffer then ends with the put area's header, layout.cuh kPutAreaInRegion). The
+//     kernels' region (the context's num_nvl_bytes) is carved by fused_layout(), with staging for put peers when
+//     the context's put_area is kPutAreaInRegion.
 //   * Every call is collective with the same geometry (channels, hidden bytes, scales, top-k, ring capacities).
 #pragma once
 
@@ -81,32 +82,27 @@ static_assert(kFusedNotifyFlagSignalOffset % 8 == 0, "64-bit signals");
 // call number % 2, and the hash of its call signature), by a release store for a pointer peer and an NVSHMEM signal
 // for a put peer (the same symmetric offset on every rank).
 constexpr int64_t kFusedCombineAgreementOffset = kFusedCombineRailHeadSignalOffset + kFusedSignalBytes;
-constexpr int64_t kFusedRingsOffset =
+// End of the fused control words.
+constexpr int64_t kFusedControlEnd =
     (kFusedCombineAgreementOffset + 8LL * 2 * kFusedMaxRanks + kBufferAlignment - 1) / kBufferAlignment *
     kBufferAlignment;
-// Per put peer d (any rank of another node, d < kFusedMaxRanks), notify stages slot [parity][d] of the notify data
-// and, for a rail peer, row [parity][d] of the node counts at the staging twins of those offsets (the put area's
-// staging halves, layout.cuh), then puts them to the same offsets at d as slot and row [parity][me]. The whole
-// fused control region below the rings (about 1.2 MiB at 64 ranks) is mirrored by the staging halves whenever the
-// rings are (fused_notify checks that the kernels' region reaches kFusedRingsOffset).
+// Control staging: per put peer d (any rank of another node, d < kFusedMaxRanks), notify stages slot [parity][d] of
+// the notify data and, for a rail peer, row [parity][d] of the node counts at their twins here (word at offset o of
+// [kControlBytes, kFusedControlEnd) at o + kFusedControlStageShift), then puts them to the same offsets at d as slot
+// and row [parity][me].
+constexpr int64_t kFusedControlStageShift = kFusedControlEnd - kControlBytes;
+// The halves start after the control staging (about 1.2 MiB of fused control words at 64 ranks, and their twins).
+constexpr int64_t kFusedRingsOffset = kFusedControlEnd + kFusedControlStageShift;
 static_assert(kFusedNodeCountOffset + 2LL * kFusedMaxRanks * kMaxChannels * 4 == kFusedCombineNodeTailOffset &&
                   kFusedNotifyDataOffset + 2LL * kFusedMaxRanks * kFusedNotifyInts * 4 == kFusedRailTailOffset,
               "notify staging: one slot and one node-count row per (parity, put peer)");
 static_assert(kFusedRailTailSignalOffset - kFusedNotifyFlagSignalOffset == 8LL * 2 * kFusedMaxRanks &&
                   kFusedSignalBytes == 8LL * kMaxChannels * kFusedMaxNodes,
               "signals: a notify flag per (parity, source rank), a rail counter per (channel, node)");
-static_assert(kFusedRingsOffset <= kControlBytes + 2 * kMaxRingHalfBytes,
-              "the fused control region lies within what the staging halves mirror at their largest");
-// The bytes [0, region) the fused layout may use of a buffer whose kernels' region is `ring_bytes`: all of it
-// without put peers; with them (`put_area`), only what the put area's staging halves mirror (layout.cuh), since a
-// rail record for a put peer is staged at its slot's offset shifted by put_stage_shift(ring_bytes).
-DEEP_EP_HOST_DEVICE int64_t fused_region_bytes(int64_t ring_bytes, bool put_area) {
-    if (!put_area) return ring_bytes;
-    const int64_t mirrored = kControlBytes + 2 * kMaxRingHalfBytes;
-    return ring_bytes < mirrored ? ring_bytes : mirrored;
-}
-// The rest of the buffer is two equal halves: dispatch rings, then combine rings (a rank may start its combine while
-// a peer still reads its dispatch rings).
+static_assert(kFusedControlStageShift % kBufferAlignment == 0, "the halves stay aligned");
+// The rest of the kernels' region (num_nvl_bytes of the context: with put peers the put area's header follows it,
+// layout.cuh kPutAreaInRegion) is two equal halves: dispatch rings, then combine rings (a rank may start its combine
+// while a peer still reads its dispatch rings).
 DEEP_EP_HOST_DEVICE int64_t fused_half_bytes(int64_t num_bytes) {
     const int64_t left = num_bytes - kFusedRingsOffset;
     return left > 0 ? align_down64(left / 2, kBufferAlignment) : 0;
@@ -149,14 +145,20 @@ struct FusedGeometry {
     int64_t record_bytes;
     int64_t rail_rings_offset;  // byte offset of the rail rings (the start of this direction's half)
     int64_t node_rings_offset;  // byte offset of the node rings
+    int64_t rail_stage_offset;  // byte offset of the rail staging (put peers in the world), else 0
     int64_t end_offset;         // end of the layout (must not pass the end of the half)
-    int64_t region_bytes;       // the bytes the layout was carved from (fused_region_bytes)
-    int put_area;               // 1: the buffer ends with a put area (put peers in the world)
+    int64_t region_bytes;       // the kernels' region the layout was carved from
+    int staged;                 // 1: put pairs in the world, the layout holds the rail staging
 
     DEEP_EP_HOST_DEVICE int64_t rail_slot(int channel, int src_node, uint32_t seq) const {
         return rail_rings_offset +
                ((static_cast<int64_t>(channel) * num_nodes + src_node) * rail_capacity + seq % rail_capacity) *
                    record_bytes;
+    }
+    // Where this rank stages what it puts at `offset` of a rail ring (slot k of rail ring (c, n) here stages what
+    // it puts into slot k of ring (c, its node) at node n): the rail staging has the rail rings' shape.
+    DEEP_EP_HOST_DEVICE int64_t rail_stage(int64_t offset) const {
+        return offset - rail_rings_offset + rail_stage_offset;
     }
     DEEP_EP_HOST_DEVICE int64_t node_slot(int channel, int src_rank, uint32_t seq) const {
         return node_rings_offset +
@@ -165,16 +167,16 @@ struct FusedGeometry {
     }
 };
 
-// `ring_bytes`: the runtime's kernels' region (the context's num_nvl_bytes); `put_area`: the world has put pairs.
+// `ring_bytes`: the runtime's kernels' region (the context's num_nvl_bytes); `staged`: the world has put pairs, so
+// each half also holds a rail staging (only the rail hops cross to put peers: the node rings stay pointer rings).
 // `combine`: the combine half and its records ([BF16 row, padded to 16][K float32 weights, padded to 16]); the rail
 // rings are then indexed by forwarder node and the node rings by (source node, sending local rank).
 DEEP_EP_HOST_DEVICE FusedGeometry fused_layout(int num_nodes, int gpus_per_node, int num_channels, int64_t hidden_bytes,
                                                int num_scales, int num_topk, int rail_capacity, int node_capacity,
-                                               int64_t ring_bytes, bool put_area, bool combine) {
-    const int64_t num_bytes = fused_region_bytes(ring_bytes, put_area);
+                                               int64_t ring_bytes, bool staged, bool combine) {
     FusedGeometry g{};
-    g.region_bytes = num_bytes;
-    g.put_area = put_area ? 1 : 0;
+    g.region_bytes = ring_bytes;
+    g.staged = staged ? 1 : 0;
     g.num_nodes = num_nodes;
     g.gpus_per_node = gpus_per_node;
     g.num_channels = num_channels;
@@ -187,12 +189,15 @@ DEEP_EP_HOST_DEVICE FusedGeometry fused_layout(int num_nodes, int gpus_per_node,
     g.meta_offset = g.scales_offset + align_up64(4LL * num_scales, 16);
     g.record_bytes = combine ? g.meta_offset + align_up64(4LL * num_topk, 16)
                              : g.meta_offset + align_up64(4LL * (1 + 2 * num_topk), 16);
-    g.rail_rings_offset = kFusedRingsOffset + (combine ? fused_half_bytes(num_bytes) : 0);
-    g.node_rings_offset = align_up64(
-        g.rail_rings_offset + static_cast<int64_t>(num_channels) * num_nodes * rail_capacity * g.record_bytes,
-        kBufferAlignment);
+    const int64_t rail_bytes = static_cast<int64_t>(num_channels) * num_nodes * rail_capacity * g.record_bytes;
+    g.rail_rings_offset = kFusedRingsOffset + (combine ? fused_half_bytes(ring_bytes) : 0);
+    g.node_rings_offset = align_up64(g.rail_rings_offset + rail_bytes, kBufferAlignment);
     g.end_offset = g.node_rings_offset +
                    static_cast<int64_t>(num_channels) * num_nodes * gpus_per_node * node_capacity * g.record_bytes;
+    if (staged) {
+        g.rail_stage_offset = align_up64(g.end_offset, kBufferAlignment);
+        g.end_offset = g.rail_stage_offset + rail_bytes;
+    }
     return g;
 }
 

@@ -232,16 +232,20 @@ __device__ __forceinline__ int put_block_items(int num_items, int num_copy_warps
 
 // ---- host-side checks of the launchers ----
 
-// `max_ranks`: the calling kernels' group limit (the ring kernels' kMaxRanks unless given).
-inline Status check_context(const KernelContext& ctx, const char* what, int max_ranks = kMaxRanks) {
+// `max_ranks`: the calling kernels' group limit (the ring kernels' kMaxRanks unless given); `put_area`: the put area
+// (PutArea) the calling kernels stage in when this rank has put peers (the ring kernels' kPutAreaMirror unless
+// given; negative for kernels that stage nothing).
+inline Status check_context(const KernelContext& ctx, const char* what, int max_ranks = kMaxRanks,
+                            int put_area = kPutAreaMirror) {
     DEEP_EP_REQUIRE_ARG(ctx.num_ranks >= 1 && ctx.num_ranks <= max_ranks, what, ": num_ranks must be in [1, ",
                         max_ranks, "], got ", ctx.num_ranks);
     DEEP_EP_REQUIRE_ARG(ctx.rank >= 0 && ctx.rank < ctx.num_ranks, what, ": rank must be in [0, num_ranks), got ",
                         ctx.rank);
     DEEP_EP_REQUIRE_ARG(ctx.put_mask == 0 || (kHasPutPath && !put_bit(ctx.put_mask, ctx.rank) &&
                                               (ctx.num_ranks >= 64 || (ctx.put_mask >> ctx.num_ranks) == 0)),
-                        what, ": put peers (mask ", ctx.put_mask,
-                        ") need an NVSHMEM build, a put area and a valid mask");
+                        what, ": put peers (mask ", ctx.put_mask, ") need an NVSHMEM build and a valid mask");
+    DEEP_EP_REQUIRE_ARG(ctx.put_mask == 0 || put_area < 0 || ctx.put_area == put_area, what,
+                        ": put peers need put area kind ", put_area, " (layout.cuh PutArea), got ", ctx.put_area);
     for (int r = 0; r < ctx.num_ranks; ++r)
         DEEP_EP_REQUIRE_ARG(ctx.buffers[r] != nullptr || put_bit(ctx.put_mask, r), what, ": the buffer of rank ", r,
                             " is not mapped");

@@ -58,21 +58,21 @@ __global__ void signal_abort_kernel(const __grid_constant__ KernelContext ctx) {
 }  // namespace
 
 Status intranode_barrier(const KernelContext& ctx, cudaStream_t stream) {
-    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "barrier", kMaxRuntimeRanks));
+    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "barrier", kMaxRuntimeRanks, -1));
     barrier_kernel<<<1, kMaxRuntimeRanks, 0, stream>>>(ctx);
     DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     return {};
 }
 
 Status intranode_reset(const KernelContext& ctx, cudaStream_t stream) {
-    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "reset", kMaxRuntimeRanks));
+    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "reset", kMaxRuntimeRanks, -1));
     reset_state_kernel<<<16, 256, 0, stream>>>(ctx);
     DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     return {};
 }
 
 Status intranode_signal_abort(const KernelContext& ctx, cudaStream_t stream) {
-    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "signal_abort", kMaxRuntimeRanks));
+    DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "signal_abort", kMaxRuntimeRanks, -1));
     signal_abort_kernel<<<1, 32, 0, stream>>>(ctx);
     DEEP_EP_RETURN_IF_CUDA_ERROR(cudaGetLastError());
     return {};

@@ -215,6 +215,14 @@ DEEP_EP_HOST_DEVICE DispatchOutputLayout dispatch_output_layout(int64_t rows, in
 //     dispatch staging, combine staging: the shape of the two ring halves; record slot k of ring (c, s) here
 //                                        stages what this rank puts into slot k of its own ring (c, me) at rank s]
 // The layout is the same on every rank of the world (ring_bytes is what the kernels see as num_nvl_bytes).
+// The fused internode kernels stage what they put inside their own layout (fused_internode.cuh): their put area is
+// the header alone (signal twins and notify staging, kPutHeaderBytes), so ring_bytes = num_nvl_bytes -
+// kPutHeaderBytes. KernelContext::put_area says which of the two a world with put pairs carves.
+enum PutArea : int32_t {
+    kPutAreaNone = 0,      // no put pairs in the world
+    kPutAreaMirror = 1,    // header and staging halves that mirror the ring halves (the ring kernels)
+    kPutAreaInRegion = 2,  // header only: the kernels stage inside their region (the fused kernels)
+};
 constexpr int64_t kPutNotifyStageOffset = 2 * kControlBytes;
 constexpr int64_t kPutHeaderBytes =
     kPutNotifyStageOffset + ((int64_t)kMaxRanks * kNotifyInts * 4 + kBufferAlignment - 1) / kBufferAlignment *

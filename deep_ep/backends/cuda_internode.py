@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from deep_ep import envs, testing
+from deep_ep import envs, layout, testing
 from deep_ep import handle as hd
 from deep_ep.backends.base import LayoutRequest
 from deep_ep.backends.common import object_all_gather
@@ -62,6 +62,9 @@ class SymmetricCuda(CudaBackend):
         ``G`` ranks are."""
         return 0
 
+    # The put area a world with put pairs carves (deep_ep.layout PUT_AREA_*): the ring kernels stage in its halves.
+    put_area_kind = layout.PUT_AREA_MIRROR
+
     # The copy-engine combine copies into peers' buffers with cudaMemcpyAsync; over the NVSHMEM heap that has not
     # run on a GPU yet, so this backend keeps its ring senders.
     copy_engine_combine = False
@@ -93,7 +96,7 @@ class SymmetricCuda(CudaBackend):
         # the same on every rank: the buffers' layout must agree
         self.put_area = put_area = put_only or any(far for far, _ in flags)
         try:
-            self.runtime.set_put_peers(self.put_peers, put_area)
+            self.runtime.set_put_peers(self.put_peers, self.put_area_kind if put_area else layout.PUT_AREA_NONE)
         except ValueError as exc:  # num_rdma_bytes and put_area agree on every rank, so every rank gets here together
             self.runtime.destroy()
             pairs = "; ".join(f"rank {r} cannot reach {peers}" for r, peers in enumerate(unreachable) if peers)

@@ -75,6 +75,9 @@ class FusedInternodeCuda(SymmetricCuda):
             raise UnsupportedTopology(f"NVSHMEM put peers inside a node ({pairs}): the fused internode kernels reach "
                                       "the ranks of their own node by pointer")
 
+    # The put area is the header alone: the kernels stage their rail records and notify words inside their region.
+    put_area_kind = lay.PUT_AREA_IN_REGION
+
     def forced_put_span(self) -> int:
         """``internode_put_only`` makes the rail pairs (ranks of different nodes) put pairs; NVLink stays pointer."""
         return self.per_node
@@ -158,8 +161,8 @@ class FusedInternodeCuda(SymmetricCuda):
         """Raise ValueError unless the call's rings fit a half of the buffer: the rail rings hold
         ``num_max_rdma_chunked_recv_tokens`` records per (channel, source node) and the node rings
         ``num_max_nvl_chunked_recv_tokens / N`` per (channel, source rank) (:func:`node_ring`) whatever the buffer's
-        size, and with NVSHMEM put peers the put area takes about half of the buffer (deep_ep/layout.py). Equal on
-        every rank that makes the same call; a passing geometry is remembered."""
+        size, and with NVSHMEM put peers the rail rings' staging too (deep_ep/layout.py). Equal on every rank that
+        makes the same call; a passing geometry is remembered."""
         key = (kind, hidden_bytes, num_scales, num_topk, config)
         if key in self._rings_checked:
             return
@@ -173,19 +176,18 @@ class FusedInternodeCuda(SymmetricCuda):
             record = lay.intranode_dispatch_record_bytes(hidden_bytes, num_scales, num_topk)
         else:
             record = lay.intranode_combine_record_bytes(hidden_bytes // 2, num_topk)
-        used = lay.fused_ring_bytes(self.num_nodes, self.per_node, channels, record, rail, node)
-        half = lay.fused_half_bytes(self.ring_bytes(), self.put_area)
+        used = lay.fused_ring_bytes(self.num_nodes, self.per_node, channels, record, rail, node, self.put_area)
+        half = lay.fused_half_bytes(self.ring_bytes())
         if used <= half:
             self._rings_checked.add(key)
             return
         need = lay.fused_min_rdma_bytes(used, self.put_area)
-        put = " with the put area of NVSHMEM put peers" if self.put_area else ""
-        fix = (f"build the Buffer with num_nvl_bytes + num_rdma_bytes >= {need}" if need else
-               f"lower config.num_sms or the chunked recv tokens (no buffer size holds them{put})")
+        put = " and the staging of NVSHMEM put peers" if self.put_area else ""
         raise ValueError(f"num_nvl_bytes + num_rdma_bytes={self.num_nvl_bytes} is too small for this fused internode "
                          f"{kind}: its rings take {used} bytes ({channels} channels of {self.num_nodes} rail rings "
-                         f"of {rail} and {self.num_ranks} node rings of {node} records of {record} bytes), a half of "
-                         f"the buffer{put} holds {half}; {fix}")
+                         f"of {rail} and {self.num_ranks} node rings of {node} records of {record} bytes{put}), a "
+                         f"half of the buffer holds {half}; build the Buffer with num_nvl_bytes + num_rdma_bytes >= "
+                         f"{need}")
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int,
                                 use_rdma_buffer: bool) -> torch.Tensor:

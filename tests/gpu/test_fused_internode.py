@@ -211,11 +211,11 @@ BENCH_SMS, BENCH_HIDDEN = 24, 7168
 
 
 def _bench_rdma_bytes() -> int:
-    """The smallest num_rdma_bytes, in whole MiB, whose buffer's put area leaves the benchmark's rings their room."""
+    """The smallest num_rdma_bytes, in whole MiB, whose buffer holds the benchmark's rings with put peers."""
     from deep_ep import config, layout
     record = layout.intranode_dispatch_record_bytes(BENCH_HIDDEN * 2, 0, 8)
     rail = config.Config(BENCH_SMS, 8, 256).num_max_rdma_chunked_recv_tokens
-    used = layout.fused_ring_bytes(2, 2, BENCH_SMS // 2, record, rail, 256 // 2)
+    used = layout.fused_ring_bytes(2, 2, BENCH_SMS // 2, record, rail, 256 // 2, True)
     return -(-(layout.fused_min_rdma_bytes(used, True) - FUSED_NVL_BYTES) // (1 << 20)) * (1 << 20)
 
 
