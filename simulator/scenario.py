@@ -14,6 +14,8 @@ from deep_ep.config import (
     Config,
     get_combine_config,
     get_dispatch_config,
+    nvl_buffer_size_hint,
+    rdma_buffer_size_hint,
 )
 from simulator import deep_ep_fused, deep_ep_kernels, hardware, rank, workload
 from simulator.report import OpRow, Report, ScaleRow
@@ -333,8 +335,8 @@ def _run_deep_ep(sc: Scenario, gpu: hardware.GpuProfile, nic: hardware.NicProfil
             ops.append(OpRow.from_result(sc.nodes, num_ranks, "normal", op, dtype, sc.normal_tokens, res))
             try:  # our Buffer takes DeepEP's size hints
                 cfg = get_dispatch_config(_table_ranks(num_ranks), sc.num_sms)
-                nvl_bytes = max(nvl_bytes, layout.nvl_buffer_size_hint(cfg, sc.hidden * 2, num_ranks))
-                rdma_bytes = max(rdma_bytes, layout.rdma_buffer_size_hint(cfg, sc.hidden * 2, num_ranks))
+                nvl_bytes = max(nvl_bytes, nvl_buffer_size_hint(cfg, sc.hidden * 2, num_ranks))
+                rdma_bytes = max(rdma_bytes, rdma_buffer_size_hint(cfg, sc.hidden * 2, num_ranks))
             except ValueError as exc:
                 notes.append(f"no DeepEP buffer size hint for EP{num_ranks}: {exc}")
         rec_sms = max(recommended, default=None)
@@ -396,8 +398,8 @@ def run(sc: Scenario) -> Report:
             chunks[f"{op}_nvl_chunk"] = spec.config.num_max_nvl_chunked_send_tokens
             if sc.nodes > 1:
                 chunks[f"{op}_rdma_chunk"] = spec.config.num_max_rdma_chunked_send_tokens
-            nvl_bytes = max(nvl_bytes, layout.nvl_buffer_size_hint(cfg, hidden_bytes, num_ranks))
-            rdma_bytes = max(rdma_bytes, layout.rdma_buffer_size_hint(cfg, hidden_bytes, num_ranks))
+            nvl_bytes = max(nvl_bytes, nvl_buffer_size_hint(cfg, hidden_bytes, num_ranks))
+            rdma_bytes = max(rdma_bytes, rdma_buffer_size_hint(cfg, hidden_bytes, num_ranks))
             ops.append(OpRow.from_result(sc.nodes, num_ranks, "normal", op, dtype, sc.normal_tokens, res,
                                          notify_us=gpu.notify_us))
         rec_sms = max(recommended)
