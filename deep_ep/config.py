@@ -150,10 +150,19 @@ def nvl_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, topk
 def rdma_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, topk_idx_bytes: int = 8) -> int:
     """Scale-out buffer bytes for the normal internode kernels, rounded up to 128; 0 within one node.
 
-    DeepEP's formula; for groups the fused internode kernels may serve (more than 8, at most
-    ``NUM_MAX_FUSED_RANKS`` ranks) at least :func:`fused_buffer_bytes` less :func:`nvl_buffer_size_hint`, so that
-    the two hints together hold the fused kernels' one buffer.
+    DeepEP's formula (:func:`deepep_rdma_buffer_size_hint`); for groups the fused internode kernels may serve (more
+    than 8, at most ``NUM_MAX_FUSED_RANKS`` ranks) at least :func:`fused_buffer_bytes` less
+    :func:`nvl_buffer_size_hint`, so that the two hints together hold the fused kernels' one buffer.
     """
+    deepep = deepep_rdma_buffer_size_hint(config, hidden_bytes, num_ranks, topk_idx_bytes)
+    if num_ranks <= NUM_MAX_SCALEUP_RANKS or num_ranks > NUM_MAX_FUSED_RANKS:
+        return deepep
+    fused = fused_buffer_bytes(config, hidden_bytes, num_ranks)
+    return max(deepep, fused - nvl_buffer_size_hint(config, hidden_bytes, num_ranks, topk_idx_bytes))
+
+
+def deepep_rdma_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, topk_idx_bytes: int = 8) -> int:
+    """DeepEP's scale-out buffer bytes (what DeepEP V1's own kernels take), rounded up to 128; 0 within one node."""
     if num_ranks <= NUM_MAX_SCALEUP_RANKS:
         return 0
     _check_normal_ranks(num_ranks)
@@ -165,11 +174,7 @@ def rdma_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, top
               + NUM_HINT_MAX_TOPK * _WORD_BYTES + NUM_HINT_MAX_SCALES * _WORD_BYTES + 16)
     num_bytes = (deepep_channels * num_rdma * (NUM_MAX_SCALEUP_RANKS * 2 + 2) * 2 * _WORD_BYTES
                  + 2 * deepep_channels * num_rdma * config.num_max_rdma_chunked_recv_tokens * record)
-    deepep = align_up(num_bytes, BUFFER_ALIGNMENT)
-    if num_ranks > NUM_MAX_FUSED_RANKS:
-        return deepep
-    fused = fused_buffer_bytes(config, hidden_bytes, num_ranks)
-    return max(deepep, fused - nvl_buffer_size_hint(config, hidden_bytes, num_ranks, topk_idx_bytes))
+    return align_up(num_bytes, BUFFER_ALIGNMENT)
 
 
 def fused_buffer_bytes(config: Config, hidden_bytes: int, num_ranks: int) -> int:

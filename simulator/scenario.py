@@ -12,6 +12,7 @@ from deep_ep.config import (
     NUM_MAX_TOPK,
     SUPPORTED_NORMAL_RANKS,
     Config,
+    deepep_rdma_buffer_size_hint,
     get_combine_config,
     get_dispatch_config,
     nvl_buffer_size_hint,
@@ -398,8 +399,9 @@ def run(sc: Scenario) -> Report:
             chunks[f"{op}_nvl_chunk"] = spec.config.num_max_nvl_chunked_send_tokens
             if sc.nodes > 1:
                 chunks[f"{op}_rdma_chunk"] = spec.config.num_max_rdma_chunked_send_tokens
+            # DeepEP V1's kernels take DeepEP's hints (ours also hold deep_ep's fused kernels).
             nvl_bytes = max(nvl_bytes, nvl_buffer_size_hint(cfg, hidden_bytes, num_ranks))
-            rdma_bytes = max(rdma_bytes, rdma_buffer_size_hint(cfg, hidden_bytes, num_ranks))
+            rdma_bytes = max(rdma_bytes, deepep_rdma_buffer_size_hint(cfg, hidden_bytes, num_ranks))
             ops.append(OpRow.from_result(sc.nodes, num_ranks, "normal", op, dtype, sc.normal_tokens, res,
                                          notify_us=gpu.notify_us))
         rec_sms = max(recommended)

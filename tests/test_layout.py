@@ -12,6 +12,7 @@ from deep_ep.config import (
     NUM_MAX_FUSED_RANKS,
     NUM_MAX_TOPK,
     Config,
+    deepep_rdma_buffer_size_hint,
     fused_buffer_bytes,
     get_combine_config,
     get_dispatch_config,
@@ -123,6 +124,7 @@ def fused_ranks(num_ranks: int) -> bool:
 def test_normal_hints_equal_spec_formula(config, hbytes, num_ranks):
     assert nvl_buffer_size_hint(config, hbytes, num_ranks) == spec_nvl_hint(config, hbytes, num_ranks)
     assert config.get_nvl_buffer_size_hint(hbytes, num_ranks) == spec_nvl_hint(config, hbytes, num_ranks)
+    assert deepep_rdma_buffer_size_hint(config, hbytes, num_ranks) == spec_rdma_hint(config, hbytes, num_ranks)
     rdma = config.get_rdma_buffer_size_hint(hbytes, num_ranks)
     if fused_ranks(num_ranks):
         assert rdma >= spec_rdma_hint(config, hbytes, num_ranks) and rdma % BUFFER_ALIGNMENT == 0

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from deep_ep import layout
 from deep_ep.config import (
     Config,
+    deepep_rdma_buffer_size_hint,
+    fused_buffer_bytes,
     get_combine_config,
     get_dispatch_config,
     nvl_buffer_size_hint,
@@ -199,10 +201,18 @@ def test_buffer_bytes_follow_deep_ep_layout():
     scale = report.scales[0]
     cfgs = (get_dispatch_config(16, 24), get_combine_config(16, 24))
     assert scale.num_nvl_bytes == max(nvl_buffer_size_hint(c, 14336, 16) for c in cfgs)
-    assert scale.num_rdma_bytes == max(rdma_buffer_size_hint(c, 14336, 16) for c in cfgs)
+    assert scale.num_rdma_bytes == max(deepep_rdma_buffer_size_hint(c, 14336, 16) for c in cfgs)
     assert scale.num_ll_rdma_bytes == layout.low_latency_rdma_size_hint(128, 7168, 16, 256)
-    # The two hints together hold the fused kernels' one buffer of 12 channels (1008 MB).
-    assert round(scale.num_nvl_bytes / 1e6) == 453 and round(scale.num_rdma_bytes / 1e6) == 555
+    assert round(scale.num_nvl_bytes / 1e6) == 453 and round(scale.num_rdma_bytes / 1e6) == 110
+
+
+def test_deep_ep_kernels_buffer_bytes_hold_the_fused_kernels():
+    """deep_ep's kernels take deep_ep's hints: at 2 x 8 GPUs the two together are the fused kernels' buffer."""
+    scale = run(Scenario(nodes=2, num_sms=24, kernels="deep_ep", mode="normal")).scales[0]
+    cfgs = (get_dispatch_config(16, 24), get_combine_config(16, 24))
+    assert scale.num_nvl_bytes == max(nvl_buffer_size_hint(c, 14336, 16) for c in cfgs)
+    assert scale.num_rdma_bytes == max(rdma_buffer_size_hint(c, 14336, 16) for c in cfgs)
+    assert scale.num_nvl_bytes + scale.num_rdma_bytes == max(fused_buffer_bytes(c, 14336, 16) for c in cfgs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
