@@ -469,6 +469,16 @@ def test_fused_rings_mirror_matches_cpp(tmp_path):
     assert not bench[(256 << 20, 1)] and not bench[(256 << 20, 0)] and bench[(1 << 30, 1)]
 
 
+# A probe's check of one call's rings: "ok", or the ValueError's message.
+_ATTEMPT = r"""
+def attempt(backend, kind, hidden_bytes, num_scales, num_topk, config):
+    try:
+        backend.check_rings(kind, hidden_bytes, num_scales, num_topk, config)
+        return "ok"
+    except ValueError as exc:
+        return str(exc)
+"""
+
 _CHECK_RINGS_PROBE = PROBE_HEAD + r"""
 import deep_ep
 import deep_ep.testing
@@ -482,14 +492,7 @@ class Fused(ext.Runtime):
     def fused_dispatch(self, *args):
         launched.append("dispatch")
 ext.Runtime = Fused
-
-def attempt(backend, kind, hidden_bytes, num_scales, num_topk, config):
-    try:
-        backend.check_rings(kind, hidden_bytes, num_scales, num_topk, config)
-        return "ok"
-    except ValueError as exc:
-        return str(exc)
-
+""" + _ATTEMPT + r"""
 bench = deep_ep.Config(24, 8, 512)  # 12 channels; 256 node ring slots per source at 2 nodes
 report = {}
 for name, num_bytes, put_only in (("put 1e9", 10**9 // 128 * 128, True), ("put 256M", 256 << 20, True),
@@ -542,14 +545,7 @@ import deep_ep
 import deep_ep.testing
 from deep_ep.backends.fused_internode import FusedInternodeCuda
 from deep_ep.config import Topology, get_combine_config, get_dispatch_config
-
-def attempt(backend, kind, hidden_bytes, num_scales, num_topk, config):
-    try:
-        backend.check_rings(kind, hidden_bytes, num_scales, num_topk, config)
-        return "ok"
-    except ValueError as exc:
-        return str(exc)
-
+""" + _ATTEMPT + r"""
 hidden = 7168
 report = {}
 for num_ranks in (16, 64):
