@@ -13,19 +13,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deep_ep import envs
+from deep_ep import envs, layout
+
+# Group limits and alignment, defined in deep_ep.layout (which imports nothing from deep_ep) and importable from here.
+from deep_ep.layout import BUFFER_ALIGNMENT as BUFFER_ALIGNMENT
+from deep_ep.layout import NUM_MAX_FUSED_RANKS as NUM_MAX_FUSED_RANKS
+from deep_ep.layout import NUM_MAX_RING_RANKS as NUM_MAX_RING_RANKS
+from deep_ep.layout import NUM_MAX_RUNTIME_RANKS as NUM_MAX_RUNTIME_RANKS
+from deep_ep.layout import align_up as align_up
+from deep_ep.layout import ceil_div as ceil_div
 
 # Largest scale-up (NVLink) domain a node may have; DeepEP's NUM_MAX_NVL_PEERS.
 NUM_MAX_SCALEUP_RANKS = 8
-# Largest group of this library's ring kernels (csrc/kernels/constants.cuh kMaxRanks): the intranode Buffer's NVLink
-# domain (at most NUM_MAX_SCALEUP_RANKS) and the nodes of the one-GPU-per-node CUDA internode backend. Larger groups
-# fall back to the torch backend.
-NUM_MAX_RING_RANKS = 24
-# Largest group of one CUDA runtime (csrc/kernels/constants.cuh kMaxRuntimeRanks: its peer table and barrier).
-NUM_MAX_RUNTIME_RANKS = 64
-# Largest group of the fused internode kernels (csrc/kernels/fused_internode.cuh kFusedMaxRanks): N nodes x G > 1
-# GPUs with N * G <= 64 (so N <= 32). Larger groups take the composed path.
-NUM_MAX_FUSED_RANKS = 64
 # Most local experts per rank that the host layer accepts (DeepEP's host limit).
 NUM_MAX_LOCAL_EXPERTS = 1024
 # Largest top-k the normal kernels carry per token (DeepEP's device limit).
@@ -41,20 +40,10 @@ SOURCE_META_BYTES = 8
 FP8_BLOCK = 128
 # Largest finite float8_e4m3fn value.
 FP8_E4M3_MAX = 448.0
-# Every buffer byte count and region is a multiple of this.
-BUFFER_ALIGNMENT = 128
 # Bytes of an int32 / float32 word in the size-hint formulas.
 _WORD_BYTES = 4
 # Ring sequence sentinel used by combine's rewrite of skipped send-head entries.
 SEND_HEAD_SENTINEL = 1 << 25
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def align_up(a: int, b: int) -> int:
-    return ceil_div(a, b) * b
 
 
 def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -126,7 +115,9 @@ class Config:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Normal-mode size hints: DeepEP's formulas, so that buffers sized for DeepEP fit here too. They count a channel per
-# pair of SMs, as DeepEP's kernels do; the kernels here carve whatever buffer they get (deep_ep.layout).
+# pair of SMs, as DeepEP's kernels do; the ring kernels carve whatever buffer they get (deep_ep.layout). The fused
+# internode kernels take one buffer of num_nvl_bytes + num_rdma_bytes with rings of the Config's capacities, so the
+# scale-out hint is raised to cover them where they serve the group.
 # ---------------------------------------------------------------------------------------------------------------
 
 def _check_normal_ranks(num_ranks: int) -> None:
@@ -157,7 +148,21 @@ def nvl_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, topk
 
 
 def rdma_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, topk_idx_bytes: int = 8) -> int:
-    """Scale-out buffer bytes for the normal internode kernels, rounded up to 128; 0 within one node."""
+    """Scale-out buffer bytes for the normal internode kernels, rounded up to 128; 0 within one node.
+
+    DeepEP's formula (:func:`deepep_rdma_buffer_size_hint`); for groups the fused internode kernels may serve (more
+    than 8, at most ``NUM_MAX_FUSED_RANKS`` ranks) at least :func:`fused_buffer_bytes` less
+    :func:`nvl_buffer_size_hint`, so that the two hints together hold the fused kernels' one buffer.
+    """
+    deepep = deepep_rdma_buffer_size_hint(config, hidden_bytes, num_ranks, topk_idx_bytes)
+    if num_ranks <= NUM_MAX_SCALEUP_RANKS or num_ranks > NUM_MAX_FUSED_RANKS:
+        return deepep
+    fused = fused_buffer_bytes(config, hidden_bytes, num_ranks)
+    return max(deepep, fused - nvl_buffer_size_hint(config, hidden_bytes, num_ranks, topk_idx_bytes))
+
+
+def deepep_rdma_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, topk_idx_bytes: int = 8) -> int:
+    """DeepEP's scale-out buffer bytes (what DeepEP V1's own kernels take), rounded up to 128; 0 within one node."""
     if num_ranks <= NUM_MAX_SCALEUP_RANKS:
         return 0
     _check_normal_ranks(num_ranks)
@@ -170,6 +175,22 @@ def rdma_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, top
     num_bytes = (deepep_channels * num_rdma * (NUM_MAX_SCALEUP_RANKS * 2 + 2) * 2 * _WORD_BYTES
                  + 2 * deepep_channels * num_rdma * config.num_max_rdma_chunked_recv_tokens * record)
     return align_up(num_bytes, BUFFER_ALIGNMENT)
+
+
+def fused_buffer_bytes(config: Config, hidden_bytes: int, num_ranks: int) -> int:
+    """Bytes of the one buffer (``num_nvl_bytes + num_rdma_bytes``) the fused internode kernels need to run both the
+    dispatch and the combine under ``config`` at ``num_ranks`` ranks, 8 per node (DeepEP's assumption), with NVSHMEM
+    put peers (ranks behind a NIC: rail staging and put area). Each half holds the rings of the largest record the
+    kernels build for ``hidden_bytes`` (BF16-sized, as in DeepEP): BF16 rows with ``NUM_MAX_TOPK`` top-k (FP8 rows
+    with a scale per 128 channels, and combine rows, take fewer bytes). Channels, ring capacities and the buffer
+    are those FusedInternodeCuda.check_rings asks for (deep_ep/backends/fused_internode.py)."""
+    num_nodes = num_ranks // NUM_MAX_SCALEUP_RANKS
+    node_slots, _ = layout.fused_node_ring(config.num_max_nvl_chunked_send_tokens,
+                                           config.num_max_nvl_chunked_recv_tokens, num_nodes)
+    record = layout.intranode_dispatch_record_bytes(hidden_bytes, 0, NUM_MAX_TOPK)
+    rings = layout.fused_ring_bytes(num_nodes, NUM_MAX_SCALEUP_RANKS, max(1, config.num_sms // 2), record,
+                                    config.num_max_rdma_chunked_recv_tokens, node_slots, staged=True)
+    return layout.fused_min_rdma_bytes(rings, put_area=True)
 
 
 @dataclass(frozen=True)

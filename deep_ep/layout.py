@@ -1,9 +1,10 @@
 """Byte layout of the communication buffers.
 
-Standard library only. ``Buffer`` sizes its allocations from these functions, the CUDA kernels carve the
-same regions (``csrc/kernels/layout.cuh`` mirrors this file), and the simulator takes ring capacities and
-buffer bytes from here. DeepEP's normal-mode size hints (``nvl_buffer_size_hint``, ``rdma_buffer_size_hint``) are
-defined with ``Config`` in ``deep_ep.config`` and importable from here.
+Standard library only, and imports nothing from ``deep_ep``: ``deep_ep.config`` takes the group limits, the
+alignment and the fused ring sizes from here. ``Buffer`` sizes its allocations from these functions, the CUDA
+kernels carve the same regions (``csrc/kernels/layout.cuh`` mirrors this file), and the simulator takes ring
+capacities and buffer bytes from here. The normal-mode size hints (``nvl_buffer_size_hint``,
+``rdma_buffer_size_hint``) are defined with ``Config`` in ``deep_ep.config``.
 
 A layout is an ordered tuple of :class:`Region` s, each starting where the previous one ends (every region
 is padded to ``BUFFER_ALIGNMENT`` bytes unless stated otherwise).
@@ -13,22 +14,29 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from deep_ep.config import (
-    BUFFER_ALIGNMENT,
-    NUM_MAX_FUSED_RANKS,
-    NUM_MAX_RING_RANKS,
-    NUM_MAX_RUNTIME_RANKS,
-    align_up,
-    ceil_div,
-)
-
-# DeepEP's normal-mode size hints, next to the layouts they size (the formulas live with Config).
-from deep_ep.config import nvl_buffer_size_hint as nvl_buffer_size_hint
-from deep_ep.config import rdma_buffer_size_hint as rdma_buffer_size_hint
+# Largest group of this library's ring kernels (csrc/kernels/constants.cuh kMaxRanks): the intranode Buffer's NVLink
+# domain (at most 8 ranks) and the nodes of the one-GPU-per-node CUDA internode backend. Larger groups fall back to
+# the torch backend.
+NUM_MAX_RING_RANKS = 24
+# Largest group of one CUDA runtime (csrc/kernels/constants.cuh kMaxRuntimeRanks: its peer table and barrier).
+NUM_MAX_RUNTIME_RANKS = 64
+# Largest group of the fused internode kernels (csrc/kernels/fused_internode.cuh kFusedMaxRanks): N nodes x G > 1
+# GPUs with N * G <= 64 (so N <= 32). Larger groups take the composed path.
+NUM_MAX_FUSED_RANKS = 64
+# Every buffer byte count and region is a multiple of this.
+BUFFER_ALIGNMENT = 128
 
 INT32_BYTES = 4
 FLOAT32_BYTES = 4
 BF16_BYTES = 2
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def align_up(a: int, b: int) -> int:
+    return ceil_div(a, b) * b
 
 
 @dataclass(frozen=True)
@@ -409,6 +417,16 @@ def fused_half_bytes(ring_bytes: int) -> int:
     """Bytes of each fused half in a kernels' region of ``ring_bytes``."""
     left = ring_bytes - fused_rings_offset()
     return (left // 2) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT if left > 0 else 0
+
+
+def fused_node_ring(nvl_send: int, nvl_recv: int, num_nodes: int) -> tuple[int, int]:
+    """``(slots, publish chunk)`` of a fused node ring for a Config's ``num_max_nvl_chunked_send_tokens``
+    (``nvl_send``) and ``num_max_nvl_chunked_recv_tokens`` (``nvl_recv``). A receiver keeps one node ring per
+    (channel, source rank) where DeepEP keeps one per (channel, NVLink peer): the ``num_nodes`` source nodes a
+    forwarder serves share its ``nvl_recv`` slots, so the node rings take what DeepEP's NVLink buffer takes. A
+    forwarder publishes at most ``nvl_send`` records at a time, and at most half a ring."""
+    slots = nvl_recv // num_nodes
+    return slots, max(1, min(nvl_send, slots // 2))
 
 
 def fused_ring_bytes(num_nodes: int, gpus_per_node: int, num_channels: int, record_bytes: int, rail_capacity: int,

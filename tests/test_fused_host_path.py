@@ -469,6 +469,16 @@ def test_fused_rings_mirror_matches_cpp(tmp_path):
     assert not bench[(256 << 20, 1)] and not bench[(256 << 20, 0)] and bench[(1 << 30, 1)]
 
 
+# A probe's check of one call's rings: "ok", or the ValueError's message.
+_ATTEMPT = r"""
+def attempt(backend, kind, hidden_bytes, num_scales, num_topk, config):
+    try:
+        backend.check_rings(kind, hidden_bytes, num_scales, num_topk, config)
+        return "ok"
+    except ValueError as exc:
+        return str(exc)
+"""
+
 _CHECK_RINGS_PROBE = PROBE_HEAD + r"""
 import deep_ep
 import deep_ep.testing
@@ -482,14 +492,7 @@ class Fused(ext.Runtime):
     def fused_dispatch(self, *args):
         launched.append("dispatch")
 ext.Runtime = Fused
-
-def attempt(backend, kind, hidden_bytes, num_scales, num_topk, config):
-    try:
-        backend.check_rings(kind, hidden_bytes, num_scales, num_topk, config)
-        return "ok"
-    except ValueError as exc:
-        return str(exc)
-
+""" + _ATTEMPT + r"""
 bench = deep_ep.Config(24, 8, 512)  # 12 channels; 256 node ring slots per source at 2 nodes
 report = {}
 for name, num_bytes, put_only in (("put 1e9", 10**9 // 128 * 128, True), ("put 256M", 256 << 20, True),
@@ -535,6 +538,46 @@ def test_fused_rings_that_do_not_fit_raise_before_any_launch():
     assert pointer[:5] == [False, "ok", "ok", "ok", "ok"], pointer
     wide_least = layout.fused_min_rdma_bytes(layout.fused_ring_bytes(2, 2, 24, record, 258, 256, False), False)
     assert f"num_rdma_bytes >= {wide_least}" in pointer[5] and "staging" not in pointer[5], pointer[5]
+
+
+_HINTS_PROBE = PROBE_HEAD + r"""
+import deep_ep
+import deep_ep.testing
+from deep_ep.backends.fused_internode import FusedInternodeCuda
+from deep_ep.config import Topology, get_combine_config, get_dispatch_config
+""" + _ATTEMPT + r"""
+hidden = 7168
+report = {}
+for num_ranks in (16, 64):
+    dispatch, combine = get_dispatch_config(num_ranks), get_combine_config(num_ranks)
+    hints = (max(c.get_nvl_buffer_size_hint(2 * hidden, num_ranks) for c in (dispatch, combine))
+             + max(c.get_rdma_buffer_size_hint(2 * hidden, num_ranks) for c in (dispatch, combine)))
+    for name, num_bytes, put_only in (("put", hints, True), ("pointer", hints, False),
+                                      ("put less", hints - 128, True)):
+        with fake.patched(torch, cuda_tensors=True), deep_ep.testing.overrides(internode_put_only=put_only):
+            backend = FusedInternodeCuda(0, Topology(num_ranks, 8), num_bytes, 1, False,
+                                         all_gather=lambda obj: [obj] * num_ranks)
+            report[f"{num_ranks} {name}"] = [
+                backend.put_area, attempt(backend, "dispatch", 2 * hidden, 0, 32, dispatch),
+                attempt(backend, "dispatch", hidden, hidden // 128, 32, dispatch),
+                attempt(backend, "combine", 2 * hidden, 0, 32, combine),
+                attempt(backend, "dispatch", 2 * hidden, 0, 8, dispatch)]
+print(json.dumps(report))
+"""
+
+
+def test_a_buffer_of_the_size_hints_holds_the_fused_calls():
+    """A fused backend of 2 x 8 and 8 x 8 GPUs on a buffer of the two size hints' sum (DeepEP's recipe: each the max
+    over the default dispatch and combine configs, 7168-BF16 rows) accepts the default dispatch (BF16 or FP8, top-k
+    32 or 8) and combine (top-k 32), with NVSHMEM put peers or without; 128 bytes less refuses the BF16 top-32
+    dispatch with put peers (the hints hold exactly its buffer)."""
+    report = run_probe(_HINTS_PROBE, DEEP_EP_GPUS_PER_NODE="8")
+    for num_ranks in (16, 64):
+        assert report[f"{num_ranks} put"] == [True, "ok", "ok", "ok", "ok"], report[f"{num_ranks} put"]
+        assert report[f"{num_ranks} pointer"] == [False, "ok", "ok", "ok", "ok"], report[f"{num_ranks} pointer"]
+        less = report[f"{num_ranks} put less"]
+        assert less[0] and "is too small for this fused internode dispatch" in less[1], less
+        assert less[4] == "ok", less
 
 
 _BUFFER_CHECK_PROBE = PROBE_HEAD + r"""

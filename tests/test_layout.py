@@ -1,5 +1,5 @@
 """deep_ep.layout: region tables (disjoint, ordered, aligned), size hints (DeepEP's worked numbers, independent
-re-derivations, monotonicity) and channel_token_range."""
+re-derivations, the fused internode kernels' buffer, monotonicity) and channel_token_range."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deep_ep import layout
-from deep_ep.config import BUFFER_ALIGNMENT, Config, get_combine_config, get_dispatch_config
+from deep_ep.config import (
+    BUFFER_ALIGNMENT,
+    NUM_MAX_FUSED_RANKS,
+    NUM_MAX_TOPK,
+    Config,
+    deepep_rdma_buffer_size_hint,
+    fused_buffer_bytes,
+    get_combine_config,
+    get_dispatch_config,
+    nvl_buffer_size_hint,
+)
 
 H_BF16 = 7168 * 2  # hidden_bytes of the worked examples (BF16, H=7168)
 LL_HIDDENS = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
@@ -37,14 +47,19 @@ def assert_well_formed(lay: layout.Layout, alignment: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Worked numbers: DeepEP's hints for its default configs, H=7168 BF16, in MB
+# Worked numbers: the hints for the default configs, H=7168 BF16, in MB
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("num_ranks, nvl_mb, rdma_mb", [
-    (8, 335.7, 0.0), (16, 377.7, 91.9), (32, 377.7, 168.0), (64, 377.7, 336.0), (128, 734.4, 693.1)])
-def test_normal_hints_match_spec_worked_numbers(num_ranks, nvl_mb, rdma_mb):
+@pytest.mark.parametrize("num_ranks, nvl_mb, deepep_rdma_mb, rdma_mb", [
+    (8, 335.7, 0.0, 0.0), (16, 377.7, 91.9, 462.9), (32, 377.7, 168.0, 598.5), (64, 377.7, 336.0, 897.7),
+    (128, 734.4, 693.1, 693.1)])
+def test_normal_hints_match_spec_worked_numbers(num_ranks, nvl_mb, deepep_rdma_mb, rdma_mb):
+    """DeepEP's worked numbers; from 16 to 64 ranks the scale-out hint is the fused kernels' buffer less the
+    scale-up hint (the sums: 840.6 MB at 16 ranks, 976.2 at 32, 1275.3 at 64)."""
     nvl, rdma = normal_hints(num_ranks)
+    configs = (get_dispatch_config(num_ranks), get_combine_config(num_ranks))
     assert round(nvl / 1e6, 1) == nvl_mb
+    assert round(max(spec_rdma_hint(c, H_BF16, num_ranks) for c in configs) / 1e6, 1) == deepep_rdma_mb
     assert round(rdma / 1e6, 1) == rdma_mb
     assert nvl % BUFFER_ALIGNMENT == 0 and rdma % BUFFER_ALIGNMENT == 0
 
@@ -99,11 +114,80 @@ normal_ranks = st.sampled_from((1, 2, 3, 4, 6, 8, 16, 24, 32, 64, 128, 160))
 hidden_bytes = st.integers(1, 128).map(lambda x: 128 * x)
 
 
+def fused_ranks(num_ranks: int) -> bool:
+    """Whether the fused internode kernels may serve ``num_ranks`` ranks of 8 per node (the scale-out hint covers
+    them there)."""
+    return 8 < num_ranks <= NUM_MAX_FUSED_RANKS
+
+
 @given(configs, hidden_bytes, normal_ranks)
 def test_normal_hints_equal_spec_formula(config, hbytes, num_ranks):
-    assert layout.nvl_buffer_size_hint(config, hbytes, num_ranks) == spec_nvl_hint(config, hbytes, num_ranks)
+    assert nvl_buffer_size_hint(config, hbytes, num_ranks) == spec_nvl_hint(config, hbytes, num_ranks)
     assert config.get_nvl_buffer_size_hint(hbytes, num_ranks) == spec_nvl_hint(config, hbytes, num_ranks)
-    assert config.get_rdma_buffer_size_hint(hbytes, num_ranks) == spec_rdma_hint(config, hbytes, num_ranks)
+    assert deepep_rdma_buffer_size_hint(config, hbytes, num_ranks) == spec_rdma_hint(config, hbytes, num_ranks)
+    rdma = config.get_rdma_buffer_size_hint(hbytes, num_ranks)
+    if fused_ranks(num_ranks):
+        assert rdma >= spec_rdma_hint(config, hbytes, num_ranks) and rdma % BUFFER_ALIGNMENT == 0
+    else:
+        assert rdma == spec_rdma_hint(config, hbytes, num_ranks)
+
+
+def fused_fits(num_bytes: int, put: bool, num_nodes: int, hidden: int,
+               calls: list[tuple[str, Config, int, int]]) -> bool:
+    """Whether a fused buffer of ``num_bytes`` (8 GPUs per node, NVSHMEM put peers or not) holds the rings of each
+    ``(kind, config, top-k, scales)`` call of ``hidden`` channels, as FusedInternodeCuda.check_rings computes them
+    (dispatch rows: BF16, or FP8 with its scales; combine rows: BF16)."""
+    half = layout.fused_half_bytes(layout.put_region_bytes(
+        num_bytes, layout.PUT_AREA_IN_REGION if put else layout.PUT_AREA_NONE))
+    for kind, config, topk, scales in calls:
+        if kind == "combine":
+            record = layout.intranode_combine_record_bytes(hidden, topk)
+        else:
+            record = layout.intranode_dispatch_record_bytes(hidden if scales else 2 * hidden, scales, topk)
+        node, _ = layout.fused_node_ring(config.num_max_nvl_chunked_send_tokens,
+                                         config.num_max_nvl_chunked_recv_tokens, num_nodes)
+        used = layout.fused_ring_bytes(num_nodes, 8, max(1, config.num_sms // 2), record,
+                                       config.num_max_rdma_chunked_recv_tokens, node, put)
+        if used > half:
+            return False
+    return True
+
+
+@st.composite
+def fused_groups(draw):
+    """Ranks 16..64 (8 per node), hidden a multiple of 128, and a (dispatch, combine) pair of configs, each a default
+    of the rank count (where the table has it) or any valid Config."""
+    num_ranks = 8 * draw(st.integers(2, NUM_MAX_FUSED_RANKS // 8))
+    defaults = ((get_dispatch_config(num_ranks), get_combine_config(num_ranks))
+                if num_ranks in (16, 24, 32, 48, 64) else ())
+    choice = st.one_of(st.sampled_from(defaults), configs) if defaults else configs
+    return num_ranks, 128 * draw(st.integers(1, 64)), draw(choice), draw(choice)
+
+
+@given(fused_groups(), st.integers(0, NUM_MAX_TOPK), st.integers(0, NUM_MAX_TOPK), st.booleans(), st.booleans())
+def test_normal_hints_hold_the_fused_kernels_buffer(group, dispatch_topk, combine_topk, fp8, put):
+    """A Buffer of the hints' sum (each the max over the dispatch and the combine config, as DeepEP's recipe takes
+    them) holds the fused kernels' rings of that dispatch and combine at any top-k <= 32, BF16 or FP8, with or without
+    put peers; the scale-out hint is never below DeepEP's formula."""
+    num_ranks, hidden, dispatch, combine = group
+    pair = (dispatch, combine)
+    nvl = max(c.get_nvl_buffer_size_hint(2 * hidden, num_ranks) for c in pair)
+    rdma = max(c.get_rdma_buffer_size_hint(2 * hidden, num_ranks) for c in pair)
+    calls = [("dispatch", dispatch, dispatch_topk, hidden // 128 if fp8 else 0), ("combine", combine, combine_topk, 0)]
+    assert fused_fits(nvl + rdma, put, num_ranks // 8, hidden, calls)
+    assert rdma >= max(spec_rdma_hint(c, 2 * hidden, num_ranks) for c in pair)
+
+
+@pytest.mark.parametrize("num_ranks", [16, 32, 64])
+def test_fused_buffer_bytes_is_the_least_that_holds_the_largest_record(num_ranks):
+    """At the default configs and H=7168 the fused buffer fits the largest record (BF16, top-k 32, put peers) and
+    128 bytes less does not: the hint is tight where the fused kernels set it."""
+    for config in (get_dispatch_config(num_ranks), get_combine_config(num_ranks)):
+        need = config.get_nvl_buffer_size_hint(H_BF16, num_ranks) + config.get_rdma_buffer_size_hint(H_BF16, num_ranks)
+        calls = [("dispatch", config, NUM_MAX_TOPK, 0)]
+        assert need == fused_buffer_bytes(config, H_BF16, num_ranks)
+        assert fused_fits(need, True, num_ranks // 8, 7168, calls)
+        assert not fused_fits(need - BUFFER_ALIGNMENT, True, num_ranks // 8, 7168, calls)
 
 
 @given(st.integers(1, 512), st.sampled_from(LL_HIDDENS), st.integers(1, 64).map(lambda x: 8 * x))
@@ -181,20 +265,29 @@ def test_chain_places_regions_and_rejects_negative_sizes():
 
 @given(configs, hidden_bytes, normal_ranks, st.integers(0, 8), st.integers(0, 64), st.integers(0, 256))
 def test_normal_hints_are_monotone(config, hbytes, num_ranks, more_sms, more_recv, more_hidden):
+    """Each hint, and their sum, grows with the config and the hidden size; where the fused kernels set the
+    scale-out hint (their buffer less the scale-up hint) only the sum does."""
     nvl = config.get_nvl_buffer_size_hint(hbytes, num_ranks)
     rdma = config.get_rdma_buffer_size_hint(hbytes, num_ranks)
     bigger = Config(config.num_sms + 2 * more_sms, config.num_max_nvl_chunked_send_tokens,
                     config.num_max_nvl_chunked_recv_tokens + more_recv, config.num_max_rdma_chunked_send_tokens,
                     config.num_max_rdma_chunked_recv_tokens + more_recv)
-    assert bigger.get_nvl_buffer_size_hint(hbytes + 16 * more_hidden, num_ranks) >= nvl
-    assert bigger.get_rdma_buffer_size_hint(hbytes + 16 * more_hidden, num_ranks) >= rdma
+    bigger_nvl = bigger.get_nvl_buffer_size_hint(hbytes + 16 * more_hidden, num_ranks)
+    bigger_rdma = bigger.get_rdma_buffer_size_hint(hbytes + 16 * more_hidden, num_ranks)
+    assert bigger_nvl >= nvl and bigger_nvl + bigger_rdma >= nvl + rdma
+    assert fused_ranks(num_ranks) or bigger_rdma >= rdma
 
 
 @given(configs, hidden_bytes, st.integers(1, 19), st.integers(1, 4))
 def test_hints_grow_with_node_count(config, hbytes, nodes, more_nodes):
+    """DeepEP's formulas grow with the node count; the scale-out hint does from one node and past the fused kernels'
+    ranks (the fused kernels' buffer need not grow: a forwarder's node ring slots are the nvl recv tokens shared
+    by the source nodes, rounded down)."""
     r, bigger = 8 * nodes, 8 * (nodes + more_nodes)
     assert config.get_nvl_buffer_size_hint(hbytes, bigger) >= config.get_nvl_buffer_size_hint(hbytes, r)
-    assert config.get_rdma_buffer_size_hint(hbytes, bigger) > config.get_rdma_buffer_size_hint(hbytes, r)
+    assert spec_rdma_hint(config, hbytes, bigger) > spec_rdma_hint(config, hbytes, r)
+    if not fused_ranks(r):
+        assert config.get_rdma_buffer_size_hint(hbytes, bigger) > config.get_rdma_buffer_size_hint(hbytes, r)
 
 
 @given(st.integers(1, 256), st.integers(0, 64), st.sampled_from(LL_HIDDENS), st.sampled_from(LL_HIDDENS),

@@ -15,7 +15,15 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from deep_ep import layout
-from deep_ep.config import Config, get_combine_config, get_dispatch_config
+from deep_ep.config import (
+    Config,
+    deepep_rdma_buffer_size_hint,
+    fused_buffer_bytes,
+    get_combine_config,
+    get_dispatch_config,
+    nvl_buffer_size_hint,
+    rdma_buffer_size_hint,
+)
 from simulator import Scenario, hardware, rank, run, validate, workload
 from simulator.links import FluidNetwork
 
@@ -192,10 +200,19 @@ def test_buffer_bytes_follow_deep_ep_layout():
     report = run(Scenario(nodes=2, num_sms=24))
     scale = report.scales[0]
     cfgs = (get_dispatch_config(16, 24), get_combine_config(16, 24))
-    assert scale.num_nvl_bytes == max(layout.nvl_buffer_size_hint(c, 14336, 16) for c in cfgs)
-    assert scale.num_rdma_bytes == max(layout.rdma_buffer_size_hint(c, 14336, 16) for c in cfgs)
+    assert scale.num_nvl_bytes == max(nvl_buffer_size_hint(c, 14336, 16) for c in cfgs)
+    assert scale.num_rdma_bytes == max(deepep_rdma_buffer_size_hint(c, 14336, 16) for c in cfgs)
     assert scale.num_ll_rdma_bytes == layout.low_latency_rdma_size_hint(128, 7168, 16, 256)
     assert round(scale.num_nvl_bytes / 1e6) == 453 and round(scale.num_rdma_bytes / 1e6) == 110
+
+
+def test_deep_ep_kernels_buffer_bytes_hold_the_fused_kernels():
+    """deep_ep's kernels take deep_ep's hints: at 2 x 8 GPUs the two together are the fused kernels' buffer."""
+    scale = run(Scenario(nodes=2, num_sms=24, kernels="deep_ep", mode="normal")).scales[0]
+    cfgs = (get_dispatch_config(16, 24), get_combine_config(16, 24))
+    assert scale.num_nvl_bytes == max(nvl_buffer_size_hint(c, 14336, 16) for c in cfgs)
+    assert scale.num_rdma_bytes == max(rdma_buffer_size_hint(c, 14336, 16) for c in cfgs)
+    assert scale.num_nvl_bytes + scale.num_rdma_bytes == max(fused_buffer_bytes(c, 14336, 16) for c in cfgs)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -322,10 +322,6 @@ def _rdma_capacity(config: Config) -> int:
 
 
 def node_ring(config: Config, num_nodes: int) -> tuple[int, int]:
-    """``(slots, publish chunk)`` of a fused node ring. A receiver keeps one node ring per (channel, source rank)
-    where DeepEP keeps one per (channel, NVLink peer): the ``N`` source nodes a forwarder serves share its
-    ``num_max_nvl_chunked_recv_tokens`` slots, so the node rings take what DeepEP's NVLink buffer takes. A forwarder
-    publishes at most ``num_max_nvl_chunked_send_tokens`` records at a time, and at most half a ring."""
-    slots = config.num_max_nvl_chunked_recv_tokens // num_nodes
-    return slots, max(1, min(config.num_max_nvl_chunked_send_tokens, slots // 2))
-
+    """``(slots, publish chunk)`` of a fused node ring under ``config`` (:func:`deep_ep.layout.fused_node_ring`)."""
+    return lay.fused_node_ring(config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+                               num_nodes)
