@@ -8,6 +8,7 @@
 // * send_head[t][d] is the index j of token t among its channel's tokens to d (-1 if not sent). The row of a
 //   received token is rank_prefix(s -> me) + recv_channel_prefix[s][c] + j on both sides, which yields the order
 //   (source rank, then source token). Combine reuses j to find each contribution: no handle rewriting.
+#include <cstddef>
 #include <cstdint>
 
 #include "intranode_common.cuh"
@@ -20,6 +21,13 @@ namespace {
 constexpr int kPrefixBatch = 8;  // groups of 32 tokens whose routing bytes one send_head warp loads at once
 // The verdict of a cached call on the ranks' signature hashes (the kernel's shared `agreement`).
 constexpr int kAgreementPending = 0, kAgreementHolds = 1, kAgreementDiffers = 2;
+
+// Control-region offset of hash[epoch & 1] in the output word that `writer` keeps in a sender's buffer for
+// `channel` (word counter_index(channel, writer)); a put peer's hash arrives in the twin of that word.
+__device__ __forceinline__ int64_t dispatch_hash_offset(int channel, int writer, uint32_t epoch) {
+    return kDispatchOutputOffset + static_cast<int64_t>(counter_index(channel, writer)) * sizeof(DispatchOutputWord) +
+           offsetof(DispatchOutputWord, hash) + 4 * static_cast<int64_t>(epoch & 1u);
+}
 // Receivers: one group per source of at least one warp, beside at least three sender warps (two copy warps and the
 // publisher). A group of several warps syncs on its own named barrier, a one-warp group with __syncwarp. Groups
 // get warps round robin, so with S sources and Wr <= kChannelWarps - 3 receiver warps the first min(S, Wr - S) groups
@@ -56,9 +64,25 @@ struct DirectOutput {
     int64_t row_base;  // row of this channel's first token to the receiver
 };
 
+// One lane: put peer d's hash of this cached call, from the signal it raised into the twin of its output word's
+// hash[parity] (`epoch << 32 | hash`); false when the bounded wait failed. Not inlined: the ring kernels keep their
+// register budget.
+static __device__ __noinline__ bool wait_put_hash(const KernelContext& ctx, int channel, int d, uint32_t epoch,
+                                                  uint32_t* hash) {
+    const int64_t offset = dispatch_hash_offset(channel, d, epoch);
+    const uint64_t* twin = signal_twin(ctx, offset);
+    uint32_t seen;
+    if (!wait_geq(ctx, reinterpret_cast<const uint32_t*>(twin) + 1, epoch,
+                  Site{kKernelDispatch, kPhaseDispatchSendWaitOutput, d, channel}, &seen))
+        return false;
+    put_wait_consistency(signal_twin(ctx, offset));
+    *hash = static_cast<uint32_t>(ld_acquire_sys_u64(twin));
+    return true;
+}
+
 // kPut: some peers are NVSHMEM put peers (put.cuh). Rings only between put peers: a sender's copy warps stage
 // their records in its put area and put them per block, its publisher signals the tails; a receiver neither tells
-// them where its outputs lie nor receives their rows in place.
+// them where its outputs lie nor receives their rows in place, and a cached call's hash reaches them as a signal.
 template <typename IdxT, bool kPut>
 __global__ void __launch_bounds__(kChannelThreads, 1)
     dispatch_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ DispatchArgs args,
@@ -142,6 +166,12 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         fence_acq_rel_sys();
         st_release_sys(&word->epoch, call_epoch);
     }
+    // A put peer reads only a cached call's hash: the twin of my word's hash[parity] there gets `epoch << 32 | hash`
+    // in one signal (it is at most one call ahead of me, and that call has the other parity).
+    if (kPut && args.signature_hash != 0u && static_cast<int>(threadIdx.x) < num_ranks &&
+        static_cast<int>(threadIdx.x) != rank && is_ring_put_peer(ctx, static_cast<int>(threadIdx.x)))
+        put_signal(ctx, dispatch_hash_offset(channel, rank, call_epoch), static_cast<int>(threadIdx.x),
+                   (static_cast<uint64_t>(call_epoch) << 32) | args.signature_hash);
 
     if (warp < num_send_warps) {
         // ------------------------------------------------------------------ sender
@@ -191,7 +221,9 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
                 const int* cpm_row = args.channel_prefix_matrix + d * num_channels;
                 const int expected = cpm_row[channel] - (channel > 0 ? cpm_row[channel - 1] : 0);
                 expected_total[d] = expected;
-                if ((expected > 0 || check) && !(kPut && is_ring_put_peer(ctx, d))) {
+                if (kPut && check && is_ring_put_peer(ctx, d)) {
+                    if (!wait_put_hash(ctx, channel, d, call_epoch, &their_hash)) cta_failed = 1;
+                } else if ((expected > 0 || check) && !(kPut && is_ring_put_peer(ctx, d))) {
                     auto* word = reinterpret_cast<DispatchOutputWord*>(static_cast<char*>(ctx.buffers[rank]) +
                                                                        kDispatchOutputOffset) + counter_index(channel, d);
                     uint32_t seen;

@@ -177,6 +177,7 @@ def task_put_mask(buffer, rank: int, payload) -> int:
 @pytest.mark.parametrize(("num_nodes", "per_node"), [
     pytest.param(2, 2, marks=pytest.mark.multi_gpu(4), id="2x2"),
     pytest.param(2, 4, marks=pytest.mark.multi_gpu(8), id="2x4"),
+    pytest.param(4, 2, marks=pytest.mark.multi_gpu(8), id="4x2"),
     pytest.param(16, 2, marks=pytest.mark.multi_gpu(32), id="16x2"),
     pytest.param(8, 8, marks=pytest.mark.multi_gpu(64), id="8x8"),
 ])
