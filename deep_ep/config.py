@@ -42,6 +42,8 @@ FP8_BLOCK = 128
 FP8_E4M3_MAX = 448.0
 # Bytes of an int32 / float32 word in the size-hint formulas.
 _WORD_BYTES = 4
+# Largest num_rdma_bytes the Buffer takes outside low-latency mode (DeepEP's int limit), rounded down to the alignment.
+_MAX_NORMAL_RDMA_BYTES = (2**31 - 1) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT
 # Ring sequence sentinel used by combine's rewrite of skipped send-head entries.
 SEND_HEAD_SENTINEL = 1 << 25
 
@@ -152,13 +154,16 @@ def rdma_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, top
 
     DeepEP's formula (:func:`deepep_rdma_buffer_size_hint`); for groups the fused internode kernels may serve (more
     than 8, at most ``NUM_MAX_FUSED_RANKS`` ranks) at least :func:`fused_buffer_bytes` less
-    :func:`nvl_buffer_size_hint`, so that the two hints together hold the fused kernels' one buffer.
+    :func:`nvl_buffer_size_hint`, so that the two hints together hold the fused kernels' one buffer, but never past
+    what the Buffer accepts as ``num_rdma_bytes`` outside low-latency mode (``2**31 - 1``, DeepEP's limit; a config
+    that needs more, such as 48 SMs at 64 ranks, then needs a larger ``num_nvl_bytes``, which a refused call names).
     """
     deepep = deepep_rdma_buffer_size_hint(config, hidden_bytes, num_ranks, topk_idx_bytes)
     if num_ranks <= NUM_MAX_SCALEUP_RANKS or num_ranks > NUM_MAX_FUSED_RANKS:
         return deepep
     fused = fused_buffer_bytes(config, hidden_bytes, num_ranks)
-    return max(deepep, fused - nvl_buffer_size_hint(config, hidden_bytes, num_ranks, topk_idx_bytes))
+    raised = min(fused - nvl_buffer_size_hint(config, hidden_bytes, num_ranks, topk_idx_bytes), _MAX_NORMAL_RDMA_BYTES)
+    return max(deepep, raised)
 
 
 def deepep_rdma_buffer_size_hint(config: Config, hidden_bytes: int, num_ranks: int, topk_idx_bytes: int = 8) -> int:

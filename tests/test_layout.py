@@ -174,8 +174,20 @@ def test_normal_hints_hold_the_fused_kernels_buffer(group, dispatch_topk, combin
     nvl = max(c.get_nvl_buffer_size_hint(2 * hidden, num_ranks) for c in pair)
     rdma = max(c.get_rdma_buffer_size_hint(2 * hidden, num_ranks) for c in pair)
     calls = [("dispatch", dispatch, dispatch_topk, hidden // 128 if fp8 else 0), ("combine", combine, combine_topk, 0)]
-    assert fused_fits(nvl + rdma, put, num_ranks // 8, hidden, calls)
+    limit = (2**31 - 1) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT  # the Buffer's num_rdma_bytes limit (normal mode)
+    assert rdma <= max(limit, max(spec_rdma_hint(c, 2 * hidden, num_ranks) for c in pair))
+    if rdma < limit:
+        assert fused_fits(nvl + rdma, put, num_ranks // 8, hidden, calls)
     assert rdma >= max(spec_rdma_hint(c, 2 * hidden, num_ranks) for c in pair)
+
+
+def test_scale_out_hint_stays_within_the_buffers_limit():
+    """48 SMs at 64 ranks: the fused kernels' buffer less the NVL hint passes 2**31 - 1 bytes, which a normal-mode
+    Buffer refuses as num_rdma_bytes; the hint stops at the limit (the call then names the num_nvl_bytes it needs)."""
+    config = Config(48, 8, 288, 8, 128)
+    limit = (2**31 - 1) // BUFFER_ALIGNMENT * BUFFER_ALIGNMENT
+    assert fused_buffer_bytes(config, H_BF16, 64) - config.get_nvl_buffer_size_hint(H_BF16, 64) > limit
+    assert config.get_rdma_buffer_size_hint(H_BF16, 64) == limit
 
 
 @pytest.mark.parametrize("num_ranks", [16, 32, 64])
