@@ -432,7 +432,7 @@ class TorchBackend(Backend):
             parts.append(as_bytes(mask.to(torch.uint8)))
         widths = [p.size(1) for p in parts]
         record = torch.cat(parts, dim=1)
-        send_rows = [record[mask[:, d]] for d in range(num_ranks)]
+        send_rows = [record.index_select(0, mask[:, d].nonzero().squeeze(1)) for d in range(num_ranks)]
         blocks = self._exchange_rows(send_rows, recv_counts.tolist(), record.size(1), _TAG_DISPATCH, "dispatch",
                                      "token rows")
         rows = torch.cat(blocks, dim=0).to(data.device)
@@ -905,27 +905,29 @@ def reduce_combine(mask: torch.Tensor, ys: list[torch.Tensor], ws: Optional[list
     if ws is not None:
         weights = torch.zeros(num_tokens, ws[0].size(1), dtype=torch.float32, device=device)
     mask = mask.to(device)
+    # Each token row receives one addition per holder, in holder order (index_add_ with the holder's token indices,
+    # which are unique: the same sums as masked in-place adds, without materialising the masked rows).
     if not topology.is_internode:
         for d, y in enumerate(ys):
-            rows = mask[:, d]
-            acc[rows] += y.to(torch.float32)
+            rows = mask[:, d].nonzero().squeeze(1)
+            acc.index_add_(0, rows, y.to(torch.float32))
             if ws is not None:
-                weights[rows] += ws[d]
+                weights.index_add_(0, rows, ws[d])
         return acc.to(torch.bfloat16), weights
     per_node = topology.num_scaleup_ranks
     for n in range(topology.num_scaleout_ranks):
         partial = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
         partial_w = torch.zeros_like(weights) if ws is not None else None
         for d in range(n * per_node, (n + 1) * per_node):
-            rows = mask[:, d]
-            partial[rows] += ys[d].to(torch.float32)
+            rows = mask[:, d].nonzero().squeeze(1)
+            partial.index_add_(0, rows, ys[d].to(torch.float32))
             if ws is not None:
-                partial_w[rows] += ws[d]
+                partial_w.index_add_(0, rows, ws[d])
         # Only nodes that hold the token contribute a (BF16-rounded) partial.
-        touched = mask[:, n * per_node:(n + 1) * per_node].any(1)
-        acc[touched] += partial[touched].to(torch.bfloat16).to(torch.float32)
+        touched = mask[:, n * per_node:(n + 1) * per_node].any(1).nonzero().squeeze(1)
+        acc.index_add_(0, touched, partial.index_select(0, touched).to(torch.bfloat16).to(torch.float32))
         if ws is not None:
-            weights[touched] += partial_w[touched]
+            weights.index_add_(0, touched, partial_w.index_select(0, touched))
     return acc.to(torch.bfloat16), weights
 
 
