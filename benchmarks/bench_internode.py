@@ -103,8 +103,7 @@ def fused_put_rdma_bytes(args, per_node: int) -> int:
     record = layout.intranode_dispatch_record_bytes(args.hidden * 2, 0, args.num_topk)
     need = 0
     for num_sms in args.sms:
-        rail = config.Config(num_sms, 8, 256).num_max_rdma_chunked_recv_tokens
-        used = layout.fused_ring_bytes(2, per_node, max(1, num_sms // 2), record, rail, 256 // 2, True)
+        used = config.fused_config_ring_bytes(config.Config(num_sms, 8, 256), 2, per_node, record, True)
         need = max(need, layout.fused_min_rdma_bytes(used, True) - args.num_nvl_bytes)
     return max(args.num_rdma_bytes, -(-need // (1 << 20)) * (1 << 20))
 

@@ -189,13 +189,27 @@ def fused_buffer_bytes(config: Config, hidden_bytes: int, num_ranks: int) -> int
     kernels build for ``hidden_bytes`` (BF16-sized, as in DeepEP): BF16 rows with ``NUM_MAX_TOPK`` top-k (FP8 rows
     with a scale per 128 channels, and combine rows, take fewer bytes). Channels, ring capacities and the buffer
     are those FusedInternodeCuda.check_rings asks for (deep_ep/backends/fused_internode.py)."""
-    num_nodes = num_ranks // NUM_MAX_SCALEUP_RANKS
+    record = layout.intranode_dispatch_record_bytes(hidden_bytes, 0, NUM_MAX_TOPK)
+    rings = fused_config_ring_bytes(config, num_ranks // NUM_MAX_SCALEUP_RANKS, NUM_MAX_SCALEUP_RANKS, record,
+                                    staged=True)
+    return layout.fused_min_rdma_bytes(rings, put_area=True)
+
+
+def fused_channels(config: Config) -> int:
+    """Channels of a fused internode call: one per two SMs (a sending-and-forwarding CTA and a receiving CTA), as
+    DeepEP's internode kernels."""
+    return max(1, config.num_sms // 2)
+
+
+def fused_config_ring_bytes(config: Config, num_nodes: int, gpus_per_node: int, record_bytes: int,
+                            staged: bool) -> int:
+    """Bytes of one direction's fused rings under ``config`` (:func:`deep_ep.layout.fused_ring_bytes`):
+    :func:`fused_channels` channels, ``num_max_rdma_chunked_recv_tokens`` rail slots (a multiple of the send chunk,
+    as Config rounds it) and the node slots of :func:`deep_ep.layout.fused_node_ring`."""
     node_slots, _ = layout.fused_node_ring(config.num_max_nvl_chunked_send_tokens,
                                            config.num_max_nvl_chunked_recv_tokens, num_nodes)
-    record = layout.intranode_dispatch_record_bytes(hidden_bytes, 0, NUM_MAX_TOPK)
-    rings = layout.fused_ring_bytes(num_nodes, NUM_MAX_SCALEUP_RANKS, max(1, config.num_sms // 2), record,
-                                    config.num_max_rdma_chunked_recv_tokens, node_slots, staged=True)
-    return layout.fused_min_rdma_bytes(rings, put_area=True)
+    return layout.fused_ring_bytes(num_nodes, gpus_per_node, fused_channels(config), record_bytes,
+                                   config.num_max_rdma_chunked_recv_tokens, node_slots, staged)
 
 
 @dataclass(frozen=True)

@@ -1418,14 +1418,8 @@ Status fused_notify(const KernelContext& ctx, const FusedNotifyArgs& args, cudaS
     DEEP_EP_RETURN_IF_FAILED(check_fused_context(ctx, args.gpus_per_node, "fused notify"));
     DEEP_EP_REQUIRE_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
                         "fused notify: channels must be in [1, ", kMaxChannels, "], got ", args.num_channels);
-    DEEP_EP_REQUIRE_ARG(args.num_experts >= ctx.num_ranks && args.num_experts % ctx.num_ranks == 0,
-                        "fused notify: num_experts must be a positive multiple of num_ranks, got ", args.num_experts);
-    DEEP_EP_REQUIRE_ARG(args.num_experts / ctx.num_ranks <= kMaxLocalExperts,
-                        "fused notify: num_experts / num_ranks must be <= ", kMaxLocalExperts, ", got ",
-                        args.num_experts / ctx.num_ranks);
-    DEEP_EP_REQUIRE_ARG(args.expert_alignment >= 1, "fused notify: expert_alignment must be >= 1, got ",
-                        args.expert_alignment);
-    DEEP_EP_REQUIRE_ARG(args.num_tokens >= 0, "fused notify: num_tokens must be >= 0, got ", args.num_tokens);
+    DEEP_EP_RETURN_IF_FAILED(
+        check_notify_counts(ctx, args.num_experts, args.expert_alignment, args.num_tokens, "fused notify"));
     DEEP_EP_REQUIRE_ARG(ctx.num_nvl_bytes >= kFusedRingsOffset, "fused notify: num_rdma_bytes must be >= ",
                         kFusedRingsOffset, ", got ", ctx.num_nvl_bytes);
     fused_notify_kernel<<<1, kNotifyThreads, 0, stream>>>(ctx, args);

@@ -255,6 +255,18 @@ inline Status check_context(const KernelContext& ctx, const char* what, int max_
     return {};
 }
 
+// The counts a notify exchanges (the ring kernels' and the fused kernels'): experts, alignment and tokens.
+inline Status check_notify_counts(const KernelContext& ctx, int num_experts, int expert_alignment, int num_tokens,
+                                  const char* what) {
+    DEEP_EP_REQUIRE_ARG(num_experts >= ctx.num_ranks && num_experts % ctx.num_ranks == 0, what,
+                        ": num_experts must be a positive multiple of num_ranks, got ", num_experts);
+    DEEP_EP_REQUIRE_ARG(num_experts / ctx.num_ranks <= kMaxLocalExperts, what, ": num_experts / num_ranks must be <= ",
+                        kMaxLocalExperts, ", got ", num_experts / ctx.num_ranks);
+    DEEP_EP_REQUIRE_ARG(expert_alignment >= 1, what, ": expert_alignment must be >= 1, got ", expert_alignment);
+    DEEP_EP_REQUIRE_ARG(num_tokens >= 0, what, ": num_tokens must be >= 0, got ", num_tokens);
+    return {};
+}
+
 // Every CTA of a dispatch / combine grid must be resident at once (CTAs wait for peers' CTAs): one per SM.
 inline Status check_resident(const char* what, int num_channels) {
     int device = 0, num_sms = 0;

@@ -167,14 +167,8 @@ Status intranode_notify(const KernelContext& ctx, const NotifyArgs& args, cudaSt
     DEEP_EP_RETURN_IF_FAILED(check_context(ctx, "notify"));
     DEEP_EP_REQUIRE_ARG(args.num_channels >= 1 && args.num_channels <= kMaxChannels,
                         "notify: config.num_sms must be in [1, ", kMaxChannels, "], got ", args.num_channels);
-    DEEP_EP_REQUIRE_ARG(args.num_experts >= ctx.num_ranks && args.num_experts % ctx.num_ranks == 0,
-                        "notify: num_experts must be a positive multiple of num_ranks, got ", args.num_experts);
-    DEEP_EP_REQUIRE_ARG(args.num_experts / ctx.num_ranks <= kMaxLocalExperts,
-                        "notify: num_experts / num_ranks must be <= ", kMaxLocalExperts, ", got ",
-                        args.num_experts / ctx.num_ranks);
-    DEEP_EP_REQUIRE_ARG(args.expert_alignment >= 1, "notify: expert_alignment must be >= 1, got ",
-                        args.expert_alignment);
-    DEEP_EP_REQUIRE_ARG(args.num_tokens >= 0, "notify: num_tokens must be >= 0, got ", args.num_tokens);
+    DEEP_EP_RETURN_IF_FAILED(
+        check_notify_counts(ctx, args.num_experts, args.expert_alignment, args.num_tokens, "notify"));
     if (ctx.put_mask != 0)
         notify_counts_kernel<true><<<1, kNotifyThreads, 0, stream>>>(ctx, args);
     else

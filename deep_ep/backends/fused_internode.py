@@ -26,7 +26,14 @@ from deep_ep.backends.base import CombineRequest, DispatchRequest, LayoutRequest
 from deep_ep.backends.common import object_all_gather
 from deep_ep.backends.cuda_common import _C
 from deep_ep.backends.cuda_internode import SymmetricCuda, UnsupportedTopology
-from deep_ep.config import NUM_MAX_FUSED_RANKS, NUM_MAX_SCALEUP_RANKS, Config, Topology
+from deep_ep.config import (
+    NUM_MAX_FUSED_RANKS,
+    NUM_MAX_SCALEUP_RANKS,
+    Config,
+    Topology,
+    fused_channels,
+    fused_config_ring_bytes,
+)
 from deep_ep.errors import CommTimeoutError, name_ranks
 from deep_ep.handle import InternodeHandle, node_mask
 from deep_ep.results import CombineResult, DispatchLayout, DispatchResult
@@ -154,8 +161,8 @@ class FusedInternodeCuda(SymmetricCuda):
         return record
 
     def num_channels(self, config: Config) -> int:
-        """One channel per two SMs (a sending-and-forwarding CTA and a receiving CTA), as DeepEP's internode."""
-        return max(1, config.num_sms // 2)
+        """One channel per two SMs (:func:`deep_ep.config.fused_channels`)."""
+        return fused_channels(config)
 
     def check_rings(self, kind: str, hidden_bytes: int, num_scales: int, num_topk: int, config: Config) -> None:
         """Raise ValueError unless the call's rings fit a half of the buffer: the rail rings hold
@@ -171,12 +178,12 @@ class FusedInternodeCuda(SymmetricCuda):
             raise ValueError(f"the fused internode kernels need num_max_nvl_chunked_recv_tokens >= 2 * num_nodes "
                              f"(two slots per source node), got {config.num_max_nvl_chunked_recv_tokens} for "
                              f"{self.num_nodes} nodes")
-        channels, rail = self.num_channels(config), _rdma_capacity(config)
+        channels, rail = self.num_channels(config), config.num_max_rdma_chunked_recv_tokens
         if kind == "dispatch":
             record = lay.intranode_dispatch_record_bytes(hidden_bytes, num_scales, num_topk)
         else:
             record = lay.intranode_combine_record_bytes(hidden_bytes // 2, num_topk)
-        used = lay.fused_ring_bytes(self.num_nodes, self.per_node, channels, record, rail, node, self.put_area)
+        used = fused_config_ring_bytes(config, self.num_nodes, self.per_node, record, self.put_area)
         half = lay.fused_half_bytes(self.ring_bytes())
         if used <= half:
             self._rings_checked.add(key)
@@ -275,8 +282,8 @@ class FusedInternodeCuda(SymmetricCuda):
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights = self.runtime.fused_dispatch(
                 data, scales, topk_idx, topk_weights, num_experts, is_token_in_rank, self.per_node, *prefixes,
                 *heads, num_rows, worst, num_channels, config.num_max_rdma_chunked_send_tokens,
-                _rdma_capacity(config), *node_ring(config, num_nodes)[::-1], self._comm_ptr, after_current,
-                scope.current_after)
+                config.num_max_rdma_chunked_recv_tokens, *node_ring(config, num_nodes)[::-1], self._comm_ptr,
+                after_current, scope.current_after)
             new_handle = None
             if not cached:
                 send_rdma_head, send_nvl_head, recv_src_meta = heads
@@ -307,18 +314,12 @@ class FusedInternodeCuda(SymmetricCuda):
             # disagreement.
             combined_x, combined_topk_weights = self._launch_combine(
                 x, topk_weights, bias_0, bias_1, handle, num_channels,
-                (config.num_max_rdma_chunked_send_tokens, _rdma_capacity(config),
+                (config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens,
                  *node_ring(config, self.num_nodes)[::-1]),
                 scope.after_current, scope.current_after, self._combine_hash(request.signature))
             event = scope.finish((request.x, x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights,
                                   *handle))
         return CombineResult(combined_x, combined_topk_weights, event)
-
-def _rdma_capacity(config: Config) -> int:
-    """Rail ring slots: ``num_max_rdma_chunked_recv_tokens`` rounded up to a multiple of the send chunk (as the
-    config's checks do)."""
-    send = config.num_max_rdma_chunked_send_tokens
-    return -(-config.num_max_rdma_chunked_recv_tokens // send) * send
 
 
 def node_ring(config: Config, num_nodes: int) -> tuple[int, int]:
