@@ -332,17 +332,25 @@ class TorchBackend(Backend):
         return torch.diff(prefix, prepend=torch.zeros(1, dtype=torch.int64, device="cpu"))
 
     def _exchange_rows(self, send_rows: list[torch.Tensor], recv_counts: Sequence[int], row_bytes: int, tag: int,
-                       phase: str, what: str) -> list[torch.Tensor]:
-        """Send ``send_rows[d]`` (``[n_d, row_bytes]`` uint8) to every ``d`` and receive ``[recv_counts[s],
-        row_bytes]`` from every ``s``; the own block is copied locally. Returns the received blocks by source."""
-        recv = [torch.empty(int(n), row_bytes, dtype=torch.uint8, device=self.device) for n in recv_counts]
-        sends = [(d, rows.to(self.device).contiguous()) for d, rows in enumerate(send_rows)
-                 if d != self.rank and rows.size(0) > 0]
+                       phase: str, what: str, device: torch.device) -> list[torch.Tensor]:
+        """Send ``send_rows[d]`` (``[n_d, row_bytes]`` uint8 on ``device``) to every ``d`` and receive
+        ``[recv_counts[s], row_bytes]`` from every ``s``. Returns the blocks by source, on ``device``: the own block
+        never leaves it. When the group's device is the host and ``device`` a GPU (gloo), rows cross through
+        page-locked staging, so that both copies run at the bus's speed."""
+        staged = device.type == "cuda" and self.device.type == "cpu"
+
+        def to_comm(rows: torch.Tensor) -> torch.Tensor:
+            if not staged:
+                return rows.to(self.device).contiguous()
+            return torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows)
+
+        recv = [torch.empty(int(n), row_bytes, dtype=torch.uint8, device=self.device, pin_memory=staged)
+                if s != self.rank else send_rows[s] for s, n in enumerate(recv_counts)]
+        sends = [(d, to_comm(rows)) for d, rows in enumerate(send_rows) if d != self.rank and rows.size(0) > 0]
         recvs = [(s, buf) for s, buf in enumerate(recv) if s != self.rank and buf.size(0) > 0]
         pending = self.comm.post(sends, recvs, tag, phase, what)
-        recv[self.rank].copy_(send_rows[self.rank])
         pending.wait()
-        return recv
+        return [buf.to(device, non_blocking=staged) for buf in recv]
 
     @functools.partial(_profiled, "dispatch")
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
@@ -369,8 +377,8 @@ class TorchBackend(Backend):
         send_rows = [record[mask[:, d]] for d in range(self.num_ranks)]
         recv_counts = self._recv_counts_from_handle(handle).tolist()
         blocks = self._exchange_rows(send_rows, recv_counts, record.size(1), _TAG_DISPATCH, "cached dispatch",
-                                     "token rows")
-        rows = torch.cat(blocks, dim=0).to(data.device)
+                                     "token rows", data.device)
+        rows = torch.cat(blocks, dim=0)
         hidden_bytes = data.size(1) * data.element_size()
         recv_data = from_bytes(rows[:, :hidden_bytes], data.dtype, data.size(1))
         if scales is None:
@@ -434,8 +442,8 @@ class TorchBackend(Backend):
         record = torch.cat(parts, dim=1)
         send_rows = [record.index_select(0, mask[:, d].nonzero().squeeze(1)) for d in range(num_ranks)]
         blocks = self._exchange_rows(send_rows, recv_counts.tolist(), record.size(1), _TAG_DISPATCH, "dispatch",
-                                     "token rows")
-        rows = torch.cat(blocks, dim=0).to(data.device)
+                                     "token rows", data.device)
+        rows = torch.cat(blocks, dim=0)
         cols = iter(torch.split(rows, widths, dim=1))  # the record's parts, in the order above
         recv_data = from_bytes(next(cols), data.dtype, hidden)
         recv_scales = from_bytes(next(cols), scales.dtype, scales.size(1)) if scales is not None else None
@@ -513,11 +521,11 @@ class TorchBackend(Backend):
         for n, p in enumerate(peers):
             recv_counts_meta[p] = forward_counts[n]
         blocks = self._exchange_rows(send, recv_counts_meta, 8, _TAG_FORWARD_META, "dispatch forward meta",
-                                     "forwarded-token metadata")
+                                     "forwarded-token metadata", dev)
         src_node, channel, fwd_mask = [], [], []
         gathered_num_tokens = gathered[:, begin[4]]
         for n, p in enumerate(peers):
-            meta = from_bytes(blocks[p], torch.int32, 2).to(dev)
+            meta = from_bytes(blocks[p], torch.int32, 2)
             src_node.append(torch.full((meta.size(0),), n, dtype=torch.int64, device=dev))
             channels_of_source = hd.token_channels(int(gathered_num_tokens[p]), num_channels, dev)
             channel.append(channels_of_source[meta[:, 0].to(torch.int64)])
@@ -550,12 +558,12 @@ class TorchBackend(Backend):
         send_rows = [record[int(starts[s]):int(starts[s] + recv_counts[s])] for s in range(self.num_ranks)]
         back_counts = mask.sum(0).tolist()
         blocks = self._exchange_rows(send_rows, back_counts, record.size(1), _TAG_COMBINE, "combine",
-                                     "expert output rows")
+                                     "expert output rows", x.device)
         hidden_bytes = hidden * x.element_size()
-        ys = [from_bytes(b[:, :hidden_bytes].to(x.device), x.dtype, hidden) for b in blocks]
+        ys = [from_bytes(b[:, :hidden_bytes], x.dtype, hidden) for b in blocks]
         ws = None
         if topk_weights is not None:
-            ws = [from_bytes(b[:, hidden_bytes:].to(x.device), torch.float32, topk_weights.size(1)) for b in blocks]
+            ws = [from_bytes(b[:, hidden_bytes:], torch.float32, topk_weights.size(1)) for b in blocks]
         return reduce_combine(mask, ys, ws, biases, self.topology, num_tokens, hidden, x.device)
 
     # ------------------------------------------------------------------------------------------------------------
