@@ -27,6 +27,13 @@ for _path in (str(REPO_ROOT), str(TESTS_DIR)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+# Test-only: the interpreter that multiprocessing's spawn starts for the pools' workers. tests/gpu/sanitize.sh points
+# it at a wrapper that runs each worker under its own compute-sanitizer instance.
+if os.environ.get("TEST_WORKER_EXECUTABLE"):
+    import multiprocessing
+
+    multiprocessing.set_executable(os.environ["TEST_WORKER_EXECUTABLE"])
+
 settings.register_profile(
     "dev", max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile(

@@ -342,7 +342,7 @@ class TorchBackend(Backend):
         def to_comm(rows: torch.Tensor) -> torch.Tensor:
             if not staged:
                 return rows.to(self.device).contiguous()
-            return torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows)
+            return torch.empty(rows.shape, dtype=rows.dtype, device="cpu", pin_memory=True).copy_(rows)
 
         recv = [torch.empty(int(n), row_bytes, dtype=torch.uint8, device=self.device, pin_memory=staged)
                 if s != self.rank else send_rows[s] for s, n in enumerate(recv_counts)]

@@ -4,8 +4,10 @@
 #   bash tests/gpu/sanitize.sh [memcheck|racecheck|all]      # default: memcheck; run from anywhere in the repo
 #
 # memcheck runs the intranode and low-latency property tests with one rank and with two ranks time-slicing GPU 0;
-# racecheck (shared-memory hazards) runs the single-rank cases. Every process the tests start is followed
-# (--target-processes all) and writes its own log, $SANITIZER_OUT/<tool>.<pid>.log. A tool passes when pytest passes
+# racecheck (shared-memory hazards) runs the single-rank cases. The single-rank tests run inside the instrumented
+# pytest process; the two-rank tests' workers (multiprocessing spawn) each start under their own instance of the tool,
+# through a wrapper that multiprocessing uses as its interpreter (TEST_WORKER_EXECUTABLE, read by tests/conftest.py).
+# Every instrumented process writes its own log, $SANITIZER_OUT/<tool>.<pid>.log. A tool passes when pytest passes
 # and every log's summary counts 0 errors (racecheck: 0 hazards). Prints one PASS/FAIL line per tool; exit status 0
 # when every tool passed, 1 otherwise, 2 when compute-sanitizer is missing.
 #
@@ -45,20 +47,32 @@ export TEST_WORKER_NORMAL_EXIT=1
 export TEST_RANKS_PER_GPU=2 TEST_TIMEOUT_SCALE="${TEST_TIMEOUT_SCALE:-6}" TEST_EXAMPLES_1="$EXAMPLES" \
     TEST_EXAMPLES_SHARED="$EXAMPLES" TEST_EXAMPLES_LL="$EXAMPLES" PYTHONUNBUFFERED=1
 
+PYEXE=$("$PY" -c 'import sys; print(sys.executable)')
+ABSOUT=$(cd "$OUTDIR" && pwd)
 status=0
 for tool in $tools; do
     case "$tool" in
-        memcheck) tests=("${single_rank[@]}" "${two_ranks[@]}"); processes=3 ;;  # pytest and two rank workers
-        racecheck) tests=("${single_rank[@]}"); processes=1 ;;
+        memcheck) tests=("${two_ranks[@]}"); processes=5 ;;  # pytest and the two workers of each two-rank test
+        racecheck) tests=(); processes=1 ;;
         *) echo "sanitize: unknown tool '$tool' (memcheck, racecheck or all)"; exit 2 ;;
     esac
     rm -f "$OUTDIR/$tool".*.log
     start=$(date +%s)
     # shellcheck disable=SC2086  # SANITIZER_ARGS is a list of options
-    timeout --kill-after=20 "$LIMIT" "$SAN" --tool "$tool" --target-processes all "${launch[@]}" \
+    timeout --kill-after=20 "$LIMIT" "$SAN" --tool "$tool" "${launch[@]}" \
         --print-limit 100 --log-file "$OUTDIR/$tool.%p.log" ${SANITIZER_ARGS:-} \
-        "$PY" -m pytest -q -p no:cacheprovider "${tests[@]}" > "$OUTDIR/pytest-$tool.txt" 2>&1
+        "$PY" -m pytest -q -p no:cacheprovider "${single_rank[@]}" > "$OUTDIR/pytest-$tool.txt" 2>&1
     rc=$?
+    if [ "${#tests[@]}" -gt 0 ]; then
+        wrapper="$ABSOUT/worker-$tool.sh"
+        printf '#!/bin/sh\nexec "%s" --tool %s %s --print-limit 100 --log-file "%s/%s.%%p.log" %s "%s" "$@"\n' \
+            "$SAN" "$tool" "${launch[*]}" "$ABSOUT" "$tool" "${SANITIZER_ARGS:-}" "$PYEXE" > "$wrapper"
+        chmod +x "$wrapper"
+        TEST_WORKER_EXECUTABLE="$wrapper" timeout --kill-after=20 "$LIMIT" \
+            "$PY" -m pytest -q -p no:cacheprovider "${tests[@]}" >> "$OUTDIR/pytest-$tool.txt" 2>&1
+        rc2=$?
+        [ "$rc" -eq 0 ] && rc=$rc2
+    fi
     seconds=$(( $(date +%s) - start ))
     # Summary lines: memcheck "ERROR SUMMARY: N errors"; racecheck "RACECHECK SUMMARY: N hazards displayed (...)".
     found=$(cat "$OUTDIR/$tool".*.log 2>/dev/null | grep -hoE "(ERROR|RACECHECK) SUMMARY: [0-9]+" | awk '{s += $3; n += 1} END {print s + 0, n + 0}')
