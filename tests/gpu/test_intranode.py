@@ -1137,10 +1137,37 @@ def task_reset(buffer, rank: int, payload) -> str:
     return "reset"
 
 
+class _CudaDefaultBuffer:
+    """``buffer`` whose every method runs with ``torch.set_default_device("cuda")`` in force, as DeepEP's own test
+    scripts set it (the test's own input generation keeps the default)."""
+
+    def __init__(self, buffer) -> None:
+        self._buffer = buffer
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._buffer, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            torch.set_default_device("cuda")
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                torch.set_default_device(None)
+        return call
+
+
+def task_roundtrip_cuda_default(buffer, rank: int, case: Case) -> str:
+    """``task_roundtrip`` with every Buffer call under ``torch.set_default_device("cuda")``."""
+    return task_roundtrip(_CudaDefaultBuffer(buffer), rank, case)
+
+
 TASKS: dict[str, Callable] = {"roundtrip": task_roundtrip, "graph": task_graph, "stall": task_stall,
                               "sequence": task_sequence, "bad_routing": task_bad_routing, "reset": task_reset,
                               "pool_lifetime": task_pool_lifetime, "disagree": task_disagree,
-                              "cached_disagree": task_cached_disagree, "combine_disagree": task_combine_disagree}
+                              "cached_disagree": task_cached_disagree, "combine_disagree": task_combine_disagree,
+                              "roundtrip_cuda_default": task_roundtrip_cuda_default}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1184,6 +1211,25 @@ def test_torch_backend_over_nccl(nccl_torch_pool, case):
     torch rail). Two ranks on two GPUs over NCCL (NCCL refuses two ranks of one communicator on one GPU), the same
     round trip against the reference as the kernels' tests."""
     nccl_torch_pool.run("roundtrip", case)
+
+
+@gpu_settings(int(os.environ.get("TEST_EXAMPLES_GLOO", "4")))
+@given(case=case_strategy(2, max_tokens=600))
+def test_torch_backend_over_gloo_with_cuda_default_device(gloo_torch_pool, case):
+    """The torch backend with CUDA tensors over a gloo group, two ranks sharing GPU 0 (how DeepEP's own scripts run
+    on one GPU): rows cross through page-locked host staging, and every Buffer call runs under
+    ``torch.set_default_device("cuda")`` (host-side allocations must name their device). Against the reference."""
+    gloo_torch_pool.run("roundtrip_cuda_default", case)
+
+
+@pytest.fixture(scope="module")
+def gloo_torch_pool():
+    pool = Pool(_devices(2, spread=False), env={"DEEP_EP_BACKEND": "torch"})
+    try:
+        assert pool.backends == {"TorchBackend"}, f"DEEP_EP_BACKEND=torch gave {pool.backends}"
+        yield pool
+    finally:
+        pool.close()
 
 
 @pytest.fixture(scope="module")
