@@ -48,6 +48,8 @@ from simulator.workload import SourceTraffic
 ROLE_SHARE = SHARED_SM_FRACTION
 # Warps of one CTA (kChannelThreads / 32).
 CTA_WARPS = 32
+# The fewest warps of a combine channel's owner team (the kernels' kFusedCombineOwnerWarps).
+COMBINE_OWNER_WARPS = 8
 
 
 def team_sizes(num_warps: int, num_teams: int) -> list[int]:
@@ -62,8 +64,8 @@ def team_sizes(num_warps: int, num_teams: int) -> list[int]:
 def role_warps(op: str, num_nodes: int, num_ranks: int) -> dict[str, tuple[int, int]]:
     """(warps, rings) per channel of each role of the fused ``op``: dispatch, the even CTA's warps in ``2N`` teams
     (senders of each node, then forwarders; past 16 nodes half the warps each), the odd CTA's in one receiver team
-    per source rank; combine, the odd CTA's warps in one sender team per source rank, the even CTA's in ``N``
-    forwarder teams and one owner team (past 31 nodes the owner one warp, the forwarders the others). Where a role
+    per source rank; combine, the odd CTA's warps in one sender team per source rank, the even CTA's last
+    ``max(32 // (N + 1), COMBINE_OWNER_WARPS)`` in the owner team and the others in ``N`` forwarder teams. Where a role
     has more rings than warps each warp serves several in turn, so a ring gets the role's rate over its ring count
     either way."""
     if op == "dispatch":
@@ -73,11 +75,8 @@ def role_warps(op: str, num_nodes: int, num_ranks: int) -> dict[str, tuple[int, 
         even = team_sizes(CTA_WARPS, 2 * num_nodes)
         return {"send": (sum(even[:num_nodes]), num_nodes), "forward": (sum(even[num_nodes:]), num_nodes),
                 "receive": (CTA_WARPS, num_ranks)}
-    if num_nodes + 1 > CTA_WARPS:
-        return {"send": (CTA_WARPS, num_ranks), "forward": (CTA_WARPS - 1, num_nodes), "receive": (1, 1)}
-    even = team_sizes(CTA_WARPS, num_nodes + 1)
-    return {"send": (CTA_WARPS, num_ranks), "forward": (sum(even[:num_nodes]), num_nodes),
-            "receive": (even[num_nodes], 1)}
+    owner = max(CTA_WARPS // (num_nodes + 1), COMBINE_OWNER_WARPS)
+    return {"send": (CTA_WARPS, num_ranks), "forward": (CTA_WARPS - owner, num_nodes), "receive": (owner, 1)}
 
 
 def is_fused(spec: OpSpec) -> bool:

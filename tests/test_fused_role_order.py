@@ -221,7 +221,8 @@ def combine_completes(num_nodes: int, per_node: int, seed: int, capacity: int = 
         return publish_in_waits and publish(rank, kind, i)
 
     warps = []
-    forward_warps = WARPS - 1 if num_nodes + 1 > WARPS else num_nodes
+    # The kernels' owner team takes the CTA's last max(32 / (N + 1), 8) warps; the forwarders share the others.
+    forward_warps = WARPS - max(WARPS // (num_nodes + 1), 8)
     for rank in range(num_ranks):
         for kind, count, num_warps in (("send", num_ranks, WARPS), ("forward", num_nodes, forward_warps)):
             warps += [[rank, kind, deque(roles)] for roles in _lists(count, num_warps, order(rank, kind))]

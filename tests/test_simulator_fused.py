@@ -151,11 +151,14 @@ def test_fused_roles_use_every_warp_of_their_ctas():
         assert combine["forward"][0] + combine["receive"][0] == fused.CTA_WARPS
         # One ring per source rank: every warp of the CTA, in teams, or past 32 ranks each warp serving several.
         assert dispatch["receive"] == combine["send"] == (fused.CTA_WARPS, ranks)
-        # Past 16 nodes (dispatch) and 31 (combine) each sender or forwarder warp serves several nodes in turn.
+        # Past 16 nodes (dispatch) and 24 (combine) each sender or forwarder warp serves several nodes in turn; the
+        # combine's owner keeps at least 8 warps (with an even share it would limit the combine from 8 nodes on).
         assert dispatch["send"][1] == dispatch["forward"][1] == combine["forward"][1] == nodes
         assert combine["receive"][1] == 1 and min(w for w, _ in (*dispatch.values(), *combine.values())) >= 1
+        assert combine["receive"][0] == max(fused.CTA_WARPS // (nodes + 1), fused.COMBINE_OWNER_WARPS)
     assert fused.role_warps("dispatch", 17, 34)["send"] == (16, 17)
-    assert fused.role_warps("combine", 32, 64) == {"send": (32, 64), "forward": (31, 32), "receive": (1, 1)}
+    assert fused.role_warps("combine", 8, 64) == {"send": (32, 64), "forward": (24, 8), "receive": (8, 1)}
+    assert fused.role_warps("combine", 32, 64) == {"send": (32, 64), "forward": (24, 32), "receive": (8, 1)}
     with pytest.raises(ValueError, match="num_teams"):
         fused.team_sizes(32, 33)
 

@@ -13,12 +13,13 @@
 //     recv_gbl_channel_prefix[s][c] onwards (the contract's order: source rank, then token), top-k ids made local,
 //     and return the node head.
 // Warps: the even CTA's 32 warps form 2N teams (senders of nodes 0 .. N-1, then forwarders), the odd CTA's 32
-// warps R receiver teams (each last warp first fills its share of the worst-token tail); combine's even CTA forms N
-// forwarder teams and one owner team, its odd CTA R sender teams. Teams take consecutive warps, sizes differing by
-// at most one (at N = 2, G = 2: dispatch 8 warps per sender, forwarder and receiver; combine 11, 11 and 10 (owner),
-// 8 per sender). Where a CTA has more roles than warps (past 32 ranks, 16 nodes for dispatch, 31 for combine), each
-// warp serves several of them one after the other, in ascending order on every rank (make_roles); the owner keeps
-// a warp of its own. In dispatch every warp of a team runs the role's control flow and moves its contiguous share
+// warps R receiver teams (each last warp first fills its share of the worst-token tail); combine's even CTA forms one
+// owner team of its last max(32 / (N + 1), kFusedCombineOwnerWarps) warps and N forwarder teams of the others, its
+// odd CTA R sender teams. Teams take consecutive warps, sizes differing by at most one (at N = 2, G = 2: dispatch 8
+// warps per sender, forwarder and receiver; combine 11, 11 and 10 (owner), 8 per sender; at N = 8: 8 owner warps,
+// 3 per forwarder). Where a CTA has more roles than warps (past 32 ranks, 16 nodes for dispatch, 24 for combine's
+// forwarders), each warp serves several of them one after the other, in ascending order on every rank
+// (make_roles). In dispatch every warp of a team runs the role's control flow and moves its contiguous share
 // of each row; the team's first warp writes the small fields and side outputs and alone publishes a tail or credit,
 // once every warp's progress has passed it (Team below). In combine the warps of a team take whole rows in turn (a
 // reduction per warp keeps enough loads in flight) and the first warp publishes the finished prefix.
@@ -30,8 +31,8 @@
 // Combine runs the reverse in one kernel: the local rank j sends its rows of source s = (n, l) (odd CTAs, team s)
 // into the node ring (c, n, j) of the forwarder (its node, l); the forwarder (team n of an even CTA) sums each
 // forwarded token's rows in fp32 in ascending j, rounds once to BF16 (the per-node partial) and sends it into the
-// rail ring (c, its node) of the owner (n, l) (one scale-out transfer per (token, node)); the owner (team N of the
-// even CTA) adds the biases, then the partials in ascending node order, in fp32, and rounds once more. send_nvl_head
+// rail ring (c, its node) of the owner (n, l) (one scale-out transfer per (token, node)); the owner (the even CTA's
+// owner team) adds the biases, then the partials in ascending node order, in fp32, and rounds once more. send_nvl_head
 // and send_rdma_head give each row's position in its ring. A team publishes what it holds back (tails, credits)
 // before any wait that could depend on it, and a role returns only once it has published everything it finished,
 // so a warp that serves several roles holds nothing back for an earlier one while it serves a later one. Dispatch
@@ -56,6 +57,10 @@ namespace kernels {
 namespace {
 
 constexpr int kMaxGpusPerNode = 8;  // send_nvl_head has 8 columns; local masks are 8 bits
+// Fewest warps of a combine channel's owner team (see the file comment): with an even share of the CTA (3 warps at
+// 8 nodes, 1 at 16) the owner, which reads N partials of each token, would limit the combine.
+constexpr int kFusedCombineOwnerWarps = 8;
+static_assert(kFusedCombineOwnerWarps < kChannelWarps, "the combine's forwarders keep at least one warp");
 static_assert(kFusedMaxNodes <= 32, "a lane per node (combine owner, notify)");
 static_assert(kFusedMaxRanks <= kNotifyThreads - kFusedMaxRanks, "notify: a thread per rank, another per node");
 
@@ -1325,25 +1330,20 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     num_checked = __shfl_sync(0xffffffffu, num_checked, 0);
     int role;
     if ((blockIdx.x & 1u) == 0) {
-        // Up to 31 nodes, teams 0 .. N-1 forward to the owners of node n and team N owns the channel's tokens. Past
-        // 31 nodes, the last warp owns and the others forward, each serving its nodes in ascending order
-        // (make_roles). One call site per role keeps the kernel's registers to one copy of each.
-        int stride;
-        Team team;
-        if (num_nodes + 1 <= kChannelWarps) {
-            team = make_team(team_progress, warp, kChannelWarps, num_nodes + 1, &role);
-            stride = num_nodes + 1;
-        } else if (warp == kChannelWarps - 1) {
-            team = Team{0, 1, team_progress + warp};
-            role = num_nodes;
-            stride = 1;
-        } else {
-            team = make_roles(team_progress, warp, kChannelWarps - 1, num_nodes, &role, &stride);
-        }
-        if (role == num_nodes) {
+        // The last owner_warps warps own the channel's tokens: an even share of the CTA among N + 1 teams, but at
+        // least kFusedCombineOwnerWarps (the owner reduces N partials of every token, each forwarder team one node's
+        // rows). The others forward, team n to the owners of node n; past as many nodes as forwarding warps, each
+        // warp serves its nodes in ascending order (make_roles). One call site per role keeps the kernel's registers
+        // to one copy of each.
+        const int owner_warps = max(kChannelWarps / (num_nodes + 1), kFusedCombineOwnerWarps);
+        const int forward_warps = kChannelWarps - owner_warps;
+        if (warp >= forward_warps) {
+            const Team team{warp - forward_warps, owner_warps, team_progress + forward_warps};
             fused_combine_own(ctx, geo, args, team, channel);
             return;
         }
+        int stride;
+        const Team team = make_roles(team_progress, warp, forward_warps, num_nodes, &role, &stride);
         for (int n = role; n < num_nodes; n += stride)
             fused_combine_forward(ctx, geo, args, team, channel, n, num_checked);
         return;
