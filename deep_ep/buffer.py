@@ -287,8 +287,9 @@ class Buffer:
 
     def _agreeing(self, mode: str, device: Optional[str], backend: Optional[Backend] = None) -> Optional[Backend]:
         """The torch backend when a call of ``mode`` served by ``backend`` (``None``: the route of ``device``)
-        checks its agreement through it (a multi-rank group served by the torch backend or the composed path's
-        torch stages), else ``None``. An unknown device agrees only if every device type's route does."""
+        checks its agreement through it, else ``None``: a multi-rank group served by the torch backend, or by the
+        composed path (its stages run on subgroups, so the whole group exchanges the signature first, whatever
+        stage runs on the kernels). An unknown device agrees only if every device type's route does."""
         if self.group_size == 1 or self._torch is None or self._destroyed:
             return None
         if backend is not None:
@@ -297,7 +298,7 @@ class Buffer:
             devices = ("cpu", "cuda") if device == _UNKNOWN_DEVICE else (device,)
             candidates = [self._routes.get((mode, d), self._torch) for d in devices]
         for candidate in candidates:
-            if candidate is not self._torch and not (candidate is self._composed and self._composed_device == "cpu"):
+            if candidate is not self._torch and (candidate is None or candidate is not self._composed):
                 return None
         return self._torch
 

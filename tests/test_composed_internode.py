@@ -265,3 +265,22 @@ def test_automatic_fallback_says_why(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert without_cuda("auto", object(), "CUDA internode backend", "CUDA is not available") is None
+
+
+def test_composed_calls_agree_over_the_whole_group_whatever_the_device():
+    """The composed path's stages run on subgroups (a rail, a node), so no stage alone sees every rank: a call it
+    serves exchanges the signature over the whole group through the torch backend first, whatever the device of its
+    tensors (a CUDA node stage too). Calls the CUDA kernels serve carry their agreement in the kernels instead."""
+    import types
+
+    from deep_ep.buffer import Buffer
+    torch_backend, composed, kernels = object(), object(), object()
+    for device in ("cpu", "cuda"):
+        buf = types.SimpleNamespace(group_size=4, _torch=torch_backend, _destroyed=False, _composed=composed,
+                                    _composed_device=device, _routes={("normal", device): composed})
+        assert Buffer._agreeing(buf, "normal", device) is torch_backend, device
+        assert Buffer._agreeing(buf, "normal", device, composed) is torch_backend, device
+    buf = types.SimpleNamespace(group_size=4, _torch=torch_backend, _destroyed=False, _composed=None,
+                                _composed_device=None, _routes={("normal", "cuda"): kernels})
+    assert Buffer._agreeing(buf, "normal", "cuda") is None
+    assert Buffer._agreeing(buf, "normal", "cpu") is torch_backend  # no route: the torch backend serves

@@ -40,6 +40,54 @@ def task_stages(buffer, rank: int, payload) -> str:
         f"{type(composed.node).__name__}"
 
 
+def task_disagree(buffer, rank: int, payload) -> str:
+    """The last rank (another node and rail than rank 0) passes another hidden size, then no top-k: every rank
+    raises ArgumentMismatchError naming the argument within a second (the whole group exchanges the call's signature
+    before either stage runs; a stage alone spans only its rail or node), and a correct dispatch and combine
+    follow."""
+    import time
+
+    import deep_ep
+    n, h, world = 32, 256, buffer.group_size
+    x = torch.full((n, h), float(rank + 1), dtype=torch.bfloat16, device="cuda")
+    # Every token selects expert 2r of every rank r: all rows reach every rank.
+    idx = (torch.arange(world, device="cuda") * 2).repeat(n, 1).to(deep_ep.topk_idx_t)
+    weights = torch.ones(n, world, dtype=torch.float32, device="cuda")
+    layout = buffer.get_dispatch_layout(idx, 2 * world)
+
+    def dispatch(data=x, topk=idx, w=weights):
+        return buffer.dispatch(data, num_tokens_per_rank=layout.num_tokens_per_rank,
+                               is_token_in_rank=layout.is_token_in_rank,
+                               num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=topk, topk_weights=w)
+
+    def correct(label: str) -> None:
+        d = dispatch()
+        want = torch.cat([torch.full((n, h), float(r + 1), dtype=torch.bfloat16) for r in range(world)]).cuda()
+        assert torch.equal(d.recv_x, want), f"after {label}: recv_x differs from every rank's rows in rank order"
+        c = buffer.combine(d.recv_x, d.handle)
+        torch.cuda.synchronize()
+        assert torch.equal(c.combined_x.float(), x.float() * world), f"after {label}: combine differs"
+
+    other = rank == world - 1
+    seen = []
+    correct("start")
+    for name, kwargs in (("x.size(1) (hidden)", dict(data=torch.cat([x, x], 1) if other else x)),
+                         ("topk_idx given", dict(topk=None if other else idx, w=None if other else weights))):
+        torch.cuda.synchronize()
+        start = time.monotonic()
+        try:
+            dispatch(**kwargs)
+        except deep_ep.ArgumentMismatchError as exc:
+            elapsed = time.monotonic() - start
+            assert name in str(exc), f"{name}: {exc}"
+            assert elapsed < 1.0, f"{name}: raised after {elapsed:.3f} s"
+            seen.append(f"{name}: {elapsed * 1e3:.0f} ms")
+        else:
+            raise AssertionError(f"{name} differing between the ranks did not raise")
+        correct(name)
+    return "; ".join(seen)
+
+
 def _composed_pool(devices: list, gpus_per_node: int):
     """A worker pool on ``devices`` as nodes of ``gpus_per_node`` ranks (Buffers built under
     ``internode='composed'``), checked to run the composed path with a torch rail and a CUDA node stage; yields it
@@ -66,6 +114,11 @@ def two_by_two():
 @given(case=ti.case_strategy(4, max_tokens=300))
 def test_two_by_two(two_by_two, case):
     two_by_two.run(tn.TASK, case)
+
+
+def test_disagreeing_ranks_raise_and_recover(two_by_two):
+    """See task_disagree."""
+    print(two_by_two.run("test_composed:task_disagree", None))
 
 
 def test_two_by_two_large(two_by_two):
