@@ -99,13 +99,16 @@ class _Agreement:
     def _exchange(self, fields: Sequence[tuple[str, Any]], refused: Optional[str] = None) -> None:
         self.done = True
         torch_backend = self.buffer._agreeing(self.mode, self.device, self.backend)
+        if torch_backend is None and self.method == "clean_low_latency_buffer":
+            torch_backend = self.buffer._clean_agreeing()
         if torch_backend is None:
             # The CUDA kernels: a non-cached dispatch carries the signature in its notify kernel (a refusal launches
             # that notify with zero counts), a cached dispatch its hash in its kernel's output words and a combine
             # in its kernel's agreement words (a refusal launches that kernel, once the handle is valid), a low-latency
             # dispatch its hash in its count messages (a refusal launches it with no tokens, once (T, H, E) are
             # valid), a low-latency combine in its arrival words (a refusal tells every peer, once the handle is
-            # valid); other calls, and a single rank, exchange nothing.
+            # valid); other calls (a clean outside shrink mode goes through the torch backend, above), and a single
+            # rank, exchange nothing.
             kernels = self.buffer._kernel_agreeing(self.method, self.device, self.backend, self.cached)
             if kernels is not None:
                 signature = Signature(self.method, fields, refused)
@@ -300,6 +303,15 @@ class Buffer:
         for candidate in candidates:
             if candidate is not self._torch and (candidate is None or candidate is not self._composed):
                 return None
+        return self._torch
+
+    def _clean_agreeing(self) -> Optional[Backend]:
+        """The torch backend, through which ``clean_low_latency_buffer`` exchanges its signature when the kernels
+        serve it (they carry none for a clean, which is rare and moves no rows), so that a refusal or a disagreement
+        raises on every rank instead of leaving the peers in the clean's barrier; ``None`` in shrink mode, whose
+        group may hold dead ranks that only the kernels' masks skip."""
+        if self.group_size == 1 or self._torch is None or self._destroyed or self.enable_shrink:
+            return None
         return self._torch
 
     def _kernel_agreeing(self, method: str, device: Optional[str], backend: Optional[Backend],

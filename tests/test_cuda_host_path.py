@@ -362,6 +362,11 @@ with fake.patched(torch, cuda_tensors=True):
     attempt("llc refused clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
     attempt("llc after refused", ll_runtime, ll_combine)
     out["llc state"] = [ll._cuda_ll.parity, ll._ll_generation, ll._num_handles]
+    # clean_low_latency_buffer: the kernels carry no signature for it, the torch backend does (outside shrink mode).
+    attempt("clean differs", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 2048 if rank == 1 else 1024, 8))
+    attempt("clean refused", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 9 if rank == 1 else 8))
+    attempt("clean after", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
+    attempt("ll after clean checks", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
     ll._release()
 dist.destroy_process_group()
 print(json.dumps(out))
@@ -456,6 +461,15 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
         kind, message, launches = out["llc refused next"]
         assert kind == "ArgumentMismatchError" and launches == [] and "low_latency_combine" in message, out
         assert out["llc refused clean"][0] == "ok", out["llc refused clean"]
+        # Cleans whose arguments differ, or that one rank refuses, raise on both ranks before any clean runs.
+        kind, message, _ = out["clean differs"]
+        assert kind == "ArgumentMismatchError" and "hidden" in message and "clean_low_latency_buffer" in message, out
+        kind, message, _ = out["clean refused"]
+        if rank == 1:
+            assert kind == "ValueError" and "num_experts" in message, out["clean refused"]
+        else:
+            assert kind == "ArgumentMismatchError" and "rank 1 (num_experts)" in message, out["clean refused"]
+        assert out["clean after"][0] == out["ll after clean checks"][0] == "ok", out
     # The refusing rank counted the call as its peer did: same parity, call number and handle number.
     assert outs[0]["ll state"] == outs[1]["ll state"], (outs[0]["ll state"], outs[1]["ll state"])
     assert outs[0]["llc state"] == outs[1]["llc state"], (outs[0]["llc state"], outs[1]["llc state"])
