@@ -133,7 +133,12 @@ class _Agreement:
         if self.rides and refused is None:
             self.signature = signature
         else:
-            torch_backend.agree(signature, f"{self.method} agreement", self.mode == "low_latency")
+            # Low-latency calls exchange point to point with the active ranks; a clean outside shrink mode makes one
+            # all-gather instead, on every route alike (a kernel-served group may never have connected its ranks
+            # pairwise through the process group).
+            point_to_point = self.mode == "low_latency" and (self.method != "clean_low_latency_buffer"
+                                                              or self.buffer.enable_shrink)
+            torch_backend.agree(signature, f"{self.method} agreement", point_to_point)
 
     def agree(self, *fields: tuple[str, Any]) -> None:
         self._exchange(fields)
