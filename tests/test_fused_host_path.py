@@ -400,6 +400,30 @@ def test_put_mask_mirror_matches_cpp(tmp_path):
     assert lines[3] == "".join("1" if r in (0, 24, 31, 32, 63) else "0" for r in range(-1, 65))
 
 
+_OWNER_PROGRAM = r"""
+#include <cstdio>
+#include "fused_internode.cuh"
+using namespace deep_ep::kernels;
+int main() {
+    std::printf("%d %d\n", kChannelWarps, kFusedCombineOwnerWarps);
+    for (int n = 2; n <= kFusedMaxNodes; ++n) std::printf("%d ", fused_combine_owner_warps(n));
+    std::printf("\n");
+    return 0;
+}
+"""
+
+
+def test_combine_owner_warps_mirror_matches_cpp(tmp_path):
+    """The simulator's fused combine roles (``role_warps``) split a channel's even CTA as the kernels do
+    (``fused_combine_owner_warps``): the owner team's warps for every node count the kernels serve."""
+    from simulator import deep_ep_fused as fused
+    lines = _run_host_program(tmp_path, "owner", _OWNER_PROGRAM).splitlines()
+    assert list(map(int, lines[0].split())) == [fused.CTA_WARPS, fused.COMBINE_OWNER_WARPS]
+    owners = list(map(int, lines[1].split()))
+    assert owners == [fused.role_warps("combine", n, 2 * n)["receive"][0] for n in range(2, 2 + len(owners))]
+    assert owners[:2] == [10, 8] and owners[6] == 8  # 2 and 3 nodes: the even share; 8 nodes: the floor
+
+
 _RINGS_PROGRAM = r"""
 #include <cstdio>
 #include "fused_internode.cuh"

@@ -14,7 +14,7 @@
 //     and return the node head.
 // Warps: the even CTA's 32 warps form 2N teams (senders of nodes 0 .. N-1, then forwarders), the odd CTA's 32
 // warps R receiver teams (each last warp first fills its share of the worst-token tail); combine's even CTA forms one
-// owner team of its last max(32 / (N + 1), kFusedCombineOwnerWarps) warps and N forwarder teams of the others, its
+// owner team of its last fused_combine_owner_warps(N) warps and N forwarder teams of the others, its
 // odd CTA R sender teams. Teams take consecutive warps, sizes differing by at most one (at N = 2, G = 2: dispatch 8
 // warps per sender, forwarder and receiver; combine 11, 11 and 10 (owner), 8 per sender; at N = 8: 8 owner warps,
 // 3 per forwarder). Where a CTA has more roles than warps (past 32 ranks, 16 nodes for dispatch, 24 for combine's
@@ -57,10 +57,6 @@ namespace kernels {
 namespace {
 
 constexpr int kMaxGpusPerNode = 8;  // send_nvl_head has 8 columns; local masks are 8 bits
-// Fewest warps of a combine channel's owner team (see the file comment): with an even share of the CTA (3 warps at
-// 8 nodes, 1 at 16) the owner, which reads N partials of each token, would limit the combine.
-constexpr int kFusedCombineOwnerWarps = 8;
-static_assert(kFusedCombineOwnerWarps < kChannelWarps, "the combine's forwarders keep at least one warp");
 static_assert(kFusedMaxNodes <= 32, "a lane per node (combine owner, notify)");
 static_assert(kFusedMaxRanks <= kNotifyThreads - kFusedMaxRanks, "notify: a thread per rank, another per node");
 
@@ -1330,12 +1326,10 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     num_checked = __shfl_sync(0xffffffffu, num_checked, 0);
     int role;
     if ((blockIdx.x & 1u) == 0) {
-        // The last owner_warps warps own the channel's tokens: an even share of the CTA among N + 1 teams, but at
-        // least kFusedCombineOwnerWarps (the owner reduces N partials of every token, each forwarder team one node's
-        // rows). The others forward, team n to the owners of node n; past as many nodes as forwarding warps, each
-        // warp serves its nodes in ascending order (make_roles). One call site per role keeps the kernel's registers
-        // to one copy of each.
-        const int owner_warps = max(kChannelWarps / (num_nodes + 1), kFusedCombineOwnerWarps);
+        // The last fused_combine_owner_warps(N) warps own the channel's tokens. The others forward, team n to the
+        // owners of node n; past as many nodes as forwarding warps, each warp serves its nodes in ascending order
+        // (make_roles). One call site per role keeps the kernel's registers to one copy of each.
+        const int owner_warps = fused_combine_owner_warps(num_nodes);
         const int forward_warps = kChannelWarps - owner_warps;
         if (warp >= forward_warps) {
             const Team team{warp - forward_warps, owner_warps, team_progress + forward_warps};
