@@ -594,13 +594,19 @@ def test_a_buffer_of_the_size_hints_holds_the_fused_calls():
     """A fused backend of 2 x 8 and 8 x 8 GPUs on a buffer of the two size hints' sum (DeepEP's recipe: each the max
     over the default dispatch and combine configs, 7168-BF16 rows) accepts the default dispatch (BF16 or FP8, top-k
     32 or 8) and combine (top-k 32), with NVSHMEM put peers or without; 128 bytes less refuses the BF16 top-32
-    dispatch with put peers (the hints hold exactly its buffer)."""
+    dispatch with put peers (the hints hold exactly its buffer) and names the hints as the sizes to use."""
+    from deep_ep.config import get_dispatch_config
     report = run_probe(_HINTS_PROBE, DEEP_EP_GPUS_PER_NODE="8")
     for num_ranks in (16, 64):
         assert report[f"{num_ranks} put"] == [True, "ok", "ok", "ok", "ok"], report[f"{num_ranks} put"]
         assert report[f"{num_ranks} pointer"] == [False, "ok", "ok", "ok", "ok"], report[f"{num_ranks} pointer"]
         less = report[f"{num_ranks} put less"]
         assert less[0] and "is too small for this fused internode dispatch" in less[1], less
+        # The refusal names the dispatch config's size hints, whose sum holds the call.
+        config = get_dispatch_config(num_ranks)
+        hints = config.get_nvl_buffer_size_hint(14336, num_ranks) + config.get_rdma_buffer_size_hint(14336, num_ranks)
+        assert f"config.get_rdma_buffer_size_hint(14336, {num_ranks})" in less[1], less[1]
+        assert hints >= int(less[1].split(">= ")[1].split(" ")[0]), less[1]
         assert less[4] == "ok", less
 
 

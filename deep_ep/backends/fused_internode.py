@@ -194,7 +194,22 @@ class FusedInternodeCuda(SymmetricCuda):
                          f"{kind}: its rings take {used} bytes ({channels} channels of {self.num_nodes} rail rings "
                          f"of {rail} and {self.num_ranks} node rings of {node} records of {record} bytes{put}), a "
                          f"half of the buffer holds {half}; build the Buffer with num_nvl_bytes + num_rdma_bytes >= "
-                         f"{need}")
+                         f"{need}{self._size_hints_text(config, hidden_bytes, num_scales, need)}")
+
+    def _size_hints_text(self, config: Config, hidden_bytes: int, num_scales: int, need: int) -> str:
+        """The config's size hints as the sizes to build the Buffer with, when their sum holds ``need`` bytes (the
+        hints take BF16-sized rows, ``hidden * 2`` bytes, and 8 GPUs per node, as DeepEP's), else nothing."""
+        hint_bytes = hidden_bytes * 2 if num_scales else hidden_bytes
+        try:
+            nvl = config.get_nvl_buffer_size_hint(hint_bytes, self.num_ranks)
+            rdma = config.get_rdma_buffer_size_hint(hint_bytes, self.num_ranks)
+        except ValueError:  # a rank count the hints do not take
+            return ""
+        if nvl + rdma < need:
+            return ""
+        return (f" (this config's size hints hold it: num_nvl_bytes=config.get_nvl_buffer_size_hint({hint_bytes}, "
+                f"{self.num_ranks}) = {nvl}, num_rdma_bytes=config.get_rdma_buffer_size_hint({hint_bytes}, "
+                f"{self.num_ranks}) = {rdma})")
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int,
                                 use_rdma_buffer: bool) -> torch.Tensor:
