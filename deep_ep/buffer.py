@@ -98,9 +98,7 @@ class _Agreement:
 
     def _exchange(self, fields: Sequence[tuple[str, Any]], refused: Optional[str] = None) -> None:
         self.done = True
-        torch_backend = self.buffer._agreeing(self.mode, self.device, self.backend)
-        if torch_backend is None and self.method == "clean_low_latency_buffer":
-            torch_backend = self.buffer._clean_agreeing()
+        torch_backend = self.buffer._agreeing(self.mode, self.device, self.backend, self.method)
         if torch_backend is None:
             # The CUDA kernels: a non-cached dispatch carries the signature in its notify kernel (a refusal launches
             # that notify with zero counts), a cached dispatch its hash in its kernel's output words and a combine
@@ -293,30 +291,27 @@ class Buffer:
             raise RuntimeError(f"{method} needs the torch backend, which needs a torch.distributed group")
         return backend
 
-    def _agreeing(self, mode: str, device: Optional[str], backend: Optional[Backend] = None) -> Optional[Backend]:
+    def _agreeing(self, mode: str, device: Optional[str], backend: Optional[Backend] = None,
+                  method: Optional[str] = None) -> Optional[Backend]:
         """The torch backend when a call of ``mode`` served by ``backend`` (``None``: the route of ``device``)
         checks its agreement through it, else ``None``: a multi-rank group served by the torch backend, or by the
         composed path (its stages run on subgroups, so the whole group exchanges the signature first, whatever
-        stage runs on the kernels). An unknown device agrees only if every device type's route does."""
+        stage runs on the kernels), and ``clean_low_latency_buffer`` (``method``) whatever serves it, outside shrink
+        mode (the kernels carry no signature for a clean, which is rare and moves no rows; a shrink-mode group may
+        hold dead ranks that only the kernels' masks skip). An unknown device agrees only if every device type's
+        route does."""
         if self.group_size == 1 or self._torch is None or self._destroyed:
             return None
+        if method == "clean_low_latency_buffer" and not self.enable_shrink:
+            return self._torch
         if backend is not None:
             candidates = [backend]
         else:
             devices = ("cpu", "cuda") if device == _UNKNOWN_DEVICE else (device,)
             candidates = [self._routes.get((mode, d), self._torch) for d in devices]
         for candidate in candidates:
-            if candidate is not self._torch and (candidate is None or candidate is not self._composed):
+            if candidate is not self._torch and candidate is not self._composed:
                 return None
-        return self._torch
-
-    def _clean_agreeing(self) -> Optional[Backend]:
-        """The torch backend, through which ``clean_low_latency_buffer`` exchanges its signature when the kernels
-        serve it (they carry none for a clean, which is rare and moves no rows), so that a refusal or a disagreement
-        raises on every rank instead of leaving the peers in the clean's barrier; ``None`` in shrink mode, whose
-        group may hold dead ranks that only the kernels' masks skip."""
-        if self.group_size == 1 or self._torch is None or self._destroyed or self.enable_shrink:
-            return None
         return self._torch
 
     def _kernel_agreeing(self, method: str, device: Optional[str], backend: Optional[Backend],

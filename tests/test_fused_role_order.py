@@ -18,6 +18,8 @@ from typing import Callable, Optional
 
 import pytest
 
+from simulator.deep_ep_fused import role_warps
+
 WARPS = 32
 Order = Callable[[int, str], int]  # (rank, role kind) -> 1 ascending, -1 descending
 
@@ -221,8 +223,8 @@ def combine_completes(num_nodes: int, per_node: int, seed: int, capacity: int = 
         return publish_in_waits and publish(rank, kind, i)
 
     warps = []
-    # The kernels' owner team takes the CTA's last max(32 / (N + 1), 8) warps; the forwarders share the others.
-    forward_warps = WARPS - max(WARPS // (num_nodes + 1), 8)
+    # The forwarders share the warps the owner team leaves (the simulator's mirror of the kernels' split).
+    forward_warps = role_warps("combine", num_nodes, num_ranks)["forward"][0]
     for rank in range(num_ranks):
         for kind, count, num_warps in (("send", num_ranks, WARPS), ("forward", num_nodes, forward_warps)):
             warps += [[rank, kind, deque(roles)] for roles in _lists(count, num_warps, order(rank, kind))]

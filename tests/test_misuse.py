@@ -240,7 +240,7 @@ def run_zero_copy_reuse(ctx: dist.WorkerContext, case: None) -> Optional[str]:
 # Item: the library works whatever torch.set_default_device says.
 # ---------------------------------------------------------------------------------------------------------------
 
-class _OnDefaultDevice:
+class OnDefaultDevice:
     """A Buffer whose every method (and every receive hook it returns) runs with ``torch.set_default_device(device)``
     in force; the caller's own tensors and the reference are built outside."""
 
@@ -284,7 +284,7 @@ def run_default_device(ctx: dist.WorkerContext, case: Any) -> Optional[str]:
     else:
         key, kwargs = "normal", dict(num_nvl_bytes=1 << 20)
     if key not in ctx.cache:
-        ctx.cache[key] = _OnDefaultDevice(deep_ep.Buffer(ctx.group, **kwargs), "meta")
+        ctx.cache[key] = OnDefaultDevice(deep_ep.Buffer(ctx.group, **kwargs), "meta")
     return (tb.run_low_latency if low_latency else tb.run_normal)(ctx, case)
 
 
@@ -300,7 +300,7 @@ def run_composed(ctx: dist.WorkerContext, case: Any) -> Optional[str]:
     from deep_ep.errors import ArgumentMismatchError
     if "composed" not in ctx.cache:
         with deep_ep.testing.overrides(internode="composed"):
-            ctx.cache["composed"] = _OnDefaultDevice(deep_ep.Buffer(ctx.group, 1 << 20), "meta")
+            ctx.cache["composed"] = OnDefaultDevice(deep_ep.Buffer(ctx.group, 1 << 20), "meta")
     buf = ctx.cache["composed"]
     if buf._composed is None:
         return "the Buffer was built without the composed path"

@@ -100,9 +100,6 @@ static_assert(kFusedRailTailSignalOffset - kFusedNotifyFlagSignalOffset == 8LL *
                   kFusedSignalBytes == 8LL * kMaxChannels * kFusedMaxNodes,
               "signals: a notify flag per (parity, source rank), a rail counter per (channel, node)");
 static_assert(kFusedControlStageShift % kBufferAlignment == 0, "the halves stay aligned");
-// The rest of the kernels' region (num_nvl_bytes of the context: with put peers the put area's header follows it,
-// layout.cuh kPutAreaInRegion) is two equal halves: dispatch rings, then combine rings (a rank may start its combine
-// while a peer still reads its dispatch rings).
 // Fewest warps of a combine channel's owner team: with an even share of the CTA among N + 1 teams (3 warps at 8
 // nodes, 1 at 16) the owner, which reads N partials of each token, would limit the combine.
 constexpr int kFusedCombineOwnerWarps = 8;
@@ -115,6 +112,9 @@ DEEP_EP_HOST_DEVICE int fused_combine_owner_warps(int num_nodes) {
     return even > kFusedCombineOwnerWarps ? even : kFusedCombineOwnerWarps;
 }
 
+// The rest of the kernels' region (num_nvl_bytes of the context: with put peers the put area's header follows it,
+// layout.cuh kPutAreaInRegion) is two equal halves: dispatch rings, then combine rings (a rank may start its combine
+// while a peer still reads its dispatch rings).
 DEEP_EP_HOST_DEVICE int64_t fused_half_bytes(int64_t num_bytes) {
     const int64_t left = num_bytes - kFusedRingsOffset;
     return left > 0 ? align_down64(left / 2, kBufferAlignment) : 0;

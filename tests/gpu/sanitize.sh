@@ -30,7 +30,8 @@ LIMIT="${SANITIZER_TIMEOUT_S:-240}"
 EXAMPLES="${SANITIZER_EXAMPLES:-2}"
 mkdir -p "$OUTDIR"
 "$SAN" --version | tail -n 1
-# Children of the test workers may take long to start under the tool: a longer attach window where supported.
+# An instrumented Python process (pytest, a rank worker) may take long to reach the tool: a longer attach window
+# where supported.
 launch=()
 "$SAN" --help 2>/dev/null | grep -q -- "--launch-timeout" && launch=(--launch-timeout 120)
 

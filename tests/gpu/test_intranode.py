@@ -1137,30 +1137,11 @@ def task_reset(buffer, rank: int, payload) -> str:
     return "reset"
 
 
-class _CudaDefaultBuffer:
-    """``buffer`` whose every method runs with ``torch.set_default_device("cuda")`` in force, as DeepEP's own test
-    scripts set it (the test's own input generation keeps the default)."""
-
-    def __init__(self, buffer) -> None:
-        self._buffer = buffer
-
-    def __getattr__(self, name: str):
-        attr = getattr(self._buffer, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args, **kwargs):
-            torch.set_default_device("cuda")
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                torch.set_default_device(None)
-        return call
-
-
 def task_roundtrip_cuda_default(buffer, rank: int, case: Case) -> str:
-    """``task_roundtrip`` with every Buffer call under ``torch.set_default_device("cuda")``."""
-    return task_roundtrip(_CudaDefaultBuffer(buffer), rank, case)
+    """``task_roundtrip`` with every Buffer call under ``torch.set_default_device("cuda")``, as DeepEP's own test
+    scripts set it (the test's own input generation keeps the default)."""
+    from test_misuse import OnDefaultDevice
+    return task_roundtrip(OnDefaultDevice(buffer, "cuda"), rank, case)
 
 
 TASKS: dict[str, Callable] = {"roundtrip": task_roundtrip, "graph": task_graph, "stall": task_stall,
