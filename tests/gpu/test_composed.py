@@ -49,23 +49,25 @@ def task_disagree(buffer, rank: int, payload) -> str:
 
     import deep_ep
     n, h, world = 32, 256, buffer.group_size
-    x = torch.full((n, h), float(rank + 1), dtype=torch.bfloat16, device="cuda")
+    x = torch.full((n, h), float(rank + 1), dtype=torch.bfloat16, device=ti.DEVICE)
     # Every token selects expert 2r of every rank r: all rows reach every rank.
-    idx = (torch.arange(world, device="cuda") * 2).repeat(n, 1).to(deep_ep.topk_idx_t)
-    weights = torch.ones(n, world, dtype=torch.float32, device="cuda")
+    idx = (torch.arange(world, device=ti.DEVICE) * 2).repeat(n, 1).to(deep_ep.topk_idx_t)
+    weights = torch.ones(n, world, dtype=torch.float32, device=ti.DEVICE)
     layout = buffer.get_dispatch_layout(idx, 2 * world)
+    sync = torch.cuda.synchronize if ti.DEVICE == "cuda" else (lambda: None)
 
     def dispatch(data=x, topk=idx, w=weights):
         return buffer.dispatch(data, num_tokens_per_rank=layout.num_tokens_per_rank,
+                               num_tokens_per_rdma_rank=layout.num_tokens_per_rdma_rank,
                                is_token_in_rank=layout.is_token_in_rank,
                                num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=topk, topk_weights=w)
 
     def correct(label: str) -> None:
         d = dispatch()
-        want = torch.cat([torch.full((n, h), float(r + 1), dtype=torch.bfloat16) for r in range(world)]).cuda()
+        want = torch.cat([torch.full((n, h), float(r + 1), dtype=torch.bfloat16) for r in range(world)]).to(ti.DEVICE)
         assert torch.equal(d.recv_x, want), f"after {label}: recv_x differs from every rank's rows in rank order"
         c = buffer.combine(d.recv_x, d.handle)
-        torch.cuda.synchronize()
+        sync()
         assert torch.equal(c.combined_x.float(), x.float() * world), f"after {label}: combine differs"
 
     other = rank == world - 1
@@ -73,7 +75,7 @@ def task_disagree(buffer, rank: int, payload) -> str:
     correct("start")
     for name, kwargs in (("x.size(1) (hidden)", dict(data=torch.cat([x, x], 1) if other else x)),
                          ("topk_idx given", dict(topk=None if other else idx, w=None if other else weights))):
-        torch.cuda.synchronize()
+        sync()
         start = time.monotonic()
         try:
             dispatch(**kwargs)
