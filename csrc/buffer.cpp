@@ -358,7 +358,7 @@ void Runtime::reset(uintptr_t stream) {
     for (int i = 0; i <= kernels::kMaxLocalExperts; ++i) host_counters_[i] = -1;
     pending_verdict_ = 0;
     copy_epoch_ = 0;
-    combine_calls_ = 0;
+    checked_calls_ = 0;
     checked_combine_seq_ = 0;
     std::atomic_thread_fence(std::memory_order_seq_cst);
 }
@@ -805,7 +805,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     DEEP_EP_CUDA_CHECK(cudaStreamIsCapturing(as_stream(stream), &capture));
     // A captured combine compares nothing: its replays would carry the call number and epoch of the capture.
-    const bool checked = arm_combine_agreement(args, signature_hash, capture != cudaStreamCaptureStatusNone);
+    const bool checked = arm_checked_call(args, signature_hash, capture != cudaStreamCaptureStatusNone);
     // A mismatched ring kernel frees this rank's landing zones of the epoch every rank takes on after it. With a put
     // area no combine goes through landing zones (would_copy), so the copy epoch stays.
     args.mismatch_freed = checked && put_area_ == kernels::kPutAreaNone ? copy_epoch_ + 1u : 0u;
@@ -826,7 +826,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
         throw_if_failed(kernels::intranode_combine(ctx, args, as_stream(stream)));
     }
     if (checked) {
-        combine_calls_ = args.call_number;
+        checked_calls_ = args.call_number;
         pending_verdict_ = ctx.call_seq;
         checked_combine_seq_ = ctx.call_seq;
         checked_combine_epoch_ = epoch_before;

@@ -225,7 +225,8 @@ class Runtime {
     // Returns (recv_x [num_recv_rows, H], recv_x_scales [num_recv_rows, S] when x_scales is given, recv_topk_idx
     // [num_recv_rows, K] and recv_topk_weights [num_recv_rows, K] float32 when topk_idx is given). The handle's
     // send_rdma_head [T, N], send_nvl_head [F, 8] and recv_src_meta [num_recv_rows, 8] uint8 are written when given
-    // (non-cached calls).
+    // (non-cached calls). signature_hash != 0 in a cached call outside CUDA-graph capture: a checked call, as
+    // fused_combine's (FusedDispatchArgs::signature_hash); the next call awaits the verdict (await_agreement).
     std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
     fused_dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
                    const std::optional<at::Tensor>& topk_idx, const std::optional<at::Tensor>& topk_weights,
@@ -236,7 +237,7 @@ class Runtime {
                    const std::optional<at::Tensor>& recv_src_meta, int num_recv_rows, bool worst_token_mode,
                    int num_channels, int num_max_rdma_send_tokens, int num_max_rdma_recv_tokens,
                    int num_max_nvl_send_tokens, int num_max_nvl_recv_tokens, uintptr_t stream, bool after_current,
-                   bool current_after);
+                   bool current_after, int64_t signature_hash = 0);
 
     // Returns (combined_x [T, H] BF16, combined_topk_weights [T, K] float32 when topk_weights is given), T being
     // send_rdma_head's rows; the handle tensors are the dispatch's. signature_hash != 0 outside CUDA-graph capture:
@@ -285,7 +286,8 @@ class Runtime {
     static constexpr int kVerdictIntOffset =
         kSignatureIntOffset + 2 * kernels::kMaxRuntimeRanks * kernels::kSignatureWords;
     int64_t pending_verdict_ = 0;  // call_seq of a checked call whose verdict the host has not awaited, or 0
-    uint32_t combine_calls_ = 0;   // checked combines so far (0 after reset): CombineArgs::call_number
+    uint32_t checked_calls_ = 0;   // checked calls so far (0 after reset): CombineArgs::call_number (combines; on the
+                                   // fused kernels cached dispatches too, FusedDispatchArgs)
     // The last checked combine: its call_seq and copy_epoch_ before it. When the ranks disagreed on
     // it, clearing the record moves copy_epoch_ to that + 1 on every rank without a put area (the ranks may have
     // taken different send paths; every rank's kernel wrote `freed` = that + 1).
@@ -312,13 +314,14 @@ class Runtime {
     }
     bool is_capturing(cudaStream_t stream) const;  // whether `stream` is capturing a CUDA graph
     // The agreement fields (call_number, signature_hash, host_verdict) of a combine's CombineArgs or
-    // FusedCombineArgs. Checked (returns true) when signature_hash != 0 and the stream is not capturing: a captured
-    // combine compares nothing, its replays would carry the capture's call number. Once the checked kernel is
-    // launched, the caller counts it (combine_calls_ = call_number) and leaves its verdict pending.
+    // FusedCombineArgs, or a fused cached dispatch's FusedDispatchArgs. Checked (returns true) when signature_hash
+    // != 0 and the stream is not capturing: a captured call compares nothing, its replays would carry the capture's
+    // call number. Once the checked kernel is
+    // launched, the caller counts it (checked_calls_ = call_number) and leaves its verdict pending.
     template <typename Args>
-    bool arm_combine_agreement(Args& args, int64_t signature_hash, bool capturing) {
+    bool arm_checked_call(Args& args, int64_t signature_hash, bool capturing) {
         const bool checked = signature_hash != 0 && !capturing;
-        args.call_number = checked ? combine_calls_ + 1u : 0u;
+        args.call_number = checked ? checked_calls_ + 1u : 0u;
         args.signature_hash = checked ? static_cast<uint32_t>(signature_hash) : 0u;
         args.host_verdict = checked ? reinterpret_cast<int64_t*>(device_counters_ + kVerdictIntOffset) : nullptr;
         return checked;

@@ -140,7 +140,7 @@ Runtime::fused_dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_
                         const std::optional<at::Tensor>& recv_src_meta, int num_recv_rows, bool worst_token_mode,
                         int num_channels, int num_max_rdma_send_tokens, int num_max_rdma_recv_tokens,
                         int num_max_nvl_send_tokens, int num_max_nvl_recv_tokens, uintptr_t stream,
-                        bool after_current, bool current_after) {
+                        bool after_current, bool current_after, int64_t signature_hash) {
     require_available("dispatch");
     set_fused(gpus_per_node);
     const int num_nodes = num_ranks_ / gpus_per_node;
@@ -223,9 +223,16 @@ Runtime::fused_dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_
     args.num_max_rdma_send_tokens = num_max_rdma_send_tokens;
     args.num_max_nvl_send_tokens = num_max_nvl_send_tokens;
     args.agreement_gate = send_rdma_head.has_value() ? 1 : 0;
+    if (send_rdma_head.has_value() && signature_hash != 0)
+        fused_invalid("dispatch: a non-cached call is checked by its notify, got a signature hash");
     if (after_current) order(as_stream_handle(stream), current_stream());
+    const bool checked = arm_checked_call(args, signature_hash, is_capturing(as_stream_handle(stream)));
     auto ctx = next_context();
     throw_if_failed(kernels::fused_dispatch(ctx, geometry, args, as_stream_handle(stream)));
+    if (checked) {
+        checked_calls_ = args.call_number;
+        pending_verdict_ = ctx.call_seq;
+    }
     if (current_after) order(current_stream(), as_stream_handle(stream));
     return {recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights};
 }
@@ -293,11 +300,11 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::fused_combine(
     args.num_max_rdma_send_tokens = num_max_rdma_send_tokens;
     args.num_max_nvl_send_tokens = num_max_nvl_send_tokens;
     if (after_current) order(as_stream_handle(stream), current_stream());
-    const bool checked = arm_combine_agreement(args, signature_hash, is_capturing(as_stream_handle(stream)));
+    const bool checked = arm_checked_call(args, signature_hash, is_capturing(as_stream_handle(stream)));
     auto ctx = next_context();
     throw_if_failed(kernels::fused_combine(ctx, geometry, args, as_stream_handle(stream)));
     if (checked) {
-        combine_calls_ = args.call_number;
+        checked_calls_ = args.call_number;
         pending_verdict_ = ctx.call_seq;
     }
     if (current_after) order(current_stream(), as_stream_handle(stream));

@@ -76,7 +76,7 @@ class _Agreement:
     before that sends a refusal in its place, so that the peers raise at once instead of waiting."""
 
     __slots__ = ("buffer", "method", "mode", "device", "backend", "rides", "signature", "done", "cached", "ll_shape",
-                 "handle")
+                 "handle", "config")
 
     def __init__(self, buffer: "Buffer", method: str, mode: str, cached: bool = False) -> None:
         self.buffer, self.method, self.mode, self.cached = buffer, method, mode, cached
@@ -90,8 +90,10 @@ class _Agreement:
         # A low-latency dispatch's (T, H, E) once validated, and x's device: a refusal after that launches the call's
         # kernel.
         self.ll_shape: Optional[tuple[int, int, int, torch.device]] = None
-        # A cached dispatch's handle, once checked: a refusal after that launches the call's kernel.
+        # A combine's or cached dispatch's handle, once checked (a refusal before that launches the call's kernel over
+        # a stand-in handle of no tokens), and a dispatch's config, once resolved (the stand-in's channels).
         self.handle: Any = None
+        self.config: Optional[Config] = None
 
     def __enter__(self) -> "_Agreement":
         return self
@@ -101,8 +103,9 @@ class _Agreement:
         torch_backend = self.buffer._agreeing(self.mode, self.device, self.backend, self.method)
         if torch_backend is None:
             # The CUDA kernels: a non-cached dispatch carries the signature in its notify kernel (a refusal launches
-            # that notify with zero counts), a cached dispatch its hash in its kernel's output words and a combine
-            # in its kernel's agreement words (a refusal launches that kernel, once the handle is valid), a low-latency
+            # that notify with zero counts), a cached dispatch its hash in its kernel's output or agreement words and
+            # a combine in its kernel's agreement words (a refusal launches that kernel, over a stand-in handle of no
+            # tokens when its own is not valid), a low-latency
             # dispatch its hash in its count messages (a refusal launches it with no tokens, once (T, H, E) are
             # valid), a low-latency combine in its arrival words (a refusal tells every peer, once the handle is
             # valid); other calls (a clean outside shrink mode goes through the torch backend, above), and a single
@@ -113,12 +116,12 @@ class _Agreement:
                 if refused is None:
                     self.signature = signature
                 elif self.method == "combine":
-                    if self.handle is not None:
-                        kernels.refuse_combine(signature, self.handle)
+                    kernels.refuse_combine(signature, self.handle)
                 elif kernels.notify_agreement and not self.cached:
                     kernels.refuse_dispatch(signature)
-                elif self.cached and self.handle is not None:
-                    kernels.refuse_cached_dispatch(signature, self.handle)
+                elif self.cached:
+                    config = self.config or self.buffer._resolve_config(None, "dispatch", self.buffer.group_size)
+                    kernels.refuse_cached_dispatch(signature, self.handle, kernels.num_channels(config))
                 elif kernels.hashes_signature and self.ll_shape is not None:
                     if self.method == "low_latency_combine":
                         kernels.refuse_low_latency_combine(signature, *self.ll_shape)
@@ -234,6 +237,10 @@ class Buffer:
         self._zero_copy_generation = -1
         # The one-time warning that the torch backend serves a low-latency hidden size the kernels do not.
         self._ll_fallback_warned = False
+        # The kernel backend and (T, H, E, device) of the last low-latency call that passed them on the kernels: a
+        # refusal before a call's own pass launches the call over these (what the peers' buffer layout is, unless
+        # they change it without a clean, which moves the layout anyway).
+        self._ll_last: Optional[tuple[Backend, tuple[int, int, int, torch.device]]] = None
         # (T, H, E) of plain ints that passed _check_low_latency -> local experts per rank.
         self._ll_checked: dict[tuple[int, int, int], int] = {}
 
@@ -374,6 +381,12 @@ class Buffer:
                     f"{method} would be a third low-latency call in flight: the receive hook of low-latency call "
                     f"#{receive.generation} (this is call #{self._ll_generation}) has not been called, and this call "
                     "reuses its buffer half; call that hook first (at most two low-latency calls may be in flight)")
+
+    def _remember_ll_shape(self, backend: Backend, shape: tuple[int, int, int, torch.device]) -> None:
+        """Keep ``shape`` (T, H, E, device) of a low-latency call whose (T, H, E) passed, if ``backend`` carries the
+        agreement in its kernels (``Buffer._ll_last``)."""
+        if backend.hashes_signature:
+            self._ll_last = (backend, shape)
 
     def _count_refused_low_latency_dispatch(self) -> None:
         """This rank refused a low-latency dispatch whose kernel still ran with the peers' (they got a handle and
@@ -607,7 +620,7 @@ class Buffer:
         num_tokens = data.size(0)
         x = (data, scales) if scales is not None else data
         v.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
-        config = self._resolve_config(config, "dispatch", self.group_size)
+        config = agreement.config = self._resolve_config(config, "dispatch", self.group_size)
         v.check_int("expert_alignment", expert_alignment, 1)
         v.check_int("num_worst_tokens", num_worst_tokens, 0)
         backend = self._backend("dispatch", "normal", _device_type(data))
@@ -760,6 +773,8 @@ class Buffer:
         with _Agreement(self, "low_latency_dispatch", "low_latency") as agreement:
             if isinstance(x, torch.Tensor):
                 agreement.device = _device_type(x)
+            if self._ll_last is not None:
+                agreement.backend, agreement.ll_shape = self._ll_last
             self._check_in_flight("low_latency_dispatch")
             v.check_tensor("x", x, dtype=torch.bfloat16, ndim=2)
             num_tokens, hidden = x.shape
@@ -773,6 +788,7 @@ class Buffer:
                                                            use_ue8m0)
             agreement.rides = backend is self._torch
             agreement.ll_shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts, x.device)
+            self._remember_ll_shape(backend, agreement.ll_shape)
             v.check_ll_tokens("x", num_tokens, num_max_dispatch_tokens_per_rank)
             topk_idx = v.check_topk_idx("topk_idx", topk_idx, num_tokens=num_tokens, device=x.device)
             v.check_ll_topk("topk_idx", topk_idx.size(1))
@@ -831,6 +847,8 @@ class Buffer:
         with _Agreement(self, "low_latency_combine", "low_latency") as agreement:
             if isinstance(x, torch.Tensor):
                 agreement.device = _device_type(x)
+            if self._ll_last is not None:
+                agreement.backend, agreement.ll_shape = self._ll_last
             self._check_in_flight("low_latency_combine")
             handle = self._check_handle(handle, "low_latency")
             tokens, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
@@ -838,6 +856,7 @@ class Buffer:
             if isinstance(handle.packed_recv_src_info, torch.Tensor) and handle.packed_recv_src_info.is_cuda:
                 agreement.backend = self._ll_backend("low_latency_combine", "cuda", hidden)
                 agreement.ll_shape = (tokens, hidden, num_experts, handle.packed_recv_src_info.device)
+                self._remember_ll_shape(agreement.backend, agreement.ll_shape)
             v.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local, self.group_size * tokens, hidden))
             device = x.device
             topk_idx = v.check_topk_idx("topk_idx", topk_idx, device=device)
@@ -905,6 +924,9 @@ class Buffer:
             agreement.agree(("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                             ("hidden", hidden), ("num_experts", num_experts))
         backend.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if self._ll_last is not None:  # the clean sets the layout of the calls after it
+            self._remember_ll_shape(backend, (num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                                              self._ll_last[1][3]))
         # The backend restarted the double buffer at half 0 on every rank; the handle numbers restart in step.
         self._ll_cleans += 1
         self._num_handles = self._ll_cleans * _HANDLES_PER_CLEAN

@@ -386,9 +386,9 @@ def fused_control_layout() -> Layout:
     """The fused kernels' words, offsets from the end of the shared control region: notify flags uint32 [2][64] and
     data int32 [2][64][FUSED_NOTIFY_INTS]; uint32 counters [160][64] (dispatch rail tails and heads, node tails and
     heads), node counts int32 [2][64][160], the combine counters; then the uint64 signals NVSHMEM put peers raise
-    (notify flags [2][64], the four rail counters [160][32]); then the combine agreement words uint64 [2][64], index
+    (notify flags [2][64], the four rail counters [160][32]); then the agreement words uint64 [2][64], index
     ``parity * 64 + source``: ``call << 32 | hash`` written by the source (a release store, or a signal from a put
-    peer) at the start of each checked combine (parity = call number % 2)."""
+    peer) at the start of each checked call, a cached dispatch or a combine (parity = call number % 2)."""
     counters = INTRANODE_MAX_CHANNELS * NUM_MAX_FUSED_RANKS * INT32_BYTES
     signals = INTRANODE_MAX_CHANNELS * FUSED_MAX_NODES * 8
     return chain(("notify_flags", 2 * NUM_MAX_FUSED_RANKS * INT32_BYTES),
@@ -400,7 +400,7 @@ def fused_control_layout() -> Layout:
                  ("notify_flag_signals", 2 * NUM_MAX_FUSED_RANKS * 8),
                  *((name, signals) for name in ("rail_tail_signals", "rail_head_signals",
                                                 "combine_rail_tail_signals", "combine_rail_head_signals")),
-                 ("combine_agreement", 2 * NUM_MAX_FUSED_RANKS * 8))
+                 ("agreement", 2 * NUM_MAX_FUSED_RANKS * 8))
 
 
 def fused_control_end() -> int:

@@ -56,6 +56,7 @@ class FakeStream:
         self.cuda_stream = 0x1000 + id(self) % 4096
         self.stream_id, self.device_index, self.device_type = self.cuda_stream, 0, 1
         self.priority = kwargs.get("priority", 0)
+        self.device = "cpu"  # the fake's "CUDA" tensors live on the CPU
 
     def wait_stream(self, other) -> None:
         pass
@@ -288,8 +289,9 @@ def make_fake_extension(torch) -> types.ModuleType:
             return torch.empty(send_head.size(0), x.size(1), dtype=x.dtype), weights
 
         # The fused internode kernels (csrc/fused_internode.cpp): the notify exchanges the signatures as the ring
-        # notify does (it never runs in worst-token mode), the dispatch allocates its outputs, the combine compares
-        # the hashes in its agreement words. ``num_forward``: the rows the fake notify reports as forwarded.
+        # notify does (it never runs in worst-token mode), the dispatch allocates its outputs, a cached dispatch and
+        # the combine compare the hashes in their agreement words. ``num_forward``: the rows the fake notify reports
+        # as forwarded.
         num_forward = 0
 
         def fused_notify(self, *args):
@@ -307,7 +309,10 @@ def make_fake_extension(torch) -> types.ModuleType:
         def fused_dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, is_token_in_rank, gpus_per_node,
                            *rest):
             self.launches.append("dispatch")
-            rows = rest[7]
+            rows, signature_hash = rest[7], rest[-1]
+            if signature_hash:  # a cached call: every rank's kernel compares the hashes in the agreement words
+                assert rest[4] is None, "signature_hash is for cached calls"
+                self._compare_hashes(signature_hash, "dispatch")
             scales = None if x_scales is None else torch.empty(rows, x_scales.size(1), dtype=x_scales.dtype)
             recv_topk_idx = recv_topk_weights = None
             if topk_idx is not None:

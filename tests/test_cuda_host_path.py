@@ -344,11 +344,11 @@ with fake.patched(torch, cuda_tensors=True):
     weights_ll = torch.ones(16, 4)
     y_ll = torch.zeros(4, 32, 1024, dtype=torch.bfloat16)
 
-    def ll_combine(weights=weights_ll, **kwargs):
+    def ll_combine(weights=weights_ll, foreign=False, **kwargs):
         handle = ll.low_latency_dispatch(x_ll, idx_ll, 16, 8).handle
         before = len(ll_runtime.launches)
         try:
-            ll.low_latency_combine(y_ll, idx_ll, weights, handle, **kwargs)
+            ll.low_latency_combine(y_ll, idx_ll, weights, tuple(handle) if foreign else handle, **kwargs)
         finally:
             out.setdefault("ll combine launches", []).append(ll_runtime.launches[before:])
 
@@ -362,6 +362,16 @@ with fake.patched(torch, cuda_tensors=True):
     attempt("llc refused clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
     attempt("llc after refused", ll_runtime, ll_combine)
     out["llc state"] = [ll._cuda_ll.parity, ll._ll_generation, ll._num_handles]
+    # Refusals before (T, H, E) or the handle passed: rank 1 passes num_experts 7 (not a multiple of the 2 ranks),
+    # then a handle that is not the Buffer's; it launches over the (T, H, E) of its last low-latency call.
+    attempt("ll early refused", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 7 if rank == 1 else 8))
+    attempt("ll early refused next", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
+    attempt("ll early refused clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
+    attempt("llc early refused", ll_runtime, lambda: ll_combine(foreign=rank == 1))
+    attempt("llc early refused next", ll_runtime, ll_combine)
+    attempt("llc early refused clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
+    attempt("llc after early refused", ll_runtime, ll_combine)
+    out["early state"] = [ll._cuda_ll.parity, ll._ll_generation, ll._num_handles]
     # clean_low_latency_buffer: the kernels carry no signature for it, the torch backend does (outside shrink mode).
     attempt("clean differs", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 2048 if rank == 1 else 1024, 8))
     attempt("clean refused", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 9 if rank == 1 else 8))
@@ -383,6 +393,16 @@ def _run_two_ranks(script: str, port: int) -> list:
         assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
     return outs
+
+
+def _check_ll_combine_refusal(step: list, rank: int, kind: str, prefix: str) -> None:
+    """Rank 1 refused a low-latency combine (its own ``kind`` of error, the message starting with ``prefix``) and
+    told rank 0 through the refusal kernel; rank 0's combine ran."""
+    got, message, launches = step
+    if rank == 1:
+        assert got == kind and message.startswith(prefix) and launches[-1:] == ["refuse combine"], step
+    else:
+        assert got == "ok" and launches[-1:] == ["combine (16 tokens)"], step
 
 
 def test_cuda_ranks_that_disagree_raise_on_every_rank():
@@ -452,15 +472,22 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
         assert out["llc logfmt clean"][0] == "ok", out["llc logfmt clean"]
         # Rank 1 refuses its combine (float64 weights) after its handle passed: it tells rank 0 through the
         # refusal kernel and raises its own error; both ranks then raise until clean.
-        kind, message, launches = out["llc refused"]
-        if rank == 1:
-            assert kind == "TypeError" and message.startswith("topk_weights"), out["llc refused"]
-            assert launches[-1:] == ["refuse combine"], out["llc refused"]
-        else:
-            assert kind == "ok" and launches[-1:] == ["combine (16 tokens)"], out["llc refused"]
+        _check_ll_combine_refusal(out["llc refused"], rank, "TypeError", "topk_weights")
         kind, message, launches = out["llc refused next"]
         assert kind == "ArgumentMismatchError" and launches == [] and "low_latency_combine" in message, out
         assert out["llc refused clean"][0] == "ok", out["llc refused clean"]
+        # The same refusals before (T, H, E) or the handle passed: over the last low-latency call's (T, H, E).
+        kind, message, launches = out["ll early refused"]
+        if rank == 1:
+            assert kind == "ValueError" and "num_experts" in message and launches == ["dispatch (0 tokens)"], out
+        else:
+            assert kind == "ok" and launches == ["dispatch (16 tokens)"], out["ll early refused"]
+        kind, message, _ = out["ll early refused next"]
+        assert kind == "ArgumentMismatchError" and f"rank {1 - rank}" in message and "refused" in message, out
+        _check_ll_combine_refusal(out["llc early refused"], rank, "ValueError", "handle was not returned")
+        assert out["llc early refused next"][0] == "ArgumentMismatchError", out["llc early refused next"]
+        assert out["ll early refused clean"][0] == out["llc early refused clean"][0] == "ok", out
+        assert out["llc after early refused"][0] == "ok", out["llc after early refused"]
         # Cleans whose arguments differ, or that one rank refuses, raise on both ranks before any clean runs.
         kind, message, _ = out["clean differs"]
         assert kind == "ArgumentMismatchError" and "hidden" in message and "clean_low_latency_buffer" in message, out
@@ -473,6 +500,7 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
     # The refusing rank counted the call as its peer did: same parity, call number and handle number.
     assert outs[0]["ll state"] == outs[1]["ll state"], (outs[0]["ll state"], outs[1]["ll state"])
     assert outs[0]["llc state"] == outs[1]["llc state"], (outs[0]["llc state"], outs[1]["llc state"])
+    assert outs[0]["early state"] == outs[1]["early state"], (outs[0]["early state"], outs[1]["early state"])
 
 
 # Two ranks (argv: ROOT RANK PORT): rank 1 has no tokens and combines with use_logfmt flipped, so only rank 0
@@ -554,9 +582,11 @@ def test_ranks_agree_after_a_told_combine_disagreement_and_clean():
 
 # Ranks (argv: ROOT RANK PORT MODE WORLD) whose fake combine kernels compare the hashes of the call signatures: a
 # combine whose hidden size, topk_weights (given or not) or bias count differs between the ranks, combines that rank
-# 1 refuses (a row too few, an FP16 x) and one whose config rank 1 changes, each followed by the next call and a
-# correct combine. MODE: "intranode" (CudaBackend), "internode" (InternodeCuda, one GPU per node, pointer peers),
-# "put" (InternodeCuda with internode_put_only: the peer is a put peer) or "fused" (FusedInternodeCuda, 2 x 2).
+# 1 refuses (a row too few, an FP16 x, a handle that is not the Buffer's) and one whose config rank 1 changes, each
+# followed by the next call and a correct combine; then cached dispatches likewise (another hidden size, a row too
+# few, a handle that is not the Buffer's). MODE: "intranode" (CudaBackend), "internode" (InternodeCuda, one GPU per
+# node, pointer peers), "put" (InternodeCuda with internode_put_only: the peer is a put peer) or "fused"
+# (FusedInternodeCuda, 2 x 2).
 # Prints the backend and its put peers, and per step the outcome and the kernels launched.
 _COMBINE_AGREE_PROBE = _PRELUDE + r"""
 import reference
@@ -597,12 +627,21 @@ with fake.patched(torch, cuda_tensors=True):
     steps = {"hidden": dict(x=wide if other else y), "weights": dict(topk_weights=weights if other else None),
              "bias": dict(bias=bias if other else None), "refused": dict(x=y[:-1] if other else y),
              "dtype": dict(x=y.half() if other else y),
-             "config": dict(config=deep_ep.Config(4, 8, 256) if other else None)}
+             "config": dict(config=deep_ep.Config(4, 8, 256) if other else None),
+             "handle": dict(handle=tuple(handle) if other else handle)}
     attempt("agree", runtime, lambda: buffer.combine(y, handle))
     for name, kwargs in steps.items():
         attempt(name, runtime, lambda: buffer.combine(**{"x": y, "handle": handle, **kwargs}))
         attempt(name + " next", runtime, lambda: buffer.combine(y, handle))
         attempt("after " + name, runtime, lambda: buffer.combine(y, handle))
+    # Cached dispatch: another hidden size, a row too few and a handle that is not the Buffer's on rank 1.
+    cached = {"cached hidden": dict(x=torch.cat([x, x], 1) if other else x),
+              "cached refused": dict(x=x[:-1] if other else x),
+              "cached handle": dict(handle=tuple(handle) if other else handle)}
+    for name, kwargs in cached.items():
+        attempt(name, runtime, lambda: buffer.dispatch(**{"x": x, "handle": handle, **kwargs}))
+        attempt(name + " next", runtime, lambda: buffer.dispatch(x, handle=handle))
+        attempt("after " + name, runtime, lambda: buffer.dispatch(x, handle=handle))
     buffer._release()
 dist.destroy_process_group()
 print(json.dumps(out))
@@ -613,10 +652,12 @@ print(json.dumps(out))
     ("intranode", 2, 8, "CudaBackend"), ("internode", 2, 1, "InternodeCuda"), ("put", 2, 1, "InternodeCuda"),
     ("fused", 4, 2, "FusedInternodeCuda")])
 def test_cuda_combine_disagreement_raises_at_next_call_on_every_rank(mode, world, per_node, backend):
-    """Every rank launches the combine kernel, a rank that refuses the call with its refusal's hash; the next call
-    awaits the verdict and raises ArgumentMismatchError naming the combine and the first rank whose hash differs on
-    every rank before it launches anything (the fused backend names that rank's node too), and the call after it
-    runs. Intranode and one GPU per node (pointer or put peer): two ranks; fused: 2 x 2."""
+    """Every rank launches the combine kernel, a rank that refuses the call with its refusal's hash (over a stand-in
+    handle when its own is not valid); the next call awaits the verdict and raises ArgumentMismatchError naming the
+    combine and the first rank whose hash differs on every rank before it launches anything (the fused backend names
+    that rank's node too), and the call after it runs. A cached dispatch likewise (the fused kernels compare the
+    hashes in the same agreement words as the combine). Intranode and one GPU per node (pointer or put peer): two
+    ranks; fused: 2 x 2."""
     port = str(29810 + os.getpid() % 80 + 100 * ["intranode", "internode", "put", "fused"].index(mode))
     procs = [subprocess.Popen([sys.executable, "-c", _COMBINE_AGREE_PROBE, ROOT, str(rank), port, mode, str(world)],
                               cwd=ROOT, env=probe_env(DEEP_EP_GPUS_PER_NODE=str(per_node)), stdout=subprocess.PIPE,
@@ -629,15 +670,20 @@ def test_cuda_combine_disagreement_raises_at_next_call_on_every_rank(mode, world
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
     # Rank 1's own refusals: the exception type and the start of its message.
     refusals = {"refused": ("ValueError", "x must have the"), "dtype": ("TypeError", "x must have dtype"),
-                "config": ("ValueError", "config.num_sms")}
+                "config": ("ValueError", "config.num_sms"), "handle": ("ValueError", "handle was not returned"),
+                "cached refused": ("ValueError", "x must have the"),
+                "cached handle": ("ValueError", "handle was not returned")}
     for rank, out in enumerate(outs):
         assert out["backend"] == [backend, [1 - rank] if mode == "put" else []], out["backend"]
         assert out["agree"] == ["ok", "", ["combine"]], out["agree"]
-        for name in ("hidden", "weights", "bias", "refused", "dtype", "config"):
-            # The kernel compares the hashes (every rank launches it, a refusing rank with its refusal's hash);
-            # the next call awaits the verdict and raises on every rank before it launches anything.
+        steps = [(name, "combine") for name in ("hidden", "weights", "bias", "refused", "dtype", "config", "handle")]
+        steps += [(name, "dispatch") for name in ("cached hidden", "cached refused", "cached handle")]
+        for name, kernel in steps:
+            # The kernel compares the hashes (every rank launches it, a refusing rank with its refusal's hash, over a
+            # stand-in handle when its own is not valid); the next call awaits the verdict and raises on every rank
+            # before it launches anything.
             kind, message, launches = out[name]
-            assert launches == ["await", "combine"], (name, out[name])
+            assert launches[-1:] == [kernel] and launches[:-1] in ([], ["await"]), (name, out[name])
             refused = name in refusals and rank == 1
             assert kind == (refusals[name][0] if refused else "ok"), (name, out[name])
             if refused:
@@ -645,10 +691,11 @@ def test_cuda_combine_disagreement_raises_at_next_call_on_every_rank(mode, world
             kind, message, launches = out[name + " next"]
             assert kind == "ArgumentMismatchError" and launches == ["await"], (name, out[name + " next"])
             peer = 0 if rank == 1 else 1  # the first rank whose hash differs from this rank's
-            assert "combine call signatures differ" in message and f"peer {peer}" in message, message
+            what = "combine" if kernel == "combine" else "cached dispatch"
+            assert f"{what} call signatures differ" in message and f"peer {peer}" in message, message
             if backend == "FusedInternodeCuda":
                 assert f"peer {peer} is node {peer // per_node}, local {peer % per_node}" in message, message
-            assert out["after " + name] == ["ok", "", ["combine"]], (name, out["after " + name])
+            assert out["after " + name] == ["ok", "", [kernel]], (name, out["after " + name])
 
 
 # Two NVSHMEM Buffers in one process: the second joins the process's world without asking NVSHMEM for a new unique

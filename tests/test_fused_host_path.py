@@ -67,8 +67,9 @@ class Fused(ext.Runtime):
     def fused_dispatch(self, data, scales, topk, weights, experts, in_rank, per_node_gpus, recv_rdma_cpm,
                        recv_rdma_rps, recv_gbl_cpm, recv_gbl_rps, send_rdma_head, send_nvl_head, recv_src_meta, rows,
                        worst, num_channels, rdma_send, rdma_recv, nvl_send, nvl_recv, stream, after_current,
-                       current_after):
+                       current_after, signature_hash):
         assert num_channels == channels and rdma_recv % rdma_send == 0 and nvl_recv >= 2 * nvl_send
+        assert signature_hash == 0, "one rank: no checked call"
         seen.setdefault("dispatch", []).append(
             [t.data_ptr() for t in (recv_rdma_cpm, recv_rdma_rps, recv_gbl_cpm, recv_gbl_rps)])
         for name, out in (("send_rdma_head", send_rdma_head), ("send_nvl_head", send_nvl_head),

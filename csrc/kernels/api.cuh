@@ -82,6 +82,7 @@ enum Phase : int32_t {
     kPhaseCombineAgreement = 16,   // checked combine: as kPhaseDispatchAgreement
     kPhaseCombineWaitAgreement = 17,  // checked combine: the peer's agreement word of this call has not arrived
                                       // (expected = this combine's call number, observed = the word's)
+    kPhaseDispatchWaitAgreement = 18,  // checked cached dispatch (fused kernels): as kPhaseCombineWaitAgreement
 };
 
 inline const char* phase_name(int32_t phase) {
@@ -103,6 +104,7 @@ inline const char* phase_name(int32_t phase) {
         case kPhaseDispatchAgreement: return "dispatch agreement";
         case kPhaseCombineAgreement: return "combine agreement";
         case kPhaseCombineWaitAgreement: return "combine wait agreement";
+        case kPhaseDispatchWaitAgreement: return "dispatch wait agreement";
         default: return "unknown phase";
     }
 }

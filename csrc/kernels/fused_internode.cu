@@ -796,12 +796,94 @@ static __device__ void fused_receive(const KernelContext& ctx, const FusedGeomet
     }
 }
 
+// ---- agreement of a checked call (a cached dispatch or a combine; signature_hash != 0) ----
+// Byte offset of source `source`'s agreement word of checked call `call_number` (the same in every rank's buffer).
+__device__ __forceinline__ int64_t fused_agreement_offset(int source, uint32_t call_number) {
+    return kFusedAgreementOffset + 8LL * ((call_number & 1u) * kFusedMaxRanks + source);
+}
+
+// CTA 0, thread d: this rank's word of the call (call number, signature hash) into rank d's buffer, at kernel start
+// and before anything waits: a release store for a pointer peer, an NVSHMEM signal for a put peer. The slot of the
+// call's parity is free: every rank's kernel of the checked call two calls back has finished, since each rank
+// started its previous checked call only after every rank had started its own (each waits for every word), and
+// every checked call of a rank runs on one stream.
+__device__ __forceinline__ void publish_fused_agreement(const KernelContext& ctx, uint32_t call_number,
+                                                        uint32_t signature_hash) {
+    const int d = static_cast<int>(threadIdx.x);
+    if (blockIdx.x != 0 || d >= ctx.num_ranks || d == ctx.rank) return;
+    const int64_t offset = fused_agreement_offset(ctx.rank, call_number);
+    const uint64_t word = (static_cast<uint64_t>(call_number) << 32) | signature_hash;
+    if (is_put_peer(ctx, d))
+        fused_signal(ctx, offset, d, word);
+    else
+        st_release_sys_u64(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.buffers[d]) + offset), word);
+}
+
+// One warp per CTA: lane l waits for the words of ranks l, l + 32 of this call and the warp compares every rank's
+// hash with this rank's. Every rank compares the same hashes, so every rank reaches the same verdict: if they are
+// not all equal, every rank has one whose hash differs from its own. A difference fills the error record
+// (kErrorArgumentMismatch in `phase`, the first differing rank, both hashes; no abort). With host_verdict, the last
+// CTA to compare publishes the call's call_seq. Returns whether rows may move (the hashes agree and every word came).
+static __device__ __noinline__ bool fused_agreement(const KernelContext& ctx, uint32_t call_number,
+                                                    uint32_t signature_hash, int64_t* host_verdict, int32_t kernel,
+                                                    int32_t wait_phase, int32_t phase) {
+    const int lane = lane_id();
+    bool ok = true;
+    int first = kFusedMaxRanks;  // this lane's first rank whose hash differs
+    uint32_t first_hash = signature_hash;
+    for (int s = lane; s < ctx.num_ranks && ok; s += 32) {
+        if (s == ctx.rank) continue;
+        const uint64_t* word =
+            reinterpret_cast<const uint64_t*>(own_buffer(ctx) + fused_agreement_offset(s, call_number));
+        uint32_t seen;
+        ok = wait_geq(ctx, reinterpret_cast<const uint32_t*>(word) + 1, call_number,  // the call number half
+                      Site{kernel, wait_phase, s, static_cast<int>(blockIdx.x)}, &seen);
+        const uint32_t hash = ok ? static_cast<uint32_t>(ld_acquire_sys_u64(word)) : signature_hash;
+        if (hash != signature_hash && first == kFusedMaxRanks) {
+            first = s;
+            first_hash = hash;
+        }
+    }
+    const bool all_ok = __all_sync(0xffffffffu, ok);
+    const int first_all = warp_min(first);
+    const uint32_t their_hash = __shfl_sync(0xffffffffu, first_hash, first_all % 32);
+    const bool differ = first_all < kFusedMaxRanks;
+    if (lane == 0) {
+        if (all_ok && differ)
+            fill_error_record(ctx.error, workspace_u32(ctx, kWsErrorClaimOffset), kErrorArgumentMismatch, kernel,
+                              phase, ctx.rank, first_all, static_cast<int>(blockIdx.x), ctx.call_seq, signature_hash,
+                              their_hash, 0);
+        publish_agreement_verdict(ctx, host_verdict, gridDim.x);
+    }
+    return all_ok && !differ;
+}
+
+// Every thread of a CTA of a checked call: publish this rank's word, compare every rank's (the first warp), and
+// return whether rows may move (true for an unchecked call). Ends with the CTA synchronised.
+__device__ __forceinline__ bool fused_rows_move(const KernelContext& ctx, uint32_t call_number,
+                                                uint32_t signature_hash, int64_t* host_verdict, int32_t kernel,
+                                                int32_t wait_phase, int32_t phase, volatile int* verdict) {
+    if (signature_hash == 0u) return true;
+    publish_fused_agreement(ctx, call_number, signature_hash);
+    if (threadIdx.x < 32) {
+        const bool holds = fused_agreement(ctx, call_number, signature_hash, host_verdict, kernel, wait_phase, phase);
+        if (threadIdx.x == 0) *verdict = holds ? 1 : 0;
+    }
+    __syncthreads();
+    return *verdict != 0;
+}
+
 __global__ void __launch_bounds__(kChannelThreads, 1)
     fused_dispatch_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ FusedGeometry geo,
                           const __grid_constant__ FusedDispatchArgs args) {
-    // A non-cached call whose notify saw the ranks' signatures differ moves no row (every rank skips alike).
+    // A non-cached call whose notify saw the ranks' signatures differ moves no row (every rank skips alike); nor
+    // does a checked cached call unless every rank's hash of this call is this rank's.
     if (args.agreement_gate && *workspace_u32(ctx, kWsNotifyMismatchOffset) != 0u) return;
     __shared__ int team_progress[kChannelWarps];
+    __shared__ int rows_move;
+    if (!fused_rows_move(ctx, args.call_number, args.signature_hash, args.host_verdict, kKernelDispatch,
+                         kPhaseDispatchWaitAgreement, kPhaseDispatchAgreement, &rows_move))
+        return;
     reset_teams(team_progress);
     const int channel = static_cast<int>(blockIdx.x) / 2, warp = static_cast<int>(threadIdx.x) / 32;
     const int num_nodes = geo.num_nodes;
@@ -1246,79 +1328,16 @@ static __device__ void fused_combine_own(const KernelContext& ctx, const FusedGe
     }
 }
 
-// ---- agreement of a checked combine (args.signature_hash != 0) ----
-// Byte offset of source `source`'s agreement word of combine call `call_number` (the same in every rank's buffer).
-__device__ __forceinline__ int64_t fused_agreement_offset(int source, uint32_t call_number) {
-    return kFusedCombineAgreementOffset + 8LL * ((call_number & 1u) * kFusedMaxRanks + source);
-}
-
-// CTA 0, thread d: this rank's word of the call (call number, signature hash) into rank d's buffer, at kernel start
-// and before anything waits: a release store for a pointer peer, an NVSHMEM signal for a put peer. The slot of the
-// call's parity is free: every rank's kernel of the checked combine two calls back has finished, since each rank
-// started its previous checked combine only after every rank had started its own (each waits for every word).
-__device__ __forceinline__ void publish_fused_agreement(const KernelContext& ctx, const FusedCombineArgs& args) {
-    const int d = static_cast<int>(threadIdx.x);
-    if (blockIdx.x != 0 || d >= ctx.num_ranks || d == ctx.rank) return;
-    const int64_t offset = fused_agreement_offset(ctx.rank, args.call_number);
-    const uint64_t word = (static_cast<uint64_t>(args.call_number) << 32) | args.signature_hash;
-    if (is_put_peer(ctx, d))
-        fused_signal(ctx, offset, d, word);
-    else
-        st_release_sys_u64(reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.buffers[d]) + offset), word);
-}
-
-// One warp per CTA: lane l waits for the words of ranks l, l + 32 of this call and the warp compares every rank's
-// hash with this rank's. Every rank compares the same hashes, so every rank reaches the same verdict: if they are
-// not all equal, every rank has one whose hash differs from its own. A difference fills the error record
-// (kErrorArgumentMismatch, the first differing rank, both hashes; no abort). With host_verdict, the last CTA to
-// compare publishes the call's call_seq. Returns whether rows may move (the hashes agree and every word came).
-static __device__ __noinline__ bool fused_combine_agreement(const KernelContext& ctx, const FusedCombineArgs& args) {
-    const int lane = lane_id();
-    bool ok = true;
-    int first = kFusedMaxRanks;  // this lane's first rank whose hash differs
-    uint32_t first_hash = args.signature_hash;
-    for (int s = lane; s < ctx.num_ranks && ok; s += 32) {
-        if (s == ctx.rank) continue;
-        const uint64_t* word =
-            reinterpret_cast<const uint64_t*>(own_buffer(ctx) + fused_agreement_offset(s, args.call_number));
-        uint32_t seen;
-        ok = wait_geq(ctx, reinterpret_cast<const uint32_t*>(word) + 1, args.call_number,  // the call number half
-                      Site{kKernelCombine, kPhaseCombineWaitAgreement, s, static_cast<int>(blockIdx.x)}, &seen);
-        const uint32_t hash = ok ? static_cast<uint32_t>(ld_acquire_sys_u64(word)) : args.signature_hash;
-        if (hash != args.signature_hash && first == kFusedMaxRanks) {
-            first = s;
-            first_hash = hash;
-        }
-    }
-    const bool all_ok = __all_sync(0xffffffffu, ok);
-    const int first_all = warp_min(first);
-    const uint32_t their_hash = __shfl_sync(0xffffffffu, first_hash, first_all % 32);
-    const bool differ = first_all < kFusedMaxRanks;
-    if (lane == 0) {
-        if (all_ok && differ)
-            fill_error_record(ctx.error, workspace_u32(ctx, kWsErrorClaimOffset), kErrorArgumentMismatch,
-                              kKernelCombine, kPhaseCombineAgreement, ctx.rank, first_all,
-                              static_cast<int>(blockIdx.x), ctx.call_seq, args.signature_hash, their_hash, 0);
-        publish_agreement_verdict(ctx, args.host_verdict, gridDim.x);
-    }
-    return all_ok && !differ;
-}
-
 __global__ void __launch_bounds__(kChannelThreads, 1)
     fused_combine_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ FusedGeometry geo,
                          const __grid_constant__ FusedCombineArgs args) {
     __shared__ int team_progress[kChannelWarps];
     __shared__ int rows_move;
     // A checked call moves no row and advances no ring unless every rank's hash of this call is this rank's.
-    if (args.signature_hash != 0u) {
-        publish_fused_agreement(ctx, args);
-        if (threadIdx.x < 32) {
-            const bool holds = fused_combine_agreement(ctx, args);
-            if (threadIdx.x == 0) rows_move = holds ? 1 : 0;
-        }
-    }
+    if (!fused_rows_move(ctx, args.call_number, args.signature_hash, args.host_verdict, kKernelCombine,
+                         kPhaseCombineWaitAgreement, kPhaseCombineAgreement, &rows_move))
+        return;
     reset_teams(team_progress);
-    if (args.signature_hash != 0u && rows_move == 0) return;
     const int channel = static_cast<int>(blockIdx.x) / 2, warp = static_cast<int>(threadIdx.x) / 32;
     const int num_nodes = geo.num_nodes;
     int num_checked = 0;

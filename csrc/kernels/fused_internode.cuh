@@ -77,14 +77,14 @@ constexpr int64_t kFusedRailHeadSignalOffset = kFusedRailTailSignalOffset + kFus
 constexpr int64_t kFusedCombineRailTailSignalOffset = kFusedRailHeadSignalOffset + kFusedSignalBytes;
 constexpr int64_t kFusedCombineRailHeadSignalOffset = kFusedCombineRailTailSignalOffset + kFusedSignalBytes;
 static_assert(kFusedNotifyFlagSignalOffset % 8 == 0, "64-bit signals");
-// Combine agreement words uint64 [2 parities][kFusedMaxRanks sources], index parity * kFusedMaxRanks + source:
-// `call << 32 | hash` that the source writes at the start of each checked combine (its combine call number, parity =
-// call number % 2, and the hash of its call signature), by a release store for a pointer peer and an NVSHMEM signal
-// for a put peer (the same symmetric offset on every rank).
-constexpr int64_t kFusedCombineAgreementOffset = kFusedCombineRailHeadSignalOffset + kFusedSignalBytes;
+// Agreement words uint64 [2 parities][kFusedMaxRanks sources], index parity * kFusedMaxRanks + source:
+// `call << 32 | hash` that the source writes at the start of each checked call (a cached dispatch or a combine: its
+// checked-call number, parity = call number % 2, and the hash of its call signature), by a release store for a
+// pointer peer and an NVSHMEM signal for a put peer (the same symmetric offset on every rank).
+constexpr int64_t kFusedAgreementOffset = kFusedCombineRailHeadSignalOffset + kFusedSignalBytes;
 // End of the fused control words.
 constexpr int64_t kFusedControlEnd =
-    (kFusedCombineAgreementOffset + 8LL * 2 * kFusedMaxRanks + kBufferAlignment - 1) / kBufferAlignment *
+    (kFusedAgreementOffset + 8LL * 2 * kFusedMaxRanks + kBufferAlignment - 1) / kBufferAlignment *
     kBufferAlignment;
 // Control staging: per put peer d (any rank of another node, d < kFusedMaxRanks), notify stages slot [parity][d] of
 // the notify data and, for a rail peer, row [parity][d] of the node counts at their twins here (word at offset o of
@@ -277,6 +277,12 @@ struct FusedDispatchArgs {
     int num_max_rdma_send_tokens;         // records per rail tail publication (at most)
     int num_max_nvl_send_tokens;          // records per node tail publication (at most)
     int agreement_gate;                   // 1 (non-cached): no row moves when the notify's signatures differed
+    // A checked cached call (as FusedCombineArgs's three fields; a non-cached call is checked by its notify):
+    // signature_hash != 0: every CTA compares it with every rank's of this call (kFusedAgreementOffset, the
+    // numbering shared with the combines) before any row moves; 0: unchecked (non-cached, or CUDA-graph capture).
+    uint32_t call_number;
+    uint32_t signature_hash;
+    int64_t* host_verdict;
 };
 
 // 2 * C CTAs of kChannelThreads: even CTAs send and forward channel c, odd CTAs receive it.
@@ -302,9 +308,9 @@ struct FusedCombineArgs {
     float* combined_topk_weights;         // [T, K] or nullptr
     int num_max_rdma_send_tokens;
     int num_max_nvl_send_tokens;
-    // Checked combines (as CombineArgs, api.cuh): the runtime's checked combines so far, this one included
-    // (refusals count too); != 0: the hash of this rank's call signature, which every CTA compares with every
-    // rank's of this call (kFusedCombineAgreementOffset) before any row moves: on a difference no rank moves a row
+    // Checked calls (as CombineArgs, api.cuh): the runtime's checked calls so far (cached dispatches and combines),
+    // this one included (refusals count too); != 0: the hash of this rank's call signature, which every CTA compares
+    // with every rank's of this call (kFusedAgreementOffset) before any row moves: on a difference no rank moves a row
     // or advances a ring, and the error record gets kErrorArgumentMismatch (no abort). 0: unchecked (CUDA-graph
     // capture). host_verdict: host-mapped, or nullptr: the last CTA to compare writes the call's call_seq there.
     uint32_t call_number;

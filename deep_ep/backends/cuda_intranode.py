@@ -171,9 +171,10 @@ class CudaBackend(Backend):
         """The runtime's pending error record, or ``None`` (a subclass may name more in its message)."""
         return self.runtime.read_error()
 
-    def _combine_hash(self, signature: Optional[Signature]) -> int:
-        """The hash a combine's kernel compares with every peer's (never 0, which is "unchecked"), or 0: no
-        signature, or the stream is capturing a CUDA graph (its replays would carry the capture's call number)."""
+    def _checked_hash(self, signature: Optional[Signature]) -> int:
+        """The hash a checked call's kernel (a combine; on the fused kernels a cached dispatch too) compares with
+        every peer's (never 0, which is "unchecked"), or 0: no signature, or the stream is capturing a CUDA graph (its
+        replays would carry the capture's call number)."""
         if signature is None or torch.cuda.is_current_stream_capturing():
             return 0
         return signature_hash(signature) or 1
@@ -203,16 +204,17 @@ class CudaBackend(Backend):
         if self.runtime is not None:
             self.runtime.refuse_notify(signature.values(), self._comm_ptr)
 
-    def refuse_cached_dispatch(self, signature: Signature, handle: object) -> None:
-        """This rank's validation refused a cached dispatch with ``handle`` (valid) that its peers make: launch the
-        dispatch kernel of the handle's channels with the hash of the refusal ``signature`` and a stand-in payload,
-        so that every peer's kernel sees a hash that differs at once (no rank moves a row). The caller raises its
-        own error now; the next call raises :class:`ArgumentMismatchError` on every rank, this one too, so that the
-        ranks' calls stay paired."""
+    def refuse_cached_dispatch(self, signature: Signature, handle: object, num_channels: int) -> None:
+        """This rank's validation refused a cached dispatch that its peers make: launch the dispatch kernel of
+        ``handle``'s channels (``None``, a handle that is not valid: a stand-in of no tokens over ``num_channels``,
+        the call's config's) with the hash of the refusal ``signature`` and a stand-in payload, so that every peer's
+        kernel sees a hash that differs at once (no rank moves a row). The caller raises its own error now; the next
+        call raises :class:`ArgumentMismatchError` on every rank, this one too, so that the ranks' calls stay
+        paired."""
         if self.runtime is None:
             return
         self._call_prologue()
-        handle = self._kernel_handle(handle)
+        handle = self._kernel_handle(handle) if handle is not None else self._stand_in_handle(num_channels)
         num_channels = handle.channel_prefix_matrix.size(1)
         is_token_in_rank = handle.is_token_in_rank
         stand_in = torch.empty(is_token_in_rank.size(0), 8, dtype=torch.bfloat16, device=is_token_in_rank.device)
@@ -225,14 +227,15 @@ class CudaBackend(Backend):
         self._verdict_pending = not torch.cuda.is_current_stream_capturing()
 
     def refuse_combine(self, signature: Signature, handle: object) -> None:
-        """This rank's validation refused a combine with ``handle`` (valid) that its peers make: launch the ring
-        combine kernel of the handle's channels with the hash of the refusal ``signature`` and a stand-in ``x``, so
-        that every peer's kernel sees a hash that differs at once (no rank moves a row). The caller raises its own
-        error now; the next call raises :class:`ArgumentMismatchError` on every rank, this one too."""
+        """This rank's validation refused a combine that its peers make: launch the ring combine kernel of
+        ``handle``'s channels (``None``, a handle that is not valid: a stand-in of no tokens over one channel; the
+        agreement words do not depend on the channels) with the hash of the refusal ``signature`` and a stand-in
+        ``x``, so that every peer's kernel sees a hash that differs at once (no rank moves a row). The caller raises
+        its own error now; the next call raises :class:`ArgumentMismatchError` on every rank, this one too."""
         if self.runtime is None:
             return
         self._call_prologue()
-        handle = self._kernel_handle(handle)
+        handle = self._kernel_handle(handle) if handle is not None else self._stand_in_handle(1)
         num_channels = handle.channel_prefix_matrix.size(1)
         rows = handle.recv_src_idx.size(0)
         stand_in = torch.empty(rows, 8, dtype=torch.bfloat16, device=handle.send_head.device)
@@ -242,6 +245,16 @@ class CudaBackend(Backend):
                                                          puts=bool(self.put_peers)),
                              self._comm_ptr, True, True, None, [], 0, 0, False, signature_hash(signature) or 1)
         self._verdict_pending = not torch.cuda.is_current_stream_capturing()
+
+    def _stand_in_handle(self, num_channels: int) -> IntranodeHandle:
+        """A kernel handle of no tokens and no rows over ``num_channels`` channels (every count and prefix 0): the
+        handle a refusal launches its kernel with when its own is not valid."""
+        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=self.comm_stream.device)
+
+        R = self.num_ranks
+        return IntranodeHandle(zeros(R, R), zeros(R, num_channels), zeros(R, num_channels), zeros(0),
+                               zeros(0, R, dtype=torch.bool), zeros(0, R))
 
     def reset(self) -> None:
         """Collective: clear the error record and the kernels' private state on every rank after a failure."""
@@ -492,7 +505,7 @@ class CudaBackend(Backend):
                                             puts=bool(self.put_peers))
             # The ranks' agreement rides in the words the kernel exchanges at its start (put peers included); the
             # next call raises a disagreement.
-            hashed = self._combine_hash(request.signature)
+            hashed = self._checked_hash(request.signature)
             combined_x, combined_topk_weights = self.runtime.combine(
                 x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, handle.recv_channel_prefix_matrix,
                 handle.send_head, num_channels, config.num_max_nvl_chunked_send_tokens,

@@ -57,11 +57,10 @@ class FusedInternodeCuda(SymmetricCuda):
     when two ranks of one node have no pointer path, or when ``num_rdma_bytes`` leaves no room for the put area.
     """
 
-    # The agreement rides in the fused notify (non-cached dispatch); a cached dispatch and a combine exchange no
-    # per-call words.
-    handle_agreement = False
-    # A combine's kernel compares the hashes of the ranks' call signatures, put peers included
-    # (Backend.combine_agreement).
+    # The agreement rides in the fused notify (non-cached dispatch); a cached dispatch's kernel and a combine's
+    # compare the hashes of the ranks' call signatures in the agreement words they exchange at their start, put peers
+    # included (Backend.handle_agreement, Backend.combine_agreement).
+    handle_agreement = True
     combine_agreement = True
 
     def __init__(self, rank: int, topology: Topology, num_rdma_bytes: int, num_qps_per_rank: int, allow_mnnvl: bool,
@@ -126,16 +125,48 @@ class FusedInternodeCuda(SymmetricCuda):
         if self.runtime is not None:
             self.runtime.fused_refuse_notify(signature.values(), self.per_node, self._comm_ptr)
 
+    def refuse_cached_dispatch(self, signature: Signature, handle: object, num_channels: int) -> None:
+        """As :meth:`CudaBackend.refuse_cached_dispatch`, with the fused dispatch kernel over ``handle`` (``None``:
+        a stand-in of no tokens over ``num_channels``; the agreement words do not depend on the channels), a stand-in
+        payload of 8 columns and the smallest rings."""
+        hashed = self._checked_hash(signature)
+        if self.runtime is None or hashed == 0:
+            return  # under CUDA-graph capture no cached dispatch compares hashes
+        self._call_prologue()
+        if not isinstance(handle, InternodeHandle):
+            handle = self._stand_in_handle(num_channels)
+        device = handle.is_token_in_rank.device
+        self.runtime.fused_dispatch(
+            torch.empty(handle.is_token_in_rank.size(0), 8, dtype=torch.bfloat16, device=device), None, None, None, 0,
+            handle.is_token_in_rank, self.per_node, handle.recv_rdma_channel_prefix_matrix,
+            handle.recv_rdma_rank_prefix_sum, handle.recv_gbl_channel_prefix_matrix, handle.recv_gbl_rank_prefix_sum,
+            None, None, None, handle.recv_src_meta.size(0), False, handle.rdma_channel_prefix_matrix.size(1), 1, 2, 1,
+            2, self._comm_ptr, True, True, hashed)
+        self._verdict_pending = True
+
     def refuse_combine(self, signature: Signature, handle: object) -> None:
-        """As :meth:`CudaBackend.refuse_combine`, with the fused combine kernel of the handle's channels (a stand-in
-        ``x`` of 8 columns, the smallest rings)."""
-        hashed = self._combine_hash(signature)
-        if self.runtime is None or not isinstance(handle, InternodeHandle) or hashed == 0:
+        """As :meth:`CudaBackend.refuse_combine`, with the fused combine kernel over ``handle`` (``None``: a stand-in
+        of no tokens over one channel), a stand-in ``x`` of 8 columns and the smallest rings."""
+        hashed = self._checked_hash(signature)
+        if self.runtime is None or hashed == 0:
             return  # under CUDA-graph capture no combine compares hashes
         self._call_prologue()
+        if not isinstance(handle, InternodeHandle):
+            handle = self._stand_in_handle(1)
         rows, device = handle.recv_src_meta.size(0), handle.send_rdma_head.device
         self._launch_combine(torch.empty(rows, 8, dtype=torch.bfloat16, device=device), None, None, None, handle,
                              handle.rdma_channel_prefix_matrix.size(1), (1, 2, 1, 2), True, True, hashed)
+
+    def _stand_in_handle(self, num_channels: int) -> InternodeHandle:
+        """A handle of no tokens and no rows over ``num_channels`` channels (every count and prefix 0): the handle a
+        refusal launches its kernel with when its own is not valid."""
+        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=self.comm_stream.device)
+
+        N, R = self.num_nodes, self.num_ranks
+        return InternodeHandle(zeros(0, R, dtype=torch.bool), zeros(N, num_channels), zeros(R, num_channels),
+                               zeros(N, num_channels), zeros(N), zeros(R, num_channels), zeros(R),
+                               zeros(0, 8, dtype=torch.uint8), zeros(0, N), zeros(0, 8))
 
     def _launch_combine(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], bias_0: Optional[torch.Tensor],
                         bias_1: Optional[torch.Tensor], handle: InternodeHandle, num_channels: int,
@@ -294,11 +325,13 @@ class FusedInternodeCuda(SymmetricCuda):
                 per_expert_list = [] if worst else list(per_expert_list)
                 meta = (torch.zeros if worst else torch.empty)(num_rows, 8, dtype=torch.uint8, device=device)
                 heads = (int32(data.size(0), num_nodes), int32(num_forwarded, 8), meta)
+            hashed = self._checked_hash(request.signature) if cached else 0
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights = self.runtime.fused_dispatch(
                 data, scales, topk_idx, topk_weights, num_experts, is_token_in_rank, self.per_node, *prefixes,
                 *heads, num_rows, worst, num_channels, config.num_max_rdma_chunked_send_tokens,
                 config.num_max_rdma_chunked_recv_tokens, *node_ring(config, num_nodes)[::-1], self._comm_ptr,
-                after_current, scope.current_after)
+                after_current, scope.current_after, hashed)
+            self._verdict_pending = hashed != 0
             new_handle = None
             if not cached:
                 send_rdma_head, send_nvl_head, recv_src_meta = heads
@@ -331,7 +364,7 @@ class FusedInternodeCuda(SymmetricCuda):
                 x, topk_weights, bias_0, bias_1, handle, num_channels,
                 (config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens,
                  *node_ring(config, self.num_nodes)[::-1]),
-                scope.after_current, scope.current_after, self._combine_hash(request.signature))
+                scope.after_current, scope.current_after, self._checked_hash(request.signature))
             event = scope.finish((request.x, x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights,
                                   *handle))
         return CombineResult(combined_x, combined_topk_weights, event)

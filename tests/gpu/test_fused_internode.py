@@ -287,9 +287,10 @@ def task_combine_disagree(buffer, rank: int, payload) -> str:
     they pass none, or a different config chunking: the kernels move no row on any rank, and every rank's next call
     raises ArgumentMismatchError naming the combine and the first rank whose hash differs from its own (rank 1, or
     rank 0 on rank 1) with its node and local index, well under a second, before it launches anything. Then rank 1
-    refuses a combine (an x of another dtype, a row too few): it raises its own error at once, and every rank's next
-    call raises as above. After each, a correct dispatch and combine give every rank's rows in (source rank, token)
-    order and their sum (ring positions and combine call numbers stayed in step on every rank)."""
+    refuses a combine (an x of another dtype, a row too few, a handle that is not the Buffer's: its kernel then runs
+    over a stand-in handle): it raises its own error at once, and every rank's next call raises as above. After
+    each, a correct dispatch and combine give every rank's rows in (source rank, token) order and their sum (ring
+    positions and combine call numbers stayed in step on every rank)."""
     import functools
     import time
 
@@ -328,7 +329,8 @@ def task_combine_disagree(buffer, rank: int, payload) -> str:
              ("bias", dict(bias=bias if other else None)),
              ("config", dict(config=deep_ep.Config(4, 6, 256) if other else config)),
              ("dtype", dict(x=y.to(torch.float16) if other else y)),
-             ("refusal", dict(x=y[:-1] if other else y))]
+             ("refusal", dict(x=y[:-1] if other else y)),
+             ("handle", dict(handle=tuple(handle) if other else handle))]
     seen = []
     for name, kwargs in steps:
         refused = False
@@ -336,10 +338,12 @@ def task_combine_disagree(buffer, rank: int, payload) -> str:
         try:
             buffer.combine(**{"x": y, "handle": handle, "config": config, **kwargs})
         except (TypeError, ValueError) as exc:
-            assert not isinstance(exc, deep_ep.ArgumentMismatchError) and str(exc).startswith("x must"), exc
+            assert not isinstance(exc, deep_ep.ArgumentMismatchError), exc
+            assert str(exc).startswith("handle was not" if name == "handle" else "x must"), exc
             assert time.monotonic() - start < 1.0, f"{name}: the refusal took too long"
             refused = True
-        assert refused == (name in ("dtype", "refusal") and other), f"{name}: the call itself raised: {refused}"
+        assert refused == (name in ("dtype", "refusal", "handle") and other), \
+            f"{name}: the call itself raised: {refused}"
         where = f"peer {peer} is node {peer // per_node}, local {peer % per_node}"
         seen.append(ti._raises_mismatch_promptly(
             functools.partial(buffer.combine, y, handle, config=config), ("combine call signatures differ", where),
@@ -351,14 +355,17 @@ def task_combine_disagree(buffer, rank: int, payload) -> str:
 
 @pytest.mark.multi_gpu(4)
 @pytest.mark.parametrize("put_only", [False, True], ids=["pointer", "put"])
-def test_combine_disagreement_raises_at_next_call(put_only):
+@pytest.mark.parametrize("task", ["test_fused_internode:task_combine_disagree", "test_intranode:task_cached_disagree"],
+                         ids=["combine", "cached"])
+def test_disagreement_raises_at_next_call(put_only, task):
     """2 x 2, the rail peers reached by pointer or (``internode_put_only``) by NVSHMEM signals: see
-    task_combine_disagree."""
+    task_combine_disagree, and ``test_intranode.task_cached_disagree`` (a cached dispatch's kernel compares the
+    ranks' signature hashes in the agreement words the combine uses)."""
     if ti.DEVICE != "cuda":
         pytest.skip("the CUDA kernels' agreement (the torch backend raises in the call itself)")
     pool = _make_pool(2, 2, PUT_RDMA_BYTES if put_only else NUM_RDMA_BYTES, put_only=put_only)
     try:
-        print(pool.run("test_fused_internode:task_combine_disagree", None))
+        print(pool.run(task, None))
     finally:
         pool.close()
 

@@ -918,7 +918,8 @@ def task_cached_disagree(buffer, rank: int, payload: dict) -> str:
     well under a second, before it launches anything. Then rank 1 refuses a cached dispatch (a row too few): it
     raises its own ValueError at once, and every rank's next call raises as above. After each, a correct cached
     dispatch and combine give every rank's rows in (source rank, token) order and their sum (the rings and epochs
-    stayed in step)."""
+    stayed in step). Last, rank 1 passes a handle that is not the Buffer's (a plain tuple of its fields): it refuses
+    and launches the kernel over a stand-in handle, with the same outcome."""
     import deep_ep
     n, h, world = 32, 256, buffer.group_size
     num_experts, config = 2 * world, deep_ep.Config(4, 8, 256)
@@ -941,21 +942,23 @@ def task_cached_disagree(buffer, rank: int, payload: dict) -> str:
 
     other = rank == 1
     fp8 = (x.to(torch.float8_e4m3fn), torch.ones(n, h // 128, dtype=torch.float32, device=DEVICE))
-    steps = [("hidden", torch.cat([x, x], 1) if other else x, config),
-             ("dtype", x.to(torch.float16) if other else x, config),
-             ("FP8", fp8 if other else x, config),
-             ("config", x, deep_ep.Config(4, 6, 256) if other else config),
-             ("refusal", x[:-1] if other else x, config)]
+    steps = [("hidden", torch.cat([x, x], 1) if other else x, config, handle),
+             ("dtype", x.to(torch.float16) if other else x, config, handle),
+             ("FP8", fp8 if other else x, config, handle),
+             ("config", x, deep_ep.Config(4, 6, 256) if other else config, handle),
+             ("refusal", x[:-1] if other else x, config, handle),
+             ("handle", x, config, tuple(handle) if other else handle)]
     seen = []
     correct("start")
-    for name, data, cfg in steps:
+    for name, data, cfg, passed in steps:
         refused = False
         try:
-            buffer.dispatch(data, handle=handle, config=cfg)
+            buffer.dispatch(data, handle=passed, config=cfg)
         except ValueError as exc:
-            assert not isinstance(exc, deep_ep.ArgumentMismatchError) and str(exc).startswith("x must"), str(exc)
+            assert not isinstance(exc, deep_ep.ArgumentMismatchError), str(exc)
+            assert str(exc).startswith("handle was not" if name == "handle" else "x must"), str(exc)
             refused = True
-        assert refused == (name == "refusal" and other), f"{name}: the call itself raised: {refused}"
+        assert refused == (name in ("refusal", "handle") and other), f"{name}: the call itself raised: {refused}"
         seen.append(_raises_mismatch_promptly(
             functools.partial(buffer.dispatch, x, handle=handle, config=config), "cached dispatch", name, world, rank,
             f"a cached dispatch whose {name} differs between the ranks did not raise"))
@@ -969,7 +972,8 @@ def task_combine_disagree(buffer, rank: int, payload: Optional[dict]) -> str:
     rank 0 passes none, a different config chunking, and (with several paths) hidden sizes that differ while the two
     ranks take different send paths: the kernels move no row on any rank, and every rank's next call raises
     ArgumentMismatchError naming the combine, well under a second, before it launches anything. Then rank 1 refuses
-    a combine (a row too few, then an FP16 x): it raises its own ValueError / TypeError at once, and every rank's
+    a combine (a row too few, an FP16 x, then a handle that is not the Buffer's, whose refusal runs the kernel over
+    a stand-in handle): it raises its own ValueError / TypeError at once, and every rank's
     next call raises as above. After each, a correct dispatch and combine give every rank's rows in (source rank,
     token) order and their sum (rings, landing-zone epochs and combine call numbers stayed in step)."""
     import time
@@ -1008,7 +1012,8 @@ def task_combine_disagree(buffer, rank: int, payload: Optional[dict]) -> str:
     other = rank == 1
     seen = []
     # Rank 1's own refusals: the exception type and the start of its message.
-    refusals = {"refusal": (ValueError, "x must have the"), "dtype": (TypeError, "x must have dtype")}
+    refusals = {"refusal": (ValueError, "x must have the"), "dtype": (TypeError, "x must have dtype"),
+                "handle": (ValueError, "handle was not returned")}
     for path in paths:
         with deep_ep.testing.overrides(combine_send=path):
             d = correct(f"{path} start", path)
@@ -1020,7 +1025,8 @@ def task_combine_disagree(buffer, rank: int, payload: Optional[dict]) -> str:
                      ("config", dict(config=deep_ep.Config(4, 6, 256) if other else config), path),
                      ("paths", dict(x=torch.cat([y, y], 1) if other else y), "rings" if other else path),
                      ("refusal", dict(x=y[:-1] if other else y), path),
-                     ("dtype", dict(x=y.to(torch.float16) if other else y), path)]
+                     ("dtype", dict(x=y.to(torch.float16) if other else y), path),
+                     ("handle", dict(handle=tuple(handle) if other else handle), path)]
             for name, kwargs, own_path in steps:
                 if name == "paths" and len(paths) == 1:
                     continue

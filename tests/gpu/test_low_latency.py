@@ -471,47 +471,53 @@ def task_disagree(buffer, rank: int, case: Case) -> str:
 
 
 def task_refusal(buffer, rank: int, case: Case) -> str:
-    """Rank 1 refuses its low_latency_dispatch (more tokens than num_max_dispatch_tokens_per_rank): it raises its
-    own ValueError at once and still launches the call's kernel with no tokens and the hash of its refusal, so rank
-    0's dispatch finishes without waiting for the timeout; every rank's next low-latency call raises
-    ArgumentMismatchError naming the other rank, well under a second after the refused call; after
-    clean_low_latency_buffer a correct round matches the reference."""
+    """Rank 1 refuses its low_latency_dispatch, first with more tokens than num_max_dispatch_tokens_per_rank, then
+    with a num_experts that is not a multiple of the group size (refused before (T, H, E) pass: the call runs over
+    the last call's): it raises its own ValueError at once and still launches the call's kernel with no tokens and
+    the hash of its refusal, so rank 0's dispatch finishes without waiting for the timeout; every rank's next
+    low-latency call raises ArgumentMismatchError naming the other rank, well under a second after the refused
+    call; after clean_low_latency_buffer a correct round matches the reference."""
     import torch.distributed as dist
 
     import deep_ep
     inputs, refs, ref_out = _references(case)
     mine = inputs[rank]
     x, idx = mine["x"].cuda(), mine["topk_idx"].cuda()
-    start = time.monotonic()
-    if rank == 1:
-        extra = case.max_tokens + 1 - x.size(0)
-        try:
-            buffer.low_latency_dispatch(torch.cat([x, x[:1].repeat(extra, 1)]),
-                                        torch.cat([idx, idx[:1].repeat(extra, 1)]), case.max_tokens,
-                                        case.num_experts, use_fp8=case.use_fp8)
-        except deep_ep.ArgumentMismatchError as exc:
-            raise AssertionError(f"the refusing rank raised ArgumentMismatchError, not its own error: {exc}") from None
-        except ValueError as exc:
-            assert "num_max_dispatch_tokens_per_rank" in str(exc), str(exc)
+    extra = case.max_tokens + 1 - x.size(0)
+    refusals = {"num_max_dispatch_tokens_per_rank": (torch.cat([x, x[:1].repeat(extra, 1)]),
+                                                     torch.cat([idx, idx[:1].repeat(extra, 1)]), case.num_experts),
+                "num_experts": (x, idx, case.num_experts + 1)}
+    seen = []
+    for name, (bad_x, bad_idx, bad_experts) in refusals.items():
+        start = time.monotonic()
+        if rank == 1:
+            try:
+                buffer.low_latency_dispatch(bad_x, bad_idx, case.max_tokens, bad_experts, use_fp8=case.use_fp8)
+            except deep_ep.ArgumentMismatchError as exc:
+                raise AssertionError(f"{name}: the refusing rank raised ArgumentMismatchError, not its own error: "
+                                     f"{exc}") from None
+            except ValueError as exc:
+                assert name in str(exc), str(exc)
+            else:
+                raise AssertionError(f"a dispatch with a bad {name} was accepted")
         else:
-            raise AssertionError("a dispatch of more than num_max_dispatch_tokens_per_rank tokens was accepted")
-    else:
-        buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts, use_fp8=case.use_fp8)
-    torch.cuda.synchronize()
-    finished = time.monotonic() - start
-    assert finished < 1.0, f"the refused dispatch's kernels finished after {finished:.3f} s"
-    dist.barrier()
-    try:
-        buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts, use_fp8=case.use_fp8)
-    except deep_ep.ArgumentMismatchError as exc:
-        elapsed = time.monotonic() - start
-        assert f"rank {1 - rank}" in str(exc) and "refused" in str(exc), str(exc)
-        assert elapsed < 1.0, f"raised after {elapsed:.3f} s"
-    else:
-        raise AssertionError("the call after a refused low-latency dispatch did not raise")
-    buffer.clean_low_latency_buffer(case.max_tokens, case.hidden, case.num_experts)
-    _ll_round(buffer, case, rank, inputs, mine, refs, ref_out)
-    return f"kernels done after {finished * 1e3:.0f} ms, raised after {elapsed * 1e3:.0f} ms"
+            buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts, use_fp8=case.use_fp8)
+        torch.cuda.synchronize()
+        finished = time.monotonic() - start
+        assert finished < 1.0, f"{name}: the refused dispatch's kernels finished after {finished:.3f} s"
+        dist.barrier()
+        try:
+            buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts, use_fp8=case.use_fp8)
+        except deep_ep.ArgumentMismatchError as exc:
+            elapsed = time.monotonic() - start
+            assert f"rank {1 - rank}" in str(exc) and "refused" in str(exc), str(exc)
+            assert elapsed < 1.0, f"{name}: raised after {elapsed:.3f} s"
+        else:
+            raise AssertionError(f"{name}: the call after a refused low-latency dispatch did not raise")
+        buffer.clean_low_latency_buffer(case.max_tokens, case.hidden, case.num_experts)
+        _ll_round(buffer, case, rank, inputs, mine, refs, ref_out)
+        seen.append(f"{name}: kernels done after {finished * 1e3:.0f} ms, raised after {elapsed * 1e3:.0f} ms")
+    return "; ".join(seen)
 
 
 def task_combine_disagree(buffer, rank: int, case: Case) -> str:
