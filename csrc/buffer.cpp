@@ -358,7 +358,6 @@ void Runtime::reset(uintptr_t stream) {
     for (int i = 0; i <= kernels::kMaxLocalExperts; ++i) host_counters_[i] = -1;
     pending_verdict_ = 0;
     copy_epoch_ = 0;
-    checked_calls_ = 0;
     checked_combine_seq_ = 0;
     std::atomic_thread_fence(std::memory_order_seq_cst);
 }
@@ -804,11 +803,11 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     if (after_current) order(as_stream(stream), current_stream());
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     DEEP_EP_CUDA_CHECK(cudaStreamIsCapturing(as_stream(stream), &capture));
-    // A captured combine compares nothing: its replays would carry the call number and epoch of the capture.
-    const bool checked = arm_checked_call(args, signature_hash, capture != cudaStreamCaptureStatusNone);
-    // A mismatched ring kernel frees this rank's landing zones of the epoch every rank takes on after it. With a put
+    const bool awaited = arm_checked_call(args, signature_hash, capture != cudaStreamCaptureStatusNone);
+    // A mismatched ring kernel frees this rank's landing zones of the epoch every rank takes on after it (a captured
+    // combine, which takes no landing zones, frees none: its replays would carry the capture's epoch). With a put
     // area no combine goes through landing zones (would_copy), so the copy epoch stays.
-    args.mismatch_freed = checked && put_area_ == kernels::kPutAreaNone ? copy_epoch_ + 1u : 0u;
+    args.mismatch_freed = awaited && put_area_ == kernels::kPutAreaNone ? copy_epoch_ + 1u : 0u;
     const uint32_t epoch_before = copy_epoch_;
     auto ctx = next_context();
     if (copy_ctas > 0 && channel_prefix_matrix.has_value() && capture == cudaStreamCaptureStatusNone &&
@@ -825,8 +824,7 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::combine(
     } else {
         throw_if_failed(kernels::intranode_combine(ctx, args, as_stream(stream)));
     }
-    if (checked) {
-        checked_calls_ = args.call_number;
+    if (awaited) {
         pending_verdict_ = ctx.call_seq;
         checked_combine_seq_ = ctx.call_seq;
         checked_combine_epoch_ = epoch_before;

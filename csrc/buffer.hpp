@@ -182,9 +182,9 @@ class Runtime {
     void await_agreement();
 
     // Returns (combined_x [N, H] BF16, combined_topk_weights [N, K] float32 when topk_weights is given), N being
-    // send_head's rows. signature_hash != 0 outside CUDA-graph capture: a checked combine, whose
-    // kernel compares the hash with every peer's before any row moves (CombineArgs::signature_hash); the next call
-    // awaits the verdict (await_agreement).
+    // send_head's rows. signature_hash != 0: a checked combine, whose kernel compares the hash with every peer's
+    // before any row moves (CombineArgs::signature_hash); outside CUDA-graph capture the next call awaits the verdict
+    // (await_agreement).
     std::pair<at::Tensor, std::optional<at::Tensor>> combine(
         const at::Tensor& x, const std::optional<at::Tensor>& topk_weights, const std::optional<at::Tensor>& bias_0,
         const std::optional<at::Tensor>& bias_1, const at::Tensor& rank_prefix_matrix,
@@ -225,8 +225,8 @@ class Runtime {
     // Returns (recv_x [num_recv_rows, H], recv_x_scales [num_recv_rows, S] when x_scales is given, recv_topk_idx
     // [num_recv_rows, K] and recv_topk_weights [num_recv_rows, K] float32 when topk_idx is given). The handle's
     // send_rdma_head [T, N], send_nvl_head [F, 8] and recv_src_meta [num_recv_rows, 8] uint8 are written when given
-    // (non-cached calls). signature_hash != 0 in a cached call outside CUDA-graph capture: a checked call, as
-    // fused_combine's (FusedDispatchArgs::signature_hash); the next call awaits the verdict (await_agreement).
+    // (non-cached calls). signature_hash != 0 in a cached call: a checked call, as fused_combine's
+    // (FusedDispatchArgs::signature_hash).
     std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
     fused_dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
                    const std::optional<at::Tensor>& topk_idx, const std::optional<at::Tensor>& topk_weights,
@@ -240,9 +240,8 @@ class Runtime {
                    bool current_after, int64_t signature_hash = 0);
 
     // Returns (combined_x [T, H] BF16, combined_topk_weights [T, K] float32 when topk_weights is given), T being
-    // send_rdma_head's rows; the handle tensors are the dispatch's. signature_hash != 0 outside CUDA-graph capture:
-    // a checked combine, as combine()'s (FusedCombineArgs::signature_hash; put peers too); the next call awaits the
-    // verdict (await_agreement).
+    // send_rdma_head's rows; the handle tensors are the dispatch's. signature_hash != 0: a checked combine, as
+    // combine()'s (FusedCombineArgs::signature_hash; put peers too).
     std::pair<at::Tensor, std::optional<at::Tensor>> fused_combine(
         const at::Tensor& x, const std::optional<at::Tensor>& topk_weights, const std::optional<at::Tensor>& bias_0,
         const std::optional<at::Tensor>& bias_1, int gpus_per_node, const at::Tensor& recv_rdma_channel_prefix_matrix,
@@ -286,8 +285,6 @@ class Runtime {
     static constexpr int kVerdictIntOffset =
         kSignatureIntOffset + 2 * kernels::kMaxRuntimeRanks * kernels::kSignatureWords;
     int64_t pending_verdict_ = 0;  // call_seq of a checked call whose verdict the host has not awaited, or 0
-    uint32_t checked_calls_ = 0;   // checked calls so far (0 after reset): CombineArgs::call_number (combines; on the
-                                   // fused kernels cached dispatches too, FusedDispatchArgs)
     // The last checked combine: its call_seq and copy_epoch_ before it. When the ranks disagreed on
     // it, clearing the record moves copy_epoch_ to that + 1 on every rank without a put area (the ranks may have
     // taken different send paths; every rank's kernel wrote `freed` = that + 1).
@@ -313,18 +310,17 @@ class Runtime {
         }
     }
     bool is_capturing(cudaStream_t stream) const;  // whether `stream` is capturing a CUDA graph
-    // The agreement fields (call_number, signature_hash, host_verdict) of a combine's CombineArgs or
-    // FusedCombineArgs, or a fused cached dispatch's FusedDispatchArgs. Checked (returns true) when signature_hash
-    // != 0 and the stream is not capturing: a captured call compares nothing, its replays would carry the capture's
-    // call number. Once the checked kernel is
-    // launched, the caller counts it (checked_calls_ = call_number) and leaves its verdict pending.
+    // The agreement fields (signature_hash, host_verdict) of a combine's CombineArgs or FusedCombineArgs, or a fused
+    // cached dispatch's FusedDispatchArgs: a call with signature_hash != 0 is checked (numbered on the device, so a
+    // call captured in a CUDA graph is checked at each replay). Returns whether the host awaits its verdict (not under
+    // capture: a replay would write the capture's call_seq); once that kernel is launched, the caller leaves its
+    // verdict pending.
     template <typename Args>
     bool arm_checked_call(Args& args, int64_t signature_hash, bool capturing) {
-        const bool checked = signature_hash != 0 && !capturing;
-        args.call_number = checked ? checked_calls_ + 1u : 0u;
-        args.signature_hash = checked ? static_cast<uint32_t>(signature_hash) : 0u;
-        args.host_verdict = checked ? reinterpret_cast<int64_t*>(device_counters_ + kVerdictIntOffset) : nullptr;
-        return checked;
+        const bool awaited = signature_hash != 0 && !capturing;
+        args.signature_hash = static_cast<uint32_t>(signature_hash);
+        args.host_verdict = awaited ? reinterpret_cast<int64_t*>(device_counters_ + kVerdictIntOffset) : nullptr;
+        return awaited;
     }
     cudaEvent_t order_event_ = nullptr;             // reused by order(): a wait snapshots the event's last record
     cudaStream_t copy_stream_ = nullptr;            // copy-engine combine: copies and their flags

@@ -226,13 +226,10 @@ Runtime::fused_dispatch(const at::Tensor& x, const std::optional<at::Tensor>& x_
     if (send_rdma_head.has_value() && signature_hash != 0)
         fused_invalid("dispatch: a non-cached call is checked by its notify, got a signature hash");
     if (after_current) order(as_stream_handle(stream), current_stream());
-    const bool checked = arm_checked_call(args, signature_hash, is_capturing(as_stream_handle(stream)));
+    const bool awaited = arm_checked_call(args, signature_hash, is_capturing(as_stream_handle(stream)));
     auto ctx = next_context();
     throw_if_failed(kernels::fused_dispatch(ctx, geometry, args, as_stream_handle(stream)));
-    if (checked) {
-        checked_calls_ = args.call_number;
-        pending_verdict_ = ctx.call_seq;
-    }
+    if (awaited) pending_verdict_ = ctx.call_seq;
     if (current_after) order(current_stream(), as_stream_handle(stream));
     return {recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights};
 }
@@ -300,13 +297,10 @@ std::pair<at::Tensor, std::optional<at::Tensor>> Runtime::fused_combine(
     args.num_max_rdma_send_tokens = num_max_rdma_send_tokens;
     args.num_max_nvl_send_tokens = num_max_nvl_send_tokens;
     if (after_current) order(as_stream_handle(stream), current_stream());
-    const bool checked = arm_checked_call(args, signature_hash, is_capturing(as_stream_handle(stream)));
+    const bool awaited = arm_checked_call(args, signature_hash, is_capturing(as_stream_handle(stream)));
     auto ctx = next_context();
     throw_if_failed(kernels::fused_combine(ctx, geometry, args, as_stream_handle(stream)));
-    if (checked) {
-        checked_calls_ = args.call_number;
-        pending_verdict_ = ctx.call_seq;
-    }
+    if (awaited) pending_verdict_ = ctx.call_seq;
     if (current_after) order(current_stream(), as_stream_handle(stream));
     return {combined_x, combined_topk_weights};
 }

@@ -301,14 +301,12 @@ struct CombineArgs {
     // Copy-engine combine (intranode_combine_landed): the rows come through the copy engine into landing zones.
     const int* channel_prefix_matrix;  // [R, C] handle[1]: my tokens to d in channels <= c (landing row of a token)
     uint32_t copy_epoch;               // copy-engine combine calls so far, this one included if it is one
-    // Checked combines: this runtime's checked combines so far, this one included (refusals count too); every
-    // rank's count is the same while the ranks' calls stay paired.
-    uint32_t call_number;
     // != 0 (a checked combine): the hash of this rank's call signature. Every CTA compares every peer's hash of this
     // call (the combine-agreement words) with it before any row moves; on a difference every rank's kernel moves no
     // row and advances no ring (each sees the same hashes), and the error record gets kErrorArgumentMismatch (no
-    // abort). Put peers exchange the words as signals (put.cuh). 0: unchecked (one rank, a composed stage, CUDA-graph
-    // capture).
+    // abort). Put peers exchange the words as signals (put.cuh). The call's number comes from the device
+    // (checked_call_number: refusals count too, every rank's is the same while the ranks' calls stay paired, and a
+    // call captured in a CUDA graph takes a new one at each replay). 0: unchecked (one rank, a composed stage).
     uint32_t signature_hash;
     // Ring kernel, != 0 (never with a put area): the `freed` value a mismatched call writes to every peer (the ranks
     // may have taken different send paths: a peer's landing-zone combine of this call then waits no longer for this

@@ -822,8 +822,9 @@ __device__ __forceinline__ void publish_fused_agreement(const KernelContext& ctx
 // One warp per CTA: lane l waits for the words of ranks l, l + 32 of this call and the warp compares every rank's
 // hash with this rank's. Every rank compares the same hashes, so every rank reaches the same verdict: if they are
 // not all equal, every rank has one whose hash differs from its own. A difference fills the error record
-// (kErrorArgumentMismatch in `phase`, the first differing rank, both hashes; no abort). With host_verdict, the last
-// CTA to compare publishes the call's call_seq. Returns whether rows may move (the hashes agree and every word came).
+// (kErrorArgumentMismatch in `phase`, the first differing rank, both hashes; no abort). The last CTA to compare
+// counts the call and, with host_verdict, publishes the call's call_seq. Returns whether rows may move (the hashes
+// agree and every word came).
 static __device__ __noinline__ bool fused_agreement(const KernelContext& ctx, uint32_t call_number,
                                                     uint32_t signature_hash, int64_t* host_verdict, int32_t kernel,
                                                     int32_t wait_phase, int32_t phase) {
@@ -853,24 +854,28 @@ static __device__ __noinline__ bool fused_agreement(const KernelContext& ctx, ui
             fill_error_record(ctx.error, workspace_u32(ctx, kWsErrorClaimOffset), kErrorArgumentMismatch, kernel,
                               phase, ctx.rank, first_all, static_cast<int>(blockIdx.x), ctx.call_seq, signature_hash,
                               their_hash, 0);
-        publish_agreement_verdict(ctx, host_verdict, gridDim.x);
+        publish_agreement_verdict(ctx, host_verdict, gridDim.x, call_number);
     }
     return all_ok && !differ;
 }
 
-// Every thread of a CTA of a checked call: publish this rank's word, compare every rank's (the first warp), and
-// return whether rows may move (true for an unchecked call). Ends with the CTA synchronised.
-__device__ __forceinline__ bool fused_rows_move(const KernelContext& ctx, uint32_t call_number,
-                                                uint32_t signature_hash, int64_t* host_verdict, int32_t kernel,
-                                                int32_t wait_phase, int32_t phase, volatile int* verdict) {
+// Every thread of a CTA of a checked call (signature_hash != 0): number the call (checked_call_number), publish
+// this rank's word, compare every rank's (the first warp), and return whether rows may move (true for an unchecked
+// call). `shared` holds two ints of the CTA's shared memory. Ends with the CTA synchronised.
+__device__ __forceinline__ bool fused_rows_move(const KernelContext& ctx, uint32_t signature_hash,
+                                                int64_t* host_verdict, int32_t kernel, int32_t wait_phase,
+                                                int32_t phase, volatile uint32_t* shared) {
     if (signature_hash == 0u) return true;
+    if (threadIdx.x == 0) shared[0] = checked_call_number(ctx);
+    __syncthreads();
+    const uint32_t call_number = shared[0];
     publish_fused_agreement(ctx, call_number, signature_hash);
     if (threadIdx.x < 32) {
         const bool holds = fused_agreement(ctx, call_number, signature_hash, host_verdict, kernel, wait_phase, phase);
-        if (threadIdx.x == 0) *verdict = holds ? 1 : 0;
+        if (threadIdx.x == 0) shared[1] = holds ? 1u : 0u;
     }
     __syncthreads();
-    return *verdict != 0;
+    return shared[1] != 0u;
 }
 
 __global__ void __launch_bounds__(kChannelThreads, 1)
@@ -880,9 +885,9 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     // does a checked cached call unless every rank's hash of this call is this rank's.
     if (args.agreement_gate && *workspace_u32(ctx, kWsNotifyMismatchOffset) != 0u) return;
     __shared__ int team_progress[kChannelWarps];
-    __shared__ int rows_move;
-    if (!fused_rows_move(ctx, args.call_number, args.signature_hash, args.host_verdict, kKernelDispatch,
-                         kPhaseDispatchWaitAgreement, kPhaseDispatchAgreement, &rows_move))
+    __shared__ uint32_t agreement[2];
+    if (!fused_rows_move(ctx, args.signature_hash, args.host_verdict, kKernelDispatch, kPhaseDispatchWaitAgreement,
+                         kPhaseDispatchAgreement, agreement))
         return;
     reset_teams(team_progress);
     const int channel = static_cast<int>(blockIdx.x) / 2, warp = static_cast<int>(threadIdx.x) / 32;
@@ -1332,10 +1337,10 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     fused_combine_kernel(const __grid_constant__ KernelContext ctx, const __grid_constant__ FusedGeometry geo,
                          const __grid_constant__ FusedCombineArgs args) {
     __shared__ int team_progress[kChannelWarps];
-    __shared__ int rows_move;
+    __shared__ uint32_t agreement[2];
     // A checked call moves no row and advances no ring unless every rank's hash of this call is this rank's.
-    if (!fused_rows_move(ctx, args.call_number, args.signature_hash, args.host_verdict, kKernelCombine,
-                         kPhaseCombineWaitAgreement, kPhaseCombineAgreement, &rows_move))
+    if (!fused_rows_move(ctx, args.signature_hash, args.host_verdict, kKernelCombine, kPhaseCombineWaitAgreement,
+                         kPhaseCombineAgreement, agreement))
         return;
     reset_teams(team_progress);
     const int channel = static_cast<int>(blockIdx.x) / 2, warp = static_cast<int>(threadIdx.x) / 32;

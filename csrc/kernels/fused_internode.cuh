@@ -277,10 +277,9 @@ struct FusedDispatchArgs {
     int num_max_rdma_send_tokens;         // records per rail tail publication (at most)
     int num_max_nvl_send_tokens;          // records per node tail publication (at most)
     int agreement_gate;                   // 1 (non-cached): no row moves when the notify's signatures differed
-    // A checked cached call (as FusedCombineArgs's three fields; a non-cached call is checked by its notify):
+    // A checked cached call (as FusedCombineArgs's two fields; a non-cached call is checked by its notify):
     // signature_hash != 0: every CTA compares it with every rank's of this call (kFusedAgreementOffset, the
-    // numbering shared with the combines) before any row moves; 0: unchecked (non-cached, or CUDA-graph capture).
-    uint32_t call_number;
+    // numbering shared with the combines) before any row moves; 0: unchecked (a non-cached call).
     uint32_t signature_hash;
     int64_t* host_verdict;
 };
@@ -308,12 +307,11 @@ struct FusedCombineArgs {
     float* combined_topk_weights;         // [T, K] or nullptr
     int num_max_rdma_send_tokens;
     int num_max_nvl_send_tokens;
-    // Checked calls (as CombineArgs, api.cuh): the runtime's checked calls so far (cached dispatches and combines),
-    // this one included (refusals count too); != 0: the hash of this rank's call signature, which every CTA compares
-    // with every rank's of this call (kFusedAgreementOffset) before any row moves: on a difference no rank moves a row
-    // or advances a ring, and the error record gets kErrorArgumentMismatch (no abort). 0: unchecked (CUDA-graph
-    // capture). host_verdict: host-mapped, or nullptr: the last CTA to compare writes the call's call_seq there.
-    uint32_t call_number;
+    // Checked calls (as CombineArgs, api.cuh; numbered on the device, cached dispatches and combines alike,
+    // refusals too): != 0, the hash of this rank's call signature, which every CTA compares with every rank's of this
+    // call (kFusedAgreementOffset) before any row moves: on a difference no rank moves a row or advances a ring, and
+    // the error record gets kErrorArgumentMismatch (no abort). 0: unchecked. host_verdict: host-mapped, or nullptr
+    // (CUDA-graph capture): the last CTA to compare writes the call's call_seq there.
     uint32_t signature_hash;
     int64_t* host_verdict;
 };

@@ -45,15 +45,26 @@ __device__ __forceinline__ int64_t combine_agreement_offset(int source, uint32_t
     return kCombineAgreementOffset + 8 * (2 * source + static_cast<int64_t>(call_number & 1u));
 }
 
+// Every thread of a CTA at kernel start: the number of a checked combine (checked_call_number) into `call_number`
+// (shared), 0 for an unchecked one. Ends with the CTA synchronised when checked.
+__device__ __forceinline__ uint32_t load_combine_call(const KernelContext& ctx, const CombineArgs& args,
+                                                     volatile uint32_t* call_number) {
+    if (args.signature_hash == 0u) return 0u;
+    if (threadIdx.x == 0) *call_number = checked_call_number(ctx);
+    __syncthreads();
+    return *call_number;
+}
+
 // CTA 0, thread d: this rank's word of the call (call number, signature hash) into peer d's buffer, at kernel start
 // and before anything waits: a release store for a pointer peer, a 64-bit signal into the word's twin for a put
 // peer (put.cuh; the word arrives whole).
 template <bool kPut>
-__device__ __forceinline__ void publish_combine_agreement(const KernelContext& ctx, const CombineArgs& args) {
+__device__ __forceinline__ void publish_combine_agreement(const KernelContext& ctx, const CombineArgs& args,
+                                                          uint32_t call_number) {
     const int d = static_cast<int>(threadIdx.x);
     if (args.signature_hash == 0u || blockIdx.x != 0 || d >= ctx.num_ranks || d == ctx.rank) return;
-    const int64_t offset = combine_agreement_offset(ctx.rank, args.call_number);
-    const uint64_t word = (static_cast<uint64_t>(args.call_number) << 32) | args.signature_hash;
+    const int64_t offset = combine_agreement_offset(ctx.rank, call_number);
+    const uint64_t word = (static_cast<uint64_t>(call_number) << 32) | args.signature_hash;
     if (kPut && is_ring_put_peer(ctx, d))
         put_signal(ctx, offset, d, word);
     else
@@ -63,20 +74,21 @@ __device__ __forceinline__ void publish_combine_agreement(const KernelContext& c
 // One warp per CTA (checked combines): lane d waits for peer d's word of this call (in this rank's control region,
 // or in its twin for a put peer) and the warp compares every peer's hash with this rank's. Every rank compares the
 // same hashes, so every rank reaches the same verdict: if they are not all equal, every rank has a peer whose hash
-// differs from its own. A difference fills the error record (kErrorArgumentMismatch, no abort). With host_verdict,
-// the last CTA to compare publishes the call's call_seq.
+// differs from its own. A difference fills the error record (kErrorArgumentMismatch, no abort). The last CTA to
+// compare counts the call and, with host_verdict, publishes the call's call_seq.
 template <bool kPut>
-static __device__ __noinline__ int warp_combine_agreement(const KernelContext& ctx, const CombineArgs& args) {
+static __device__ __noinline__ int warp_combine_agreement(const KernelContext& ctx, const CombineArgs& args,
+                                                          uint32_t call_number) {
     const int lane = lane_id();
     bool ok = true;
     uint32_t their_hash = args.signature_hash;
     if (lane < ctx.num_ranks && lane != ctx.rank) {
-        const int64_t offset = combine_agreement_offset(lane, args.call_number);
+        const int64_t offset = combine_agreement_offset(lane, call_number);
         const uint64_t* word = kPut && is_ring_put_peer(ctx, lane)
             ? signal_twin(ctx, offset)
             : reinterpret_cast<const uint64_t*>(static_cast<const char*>(ctx.buffers[ctx.rank]) + offset);
         uint32_t seen;
-        ok = wait_geq(ctx, reinterpret_cast<const uint32_t*>(word) + 1, args.call_number,  // the call number half
+        ok = wait_geq(ctx, reinterpret_cast<const uint32_t*>(word) + 1, call_number,  // the call number half
                       Site{kKernelCombine, kPhaseCombineWaitAgreement, lane, static_cast<int>(blockIdx.x)}, &seen);
         if (ok) {
             after_peer_wait<kPut>(ctx, offset, lane);
@@ -92,17 +104,19 @@ static __device__ __noinline__ int warp_combine_agreement(const KernelContext& c
             fill_error_record(ctx.error, workspace_u32(ctx, kWsErrorClaimOffset), kErrorArgumentMismatch,
                               kKernelCombine, kPhaseCombineAgreement, ctx.rank, first, static_cast<int>(blockIdx.x),
                               ctx.call_seq, args.signature_hash, first_hash, 0);
-        publish_agreement_verdict(ctx, args.host_verdict, gridDim.x);
+        publish_agreement_verdict(ctx, args.host_verdict, gridDim.x, call_number);
     }
     return !all_ok ? kCombineAgreementFailed : (differ != 0u ? kCombineAgreementDiffers : kCombineAgreementHolds);
 }
 
-// The last warp of every CTA: the verdict of the call into `agreement` (shared), before the CTA's first barrier.
+// The last warp of every CTA: the verdict of the call into `agreement` (shared), before the CTA's first barrier
+// after load_combine_call's.
 template <bool kPut>
 __device__ __forceinline__ void combine_agreement(const KernelContext& ctx, const CombineArgs& args,
-                                                  volatile int* agreement) {
+                                                  uint32_t call_number, volatile int* agreement) {
     if (threadIdx.x / 32 != blockDim.x / 32 - 1) return;
-    const int verdict = args.signature_hash != 0u ? warp_combine_agreement<kPut>(ctx, args) : kCombineAgreementHolds;
+    const int verdict =
+        args.signature_hash != 0u ? warp_combine_agreement<kPut>(ctx, args, call_number) : kCombineAgreementHolds;
     if (lane_id() == 0) *agreement = verdict;
 }
 

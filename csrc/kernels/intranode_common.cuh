@@ -47,19 +47,30 @@ __device__ __forceinline__ uint32_t* workspace_u32(const KernelContext& ctx, int
 
 __device__ __forceinline__ int counter_index(int channel, int peer) { return channel * kMaxRanks + peer; }
 
+// The number of the checked call a kernel is about to compare (kWsCheckedCallsOffset). Read once per CTA, before
+// the CTA's first barrier and its arrival in publish_agreement_verdict.
+__device__ __forceinline__ uint32_t checked_call_number(const KernelContext& ctx) {
+    return *reinterpret_cast<volatile uint32_t*>(workspace_u32(ctx, kWsCheckedCallsOffset)) + 1u;
+}
+
 // One thread per CTA of a kernel whose CTAs each compare the ranks' signature hashes (cached dispatch, checked
-// combine), once its CTA has compared them: the last of the `num_ctas` CTAs writes the call's call_seq to the
-// host-mapped `host_verdict` (nullptr: nothing), which the host's bounded wait reads (Runtime::await_agreement).
+// combine), once its CTA has compared them: the last of the `num_ctas` CTAs counts the checked call `checked_call`
+// as done (0: a call numbered otherwise, an intranode cached dispatch) and writes the call's call_seq to the
+// host-mapped `host_verdict` (nullptr: nothing; under CUDA-graph capture), which the host's bounded wait reads
+// (Runtime::await_agreement).
 __device__ __forceinline__ void publish_agreement_verdict(const KernelContext& ctx, int64_t* host_verdict,
-                                                          uint32_t num_ctas) {
-    if (host_verdict == nullptr) return;
+                                                          uint32_t num_ctas, uint32_t checked_call = 0u) {
+    if (host_verdict == nullptr && checked_call == 0u) return;
     __threadfence();
     const uint32_t arrived = atomicAdd(workspace_u32(ctx, kWsAgreementArrivalsOffset), 1u) + 1u;
     if (arrived == num_ctas) {
         *workspace_u32(ctx, kWsAgreementArrivalsOffset) = 0u;
-        fence_acq_rel_sys();
-        *reinterpret_cast<volatile int64_t*>(host_verdict) = ctx.call_seq;
-        __threadfence_system();
+        if (checked_call != 0u) *workspace_u32(ctx, kWsCheckedCallsOffset) = checked_call;
+        if (host_verdict != nullptr) {
+            fence_acq_rel_sys();
+            *reinterpret_cast<volatile int64_t*>(host_verdict) = ctx.call_seq;
+            __threadfence_system();
+        }
     }
 }
 

@@ -133,7 +133,11 @@ constexpr int64_t kWsNotifyMismatchOffset = kWsCombineDoneOffset + kBufferAlignm
 // Cached dispatch and checked combine: CTAs of the current call that have compared the peers' signature hashes
 // (the last one resets it and publishes the call's verdict to the host).
 constexpr int64_t kWsAgreementArrivalsOffset = kWsNotifyMismatchOffset + kBufferAlignment;
-constexpr int64_t kWsUsedBytes = kWsAgreementArrivalsOffset + 4;
+// Checked calls (a checked combine; on the fused kernels a checked cached dispatch too) whose CTAs have all compared
+// the hashes: a call's number is one more (checked_call_number), on the device, so that a call captured in a CUDA
+// graph takes a new number at every replay.
+constexpr int64_t kWsCheckedCallsOffset = kWsAgreementArrivalsOffset + kBufferAlignment;
+constexpr int64_t kWsUsedBytes = kWsCheckedCallsOffset + 4;
 static_assert(kWsUsedBytes <= kWorkspaceBytes, "workspace too small");
 
 // ---- ring records ----

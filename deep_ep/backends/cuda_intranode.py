@@ -173,11 +173,15 @@ class CudaBackend(Backend):
 
     def _checked_hash(self, signature: Optional[Signature]) -> int:
         """The hash a checked call's kernel (a combine; on the fused kernels a cached dispatch too) compares with
-        every peer's (never 0, which is "unchecked"), or 0: no signature, or the stream is capturing a CUDA graph (its
-        replays would carry the capture's call number)."""
-        if signature is None or torch.cuda.is_current_stream_capturing():
-            return 0
-        return signature_hash(signature) or 1
+        every peer's (never 0, which is "unchecked"), or 0: no signature. A call captured in a CUDA graph is checked
+        at each replay (the kernels number checked calls on the device)."""
+        return signature_hash(signature) or 1 if signature is not None else 0
+
+    @staticmethod
+    def _verdict_awaited(hashed: int) -> bool:
+        """Whether the next call awaits the verdict of a checked call of ``hashed`` launched now (not under CUDA-graph
+        capture: a replay's verdict is read from the error record by the call after it)."""
+        return hashed != 0 and not torch.cuda.is_current_stream_capturing()
 
     # The signature of the last worst-token dispatch (its notify reports a disagreement through the error record),
     # and an event after that notify, which the next call waits for (None once waited for, or under graph capture).
@@ -403,7 +407,7 @@ class CudaBackend(Backend):
                 tuning.intranode_send_warps("dispatch", self.num_ranks, num_channels, scales is not None,
                                             bool(self.put_peers)),
                 self._comm_ptr, after_current, scope.current_after, hashed)
-            self._verdict_pending = hashed != 0 and not torch.cuda.is_current_stream_capturing()
+            self._verdict_pending = self._verdict_awaited(hashed)
 
             new_handle = None
             if not cached:
@@ -512,6 +516,6 @@ class CudaBackend(Backend):
                 config.num_max_nvl_chunked_recv_tokens, send_warps, self._comm_ptr, scope.after_current,
                 scope.current_after, handle.channel_prefix_matrix, pair_counts or [], copy_ctas,
                 tuning.combine_copy_chunk_rows(), path == "zone", hashed)
-            self._verdict_pending = hashed != 0
+            self._verdict_pending = self._verdict_awaited(hashed)
             event = scope.finish((x, topk_weights, bias_0, bias_1, combined_x, combined_topk_weights, *handle))
         return CombineResult(combined_x, combined_topk_weights, event)

@@ -130,8 +130,8 @@ class FusedInternodeCuda(SymmetricCuda):
         a stand-in of no tokens over ``num_channels``; the agreement words do not depend on the channels), a stand-in
         payload of 8 columns and the smallest rings."""
         hashed = self._checked_hash(signature)
-        if self.runtime is None or hashed == 0:
-            return  # under CUDA-graph capture no cached dispatch compares hashes
+        if self.runtime is None:
+            return
         self._call_prologue()
         if not isinstance(handle, InternodeHandle):
             handle = self._stand_in_handle(num_channels)
@@ -142,14 +142,14 @@ class FusedInternodeCuda(SymmetricCuda):
             handle.recv_rdma_rank_prefix_sum, handle.recv_gbl_channel_prefix_matrix, handle.recv_gbl_rank_prefix_sum,
             None, None, None, handle.recv_src_meta.size(0), False, handle.rdma_channel_prefix_matrix.size(1), 1, 2, 1,
             2, self._comm_ptr, True, True, hashed)
-        self._verdict_pending = True
+        self._verdict_pending = self._verdict_awaited(hashed)
 
     def refuse_combine(self, signature: Signature, handle: object) -> None:
         """As :meth:`CudaBackend.refuse_combine`, with the fused combine kernel over ``handle`` (``None``: a stand-in
         of no tokens over one channel), a stand-in ``x`` of 8 columns and the smallest rings."""
         hashed = self._checked_hash(signature)
-        if self.runtime is None or hashed == 0:
-            return  # under CUDA-graph capture no combine compares hashes
+        if self.runtime is None:
+            return
         self._call_prologue()
         if not isinstance(handle, InternodeHandle):
             handle = self._stand_in_handle(1)
@@ -179,7 +179,7 @@ class FusedInternodeCuda(SymmetricCuda):
             handle.recv_rdma_rank_prefix_sum, handle.recv_gbl_channel_prefix_matrix, handle.recv_gbl_rank_prefix_sum,
             handle.send_rdma_head, handle.send_nvl_head, num_channels, *chunks, self._comm_ptr, after_current,
             current_after, hashed)
-        self._verdict_pending = hashed != 0
+        self._verdict_pending = self._verdict_awaited(hashed)
         return out
 
     def _error_record(self) -> Optional[dict]:
@@ -331,7 +331,7 @@ class FusedInternodeCuda(SymmetricCuda):
                 *heads, num_rows, worst, num_channels, config.num_max_rdma_chunked_send_tokens,
                 config.num_max_rdma_chunked_recv_tokens, *node_ring(config, num_nodes)[::-1], self._comm_ptr,
                 after_current, scope.current_after, hashed)
-            self._verdict_pending = hashed != 0
+            self._verdict_pending = self._verdict_awaited(hashed)
             new_handle = None
             if not cached:
                 send_rdma_head, send_nvl_head, recv_src_meta = heads

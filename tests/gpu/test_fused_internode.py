@@ -355,12 +355,13 @@ def task_combine_disagree(buffer, rank: int, payload) -> str:
 
 @pytest.mark.multi_gpu(4)
 @pytest.mark.parametrize("put_only", [False, True], ids=["pointer", "put"])
-@pytest.mark.parametrize("task", ["test_fused_internode:task_combine_disagree", "test_intranode:task_cached_disagree"],
-                         ids=["combine", "cached"])
+@pytest.mark.parametrize("task", ["test_fused_internode:task_combine_disagree", "test_intranode:task_cached_disagree",
+                                  "test_intranode:task_graph_disagree"], ids=["combine", "cached", "graph"])
 def test_disagreement_raises_at_next_call(put_only, task):
     """2 x 2, the rail peers reached by pointer or (``internode_put_only``) by NVSHMEM signals: see
-    task_combine_disagree, and ``test_intranode.task_cached_disagree`` (a cached dispatch's kernel compares the
-    ranks' signature hashes in the agreement words the combine uses)."""
+    task_combine_disagree, ``test_intranode.task_cached_disagree`` (a cached dispatch's kernel compares the ranks'
+    signature hashes in the agreement words the combine uses) and ``test_intranode.task_graph_disagree`` (a combine
+    captured in a CUDA graph)."""
     if ti.DEVICE != "cuda":
         pytest.skip("the CUDA kernels' agreement (the torch backend raises in the call itself)")
     pool = _make_pool(2, 2, PUT_RDMA_BYTES if put_only else NUM_RDMA_BYTES, put_only=put_only)

@@ -1050,6 +1050,63 @@ def task_combine_disagree(buffer, rank: int, payload: Optional[dict]) -> str:
     return "; ".join(seen)
 
 
+def task_graph_disagree(buffer, rank: int, payload: Optional[dict]) -> str:
+    """Every rank captures a combine in a CUDA graph, rank 1 with twice the hidden size: at the replay every rank's
+    kernel compares the hashes (checked calls are numbered on the device, so a replay takes a new number) and moves
+    no row, and every rank's next call raises ArgumentMismatchError naming the combine well under a second after
+    the replay. Then every rank captures the same combine: three replays, each followed by an eager dispatch and
+    combine, all give every rank's sum (the ranks' checked-call numbers stayed in step)."""
+    import time
+
+    import deep_ep
+    n, h, world = 32, 256, buffer.group_size
+    num_experts, config = 2 * world, deep_ep.Config(4, 8, 256)
+    x = _pattern_x(rank, n, h, 0).to(DEVICE)
+    # Every token selects expert 2r on every rank r: all rows reach every rank.
+    topk_idx = (torch.arange(world, device=DEVICE) * 2).repeat(n, 1).to(deep_ep.topk_idx_t)
+    layout = buffer.get_dispatch_layout(topk_idx, num_experts)
+
+    def dispatch():
+        return buffer.dispatch(x, num_tokens_per_rank=layout.num_tokens_per_rank,
+                               num_tokens_per_rdma_rank=layout.num_tokens_per_rdma_rank,
+                               is_token_in_rank=layout.is_token_in_rank,
+                               num_tokens_per_expert=layout.num_tokens_per_expert, config=config)
+
+    def eager(label: str) -> None:
+        d = dispatch()
+        c = buffer.combine(d.recv_x, d.handle, config=config)
+        torch.cuda.synchronize()
+        assert torch.equal(c.combined_x.float(), x.float() * world), f"{label}: the eager combine differs"
+
+    d = dispatch()
+    y, handle = d.recv_x.clone(), d.handle
+    eager("start")
+    captured = []
+    for label, wide in (("disagreeing", rank == 1), ("agreeing", False)):
+        graph = torch.cuda.CUDAGraph()
+        staged = torch.cat([y, y], 1) if wide else y.clone()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out = buffer.combine(staged, handle, config=config)
+        captured.append((label, graph, out))
+    label, graph, _ = captured[0]
+    start = time.monotonic()
+    graph.replay()
+    torch.cuda.synchronize()
+    seen = _raises_mismatch_promptly(lambda: eager("after the disagreeing replay"), "combine call signatures differ",
+                                     "replay", world, rank, "a replayed combine whose hidden differs did not raise")
+    elapsed = time.monotonic() - start
+    assert elapsed < 1.0, f"raised {elapsed:.3f} s after the replay"
+    eager("after the disagreement")
+    label, graph, out = captured[1]
+    for replay in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.combined_x.float(), x.float() * world), f"replay {replay}: the combine differs"
+        eager(f"after replay {replay}")
+    return seen
+
+
 def _pattern_x(rank: int, n: int, h: int, salt: int) -> torch.Tensor:
     """Rows that identify (rank, token, salt); small integers, exact in BF16."""
     t = torch.arange(n, dtype=torch.int64).view(n, 1)
@@ -1154,6 +1211,7 @@ TASKS: dict[str, Callable] = {"roundtrip": task_roundtrip, "graph": task_graph, 
                               "sequence": task_sequence, "bad_routing": task_bad_routing, "reset": task_reset,
                               "pool_lifetime": task_pool_lifetime, "disagree": task_disagree,
                               "cached_disagree": task_cached_disagree, "combine_disagree": task_combine_disagree,
+                              "graph_disagree": task_graph_disagree,
                               "roundtrip_cuda_default": task_roundtrip_cuda_default}
 
 
@@ -1293,6 +1351,13 @@ def test_combine_disagreement_raises_at_next_call(pools):
     if DEVICE != "cuda":
         pytest.skip("the CUDA kernels' agreement (the torch backend raises in the call itself)")
     print(pools(2).run("combine_disagree", None))
+
+
+def test_captured_combine_disagreement_raises_at_next_call(pools):
+    """Two ranks on one GPU: see task_graph_disagree."""
+    if DEVICE != "cuda":
+        pytest.skip("the CUDA kernels' agreement under CUDA-graph capture")
+    print(pools(2).run("graph_disagree", None))
 
 
 def test_killed_peer_times_out():
