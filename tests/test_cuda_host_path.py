@@ -583,7 +583,8 @@ def test_ranks_agree_after_a_told_combine_disagreement_and_clean():
 # Ranks (argv: ROOT RANK PORT MODE WORLD) whose fake combine kernels compare the hashes of the call signatures: a
 # combine whose hidden size, topk_weights (given or not) or bias count differs between the ranks, combines that rank
 # 1 refuses (a row too few, an FP16 x, a handle that is not the Buffer's) and one whose config rank 1 changes, each
-# followed by the next call and a correct combine; then cached dispatches likewise (another hidden size, a row too
+# followed by the next call and a correct combine; a combine every rank refuses alike (their refusals agree: the
+# next call works); then cached dispatches likewise (another hidden size, a row too
 # few, a handle that is not the Buffer's). MODE: "intranode" (CudaBackend), "internode" (InternodeCuda, one GPU per
 # node, pointer peers), "put" (InternodeCuda with internode_put_only: the peer is a put peer) or "fused"
 # (FusedInternodeCuda, 2 x 2).
@@ -634,6 +635,10 @@ with fake.patched(torch, cuda_tensors=True):
         attempt(name, runtime, lambda: buffer.combine(**{"x": y, "handle": handle, **kwargs}))
         attempt(name + " next", runtime, lambda: buffer.combine(y, handle))
         attempt("after " + name, runtime, lambda: buffer.combine(y, handle))
+    # Every rank makes the same mistake (a handle that is not the Buffer's): each raises its own error, their
+    # refusals agree, and the next call works.
+    attempt("all refused", runtime, lambda: buffer.combine(y, tuple(handle)))
+    attempt("after all refused", runtime, lambda: buffer.combine(y, handle))
     # Cached dispatch: another hidden size, a row too few and a handle that is not the Buffer's on rank 1.
     cached = {"cached hidden": dict(x=torch.cat([x, x], 1) if other else x),
               "cached refused": dict(x=x[:-1] if other else x),
@@ -675,6 +680,10 @@ def test_cuda_combine_disagreement_raises_at_next_call_on_every_rank(mode, world
                 "cached handle": ("ValueError", "handle was not returned")}
     for rank, out in enumerate(outs):
         assert out["backend"] == [backend, [1 - rank] if mode == "put" else []], out["backend"]
+        kind, message, launches = out["all refused"]
+        assert kind == "ValueError" and message.startswith("handle was not returned"), out["all refused"]
+        assert launches[-1:] == ["combine"], out["all refused"]
+        assert out["after all refused"] == ["ok", "", ["await", "combine"]], out["after all refused"]
         assert out["agree"] == ["ok", "", ["combine"]], out["agree"]
         steps = [(name, "combine") for name in ("hidden", "weights", "bias", "refused", "dtype", "config", "handle")]
         steps += [(name, "dispatch") for name in ("cached hidden", "cached refused", "cached handle")]

@@ -861,7 +861,7 @@ static __device__ __noinline__ bool fused_agreement(const KernelContext& ctx, ui
 
 // Every thread of a CTA of a checked call (signature_hash != 0): number the call (checked_call_number), publish
 // this rank's word, compare every rank's (the first warp), and return whether rows may move (true for an unchecked
-// call). `shared` holds two ints of the CTA's shared memory. Ends with the CTA synchronised.
+// call). `shared`: two words of the CTA's shared memory. Ends with the CTA synchronised.
 __device__ __forceinline__ bool fused_rows_move(const KernelContext& ctx, uint32_t signature_hash,
                                                 int64_t* host_verdict, int32_t kernel, int32_t wait_phase,
                                                 int32_t phase, volatile uint32_t* shared) {

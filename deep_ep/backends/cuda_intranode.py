@@ -175,7 +175,7 @@ class CudaBackend(Backend):
         """The hash a checked call's kernel (a combine; on the fused kernels a cached dispatch too) compares with
         every peer's (never 0, which is "unchecked"), or 0: no signature. A call captured in a CUDA graph is checked
         at each replay (the kernels number checked calls on the device)."""
-        return signature_hash(signature) or 1 if signature is not None else 0
+        return (signature_hash(signature) or 1) if signature is not None else 0
 
     @staticmethod
     def _verdict_awaited(hashed: int) -> bool:
@@ -227,8 +227,8 @@ class CudaBackend(Backend):
                               handle.recv_src_idx.size(0), handle.recv_src_idx, -1, -1, False, num_channels, 8, 256,
                               tuning.intranode_send_warps("dispatch", self.num_ranks, num_channels,
                                                           puts=bool(self.put_peers)),
-                              self._comm_ptr, True, True, signature_hash(signature) or 1)
-        self._verdict_pending = not torch.cuda.is_current_stream_capturing()
+                              self._comm_ptr, True, True, self._checked_hash(signature))
+        self._verdict_pending = self._verdict_awaited(self._checked_hash(signature))
 
     def refuse_combine(self, signature: Signature, handle: object) -> None:
         """This rank's validation refused a combine that its peers make: launch the ring combine kernel of
@@ -247,18 +247,19 @@ class CudaBackend(Backend):
                              handle.send_head, num_channels, 8, 256,
                              tuning.intranode_send_warps("combine", self.num_ranks, num_channels,
                                                          puts=bool(self.put_peers)),
-                             self._comm_ptr, True, True, None, [], 0, 0, False, signature_hash(signature) or 1)
-        self._verdict_pending = not torch.cuda.is_current_stream_capturing()
+                             self._comm_ptr, True, True, None, [], 0, 0, False, self._checked_hash(signature))
+        self._verdict_pending = self._verdict_awaited(self._checked_hash(signature))
 
     def _stand_in_handle(self, num_channels: int) -> IntranodeHandle:
         """A kernel handle of no tokens and no rows over ``num_channels`` channels (every count and prefix 0): the
         handle a refusal launches its kernel with when its own is not valid."""
-        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=self.comm_stream.device)
-
-        R = self.num_ranks
+        R, zeros = self.num_ranks, self._zeros
         return IntranodeHandle(zeros(R, R), zeros(R, num_channels), zeros(R, num_channels), zeros(0),
                                zeros(0, R, dtype=torch.bool), zeros(0, R))
+
+    def _zeros(self, *shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """A zero tensor on this backend's device (a stand-in handle's field)."""
+        return torch.zeros(*shape, dtype=dtype, device=self.comm_stream.device)
 
     def reset(self) -> None:
         """Collective: clear the error record and the kernels' private state on every rank after a failure."""
@@ -355,7 +356,7 @@ class CudaBackend(Backend):
                 per_expert_list = None
                 # The ranks' agreement rides in the output words the kernel exchanges at its start (never 0: 0 is
                 # "unchecked"); the next call raises a disagreement.
-                hashed = (signature_hash(request.signature) or 1) if request.signature is not None else 0
+                hashed = self._checked_hash(request.signature)
                 given_recv_src_idx, send_head = handle.recv_src_idx, handle.send_head
             else:
                 given_recv_src_idx = None  # allocated by the runtime, with the outputs

@@ -129,9 +129,9 @@ class FusedInternodeCuda(SymmetricCuda):
         """As :meth:`CudaBackend.refuse_cached_dispatch`, with the fused dispatch kernel over ``handle`` (``None``:
         a stand-in of no tokens over ``num_channels``; the agreement words do not depend on the channels), a stand-in
         payload of 8 columns and the smallest rings."""
-        hashed = self._checked_hash(signature)
         if self.runtime is None:
             return
+        hashed = self._checked_hash(signature)
         self._call_prologue()
         if not isinstance(handle, InternodeHandle):
             handle = self._stand_in_handle(num_channels)
@@ -147,9 +147,9 @@ class FusedInternodeCuda(SymmetricCuda):
     def refuse_combine(self, signature: Signature, handle: object) -> None:
         """As :meth:`CudaBackend.refuse_combine`, with the fused combine kernel over ``handle`` (``None``: a stand-in
         of no tokens over one channel), a stand-in ``x`` of 8 columns and the smallest rings."""
-        hashed = self._checked_hash(signature)
         if self.runtime is None:
             return
+        hashed = self._checked_hash(signature)
         self._call_prologue()
         if not isinstance(handle, InternodeHandle):
             handle = self._stand_in_handle(1)
@@ -160,10 +160,7 @@ class FusedInternodeCuda(SymmetricCuda):
     def _stand_in_handle(self, num_channels: int) -> InternodeHandle:
         """A handle of no tokens and no rows over ``num_channels`` channels (every count and prefix 0): the handle a
         refusal launches its kernel with when its own is not valid."""
-        def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=self.comm_stream.device)
-
-        N, R = self.num_nodes, self.num_ranks
+        N, R, zeros = self.num_nodes, self.num_ranks, self._zeros
         return InternodeHandle(zeros(0, R, dtype=torch.bool), zeros(N, num_channels), zeros(R, num_channels),
                                zeros(N, num_channels), zeros(N), zeros(R, num_channels), zeros(R),
                                zeros(0, 8, dtype=torch.uint8), zeros(0, N), zeros(0, 8))
