@@ -237,9 +237,9 @@ class Buffer:
         self._zero_copy_generation = -1
         # The one-time warning that the torch backend serves a low-latency hidden size the kernels do not.
         self._ll_fallback_warned = False
-        # The kernel backend and (T, H, E, device) of the last low-latency call that passed them on the kernels: a
-        # refusal before a call's own pass launches the call over these (what the peers' buffer layout is, unless
-        # they change it without a clean, which moves the layout anyway).
+        # The kernel backend and (T, H, E, device) of the last clean or low-latency call that passed them on the
+        # kernels: the buffer's carving, which every call on the kernels keeps until the next clean; a refusal before
+        # a call's own (T, H, E) pass launches the call over these.
         self._ll_last: Optional[tuple[Backend, tuple[int, int, int, torch.device]]] = None
         # (T, H, E) of plain ints that passed _check_low_latency -> local experts per rank.
         self._ll_checked: dict[tuple[int, int, int], int] = {}
@@ -381,6 +381,19 @@ class Buffer:
                     f"{method} would be a third low-latency call in flight: the receive hook of low-latency call "
                     f"#{receive.generation} (this is call #{self._ll_generation}) has not been called, and this call "
                     "reuses its buffer half; call that hook first (at most two low-latency calls may be in flight)")
+
+    def _check_ll_carving(self, method: str, backend: Backend, tokens: int, hidden: int, num_experts: int) -> None:
+        """The kernels carve the low-latency buffer by (T, H, E): a call on them takes those of the Buffer's
+        low-latency calls since the last ``clean_low_latency_buffer`` (``_ll_last``), else ValueError (a refusal, so
+        that the peers, still on that carving, raise at once)."""
+        if not backend.hashes_signature or self._ll_last is None:
+            return
+        carving = self._ll_last[1][:3]
+        if carving != (tokens, hidden, num_experts):
+            raise ValueError(
+                f"{method}: (num_max_dispatch_tokens_per_rank, hidden, num_experts) must stay {carving} (the "
+                f"low-latency buffer's carving) until clean_low_latency_buffer, got {(tokens, hidden, num_experts)}; "
+                f"call clean_low_latency_buffer({tokens}, {hidden}, {num_experts}) on every rank first")
 
     def _remember_ll_shape(self, backend: Backend, shape: tuple[int, int, int, torch.device]) -> None:
         """Keep ``shape`` (T, H, E, device) of a low-latency call whose (T, H, E) passed, if ``backend`` carries the
@@ -786,6 +799,8 @@ class Buffer:
                     v.check_bool(name, value)
             backend = agreement.backend = self._ll_backend("low_latency_dispatch", _device_type(x), hidden, use_fp8,
                                                            use_ue8m0)
+            self._check_ll_carving("low_latency_dispatch", backend, num_max_dispatch_tokens_per_rank, hidden,
+                                   num_experts)
             agreement.rides = backend is self._torch
             agreement.ll_shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts, x.device)
             self._remember_ll_shape(backend, agreement.ll_shape)
@@ -855,6 +870,7 @@ class Buffer:
             num_local = self._check_low_latency(tokens, hidden, num_experts)
             if isinstance(handle.packed_recv_src_info, torch.Tensor) and handle.packed_recv_src_info.is_cuda:
                 agreement.backend = self._ll_backend("low_latency_combine", "cuda", hidden)
+                self._check_ll_carving("low_latency_combine", agreement.backend, tokens, hidden, num_experts)
                 agreement.ll_shape = (tokens, hidden, num_experts, handle.packed_recv_src_info.device)
                 self._remember_ll_shape(agreement.backend, agreement.ll_shape)
             v.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local, self.group_size * tokens, hidden))
@@ -924,9 +940,9 @@ class Buffer:
             agreement.agree(("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
                             ("hidden", hidden), ("num_experts", num_experts))
         backend.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if self._ll_last is not None:  # the clean sets the layout of the calls after it
+        if backend.hashes_signature:  # the clean sets the carving of the calls after it
             self._remember_ll_shape(backend, (num_max_dispatch_tokens_per_rank, hidden, num_experts,
-                                              self._ll_last[1][3]))
+                                              backend.comm_stream.device))
         # The backend restarted the double buffer at half 0 on every rank; the handle numbers restart in step.
         self._ll_cleans += 1
         self._num_handles = self._ll_cleans * _HANDLES_PER_CLEAN

@@ -372,6 +372,17 @@ with fake.patched(torch, cuda_tensors=True):
     attempt("llc early refused clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
     attempt("llc after early refused", ll_runtime, ll_combine)
     out["early state"] = [ll._cuda_ll.parity, ll._ll_generation, ll._num_handles]
+    # (T, H, E) keep the buffer's carving until a clean: rank 1 alone changes hidden (refused over the carving, so
+    # rank 0's dispatch sees its refusal at once), then every rank does (all refuse alike: the next call works).
+    wide_ll = torch.cat([x_ll, x_ll], 1)
+    attempt("ll carving", ll_runtime, lambda: ll.low_latency_dispatch(wide_ll if rank == 1 else x_ll, idx_ll, 16, 8))
+    attempt("ll carving next", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
+    attempt("ll carving clean", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
+    attempt("ll carving all", ll_runtime, lambda: ll.low_latency_dispatch(wide_ll, idx_ll, 16, 8))
+    attempt("ll carving all next", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
+    attempt("ll carving new", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 2048, 8))
+    attempt("ll carving new call", ll_runtime, lambda: ll.low_latency_dispatch(wide_ll, idx_ll, 16, 8))
+    attempt("ll carving back", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
     # clean_low_latency_buffer: the kernels carry no signature for it, the torch backend does (outside shrink mode).
     attempt("clean differs", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 2048 if rank == 1 else 1024, 8))
     attempt("clean refused", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 9 if rank == 1 else 8))
@@ -488,6 +499,16 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
         assert out["llc early refused next"][0] == "ArgumentMismatchError", out["llc early refused next"]
         assert out["ll early refused clean"][0] == out["llc early refused clean"][0] == "ok", out
         assert out["llc after early refused"][0] == "ok", out["llc after early refused"]
+        kind, message, launches = out["ll carving"]
+        if rank == 1:
+            assert kind == "ValueError" and "clean_low_latency_buffer(16, 2048, 8)" in message, out["ll carving"]
+            assert launches == ["dispatch (0 tokens)"], out["ll carving"]
+        else:
+            assert kind == "ok" and launches == ["dispatch (16 tokens)"], out["ll carving"]
+        assert out["ll carving next"][0] == "ArgumentMismatchError", out["ll carving next"]
+        assert out["ll carving all"][0] == "ValueError" and out["ll carving all next"][0] == "ok", out
+        for step in ("ll carving clean", "ll carving new", "ll carving new call", "ll carving back"):
+            assert out[step][0] == "ok", (step, out[step])
         # Cleans whose arguments differ, or that one rank refuses, raise on both ranks before any clean runs.
         kind, message, _ = out["clean differs"]
         assert kind == "ArgumentMismatchError" and "hidden" in message and "clean_low_latency_buffer" in message, out

@@ -435,10 +435,11 @@ def task_bad_input(buffer, rank: int, case: Case) -> str:
 
 
 def task_disagree(buffer, rank: int, case: Case) -> str:
-    """Rank 1 dispatches with use_fp8 flipped, then with twice the hidden size: the count messages' signature hashes
-    differ, no rank takes rows from the other, and the next low-latency call raises ArgumentMismatchError on every
-    rank, well under a second after the bad call, until clean_low_latency_buffer; then a correct round matches the
-    reference."""
+    """Rank 1 dispatches with use_fp8 flipped, then with twice the hidden size (refused on rank 1: the buffer's
+    carving keeps the hidden size until a clean, and the refusal runs over that carving): the count messages'
+    signature hashes differ, no rank takes rows from the other, and the next low-latency call raises
+    ArgumentMismatchError on every rank, well under a second after the bad call, until clean_low_latency_buffer;
+    then a correct round matches the reference."""
     import torch.distributed as dist
 
     import deep_ep
@@ -453,7 +454,11 @@ def task_disagree(buffer, rank: int, case: Case) -> str:
             # The count words of buffer half 0 lie where every rank's carving puts them, whatever the hidden size.
             buffer.low_latency_dispatch(x, idx, case.max_tokens, case.num_experts, use_fp8=case.use_fp8)
         start = time.monotonic()
-        buffer.low_latency_dispatch(kwargs["x"], idx, case.max_tokens, case.num_experts, use_fp8=kwargs["use_fp8"])
+        try:
+            buffer.low_latency_dispatch(kwargs["x"], idx, case.max_tokens, case.num_experts,
+                                        use_fp8=kwargs["use_fp8"])
+        except ValueError as exc:
+            assert label == "hidden" and rank == 1 and "clean_low_latency_buffer" in str(exc), f"{label}: {exc}"
         torch.cuda.synchronize()
         dist.barrier()
         try:
