@@ -210,7 +210,9 @@ def intranode_workspace_layout() -> Layout:
     ``dispatch_output`` words); ``combine_done`` counts the CTAs of a copy-engine combine that finished;
     ``notify_mismatch`` is 1 when the call signatures of the last notify disagreed (its dispatch moves no row);
     ``agreement_arrivals`` counts the CTAs of a cached dispatch or checked combine that compared the peers'
-    signature hashes.
+    signature hashes; ``checked_calls`` counts the checked calls (combines, and the fused kernels' cached
+    dispatches) whose CTAs all compared them: the next one's number is one more, on the device, so that a call
+    captured in a CUDA graph takes a new number at each replay.
     """
     return chain(("notify_epoch", INT32_BYTES),
                  ("barrier_epoch", INT32_BYTES),
@@ -224,7 +226,8 @@ def intranode_workspace_layout() -> Layout:
                  ("dispatch_epoch", INTRANODE_MAX_CHANNELS * INT32_BYTES),
                  ("combine_done", INT32_BYTES),
                  ("notify_mismatch", INT32_BYTES),
-                 ("agreement_arrivals", INT32_BYTES))
+                 ("agreement_arrivals", INT32_BYTES),
+                 ("checked_calls", INT32_BYTES))
 
 
 def intranode_dispatch_record_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
