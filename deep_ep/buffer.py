@@ -134,12 +134,15 @@ class _Agreement:
         if self.rides and refused is None:
             self.signature = signature
         else:
-            # Low-latency calls exchange point to point with the active ranks; a clean outside shrink mode makes one
-            # all-gather instead, on every route alike (a kernel-served group may never have connected its ranks
-            # pairwise through the process group).
-            point_to_point = self.mode == "low_latency" and (self.method != "clean_low_latency_buffer"
-                                                              or self.buffer.enable_shrink)
+            # Low-latency calls exchange point to point with the active ranks; a clean outside shrink mode, and a
+            # low-latency call on the kernels before the buffer has a carving, make one all-gather instead (a
+            # kernel-served group may never have connected its ranks pairwise through the process group).
+            handshake = self.buffer._ll_carving_handshake(self.method, self.device, self.backend)
+            point_to_point = self.mode == "low_latency" and not handshake and (
+                self.method != "clean_low_latency_buffer" or self.buffer.enable_shrink)
             torch_backend.agree(signature, f"{self.method} agreement", point_to_point)
+            if handshake and refused is None:
+                self.signature = signature  # the kernels carry its hash too
 
     def agree(self, *fields: tuple[str, Any]) -> None:
         self._exchange(fields)
@@ -237,9 +240,10 @@ class Buffer:
         self._zero_copy_generation = -1
         # The one-time warning that the torch backend serves a low-latency hidden size the kernels do not.
         self._ll_fallback_warned = False
-        # The kernel backend and (T, H, E, device) of the last clean or low-latency call that passed them on the
-        # kernels: the buffer's carving, which every call on the kernels keeps until the next clean; a refusal before
-        # a call's own (T, H, E) pass launches the call over these.
+        # The kernel backend and (T, H, E, device) of the last clean or low-latency call the kernels ran: the
+        # buffer's carving, which every call on the kernels keeps until the next clean; a refusal before a call's own
+        # (T, H, E) pass launches the call over these. None until then: the first call agrees through the torch
+        # backend (_ll_carving_handshake).
         self._ll_last: Optional[tuple[Backend, tuple[int, int, int, torch.device]]] = None
         # (T, H, E) of plain ints that passed _check_low_latency -> local experts per rank.
         self._ll_checked: dict[tuple[int, int, int], int] = {}
@@ -311,6 +315,8 @@ class Buffer:
             return None
         if method == "clean_low_latency_buffer" and not self.enable_shrink:
             return self._torch
+        if self._ll_carving_handshake(method, device, backend):
+            return self._torch
         if backend is not None:
             candidates = [backend]
         else:
@@ -320,6 +326,22 @@ class Buffer:
             if candidate is not self._torch and candidate is not self._composed:
                 return None
         return self._torch
+
+    def _ll_carving_handshake(self, method: Optional[str], device: Optional[str],
+                              backend: Optional[Backend]) -> bool:
+        """Whether a low-latency dispatch or combine agrees through one all-gather of the torch backend instead of
+        its kernels' count messages: the first call on the kernels since the Buffer was built, while the buffer has no
+        carving (``_ll_last``; a clean sets one). Ranks whose (T, H, E) differ would carve the buffer differently,
+        so their count words would miss each other. Not in shrink mode (the group may hold dead ranks), not under
+        CUDA-graph capture, not without a torch.distributed group."""
+        if method not in ("low_latency_dispatch", "low_latency_combine") or self._ll_last is not None:
+            return False
+        if self.enable_shrink or self._torch is None or self.group_size == 1 or self._destroyed:
+            return False
+        if backend is None:
+            backend = self._routes.get(("low_latency", "cuda" if device in (None, _UNKNOWN_DEVICE) else device))
+        return (backend is not None and backend.hashes_signature
+                and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
 
     def _kernel_agreeing(self, method: str, device: Optional[str], backend: Optional[Backend],
                          cached: bool) -> Optional[Backend]:
@@ -396,8 +418,8 @@ class Buffer:
                 f"call clean_low_latency_buffer({tokens}, {hidden}, {num_experts}) on every rank first")
 
     def _remember_ll_shape(self, backend: Backend, shape: tuple[int, int, int, torch.device]) -> None:
-        """Keep ``shape`` (T, H, E, device) of a low-latency call whose (T, H, E) passed, if ``backend`` carries the
-        agreement in its kernels (``Buffer._ll_last``)."""
+        """Keep ``shape`` (T, H, E, device) of a clean or low-latency call that ``backend`` ran, if it carries the
+        agreement in its kernels (``Buffer._ll_last``: the buffer's carving)."""
         if backend.hashes_signature:
             self._ll_last = (backend, shape)
 
@@ -803,7 +825,6 @@ class Buffer:
                                    num_experts)
             agreement.rides = backend is self._torch
             agreement.ll_shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts, x.device)
-            self._remember_ll_shape(backend, agreement.ll_shape)
             v.check_ll_tokens("x", num_tokens, num_max_dispatch_tokens_per_rank)
             topk_idx = v.check_topk_idx("topk_idx", topk_idx, num_tokens=num_tokens, device=x.device)
             v.check_ll_topk("topk_idx", topk_idx.size(1))
@@ -833,6 +854,7 @@ class Buffer:
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
             agreement.signature))
+        self._remember_ll_shape(backend, agreement.ll_shape)
         self._register(result.handle)
         self._track_receive(result.hook)
         return result
@@ -872,7 +894,6 @@ class Buffer:
                 agreement.backend = self._ll_backend("low_latency_combine", "cuda", hidden)
                 self._check_ll_carving("low_latency_combine", agreement.backend, tokens, hidden, num_experts)
                 agreement.ll_shape = (tokens, hidden, num_experts, handle.packed_recv_src_info.device)
-                self._remember_ll_shape(agreement.backend, agreement.ll_shape)
             v.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_local, self.group_size * tokens, hidden))
             device = x.device
             topk_idx = v.check_topk_idx("topk_idx", topk_idx, device=device)
@@ -913,6 +934,7 @@ class Buffer:
         result = backend.low_latency_combine(LowLatencyCombineRequest(
             x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
             combine_wait_recv_cost_stats, agreement.signature))
+        self._remember_ll_shape(backend, (tokens, hidden, num_experts, x.device))
         self._track_receive(result.hook)
         return result
 

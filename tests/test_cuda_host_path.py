@@ -324,6 +324,13 @@ with fake.patched(torch, cuda_tensors=True):
     ll = deep_ep.Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True)
     x_ll, _, idx_ll, _ = fake.scenario(torch, deep_ep, 16, 1024, 4, 8)
     ll_runtime = ll._cuda_ll.runtime
+    # Before the buffer has a carving, the first call agrees through one torch all-gather: a refusal (num_experts 7
+    # on rank 1) and another hidden size raise at once on both ranks and launch nothing; then a call that agrees
+    # sets the carving, and the calls after it agree in the kernels' count messages.
+    attempt("ll first refused", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 7 if rank == 1 else 8))
+    attempt("ll first hidden", ll_runtime,
+            lambda: ll.low_latency_dispatch(torch.cat([x_ll, x_ll], 1) if rank == 1 else x_ll, idx_ll, 16, 8))
+    attempt("ll first", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
     attempt("ll fp8", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8, use_fp8=rank == 0))
     parity = ll._cuda_ll.parity
     attempt("ll next", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
@@ -455,6 +462,13 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
         kind, message, launches = out["cached refused next"]
         assert kind == "ArgumentMismatchError" and launches == ["await"] and f"peer {1 - rank}" in message, message
         assert out["after cached refused"][0] == "ok", out["after cached refused"]
+        # Low latency, the first call (no carving yet): the torch all-gather's verdict, before any launch.
+        kind, message, launches = out["ll first refused"]
+        assert launches == [] and kind == ("ValueError" if rank == 1 else "ArgumentMismatchError"), out
+        assert "num_experts" in message and (rank == 1 or "rank 1 (num_experts)" in message), message
+        kind, message, launches = out["ll first hidden"]
+        assert kind == "ArgumentMismatchError" and launches == [] and "x.size(1) (hidden)" in message, out
+        assert out["ll first"] == ["ok", "", ["dispatch (16 tokens)"]], out["ll first"]
         # Low latency: the hashes differ; every launch raises on both ranks, keeping the parity, until
         # clean_low_latency_buffer; then the calls work.
         assert out["ll fp8"][0] == "ok", out["ll fp8"]
