@@ -67,13 +67,33 @@ def _stage_spec(spec: OpSpec, row_bytes: int, topk: int, num_nodes: int, per_nod
     return OpSpec(mode, spec.op, row_bytes // 2, topk, row_bytes, row_bytes, num_nodes, per_node, None)
 
 
+# The stages of the last few traffic lists, by identity (the list stays referenced by its entry, so its id is not
+# reused; the simulator never mutates a traffic list): a capacity plan costs one traffic at every SM count it sweeps.
+_STAGES: list[tuple[list[SourceTraffic], int, int, tuple]] = []
+
+
+def _stages(traffic: list[SourceTraffic], num_nodes: int, per_node: int) -> tuple:
+    """``(rail, node, tokens, received)``: :func:`stage_traffic`, and ``[N, G]`` float arrays of each rank's tokens
+    and received rows."""
+    for cached, nodes, gpus, value in _STAGES:
+        if cached is traffic and (nodes, gpus) == (num_nodes, per_node):
+            return value
+    rail, node = stage_traffic(traffic, num_nodes, per_node)
+    tokens = np.array([t.num_tokens for t in traffic], dtype=float).reshape(num_nodes, per_node)
+    received = np.asarray([t.rows_to_rank for t in traffic], dtype=float).sum(axis=0).reshape(num_nodes, per_node)
+    value = (rail, node, tokens, received)
+    _STAGES.insert(0, (traffic, num_nodes, per_node, value))
+    del _STAGES[4:]
+    return value
+
+
 def composed_rank_times(spec: OpSpec, traffic: list[SourceTraffic], nic: NicProfile, dtype: str,
                         copy_gbps: float, host_us: float, rail_stage: StageModel,
                         node_stage: StageModel) -> tuple[np.ndarray, dict]:
     """Per-rank time of one composed op and its parts (``rail``, ``node``: the stages' OpResults per group;
     ``copy_us``: per-rank copy time), with ``rail_stage`` / ``node_stage`` costing each stage op."""
     num_nodes, per_node = spec.num_nodes, spec.ranks_per_node
-    rail_traffic, node_traffic = stage_traffic(traffic, num_nodes, per_node)
+    rail_traffic, node_traffic, tokens, received = _stages(traffic, num_nodes, per_node)
     dispatch = spec.op == "dispatch"
     payload = token_bytes(spec.hidden, dtype)
     row = -(-payload // 16) * 16 if dispatch else 2 * spec.hidden  # cached dispatch records: the payload, padded
@@ -88,8 +108,6 @@ def composed_rank_times(spec: OpSpec, traffic: list[SourceTraffic], nic: NicProf
     node_t = np.array([node[n].rank_time_us for n in range(num_nodes)])       # both [N, G]
 
     rate = copy_gbps * GBPS
-    tokens = np.array([t.num_tokens for t in traffic], dtype=float).reshape(num_nodes, per_node)
-    received = np.asarray([t.rows_to_rank for t in traffic], dtype=float).sum(axis=0).reshape(num_nodes, per_node)
     if dispatch:
         packed = dtype == "fp8" or payload % 16 != 0                          # BF16 rows are their own records
         before = 2 * tokens * payload / rate if packed else np.zeros_like(tokens)
