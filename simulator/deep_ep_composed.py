@@ -67,33 +67,23 @@ def _stage_spec(spec: OpSpec, row_bytes: int, topk: int, num_nodes: int, per_nod
     return OpSpec(mode, spec.op, row_bytes // 2, topk, row_bytes, row_bytes, num_nodes, per_node, None)
 
 
-# The stages of the last few traffic lists, by identity (the list stays referenced by its entry, so its id is not
-# reused; the simulator never mutates a traffic list): a capacity plan costs one traffic at every SM count it sweeps.
-_STAGES: list[tuple[list[SourceTraffic], int, int, tuple]] = []
-
-
-def _stages(traffic: list[SourceTraffic], num_nodes: int, per_node: int) -> tuple:
-    """``(rail, node, tokens, received)``: :func:`stage_traffic`, and ``[N, G]`` float arrays of each rank's tokens
-    and received rows."""
-    for cached, nodes, gpus, value in _STAGES:
-        if cached is traffic and (nodes, gpus) == (num_nodes, per_node):
-            return value
+def composed_stages(traffic: list[SourceTraffic], num_nodes: int, per_node: int) -> tuple:
+    """What a composed op derives from its traffic alone, whatever the SM count: ``(rail, node, tokens,
+    received)``, :func:`stage_traffic` and ``[N, G]`` float arrays of each rank's tokens and received rows."""
     rail, node = stage_traffic(traffic, num_nodes, per_node)
     tokens = np.array([t.num_tokens for t in traffic], dtype=float).reshape(num_nodes, per_node)
     received = np.asarray([t.rows_to_rank for t in traffic], dtype=float).sum(axis=0).reshape(num_nodes, per_node)
-    value = (rail, node, tokens, received)
-    _STAGES.insert(0, (traffic, num_nodes, per_node, value))
-    del _STAGES[4:]
-    return value
+    return rail, node, tokens, received
 
 
 def composed_rank_times(spec: OpSpec, traffic: list[SourceTraffic], nic: NicProfile, dtype: str,
                         copy_gbps: float, host_us: float, rail_stage: StageModel,
-                        node_stage: StageModel) -> tuple[np.ndarray, dict]:
+                        node_stage: StageModel, stages: tuple | None = None) -> tuple[np.ndarray, dict]:
     """Per-rank time of one composed op and its parts (``rail``, ``node``: the stages' OpResults per group;
-    ``copy_us``: per-rank copy time), with ``rail_stage`` / ``node_stage`` costing each stage op."""
+    ``copy_us``: per-rank copy time), with ``rail_stage`` / ``node_stage`` costing each stage op; ``stages``:
+    :func:`composed_stages` of ``traffic``, when the caller costs it more than once."""
     num_nodes, per_node = spec.num_nodes, spec.ranks_per_node
-    rail_traffic, node_traffic, tokens, received = _stages(traffic, num_nodes, per_node)
+    rail_traffic, node_traffic, tokens, received = stages or composed_stages(traffic, num_nodes, per_node)
     dispatch = spec.op == "dispatch"
     payload = token_bytes(spec.hidden, dtype)
     row = -(-payload // 16) * 16 if dispatch else 2 * spec.hidden  # cached dispatch records: the payload, padded

@@ -25,7 +25,7 @@ import numpy as np
 from deep_ep.backends.cuda_tuning import COMBINE_COPY_CHUNK_ROWS, combine_send_path, intranode_channels, zone_ctas
 from deep_ep.config import FP8_BLOCK, NUM_MAX_LL_TOPK, NUM_MAX_RING_RANKS, ceil_div
 from deep_ep.layout import intranode_combine_record_bytes, intranode_dispatch_record_bytes
-from simulator.deep_ep_composed import composed_rank_times, composed_result, is_composed
+from simulator.deep_ep_composed import composed_rank_times, composed_result, composed_stages, is_composed
 from simulator.deep_ep_fused import fused_rank_times, is_fused, simulate_fused
 from simulator.deep_ep_torch import torch_rank_times, torch_result
 from simulator.hardware import GpuProfile, NicProfile
@@ -609,8 +609,10 @@ def simulate_normal(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile,
 
 
 def closed_form_rank_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
-                           prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str) -> np.ndarray:
-    """Per-rank closed-form time of one deep_ep normal op (the composed path from its stages' closed forms)."""
+                           prof: DeepEpProfile, num_sms: int, chunk: int, dtype: str,
+                           stages: tuple | None = None) -> np.ndarray:
+    """Per-rank closed-form time of one deep_ep normal op (the composed path from its stages' closed forms;
+    ``stages``: its :func:`composed_stages`, when the caller has them)."""
     if is_fused(spec):
         return np.asarray(fused_rank_times(spec, traffic, gpu, nic, prof, num_sms, dtype))
     if is_composed(spec):
@@ -622,7 +624,7 @@ def closed_form_rank_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuP
             rank_times = closed_form_rank_times(s, t, gpu, nic, prof, num_sms, chunk, d)
             return SimpleNamespace(rank_time_us=[float(x) for x in rank_times])
         return composed_rank_times(spec, traffic, nic, dtype, prof.composed_copy_gbps, prof.composed_host_us,
-                                   rail, node)[0]
+                                   rail, node, stages)[0]
     if torch_served(spec):
         return torch_rank_times(spec, traffic, gpu, nic, *_torch_params(prof))[0]
     work = normal_work(spec, traffic, gpu, nic, prof, num_sms, chunk, dtype)
@@ -632,9 +634,11 @@ def closed_form_rank_times(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuP
 def recommended_sms(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic: NicProfile,
                     prof: DeepEpProfile, chunk: int, dtype: str, max_sms: int, slack: float) -> int:
     """Smallest even SM count whose closed-form time is within ``slack`` of the best one up to ``max_sms``."""
+    # A composed op's stages depend on its traffic alone: derived once for every SM count.
+    stages = composed_stages(traffic, spec.num_nodes, spec.ranks_per_node) if is_composed(spec) else None
     times = {}
     for sms in range(2, max_sms + 1, 2):
-        times[sms] = float(closed_form_rank_times(spec, traffic, gpu, nic, prof, sms, chunk, dtype).max())
+        times[sms] = float(closed_form_rank_times(spec, traffic, gpu, nic, prof, sms, chunk, dtype, stages).max())
     best = min(times.values())
     return min(s for s, t in times.items() if t <= best * slack)
 

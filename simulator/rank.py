@@ -166,20 +166,17 @@ class _Usage:
 
     def add(self, kind: str, ranks: np.ndarray | int, nbytes: np.ndarray | float) -> None:
         r = np.atleast_1d(np.asarray(ranks, dtype=np.int64))
-        b = np.asarray(nbytes, dtype=float)
-        # A scalar is the common case: np.full is several times cheaper than np.broadcast_to there.
+        b = np.broadcast_to(np.asarray(nbytes, dtype=float), r.shape)
         self.ports.append(r + self.off[kind])
-        self.nbytes.append(np.full(r.shape, float(b)) if b.ndim == 0 else np.broadcast_to(b, r.shape))
+        self.nbytes.append(b)
 
     def flow(self, size: float) -> FlowSpec:
         ports = np.concatenate(self.ports) if self.ports else np.zeros(0, dtype=np.int64)
         nbytes = np.concatenate(self.nbytes) if self.nbytes else np.zeros(0)
         keep = nbytes > 0
         ports, nbytes = ports[keep], nbytes[keep]
-        # Per port, the bytes summed in the order they were added; the ports that got any, ascending.
-        totals = np.bincount(ports, nbytes)
-        uniq = np.flatnonzero(totals)
-        merged = totals[uniq]
+        uniq, inverse = np.unique(ports, return_inverse=True)
+        merged = np.bincount(inverse, nbytes, minlength=len(uniq))
         return size, uniq, (merged / size if size > 0 else merged)
 
 
