@@ -15,6 +15,7 @@ A new bench kind needs a reader in :data:`BENCH_READERS`, its parameters in :dat
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 from dataclasses import dataclass, replace
@@ -381,9 +382,16 @@ def _nodes_traffic(run: BenchRun, num_nodes: int, traffic: list[workload.SourceT
                    seed: int) -> list[workload.SourceTraffic]:
     if num_nodes == 1:
         return traffic
-    router = workload.Router("uniform", None, run.num_experts, run.topk, num_nodes, seed)
-    return workload.build_traffic(router, run.num_ranks, run.num_ranks // num_nodes, run.num_tokens, 0,
-                                  mask_ll=False)
+    return _split_traffic(run.num_experts, run.topk, run.num_ranks, num_nodes, run.num_tokens, seed)
+
+
+@functools.lru_cache(maxsize=32)
+def _split_traffic(num_experts: int, topk: int, num_ranks: int, num_nodes: int, num_tokens: int,
+                   seed: int) -> list[workload.SourceTraffic]:
+    """The bench's workload over ``num_nodes`` virtual nodes, built once per workload (a fit predicts each point
+    many times; callers do not modify it)."""
+    router = workload.Router("uniform", None, num_experts, topk, num_nodes, seed)
+    return workload.build_traffic(router, num_ranks, num_ranks // num_nodes, num_tokens, 0, mask_ll=False)
 
 
 def predict_points(run: BenchRun, points: list[BenchPoint] | tuple[BenchPoint, ...], prof: DeepEpProfile,
@@ -600,8 +608,10 @@ def fit(run: BenchRun, hold_out: list[int] | tuple[int, ...] | None = None, star
              f"{sweep} {[s for s in sweep_all if s not in hold_out]} (held out {list(hold_out)}), fitted {stamp}"
     if run.kind == "fused":
         source = f"fit: {run.path} ({run.date}, {run.machine}; {run.num_ranks} ranks as 2 virtual nodes under MPS), " \
-                 f"solved on its {len(fit_points)} fused-phase points (wall µs, mean over ranks: " \
-                 f"{', '.join(f'{p.dtype} {p.op} {p.time_us:.1f}' for p in fit_points)}), fitted {stamp}"
+                 f"least squares on its {len(fit_points)} fused-phase points at SM counts " \
+                 f"{sorted({p.num_sms for p in fit_points})} (held out {list(hold_out)}; wall µs, mean over ranks, " \
+                 f"e.g. {', '.join(f'{p.dtype} {p.op} {p.time_us:.1f}' for p in fit_points[-3:])} at " \
+                 f"{fit_points[-1].num_sms} SMs), fitted {stamp}"
     sources = dict(base.sources)
     sources.update(dict.fromkeys(names, source))
     prof = replace(make(x), sources=tuple(sources.items()))

@@ -6,10 +6,11 @@ a record per (token, node) over the NIC to the forwarder ``(n, local(s))``, whic
 of node ``n`` that needs it; combine the reverse, one BF16 partial per (token, node)), its NIC rate, per-chunk
 message cost, QPs and credits (:func:`simulator.rank.rdma_ring_rate`) and its two-role SM share. Ours are the record
 layout, the rings, the CTA roles (``C / 2`` channels of two CTAs of 32 warps, each ring served by a team of warps,
-:func:`role_warps`) and the rates (:func:`team_rate`): a dispatch team shares every record (each warp moves its
-part, the record's control cost ``fused_row_ns`` is paid once per team); a combine team's warps take whole records
-in turn. A role moves ``min(sum of its teams, its SM share x the SM rate)`` per channel. Times are the pipelined
-steady state in closed form (:func:`simulate_fused`), monotone in every capacity.
+:func:`role_warps`) and the rates (:func:`team_rate`): the warps of a team take whole records in turn, each
+record's bytes and control cost ``fused_row_ns`` on one warp. A role moves ``min(sum of its teams, its SM share x
+the SM rate)`` per channel, and each rank's HBM carries every byte its roles move twice (read and written) at
+``fused_hbm_efficiency`` of its rate. Times are the pipelined steady state in closed form (:func:`simulate_fused`),
+monotone in every capacity.
 """
 from __future__ import annotations
 
@@ -116,19 +117,13 @@ def sm_rate(gbps: float, row_ns: float, record: float, chunk_sync_us: float, chu
     return record / per_record_us
 
 
-def team_rate(warps: float, warp_gbps: float, row_ns: float, record: float, chunk_us: float, chunk: int,
-              whole_records: bool) -> float:
+def team_rate(warps: float, warp_gbps: float, row_ns: float, record: float, chunk_us: float, chunk: int) -> float:
     """Bytes/µs of records one ring's team of ``warps`` warps moves (fewer than one: a warp serving ``1 / warps``
-    rings in turn). Dispatch: the warps share each record, its bytes split over them and its control cost
-    ``row_ns`` paid once by the team. Combine (``whole_records``): each warp takes whole records in turn, bytes
-    and control cost of a record on one warp, ``warps`` records at once. Either way one warp publishes the team's
-    progress, ``chunk_us`` per chunk of ``chunk`` records."""
+    rings in turn). Each warp takes whole records in turn (dispatch: record k of a window of up to 32 on warp
+    k % size; combine: row i on warp i % size), a record's bytes and control cost ``row_ns`` on one warp, ``warps``
+    records at once; one warp publishes the team's progress, ``chunk_us`` per chunk of ``chunk`` records."""
     turn, team = min(warps, 1.0), max(warps, 1.0)
-    row_us = row_ns * 1e-3
-    if whole_records:
-        per_record_us = (record / (warp_gbps * GBPS) + row_us) / team
-    else:
-        per_record_us = record / (team * warp_gbps * GBPS) + row_us
+    per_record_us = (record / (warp_gbps * GBPS) + row_ns * 1e-3) / team
     return turn * record / (per_record_us + chunk_us / max(chunk, 1))
 
 
@@ -169,8 +164,7 @@ def fused_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
         """(capacity of the role over all channels, rate of one of its teams, i.e. of one ring): its teams at
         :func:`team_rate` (times ``fan_out`` stores per load), at most ``share`` of an SM at ``sm_gbps``."""
         warps, teams = warps_of[name]
-        one = fan_out * team_rate(warps / teams, warp_gbps, prof.fused_row_ns, record, prof.fused_chunk_us, chunk,
-                                  not dispatch)
+        one = fan_out * team_rate(warps / teams, warp_gbps, prof.fused_row_ns, record, prof.fused_chunk_us, chunk)
         per_channel = min(teams * one, share * sm_rate(sm_gbps, prof.row_ns, record, prof.chunk_sync_us, chunk))
         return channels * per_channel, per_channel / teams
     # Senders stage into the rail ring: a peer's by pointer over NVLink (virtual nodes), else the own buffer that
@@ -195,7 +189,7 @@ def fused_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
         recv, _ = role("receive", prof.warp_local_gbps, prof.reduce_gbps, ROLE_SHARE, rdma_chunk)
     nvl = gpu.nvlink_gbps * prof.nvl_efficiency * GBPS
     caps = {"nvl_out": nvl, "nvl_in": nvl, "sm_send": send, "sm_recv": min(recv, gpu.hbm_gbps * GBPS / 2),
-            "sm_fwd": fwd}
+            "sm_fwd": fwd, "hbm": gpu.hbm_gbps * prof.fused_hbm_efficiency * GBPS}
     alias: dict[str, str] = {}
     if nic.shares_nvlink:
         alias = {"nic_out": "nvl_out", "nic_in": "nvl_in"}
@@ -203,9 +197,9 @@ def fused_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     else:
         net = rdma_ring_rate(nic, record, rdma_chunk, rail_slots, channels * (spec.num_nodes - 1), one_fwd)
         caps.update(nic_out=net, nic_in=net)
-    kinds = ("nvl_out", "nvl_in", "nic_out", "nic_in", "sm_send", "sm_fwd", "sm_recv")
+    kinds = ("nvl_out", "nvl_in", "nic_out", "nic_in", "sm_send", "sm_fwd", "sm_recv", "hbm")
     ports = _Ports(kinds, caps, spec.num_ranks, alias)
-    flows = _normal_flows(spec, traffic, ports, record)
+    flows = _with_hbm(_normal_flows(spec, traffic, ports, record), ports)
     # Pipeline fill as DeepEP's: the first chunk crosses every stage, each ring served by one team. Dispatch: a rail
     # chunk staged, the NIC, a node chunk forwarded; combine: a node chunk sent, a rail chunk reduced, the NIC.
     first, second = (rdma_chunk, nvl_chunk) if dispatch else (nvl_chunk, rdma_chunk)
@@ -218,6 +212,23 @@ def fused_model(spec: OpSpec, traffic: list[SourceTraffic], gpu: GpuProfile, nic
     fixed = prof.launch_us + prof.internode_extra_us + fill_us + tail_us
     physical = tuple(k for k in kinds if k not in alias)
     return NormalModel(physical, {k: caps[k] for k in physical}, flows, fixed, fill_us, tail_us, window), alias
+
+
+def _with_hbm(flows: list, ports: _Ports) -> list:
+    """``flows`` with each rank's HBM port loaded by twice the bytes its roles move (sender, forwarder, receiver:
+    each byte read once and written once)."""
+    n = ports.num_ranks
+    roles = [ports.offset[k] for k in ("sm_send", "sm_fwd", "sm_recv")]
+    hbm = ports.offset["hbm"]
+    out = []
+    for size, idx, weight in flows:
+        load = np.zeros(n)
+        for first in roles:
+            inside = (idx >= first) & (idx < first + n)
+            np.add.at(load, idx[inside] - first, 2.0 * weight[inside])
+        ranks = np.nonzero(load)[0]
+        out.append((size, np.concatenate([idx, hbm + ranks]), np.concatenate([weight, load[ranks]])))
+    return out
 
 
 def _flow_times(model: NormalModel, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:

@@ -110,6 +110,8 @@ class DeepEpProfile:
             the team whose warps share it; combine: by the warp that takes the record), ns.
         fused_chunk_us: turn-around of one published chunk on a fused kernel's ring (the team's progress
             handshake, the tail or credit store and fence, the consumer's poll), µs per chunk of its team.
+        fused_hbm_efficiency: fraction of the GPU's HBM rate that a fused kernel's copies reach (each byte a role
+            moves is read once and written once in HBM); binds where ranks share one GPU.
     """
 
     sm_push_gbps: float = 46.0
@@ -146,6 +148,7 @@ class DeepEpProfile:
     warp_local_gbps: float = 3.59
     fused_row_ns: float = 60.0
     fused_chunk_us: float = 1.0
+    fused_hbm_efficiency: float = 0.8
     sources: tuple[tuple[str, str], ...] = ()
 
     def source_of(self, param: str) -> str:
@@ -203,6 +206,7 @@ _ASSUMED = {
                        "lone warp may move more",
     "fused_row_ns": "assumed: as row_ns's prior, one record's metadata and progress handshake",
     "fused_chunk_us": "assumed: as chunk_sync_us, a system fence with remote stores outstanding",
+    "fused_hbm_efficiency": "assumed: large copies reach ~80 % of HBM's rate",
 }
 DEFAULTS = DeepEpProfile(sources=tuple(_ASSUMED.items()))
 # Parameters a bench JSON of the intranode kernels can fit (the rest stay at their labelled assumptions).
@@ -210,7 +214,7 @@ INTRANODE_FIT_PARAMS = ("launch_us", "combine_extra_us", "sm_push_gbps", "sm_loc
                         "nvl_efficiency")
 # Parameters a bench JSON of the fused internode kernels on one GPU (benchmarks/bench_internode.py --composed) fits;
 # only the fused kernels use them (that fit also sets warp_push_gbps to warp_local_gbps's value).
-FUSED_FIT_PARAMS = ("warp_local_gbps", "fused_row_ns", "fused_chunk_us")
+FUSED_FIT_PARAMS = ("warp_local_gbps", "fused_row_ns", "fused_chunk_us", "fused_hbm_efficiency")
 # Parameters a bench JSON of the low-latency kernels (benchmarks/bench_low_latency.py) can fit; none is shared with
 # the normal-mode kernels, so an LL fit leaves every normal-mode prediction as it was.
 LL_FIT_PARAMS = ("ll_fixed_us", "ll_hook_fixed_us", "ll_hook_dispatch_extra_us", "ll_overlap_us", "ll_send_gbps",

@@ -91,7 +91,7 @@ class OpResult:
 PORT_LABELS = {
     "nvl_out": "NVLink", "nvl_in": "NVLink", "nic_out": "RDMA", "nic_in": "RDMA",
     "sm_send": "SM:send", "sm_recv": "SM:recv", "sm_fwd": "SM:forward", "sm_ll": "SM",
-    "copy_engine": "copy engine", "sm_reduce": "SM:reduce",
+    "copy_engine": "copy engine", "sm_reduce": "SM:reduce", "hbm": "HBM",
 }
 
 

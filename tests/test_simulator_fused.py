@@ -163,21 +163,20 @@ def test_fused_roles_use_every_warp_of_their_ctas():
         fused.team_sizes(32, 33)
 
 
-def test_fused_dispatch_teams_share_records_and_combine_warps_take_whole_records():
-    # Dispatch: a record's bytes split over the team's warps, its control cost paid once per team; combine: each
-    # warp a whole record, so a team of w warps is w warps but for the chunk publish, one per team.
+def test_fused_team_warps_take_whole_records():
+    # Each warp a whole record (bytes and control cost), so a team of w warps is w warps but for the chunk publish,
+    # one per team.
     record, chunk = 14416.0, 8
 
-    def rate(warps: float, whole: bool, row_ns: float = 2000.0, chunk_us: float = 4.0) -> float:
-        return fused.team_rate(warps, 1.5, row_ns, record, chunk_us, chunk, whole)
-    assert rate(8, True, chunk_us=0.0) == pytest.approx(8 * rate(1, True, chunk_us=0.0))
-    assert rate(16, True) < 2 * rate(8, True)
-    assert rate(8, False) < rate(8, True)
-    # Without a per-record cost a shared record moves at the team's byte rate; with one, more warps help less.
-    assert rate(8, False, 0.0, 0.0) == pytest.approx(rate(8, True, 0.0, 0.0))
-    assert rate(16, False) / rate(8, False) < 1.5
+    def rate(warps: float, row_ns: float = 2000.0, chunk_us: float = 4.0) -> float:
+        return fused.team_rate(warps, 1.5, row_ns, record, chunk_us, chunk)
+    assert rate(8, chunk_us=0.0) == pytest.approx(8 * rate(1, chunk_us=0.0))
+    assert rate(16) < 2 * rate(8)
+    # The per-record cost adds to each warp's record time: without it a team moves at its warps' byte rate.
+    assert rate(8, 0.0, 0.0) == pytest.approx(8 * 1.5 * 1e3)
+    assert rate(8, 2000.0, 0.0) < rate(8, 0.0, 0.0)
     # A warp serving two rings in turn gives each half its rate.
-    assert rate(0.5, False) == pytest.approx(rate(1, False) / 2) and rate(0.5, True) == pytest.approx(rate(1, True) / 2)
+    assert rate(0.5) == pytest.approx(rate(1) / 2)
 
 
 def test_fused_roles_are_capped_by_their_sm_share():
@@ -212,9 +211,13 @@ def test_calibrate_show_lists_the_fused_parameters_with_their_measurements():
     out = subprocess.run([sys.executable, "-m", "simulator.calibrate", "--show"], capture_output=True, text=True,
                          check=True).stdout
     lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
-    for name in ("warp_push_gbps", *dek.FUSED_FIT_PARAMS):
+    # The chunk turn-around is not separable on these points (the fit would drive it to its floor): it keeps its
+    # assumed value, fixed on the fit's command line.
+    assert "fixed by --fix" in lines["fused_chunk_us"]
+    for name in ("warp_push_gbps", *(n for n in dek.FUSED_FIT_PARAMS if n != "fused_chunk_us")):
         assert "fit: benchmarks/results/fused_h200x1.json" in lines[name], lines[name]
-        assert "fp8 dispatch 388.7, bf16 dispatch 453.0, bf16 combine 385.8" in lines[name], lines[name]
+        assert "least squares on its 9 fused-phase points at SM counts [8, 16, 24] (held out [12]" in lines[name]
+        assert "fp8 dispatch 810.2, bf16 dispatch 1495.9, bf16 combine 1351.5 at 24 SMs" in lines[name], lines[name]
     assert "one GPU: pushes are local copies" in lines["warp_push_gbps"]
 
 
@@ -223,19 +226,23 @@ FUSED_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "
 
 def test_fused_bench_reads_the_fused_phase_and_the_calibration_reproduces_it():
     run_ = bench_fit.read_bench(FUSED_BENCH)
-    assert run_.kind == "fused" and run_.num_ranks == 4 and run_.num_tokens == 1024
-    # Wall µs averaged over the four ranks, the chunk most ranks chose.
-    got = {(p.op, p.dtype): (round(p.time_us, 1), p.chunk, p.num_nodes) for p in run_.points}
-    assert got == {("dispatch", "fp8"): (388.7, 32, 2), ("dispatch", "bf16"): (453.0, 32, 2),
-                   ("combine", "bf16"): (385.8, 8, 2)}
+    assert run_.kind == "fused" and run_.num_ranks == 4 and run_.num_tokens == 4096
+    # Wall µs averaged over the four ranks, the chunk most ranks chose, at 8, 12, 16 and 24 SMs.
+    got = {(p.num_sms, p.op, p.dtype): (round(p.time_us, 1), p.chunk, p.num_nodes) for p in run_.points}
+    assert len(got) == 12 and {sms for sms, _, _ in got} == {8, 12, 16, 24}
+    assert got[(24, "dispatch", "fp8")] == (810.2, 16, 2) and got[(12, "combine", "bf16")] == (1860.4, 4, 2)
     predicted = bench_fit.predict_points(run_, run_.points, dek.profile(), bench_fit.bench_traffic(run_))
-    for pt, t in zip(run_.points, predicted):
-        assert t == pytest.approx(pt.time_us, rel=0.005), pt.label
-    # Each parameter binds: off by 2x, some point is off by more than 10 %.
-    for name in dek.FUSED_FIT_PARAMS:
+    errors = [abs(t - pt.time_us) / pt.time_us for pt, t in zip(run_.points, predicted)]
+    # The fit's own figures: every point within 15 %, 12 SMs held out, mean error near 5 %.
+    assert max(errors) < 0.15 and sum(errors) / len(errors) < 0.07, errors
+    # Each fitted parameter binds: off by 2x, some point is off by more than 10 %.
+    for name in (n for n in dek.FUSED_FIT_PARAMS if n != "fused_chunk_us"):
         off = replace(dek.profile(), **{name: 2 * getattr(dek.profile(), name)})
         moved = bench_fit.predict_points(run_, run_.points, off, bench_fit.bench_traffic(run_))
         assert max(abs(a - b) / b for a, b in zip(moved, predicted)) > 0.1, name
+    # Where all four ranks share the GPU's HBM the times flatten: 16 and 24 SMs within 10 % of each other.
+    for op, dtype in (("dispatch", "fp8"), ("dispatch", "bf16")):
+        assert got[(24, op, dtype)][0] > 0.9 * got[(16, op, dtype)][0]
 
 
 def test_shared_gpu_splits_the_hbm_and_pushes_are_local():
@@ -273,7 +280,8 @@ def test_fused_fit_writes_its_section_and_parameters_and_keeps_the_rest(tmp_path
     path.write_text(stored.read_text())
     run_ = bench_fit.read_bench(FUSED_BENCH)
     prof = replace(dek.profile(), warp_local_gbps=2.5, fused_row_ns=1000.0, fused_chunk_us=3.0, warp_push_gbps=2.5)
-    result = bench_fit.FitResult(run_, prof, dek.FUSED_FIT_PARAMS, (), [400.0, 450.0, 380.0], 1, ())
+    result = bench_fit.FitResult(run_, prof, dek.FUSED_FIT_PARAMS, (), [400.0 + i for i in range(len(run_.points))],
+                                 1, ())
     bench_fit.write_calibration(result, path, "python -m simulator.calibrate --from-bench x.json")
     before, after = json.loads(stored.read_text()), json.loads(path.read_text())
     assert after["params"]["fused_row_ns"]["value"] == 1000.0 and after["params"]["warp_push_gbps"]["value"] == 2.5
@@ -284,5 +292,6 @@ def test_fused_fit_writes_its_section_and_parameters_and_keeps_the_rest(tmp_path
         {k: v for k, v in before.items() if k not in ("params", "fused")}
     section = after["fused"]
     assert section["bench"] == str(FUSED_BENCH) and section["hold_out_sms"] == []
-    assert [p["measured_us"] for p in section["points"]] == [388.71, 453.02, 385.84]
+    assert [p["measured_us"] for p in section["points"]] == [round(p.time_us, 2) for p in run_.points]
+    assert len(section["points"]) == 12 and section["points"][0]["predicted_us"] == 400.0
     assert dek.load_profile(path).fused_chunk_us == 3.0

@@ -19,8 +19,9 @@
 // warps per sender, forwarder and receiver; combine 11, 11 and 10 (owner), 8 per sender; at N = 8: 8 owner warps,
 // 3 per forwarder). Where a CTA has more roles than warps (past 32 ranks, 16 nodes for dispatch, 24 for combine's
 // forwarders), each warp serves several of them one after the other, in ascending order on every rank
-// (make_roles). In dispatch every warp of a team runs the role's control flow and moves its contiguous share
-// of each row; the team's first warp writes the small fields and side outputs and alone publishes a tail or credit,
+// (make_roles). In dispatch every warp of a team runs the role's control flow over windows of up to 32 records
+// (one lane per record loads its routing) and copies whole records of each window in turn, so each warp has a whole
+// row's loads in flight; the team's first warp writes the side outputs and alone publishes a tail or credit,
 // once every warp's progress has passed it (Team below). In combine the warps of a team take whole rows in turn (a
 // reduction per warp keeps enough loads in flight) and the first warp publishes the finished prefix.
 // Roles overlap through the rings; the only waits are on ring counters (bounded, sync.cuh), and the chain
@@ -385,10 +386,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
 constexpr int kTeamDone = 0x40000000;
 
 // The consecutive warps of a CTA that run one role instance. Every warp runs the role's whole control flow (the same
-// waits on the same monotonic counters for the same items) and moves its contiguous share of each row; warp 0 of the
-// team, the leader, also writes each record's small fields and the side outputs, and alone publishes tails and
-// credits. Each other warp releases its progress (items finished, CTA scope) after every item and before any wait of
-// the next item; the leader publishes a position only after every warp's progress has passed it. A warp behind the
+// waits on the same monotonic counters for the same items) and copies its records of each window (whole records,
+// in turn); warp 0 of the team, the leader, also writes the side outputs, and alone publishes tails and credits.
+// Each other warp releases its progress (items finished, CTA scope) after every window and before any wait of the
+// next one; the leader publishes a position only after every warp's progress has passed it. A warp behind the
 // leader waits only for conditions the leader has seen hold (the same targets on monotonic counters), and one ahead
 // of it has passed the position the leader waits for, so the leader's wait on its team ends.
 struct Team {
@@ -397,12 +398,6 @@ struct Team {
     volatile int* progress;  // shared, progress[rank] for each warp of the team
 
     __device__ __forceinline__ bool leader() const { return rank == 0; }
-
-    // This warp's contiguous share [lo, hi) of n units.
-    __device__ __forceinline__ void share(int n, int* lo, int* hi) const {
-        *lo = n * rank / size;
-        *hi = n * (rank + 1) / size;
-    }
 
     // A non-leader warp has finished its part of the first `done` items (no-op for the leader).
     __device__ __forceinline__ void report(int done) const {
@@ -475,7 +470,27 @@ __device__ __forceinline__ void reset_teams(volatile int* progress) {
     __syncthreads();
 }
 
-// Sender team of destination node n for channel c.
+// The k-th set bit (from 0) of `bits`; k < popc(bits).
+__device__ __forceinline__ int nth_set_bit(uint32_t bits, int k) {
+    for (int i = 0; i < k; ++i) bits &= bits - 1u;
+    return __ffs(bits) - 1;
+}
+
+// Lanes below this one, as a mask.
+__device__ __forceinline__ uint32_t lanes_below() { return (1u << lane_id()) - 1u; }
+
+// Tokens per sender window and records per forwarder window: at most 32 (a lane each), and at most half a rail ring
+// each, so that a forwarder waiting for its whole window never waits for records that its sender can only write
+// after more credits (the sender holds at most one window unpublished while it waits for room); a forwarder window
+// also fits a node ring whole.
+__device__ __forceinline__ int fused_window(int rail_capacity, int node_capacity) {
+    return max(1, min(min(32, rail_capacity / 2), node_capacity));
+}
+
+// Sender team of destination node n for channel c. The channel's tokens go in windows of up to 32 (lane i loads the
+// local-rank mask of node n of the window's token i); the window's records take consecutive rail slots, and the
+// team's warps copy whole records in turn (record k of the window on warp k % size), each warp with a whole row's
+// loads in flight.
 static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry& geo, const FusedDispatchArgs& args,
                                   const Team& team, int channel, int n, int num_checked) {
     const int lane = lane_id(), per_node = geo.gpus_per_node, num_ranks = ctx.num_ranks;
@@ -510,26 +525,29 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
     };
     const bool leader = team.leader(), publish = !ctx.skip_sends && leader;
     const Site site{kKernelDispatch, kPhaseDispatchSendWaitHead, fwd, channel};
-    int begin, end, count = 0;
+    int begin, end;
     channel_range(args.num_tokens, geo.num_channels, channel, &begin, &end);
-    int lo, hi;
-    team.share(static_cast<int>(geo.hidden_bytes / 16), &lo, &hi);
-    for (int t = begin; t < end && ok; ++t) {
-        team.report(t - begin);
-        const bool bit = lane < per_node && args.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + n * per_node + lane];
-        const uint32_t mask = __ballot_sync(0xffffffffu, bit);
-        int* head_out = args.send_rdma_head != nullptr && leader && lane == 0
-                            ? args.send_rdma_head + static_cast<int64_t>(t) * geo.num_nodes + n
-                            : nullptr;
-        if (mask == 0) {
-            if (head_out != nullptr) *head_out = -1;
-            continue;
+    const int window = fused_window(geo.rail_capacity, geo.node_capacity);
+    const int row_int4 = static_cast<int>(geo.hidden_bytes / 16);
+    int count = 0;  // this call's records: the team's items
+    for (int t0 = begin; t0 < end && ok; t0 += window) {
+        const int t = t0 + lane;
+        uint32_t mask = 0;
+        if (lane < window && t < end) {
+            const bool* bits = args.is_token_in_rank + static_cast<int64_t>(t) * num_ranks + n * per_node;
+            for (int j = 0; j < per_node; ++j) mask |= bits[j] ? 1u << j : 0u;
         }
-        if (head_out != nullptr) *head_out = count;
-        const uint32_t needed_head = tail + 1 - static_cast<uint32_t>(geo.rail_capacity);
+        const uint32_t needed = __ballot_sync(0xffffffffu, mask != 0u);
+        if (leader && args.send_rdma_head != nullptr && lane < window && t < end)
+            args.send_rdma_head[static_cast<int64_t>(t) * geo.num_nodes + n] =
+                mask != 0u ? count + __popc(needed & lanes_below()) : -1;
+        const int batch = __popc(needed);
+        if (batch == 0) continue;
+        // Space for the whole window; pending records go out first so that the forwarder can return slots.
+        const uint32_t needed_head = tail + static_cast<uint32_t>(batch) - static_cast<uint32_t>(geo.rail_capacity);
         if (!seq_geq(head, needed_head)) {
             if (published != tail && publish) {
-                ok = team.wait(ctx, t - begin, site);
+                ok = team.wait(ctx, count, site);
                 if (!ok) break;
                 raise_tail();
             }
@@ -537,34 +555,41 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
             ok = warp_wait_geq(ctx, head_word(channel), needed_head, site, &head);
             if (!ok) break;
         }
-        char* slot = put ? own_buffer(ctx) + geo.rail_stage(geo.rail_slot(channel, n, tail))
-                         : static_cast<char*>(ctx.buffers[fwd]) + geo.rail_slot(channel, my_node, tail);
-        int4* dst = reinterpret_cast<int4*>(slot) + lo;
-        warp_copy_row<false>(
-            reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + t * geo.hidden_bytes) + lo, hi - lo,
-            &dst, 1);
-        if (leader && args.x_scales != nullptr) {
-            const uint32_t* scales = static_cast<const uint32_t*>(args.x_scales);
-            for (int i = lane; i < geo.num_scales; i += 32)
-                reinterpret_cast<uint32_t*>(slot + geo.scales_offset)[i] =
-                    scales[t * args.scale_token_stride + i * args.scale_hidden_stride];
-        }
-        int* meta = reinterpret_cast<int*>(slot + geo.meta_offset);
-        if (leader && lane == 0) meta[0] = static_cast<int>(mask);
-        if (leader && args.topk_idx != nullptr) {
-            for (int k = lane; k < geo.num_topk; k += 32) {
-                const int64_t i = static_cast<int64_t>(t) * geo.num_topk + k;
-                const int64_t e = args.topk_idx_bytes == 8 ? static_cast<const int64_t*>(args.topk_idx)[i]
-                                                           : static_cast<const int32_t*>(args.topk_idx)[i];
-                meta[1 + k] = static_cast<int>(e);
-                meta[1 + geo.num_topk + k] = __float_as_int(args.topk_weights[i]);
+        for (int k = team.rank; k < batch; k += team.size) {
+            const int source_lane = nth_set_bit(needed, k);
+            const int64_t token = t0 + source_lane;
+            const uint32_t token_mask = __shfl_sync(0xffffffffu, mask, source_lane);
+            const uint32_t seq = tail + static_cast<uint32_t>(k);
+            char* slot = put ? own_buffer(ctx) + geo.rail_stage(geo.rail_slot(channel, n, seq))
+                             : static_cast<char*>(ctx.buffers[fwd]) + geo.rail_slot(channel, my_node, seq);
+            int4* dst = reinterpret_cast<int4*>(slot);
+            warp_copy_row<false>(
+                reinterpret_cast<const int4*>(static_cast<const char*>(args.x) + token * geo.hidden_bytes), row_int4,
+                &dst, 1);
+            if (args.x_scales != nullptr) {
+                const uint32_t* scales = static_cast<const uint32_t*>(args.x_scales);
+                for (int i = lane; i < geo.num_scales; i += 32)
+                    reinterpret_cast<uint32_t*>(slot + geo.scales_offset)[i] =
+                        scales[token * args.scale_token_stride + i * args.scale_hidden_stride];
+            }
+            int* meta = reinterpret_cast<int*>(slot + geo.meta_offset);
+            if (lane == 0) meta[0] = static_cast<int>(token_mask);
+            if (args.topk_idx != nullptr) {
+                for (int k2 = lane; k2 < geo.num_topk; k2 += 32) {
+                    const int64_t i = token * geo.num_topk + k2;
+                    const int64_t e = args.topk_idx_bytes == 8 ? static_cast<const int64_t*>(args.topk_idx)[i]
+                                                               : static_cast<const int32_t*>(args.topk_idx)[i];
+                    meta[1 + k2] = static_cast<int>(e);
+                    meta[1 + geo.num_topk + k2] = __float_as_int(args.topk_weights[i]);
+                }
             }
         }
-        ++tail;
-        ++count;
+        tail += static_cast<uint32_t>(batch);
+        count += batch;
+        team.report(count);
         if (static_cast<int>(tail - published) >= args.num_max_rdma_send_tokens) {
             if (publish) {
-                ok = team.wait(ctx, t - begin + 1, site);
+                ok = team.wait(ctx, count, site);
                 if (!ok) break;
                 raise_tail();
             }
@@ -579,7 +604,11 @@ static __device__ void fused_send(const KernelContext& ctx, const FusedGeometry&
     }
 }
 
-// Forwarder team of source node n for channel c: rank (n, my local)'s records that need my node.
+// Forwarder team of source node n for channel c: rank (n, my local)'s records that need my node, in windows of up
+// to 32 consecutive records of the call (the same windows on every warp; lane i loads the mask of the window's record
+// i, and a ballot per local rank j gives the window's records for receiver j, held by lane j). Each warp copies whole
+// records of a window in turn, each to every local rank of its mask; the leader publishes the node tails and returns
+// the rail credits after each window.
 static __device__ void fused_forward(const KernelContext& ctx, const FusedGeometry& geo,
                                      const FusedDispatchArgs& args, const Team& team, int channel, int n,
                                      int num_checked) {
@@ -621,93 +650,88 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
     uint32_t rail_head = *rail_heads_shadow;
     // Lane j < G: node ring (channel, src_rank) at receiver (my node, j).
     uint32_t node_tail = is_dst_lane ? node_tail_shadows[fused_index(channel, pair)] : 0;
-    uint32_t node_published = node_tail, node_head = node_tail;
+    uint32_t node_head = node_tail;
     uint32_t* remote_node_tail =
         is_dst_lane ? buffer_u32(ctx.buffers[my_node * per_node + lane], kFusedNodeTailOffset) +
                           fused_index(channel, src_rank)
                     : nullptr;
-    int seq = 0;  // this call's records to receiver lane
+    int seq = 0;  // lane j < G: this call's records to receiver j
     const bool leader = team.leader(), publish = !ctx.skip_sends && leader;
     const Site site{kKernelDispatch, kPhaseDispatchRecvWaitTail, src_rank, channel};
-    int lo, hi;
-    team.share(static_cast<int>(geo.record_bytes / 16), &lo, &hi);
+    const int window = fused_window(geo.rail_capacity, geo.node_capacity);
+    const int record_int4 = static_cast<int>(geo.record_bytes / 16);
 
     for (int done = 0; done < num_records && ok;) {
+        const int batch = min(window, num_records - done);
         uint32_t seen;
-        ok = warp_wait_geq(ctx, rail_tail, rail_head + 1, site, &seen);
+        ok = warp_wait_geq(ctx, rail_tail, rail_head + static_cast<uint32_t>(batch), site, &seen);
         if (!ok) break;
         if (lane == 0) after_raised(ctx, tail_signal, src_rank);
         __syncwarp();
-        const int available = min(static_cast<int>(seen - rail_head), num_records - done);
-        for (int i = 0; i < available && ok; ++i, ++done, ++rail_head) {
-            const char* record = own + geo.rail_slot(channel, n, rail_head);
-            const uint32_t mask = static_cast<uint32_t>(ld_ring_int(reinterpret_cast<const int*>(record + geo.meta_offset)));
-            const bool bit = is_dst_lane && ((mask >> lane) & 1u) != 0;
-            if (leader && args.send_nvl_head != nullptr && lane < kMaxGpusPerNode)
-                args.send_nvl_head[(first_row + done) * kMaxGpusPerNode + lane] = bit ? seq : -1;
-            // Space in every destination ring; pending tails go out first so that receivers can make room.
-            const uint32_t needed_head = node_tail + 1 - static_cast<uint32_t>(geo.node_capacity);
-            const bool short_of_space = bit && !seq_geq(node_head, needed_head);
-            if (__any_sync(0xffffffffu, short_of_space)) {
-                if (publish) {
-                    ok = team.wait(ctx, done, site);
-                    if (!ok) break;
-                    if (is_dst_lane && node_published != node_tail) {
-                        fence_acq_rel_sys();
-                        st_release_sys(remote_node_tail, node_tail);
-                    }
-                }
-                node_published = node_tail;
-                if (short_of_space) {
-                    uint32_t head_seen;
-                    ok = wait_geq(ctx, node_heads + fused_index(channel, pair), needed_head,
-                                  Site{kKernelDispatch, kPhaseDispatchSendWaitHead, my_node * per_node + lane, channel},
-                                  &head_seen);
-                    node_head = head_seen;
-                }
-                ok = __all_sync(0xffffffffu, ok);
-                if (!ok) break;
+        const uint32_t mask =
+            lane < batch ? static_cast<uint32_t>(ld_ring_int(reinterpret_cast<const int*>(
+                               own + geo.rail_slot(channel, n, rail_head + static_cast<uint32_t>(lane)) +
+                               geo.meta_offset)))
+                         : 0u;
+        uint32_t bits = 0;  // lane j < G: the window's records that go to receiver j
+        for (int j = 0; j < per_node; ++j) {
+            const uint32_t b = __ballot_sync(0xffffffffu, ((mask >> j) & 1u) != 0u);
+            if (lane == j) bits = b;
+        }
+        if (leader && args.send_nvl_head != nullptr) {
+            int* out = lane < batch ? args.send_nvl_head + (first_row + done + lane) * kMaxGpusPerNode : nullptr;
+            for (int j = 0; j < kMaxGpusPerNode; ++j) {
+                const int from = j < per_node ? j : 0;
+                const uint32_t of_j = __shfl_sync(0xffffffffu, bits, from);
+                const int seq_j = __shfl_sync(0xffffffffu, seq, from);
+                if (out != nullptr)
+                    out[j] = j < per_node && ((mask >> j) & 1u) != 0u ? seq_j + __popc(of_j & lanes_below()) : -1;
             }
+        }
+        // Space in every destination ring for the whole window (the previous windows' tails are published).
+        const uint32_t needed_head =
+            node_tail + static_cast<uint32_t>(__popc(bits)) - static_cast<uint32_t>(geo.node_capacity);
+        if (is_dst_lane && bits != 0u && !seq_geq(node_head, needed_head)) {
+            uint32_t head_seen;
+            ok = wait_geq(ctx, node_heads + fused_index(channel, pair), needed_head,
+                          Site{kKernelDispatch, kPhaseDispatchSendWaitHead, my_node * per_node + lane, channel},
+                          &head_seen);
+            node_head = head_seen;
+        }
+        ok = __all_sync(0xffffffffu, ok);
+        if (!ok) break;
+        for (int k = team.rank; k < batch; k += team.size) {
+            const uint32_t record_mask = __shfl_sync(0xffffffffu, mask, k);
+            const char* record = own + geo.rail_slot(channel, n, rail_head + static_cast<uint32_t>(k));
             int4* dsts[kMaxGpusPerNode];
             int num_dsts = 0;
             for (int j = 0; j < per_node; ++j) {
-                const uint32_t position = __shfl_sync(0xffffffffu, node_tail, j);
-                if ((mask >> j) & 1u)
+                const uint32_t position =
+                    __shfl_sync(0xffffffffu, node_tail + static_cast<uint32_t>(__popc(bits & ((1u << k) - 1u))), j);
+                if ((record_mask >> j) & 1u)
                     dsts[num_dsts++] = reinterpret_cast<int4*>(static_cast<char*>(ctx.buffers[my_node * per_node + j]) +
-                                                               geo.node_slot(channel, src_rank, position)) + lo;
+                                                               geo.node_slot(channel, src_rank, position));
             }
-            warp_copy_row<true>(reinterpret_cast<const int4*>(record) + lo, hi - lo, dsts, num_dsts);
-            team.report(done + 1);
-            if (bit) {
-                ++node_tail;
-                ++seq;
-            }
-            const bool chunk_full =
-                is_dst_lane && static_cast<int>(node_tail - node_published) >= args.num_max_nvl_send_tokens;
-            if (__any_sync(0xffffffffu, chunk_full)) {
-                if (publish) {
-                    ok = team.wait(ctx, done + 1, site);
-                    if (!ok) break;
-                    if (chunk_full) {
-                        fence_acq_rel_sys();
-                        st_release_sys(remote_node_tail, node_tail);
-                    }
-                }
-                if (chunk_full) node_published = node_tail;
-            }
+            warp_copy_row<true>(reinterpret_cast<const int4*>(record), record_int4, dsts, num_dsts);
         }
-        if (!ok) break;
-        // The batch is copied out by every warp: publish what is pending and return the rail slots to the sender.
+        const uint32_t published = node_tail;
+        if (is_dst_lane) {
+            node_tail += static_cast<uint32_t>(__popc(bits));
+            seq += __popc(bits);
+        }
+        rail_head += static_cast<uint32_t>(batch);
+        done += batch;
+        team.report(done);
+        // The window is copied out by every warp: its node tails go out and its rail slots go back to the sender.
         if (leader) {
             ok = team.wait(ctx, done, site);
             if (!ok) break;
-            if (is_dst_lane && node_published != node_tail && publish) {
+            if (is_dst_lane && published != node_tail && publish) {
                 fence_acq_rel_sys();
                 st_release_sys(remote_node_tail, node_tail);
             }
             warp_raise(ctx, credit, credit_signal, src_rank, rail_head);
         }
-        node_published = node_tail;
     }
     team.report(kTeamDone);
     if (leader) {
@@ -717,7 +741,8 @@ static __device__ void fused_forward(const KernelContext& ctx, const FusedGeomet
     }
 }
 
-// Receiver team of source rank s for channel c.
+// Receiver team of source rank s for channel c: record i of the call goes to warp i % size, whole, whatever part of
+// the ring a warp sees published at once; the leader returns the node credits after each batch.
 static __device__ void fused_receive(const KernelContext& ctx, const FusedGeometry& geo,
                                      const FusedDispatchArgs& args, const Team& team, int channel, int s) {
     const int lane = lane_id(), per_node = geo.gpus_per_node, num_channels = geo.num_channels;
@@ -742,46 +767,48 @@ static __device__ void fused_receive(const KernelContext& ctx, const FusedGeomet
     uint32_t head = *head_shadow;
     const bool leader = team.leader();
     const Site site{kKernelDispatch, kPhaseDispatchRecvWaitTail, fwd, channel};
-    int lo, hi;
-    team.share(static_cast<int>(geo.hidden_bytes / 16), &lo, &hi);
+    const int row_int4 = static_cast<int>(geo.hidden_bytes / 16);
     bool ok = true;
     for (int row = first_row; row < end_row && ok;) {
         uint32_t seen;
         ok = warp_wait_geq(ctx, tail, head + 1, site, &seen);
         if (!ok) break;
         const int available = min(static_cast<int>(seen - head), end_row - row);
-        for (int i = 0; i < available; ++i, ++row, ++head) {
-            const char* record = own + geo.node_slot(channel, s, head);
-            int4* dst = reinterpret_cast<int4*>(static_cast<char*>(args.recv_x) + row * geo.hidden_bytes) + lo;
-            warp_copy_row<true>(reinterpret_cast<const int4*>(record) + lo, hi - lo, &dst, 1);
-            if (leader) {
-                if (args.recv_x_scales != nullptr) {
-                    for (int k = lane; k < geo.num_scales; k += 32)
-                        reinterpret_cast<int*>(args.recv_x_scales)[static_cast<int64_t>(row) * geo.num_scales + k] =
-                            ld_ring_int(reinterpret_cast<const int*>(record + geo.scales_offset) + k);
-                }
-                const int* meta = reinterpret_cast<const int*>(record + geo.meta_offset);
-                if (args.recv_src_meta != nullptr && lane == 0) {
-                    args.recv_src_meta[2 * static_cast<int64_t>(row)] = src_node;
-                    args.recv_src_meta[2 * static_cast<int64_t>(row) + 1] = ld_ring_int(meta);
-                }
-                if (args.recv_topk_idx != nullptr) {
-                    for (int k = lane; k < geo.num_topk; k += 32) {
-                        const int e = ld_ring_int(meta + 1 + k);
-                        const float w = __int_as_float(ld_ring_int(meta + 1 + geo.num_topk + k));
-                        const bool mine = e >= expert_begin && e < expert_begin + num_local_experts;
-                        const int64_t i = static_cast<int64_t>(row) * geo.num_topk + k;
-                        const int local = mine ? e - expert_begin : -1;
-                        if (args.topk_idx_bytes == 8)
-                            static_cast<int64_t*>(args.recv_topk_idx)[i] = local;
-                        else
-                            static_cast<int32_t*>(args.recv_topk_idx)[i] = local;
-                        args.recv_topk_weights[i] = mine ? w : 0.0f;
-                    }
+        // Record i of the call (row first_row + i) is warp i % size's, whatever batches a warp sees.
+        const int skip = (team.rank - (row - first_row) % team.size + team.size) % team.size;
+        for (int k = skip; k < available; k += team.size) {
+            const char* record = own + geo.node_slot(channel, s, head + static_cast<uint32_t>(k));
+            const int64_t r = row + k;
+            int4* dst = reinterpret_cast<int4*>(static_cast<char*>(args.recv_x) + r * geo.hidden_bytes);
+            warp_copy_row<true>(reinterpret_cast<const int4*>(record), row_int4, &dst, 1);
+            if (args.recv_x_scales != nullptr) {
+                for (int i = lane; i < geo.num_scales; i += 32)
+                    reinterpret_cast<int*>(args.recv_x_scales)[r * geo.num_scales + i] =
+                        ld_ring_int(reinterpret_cast<const int*>(record + geo.scales_offset) + i);
+            }
+            const int* meta = reinterpret_cast<const int*>(record + geo.meta_offset);
+            if (args.recv_src_meta != nullptr && lane == 0) {
+                args.recv_src_meta[2 * r] = src_node;
+                args.recv_src_meta[2 * r + 1] = ld_ring_int(meta);
+            }
+            if (args.recv_topk_idx != nullptr) {
+                for (int i = lane; i < geo.num_topk; i += 32) {
+                    const int e = ld_ring_int(meta + 1 + i);
+                    const float w = __int_as_float(ld_ring_int(meta + 1 + geo.num_topk + i));
+                    const bool mine = e >= expert_begin && e < expert_begin + num_local_experts;
+                    const int64_t at = r * geo.num_topk + i;
+                    const int local = mine ? e - expert_begin : -1;
+                    if (args.topk_idx_bytes == 8)
+                        static_cast<int64_t*>(args.recv_topk_idx)[at] = local;
+                    else
+                        static_cast<int32_t*>(args.recv_topk_idx)[at] = local;
+                    args.recv_topk_weights[at] = mine ? w : 0.0f;
                 }
             }
-            team.report(row + 1 - first_row);
         }
+        row += available;
+        head += static_cast<uint32_t>(available);
+        team.report(row - first_row);
         // Every warp has copied the batch out: its slots go back to the forwarder.
         if (leader) {
             ok = team.wait(ctx, row - first_row, site);

@@ -98,13 +98,33 @@ def test_two_by_two(two_by_two, case):
 @pytest.mark.multi_gpu(4)
 @pytest.mark.parametrize(("hidden", "use_fp8"), [(8, False), (136, False), (128, True)])
 def test_two_by_two_rows_narrower_than_a_team(two_by_two, hidden, use_fp8):
-    """Rows of 1, 17 and 8 16-byte units over teams of 8 to 11 warps (every role at 2 x 2): most warps hold an empty
-    or a one-unit share of each row, the shares are uneven, and the team's first warp alone writes the scales,
-    top-k fields and handle rows."""
+    """Rows of 1, 17 and 8 16-byte units over teams of 8 to 11 warps (every role at 2 x 2): a warp copies whole
+    records of a window in turn, so most warps have few records or none in a window, and the handle rows are the
+    team's first warp's."""
     case = ti.Case(num_ranks=4, seed=17, num_tokens=(300, 0, 257, 64), hidden=hidden, num_topk=4, num_experts=16,
                    use_fp8=use_fp8, with_topk=True, num_sms=4, expert_alignment=1, mask_prob=0.1, empty_rank=-1,
                    async_mode=False, previous_mode=False, num_bias=2, scales_col_major=False)
     two_by_two.run(tn.TASK, case)
+
+
+@pytest.mark.multi_gpu(4)
+@pytest.mark.parametrize("put_only", [False, True], ids=["pointer", "put"])
+@pytest.mark.parametrize("ring_tokens", [(1, 4, 1, 2), (2, 8, 2, 5), (3, 14, 5, 10)], ids=["window1", "window3",
+                                                                                          "window5"])
+def test_two_by_two_small_rings(put_only, ring_tokens):
+    """Rings of 2 to 10 records (DeepEP's Config: nvl send / recv, rdma send / recv tokens; a node ring holds nvl
+    recv / N): windows of 1, 3 and 5 records, so windows wait for room, rings wrap many times per call and a
+    forwarder waits for a whole window that its sender publishes in chunks of other sizes; BF16 and FP8, 300 tokens
+    on one rank."""
+    pool = _make_pool(2, 2, PUT_RDMA_BYTES if put_only else NUM_RDMA_BYTES, put_only=put_only)
+    try:
+        for hidden, use_fp8 in ((256, False), (512, True)):
+            pool.run(tn.TASK, ti.Case(
+                num_ranks=4, seed=31, num_tokens=(300, 0, 257, 64), hidden=hidden, num_topk=4, num_experts=16,
+                use_fp8=use_fp8, with_topk=True, num_sms=4, expert_alignment=1, mask_prob=0.1, empty_rank=-1,
+                async_mode=False, previous_mode=False, num_bias=1, scales_col_major=False, ring_tokens=ring_tokens))
+    finally:
+        pool.close()
 
 
 @pytest.mark.multi_gpu(8)

@@ -99,7 +99,7 @@ def task_internode_roundtrip(buffer, rank: int, case: ti.Case) -> str:
     import reference
     inputs = [ti.make_inputs(case, r) for r in range(case.num_ranks)]
     mine = inputs[rank]
-    config = deep_ep.Config(case.num_sms, 8, 256)
+    config = deep_ep.Config(case.num_sms, *(case.ring_tokens or (8, 256)))
 
     ti._poison_allocator()
     topk_idx = mine["topk_idx"].to(ti.DEVICE)

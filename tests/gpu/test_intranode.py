@@ -86,6 +86,9 @@ class Case:
     # 'rings'. The case's second combine takes the other path ('copy' <-> 'rings'), so the switch between the two
     # is covered as well.
     combine_send: str = "auto"
+    # Ring sizes in tokens, DeepEP's Config order after num_sms: (nvl send, nvl recv) or (nvl send, nvl recv, rdma
+    # send, rdma recv); the internode task's default (8, 256) when None.
+    ring_tokens: Optional[tuple] = None
 
     def describe(self) -> str:
         return "Case(" + ", ".join(f"{k}={v!r}" for k, v in asdict(self).items()) + ")"
