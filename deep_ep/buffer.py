@@ -315,8 +315,7 @@ class Buffer:
             return None
         if method == "clean_low_latency_buffer" and not self.enable_shrink:
             return self._torch
-        if method in ("low_latency_dispatch", "low_latency_combine") and \
-                self._ll_carving_handshake(method, device, backend):
+        if self._ll_carving_handshake(method, device, backend):
             return self._torch
         if backend is not None:
             candidates = [backend]

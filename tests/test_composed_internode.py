@@ -277,10 +277,12 @@ def test_composed_calls_agree_over_the_whole_group_whatever_the_device():
     torch_backend, composed, kernels = object(), object(), object()
     for device in ("cpu", "cuda"):
         buf = types.SimpleNamespace(group_size=4, _torch=torch_backend, _destroyed=False, _composed=composed,
-                                    _composed_device=device, _routes={("normal", device): composed})
+                                    _composed_device=device, _routes={("normal", device): composed},
+                                    _ll_carving_handshake=lambda *args: False)
         assert Buffer._agreeing(buf, "normal", device) is torch_backend, device
         assert Buffer._agreeing(buf, "normal", device, composed) is torch_backend, device
     buf = types.SimpleNamespace(group_size=4, _torch=torch_backend, _destroyed=False, _composed=None,
-                                _composed_device=None, _routes={("normal", "cuda"): kernels})
+                                _composed_device=None, _routes={("normal", "cuda"): kernels},
+                                _ll_carving_handshake=lambda *args: False)
     assert Buffer._agreeing(buf, "normal", "cuda") is None
     assert Buffer._agreeing(buf, "normal", "cpu") is torch_backend  # no route: the torch backend serves
