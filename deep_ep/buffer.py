@@ -134,13 +134,16 @@ class _Agreement:
         if self.rides and refused is None:
             self.signature = signature
         else:
-            # Low-latency calls exchange point to point with the active ranks; a clean outside shrink mode, and a
+            # Low-latency calls exchange point to point with the active ranks; outside shrink mode a clean, and a
             # low-latency call on the kernels before the buffer has a carving, make one all-gather instead (a
-            # kernel-served group may never have connected its ranks pairwise through the process group).
+            # kernel-served group may never have connected its ranks pairwise through the process group). In shrink
+            # mode the exchange skips the ranks that the serving kernels' mask skips.
             handshake = self.buffer._ll_carving_handshake(self.method, self.device, self.backend)
-            point_to_point = self.mode == "low_latency" and not handshake and (
-                self.method != "clean_low_latency_buffer" or self.buffer.enable_shrink)
-            torch_backend.agree(signature, f"{self.method} agreement", point_to_point)
+            shrink = self.buffer.enable_shrink
+            point_to_point = self.mode == "low_latency" and (
+                shrink or (not handshake and self.method != "clean_low_latency_buffer"))
+            ranks = self.buffer._kernel_active_ranks(self.device, self.backend) if point_to_point and shrink else None
+            torch_backend.agree(signature, f"{self.method} agreement", point_to_point, ranks=ranks)
             if handshake and refused is None:
                 self.signature = signature  # the kernels carry its hash too
 
@@ -307,13 +310,13 @@ class Buffer:
         """The torch backend when a call of ``mode`` served by ``backend`` (``None``: the route of ``device``)
         checks its agreement through it, else ``None``: a multi-rank group served by the torch backend, or by the
         composed path (its stages run on subgroups, so the whole group exchanges the signature first, whatever
-        stage runs on the kernels), and ``clean_low_latency_buffer`` (``method``) whatever serves it, outside shrink
-        mode (the kernels carry no signature for a clean, which is rare and moves no rows; a shrink-mode group may
-        hold dead ranks that only the kernels' masks skip). An unknown device agrees only if every device type's
-        route does."""
+        stage runs on the kernels), ``clean_low_latency_buffer`` (``method``) whatever serves it (the kernels
+        carry no signature for a clean, which is rare and moves no rows), and a low-latency call on the kernels
+        before the buffer has a carving (:meth:`_ll_carving_handshake`). An unknown device agrees only if every
+        device type's route does."""
         if self.group_size == 1 or self._torch is None or self._destroyed:
             return None
-        if method == "clean_low_latency_buffer" and not self.enable_shrink:
+        if method == "clean_low_latency_buffer":
             return self._torch
         if self._ll_carving_handshake(method, device, backend):
             return self._torch
@@ -332,16 +335,30 @@ class Buffer:
         """Whether a low-latency dispatch or combine agrees through one all-gather of the torch backend instead of
         its kernels' count messages: the first call on the kernels since the Buffer was built, while the buffer has no
         carving (``_ll_last``; a clean sets one). Ranks whose (T, H, E) differ would carve the buffer differently,
-        so their count words would miss each other. Not in shrink mode (the group may hold dead ranks), not under
-        CUDA-graph capture, not without a torch.distributed group."""
+        so their count words would miss each other. In shrink mode the exchange is point to point with the ranks the
+        kernels' mask leaves active (:meth:`_kernel_active_ranks`). Not under CUDA-graph capture, not without a
+        torch.distributed group."""
         if method not in ("low_latency_dispatch", "low_latency_combine") or self._ll_last is not None:
             return False
-        if self.enable_shrink or self._torch is None or self.group_size == 1 or self._destroyed:
+        if self._torch is None or self.group_size == 1 or self._destroyed:
             return False
         if backend is None:
             backend = self._routes.get(("low_latency", "cuda" if device in (None, _UNKNOWN_DEVICE) else device))
         return (backend is not None and backend.hashes_signature
                 and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
+
+    def _kernel_active_ranks(self, device: Optional[str], backend: Optional[Backend]) -> Optional[list[int]]:
+        """The ranks a shrink-mode low-latency agreement of the torch backend exchanges with when kernels serve the
+        call (``backend``, else the low-latency route of ``device``): those their mask leaves active, this rank
+        included (one host sync; the call is a clean or a first call). ``None`` when the torch backend serves the
+        call (it keeps its own mask)."""
+        if backend is None:
+            backend = self._routes.get(("low_latency", "cuda" if device in (None, _UNKNOWN_DEVICE) else device))
+        if backend is None or backend is self._torch:
+            return None
+        mask = torch.zeros(self.group_size, dtype=torch.int32, device="cpu")
+        backend.low_latency_query_mask_buffer(mask)
+        return [r for r in range(self.group_size) if r == self.rank or int(mask[r]) == 0]
 
     def _kernel_agreeing(self, method: str, device: Optional[str], backend: Optional[Backend],
                          cached: bool) -> Optional[Backend]:

@@ -349,6 +349,8 @@ def make_fake_extension(torch) -> types.ModuleType:
             self.record = None
             self.told = None  # the record a rank without rows gets at its next launch (a peer told it)
             self.launches = []  # "dispatch (N tokens)" / "combine (N tokens)" / "refuse combine" per launch
+            self.shrink_mask = [0] * num_ranks  # 1: masked (shrink mode)
+            self.cleans = 0  # clean launches
 
         def required_bytes(self, num_max_tokens, hidden, num_experts):
             return 0
@@ -362,6 +364,16 @@ def make_fake_extension(torch) -> types.ModuleType:
 
         def clean(self, num_max_tokens, hidden, num_experts, stream):
             self.told = None  # the disagreement word is zeroed
+            self.cleans += 1
+
+        def update_mask(self, rank, mask, stream):
+            self.shrink_mask[rank] = 1 if mask else 0
+
+        def query_mask(self, out, stream):
+            out.copy_(torch.tensor(self.shrink_mask, dtype=torch.int32))
+
+        def clean_mask(self, stream):
+            self.shrink_mask = [0] * self.num_ranks
 
         def combine_buffer(self, num_max_tokens, hidden, num_experts, half):
             return torch.empty(num_experts // self.num_ranks, self.num_ranks * num_max_tokens, hidden,

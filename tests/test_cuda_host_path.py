@@ -538,6 +538,64 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
     assert outs[0]["early state"] == outs[1]["early state"], (outs[0]["early state"], outs[1]["early state"])
 
 
+# Two ranks (argv: ROOT RANK PORT), shrink mode on the fake low-latency kernels: the first call (no carving yet) and
+# cleans agree point to point with the ranks the kernels' mask leaves active. Prints, per step, the outcome, the
+# launches and the cleans that ran.
+_SHRINK_AGREE_PROBE = _TWO_RANKS + r"""
+out = {}
+
+def attempt(name, runtime, call):
+    before, cleans = len(runtime.launches), runtime.cleans
+    try:
+        call()
+        out[name] = ["ok", "", runtime.launches[before:], runtime.cleans - cleans]
+    except Exception as exc:
+        out[name] = [type(exc).__name__, str(exc), runtime.launches[before:], runtime.cleans - cleans]
+
+with fake.patched(torch, cuda_tensors=True):
+    os.environ["DEEP_EP_BACKEND"] = "cuda"
+    ll = deep_ep.Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True, enable_shrink=True)
+    x_ll, _, idx_ll, _ = fake.scenario(torch, deep_ep, 16, 1024, 4, 8)
+    runtime = ll._cuda_ll.runtime
+    attempt("first refused", runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 7 if rank == 1 else 8))
+    attempt("first hidden", runtime,
+            lambda: ll.low_latency_dispatch(torch.cat([x_ll, x_ll], 1) if rank == 1 else x_ll, idx_ll, 16, 8))
+    attempt("first", runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
+    attempt("clean differs", runtime, lambda: ll.clean_low_latency_buffer(16, 2048 if rank == 1 else 1024, 8))
+    attempt("clean refused", runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 9 if rank == 1 else 8))
+    attempt("clean", runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
+    # Each rank masks the other: a clean exchanges with nobody, so arguments that differ raise nowhere.
+    ll.low_latency_update_mask_buffer(1 - rank, True)
+    attempt("clean masked", runtime, lambda: ll.clean_low_latency_buffer(16, 2048 if rank == 1 else 1024, 8))
+    ll.low_latency_clean_mask_buffer()
+    attempt("clean unmasked", runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
+    ll._release()
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_shrink_mode_first_call_and_clean_agree_with_the_active_ranks():
+    """In shrink mode the kernels carry no signature for a clean, and a first call has no carving for its count
+    words: both exchange the call's arguments point to point with the ranks the kernels' mask leaves active, so a
+    disagreement raises at once on every active rank and nothing runs; masked ranks are not waited for."""
+    outs = _run_two_ranks(_SHRINK_AGREE_PROBE, 29700 + os.getpid() % 90)
+    for rank, out in enumerate(outs):
+        kind, message, launches, cleans = out["first refused"]
+        assert launches == [] and kind == ("ValueError" if rank == 1 else "ArgumentMismatchError"), out
+        assert "num_experts" in message and (rank == 1 or "rank 1 (num_experts)" in message), message
+        kind, message, launches, cleans = out["first hidden"]
+        assert kind == "ArgumentMismatchError" and launches == [] and "x.size(1) (hidden)" in message, out
+        assert out["first"][0] == "ok" and out["first"][2] == ["dispatch (16 tokens)"], out["first"]
+        kind, message, _, cleans = out["clean differs"]
+        assert kind == "ArgumentMismatchError" and "hidden" in message and cleans == 0, out["clean differs"]
+        kind, message, _, cleans = out["clean refused"]
+        assert cleans == 0 and kind == ("ValueError" if rank == 1 else "ArgumentMismatchError"), out
+        assert out["clean"][0] == "ok" and out["clean"][3] == 1, out["clean"]
+        assert out["clean masked"][0] == "ok" and out["clean masked"][3] == 1, out["clean masked"]
+        assert out["clean unmasked"][0] == "ok" and out["clean unmasked"][3] == 1, out["clean unmasked"]
+
+
 # Two ranks (argv: ROOT RANK PORT): rank 1 has no tokens and combines with use_logfmt flipped, so only rank 0
 # receives rows of the other hash and rank 1 is told (its next kernel does nothing but record it). The ranks then
 # make different numbers of low-latency calls before each raises, as the GPU test does; then both clean and run

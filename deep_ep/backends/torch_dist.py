@@ -228,7 +228,8 @@ class TorchBackend(Backend):
         self.mask = torch.zeros(num_ranks, dtype=torch.int32, device="cpu") if enable_shrink else None
         self.comm.shrink = enable_shrink
 
-    def agree(self, signature: Signature, phase: str, low_latency: bool = False, payload: Any = None) -> Any:
+    def agree(self, signature: Signature, phase: str, low_latency: bool = False, payload: Any = None,
+              ranks: Optional[Sequence[int]] = None) -> Any:
         """Exchange ``signature`` with every rank of the call and check that they agree (``check_agreement``),
         before any row moves; ``payload`` rides in the same exchange and every rank's comes back.
 
@@ -236,8 +237,9 @@ class TorchBackend(Backend):
         call (so that ranks making different calls exchange equal sizes); ``payload`` is an ``[n]`` int64 vector
         (``n`` follows from the agreed arguments) and comes back as ``[R, n]``, its words beyond the fixed part in
         a second all-gather. Low-latency mode: point-to-point with the active ranks (shrink mode skips masked
-        ranks; a timeout names the peer), receives sized for the largest message; ``payload`` maps each other
-        active rank to its ``[n]`` int64 vector and ``{source: [n] int64}`` comes back."""
+        ranks; a timeout names the peer), or with ``ranks`` (those another backend's mask leaves active, this
+        rank included), receives sized for the largest message; ``payload`` maps each other active rank to its
+        ``[n]`` int64 vector and ``{source: [n] int64}`` comes back."""
         words = signature.words()
         if not low_latency:
             count = 0 if payload is None else payload.numel()
@@ -255,12 +257,13 @@ class TorchBackend(Backend):
                 rest = self.comm.all_gather(payload[riding:].contiguous(), phase, "per-rank token counts")
                 rows = torch.cat([rows, rest.to(torch.int64)], dim=1)
             return rows
-        return self._agree_peers(signature, phase, payload)[0]
+        return self._agree_peers(signature, phase, payload, ranks)[0]
 
-    def _agree_peers(self, signature: Signature, phase: str, payload: Any) -> tuple[Any, _Pending]:
+    def _agree_peers(self, signature: Signature, phase: str, payload: Any,
+                     ranks: Optional[Sequence[int]] = None) -> tuple[Any, _Pending]:
         """:meth:`agree` of low-latency mode; also returns the exchange's ``_Pending`` (its wait times)."""
         words = signature.words()
-        ranks = self._active_peers()
+        ranks = list(ranks) if ranks is not None else self._active_peers()
         capacity = SIGNATURE_WORDS + NUM_MAX_LOCAL_EXPERTS
         bufs = {s: torch.empty(capacity, dtype=torch.int64, device=self.device) for s in ranks if s != self.rank}
         sends = [(d, torch.cat([words, payload[d]]).to(self.device) if payload is not None else words.to(self.device))
