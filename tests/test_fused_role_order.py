@@ -69,16 +69,33 @@ def _drain(warps: list[list], step: Callable[[int, str, int], Optional[bool]]) -
             return False
 
 
-def dispatch_completes(num_nodes: int, per_node: int, seed: int, capacity: int = 1, order: Order = _ascending) -> bool:
+def fused_window(rail_capacity: int, node_capacity: int) -> int:
+    """The kernels' window (csrc/kernels/fused_internode.cu ``fused_window``): tokens a sender team routes at once
+    and records a forwarder team waits for at once."""
+    return max(1, min(32, rail_capacity // 2, node_capacity))
+
+
+def dispatch_completes(num_nodes: int, per_node: int, seed: int, capacity: int = 1, order: Order = _ascending,
+                       send_window: Optional[int] = None, forward_window: Optional[int] = None,
+                       tokens: int = 12) -> bool:
     """Senders (node n) -> rail ring at forwarder (n, l) -> forwarders (source node m) -> node ring at each receiver
-    of the token's mask -> receivers (source rank s)."""
-    num_ranks, routing = num_nodes * per_node, _routing(num_nodes, per_node, 12, seed)
-    to_send = {}  # (source node, destination node, local) -> records left to write
+    of the token's mask -> receivers (source rank s).
+
+    Windows as the kernels' teams take them (default :func:`fused_window` of ``capacity``): a sender routes
+    ``send_window`` tokens at once and writes their records only when the rail ring has room for all of them; a
+    forwarder waits until the next ``forward_window`` records of the call (fewer at its end) are in its rail ring and
+    every node ring has room for its share of them, then forwards them all."""
+    window = fused_window(capacity, capacity)
+    send_window, forward_window = send_window or window, forward_window or window
+    num_ranks, routing = num_nodes * per_node, _routing(num_nodes, per_node, tokens, seed)
+    to_route = {}  # (source node, destination node, local) -> per token left: its local mask there, or None
+    to_forward = {}  # the same key -> records the forwarder has yet to take
     rail = {}  # the same key -> records in the rail ring (local masks)
     for s in range(num_ranks):
         m, local = divmod(s, per_node)
         for n in range(num_nodes):
-            to_send[(m, n, local)] = deque(row[n] for row in routing[s] if n in row)
+            to_route[(m, n, local)] = deque(row.get(n) for row in routing[s])
+            to_forward[(m, n, local)] = sum(1 for row in routing[s] if n in row)
             rail[(m, n, local)] = deque()
     node = {(r, s): 0 for r in range(num_ranks) for s in range(num_ranks)}
     to_receive = {(r, s): sum(1 for row in routing[s] if r // per_node in row and r % per_node in row[r // per_node])
@@ -88,22 +105,31 @@ def dispatch_completes(num_nodes: int, per_node: int, seed: int, capacity: int =
         m, local = divmod(rank, per_node)
         if kind == "send":
             key = (m, i, local)
-            if not to_send[key]:
+            if not to_route[key]:
                 return None
-            if len(rail[key]) >= capacity:
+            records = [mask for mask in list(to_route[key])[:send_window] if mask is not None]
+            if len(rail[key]) + len(records) > capacity:
                 return False
-            rail[key].append(to_send[key].popleft())
+            for _ in range(min(send_window, len(to_route[key]))):
+                to_route[key].popleft()
+            rail[key].extend(records)
             return True
         if kind == "forward":
             key, s = (i, m, local), i * per_node + local
-            if not rail[key]:
-                return None if not to_send[key] else False
-            mask = rail[key][0]
-            if any(node[(m * per_node + j, s)] >= capacity for j in mask):
+            if to_forward[key] == 0:
+                return None
+            batch = min(forward_window, to_forward[key])
+            if len(rail[key]) < batch:
                 return False
-            for j in mask:
-                node[(m * per_node + j, s)] += 1
-            rail[key].popleft()
+            masks = [rail[key][k] for k in range(batch)]
+            share = {j: sum(1 for mask in masks if j in mask) for j in range(per_node)}
+            if any(node[(m * per_node + j, s)] + count > capacity for j, count in share.items()):
+                return False
+            for j, count in share.items():
+                node[(m * per_node + j, s)] += count
+            for _ in range(batch):
+                rail[key].popleft()
+            to_forward[key] -= batch
             return True
         if to_receive[(rank, i)] == 0:
             return None
@@ -255,6 +281,19 @@ def test_an_order_that_differs_deadlocks():
 
     assert not all(dispatch_completes(32, 2, seed, order=forwarders_descend) for seed in range(3))
     assert not all(combine_completes(8, 8, seed, order=odd_ranks_descend, chunk=3) for seed in range(3))
+
+
+@pytest.mark.parametrize("capacity", [2, 3, 4, 6, 10, 64])
+def test_dispatch_windows_complete_at_every_ring_size(capacity):
+    """The kernels' windows (at most half a rail ring and at most a node ring) never stall a dispatch, small rings
+    included, for groups with one and several roles per warp; windows as large as the ring do, so the model can tell
+    (a forwarder waits for a whole window that its sender can only finish after more credits)."""
+    for num_nodes, per_node in ((2, 2), (4, 2), (2, 8), (17, 2)):
+        for seed in range(3):
+            assert dispatch_completes(num_nodes, per_node, seed, capacity, tokens=40), (num_nodes, per_node, seed)
+    if 3 <= capacity <= 10:  # windows shorter than the 40 tokens of a call
+        assert not all(dispatch_completes(2, 2, seed, capacity, send_window=capacity, forward_window=capacity,
+                                          tokens=40) for seed in range(6))
 
 
 @pytest.mark.parametrize(("num_nodes", "per_node"), [(2, 2), (32, 2)], ids=["2x2", "32x2"])
