@@ -108,8 +108,8 @@ class _Agreement:
             # tokens when its own is not valid), a low-latency
             # dispatch its hash in its count messages (a refusal launches it with no tokens, once (T, H, E) are
             # valid), a low-latency combine in its arrival words (a refusal tells every peer, once the handle is
-            # valid); other calls (a clean outside shrink mode goes through the torch backend, above), and a single
-            # rank, exchange nothing.
+            # valid); other calls (a clean goes through the torch backend, above), and a single rank, exchange
+            # nothing.
             kernels = self.buffer._kernel_agreeing(self.method, self.device, self.backend, self.cached)
             if kernels is not None:
                 signature = Signature(self.method, fields, refused)
@@ -332,28 +332,32 @@ class Buffer:
 
     def _ll_carving_handshake(self, method: Optional[str], device: Optional[str],
                               backend: Optional[Backend]) -> bool:
-        """Whether a low-latency dispatch or combine agrees through one all-gather of the torch backend instead of
-        its kernels' count messages: the first call on the kernels since the Buffer was built, while the buffer has no
+        """Whether a low-latency dispatch or combine agrees through the torch backend (one all-gather; in shrink mode
+        point to point with the ranks the kernels' mask leaves active, :meth:`_kernel_active_ranks`) instead of its
+        kernels' count messages: the first call on the kernels since the Buffer was built, while the buffer has no
         carving (``_ll_last``; a clean sets one). Ranks whose (T, H, E) differ would carve the buffer differently,
-        so their count words would miss each other. In shrink mode the exchange is point to point with the ranks the
-        kernels' mask leaves active (:meth:`_kernel_active_ranks`). Not under CUDA-graph capture, not without a
-        torch.distributed group."""
+        so their count words would miss each other. Not under CUDA-graph capture, not without a torch.distributed
+        group."""
         if method not in ("low_latency_dispatch", "low_latency_combine") or self._ll_last is not None:
             return False
         if self._torch is None or self.group_size == 1 or self._destroyed:
             return False
-        if backend is None:
-            backend = self._routes.get(("low_latency", "cuda" if device in (None, _UNKNOWN_DEVICE) else device))
+        backend = self._ll_route(device, backend)
         return (backend is not None and backend.hashes_signature
                 and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
+
+    def _ll_route(self, device: Optional[str], backend: Optional[Backend]) -> Optional[Backend]:
+        """``backend`` when the call has chosen one, else the low-latency route of ``device`` (CUDA when unknown)."""
+        if backend is not None:
+            return backend
+        return self._routes.get(("low_latency", "cuda" if device in (None, _UNKNOWN_DEVICE) else device))
 
     def _kernel_active_ranks(self, device: Optional[str], backend: Optional[Backend]) -> Optional[list[int]]:
         """The ranks a shrink-mode low-latency agreement of the torch backend exchanges with when kernels serve the
         call (``backend``, else the low-latency route of ``device``): those their mask leaves active, this rank
         included (one host sync; the call is a clean or a first call). ``None`` when the torch backend serves the
         call (it keeps its own mask)."""
-        if backend is None:
-            backend = self._routes.get(("low_latency", "cuda" if device in (None, _UNKNOWN_DEVICE) else device))
+        backend = self._ll_route(device, backend)
         if backend is None or backend is self._torch:
             return None
         mask = torch.zeros(self.group_size, dtype=torch.int32, device="cpu")

@@ -106,8 +106,8 @@ class DeepEpProfile:
             lane), GB/s per warp: the fused kernels' forwarders (dispatch) and senders (combine), teams of warps.
         warp_local_gbps: rate of one warp copying rows within its GPU, GB/s per warp: the fused kernels'
             receivers, staging senders and reducers (bytes read).
-        fused_row_ns: control cost of one record in a fused kernel's ring team (dispatch: paid once per record by
-            the team whose warps share it; combine: by the warp that takes the record), ns.
+        fused_row_ns: control cost of one record in a fused kernel's ring team, paid by the warp that takes the
+            record, ns.
         fused_chunk_us: turn-around of one published chunk on a fused kernel's ring (the team's progress
             handshake, the tail or credit store and fence, the consumer's poll), µs per chunk of its team.
         fused_hbm_efficiency: fraction of the GPU's HBM rate that a fused kernel's copies reach (each byte a role
