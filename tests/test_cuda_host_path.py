@@ -324,12 +324,8 @@ with fake.patched(torch, cuda_tensors=True):
     ll = deep_ep.Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True)
     x_ll, _, idx_ll, _ = fake.scenario(torch, deep_ep, 16, 1024, 4, 8)
     ll_runtime = ll._cuda_ll.runtime
-    # Before the buffer has a carving, the first call agrees through one torch all-gather: a refusal (num_experts 7
-    # on rank 1) and another hidden size raise at once on both ranks and launch nothing; then a call that agrees
-    # sets the carving, and the calls after it agree in the kernels' count messages.
-    attempt("ll first refused", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 7 if rank == 1 else 8))
-    attempt("ll first hidden", ll_runtime,
-            lambda: ll.low_latency_dispatch(torch.cat([x_ll, x_ll], 1) if rank == 1 else x_ll, idx_ll, 16, 8))
+    # The first call sets the carving (its agreement through the torch backend: _FIRST_CALL_PROBE); the calls after
+    # it agree in the kernels' count messages.
     attempt("ll first", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
     attempt("ll fp8", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8, use_fp8=rank == 0))
     parity = ll._cuda_ll.parity
@@ -390,20 +386,17 @@ with fake.patched(torch, cuda_tensors=True):
     attempt("ll carving new", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 2048, 8))
     attempt("ll carving new call", ll_runtime, lambda: ll.low_latency_dispatch(wide_ll, idx_ll, 16, 8))
     attempt("ll carving back", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
-    # clean_low_latency_buffer: the kernels carry no signature for it, the torch backend does (outside shrink mode).
-    attempt("clean differs", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 2048 if rank == 1 else 1024, 8))
-    attempt("clean refused", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 9 if rank == 1 else 8))
-    attempt("clean after", ll_runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
-    attempt("ll after clean checks", ll_runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
     ll._release()
 dist.destroy_process_group()
 print(json.dumps(out))
 """
 
 
-def _run_two_ranks(script: str, port: int) -> list:
-    """Run ``script`` as ranks 0 and 1 (argv: ROOT RANK PORT); returns the JSON object each printed last."""
-    procs = [subprocess.Popen([sys.executable, "-c", script, ROOT, str(rank), str(port)], cwd=ROOT, env=probe_env(),
+def _run_two_ranks(script: str, port: int, *args: str) -> list:
+    """Run ``script`` as ranks 0 and 1 (argv: ROOT RANK PORT, then ``args``); returns the JSON object each printed
+    last."""
+    procs = [subprocess.Popen([sys.executable, "-c", script, ROOT, str(rank), str(port), *args], cwd=ROOT,
+                              env=probe_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     outs = []
     for proc in procs:
@@ -462,12 +455,6 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
         kind, message, launches = out["cached refused next"]
         assert kind == "ArgumentMismatchError" and launches == ["await"] and f"peer {1 - rank}" in message, message
         assert out["after cached refused"][0] == "ok", out["after cached refused"]
-        # Low latency, the first call (no carving yet): the torch all-gather's verdict, before any launch.
-        kind, message, launches = out["ll first refused"]
-        assert launches == [] and kind == ("ValueError" if rank == 1 else "ArgumentMismatchError"), out
-        assert "num_experts" in message and (rank == 1 or "rank 1 (num_experts)" in message), message
-        kind, message, launches = out["ll first hidden"]
-        assert kind == "ArgumentMismatchError" and launches == [] and "x.size(1) (hidden)" in message, out
         assert out["ll first"] == ["ok", "", ["dispatch (16 tokens)"]], out["ll first"]
         # Low latency: the hashes differ; every launch raises on both ranks, keeping the parity, until
         # clean_low_latency_buffer; then the calls work.
@@ -523,25 +510,18 @@ def test_cuda_ranks_that_disagree_raise_on_every_rank():
         assert out["ll carving all"][0] == "ValueError" and out["ll carving all next"][0] == "ok", out
         for step in ("ll carving clean", "ll carving new", "ll carving new call", "ll carving back"):
             assert out[step][0] == "ok", (step, out[step])
-        # Cleans whose arguments differ, or that one rank refuses, raise on both ranks before any clean runs.
-        kind, message, _ = out["clean differs"]
-        assert kind == "ArgumentMismatchError" and "hidden" in message and "clean_low_latency_buffer" in message, out
-        kind, message, _ = out["clean refused"]
-        if rank == 1:
-            assert kind == "ValueError" and "num_experts" in message, out["clean refused"]
-        else:
-            assert kind == "ArgumentMismatchError" and "rank 1 (num_experts)" in message, out["clean refused"]
-        assert out["clean after"][0] == out["ll after clean checks"][0] == "ok", out
     # The refusing rank counted the call as its peer did: same parity, call number and handle number.
     assert outs[0]["ll state"] == outs[1]["ll state"], (outs[0]["ll state"], outs[1]["ll state"])
     assert outs[0]["llc state"] == outs[1]["llc state"], (outs[0]["llc state"], outs[1]["llc state"])
     assert outs[0]["early state"] == outs[1]["early state"], (outs[0]["early state"], outs[1]["early state"])
 
 
-# Two ranks (argv: ROOT RANK PORT), shrink mode on the fake low-latency kernels: the first call (no carving yet) and
-# cleans agree point to point with the ranks the kernels' mask leaves active. Prints, per step, the outcome, the
-# launches and the cleans that ran.
-_SHRINK_AGREE_PROBE = _TWO_RANKS + r"""
+# Two ranks (argv: ROOT RANK PORT SHRINK) on the fake low-latency kernels, shrink mode when SHRINK is "1": the first
+# call (no carving yet) and cleans (the kernels carry no signature for them) agree through the torch backend, one
+# all-gather, or in shrink mode point to point with the ranks the kernels' mask leaves active. Prints, per step, the
+# outcome, the launches and the cleans that ran.
+_FIRST_CALL_PROBE = _TWO_RANKS + r"""
+shrink = sys.argv[4] == "1"
 out = {}
 
 def attempt(name, runtime, call):
@@ -554,7 +534,7 @@ def attempt(name, runtime, call):
 
 with fake.patched(torch, cuda_tensors=True):
     os.environ["DEEP_EP_BACKEND"] = "cuda"
-    ll = deep_ep.Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True, enable_shrink=True)
+    ll = deep_ep.Buffer(group, num_rdma_bytes=1 << 30, low_latency_mode=True, enable_shrink=shrink)
     x_ll, _, idx_ll, _ = fake.scenario(torch, deep_ep, 16, 1024, 4, 8)
     runtime = ll._cuda_ll.runtime
     attempt("first refused", runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 7 if rank == 1 else 8))
@@ -564,36 +544,47 @@ with fake.patched(torch, cuda_tensors=True):
     attempt("clean differs", runtime, lambda: ll.clean_low_latency_buffer(16, 2048 if rank == 1 else 1024, 8))
     attempt("clean refused", runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 9 if rank == 1 else 8))
     attempt("clean", runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
-    # Each rank masks the other: a clean exchanges with nobody, so arguments that differ raise nowhere.
-    ll.low_latency_update_mask_buffer(1 - rank, True)
-    attempt("clean masked", runtime, lambda: ll.clean_low_latency_buffer(16, 2048 if rank == 1 else 1024, 8))
-    ll.low_latency_clean_mask_buffer()
-    attempt("clean unmasked", runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
+    attempt("after clean", runtime, lambda: ll.low_latency_dispatch(x_ll, idx_ll, 16, 8))
+    if shrink:
+        # Each rank masks the other: a clean exchanges with nobody, so arguments that differ raise nowhere.
+        ll.low_latency_update_mask_buffer(1 - rank, True)
+        attempt("clean masked", runtime, lambda: ll.clean_low_latency_buffer(16, 2048 if rank == 1 else 1024, 8))
+        ll.low_latency_clean_mask_buffer()
+        attempt("clean unmasked", runtime, lambda: ll.clean_low_latency_buffer(16, 1024, 8))
     ll._release()
 dist.destroy_process_group()
 print(json.dumps(out))
 """
 
 
-def test_shrink_mode_first_call_and_clean_agree_with_the_active_ranks():
-    """In shrink mode the kernels carry no signature for a clean, and a first call has no carving for its count
-    words: both exchange the call's arguments point to point with the ranks the kernels' mask leaves active, so a
-    disagreement raises at once on every active rank and nothing runs; masked ranks are not waited for."""
-    outs = _run_two_ranks(_SHRINK_AGREE_PROBE, 29700 + os.getpid() % 90)
+@pytest.mark.parametrize("shrink", [False, True], ids=["all-gather", "shrink"])
+def test_first_call_and_clean_agree_through_the_torch_backend(shrink):
+    """The kernels carry no signature for a clean, and a first call has no carving for its count words: both agree
+    through the torch backend (in shrink mode point to point with the ranks the kernels' mask leaves active), so a
+    disagreement or a refusal raises at once on every rank and nothing runs; masked ranks are not waited for."""
+    outs = _run_two_ranks(_FIRST_CALL_PROBE, 29700 + 2 * (os.getpid() % 45) + shrink, "1" if shrink else "0")
     for rank, out in enumerate(outs):
-        kind, message, launches, cleans = out["first refused"]
+        kind, message, launches, _ = out["first refused"]
         assert launches == [] and kind == ("ValueError" if rank == 1 else "ArgumentMismatchError"), out
         assert "num_experts" in message and (rank == 1 or "rank 1 (num_experts)" in message), message
-        kind, message, launches, cleans = out["first hidden"]
+        kind, message, launches, _ = out["first hidden"]
         assert kind == "ArgumentMismatchError" and launches == [] and "x.size(1) (hidden)" in message, out
-        assert out["first"][0] == "ok" and out["first"][2] == ["dispatch (16 tokens)"], out["first"]
+        assert out["first"][:3] == ["ok", "", ["dispatch (16 tokens)"]], out["first"]
+        # Cleans whose arguments differ, or that one rank refuses, raise on both ranks before any clean runs.
         kind, message, _, cleans = out["clean differs"]
-        assert kind == "ArgumentMismatchError" and "hidden" in message and cleans == 0, out["clean differs"]
+        assert kind == "ArgumentMismatchError" and "hidden" in message and "clean_low_latency_buffer" in message, out
+        assert cleans == 0, out["clean differs"]
         kind, message, _, cleans = out["clean refused"]
-        assert cleans == 0 and kind == ("ValueError" if rank == 1 else "ArgumentMismatchError"), out
+        assert cleans == 0, out["clean refused"]
+        if rank == 1:
+            assert kind == "ValueError" and "num_experts" in message, out["clean refused"]
+        else:
+            assert kind == "ArgumentMismatchError" and "rank 1 (num_experts)" in message, out["clean refused"]
         assert out["clean"][0] == "ok" and out["clean"][3] == 1, out["clean"]
-        assert out["clean masked"][0] == "ok" and out["clean masked"][3] == 1, out["clean masked"]
-        assert out["clean unmasked"][0] == "ok" and out["clean unmasked"][3] == 1, out["clean unmasked"]
+        assert out["after clean"][0] == "ok", out["after clean"]
+        if shrink:
+            assert out["clean masked"][0] == "ok" and out["clean masked"][3] == 1, out["clean masked"]
+            assert out["clean unmasked"][0] == "ok" and out["clean unmasked"][3] == 1, out["clean unmasked"]
 
 
 # Two ranks (argv: ROOT RANK PORT): rank 1 has no tokens and combines with use_logfmt flipped, so only rank 0
