@@ -223,3 +223,35 @@ def test_disagreeing_ranks_raise_promptly(pools, world):
 @pytest.mark.timeout(300)
 def test_agreement_rides_on_the_count_exchanges(pools):
     pools.get(2, {"DEEP_EP_GPUS_PER_NODE": "2", "DEEP_EP_TIMEOUT_S": "20"}).check(MODULE, "run_exchange_count", None)
+
+
+def test_signature_hash_cache_gives_the_hash_of_the_words():
+    """The cached hash of a signature is the CRC of its words, whatever came before: equal signatures (values that
+    compare equal, such as 1, 1.0 and True) hash equally, different ones differently, refusals and unhashable values
+    included, and a full cache starts over."""
+    import struct
+    import zlib
+
+    import deep_ep
+    from deep_ep.backends import agreement as ag
+
+    def crc(signature):
+        return zlib.crc32(struct.pack(f"<{ag.SIGNATURE_WORDS}q", *signature.values()))
+
+    config = deep_ep.Config(20, 6, 256, 6, 128)
+    signatures = [ag.Signature("combine", (("hidden", h), ("flag", flag), ("dtype", dt), ("config", config)))
+                  for h in (128, 256) for flag in (True, False) for dt in (torch.bfloat16, torch.float32)]
+    signatures += [ag.Signature("combine", (("hidden", 128.0), ("flag", 1), ("dtype", torch.bfloat16),
+                                            ("config", config))),
+                   ag.Signature("combine", (), "x"), ag.Signature("combine", (), "topk_idx"),
+                   ag.Signature("low_latency_dispatch", (("hidden", 128), ("tensors", [1, 2])))]
+    for _ in range(2):  # the second round reads the cache
+        for signature in signatures:
+            assert ag.signature_hash(signature) == crc(signature)
+    assert ag.signature_hash(signatures[-4]) == ag.signature_hash(signatures[0])
+    assert len({ag.signature_hash(s) for s in signatures}) == len(signatures) - 1
+    for i in range(ag._HASHES_MAX + 10):
+        signature = ag.Signature("dispatch", (("n", i),))
+        assert ag.signature_hash(signature) == crc(signature)
+    assert len(ag._HASHES) <= ag._HASHES_MAX
+    assert ag.signature_hash(None) == 0

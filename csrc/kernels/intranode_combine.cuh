@@ -45,24 +45,14 @@ __device__ __forceinline__ int64_t combine_agreement_offset(int source, uint32_t
     return kCombineAgreementOffset + 8 * (2 * source + static_cast<int64_t>(call_number & 1u));
 }
 
-// Every thread of a CTA at kernel start: the number of a checked combine (checked_call_number) into `call_number`
-// (shared), 0 for an unchecked one. Ends with the CTA synchronised when checked.
-__device__ __forceinline__ uint32_t load_combine_call(const KernelContext& ctx, const CombineArgs& args,
-                                                     volatile uint32_t* call_number) {
-    if (args.signature_hash == 0u) return 0u;
-    if (threadIdx.x == 0) *call_number = checked_call_number(ctx);
-    __syncthreads();
-    return *call_number;
-}
-
-// CTA 0, thread d: this rank's word of the call (call number, signature hash) into peer d's buffer, at kernel start
-// and before anything waits: a release store for a pointer peer, a 64-bit signal into the word's twin for a put
-// peer (put.cuh; the word arrives whole).
+// Lane d of CTA 0's agreement warp: this rank's word of the call (call number, signature hash) into peer d's buffer,
+// before the warp waits for anything: a release store for a pointer peer, a 64-bit signal into the word's twin for a
+// put peer (put.cuh; the word arrives whole).
 template <bool kPut>
 __device__ __forceinline__ void publish_combine_agreement(const KernelContext& ctx, const CombineArgs& args,
                                                           uint32_t call_number) {
-    const int d = static_cast<int>(threadIdx.x);
-    if (args.signature_hash == 0u || blockIdx.x != 0 || d >= ctx.num_ranks || d == ctx.rank) return;
+    const int d = lane_id();
+    if (blockIdx.x != 0 || d >= ctx.num_ranks || d == ctx.rank) return;
     const int64_t offset = combine_agreement_offset(ctx.rank, call_number);
     const uint64_t word = (static_cast<uint64_t>(call_number) << 32) | args.signature_hash;
     if (kPut && is_ring_put_peer(ctx, d))
@@ -109,14 +99,20 @@ static __device__ __noinline__ int warp_combine_agreement(const KernelContext& c
     return !all_ok ? kCombineAgreementFailed : (differ != 0u ? kCombineAgreementDiffers : kCombineAgreementHolds);
 }
 
-// The last warp of every CTA: the verdict of the call into `agreement` (shared), before the CTA's first barrier
-// after load_combine_call's.
+// The last warp of every CTA, at kernel start: the verdict of the call into `agreement` (shared), before the CTA's
+// first barrier. A checked call's number (checked_call_number) is loaded by this warp alone, so the other warps' first
+// loads overlap it; the warp loads it before its CTA's arrival in publish_agreement_verdict, which is what keeps every
+// CTA's number the same (the count advances only after every CTA has arrived). Ranks are at most 24: a lane each.
 template <bool kPut>
 __device__ __forceinline__ void combine_agreement(const KernelContext& ctx, const CombineArgs& args,
-                                                  uint32_t call_number, volatile int* agreement) {
+                                                  volatile int* agreement) {
     if (threadIdx.x / 32 != blockDim.x / 32 - 1) return;
-    const int verdict =
-        args.signature_hash != 0u ? warp_combine_agreement<kPut>(ctx, args, call_number) : kCombineAgreementHolds;
+    int verdict = kCombineAgreementHolds;
+    if (args.signature_hash != 0u) {
+        const uint32_t call_number = __shfl_sync(0xffffffffu, lane_id() == 0 ? checked_call_number(ctx) : 0u, 0);
+        publish_combine_agreement<kPut>(ctx, args, call_number);
+        verdict = warp_combine_agreement<kPut>(ctx, args, call_number);
+    }
     if (lane_id() == 0) *agreement = verdict;
 }
 

@@ -79,7 +79,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     __shared__ volatile int progress[kWarps];              // zone senders: items done per sender warp
     __shared__ volatile int cta_failed;
     __shared__ volatile int agreement;                     // the call's verdict on the ranks' signature hashes
-    __shared__ volatile uint32_t call_shared;              // the checked call's number (load_combine_call)
 
     const int rank = ctx.rank, num_ranks = ctx.num_ranks, num_channels = args.num_channels;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = lane_id();
@@ -90,8 +89,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const int num_send_warps = kZone ? args.num_send_warps : 0;  // zone senders per CTA (rows per stripe)
     const int first_reducer = kZone ? num_send_warps + 1 : 0;
     if (threadIdx.x == 0) cta_failed = 0;
-    const uint32_t call_number = load_combine_call(ctx, args, &call_shared);
-    publish_combine_agreement<false>(ctx, args, call_number);
     if (threadIdx.x < kMaxRanks) {
         const int d = static_cast<int>(threadIdx.x);
         landed_cache[d] = epoch_bits;
@@ -114,7 +111,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         }
     }
     if (threadIdx.x < kWarps) progress[threadIdx.x] = 0;
-    combine_agreement<false>(ctx, args, call_number, &agreement);
+    combine_agreement<false>(ctx, args, &agreement);
     __syncthreads();
     // The ranks disagree on this call: nothing is sent or reduced, and the last CTA still frees this rank's landing
     // zones (every peer's next landing-zone combine waits for that). Rows a peer's copies store into them meanwhile

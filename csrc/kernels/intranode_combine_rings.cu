@@ -35,7 +35,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     __shared__ volatile int progress[kChannelWarps];     // per warp: index of its next item (row or token)
     __shared__ volatile int cta_failed;
     __shared__ volatile int agreement;                   // the call's verdict on the ranks' signature hashes
-    __shared__ volatile uint32_t call_shared;            // the checked call's number (load_combine_call)
 
     const int rank = ctx.rank, num_ranks = ctx.num_ranks, channel = static_cast<int>(blockIdx.x);
     const int num_channels = args.num_channels, capacity = geo.ring.capacity;
@@ -52,8 +51,6 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
     const int num_channel_tokens = end - begin;
 
     if (threadIdx.x == 0) cta_failed = 0;
-    const uint32_t call_number = load_combine_call(ctx, args, &call_shared);
-    publish_combine_agreement<kPut>(ctx, args, call_number);
     if (threadIdx.x < kMaxRanks) {
         const int d = static_cast<int>(threadIdx.x);
         tail_base[d] = *workspace_u32(ctx, kWsCombineTailShadowOffset + 4 * counter_index(channel, d));
@@ -75,7 +72,7 @@ __global__ void __launch_bounds__(kChannelThreads, 1)
         const int w = static_cast<int>(threadIdx.x);
         progress[w] = w < num_copy_warps ? w / num_dests : (w >= first_reducer ? w - first_reducer : 0);
     }
-    combine_agreement<kPut>(ctx, args, call_number, &agreement);
+    combine_agreement<kPut>(ctx, args, &agreement);
     __syncthreads();
     if (agreement != kCombineAgreementHolds) {
         // No row moves and no ring advances on any rank. A peer may have taken a landing-zone path in this call:

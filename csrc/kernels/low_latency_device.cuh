@@ -69,17 +69,30 @@ static __device__ __noinline__ void record_disagreement(const Context ctx, int32
                       0);
 }
 
-// True when the ranks' call signatures differed: this rank saw it (kWsMismatch), or a peer told it (the
-// disagreement word, recorded here). Both words are loaded before either is tested.
-__device__ __forceinline__ bool signatures_disagreed(const Context& ctx) {
-    const unsigned int seen =
-        *reinterpret_cast<volatile unsigned int*>(static_cast<char*>(ctx.workspace) + kWsMismatch);
-    const uint64_t told = *reinterpret_cast<volatile uint64_t*>(static_cast<char*>(ctx.sym) + kDisagreementOffset);
-    if (seen != 0u) return true;
-    if (told == 0) return false;
-    record_disagreement(ctx, kKernelLlCombine, kPhaseLlCombineToldDisagreement, static_cast<int32_t>(told) - 1, -1, 0,
-                        0);
+// The two words that say whether the ranks' call signatures differed: this rank saw it (kWsMismatch), or a peer
+// told it (the disagreement word). Loaded together, so that a kernel's start pays one memory round trip for both and
+// for the loads issued with them.
+struct DisagreementWords {
+    unsigned int seen;
+    uint64_t told;
+};
+__device__ __forceinline__ DisagreementWords load_disagreement(const Context& ctx) {
+    DisagreementWords w;
+    w.seen = *reinterpret_cast<volatile unsigned int*>(static_cast<char*>(ctx.workspace) + kWsMismatch);
+    w.told = *reinterpret_cast<volatile uint64_t*>(static_cast<char*>(ctx.sym) + kDisagreementOffset);
+    return w;
+}
+
+// True when the words say the ranks' call signatures differed; a peer's word is recorded here.
+__device__ __forceinline__ bool signatures_disagreed(const Context& ctx, const DisagreementWords& w) {
+    if (w.seen != 0u) return true;
+    if (w.told == 0) return false;
+    record_disagreement(ctx, kKernelLlCombine, kPhaseLlCombineToldDisagreement, static_cast<int32_t>(w.told) - 1, -1,
+                        0, 0);
     return true;
+}
+__device__ __forceinline__ bool signatures_disagreed(const Context& ctx) {
+    return signatures_disagreed(ctx, load_disagreement(ctx));
 }
 
 __device__ __forceinline__ bool is_masked(const Context& ctx, int r) {

@@ -42,6 +42,7 @@ struct DispatchShared {
     int plan_slot[kMaxTile][kMaxTopk];   // message slot of the token at that destination
     int plan_ndst[kMaxTile];
     uint32_t epoch;
+    int stop;  // the ranks' call signatures differed (signatures_disagreed)
     int failed;
     int last;  // release_half: this CTA is the last of the grid to finish the hooked receive
 };
@@ -65,14 +66,21 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Context ctx, Disp
     uint64_t* bases = reinterpret_cast<uint64_t*>(static_cast<char*>(ctx.workspace) + kWsBases) + (int64_t(b) * 2 + h) * R;
     const int64_t payload_bytes = a.use_fp8 ? H + S * 4 : int64_t(H) * 2;
     const int64_t msg_bytes = lay.header_bytes + payload_bytes;
-    if (signatures_disagreed(ctx)) return;  // uniform over the grid: no state advances
-    if (!kFused && phases == kPhaseRecv && a.release_by_next_send) defer_release(ctx, h);
+    // Thread 0 loads the disagreement words with this CTA's epoch (one round trip for both): when the signatures
+    // differed, no state advances.
     if (tid == 0) {
-        sh.epoch = (phases & kPhaseSend) ? *epoch_ptr + 1 : *epoch_ptr;
-        if (phases & kPhaseSend) *epoch_ptr = sh.epoch;
+        const DisagreementWords words = load_disagreement(ctx);
+        const uint32_t last_epoch = *reinterpret_cast<volatile uint32_t*>(epoch_ptr);
+        sh.stop = signatures_disagreed(ctx, words) ? 1 : 0;
+        if (sh.stop == 0) {
+            if (!kFused && phases == kPhaseRecv && a.release_by_next_send) defer_release(ctx, h);
+            sh.epoch = (phases & kPhaseSend) ? last_epoch + 1 : last_epoch;
+            if (phases & kPhaseSend) *epoch_ptr = sh.epoch;
+        }
         sh.failed = 0;
     }
     __syncthreads();
+    if (sh.stop != 0) return;
     const uint32_t epoch = sh.epoch;
 
     if (phases & kPhaseSend) {

@@ -37,6 +37,8 @@ def _encode(value: Any) -> int:
         return int(value)
     if isinstance(value, int):
         return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # values that compare equal encode equally (signature_hash's cache relies on it)
     if isinstance(value, torch.dtype):
         return _DTYPES.index(value) if value in _DTYPES else 1000 + zlib.crc32(str(value).encode())
     return zlib.crc32(repr(value).encode())  # a Config: equal configs have equal reprs
@@ -78,11 +80,30 @@ class Signature:
         return values
 
 
+# signature_hash's results by (method, refused, fields): a call site passes the same few signatures again and again,
+# and the CRC of 32 packed words costs several microseconds of host time per call.
+_HASHES: dict = {}
+_HASHES_MAX = 4096
+
+
 def signature_hash(signature: Optional[Signature]) -> int:
     """32-bit hash of ``signature``'s words (0 for ``None``): what the CUDA low-latency kernels carry in their count
     messages, where a whole signature does not fit."""
     if signature is None:
         return 0
+    key = (signature.method, signature.refused, signature.fields)
+    try:
+        cached = _HASHES.get(key)
+    except TypeError:  # a field value that cannot be a dict key
+        return _crc(signature)
+    if cached is None:
+        if len(_HASHES) >= _HASHES_MAX:
+            _HASHES.clear()
+        cached = _HASHES[key] = _crc(signature)
+    return cached
+
+
+def _crc(signature: Signature) -> int:
     return zlib.crc32(struct.pack(f"<{SIGNATURE_WORDS}q", *signature.values()))
 
 
