@@ -206,7 +206,7 @@ def measure_point(rank: int, world: int, args, buf, tokens: int, flush: torch.Te
 
 def run_rank(rank: int, world: int, port: int, args, results) -> None:
     try:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # ranks may share a GPU (MPS)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         import deep_ep
         import deep_ep.testing
